@@ -1,0 +1,193 @@
+"""The public Python API: LLM, SamplingParams, SpecPolicy, GenerationResult."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from .config import ModelConfig, SamplingParams, SpecPolicy
+from .errors import CheckpointError, SpecfireError
+from .model import loader
+from .model.qwen35 import MtpHead, Qwen35Trunk
+from .runtime.engine import Engine, GenerationResult, StreamChunk
+from .runtime.trunk import LocalTrunk
+from .tokenizer import Tokenizer
+
+log = logging.getLogger("specfire")
+
+BUNDLED_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bundled")
+KV_DTYPES = ("auto", "bf16", "fp32", "q8")
+
+__all__ = ["LLM", "SamplingParams", "SpecPolicy", "GenerationResult", "StreamChunk"]
+
+
+def resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"dtype must be one of {', '.join(names)}, got {dtype!r}")
+    return names[dtype]
+
+
+def resolve_device(device: Any) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not a valid torch device") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    return dev
+
+
+def load_local(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, want_mtp: str,
+               mtp_path: str | None = None, progress: bool = True) -> tuple[Qwen35Trunk, MtpHead | None]:
+    """Build the trunk (and the MTP head, by `want_mtp`: 'never' | 'must' | 'if_present') on one device."""
+    src = loader.open_checkpoint(path)
+    with torch.device("meta"):
+        trunk = Qwen35Trunk(cfg)
+    tied = "lm_head.weight" not in src
+    if tied != cfg.tie_word_embeddings:
+        log.info("config says tie_word_embeddings=%s but the checkpoint %s lm_head.weight; following the "
+                 "checkpoint", cfg.tie_word_embeddings, "lacks" if tied else "has")
+        from dataclasses import replace
+        cfg = replace(cfg, tie_word_embeddings=tied)
+        with torch.device("meta"):
+            trunk = Qwen35Trunk(cfg)
+    loader.load_module(trunk, src, "", dtype=dtype, device=device, progress=progress, what="trunk")
+    head = None
+    if want_mtp != "never":
+        msrc = loader.mtp_source(path, src, mtp_path)
+        if msrc is None:
+            if want_mtp == "must":
+                raise CheckpointError(f"spec mode 'mtp' needs an MTP head, but {path} has no mtp.* tensors "
+                                      f"and no {loader.MTP_SIDECAR} beside it")
+        else:
+            with torch.device("meta"):
+                head = MtpHead(cfg)
+            loader.load_module(head, msrc, "mtp.", dtype=dtype, device=device, what="MTP head")
+            log.info("MTP head loaded from %s", msrc.file_of("mtp.fc.weight"))
+    return trunk, head
+
+
+class LLM:
+    """A loaded model ready to generate. Use as a context manager or call close()."""
+
+    def __init__(self, model: str | None = None, tp: int = 1, device: Any = None, dtype: Any = None,
+                 kv_dtype: str = "auto", max_seq_len: int | None = None, spec: SpecPolicy | dict | str | None = None,
+                 mtp_path: str | None = None, progress: bool = True):
+        self.spec = SpecPolicy.coerce(spec)
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tp must be a positive integer, got {tp!r}")
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+        if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 2):
+            raise ValueError(f"max_seq_len must be an integer >= 2, got {max_seq_len!r}")
+        self.path = os.path.abspath(model) if model is not None else BUNDLED_MODEL
+        if model is None and not os.path.exists(os.path.join(self.path, "config.json")):
+            raise CheckpointError(f"the bundled model is missing from {self.path}; pass a checkpoint path")
+        if not os.path.isdir(self.path):
+            raise CheckpointError(f"model path {self.path} is not a directory")
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.cfg = ModelConfig.from_dir(self.path)
+        self.tp = tp
+        want_mtp = {"off": "never", "mtp": "must"}.get(self.spec.mode, "if_present")
+        self.max_seq_len = max_seq_len or min(self.cfg.max_position_embeddings,
+                                              32768 if self.device.type == "cuda" else 8192)
+        kvd = {"auto": self.dtype, "bf16": torch.bfloat16, "fp32": torch.float32, "q8": None}[kv_dtype]
+        if kvd is None:
+            raise SpecfireError("kv_dtype 'q8' needs the Q8 KV-cache kernels, which this build does not have yet")
+        self.kv_dtype = kvd
+        self.tokenizer = Tokenizer(self.path) if os.path.exists(os.path.join(self.path, "tokenizer.json")) else None
+        eos = set(self.cfg.eos_token_ids)
+        if self.tokenizer is not None:
+            eos.update(self.tokenizer.eos_ids)
+        self.eos_ids = eos
+        if tp == 1:
+            model_, head = load_local(self.path, self.cfg, self.dtype, self.device, want_mtp, mtp_path, progress)
+            self.cfg = model_.cfg
+            trunk = LocalTrunk(model_, self.max_seq_len, kvd)
+            self.engine = Engine(trunk, self.tokenizer, eos, head, kvd)
+        else:
+            from .dist import build_mesh_engine  # the tensor-parallel mesh
+            self.engine = build_mesh_engine(self, want_mtp=want_mtp, mtp_path=mtp_path)
+        self._closed = False
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def close(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self.engine.trunk.close()
+        self.engine = None  # type: ignore[assignment]
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if getattr(self, "_closed", True):
+            raise SpecfireError("this LLM has been closed")
+
+    @property
+    def mtp_loaded(self) -> bool:
+        return self.engine.mtp_loaded
+
+    # ---- requests ------------------------------------------------------------------------------
+    def _ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise SpecfireError(f"{self.path} has no tokenizer.json; pass token ids instead of text")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        return list(prompt)
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+               spec: SpecPolicy | dict | str | None = None) -> Iterator[StreamChunk]:
+        """Yield StreamChunk(text, token_ids); the last chunk carries `result`."""
+        self._check_open()
+        sp = params if params is not None else SamplingParams()
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(sp).__name__}")
+        policy = SpecPolicy.coerce(spec, self.spec)
+        return self.engine.stream(self._ids(prompt), sp, policy)
+
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                 spec: SpecPolicy | dict | str | None = None) -> GenerationResult:
+        res = None
+        for chunk in self.stream(prompt, params, spec):
+            res = chunk.result
+        assert res is not None
+        return res
+
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
+             spec: SpecPolicy | dict | str | None = None) -> GenerationResult:
+        return self.generate(self.render_chat(messages), params, spec)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        if self.tokenizer is None:
+            raise SpecfireError(f"{self.path} has no tokenizer; chat needs one")
+        return self.tokenizer.render_chat(messages)
+
+    def score(self, ids: Sequence[int]) -> torch.Tensor:
+        """float32 logits [T, vocab] for every position of `ids`."""
+        self._check_open()
+        ids = self._ids(ids)
+        self.engine.check_prompt(ids)
+        dev = getattr(self.engine.trunk, "device", torch.device("cpu"))
+        return self.engine.trunk.score(torch.tensor(ids, device=dev))

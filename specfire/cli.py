@@ -1,0 +1,157 @@
+"""`specfire run | info | serve | daemon | bench | quantize | train`.
+
+Errors caused by the user's input print one line to stderr and exit non-zero, no traceback."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any, Callable
+
+from .config import SamplingParams, SpecPolicy, SPEC_MODES
+from .errors import SpecfireError
+
+
+def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> None:
+    if positional:
+        p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the bundled model)")
+    else:
+        p.add_argument("--model", "-m", default=None, help="checkpoint directory (default: the bundled model)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--kv-dtype", default="auto", help="auto | bf16 | fp32 | q8")
+    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--spec", default="auto", choices=SPEC_MODES, help="speculation mode")
+    p.add_argument("--spec-k", type=int, default=3, help="draft length k (1..10)")
+    p.add_argument("--mtp-path", default=None, help="MTP head sidecar safetensors (default: in or beside the checkpoint)")
+
+
+def _load(args: argparse.Namespace):
+    from .api import LLM
+
+    return LLM(args.model, tp=args.tp, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
+               max_seq_len=args.max_seq_len, spec=SpecPolicy(mode=args.spec, k=args.spec_k),
+               mtp_path=args.mtp_path, progress=sys.stderr.isatty())
+
+
+# ---- run ----------------------------------------------------------------------------------------
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    _add_model_args(p)
+    p.add_argument("--prompt", "-p", default=None, help="prompt text (default: read stdin)")
+    p.add_argument("-n", "--max-tokens", type=int, default=128)
+    p.add_argument("-t", "--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
+
+
+def _run(args: argparse.Namespace) -> int:
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                        top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop)
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt:
+        raise SpecfireError("empty prompt: pass --prompt TEXT or pipe text on stdin")
+    with _load(args) as llm:
+        if args.chat:
+            prompt = llm.render_chat([{"role": "user", "content": prompt}])
+        res = None
+        for chunk in llm.stream(prompt, sp):
+            if not args.json and chunk.text:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+            res = chunk.result
+        assert res is not None
+        st = res.stats
+        if args.json:
+            print(json.dumps({"text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason,
+                              "stats": st}))
+        else:
+            sys.stdout.write("\n")
+        spec = ""
+        if st["route"] != "ar":
+            spec = f", {st['route']} k={st['k']} mean_accept_len {st['mean_accept_len']:.2f}"
+        print(f"[specfire] {st['prompt_tokens']} prompt + {st['generated_tokens']} generated tokens, "
+              f"prefill {st['prefill_tok_s']:.1f} tok/s, decode {st['decode_tok_s']:.1f} tok/s, "
+              f"route {st['route']}{spec} ({st['route_reason']})", file=sys.stderr)
+    return 0
+
+
+# ---- info ---------------------------------------------------------------------------------------
+
+def _info_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the bundled model)")
+    p.add_argument("--json", action="store_true")
+
+
+def _info(args: argparse.Namespace) -> int:
+    from .info import describe, format_info
+
+    d = describe(args.model)
+    print(json.dumps(d, indent=2) if args.json else format_info(d))
+    return 0
+
+
+# ---- dispatch -----------------------------------------------------------------------------------
+
+def _lazy(module: str, fn: str) -> Callable[[argparse.Namespace], int]:
+    def call(args: argparse.Namespace) -> int:
+        import importlib
+
+        return getattr(importlib.import_module(module, __package__), fn)(args)
+    return call
+
+
+def _lazy_args(module: str, fn: str) -> Callable[[argparse.ArgumentParser], None]:
+    def add(p: argparse.ArgumentParser) -> None:
+        import importlib
+
+        getattr(importlib.import_module(module, __package__), fn)(p)
+    return add
+
+
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "run": ("generate text from a prompt", _run_args, _run),
+    "info": ("describe a checkpoint", _info_args, _info),
+}
+
+
+def register(name: str, help_: str, module: str) -> None:
+    """Subcommands implemented elsewhere: `module` has add_arguments(parser) and main(args) -> int."""
+    COMMANDS[name] = (help_, _lazy_args(module, "add_arguments"), _lazy(module, "main"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="specfire", description="Qwen3.5 inference with lossless MTP speculation")
+    ap.add_argument("-v", "--verbose", action="store_true", help="log to stderr")
+    sub = ap.add_subparsers(dest="command", required=True)
+    for name, (help_, add, _) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_)
+        try:
+            add(p)
+        except ImportError:
+            pass
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="[specfire] %(message)s", stream=sys.stderr)
+    try:
+        return COMMANDS[args.command][2](args)
+    except (SpecfireError, ValueError, FileNotFoundError) as e:
+        print(f"specfire: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""Typed configuration: the model's geometry (from HF config.json), sampling and speculation policies.
+
+Every dataclass validates at construction; errors name the field, the value and what is allowed.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from .errors import ConfigError
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Geometry of a Qwen3.5 / Qwen3.6 dense text trunk (the vision tower is ignored)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int = 4
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    max_position_embeddings: int = 262144
+    tie_word_embeddings: bool = False
+    mtp_num_hidden_layers: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "qwen3_5_text"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_conv_kernel_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"config field '{name}' must be a positive integer, got {v!r}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(f"config field 'layer_types' has {len(self.layer_types)} entries but "
+                              f"num_hidden_layers is {self.num_hidden_layers}")
+        for i, t in enumerate(self.layer_types):
+            if t not in (LINEAR, FULL):
+                raise ConfigError(f"config field 'layer_types[{i}]' is {t!r}; allowed: {LINEAR!r}, {FULL!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                              f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError(f"linear_num_value_heads ({self.linear_num_value_heads}) is not a multiple of "
+                              f"linear_num_key_heads ({self.linear_num_key_heads})")
+        if not (0.0 < self.partial_rotary_factor <= 1.0) or self.rotary_dim % 2:
+            raise ConfigError(f"partial_rotary_factor {self.partial_rotary_factor} gives rotary dim "
+                              f"{self.rotary_dim}; it must be even and in (0, head_dim]")
+
+    # ---- derived geometry -------------------------------------------------------------------
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def n_linear(self) -> int:
+        return sum(t == LINEAR for t in self.layer_types)
+
+    @property
+    def n_full(self) -> int:
+        return sum(t == FULL for t in self.layer_types)
+
+    # ---- parsing --------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        """Parse either shape of config.json: multimodal (`qwen3_5`, text under `text_config`) or text-only."""
+        mt = raw.get("model_type")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(f"unsupported model_type {mt!r}; specfire serves {', '.join(SUPPORTED_MODEL_TYPES)}")
+        top = raw
+        if mt == "qwen3_5":
+            if not isinstance(raw.get("text_config"), dict):
+                raise ConfigError("config.json with model_type 'qwen3_5' has no 'text_config' object")
+            raw = raw["text_config"]
+
+        def req(name: str) -> Any:
+            if name not in raw or raw[name] is None:
+                raise ConfigError(f"config.json is missing required field '{name}'")
+            return raw[name]
+
+        n_layers = req("num_hidden_layers")
+        layer_types = raw.get("layer_types")
+        if layer_types is None:
+            interval = raw.get("full_attention_interval", 4)
+            layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers)]
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"config field 'rope_parameters' must be an object, got {rope!r}")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "mrope", None):
+            raise ConfigError(f"unsupported rope_type {rope_type!r} in 'rope_parameters'; only default rotary")
+        theta = rope.get("rope_theta", raw.get("rope_theta", 10_000_000.0))
+        prf = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25))
+        eos = raw.get("eos_token_id", top.get("eos_token_id"))
+        tie = top.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+        return cls(
+            vocab_size=req("vocab_size"),
+            hidden_size=req("hidden_size"),
+            intermediate_size=req("intermediate_size"),
+            num_hidden_layers=n_layers,
+            layer_types=tuple(layer_types),
+            num_attention_heads=req("num_attention_heads"),
+            num_key_value_heads=req("num_key_value_heads"),
+            head_dim=raw.get("head_dim") or req("hidden_size") // req("num_attention_heads"),
+            linear_num_key_heads=req("linear_num_key_heads"),
+            linear_num_value_heads=req("linear_num_value_heads"),
+            linear_key_head_dim=req("linear_key_head_dim"),
+            linear_value_head_dim=req("linear_value_head_dim"),
+            linear_conv_kernel_dim=raw.get("linear_conv_kernel_dim", 4),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            partial_rotary_factor=float(prf),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 262144)),
+            tie_word_embeddings=bool(tie),
+            mtp_num_hidden_layers=int(raw.get("mtp_num_hidden_layers", 0) or 0),
+            eos_token_ids=_as_ids(eos),
+            model_type=mt,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str) -> "ModelConfig":
+        """Read config.json plus eos ids from generation_config.json beside it."""
+        cfg_path = os.path.join(path, "config.json")
+        raw = _read_json(cfg_path)
+        cfg = cls.from_dict(raw)
+        gen_path = os.path.join(path, "generation_config.json")
+        eos = list(cfg.eos_token_ids)
+        if os.path.exists(gen_path):
+            for i in _as_ids(_read_json(gen_path).get("eos_token_id")):
+                if i not in eos:
+                    eos.append(i)
+        if tuple(eos) != cfg.eos_token_ids:
+            cfg = _replace(cfg, eos_token_ids=tuple(eos))
+        return cfg
+
+    def to_hf_text_dict(self) -> dict[str, Any]:
+        """A `qwen3_5_text` config.json body (used by the trainer and the quantizer)."""
+        return {
+            "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"],
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+            "layer_types": list(self.layer_types), "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "linear_num_key_heads": self.linear_num_key_heads,
+            "linear_num_value_heads": self.linear_num_value_heads,
+            "linear_key_head_dim": self.linear_key_head_dim,
+            "linear_value_head_dim": self.linear_value_head_dim,
+            "linear_conv_kernel_dim": self.linear_conv_kernel_dim, "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps, "attention_bias": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
+                                "partial_rotary_factor": self.partial_rotary_factor},
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "mtp_num_hidden_layers": self.mtp_num_hidden_layers,
+            "eos_token_id": list(self.eos_token_ids) or None,
+        }
+
+
+def _replace(cfg: ModelConfig, **kw: Any) -> ModelConfig:
+    from dataclasses import replace
+    return replace(cfg, **kw)
+
+
+def _as_ids(v: Any) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    if isinstance(v, int):
+        return (v,)
+    return tuple(int(x) for x in v)
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.exists(path):
+        raise ConfigError(f"{path} not found")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    return data
+
+
+# ---------------------------------------------------------------------------------------------
+# Request-level policies
+# ---------------------------------------------------------------------------------------------
+
+def _check_number(name: str, v: Any, lo: float | None = None, hi: float | None = None,
+                  lo_open: bool = False, integer: bool = False) -> None:
+    ok_type = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if isinstance(v, bool) or not ok_type or (not integer and not math.isfinite(v)):
+        kind = "an integer" if integer else "a finite number"
+        raise ValueError(f"{name} must be {kind}, got {v!r}")
+    if lo is not None and (v <= lo if lo_open else v < lo):
+        raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {v!r}")
+    if hi is not None and v > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {v!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. temperature 0 means greedy; top_k 0 means no top-k truncation."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: Sequence[str] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _check_number("max_tokens", self.max_tokens, lo=1, integer=True)
+        _check_number("temperature", self.temperature, lo=0.0)
+        _check_number("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+        _check_number("top_k", self.top_k, lo=0, integer=True)
+        _check_number("min_p", self.min_p, lo=0.0, hi=1.0)
+        if self.seed is not None:
+            _check_number("seed", self.seed, lo=0, integer=True)
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+SPEC_MODES = ("off", "auto", "mtp", "ngram")
+MAX_SPEC_K = 10
+
+
+@dataclass(frozen=True)
+class SpecPolicy:
+    """The speculation policy: mode off|auto|mtp|ngram and draft length k (1..10)."""
+
+    mode: str = "auto"
+    k: int = 3
+
+    def __post_init__(self) -> None:
+        if self.mode not in SPEC_MODES:
+            raise ValueError(f"spec.mode must be one of {', '.join(SPEC_MODES)}, got {self.mode!r}")
+        _check_number("spec.k", self.k, lo=1, hi=MAX_SPEC_K, integer=True)
+
+    @classmethod
+    def coerce(cls, v: "SpecPolicy | dict[str, Any] | str | None", default: "SpecPolicy | None" = None) -> "SpecPolicy":
+        """Accept a SpecPolicy, a dict {'mode', 'k'} or a mode string; None gives `default`."""
+        if v is None:
+            return default if default is not None else cls()
+        if isinstance(v, SpecPolicy):
+            return v
+        if isinstance(v, str):
+            return cls(mode=v, k=(default or cls()).k)
+        if isinstance(v, dict):
+            unknown = set(v) - {"mode", "k"}
+            if unknown:
+                raise ValueError(f"spec has unknown field(s) {sorted(unknown)}; allowed: mode, k")
+            base = default or cls()
+            return cls(mode=v.get("mode", base.mode), k=v.get("k", base.k))
+        raise ValueError(f"spec must be a SpecPolicy, a dict or a mode string, got {type(v).__name__}")

@@ -1,0 +1,13 @@
+"""User-facing errors: one clear line naming what is wrong; the CLI prints them without a traceback."""
+
+
+class SpecfireError(Exception):
+    """Base class for errors caused by the user's input (a path, a checkpoint, a parameter)."""
+
+
+class CheckpointError(SpecfireError):
+    """The checkpoint directory, its config or its tensors are missing, malformed or unusable."""
+
+
+class ConfigError(CheckpointError):
+    """config.json is missing a field, has a wrong value, or names an unsupported model."""

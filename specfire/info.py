@@ -1,0 +1,69 @@
+"""`specfire info`: what a checkpoint is, without loading its weights."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .config import FULL, ModelConfig
+from .model import loader
+
+
+def describe(path: str | None) -> dict[str, Any]:
+    from .api import BUNDLED_MODEL
+
+    path = os.path.abspath(path) if path else BUNDLED_MODEL
+    cfg = ModelConfig.from_dir(path)
+    src = loader.open_checkpoint(path)
+    trunk = [n for n in src.names() if not n.startswith("mtp.")]
+    n_params = 0
+    for n in trunk:
+        s = 1
+        for d in src.shape(n):
+            s *= d
+        n_params += s
+    msrc = loader.mtp_source(path, src)
+    mtp_params = 0
+    if msrc is not None:
+        for n in msrc.names():
+            if n.startswith("mtp."):
+                s = 1
+                for d in msrc.shape(n):
+                    s *= d
+                mtp_params += s
+    heads = [cfg.num_attention_heads, cfg.linear_num_key_heads, cfg.linear_num_value_heads]
+    degrees = [d for d in range(1, 65) if all(h % d == 0 for h in heads[1:]) and cfg.num_attention_heads % d == 0]
+    return {
+        "path": path, "model_type": cfg.model_type, "layers": cfg.num_hidden_layers,
+        "gated_deltanet_layers": cfg.n_linear, "full_attention_layers": cfg.n_full,
+        "layer_types": ["A" if t == FULL else "L" for t in cfg.layer_types],
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size,
+        "attention": {"heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
+                      "head_dim": cfg.head_dim, "rotary_dim": cfg.rotary_dim},
+        "gated_deltanet": {"key_heads": cfg.linear_num_key_heads, "value_heads": cfg.linear_num_value_heads,
+                           "key_dim": cfg.linear_key_head_dim, "value_dim": cfg.linear_value_head_dim,
+                           "conv_kernel": cfg.linear_conv_kernel_dim},
+        "tied_embeddings": "lm_head.weight" not in src,
+        "parameters": n_params, "mtp_head": msrc is not None, "mtp_parameters": mtp_params,
+        "memory_bytes": {"float32": 4 * (n_params + mtp_params), "bfloat16": 2 * (n_params + mtp_params)},
+        "tp_degrees": degrees,
+    }
+
+
+def format_info(d: dict[str, Any]) -> str:
+    gib = 1024 ** 3
+    a, g = d["attention"], d["gated_deltanet"]
+    lines = [
+        f"model        {d['path']} ({d['model_type']})",
+        f"layers       {d['layers']}: {d['gated_deltanet_layers']} Gated DeltaNet + {d['full_attention_layers']} "
+        f"full attention  [{''.join(d['layer_types'])}]",
+        f"hidden       {d['hidden_size']}, MLP {d['intermediate_size']}, vocab {d['vocab_size']}, "
+        f"{'tied' if d['tied_embeddings'] else 'untied'} lm_head",
+        f"attention    {a['heads']} q heads / {a['kv_heads']} kv heads x {a['head_dim']} (rotary {a['rotary_dim']})",
+        f"deltanet     {g['key_heads']} key heads x {g['key_dim']}, {g['value_heads']} value heads x {g['value_dim']}, "
+        f"conv {g['conv_kernel']}",
+        f"parameters   {d['parameters'] / 1e6:.2f} M trunk" +
+        (f" + {d['mtp_parameters'] / 1e6:.2f} M MTP head" if d["mtp_head"] else " (no MTP head)"),
+        "memory       " + ", ".join(f"{k} {v / gib:.3f} GiB" for k, v in d["memory_bytes"].items()),
+        f"tp degrees   {', '.join(map(str, d['tp_degrees']))}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+from .qwen35 import Qwen35Trunk, MtpHead, SequenceState  # noqa: F401

@@ -1,0 +1,181 @@
+"""Reading HF safetensors checkpoints (single file or sharded), memory-mapped.
+
+Names are normalised to the trunk's own (`model.language_model.` / `model.` stripped), the vision
+tower is skipped, `mtp.*` is kept apart for the MTP head. Every problem is one CheckpointError
+line naming the file, the tensor and what was expected.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Iterable
+
+import torch
+from safetensors import safe_open
+
+from ..errors import CheckpointError
+
+USABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SKIP_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.")
+MTP_SIDECAR = "mtp.safetensors"
+
+
+def normalise_name(name: str) -> str | None:
+    """HF name -> trunk-relative name, `mtp.`-prefixed for the head, None to skip."""
+    if name.startswith(SKIP_PREFIXES):
+        return None
+    if name.startswith("mtp."):
+        return name
+    for p in ("model.language_model.", "model."):
+        if name.startswith(p):
+            return name[len(p):]
+    if name == "lm_head.weight":
+        return name
+    return "?" + name  # unknown: reported by the caller
+
+
+class TensorSource:
+    """Lazy, memory-mapped access to every tensor of one or more safetensors files."""
+
+    def __init__(self, files: Iterable[str]):
+        self._where: dict[str, str] = {}     # normalised name -> file
+        self._raw: dict[str, str] = {}       # normalised name -> name in file
+        self._handles: dict[str, object] = {}
+        for f in files:
+            h = self._open(f)
+            for raw in h.keys():
+                n = normalise_name(raw)
+                if n is None:
+                    continue
+                self._where[n] = f
+                self._raw[n] = raw
+
+    def _open(self, f: str):
+        if f not in self._handles:
+            if not os.path.exists(f):
+                raise CheckpointError(f"weight file {f} not found")
+            try:
+                self._handles[f] = safe_open(f, framework="pt", device="cpu")
+            except Exception as e:  # safetensors raises its own error types for corrupt headers
+                raise CheckpointError(f"cannot read {f}: it is truncated or not a safetensors file ({e})") from None
+        return self._handles[f]
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def file_of(self, name: str) -> str:
+        return self._where[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._open(self._where[name]).get_slice(self._raw[name]).get_shape())
+
+    def get(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The tensor (or a slice of it, reading only those bytes)."""
+        f = self._where[name]
+        try:
+            if index is None:
+                t = self._open(f).get_tensor(self._raw[name])
+            else:
+                t = self._open(f).get_slice(self._raw[name])[index]
+        except Exception as e:
+            raise CheckpointError(f"cannot read tensor '{self._raw[name]}' from {f}: the file is truncated "
+                                  f"or corrupt ({e})") from None
+        if t.dtype not in USABLE_DTYPES:
+            raise CheckpointError(f"tensor '{self._raw[name]}' in {f} has dtype {t.dtype}; specfire reads "
+                                  f"float32, bfloat16 or float16")
+        return t
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The safetensors files of a checkpoint directory (single file or sharded with an index)."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"model path {path} is not a directory")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                wm = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} is malformed: {e}") from None
+        files = sorted({os.path.join(path, v) for v in wm.values()})
+        for f in files:
+            if not os.path.exists(f):
+                raise CheckpointError(f"shard {os.path.basename(f)} listed in {index} is missing")
+        return files
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+def open_checkpoint(path: str) -> TensorSource:
+    files = checkpoint_files(path)
+    src = TensorSource(files)
+    unknown = sorted(n[1:] for n in src.names() if n.startswith("?"))
+    if unknown:
+        raise CheckpointError(f"unexpected tensor '{unknown[0]}' in {path} (not a Qwen3.5 trunk, MTP or vision "
+                              f"tensor){' and ' + str(len(unknown) - 1) + ' more' if len(unknown) > 1 else ''}")
+    return src
+
+
+def mtp_source(path: str, src: TensorSource, sidecar: str | None = None) -> TensorSource | None:
+    """Where the MTP head's tensors are: an explicit sidecar path, the checkpoint itself, or
+    `mtp.safetensors` beside it. None when there is no head."""
+    if sidecar is not None:
+        return TensorSource([sidecar])
+    if any(n.startswith("mtp.") for n in src.names()):
+        return src
+    side = os.path.join(path, MTP_SIDECAR)
+    if os.path.exists(side):
+        return TensorSource([side])
+    return None
+
+
+Fetch = Callable[[TensorSource, str, torch.nn.Parameter], torch.Tensor]
+
+
+def full_fetch(src: TensorSource, name: str, param: torch.nn.Parameter) -> torch.Tensor:
+    """Read a whole tensor; the default (one device). A mesh passes its own slicing fetch."""
+    return src.get(name)
+
+
+def load_module(module: torch.nn.Module, src: TensorSource, prefix: str, *, dtype: torch.dtype,
+                device: torch.device, fetch: Fetch = full_fetch, strict_unexpected: bool = True,
+                progress: bool = False, what: str = "weights") -> None:
+    """Fill every parameter of `module` from `src` (names `prefix + param_name`), checking
+    presence, shape and dtype; with `strict_unexpected`, tensors under `prefix` that the module
+    does not have are an error."""
+    params = dict(module.named_parameters())
+    want = {prefix + k: p for k, p in params.items()}
+    if strict_unexpected:
+        for n in src.names():
+            if n.startswith("?") or n.startswith("mtp.") != prefix.startswith("mtp."):
+                continue
+            if n.startswith(prefix) and n not in want:
+                raise CheckpointError(f"unexpected tensor '{n}' in checkpoint (the {what} has no such parameter)")
+    for n in want:
+        if n not in src:
+            raise CheckpointError(f"missing tensor '{n}' for the {what}")
+    items = list(want.items())
+    bar = None
+    if progress:
+        try:
+            from tqdm import tqdm
+            bar = tqdm(total=len(items), desc=f"loading {what}", unit="tensor", leave=False)
+        except ImportError:
+            bar = None
+    for n, p in items:
+        t = fetch(src, n, p)
+        if tuple(t.shape) != tuple(p.shape):
+            raise CheckpointError(f"tensor '{n}' has shape {list(t.shape)}, expected {list(p.shape)} "
+                                  f"(file {os.path.basename(src.file_of(n))})")
+        owner, _, attr = (n[len(prefix):]).rpartition(".")
+        sub = module.get_submodule(owner) if owner else module
+        setattr(sub, attr, torch.nn.Parameter(t.to(device=device, dtype=dtype).contiguous(), requires_grad=False))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()

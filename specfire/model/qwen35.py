@@ -1,0 +1,328 @@
+"""The Qwen3.5 / Qwen3.6 dense text trunk and its MTP head, for batch-1 inference.
+
+Two forward modes share the weights and the math:
+* "prefill": many rows at once (GEMM, chunked Gated DeltaNet, batched causal attention); the live
+  recurrent state is advanced in place.
+* "rows": a few rows (decode = 1 row, verify = k+1 rows), computed row-invariantly so row r equals
+  what a one-row decode at that position computes, bit for bit on the CPU. The live recurrent
+  state is left untouched; the state and conv window after every row are kept in the sequence
+  state (per-row capture) and `SequenceState.commit(n)` installs those of row n.
+
+Parameter names follow the HF checkpoint (without the `model.language_model.` prefix), so loading
+is a rename. Shapes are noted as [T, ...] for T rows of one sequence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..config import FULL, LINEAR, ModelConfig
+from ..ops import attention as attn_ops
+from ..ops import gdn as gdn_ops
+from ..ops import norm as norm_ops
+from ..ops.linear import linear
+from ..ops.rope import apply_rope, rope_cos_sin
+
+
+class Linear(nn.Module):
+    """A bias-free projection holding `weight` [out, in]; the matmul goes through ops.linear."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, rows: bool) -> torch.Tensor:
+        return linear(x, self.weight, rows)
+
+
+class RMSNorm(nn.Module):
+    """Zero-centred RMSNorm (scale 1 + w)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return norm_ops.rms_norm(x, self.weight, self.eps)
+
+
+class GatedRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return norm_ops.gated_rms_norm(x, z, self.weight, self.eps)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, rows: bool) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x, rows)) * self.up_proj(x, rows), rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-sequence state
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class LayerCache:
+    """State of one layer for one sequence. Attention: k, v [max_seq, n_kv, D]. GDN: conv window
+    [K-1, conv_dim] and recurrent state [Hv, dk, dv], both float32, plus the per-row capture of
+    the last rows-mode forward (conv `full` [K-1+R, C] and states [R, Hv, dk, dv])."""
+
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    conv: torch.Tensor | None = None
+    rec: torch.Tensor | None = None
+    cap_conv: torch.Tensor | None = None
+    cap_rec: torch.Tensor | None = None
+
+
+@dataclass
+class SequenceState:
+    """Everything one sequence carries between forwards. Attention rows are addressed by position,
+    so rollback of attention is free; GDN layers roll back through the per-row capture."""
+
+    layers: list[LayerCache] = field(default_factory=list)
+    max_seq: int = 0
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, n_layers_types: tuple[str, ...], max_seq: int,
+                 device: torch.device, kv_dtype: torch.dtype,
+                 n_kv: int | None = None, n_v_heads: int | None = None, conv_dim: int | None = None) -> "SequenceState":
+        n_kv = n_kv if n_kv is not None else cfg.num_key_value_heads
+        hv = n_v_heads if n_v_heads is not None else cfg.linear_num_value_heads
+        cd = conv_dim if conv_dim is not None else cfg.conv_dim
+        layers = []
+        for t in n_layers_types:
+            if t == FULL:
+                layers.append(LayerCache(
+                    k=torch.zeros(max_seq, n_kv, cfg.head_dim, device=device, dtype=kv_dtype),
+                    v=torch.zeros(max_seq, n_kv, cfg.head_dim, device=device, dtype=kv_dtype)))
+            else:
+                layers.append(LayerCache(
+                    conv=torch.zeros(cfg.linear_conv_kernel_dim - 1, cd, device=device, dtype=torch.float32),
+                    rec=torch.zeros(hv, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                                    device=device, dtype=torch.float32)))
+        return cls(layers=layers, max_seq=max_seq)
+
+    def reset(self) -> None:
+        """Start a new sequence: zero the recurrent state. KV rows need no clearing (reads are
+        bounded by position)."""
+        for lc in self.layers:
+            if lc.rec is not None:
+                lc.rec.zero_()
+                lc.conv.zero_()
+                lc.cap_conv = lc.cap_rec = None
+
+    def commit(self, n: int) -> None:
+        """Make the recurrent state that after row n of the last rows-mode forward."""
+        for lc in self.layers:
+            if lc.rec is None:
+                continue
+            if lc.cap_rec is None:
+                raise RuntimeError("commit() without a preceding rows-mode forward")
+            kk = lc.conv.shape[0] + 1
+            lc.rec.copy_(lc.cap_rec[n])
+            lc.conv.copy_(lc.cap_conv[n + 1:n + kk])
+            lc.cap_conv = lc.cap_rec = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixers
+# ---------------------------------------------------------------------------------------------
+
+class GatedAttention(nn.Module):
+    """Full attention with an output gate (interleaved per head in q_proj), q/k norms, partial rotary."""
+
+    def __init__(self, cfg: ModelConfig, n_heads: int | None = None, n_kv: int | None = None):
+        super().__init__()
+        self.n_heads = n_heads if n_heads is not None else cfg.num_attention_heads
+        self.n_kv = n_kv if n_kv is not None else cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        h = cfg.hidden_size
+        self.q_proj = Linear(h, self.n_heads * self.head_dim * 2)
+        self.k_proj = Linear(h, self.n_kv * self.head_dim)
+        self.v_proj = Linear(h, self.n_kv * self.head_dim)
+        self.o_proj = Linear(self.n_heads * self.head_dim, h)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, pos0: int, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                lc: LayerCache, rows: bool) -> torch.Tensor:
+        t = x.shape[0]
+        d = self.head_dim
+        qg = self.q_proj(x, rows).view(t, self.n_heads, 2 * d)        # [T, Hq, 2D]
+        q, gate = qg[..., :d], qg[..., d:]
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x, rows).view(t, self.n_kv, d))
+        v = self.v_proj(x, rows).view(t, self.n_kv, d)
+        cos, sin = cos_sin
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        lc.k[pos0:pos0 + t] = k.to(lc.k.dtype)
+        lc.v[pos0:pos0 + t] = v.to(lc.v.dtype)
+        fn = attn_ops.attention_rows if rows else attn_ops.attention_prefill
+        o = fn(q, lc.k, lc.v, pos0, self.scale).to(x.dtype)            # [T, Hq, D]
+        o = o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+        return self.o_proj(o, rows)
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention with the gated delta rule (see ops/gdn.py for the recurrence)."""
+
+    def __init__(self, cfg: ModelConfig, n_k_heads: int | None = None, n_v_heads: int | None = None):
+        super().__init__()
+        self.hk = n_k_heads if n_k_heads is not None else cfg.linear_num_key_heads
+        self.hv = n_v_heads if n_v_heads is not None else cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        h = cfg.hidden_size
+        self.in_proj_qkv = Linear(h, self.conv_dim)
+        self.in_proj_z = Linear(h, self.value_dim)
+        self.in_proj_b = Linear(h, self.hv)
+        self.in_proj_a = Linear(h, self.hv)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, cfg.linear_conv_kernel_dim), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.hv), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(self.hv), requires_grad=False)
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = Linear(self.value_dim, h)
+
+    def forward(self, x: torch.Tensor, lc: LayerCache, rows: bool) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.in_proj_qkv(x, rows)                                 # [T, conv_dim]
+        z = self.in_proj_z(x, rows).view(t, self.hv, self.dv)
+        b = self.in_proj_b(x, rows)
+        a = self.in_proj_a(x, rows)
+        conv_out, full = gdn_ops.conv_window(qkv.float(), lc.conv, self.conv1d.weight[:, 0, :])
+        q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(t, self.hk, self.dk)
+        k = k.reshape(t, self.hk, self.dk)
+        v = v.reshape(t, self.hv, self.dv)
+        beta = torch.sigmoid(b.float())
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6) * (self.dk ** -0.5)
+        k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
+        rep = self.hv // self.hk
+        if rep > 1:  # value head j reads key head j // rep
+            q = q.repeat_interleave(rep, dim=1)
+            k = k.repeat_interleave(rep, dim=1)
+        if rows:
+            o, caps = gdn_ops.gdn_rows(q, k, v, g, beta, lc.rec, capture=True)
+            lc.cap_rec, lc.cap_conv = caps, full
+        else:
+            o, s = gdn_ops.gdn_chunked(q, k, v, g, beta, lc.rec)
+            lc.rec.copy_(s)
+            lc.conv.copy_(full[-lc.conv.shape[0]:])
+        o = self.norm(o.to(x.dtype), z)                                 # [T, Hv, dv]
+        return self.out_proj(o.reshape(t, self.value_dim), rows)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, kind: str, **shard):
+        super().__init__()
+        self.kind = kind
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if kind == FULL:
+            self.self_attn = GatedAttention(cfg, shard.get("n_heads"), shard.get("n_kv"))
+        else:
+            self.linear_attn = GatedDeltaNet(cfg, shard.get("n_k_heads"), shard.get("n_v_heads"))
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, pos0: int, cos_sin, lc: LayerCache, rows: bool) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.kind == FULL:
+            h = self.self_attn(h, pos0, cos_sin, lc, rows)
+        else:
+            h = self.linear_attn(h, lc, rows)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x), rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# Trunk and MTP head
+# ---------------------------------------------------------------------------------------------
+
+class Qwen35Trunk(nn.Module):
+    """Embedding, decoder layers, final norm and lm_head (tied to the embedding when absent)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+
+    @property
+    def lm_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def new_state(self, max_seq: int, kv_dtype: torch.dtype) -> SequenceState:
+        dev = self.embed_tokens.weight.device
+        return SequenceState.allocate(self.cfg, self.cfg.layer_types, max_seq, dev, kv_dtype)
+
+    def logits(self, h: torch.Tensor, rows: bool) -> torch.Tensor:
+        """h [T, H] post-norm -> float32 logits [T, V]."""
+        return linear(h, self.lm_weight, rows).float()
+
+    def forward(self, ids: torch.Tensor, pos0: int, state: SequenceState, rows: bool,
+                logits: str = "all") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids [T] at positions pos0.. -> (post-norm hidden [T, H], float32 logits [T or 1, V] or None)."""
+        x = self.embed_tokens(ids)
+        t = ids.shape[0]
+        pos = torch.arange(pos0, pos0 + t, device=ids.device)
+        cos_sin = rope_cos_sin(pos, self.cfg.rotary_dim, self.cfg.rope_theta)
+        for layer, lc in zip(self.layers, state.layers):
+            x = layer(x, pos0, cos_sin, lc, rows)
+        h = self.norm(x)
+        if logits == "none":
+            return h, None
+        hl = h if logits == "all" else h[-1:]
+        return h, self.logits(hl, rows)
+
+
+class MtpHead(nn.Module):
+    """The multi-token-prediction head (15 tensors): from the trunk's post-norm hidden at p and the
+    token at p+1, predict the token at p+2 through one gated-attention decoder layer (own KV cache)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.fc = Linear(2 * h, h)
+        self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, FULL)])
+
+    def new_state(self, max_seq: int, kv_dtype: torch.dtype) -> SequenceState:
+        return SequenceState.allocate(self.cfg, (FULL,), max_seq, self.fc.weight.device, kv_dtype)
+
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, pos0: int, state: SequenceState,
+                rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """emb [R, H] embeddings of tokens at p+1, hidden [R, H] at p (positions pos0..) ->
+        (pre-norm block output [R, H], post-norm output [R, H] that the lm_head scores)."""
+        x = torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1)
+        x = self.fc(x, rows)
+        t = x.shape[0]
+        pos = torch.arange(pos0, pos0 + t, device=x.device)
+        cos_sin = rope_cos_sin(pos, self.cfg.rotary_dim, self.cfg.rope_theta)
+        x = self.layers[0](x, pos0, cos_sin, state.layers[0], rows)
+        return x, self.norm(x)

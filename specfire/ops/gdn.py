@@ -1,0 +1,95 @@
+"""Gated DeltaNet: causal depthwise conv1d and the gated delta rule, in two forms.
+
+Shapes: q, k [T, Hv, dk] (key heads already mapped to value heads, L2-normalised, q scaled),
+v [T, Hv, dv], g (log decay) and beta [T, Hv], state S [Hv, dk, dv]; all float32.
+Per row t:  S = exp(g_t) S;  u = S^T k_t;  S += k_t (beta_t (v_t - u))^T;  o_t = S^T q_t.
+
+* `gdn_rows_ref`: the recurrence row by row. Used for decode and verify; optionally returns the
+  state after every row (per-row capture, which makes rollback a copy of one slot).
+* `gdn_chunked_ref`: the chunked (WY) form of the same recurrence for prefill. Within a chunk of C
+  rows with cumulative log decay G, the corrected values delta solve the unit lower-triangular
+  system (I + A) delta = beta*v - beta*exp(G)*(K S0), A[t,s] = beta_t exp(G_t-G_s) k_t.k_s (s < t);
+  then o = exp(G) (Q S0) + (Q K^T * D) delta and S1 = exp(G_C) S0 + (K * exp(G_C - G))^T delta.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def conv_window_ref(x: torch.Tensor, window: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise conv + SiLU. x [T, C] inputs, window [K-1, C] previous inputs, w [C, K].
+
+    Returns (out [T, C] float32, full [K-1+T, C]); the window after row n is full[n+1 : n+K].
+    Each output is an explicit chain over the K taps, so a row's value never depends on T.
+    """
+    kk = w.shape[1]
+    t = x.shape[0]
+    full = torch.cat([window.to(x.dtype), x], dim=0)
+    wf = w.float()
+    acc = full[0:t].float() * wf[:, 0]
+    for j in range(1, kk):
+        acc = acc + full[j:j + t].float() * wf[:, j]
+    return torch.nn.functional.silu(acc), full
+
+
+def gdn_rows_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 state: torch.Tensor, capture: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-by-row recurrence. Returns (o [T, Hv, dv], states): states is [T, Hv, dk, dv] (state
+    after each row) if `capture`, else the final state [Hv, dk, dv]. `state` is not modified."""
+    s = state
+    outs, caps = [], []
+    decay = torch.exp(g)
+    for t in range(q.shape[0]):
+        s = s * decay[t][:, None, None]
+        u = torch.bmm(k[t].unsqueeze(1), s).squeeze(1)             # [Hv, dv]
+        delta = beta[t][:, None] * (v[t] - u)
+        s = s + k[t].unsqueeze(2) * delta.unsqueeze(1)              # [Hv, dk, dv]
+        outs.append(torch.bmm(q[t].unsqueeze(1), s).squeeze(1))
+        if capture:
+            caps.append(s)
+    o = torch.stack(outs)
+    return o, (torch.stack(caps) if capture else s)
+
+
+def gdn_chunked_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked form for prefill. Same contract as gdn_rows_ref without capture."""
+    t_len, h, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-t_len) % chunk
+    n = (t_len + pad) // chunk
+
+    def blocks(x: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [H, N, C, ...]
+        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, 0, 0, pad)) if x.dim() > 2 else \
+            torch.nn.functional.pad(x, (0, 0, 0, pad))
+        return x.reshape(n, chunk, *x.shape[1:]).movedim(2, 0)
+
+    qb, kb, vb = blocks(q), blocks(k), blocks(v)                    # [H, N, C, d]
+    gb, bb = blocks(g), blocks(beta)                                # [H, N, C]
+    G = gb.cumsum(-1)
+    idx = torch.arange(chunk, device=q.device)
+    incl = idx[:, None] >= idx[None, :]                             # s <= t
+    diff = (G[..., :, None] - G[..., None, :]).masked_fill(~incl, float("-inf"))
+    D = diff.exp()                                                  # [H, N, C, C]
+    kk = kb @ kb.transpose(-1, -2)
+    A = (bb[..., :, None] * kk * D).masked_fill(idx[:, None] <= idx[None, :], 0.0)  # strictly lower
+    eye = torch.eye(chunk, device=q.device, dtype=q.dtype)
+    L = A + eye
+    Wv = torch.linalg.solve_triangular(L, bb[..., None] * vb, upper=False, unitriangular=True)
+    Uk = torch.linalg.solve_triangular(L, (bb * G.exp())[..., None] * kb, upper=False, unitriangular=True)
+    QK = (qb @ kb.transpose(-1, -2)) * D
+    decay_to_end = (G[..., -1:] - G).exp()                          # [H, N, C]
+    s = state
+    outs = []
+    for c in range(n):
+        delta = Wv[:, c] - Uk[:, c] @ s                             # [H, C, dv]
+        o = G[:, c].exp()[..., None] * (qb[:, c] @ s) + QK[:, c] @ delta
+        outs.append(o)
+        s = G[:, c, -1].exp()[:, None, None] * s + (kb[:, c] * decay_to_end[:, c, :, None]).transpose(-1, -2) @ delta
+    o = torch.stack(outs, dim=1).reshape(h, n * chunk, dv)[:, :t_len].transpose(0, 1)
+    return o.contiguous(), s
+
+
+gdn_rows = gdn_rows_ref
+gdn_chunked = gdn_chunked_ref
+conv_window = conv_window_ref

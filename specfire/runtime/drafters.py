@@ -1,0 +1,126 @@
+"""Drafters: propose k tokens (and, when sampling, the distribution each was drawn from).
+
+Interface: `begin(prompt, hidden)` at the start of a sequence; `propose(last, pos, k, sp, gen)`
+where `last` is the newest token (at position `pos`, not yet seen by the trunk); `commit(out,
+hidden)` after accept, with the emitted tokens and the trunk's hidden rows for them.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..config import SamplingParams
+from ..model.qwen35 import MtpHead
+from .sampling import probs, sample
+from .trunk import Trunk
+
+
+class Drafter(Protocol):
+    name: str
+
+    def begin(self, prompt: torch.Tensor, hidden: torch.Tensor) -> None: ...
+    def propose(self, last: int, pos: int, k: int, sp: SamplingParams,
+                gen: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]: ...
+    def commit(self, out: list[int], hidden: torch.Tensor) -> None: ...
+
+
+class MtpDrafter:
+    """The model's own MTP head, chained k times.
+
+    Step 1 at position pos-1 takes the trunk's post-norm hidden there and the newest token; later
+    steps feed the head its own output (`feed`: "post" = after mtp.norm, "pre" = before) and its
+    previous draft, one position further. Before step 1 it catches its KV cache up with the rows
+    the trunk committed last cycle (their true hidden states and tokens), in the same forward.
+    """
+
+    name = "mtp"
+
+    def __init__(self, head: MtpHead, trunk: Trunk, max_seq: int, kv_dtype: torch.dtype, feed: str = "post"):
+        if feed not in ("post", "pre"):
+            raise ValueError(f"feed must be 'post' or 'pre', got {feed!r}")
+        self.head, self.trunk, self.feed = head, trunk, feed
+        self.state = head.new_state(max_seq, kv_dtype)
+        self._hidden: torch.Tensor | None = None   # trunk hidden rows not yet fed to the head
+        self._tokens: list[int] = []               # tokens following those rows (all but the last)
+        self._pos0 = 0
+
+    @torch.inference_mode()
+    def begin(self, prompt: torch.Tensor, hidden: torch.Tensor) -> None:
+        t = prompt.shape[0]
+        if t > 1:  # rows 0..t-2: (h_p, x_{p+1})
+            emb = self.trunk.embed(prompt[1:])
+            self.head(emb, hidden[:-1], 0, self.state, rows=False)
+        self._hidden, self._tokens, self._pos0 = hidden[-1:], [], t - 1
+
+    @torch.inference_mode()
+    def propose(self, last: int, pos: int, k: int, sp: SamplingParams,
+                gen: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
+        if k <= 0:
+            return [], None
+        dev = self._hidden.device
+        toks = torch.tensor(self._tokens + [last], device=dev)
+        pre, post = self.head(self.trunk.embed(toks), self._hidden, self._pos0, self.state, rows=True)
+        p = self._pos0 + toks.shape[0] - 1                                   # position of the last row
+        h_pre, h_post = pre[-1:], post[-1:]
+        drafts: list[int] = []
+        qs = []
+        for step in range(k):
+            logits = self.trunk.lm_logits(h_post)
+            if sp.greedy:
+                tok = int(logits.argmax(-1))
+            else:
+                q = probs(logits, sp)
+                tok = int(sample(q, gen))
+                qs.append(q[0])
+            drafts.append(tok)
+            if step + 1 == k:
+                break
+            p += 1
+            fed = h_post if self.feed == "post" else h_pre
+            h_pre, h_post = self.head(self.trunk.embed(torch.tensor([tok], device=dev)), fed, p, self.state, rows=True)
+        return drafts, (torch.stack(qs) if qs else None)
+
+    def commit(self, out: list[int], hidden: torch.Tensor) -> None:
+        # rows of the trunk at positions pos..pos+n, followed by tokens out[0..n]
+        self._pos0 = self._pos0 + self._hidden.shape[0]
+        self._hidden, self._tokens = hidden, list(out[:-1])
+
+
+class NgramDrafter:
+    """Prompt lookup: find the most recent earlier occurrence of the longest suffix n-gram
+    (n from n_max down to n_min) and propose the tokens that followed it. No model."""
+
+    name = "ngram"
+
+    def __init__(self, n_min: int = 1, n_max: int = 4):
+        if not (1 <= n_min <= n_max):
+            raise ValueError(f"ngram sizes need 1 <= n_min <= n_max, got {n_min}, {n_max}")
+        self.n_min, self.n_max = n_min, n_max
+        self.tokens: list[int] = []
+        self._last: int | None = None
+
+    def begin(self, prompt: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.tokens = prompt.tolist()
+        self._last = None
+
+    def propose(self, last: int, pos: int, k: int, sp: SamplingParams,
+                gen: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
+        self._last = last
+        if k <= 0:
+            return [], None
+        ctx = self.tokens + [last]
+        L = len(ctx)
+        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+            pat = ctx[L - n:]
+            for i in range(L - n - 1, -1, -1):
+                if ctx[i:i + n] == pat:
+                    follow = ctx[i + n:i + n + k]
+                    if follow:
+                        return follow, None
+        return [], None
+
+    def commit(self, out: list[int], hidden: torch.Tensor) -> None:
+        if self._last is not None:
+            self.tokens.append(self._last)
+        self.tokens.extend(out[:-1])

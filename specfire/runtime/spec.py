@@ -1,0 +1,97 @@
+"""The one speculative step and its accept rule, shared by every drafter and every topology.
+
+    draft  = drafter.propose(last, pos, k)          # k tokens (+ their distributions if sampling)
+    rows   = trunk.verify([last] + draft, pos)      # k+1 logits and hidden rows, one forward
+    n, out = accept(rows.logits, draft, q, ...)     # greedy prefix match or rejection sampling
+    trunk.commit(n)                                 # recurrent state := state after row n
+    drafter.commit(out, rows.hidden[:n+1])          # drafter catches up
+
+Plain AR decoding is this step with no drafter (k = 0): one row, n = 0, out = [the target's pick].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import SamplingParams
+from .drafters import Drafter
+from .sampling import pick, probs
+from .trunk import Trunk
+
+
+def accept(logits: torch.Tensor, draft: list[int], q: torch.Tensor | None, sp: SamplingParams,
+           gen: torch.Generator | None) -> tuple[int, list[int]]:
+    """logits [k+1, V] of the verify rows; draft [k]; q [k, V] the drafter's distributions (None
+    for a deterministic proposal such as n-gram or greedy MTP). Returns (n accepted, emitted
+    tokens = n drafts + one token from the target)."""
+    k = len(draft)
+    if sp.greedy:
+        target = logits.argmax(-1).tolist()
+        n = 0
+        while n < k and draft[n] == target[n]:
+            n += 1
+        return n, draft[:n] + [target[n]]
+    p = probs(logits, sp)                                              # [k+1, V]
+    for i, d in enumerate(draft):
+        qd = 1.0 if q is None else float(q[i, d])
+        pd = float(p[i, d])
+        u = float(torch.rand((), generator=gen, device=gen.device if gen is not None else "cpu"))
+        if qd > 0 and u < pd / qd:
+            continue
+        if q is None:
+            resid = p[i].clone()
+            resid[d] = 0.0
+        else:
+            resid = (p[i] - q[i]).clamp_min(0.0)
+        if float(resid.sum()) <= 0.0:
+            resid = p[i]
+        tok = int(torch.multinomial(resid / resid.sum(), 1, generator=gen))
+        return i, draft[:i] + [tok]
+    tok = int(pick(logits[k:], sp, gen))
+    return k, draft + [tok]
+
+
+@dataclass
+class SpecStats:
+    cycles: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_per_pos: list[int] = field(default_factory=list)
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, k: int, n: int) -> None:
+        if k == 0:
+            return
+        self.cycles += 1
+        self.drafted += k
+        self.accepted += n
+        while len(self.drafted_per_pos) < k:
+            self.drafted_per_pos.append(0)
+            self.accepted_per_pos.append(0)
+        for i in range(k):
+            self.drafted_per_pos[i] += 1
+            if i < n:
+                self.accepted_per_pos[i] += 1
+
+    @property
+    def mean_accept_len(self) -> float:
+        return 1.0 + self.accepted / self.cycles if self.cycles else 0.0
+
+    @property
+    def accept_per_pos(self) -> list[float]:
+        return [a / d for a, d in zip(self.accepted_per_pos, self.drafted_per_pos)]
+
+
+def spec_step(trunk: Trunk, drafter: Drafter | None, last: int, pos: int, k: int, sp: SamplingParams,
+              gen: torch.Generator | None, stats: SpecStats) -> list[int]:
+    """One draft -> verify -> accept -> commit cycle. Returns the emitted tokens (1..k+1)."""
+    draft, q = drafter.propose(last, pos, k, sp, gen) if drafter is not None else ([], None)
+    ids = torch.tensor([last] + draft, device=trunk.device if hasattr(trunk, "device") else None)
+    rows = trunk.verify(ids, pos)
+    n, out = accept(rows.logits, draft, q, sp, gen)
+    trunk.commit(n)
+    if drafter is not None:
+        drafter.commit(out, rows.hidden[:n + 1])
+    stats.record(len(draft), n)
+    return out

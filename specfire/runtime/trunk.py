@@ -1,0 +1,98 @@
+"""The Trunk interface (the target model wherever it runs) and the single-device trunk.
+
+Rollback choice: per-row state capture. A rows-mode forward (decode = 1 row, verify = k+1 rows)
+leaves the live Gated DeltaNet state untouched and keeps the state and conv window after every
+row; `commit(n)` copies slot n into the live state. Measured on the CPU (tests/test_spec.py and
+bench notes in docs/BENCHMARKS.md): a commit costs one state copy per GDN layer, well under 1% of
+a verify, while snapshot + replay would re-run up to k rows of every GDN layer after each partial
+accept. Memory: (k+1) states per GDN layer, e.g. 4 x 151 MB on the 27B at k = 3.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..config import ModelConfig
+from ..model.qwen35 import Qwen35Trunk, SequenceState
+
+PREFILL_PIECE = 1024  # prompt rows per prefill forward (bounds attention-score memory)
+
+
+@dataclass
+class Rows:
+    """Result of a forward over rows: float32 logits [R, V] and post-norm hidden states [R, H]."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class Trunk(Protocol):
+    """What the speculative step needs from the target model, whatever the topology."""
+
+    cfg: ModelConfig
+    max_seq: int
+
+    def begin(self) -> None: ...                                   # new sequence: reset state
+    def prefill(self, ids: torch.Tensor) -> Rows: ...              # logits of the last row, hidden of all
+    def verify(self, ids: torch.Tensor, pos: int) -> Rows: ...     # R rows at pos.., per-row capture
+    def commit(self, n: int) -> None: ...                          # state := after row n of verify
+    def score(self, ids: torch.Tensor) -> torch.Tensor: ...        # float32 logits [T, V]
+    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...        # for the MTP drafter
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor: ...      # for the MTP drafter
+    def close(self) -> None: ...
+
+
+class LocalTrunk:
+    """The trunk on one device."""
+
+    def __init__(self, model: Qwen35Trunk, max_seq: int, kv_dtype: torch.dtype):
+        self.model = model
+        self.cfg = model.cfg
+        self.max_seq = max_seq
+        self.device = model.embed_tokens.weight.device
+        self.state: SequenceState = model.new_state(max_seq, kv_dtype)
+
+    def begin(self) -> None:
+        self.state.reset()
+
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor, logits: str = "last") -> Rows:
+        hs, lg = [], []
+        for s in range(0, ids.shape[0], PREFILL_PIECE):
+            piece = ids[s:s + PREFILL_PIECE]
+            last = s + PREFILL_PIECE >= ids.shape[0]
+            h, l = self.model(piece, s, self.state, rows=False,
+                              logits="all" if logits == "all" else ("last" if last else "none"))
+            hs.append(h)
+            if l is not None:
+                lg.append(l)
+        return Rows(torch.cat(lg), torch.cat(hs))
+
+    @torch.inference_mode()
+    def verify(self, ids: torch.Tensor, pos: int) -> Rows:
+        h, l = self.model(ids, pos, self.state, rows=True, logits="all")
+        return Rows(l, h)
+
+    def commit(self, n: int) -> None:
+        self.state.commit(n)
+
+    @torch.inference_mode()
+    def score(self, ids: torch.Tensor) -> torch.Tensor:
+        self.begin()
+        return self.prefill(ids, logits="all").logits
+
+    @torch.inference_mode()
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(ids)
+
+    @torch.inference_mode()
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(h, rows=True)
+
+    def close(self) -> None:
+        self.state = None  # type: ignore[assignment]
+        self.model = None  # type: ignore[assignment]
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
