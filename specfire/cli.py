@@ -127,6 +127,13 @@ def register(name: str, help_: str, module: str) -> None:
     COMMANDS[name] = (help_, _lazy_args(module, "add_arguments"), _lazy(module, "main"))
 
 
+register("serve", "OpenAI-compatible HTTP server", ".serve.http")
+register("daemon", "JSON-lines daemon on stdin/stdout", ".serve.daemon")
+register("bench", "benchmarks (battery)", ".serve.bench")
+register("quantize", "turn an HF checkpoint into a specfire 4-bit checkpoint", ".quantize")
+register("train", "train the bundled model (needs a GPU)", ".train.cli")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="specfire", description="Qwen3.5 inference with lossless MTP speculation")
     ap.add_argument("-v", "--verbose", action="store_true", help="log to stderr")
