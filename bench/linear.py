@@ -153,9 +153,15 @@ def bench_gemv(res: dict, quick: bool) -> None:
 # ---- 4-bit ----------------------------------------------------------------------------------
 
 def q4_sweep(n: int, g: int) -> list[Q4Config]:
-    splits = (1,) if n >= 10240 else ((1, 2, 4) if g >= 128 else (1, 2))
-    ws = ((4, 4), (8, 4), (4, 6)) if g >= 128 else ((4, 4), (8, 4))
-    return [Q4Config(bn, sk, nw, ns) for bn in (64, 128, 256) for sk in splits for nw, ns in ws]
+    """Dequantising tiles of 1..4 groups (the main candidates) and the factorised form."""
+    if g >= 128:
+        splits = (1, 2) if n >= 10240 else (1, 2, 4)
+        deq = [Q4Config(bn, sk, nw, ns, gps, True) for bn in (32, 64, 128) for gps in (1, 2, 4) for sk in splits
+               for nw, ns in ((4, 4), (8, 3))]
+        fact = [Q4Config(bn, sk, 4, 4) for bn in (32, 64) for sk in (1, 4, 8)]
+        return deq + fact
+    splits = (1,) if n >= 10240 else (1, 2)
+    return [Q4Config(bn, sk, 4, 4, gps, True) for bn in (64, 128) for gps in (2, 4) for sk in splits]
 
 
 def random_q4(n: int, k: int, g: int, dev: str) -> QuantWeight:
@@ -180,7 +186,7 @@ def torch_int4(n: int, k: int, g: int, dev: str):
         return None
 
 
-def bench_q4(res: dict, quick: bool, groups=(128, 64)) -> None:
+def bench_q4(res: dict, quick: bool, groups=(128, 64), full: bool = True) -> None:
     print("\n== 4-bit dequant-GEMV: parity, row invariance (bitwise), sweep, timing vs bf16 cuBLAS / torch int4 ==")
     dev = DEV
     for g in groups:
@@ -228,7 +234,7 @@ def bench_q4(res: dict, quick: bool, groups=(128, 64)) -> None:
                               "default_cfg": base.__dict__, "best_cfg": best["cfg"], "rows": rows, "sweep": sweep})
             del qws, qw0
             torch.cuda.empty_cache()
-        if quick:
+        if not full:
             break
 
 
@@ -335,6 +341,7 @@ def bench_e2e(res: dict) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="default configs only, one group size")
+    ap.add_argument("--sweep", default="gemv,q4", help="which kernels get the config sweep (comma list)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip", default="", help="comma list of gemv,q4,quality,small,e2e")
     args = ap.parse_args()
@@ -345,7 +352,8 @@ def main() -> int:
     print(f"{res['gpu']}  torch {res['torch']}  triton {res['triton']}  ceiling {PEAK / 1e12:.2f} TB/s")
     skip = set(args.skip.split(","))
     t0 = time.time()
-    for name, fn in (("gemv", lambda r: bench_gemv(r, args.quick)), ("q4", lambda r: bench_q4(r, args.quick)),
+    for name, fn in (("gemv", lambda r: bench_gemv(r, args.quick or "gemv" not in args.sweep)),
+                     ("q4", lambda r: bench_q4(r, args.quick or "q4" not in args.sweep, full=not args.quick)),
                      ("small", bench_small), ("e2e", bench_e2e), ("quality", bench_quality)):
         if name in skip:
             continue
