@@ -153,15 +153,15 @@ def bench_gemv(res: dict, quick: bool) -> None:
 # ---- 4-bit ----------------------------------------------------------------------------------
 
 def q4_sweep(n: int, g: int) -> list[Q4Config]:
-    """Dequantising tiles of 1..4 groups (the main candidates) and the factorised form."""
+    """The factorised form with bit-trick codes (main candidates), the dequantising form, and the
+    int->float-convert variants for comparison."""
+    splits = (1, 2, 4) if n >= 10240 else (1, 2, 4, 8)
     if g >= 128:
-        splits = (1, 2) if n >= 10240 else (1, 2, 4)
-        deq = [Q4Config(bn, sk, nw, ns, gps, True) for bn in (32, 64, 128) for gps in (1, 2, 4) for sk in splits
-               for nw, ns in ((4, 4), (8, 3))]
-        fact = [Q4Config(bn, sk, 4, 4) for bn in (32, 64) for sk in (1, 4, 8)]
-        return deq + fact
-    splits = (1,) if n >= 10240 else (1, 2)
-    return [Q4Config(bn, sk, 4, 4, gps, True) for bn in (64, 128) for gps in (2, 4) for sk in splits]
+        fact = [Q4Config(bn, sk, nw, ns) for bn in (32, 64, 128) for sk in splits for nw, ns in ((4, 4), (8, 3))]
+        deq = [Q4Config(bn, sk, 4, 4, gps, True) for bn in (64, 128) for gps in (1, 2) for sk in splits[:3]]
+        plain = [Q4Config(64, sk, 4, 4, magic=False) for sk in (1, 4, 8)]
+        return fact + deq + plain
+    return [Q4Config(bn, sk, 4, 4) for bn in (64, 128) for sk in splits[:3]]
 
 
 def random_q4(n: int, k: int, g: int, dev: str) -> QuantWeight:
@@ -204,12 +204,16 @@ def bench_q4(res: dict, quick: bool, groups=(128, 64), full: bool = True) -> Non
             cands = [base] + ([] if quick else [q for q in q4_sweep(n, g) if q != base])
             for cfg in cands:
                 try:
+                    e = rel(q4_gemv(x16, qw0, cfg), ref)
+                    if not e < 1e-2:
+                        sweep.append({"cfg": cfg.__dict__, "error": f"parity {e:.2e}"})
+                        continue
                     t1 = graph_time([lambda w=w: q4_gemv(x16[:1], w, cfg) for w in qws])
                     t16 = graph_time([lambda w=w: q4_gemv(x16, w, cfg) for w in qws])
                 except Exception as e:
                     sweep.append({"cfg": cfg.__dict__, "error": type(e).__name__})
                     continue
-                sweep.append({"cfg": cfg.__dict__, "t1_us": t1 * 1e6, "t16_us": t16 * 1e6})
+                sweep.append({"cfg": cfg.__dict__, "t1_us": t1 * 1e6, "t16_us": t16 * 1e6, "rel_err": e})
             ok = [s for s in sweep if "error" not in s]
             best = min(ok, key=lambda s: s["t1_us"] + s["t16_us"])
             best_cfg = Q4Config(**best["cfg"])

@@ -67,6 +67,14 @@ def test_hadamard_weight_equivalence():
     torch.testing.assert_close(linear(x, qw, rows=True), x @ qw.effective().t(), rtol=1e-4, atol=1e-4)
 
 
+def test_bit_trick_constants():
+    """The kernel's int->float shortcuts: bf16 bits 0x4300 | q are 128 + q, and float32 bits
+    0x4B000000 | q are 2^23 + q, for every 4-bit code q."""
+    q = torch.arange(16)
+    assert torch.equal((q.to(torch.int16) | 0x4300).view(torch.bfloat16).float(), q.float() + 128)
+    assert torch.equal((q.to(torch.int32) | 0x4B000000).view(torch.float32) - 8388608.0, q.float())
+
+
 def test_pick_group():
     assert pick_group(5120, 128) == 128 and pick_group(96, 128) == 32 and pick_group(48, 128) is None
 

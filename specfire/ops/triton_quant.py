@@ -26,19 +26,22 @@ class Q4Config:
     num_stages: int = 4
     gps: int = 1          # groups per K step
     deq: bool = False     # dequantise the tile to the activation dtype (one MMA per nibble plane)
+    magic: bool = True    # bf16 activations: codes to floats by bit tricks instead of int->float converts
 
 
 def q4_config(n: int, k: int, group: int) -> Q4Config:
     """Launch configuration from the weight's shape only (never from M)."""
+    if n >= 65536:
+        return Q4Config(block_n=64, split_k=1)
     if n >= 8192:
-        return Q4Config(block_n=64, split_k=1, num_warps=4, num_stages=4, gps=2, deq=True)
-    return Q4Config(block_n=64, split_k=2, num_warps=4, num_stages=4, gps=2, deq=True)
+        return Q4Config(block_n=64, split_k=2)
+    return Q4Config(block_n=64, split_k=4)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _q4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_ym, groups_per_split,
                     BLOCK_N: tl.constexpr, G: tl.constexpr, GPS: tl.constexpr, DEQ: tl.constexpr,
-                    ROWS_: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr):
+                    MAGIC: tl.constexpr, ROWS_: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr):
     # Kernel packing (ops/quant.py): in group g, byte j of a row holds codes g*G + j (low nibble)
     # and g*G + G/2 + j (high nibble); scales / zeros are [K/G, N].
     pid_n = tl.program_id(0)
@@ -72,8 +75,14 @@ def _q4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, strid
             zg = tl.load(z_ptr + (g0 + gs)[None, :] * N + offs_n[:, None], mask=sg_ok, other=0.0)
             se = tl.reshape(tl.broadcast_to(sg.to(tl.float32)[:, :, None], (BLOCK_N, GPS, HALF)), (BLOCK_N, TILE))
             ze = tl.reshape(tl.broadcast_to(zg.to(tl.float32)[:, :, None], (BLOCK_N, GPS, HALF)), (BLOCK_N, TILE))
-            wl = ((qb & 15).to(tl.float32) * se + ze).to(xe.dtype)
-            wh = ((qb >> 4).to(tl.float32) * se + ze).to(xe.dtype)
+            if MAGIC:  # float bits 0x4B000000 | q are 2^23 + q: one logic op and one add, no I2F
+                cl = ((qb & 15).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                ch = ((qb >> 4).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            else:
+                cl = (qb & 15).to(tl.float32)
+                ch = (qb >> 4).to(tl.float32)
+            wl = (cl * se + ze).to(xe.dtype)
+            wh = (ch * se + ze).to(xe.dtype)
             if IEEE:
                 acc = tl.dot(wl, tl.trans(xe), acc, input_precision="ieee")
                 acc = tl.dot(wh, tl.trans(xo), acc, input_precision="ieee")
@@ -82,8 +91,12 @@ def _q4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, strid
                 acc = tl.dot(wh, tl.trans(xo), acc)
         else:
             # codes are exact in the activation dtype: MMA on codes, then the affine map per group
-            lo = (qb & 15).to(xe.dtype)
-            hi = (qb >> 4).to(xe.dtype)
+            if MAGIC:  # bf16 bits 0x4300 | q are 128 + q: codes without int->float converts
+                lo = ((qb & 15).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
+                hi = ((qb >> 4).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
+            else:
+                lo = (qb & 15).to(xe.dtype)
+                hi = (qb >> 4).to(xe.dtype)
             if IEEE:
                 t = tl.dot(lo, tl.trans(xe), input_precision="ieee")
                 t = tl.dot(hi, tl.trans(xo), t, input_precision="ieee")
@@ -93,6 +106,8 @@ def _q4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, strid
             xs = tl.sum(xe.to(tl.float32), axis=1) + tl.sum(xo.to(tl.float32), axis=1)
             s = tl.load(s_ptr + g0 * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g0 * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            if MAGIC:  # t holds sum (128 + q) x: take the 128 sum(x) back out through the zero term
+                z = z - 128.0 * s
             acc += s[:, None] * t + z[:, None] * xs[None, :]
     out_mask = n_mask[:, None] & m_mask[None, :]
     if not PARTIAL:
@@ -124,7 +139,8 @@ def q4_gemv(x: torch.Tensor, qw, cfg: Q4Config | None = None) -> torch.Tensor:
     out = y if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     _q4_gemv_kernel[grid](x, qw.qweight, qw.scales_t, qw.zeros_t, out, m, n, k, x.stride(0),
                           y.stride(0) if split == 1 else n, per,
-                          BLOCK_N=cfg.block_n, G=g, GPS=gps, DEQ=cfg.deq, ROWS_=ROWS, PARTIAL=split > 1,
+                          BLOCK_N=cfg.block_n, G=g, GPS=gps, DEQ=cfg.deq,
+                          MAGIC=cfg.magic and x.dtype == torch.bfloat16, ROWS_=ROWS, PARTIAL=split > 1,
                           IEEE=ieee,
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
