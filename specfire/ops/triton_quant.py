@@ -30,11 +30,13 @@ class Q4Config:
 
 
 def q4_config(n: int, k: int, group: int) -> Q4Config:
-    """Launch configuration from the weight's shape only (never from M)."""
+    """Launch configuration from the weight's shape only (never from M). Picked by the sweep in
+    bench/linear.py on the H200: the factorised form with bit-trick codes, 64-row tiles, and
+    split-K for all but the lm_head (the kernel is issue-bound, so more CTAs help)."""
     if n >= 65536:
         return Q4Config(block_n=64, split_k=1)
-    if n >= 8192:
-        return Q4Config(block_n=64, split_k=2)
+    if k >= 12288 and group >= 128:
+        return Q4Config(block_n=64, split_k=8)
     return Q4Config(block_n=64, split_k=4)
 
 
