@@ -281,6 +281,8 @@ class SamplingParams:
         _check_number("min_p", self.min_p, lo=0.0, hi=1.0)
         if self.seed is not None:
             _check_number("seed", self.seed, lo=0, integer=True)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)
