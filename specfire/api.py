@@ -122,7 +122,13 @@ class LLM:
             trunk = LocalTrunk(model_, self.max_seq_len, kvd)
             self.engine = Engine(trunk, self.tokenizer, eos, head, kvd)
         else:
-            from .dist import build_mesh_engine  # the tensor-parallel mesh
+            try:
+                from .dist import build_mesh_engine  # the tensor-parallel mesh
+            except ModuleNotFoundError as e:
+                if e.name != f"{__package__}.dist":
+                    raise
+                raise SpecfireError(f"tp={tp} needs the tensor-parallel mesh (specfire.dist), which this build "
+                                    f"does not have; use tp=1") from None
             self.engine = build_mesh_engine(self, want_mtp=want_mtp, mtp_path=mtp_path)
         self._closed = False
 

@@ -5,6 +5,7 @@ import os
 from typing import Any
 
 from .config import FULL, ModelConfig
+from .errors import CheckpointError
 from .model import loader
 
 
@@ -12,6 +13,9 @@ def describe(path: str | None) -> dict[str, Any]:
     from .api import BUNDLED_MODEL
 
     path = os.path.abspath(path) if path else BUNDLED_MODEL
+    if not os.path.isdir(path):
+        raise CheckpointError(f"model path {path} is not a directory" if path != BUNDLED_MODEL else
+                              f"the bundled model is missing from {path}; pass a checkpoint path")
     cfg = ModelConfig.from_dir(path)
     src = loader.open_checkpoint(path)
     trunk = [n for n in src.names() if not n.startswith("mtp.")]

@@ -197,3 +197,28 @@ def test_generation_stops_at_max_seq_len(tok_path):
     with LLM(tok_path, device="cpu", spec="off", max_seq_len=12, progress=False) as llm:
         res = llm.generate(list(range(10)), SamplingParams(max_tokens=50, ignore_eos=True))
         assert res.finish_reason == "length" and len(res.token_ids) == 2
+
+
+# ---- bad requests leave the LLM usable --------------------------------------------------------------
+
+def test_failed_requests_leave_llm_usable(llm):
+    sp = SamplingParams(max_tokens=12, temperature=0.8, seed=4, ignore_eos=True)
+    before = llm.generate("Hello, world", sp)
+    vocab = llm.cfg.vocab_size
+    bad = [([1, vocab, 2], rf"token id {vocab} is out of range \[0, {vocab}\)"),
+           ([-1], r"token id -1 is out of range"), ([1, 2.0], r"token id 2\.0 is not an integer"), ([], r"prompt is empty"),
+           ([1] * llm.max_seq_len, rf"prompt has {llm.max_seq_len} tokens; max_seq_len is {llm.max_seq_len}"),
+           (123, r"prompt must be a string or a list of token ids")]
+    for prompt, pattern in bad:
+        with pytest.raises(ValueError, match=pattern):
+            llm.generate(prompt, sp)
+        with pytest.raises(ValueError, match=pattern):
+            llm.score(prompt)
+    with pytest.raises(ValueError, match="params must be SamplingParams"):
+        llm.generate([1, 2], {"max_tokens": 3})
+    # a stream abandoned half-way
+    it = llm.stream("Hello, world", SamplingParams(max_tokens=30, temperature=1.0, seed=9, ignore_eos=True))
+    next(it), next(it)
+    del it
+    after = llm.generate("Hello, world", sp)
+    assert after.token_ids == before.token_ids and after.text == before.text

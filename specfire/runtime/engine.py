@@ -59,9 +59,11 @@ class Engine:
         vocab = self.trunk.cfg.vocab_size
         if len(ids) == 0:
             raise ValueError("prompt is empty: give at least one token")
-        bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool) or not (0 <= i < vocab)]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is out of range [0, {vocab})")
+        for i in ids:
+            if not isinstance(i, int) or isinstance(i, bool):
+                raise ValueError(f"prompt token id {i!r} is not an integer")
+            if not 0 <= i < vocab:
+                raise ValueError(f"prompt token id {i!r} is out of range [0, {vocab})")
         if len(ids) >= self.trunk.max_seq:
             raise ValueError(f"prompt has {len(ids)} tokens; max_seq_len is {self.trunk.max_seq} "
                              f"(room for at least one generated token is needed)")
