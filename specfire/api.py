@@ -105,6 +105,9 @@ class LLM:
         self.cfg = ModelConfig.from_dir(self.path)
         self.tp = tp
         want_mtp = {"off": "never", "mtp": "must"}.get(self.spec.mode, "if_present")
+        if max_seq_len is not None and max_seq_len > self.cfg.max_position_embeddings:
+            raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
+                             f"{self.cfg.max_position_embeddings}")
         self.max_seq_len = max_seq_len or min(self.cfg.max_position_embeddings,
                                               32768 if self.device.type == "cuda" else 8192)
         kvd = {"auto": self.dtype, "bf16": torch.bfloat16, "fp32": torch.float32, "q8": None}[kv_dtype]

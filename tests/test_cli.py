@@ -160,6 +160,7 @@ BAD_ARGS = [
     (["--kv-dtype", "fp8"], r"kv_dtype must be one of auto, bf16, fp32, q8, got 'fp8'"),
     (["--tp", "0"], r"tp must be a positive integer, got 0"),
     (["--max-seq-len", "1"], r"max_seq_len must be an integer >= 2, got 1"),
+    (["--max-seq-len", "5000"], r"max_seq_len 5000 exceeds the model's max_position_embeddings 4096"),
     (["--max-seq-len", "3"], r"prompt has \d+ tokens; max_seq_len is 3"),
     (["--mtp-path", "/nonexistent/mtp.safetensors", "--spec", "mtp"], r"/nonexistent/mtp\.safetensors not found"),
     (["--stop", ""], r"stop must be"),

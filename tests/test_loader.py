@@ -89,6 +89,9 @@ DAMAGE = [
      r"tensor 'mtp\.fc\.weight' has shape \[64, 64\], expected \[64, 128\]"),
     ("int32-tensor", lambda p: _edit_tensors(p, lambda t: t.update({TENSOR: t[TENSOR].to(torch.int32)})),
      r"'model\.layers\.0\.mlp\.up_proj\.weight'.*dtype .*int32"),
+    ("fp8-scales", lambda p: _edit_tensors(p, lambda t: t.update(
+        {"model.layers.0.mlp.up_proj.weight_scale_inv": torch.ones(1, 1)})),
+     r"FP8-quantized checkpoint \(tensor 'layers\.0\.mlp\.up_proj\.weight_scale_inv'\)"),
     ("truncated", _truncate, r"truncated|corrupt"),
     ("corrupt-header", _corrupt_header, r"truncated|corrupt|not a safetensors"),
     ("huge-header", _huge_header_len, r"truncated|corrupt|not a safetensors"),
