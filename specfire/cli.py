@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 import traceback
-from typing import Any, Callable, NoReturn
+from typing import Callable, NoReturn
 
 from .config import SamplingParams, SpecPolicy, SPEC_MODES
 from .errors import SpecfireError

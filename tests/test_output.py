@@ -206,7 +206,8 @@ def test_failed_requests_leave_llm_usable(llm):
     before = llm.generate("Hello, world", sp)
     vocab = llm.cfg.vocab_size
     bad = [([1, vocab, 2], rf"token id {vocab} is out of range \[0, {vocab}\)"),
-           ([-1], r"token id -1 is out of range"), ([1, 2.0], r"token id 2\.0 is not an integer"), ([], r"prompt is empty"),
+           ([-1], r"token id -1 is out of range"), ([1, 2.0], r"token id 2\.0 is not an integer"),
+           ([], r"prompt is empty"),
            ([1] * llm.max_seq_len, rf"prompt has {llm.max_seq_len} tokens; max_seq_len is {llm.max_seq_len}"),
            (123, r"prompt must be a string or a list of token ids")]
     for prompt, pattern in bad:

@@ -62,7 +62,8 @@ def test_multibyte_characters_are_split_across_tokens(tok):
     assert tok.decode(ids) == MULTI
 
 
-@pytest.mark.parametrize("text", [MULTI, "🙂", "中", "é🙂x", "plain ascii only", "🎉🎉🎉中文中文", "a\u00e9\u0301b"])
+@pytest.mark.parametrize("text", [MULTI, "🙂", "中", "é🙂x", "plain ascii only", "🎉🎉🎉中文中文",
+                                  "a\u00e9\u0301b"])
 def test_streaming_never_emits_half_a_character(tok, text):
     """After each token exactly the complete characters so far are out: no U+FFFD, no delay."""
     table = byte_decoder()
