@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -84,7 +85,9 @@ class LLM:
 
     def __init__(self, model: str | None = None, tp: int = 1, device: Any = None, dtype: Any = None,
                  kv_dtype: str = "auto", max_seq_len: int | None = None, spec: SpecPolicy | dict | str | None = None,
-                 mtp_path: str | None = None, progress: bool = True):
+                 mtp_path: str | None = None, progress: bool | None = None):
+        if progress is None:  # a loading bar only where someone watches a terminal
+            progress = sys.stderr.isatty()
         self.spec = SpecPolicy.coerce(spec)
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tp must be a positive integer, got {tp!r}")
