@@ -23,6 +23,7 @@ from ..config import FULL, LINEAR, ModelConfig
 from ..ops import attention as attn_ops
 from ..ops import gdn as gdn_ops
 from ..ops import norm as norm_ops
+from ..ops.act import silu_mul
 from ..ops.linear import linear
 from ..ops.rope import apply_rope, rope_cos_sin
 
@@ -68,7 +69,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, rows: bool) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x, rows)) * self.up_proj(x, rows), rows)
+        return self.down_proj(silu_mul(self.gate_proj(x, rows), self.up_proj(x, rows)), rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,8 +251,9 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(h, pos0, cos_sin, lc, rows)
         else:
             h = self.linear_attn(h, lc, rows)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x), rows)
+        post = self.post_attention_layernorm
+        x, h = norm_ops.add_rms_norm(x, h, post.weight, post.eps)       # x += h; h = norm(x)
+        return x + self.mlp(h, rows)
 
 
 # ---------------------------------------------------------------------------------------------
