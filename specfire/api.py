@@ -12,6 +12,7 @@ from .config import ModelConfig, SamplingParams, SpecPolicy
 from .errors import CheckpointError, SpecfireError
 from .model import loader
 from .model.qwen35 import MtpHead, Qwen35Trunk
+from .ops.attention import Q8_KV
 from .runtime.engine import Engine, GenerationResult, StreamChunk
 from .runtime.trunk import LocalTrunk
 from .tokenizer import Tokenizer
@@ -107,9 +108,7 @@ class LLM:
         want_mtp = {"off": "never", "mtp": "must"}.get(self.spec.mode, "if_present")
         self.max_seq_len = max_seq_len or min(self.cfg.max_position_embeddings,
                                               32768 if self.device.type == "cuda" else 8192)
-        kvd = {"auto": self.dtype, "bf16": torch.bfloat16, "fp32": torch.float32, "q8": None}[kv_dtype]
-        if kvd is None:
-            raise SpecfireError("kv_dtype 'q8' needs the Q8 KV-cache kernels, which this build does not have yet")
+        kvd = {"auto": self.dtype, "bf16": torch.bfloat16, "fp32": torch.float32, "q8": Q8_KV}[kv_dtype]
         self.kv_dtype = kvd
         self.tokenizer = Tokenizer(self.path) if os.path.exists(os.path.join(self.path, "tokenizer.json")) else None
         eos = set(self.cfg.eos_token_ids)
