@@ -118,10 +118,17 @@ def test_info(ckpt_cache):
         assert d["memory_bytes"]["bfloat16"] * 2 == d["memory_bytes"]["float32"] == 4 * (n + d["mtp_parameters"])
         assert d["tied_embeddings"] == cfg.tie_word_embeddings
         assert 1 in d["tp_degrees"] and all(cfg.num_attention_heads % t == 0 for t in d["tp_degrees"])
+        # per-sequence sizes agree with the state the engine really allocates
+        with LLM(path, device="cpu", dtype="float32", spec="off", max_seq_len=64, progress=False) as llm:
+            st = llm.engine.trunk.state.layers
+            kv = sum(lc.k.nbytes + lc.v.nbytes for lc in st if lc.k is not None)
+            rec = sum(lc.rec.nbytes + lc.conv.nbytes for lc in st if lc.rec is not None)
+        assert d["kv_bytes_per_token"]["float32"] * 64 == kv and d["recurrent_state_bytes"] == rec
         text = specfire("info", path)
         assert text.returncode == 0
         assert "".join(d["layer_types"]) in text.stdout and "MTP head" in text.stdout
-        assert f"{n / 1e6:.2f} M" in text.stdout and "GiB" in text.stdout and "tp degrees" in text.stdout
+        assert f"{n / 1e6:.2f} M" in text.stdout and "KiB" in text.stdout and "tp degrees" in text.stdout
+        assert "per token" in text.stdout
 
 
 def test_info_without_mtp(ckpt_cache, capsys):
