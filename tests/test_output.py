@@ -7,6 +7,7 @@ import os
 import random
 
 import pytest
+import torch
 
 from ckpts import copy_checkpoint, tiny
 from specfire import LLM, SamplingParams
@@ -223,3 +224,18 @@ def test_failed_requests_leave_llm_usable(llm):
     del it
     after = llm.generate("Hello, world", sp)
     assert after.token_ids == before.token_ids and after.text == before.text
+
+
+def test_defaults_and_close(tok_path):
+    from specfire import SpecfireError
+
+    llm = LLM(tok_path, spec="off", progress=False)            # no GPU here: cpu and float32
+    assert llm.device.type == "cpu" and llm.dtype == llm.kv_dtype == torch.float32
+    res = llm.generate("Hi", SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(res.token_ids) == 3
+    llm.close()
+    llm.close()                                                  # idempotent
+    with pytest.raises(SpecfireError, match="closed"):
+        llm.generate("Hi")
+    with pytest.raises(SpecfireError, match="closed"):
+        llm.score([1, 2])
