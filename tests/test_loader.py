@@ -57,15 +57,30 @@ def _huge_header_len(path: str) -> None:
     open(st, "wb").write(bytes(data))
 
 
-def _missing_shard(path: str) -> None:
+def _shard(path: str, drop_second: bool = False) -> str:
+    """Split model.safetensors into two shards with an index; return the second shard's path."""
     st = os.path.join(path, "model.safetensors")
     tensors = load_file(st)
     names = sorted(tensors)
+    second = os.path.join(path, "model-00002-of-00002.safetensors")
     save_file({n: tensors[n] for n in names[::2]}, os.path.join(path, "model-00001-of-00002.safetensors"))
+    if not drop_second:
+        save_file({n: tensors[n] for n in names[1::2]}, second)
     wm = {n: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, n in enumerate(names)}
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"weight_map": wm}, f)
     os.remove(st)
+    return second
+
+
+def _missing_shard(path: str) -> None:
+    _shard(path, drop_second=True)
+
+
+def _truncated_shard(path: str) -> None:
+    second = _shard(path)
+    with open(second, "r+b") as f:
+        f.truncate(os.path.getsize(second) - 100)
 
 
 def _bad_index(path: str) -> None:
@@ -98,6 +113,7 @@ DAMAGE = [
     ("no-weights", lambda p: os.remove(os.path.join(p, "model.safetensors")),
      r"no model\.safetensors or model\.safetensors\.index\.json"),
     ("missing-shard", _missing_shard, r"shard model-00002-of-00002\.safetensors .* missing"),
+    ("truncated-shard", _truncated_shard, r"model-00002-of-00002\.safetensors.*truncated"),
     ("bad-index", _bad_index, r"model\.safetensors\.index\.json is malformed"),
     ("missing-config", lambda p: os.remove(os.path.join(p, "config.json")), r"config\.json not found"),
     ("config-not-json", lambda p: open(os.path.join(p, "config.json"), "w").write("{"),
