@@ -17,7 +17,7 @@ import sys
 import torch
 
 from specfire.ops import gdn as G
-from specfire.ops.gdn_kernels import BV, conv_window_triton, gdn_rows_triton
+from specfire.ops.gdn_kernels import BV, NUM_WARPS, conv_window_triton, gdn_rows_triton
 
 PEAK = 4.17e12
 ITERS = 24
@@ -81,7 +81,7 @@ def main() -> int:
     ap.add_argument("--dk", type=int, default=128)
     ap.add_argument("--dv", type=int, default=128)
     ap.add_argument("--layers", type=int, default=48, help="states rotated through while timing")
-    ap.add_argument("--variants", default=f"{BV}x4", help="comma list of bv x warps; the first is the default")
+    ap.add_argument("--variants", default=f"{BV}x{NUM_WARPS}", help="comma list of bv x warps; the first is the default")
     ap.add_argument("--json-out", default=None)
     a = ap.parse_args()
     rows = [int(x) for x in a.rows.split(",")]

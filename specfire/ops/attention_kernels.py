@@ -29,8 +29,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
                        REP: tl.constexpr, D: tl.constexpr, G: tl.constexpr, Q8: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                        PREC: tl.constexpr):
-    sid = tl.program_id(0)
-    mt = tl.program_id(1)
+    mt = tl.program_id(0)        # tiles of one span run side by side, so later tiles read the span from L2
+    sid = tl.program_id(1)
     kvh = tl.program_id(2)
     hq = tl.num_programs(2) * REP
     offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)        # pair = row * REP + head-in-group
@@ -39,6 +39,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
     m_ok = row < n_rows
     pos = pos0 + row                                     # each row's own position
     offs_d = tl.arange(0, D)
+    offs_g = tl.arange(0, D // G)
     q = tl.load(q_ptr + row[:, None] * sq_r + head[:, None] * sq_h + offs_d[None, :],
                 mask=m_ok[:, None], other=0.0)
     if PREC == "ieee":
@@ -53,15 +54,15 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
         n_ok = offs_n < hi
         kp = k_ptr + offs_n[:, None] * sk_n + kvh * sk_h + offs_d[None, :]
         vp = v_ptr + offs_n[:, None] * sv_n + kvh * sv_h + offs_d[None, :]
-        if Q8:
-            kq = tl.load(kp, mask=n_ok[:, None], other=0).to(tl.float32)
-            vq = tl.load(vp, mask=n_ok[:, None], other=0).to(tl.float32)
-            ksc = tl.load(ks_ptr + offs_n[:, None] * sks_n + kvh * sks_h + offs_d[None, :] // G,
+        if Q8:  # int8 x fp16 scale is exact in float32; one rounding to the dot dtype
+            kq = tl.reshape(tl.load(kp, mask=n_ok[:, None], other=0).to(tl.float32), (BLOCK_N, D // G, G))
+            vq = tl.reshape(tl.load(vp, mask=n_ok[:, None], other=0).to(tl.float32), (BLOCK_N, D // G, G))
+            ksc = tl.load(ks_ptr + offs_n[:, None] * sks_n + kvh * sks_h + offs_g[None, :],
                           mask=n_ok[:, None], other=0.0).to(tl.float32)
-            vsc = tl.load(vs_ptr + offs_n[:, None] * svs_n + kvh * svs_h + offs_d[None, :] // G,
+            vsc = tl.load(vs_ptr + offs_n[:, None] * svs_n + kvh * svs_h + offs_g[None, :],
                           mask=n_ok[:, None], other=0.0).to(tl.float32)
-            k = (kq * ksc).to(q.dtype)
-            v = (vq * vsc).to(q.dtype)
+            k = tl.reshape(kq * ksc[:, :, None], (BLOCK_N, D)).to(q.dtype)
+            v = tl.reshape(vq * vsc[:, :, None], (BLOCK_N, D)).to(q.dtype)
         else:
             k = tl.load(kp, mask=n_ok[:, None], other=0.0).to(q.dtype)
             v = tl.load(vp, mask=n_ok[:, None], other=0.0).to(q.dtype)
@@ -121,7 +122,7 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     ks = k_scale if q8 else k_cache
     vs = v_scale if q8 else v_cache
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    _attn_split_kernel[(n_split, n_mt, hkv)](
+    _attn_split_kernel[(n_mt, n_split, hkv)](
         q, k_cache, v_cache, ks, vs, acc, ml, pos0, r_rows, n_split, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),

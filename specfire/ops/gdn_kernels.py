@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-BV = 32  # value columns per program
+BV = 32         # value columns per program
+NUM_WARPS = 2   # measured best on the H200 for 1..8 rows (docs/BENCHMARKS.md)
 
 
 @triton.jit
@@ -50,7 +51,7 @@ def _gdn_rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, s_ptr, o_ptr, cap_ptr, n
 
 def gdn_rows_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     state: torch.Tensor, capture: bool = False, bv: int = BV,
-                    num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                    num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """Contract of gdn_rows_ref: (o [T, Hv, dv] float32, states [T, Hv, dk, dv] or final [Hv, dk, dv])."""
     t, hv, dk = k.shape
     dv = v.shape[-1]
