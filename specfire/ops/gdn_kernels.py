@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-BV = 32         # value columns per program
-NUM_WARPS = 2   # measured best on the H200 for 1..8 rows (docs/BENCHMARKS.md)
+BV = 16         # value columns per program
+NUM_WARPS = 1   # with BV = 16: measured best on the H200 for 2..16 rows (docs/BENCHMARKS.md)
 
 
 @triton.jit
