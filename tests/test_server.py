@@ -9,12 +9,11 @@ import sys
 import threading
 import time
 
+import httpx
+import openai
 import pytest
 
-openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx")
-
-from tinytok import make_tok_checkpoint  # noqa: E402
+from tinytok import make_tok_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "sk-test-key"
