@@ -131,6 +131,23 @@ def test_per_request_speculation_same_greedy_text(client):
     assert routes["off"] == "ar" and routes["mtp"] == "mtp" and routes["ngram"] == "ngram"
 
 
+def test_stop_string(client):
+    full = client.completions.create(model=NAME, prompt="Hello", max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    assert len(full) >= 8
+    stop = full[4:6]
+    cut = full[:full.find(stop)]
+    for stream in (False, True):
+        r = client.completions.create(model=NAME, prompt="Hello", max_tokens=24, temperature=0, stop=[stop],
+                                      stream=stream, extra_body={"ignore_eos": True})
+        if stream:
+            chunks = list(r)
+            text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            text, finish = r.choices[0].text, r.choices[0].finish_reason
+        assert (text, finish) == (cut, "stop")
+
+
 def test_seeded_sampling_is_reproducible(client):
     kw = dict(model=NAME, prompt="Once upon", max_tokens=12, temperature=1.0, top_p=0.9, seed=7,
               extra_body={"top_k": 50, "min_p": 0.01})
@@ -253,7 +270,16 @@ def test_metrics(server, client):
 
 
 def test_sigterm_is_clean(server):
+    """SIGTERM with a long stream in flight: the process ends promptly with status 0."""
     proc = server["proc"]
-    proc.send_signal(signal.SIGTERM)
+    body = {"prompt": "hello", "max_tokens": MAX_SEQ - 10, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server["base"] + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as r:
+        lines = r.iter_lines()
+        next(lines)
+        proc.send_signal(signal.SIGTERM)
+        rest = [ln for ln in lines if ln]
+    # the stream was ended by the server (not cut off after the grace period) and said why
+    assert rest[-1] == "data: [DONE]" and "shutting down" in rest[-2]
     assert proc.wait(timeout=30) == 0
     assert "server stopped" in proc.stdout.read()

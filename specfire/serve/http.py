@@ -51,7 +51,13 @@ def main(args: argparse.Namespace) -> int:
     app = build_app(llm, name, args.api_key, close_llm=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5, access_log=args.log_level in ("info", "debug"))
-    server = uvicorn.Server(config)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            app.state.cancel_all()  # end running and queued generations now, not after the grace period
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
     print(f"[specfire] serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     # uvicorn handles SIGINT / SIGTERM (stop accepting, end streams, run the lifespan shutdown) and then
     # re-raises the signal with the handler that was installed before it; a no-op one makes a SIGTERM
@@ -120,6 +126,7 @@ def build_app(llm: Any, model_name: str, api_key: str | None = None, close_llm: 
             log.info("engine stopped and model freed")
 
     app = FastAPI(title="specfire", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.cancel_all = lambda: state["worker"].cancel_all() if "worker" in state else None
 
     def error_response(e: RequestError) -> JSONResponse:
         metrics.http_error(e.status)
@@ -291,7 +298,10 @@ def build_app(llm: Any, model_name: str, api_key: str | None = None, close_llm: 
                         yield sse(engine_error(payload).body())
                         yield "data: [DONE]\n\n"
                         return
-                    else:  # CANCELLED (shutdown)
+                    else:  # CANCELLED: the server is shutting down (or the client already left)
+                        yield sse(RequestError("the request was cancelled: the server is shutting down", None,
+                                               503, "server_error").body())
+                        yield "data: [DONE]\n\n"
                         return
                     ev = await next_event()
             finally:

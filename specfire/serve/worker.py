@@ -52,6 +52,13 @@ class EngineWorker:
     def alive(self) -> bool:
         return self.thread.is_alive()
 
+    def cancel_all(self) -> None:
+        """Cancel the running request and every queued one (they end with a CANCELLED event)."""
+        with self.q.mutex:
+            queued = [j for j in self.q.queue if j is not None]
+        for job in queued + ([self.current] if self.current is not None else []):
+            job.cancel.set()
+
     def close(self, timeout: float | None = 30.0) -> None:
         """Cancel the running request and every queued one, then stop the thread."""
         cur = self.current
