@@ -339,11 +339,13 @@ def build_app(llm: Any, model_name: str, api_key: str | None = None, close_llm: 
         if llm.tokenizer is None:
             raise RequestError("this model has no tokenizer, so it cannot serve chat; use /v1/completions "
                                "with token ids", "messages")
+        from jinja2 import TemplateError
+
         try:
             text = llm.tokenizer.render_chat(msgs, add_generation_prompt=True, **kw)
-        except ValueError as e:
-            raise RequestError(str(e), "messages") from None
-        ids = encode_checked(llm, text, "messages")
+        except (ValueError, TypeError, TemplateError) as e:
+            raise RequestError(f"the chat template cannot render these messages: {e}", "messages") from None
+        ids = await asyncio.to_thread(encode_checked, llm, text, "messages")  # long prompts: off the loop
         sp, policy = common(body, ids, llm.engine.trunk.max_seq)
         so = body.get("stream_options") or {}
         return await run(request, ids, sp, policy, True, bool(body.get("stream")), bool(so.get("include_usage")))
@@ -353,7 +355,7 @@ def build_app(llm: Any, model_name: str, api_key: str | None = None, close_llm: 
         authorize(request)
         body = await json_body(request)
         check_model(body)
-        ids = encode_checked(llm, prompt_of(body), "prompt")
+        ids = await asyncio.to_thread(encode_checked, llm, prompt_of(body), "prompt")
         sp, policy = common(body, ids, COMPLETIONS_DEFAULT_MAX_TOKENS)
         so = body.get("stream_options") or {}
         return await run(request, ids, sp, policy, False, bool(body.get("stream")), bool(so.get("include_usage")))
