@@ -14,7 +14,8 @@ import time
 from typing import IO, Any
 
 from ..errors import CheckpointError, SpecfireError
-from .schema import RequestError, check_route, encode_checked, is_int, messages_of, prompt_of, sampling_params, spec_policy
+from .schema import (RequestError, check_route, encode_checked, is_int, messages_of, prompt_of, sampling_params,
+                     spec_policy)
 
 log = logging.getLogger("specfire")
 
