@@ -269,6 +269,20 @@ def test_metrics(server, client):
     assert _metric(server, "num_requests_running") == 0
 
 
+def test_battery_against_server(server, capsys):
+    from specfire.cli import main
+    from specfire.serve.battery import PROMPTS
+
+    rc = main(["bench", "battery", "--url", server["base"], "--api-key", KEY, "--served-model-name", NAME,
+               "-n", "6", "--identity", "--spec", "mtp", "--spec-k", "2"])
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert rc == 0 and lines[-1]["identity"] is True and lines[-1]["cells"] == ["spec=off", "spec=mtp"]
+    rows = lines[:-1]
+    assert len(rows) == 2 * len(PROMPTS)
+    assert all(r["saw_done"] and r["gen"] >= 1 and r["ctx"] > 5 and r["cached"] == 0 for r in rows)
+    assert {r["tau"] >= 1.0 for r in rows if r["spec"] == "mtp"} == {True}
+
+
 def test_sigterm_is_clean(server):
     """SIGTERM with a long stream in flight: the process ends promptly with status 0."""
     proc = server["proc"]

@@ -10,7 +10,6 @@ import hashlib
 import http.client
 import json
 import re
-import time
 import urllib.parse
 from collections import Counter
 from typing import Any, Iterable
@@ -158,12 +157,8 @@ def run_local(llm: Any, prompt_name: str, prompt: str, max_tokens: int, spec: di
     body = request_body(prompt, max_tokens, spec)
     ids = llm.tokenizer.encode(llm.render_chat(body["messages"]))
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    t0 = time.perf_counter()
-    ttft = None
     res = None
     for chunk in llm.stream(ids, sp, spec):
-        if ttft is None and chunk.token_ids:
-            ttft = time.perf_counter() - t0
         res = chunk.result
     saw_done = res is not None
     st = res.stats if res is not None else {}
