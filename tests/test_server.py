@@ -297,3 +297,22 @@ def test_sigterm_is_clean(server):
     assert rest[-1] == "data: [DONE]" and "shutting down" in rest[-2]
     assert proc.wait(timeout=30) == 0
     assert "server stopped" in proc.stdout.read()
+
+
+def test_in_process_app_without_mtp_head(tmp_path):
+    """build_app over an LLM in this process (fastapi's TestClient): a model with no MTP head refuses
+    speculation mode 'mtp' with a 400 naming speculation.mode, and serves 'auto' on the AR route."""
+    from fastapi.testclient import TestClient
+
+    from specfire import LLM
+    from specfire.serve.http import build_app
+
+    path = make_tok_checkpoint(str(tmp_path / "nomtp"), seed=2, mtp=False)
+    with LLM(path, progress=False) as llm, TestClient(build_app(llm, "nomtp")) as tc:
+        r = tc.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "speculation": {"mode": "mtp"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "speculation.mode"
+        assert "MTP head" in r.json()["error"]["message"]
+        r = tc.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0,
+                                             "speculation": "auto"})
+        assert r.status_code == 200 and r.json()["timings"]["route"] == "ar"
+        assert tc.get("/v1/models").json()["data"][0]["id"] == "nomtp"  # no API key: open
