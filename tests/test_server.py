@@ -1,11 +1,7 @@
 """The OpenAI-compatible server, live in a subprocess (`specfire serve`), driven by the real `openai`
 client and by raw HTTP for the error cases."""
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -13,45 +9,23 @@ import httpx
 import openai
 import pytest
 
+from serving import start_server, stop
 from tinytok import make_tok_checkpoint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "sk-test-key"
 NAME = "tiny"
 MAX_SEQ = 1024
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = make_tok_checkpoint(str(tmp_path_factory.mktemp("tok") / "ckpt"), seed=3)
-    port = _free_port()
-    # one intra-op thread: the tiny model gains nothing from more, and a busy CI box loses a lot
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "specfire.cli", "serve", path, "--port", str(port),
-                             "--api-key", KEY, "--served-model-name", NAME, "--max-seq-len", str(MAX_SEQ)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 90
-    while True:
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            raise RuntimeError("server did not start:\n" + proc.stdout.read())
-        time.sleep(0.2)
-    yield {"base": base, "proc": proc, "path": path}
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    root = tmp_path_factory.mktemp("srv")
+    path = make_tok_checkpoint(str(root / "ckpt"), seed=3)
+    log = str(root / "server.log")
+    proc, base = start_server([path, "--api-key", KEY, "--served-model-name", NAME, "--max-seq-len", str(MAX_SEQ)],
+                              log)
+    yield {"base": base, "proc": proc, "path": path, "log": log}
+    stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -296,7 +270,8 @@ def test_sigterm_is_clean(server):
     # the stream was ended by the server (not cut off after the grace period) and said why
     assert rest[-1] == "data: [DONE]" and "shutting down" in rest[-2]
     assert proc.wait(timeout=30) == 0
-    assert "server stopped" in proc.stdout.read()
+    with open(server["log"]) as f:
+        assert "server stopped" in f.read()
 
 
 def test_in_process_app_without_mtp_head(tmp_path):
