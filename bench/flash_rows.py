@@ -99,9 +99,12 @@ def main() -> int:
     ok = True
     for kind in ("bf16", "q8"):
         kc, vc, ks, vs = caches[kind][0]
+        seen = set()
         for vi, (bm, sp, bn, nw, ns, pf) in enumerate(variants):
-            if pf and kind != "q8":
+            pf = pf if kind == "q8" else 0          # prefetch only changes the Q8 kernel
+            if (bm, sp, bn, nw, ns, pf) in seen:
                 continue
+            seen.add((bm, sp, bn, nw, ns, pf))
             kw = dict(block_m=bm, split=sp, block_n=bn, num_warps=nw, num_stages=ns, prefetch=bool(pf))
             vname = f"{bm}x{sp}x{bn}x{nw}x{ns}x{pf}"
             try:

@@ -17,11 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
+# Chosen by bench/flash_rows.py on the H200 (docs/BENCHMARKS.md). None may depend on R or pos0.
 SPLIT = 512      # keys per span (fixed: part of the reduction order)
-BLOCK_M = 16     # (row, query-head) pairs per tile
+BLOCK_M = 32     # (row, query-head) pairs per tile: up to 5 rows of a 6-head group in one tile
 BLOCK_N = 64     # keys per inner step
 CHUNK = 16       # spans merged per step of the combine (fixed: part of the reduction order)
-PREFETCH = False # Q8: load the next int8 block into registers before dequantizing this one
+PREFETCH = True  # Q8: load the next int8 block into registers before dequantizing this one
 
 
 @triton.jit

@@ -126,7 +126,7 @@ def _gdn_chunk_scan_kernel(wv_ptr, uk_ptr, q_ptr, qk_ptr, gexp_ptr, kdec_ptr, ge
 
 
 def gdn_chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       state: torch.Tensor, chunk: int = 64, bv: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+                       state: torch.Tensor, chunk: int = 64, bv: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """Contract of gdn_chunked_ref. The per-chunk terms (both triangular solves, Q K^T with decay)
     are batched over all chunks in PyTorch; the chunk-to-chunk state scan runs in one kernel.
     Needs dk, dv powers of two >= 16 (tensor-core tile sizes)."""
@@ -159,5 +159,5 @@ def gdn_chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     bv = min(bv, dv)
     _gdn_chunk_scan_kernel[(h, dv // bv)](
         Wv.contiguous(), Uk.contiguous(), qb.contiguous(), QK.contiguous(), gexp, kdec.contiguous(), gend,
-        state.float().contiguous(), o, s_out, n, C=chunk, DK=dk, DV=dv, BV=bv, num_warps=4)
+        state.float().contiguous(), o, s_out, n, C=chunk, DK=dk, DV=dv, BV=bv, num_warps=4, num_stages=1)
     return o.reshape(h, n * chunk, dv)[:, :t_len].transpose(0, 1).contiguous(), s_out
