@@ -169,6 +169,10 @@ def checkpoint_files(path: str) -> list[str]:
 def open_checkpoint(path: str) -> TensorSource:
     files = checkpoint_files(path)
     src = TensorSource(files)
+    scaled = [n for n in src.names() if n.endswith("weight_scale_inv")]
+    if scaled:
+        raise CheckpointError(f"{path} is an FP8-quantized checkpoint (tensor '{scaled[0]}'); specfire reads "
+                              f"float32, bfloat16 or float16 checkpoints")
     unknown = sorted(n[1:] for n in src.names() if n.startswith("?"))
     if unknown:
         raise CheckpointError(f"unexpected tensor '{unknown[0]}' in {path} (not a Qwen3.5 trunk, MTP or vision "
