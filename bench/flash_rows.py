@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from specfire.ops import attention as A
-from specfire.ops.attention_kernels import BLOCK_M, BLOCK_N, SPLIT, attention_rows_triton
+from specfire.ops.attention_kernels import BLOCK_M, BLOCK_N, PREFETCH, SPLIT, attention_rows_triton
 
 PEAK = 4.17e12
 ITERS = 20
@@ -60,12 +60,12 @@ def main() -> int:
     ap.add_argument("--hq", type=int, default=24)
     ap.add_argument("--hkv", type=int, default=4)
     ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--variants", default=f"{BLOCK_M}x{SPLIT}x{BLOCK_N}x4x2",
-                    help="comma list of block_m x split x block_n x warps x stages; the first is the default")
+    ap.add_argument("--variants", default=f"{BLOCK_M}x{SPLIT}x{BLOCK_N}x4x2x{int(PREFETCH)}",
+                    help="comma list of block_m x split x block_n x warps x stages x q8-prefetch(0/1)")
     ap.add_argument("--json-out", default=None)
     a = ap.parse_args()
     rows = [int(x) for x in a.rows.split(",")]
-    variants = [tuple(int(y) for y in v.split("x")) for v in a.variants.split(",")]
+    variants = [(tuple(int(y) for y in v.split("x")) + (0,))[:6] for v in a.variants.split(",")]
     dev = torch.device("cuda")
     torch.manual_seed(0)
     seq, hq, hkv, d = a.seq, a.hq, a.hkv, a.dim
@@ -99,17 +99,20 @@ def main() -> int:
     ok = True
     for kind in ("bf16", "q8"):
         kc, vc, ks, vs = caches[kind][0]
-        for vi, (bm, sp, bn, nw, ns) in enumerate(variants):
-            kw = dict(block_m=bm, split=sp, block_n=bn, num_warps=nw, num_stages=ns)
+        for vi, (bm, sp, bn, nw, ns, pf) in enumerate(variants):
+            if pf and kind != "q8":
+                continue
+            kw = dict(block_m=bm, split=sp, block_n=bn, num_warps=nw, num_stages=ns, prefetch=bool(pf))
+            vname = f"{bm}x{sp}x{bn}x{nw}x{ns}x{pf}"
             try:
                 attention_rows_triton(qs[rows[0]], kc, vc, pos0, scale, ks, vs, **kw)
             except Exception as e:  # a variant that does not fit (shared memory) is reported, not fatal
-                print(f"# {kind} variant {bm}x{sp}x{bn}x{nw}x{ns}: {type(e).__name__}: {str(e)[:120]}")
+                print(f"# {kind} variant {vname}: {type(e).__name__}: {str(e)[:120]}")
                 continue
             one = {}
             for r in rows:
                 q = qs[r]
-                rec = dict(kv=kind, rows=r, variant=f"{bm}x{sp}x{bn}x{nw}x{ns}", seq=seq)
+                rec = dict(kv=kind, rows=r, variant=vname, seq=seq)
                 out = attention_rows_triton(q, kc, vc, pos0, scale, ks, vs, **kw)
                 if a.check:
                     if ks is None:
@@ -153,10 +156,10 @@ def main() -> int:
                         print(f"# stock SDPA failed at R={r}: {type(e).__name__}: {str(e)[:120]}")
                 results.append(rec)
 
-    hdr = f"{'kv':4} {'variant':14} {'R':>2} {'rel_err':>9} {'inv':>4} {'us':>8} {'1-by-1 us':>9} {'speedup':>7} {'TB/s':>6} {'%peak':>6} {'sdpa us':>8}"
+    hdr = f"{'kv':4} {'variant':16} {'R':>2} {'rel_err':>9} {'inv':>4} {'us':>8} {'1-by-1 us':>9} {'speedup':>7} {'TB/s':>6} {'%peak':>6} {'sdpa us':>8}"
     print(hdr)
     for rec in results:
-        print(f"{rec['kv']:4} {rec['variant']:14} {rec['rows']:>2} {rec.get('rel_err', float('nan')):9.2e} "
+        print(f"{rec['kv']:4} {rec['variant']:16} {rec['rows']:>2} {rec.get('rel_err', float('nan')):9.2e} "
               f"{str(rec.get('row_invariant', '-'))[:4]:>4} {rec['us']:8.1f} {rec['one_at_a_time_us']:9.1f} "
               f"{rec['speedup_vs_one_at_a_time']:7.2f} {rec['TBps']:6.2f} {100 * rec['frac_peak']:6.1f} "
               f"{(rec.get('stock_sdpa_us') or float('nan')):8.1f}")

@@ -17,7 +17,7 @@ import sys
 import torch
 
 from specfire.ops import gdn as G
-from specfire.ops.gdn_kernels import BV, conv_window_triton, gdn_rows_triton
+from specfire.ops.gdn_kernels import BV, NUM_WARPS, conv_window_triton, gdn_chunked_triton, gdn_rows_triton
 
 PEAK = 4.17e12
 ITERS = 24
@@ -81,7 +81,7 @@ def main() -> int:
     ap.add_argument("--dk", type=int, default=128)
     ap.add_argument("--dv", type=int, default=128)
     ap.add_argument("--layers", type=int, default=48, help="states rotated through while timing")
-    ap.add_argument("--variants", default=f"{BV}x4", help="comma list of bv x warps; the first is the default")
+    ap.add_argument("--variants", default=f"{BV}x{NUM_WARPS}", help="comma list of bv x warps; the first is the default")
     ap.add_argument("--json-out", default=None)
     a = ap.parse_args()
     rows = [int(x) for x in a.rows.split(",")]
@@ -137,10 +137,17 @@ def main() -> int:
         rec["ref_us"] = graph_time([lambda wi=wi: G.conv_window_ref(x, wi, w) for wi in windows]) * 1e6
         results.append(rec)
 
-    t_pre = 1024
-    q, k, v, g, beta = inputs(t_pre, hv, hk, dk, dv, dev)
-    pre_us = eager_time(lambda: G.gdn_chunked(q, k, v, g, beta, states[0]), iters=3) * 1e6
-    results.append(dict(op="gdn_chunked_ref", rows=t_pre, us=pre_us))
+    for t_pre in (1024, 4096):
+        q, k, v, g, beta = inputs(t_pre, hv, hk, dk, dv, dev)
+        o, s = gdn_chunked_triton(q, k, v, g, beta, states[0])
+        ro, rs = G.gdn_rows_ref(q, k, v, g, beta, states[0]) if t_pre <= 1024 else G.gdn_chunked_ref(
+            q, k, v, g, beta, states[0])
+        rec = dict(op="gdn_chunked", rows=t_pre, rel_err=((o - ro).norm() / ro.norm()).item(),
+                   state_rel_err=((s - rs).norm() / rs.norm()).item())
+        ok &= rec["rel_err"] < 1e-4 and rec["state_rel_err"] < 1e-4
+        rec["us"] = eager_time(lambda: gdn_chunked_triton(q, k, v, g, beta, states[0]), iters=3) * 1e6
+        rec["ref_us"] = eager_time(lambda: G.gdn_chunked_ref(q, k, v, g, beta, states[0]), iters=3) * 1e6
+        results.append(rec)
 
     print(f"{'op':12} {'T':>4} {'err':>9} {'inv':>5} {'us':>8} {'TB/s':>6} {'%peak':>6} {'ref us':>8}  variants")
     for rec in results:

@@ -5,6 +5,7 @@ import os
 from typing import Any
 
 from .config import FULL, ModelConfig
+from .dist.shard import valid_tp_degrees
 from .errors import CheckpointError
 from .model import loader
 
@@ -35,8 +36,7 @@ def describe(path: str | None) -> dict[str, Any]:
                     s *= d
                 mtp_params += s
     kv_per_token = cfg.n_full * 2 * cfg.num_key_value_heads * cfg.head_dim   # elements, K and V
-    heads = [cfg.num_attention_heads, cfg.linear_num_key_heads, cfg.linear_num_value_heads]
-    degrees = [d for d in range(1, 65) if all(h % d == 0 for h in heads[1:]) and cfg.num_attention_heads % d == 0]
+    degrees = valid_tp_degrees(cfg)
     return {
         "path": path, "model_type": cfg.model_type, "layers": cfg.num_hidden_layers,
         "gated_deltanet_layers": cfg.n_linear, "full_attention_layers": cfg.n_full,

@@ -11,6 +11,7 @@ from specfire.ops import attention as A
 from specfire.ops.attention_kernels import attention_rows_triton
 
 SMALL = dict(block_m=16, split=32, block_n=16)  # several spans and masked tails at small sizes
+MANY = dict(block_m=16, split=16, block_n=16, chunk=2, prefetch=True)  # several combine chunks; Q8 prefetch
 
 
 def _cache(n, hkv, d, q8, gen):
@@ -29,22 +30,24 @@ def _ref(q, kc, vc, pos0, scale, ks, vs):
     return A.attention_rows_q8_ref(q, kc, vc, pos0, scale, ks, vs)
 
 
+@pytest.mark.parametrize("kw", [SMALL, MANY], ids=["small", "many"])
 @pytest.mark.parametrize("q8", [False, True])
 @pytest.mark.parametrize("hq,hkv,d,rows,pos0", [(6, 2, 32, 1, 0), (6, 2, 32, 5, 61), (3, 3, 16, 3, 31),
                                                 (8, 1, 64, 7, 45)])
-def test_kernel_matches_reference(q8, hq, hkv, d, rows, pos0):
+def test_kernel_matches_reference(q8, hq, hkv, d, rows, pos0, kw):
     gen = torch.Generator().manual_seed(hq * 1000 + rows * 10 + pos0)
     kc, vc, ks, vs = _cache(pos0 + rows + 9, hkv, d, q8, gen)   # rows past the last position hold junk
     q = torch.randn(rows, hq, d, generator=gen) * 2
     scale = d ** -0.5
-    out = attention_rows_triton(q, kc, vc, pos0, scale, ks, vs, **SMALL)
+    out = attention_rows_triton(q, kc, vc, pos0, scale, ks, vs, **kw)
     ref = _ref(q, kc, vc, pos0, scale, ks, vs)
     assert out.dtype == torch.float32 and out.shape == (rows, hq, d)
     torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("kw", [SMALL, MANY], ids=["small", "many"])
 @pytest.mark.parametrize("q8", [False, True])
-def test_kernel_row_invariant(q8):
+def test_kernel_row_invariant(q8, kw):
     """Row r of a verify call equals a one-row decode at its position, bit for bit: spans, masking
     and the combine never depend on R. Here a row fills exactly one tile (rep == block_m), because
     the interpreter's matmul (numpy) may round a row differently by its slot in the tile; the
@@ -53,12 +56,12 @@ def test_kernel_row_invariant(q8):
     hq, hkv, d, pos0, rows = 32, 2, 32, 37, 5
     kc, vc, ks, vs = _cache(pos0 + rows, hkv, d, q8, gen)
     q = torch.randn(rows, hq, d, generator=gen)
-    out = attention_rows_triton(q, kc, vc, pos0, 0.2, ks, vs, **SMALL)
+    out = attention_rows_triton(q, kc, vc, pos0, 0.2, ks, vs, **kw)
     for r in range(rows):
-        one = attention_rows_triton(q[r:r + 1], kc, vc, pos0 + r, 0.2, ks, vs, **SMALL)
+        one = attention_rows_triton(q[r:r + 1], kc, vc, pos0 + r, 0.2, ks, vs, **kw)
         assert torch.equal(one[0], out[r]), r
     # the same rows computed in two smaller calls
-    part = attention_rows_triton(q[2:], kc, vc, pos0 + 2, 0.2, ks, vs, **SMALL)
+    part = attention_rows_triton(q[2:], kc, vc, pos0 + 2, 0.2, ks, vs, **kw)
     assert torch.equal(part, out[2:])
 
 

@@ -19,6 +19,17 @@ def _g(seed):
     return torch.Generator().manual_seed(seed)
 
 
+def test_kernel_layout_round_trip():
+    from specfire.ops.quant import from_kernel_layout, to_kernel_layout
+
+    q, s, z = quantize_tensor(torch.randn(5, 256, generator=_g(9)), 64)
+    kq = to_kernel_layout(q, 64)
+    assert torch.equal(from_kernel_layout(kq, 64), unpack_codes(q))
+    assert torch.equal(kq[:, :32] & 15, unpack_codes(q)[:, :32])       # byte j: code j ...
+    assert torch.equal(kq[:, :32] >> 4, unpack_codes(q)[:, 32:64])     # ... and code j + G/2
+    assert torch.equal(QuantWeight.from_stored(q, s, z, False).dequantize(), dequantize_ref(q, s, z))
+
+
 def test_pack_layout_is_documented_one():
     w = torch.randn(3, 64, generator=_g(0))
     q, s, z = quantize_tensor(w, 32)
@@ -60,8 +71,13 @@ def test_pick_group():
     assert pick_group(5120, 128) == 128 and pick_group(96, 128) == 32 and pick_group(48, 128) is None
 
 
-CASES = [(1, 37, 128, 32, False, Q4Config(16)), (5, 100, 384, 64, True, Q4Config(32, split_k=2)),
-         (3, 70, 640, 128, False, Q4Config(64, split_k=4)), (16, 64, 256, 128, False, None)]
+CASES = [  # both kernel forms, split-K, several groups per step with a masked tail of groups
+    (1, 37, 128, 32, False, Q4Config(16)),
+    (5, 100, 384, 64, True, Q4Config(32, split_k=2, gps=4, deq=True)),
+    (3, 70, 640, 128, False, Q4Config(64, split_k=4)),
+    (7, 50, 160, 32, False, Q4Config(16, gps=2, deq=True)),
+    (16, 64, 256, 128, False, None),
+]
 
 
 @pytest.mark.parametrize("m,n,k,g,had,cfg", CASES)

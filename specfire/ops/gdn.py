@@ -107,5 +107,14 @@ def conv_window(x: torch.Tensor, window: torch.Tensor, w: torch.Tensor) -> tuple
     return conv_window_ref(x, window, w)
 
 
-# Prefill keeps the PyTorch chunked form on every device (no Triton chunked kernel yet).
-gdn_chunked = gdn_chunked_ref
+def _pow2_at_least_16(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                state: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill (contract of gdn_chunked_ref); on CUDA the chunk-to-chunk scan runs in a Triton kernel."""
+    if q.is_cuda and _pow2_at_least_16(k.shape[-1]) and _pow2_at_least_16(v.shape[-1]):
+        from .gdn_kernels import gdn_chunked_triton
+        return gdn_chunked_triton(q, k, v, g, beta, state, chunk)
+    return gdn_chunked_ref(q, k, v, g, beta, state, chunk)

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-BV = 32  # value columns per program
+BV = 16         # value columns per program
+NUM_WARPS = 1   # with BV = 16: measured best on the H200 for 2..16 rows (docs/BENCHMARKS.md)
 
 
 @triton.jit
@@ -50,7 +51,7 @@ def _gdn_rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, s_ptr, o_ptr, cap_ptr, n
 
 def gdn_rows_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     state: torch.Tensor, capture: bool = False, bv: int = BV,
-                    num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                    num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """Contract of gdn_rows_ref: (o [T, Hv, dv] float32, states [T, Hv, dk, dv] or final [Hv, dk, dv])."""
     t, hv, dk = k.shape
     dv = v.shape[-1]
@@ -96,3 +97,67 @@ def conv_window_triton(x: torch.Tensor, window: torch.Tensor, w: torch.Tensor,
     out = torch.empty(t, c, device=x.device, dtype=torch.float32)
     _conv_window_kernel[(triton.cdiv(c, block_c),)](full, wc, out, t, c, K=kk, BLOCK_C=block_c, num_warps=4)
     return out, full
+
+
+@triton.jit
+def _gdn_chunk_scan_kernel(wv_ptr, uk_ptr, q_ptr, qk_ptr, gexp_ptr, kdec_ptr, gend_ptr, s_ptr, o_ptr, sout_ptr,
+                           n_chunks,
+                           C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    """The sequential part of the chunked form: one program per (head, BV value columns) carries
+    S [DK, BV] through the chunks in order (see ops/gdn.py for the algebra)."""
+    h = tl.program_id(0)
+    offs_v = tl.program_id(1) * BV + tl.arange(0, BV)
+    offs_k = tl.arange(0, DK)
+    offs_c = tl.arange(0, C)
+    s = tl.load(s_ptr + h * DK * DV + offs_k[:, None] * DV + offs_v[None, :])
+    for c in range(n_chunks):
+        hc = h * n_chunks + c
+        uk = tl.load(uk_ptr + hc * C * DK + offs_c[:, None] * DK + offs_k[None, :])          # [C, DK]
+        wv = tl.load(wv_ptr + hc * C * DV + offs_c[:, None] * DV + offs_v[None, :])          # [C, BV]
+        delta = wv - tl.dot(uk, s, input_precision="ieee")
+        qc = tl.load(q_ptr + hc * C * DK + offs_c[:, None] * DK + offs_k[None, :])
+        qk = tl.load(qk_ptr + hc * C * C + offs_c[:, None] * C + offs_c[None, :])             # [C, C]
+        ge = tl.load(gexp_ptr + hc * C + offs_c)
+        o = ge[:, None] * tl.dot(qc, s, input_precision="ieee") + tl.dot(qk, delta, input_precision="ieee")
+        tl.store(o_ptr + hc * C * DV + offs_c[:, None] * DV + offs_v[None, :], o)
+        kd = tl.load(kdec_ptr + hc * C * DK + offs_c[:, None] * DK + offs_k[None, :])         # [C, DK]
+        s = tl.load(gend_ptr + hc) * s + tl.dot(tl.trans(kd), delta, input_precision="ieee")
+    tl.store(sout_ptr + h * DK * DV + offs_k[:, None] * DV + offs_v[None, :], s)
+
+
+def gdn_chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       state: torch.Tensor, chunk: int = 64, bv: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contract of gdn_chunked_ref. The per-chunk terms (both triangular solves, Q K^T with decay)
+    are batched over all chunks in PyTorch; the chunk-to-chunk state scan runs in one kernel.
+    Needs dk, dv powers of two >= 16 (tensor-core tile sizes)."""
+    t_len, h, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-t_len) % chunk
+    n = (t_len + pad) // chunk
+
+    def blocks(x: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [H, N, C, ...]
+        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, 0, 0, pad)) if x.dim() > 2 else \
+            torch.nn.functional.pad(x, (0, 0, 0, pad))
+        return x.reshape(n, chunk, *x.shape[1:]).movedim(2, 0)
+
+    qb, kb, vb = blocks(q.float()), blocks(k.float()), blocks(v.float())   # [H, N, C, d]
+    gb, bb = blocks(g.float()), blocks(beta.float())                        # [H, N, C]
+    G = gb.cumsum(-1)
+    idx = torch.arange(chunk, device=q.device)
+    incl = idx[:, None] >= idx[None, :]
+    D = (G[..., :, None] - G[..., None, :]).masked_fill(~incl, float("-inf")).exp()
+    A = (bb[..., :, None] * (kb @ kb.transpose(-1, -2)) * D).masked_fill(idx[:, None] <= idx[None, :], 0.0)
+    L = A + torch.eye(chunk, device=q.device, dtype=torch.float32)
+    Wv = torch.linalg.solve_triangular(L, bb[..., None] * vb, upper=False, unitriangular=True)
+    Uk = torch.linalg.solve_triangular(L, (bb * G.exp())[..., None] * kb, upper=False, unitriangular=True)
+    QK = (qb @ kb.transpose(-1, -2)) * D
+    kdec = kb * (G[..., -1:] - G).exp()[..., None]
+    gexp = G.exp().contiguous()
+    gend = G[..., -1].exp().contiguous()
+    o = torch.empty(h, n, chunk, dv, device=q.device, dtype=torch.float32)
+    s_out = torch.empty(h, dk, dv, device=q.device, dtype=torch.float32)
+    bv = min(bv, dv)
+    _gdn_chunk_scan_kernel[(h, dv // bv)](
+        Wv.contiguous(), Uk.contiguous(), qb.contiguous(), QK.contiguous(), gexp, kdec.contiguous(), gend,
+        state.float().contiguous(), o, s_out, n, C=chunk, DK=dk, DV=dv, BV=bv, num_warps=4)
+    return o.reshape(h, n * chunk, dv)[:, :t_len].transpose(0, 1).contiguous(), s_out

@@ -9,7 +9,9 @@ with groups of G consecutive input features:
 With `hadamard` the stored weight is W' = W H (H block-diagonal orthonormal Walsh-Hadamard of
 block G along K) and the matmul rotates x the same way, x' = x H, since x W^T = x' W'^T; the
 rotation spreads outliers across a group before rounding. G is implied per tensor by the shapes.
-At load, scales and zeros are transposed to [K/G, N] so a kernel reads them contiguously.
+At load the tensors are packed into kernel layout (ops/triton_quant.py): scales and zeros are
+transposed to [K/G, N] so a kernel reads them contiguously, and within each group byte j holds
+codes j (low nibble) and j + G/2 (high nibble), so each nibble plane meets a contiguous half of x.
 """
 from __future__ import annotations
 
@@ -115,6 +117,22 @@ def unpack_codes(qweight: torch.Tensor) -> torch.Tensor:
     return torch.stack((lo, hi), dim=-1).reshape(qweight.shape[0], -1)
 
 
+def to_kernel_layout(qweight: torch.Tensor, group: int) -> torch.Tensor:
+    """On-disk packing (even/odd k per byte) -> kernel packing (k and k + G/2 per byte, per group)."""
+    codes = unpack_codes(qweight)
+    n, k = codes.shape
+    c = codes.view(n, k // group, 2, group // 2)                       # [N, groups, half, G/2]
+    return (c[:, :, 0, :] | (c[:, :, 1, :] << 4)).reshape(n, k // 2).contiguous()
+
+
+def from_kernel_layout(kq: torch.Tensor, group: int) -> torch.Tensor:
+    """Kernel packing -> codes uint8 [N, K]."""
+    n = kq.shape[0]
+    lo = (kq & 15).view(n, -1, group // 2)
+    hi = (kq >> 4).view(n, -1, group // 2)
+    return torch.cat((lo, hi), dim=-1).reshape(n, -1)
+
+
 def dequantize_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
     """Stored layout -> float32 [N, K] (in the rotated basis when the tensor was rotated)."""
     codes = unpack_codes(qweight).float()
@@ -129,8 +147,8 @@ def dequantize_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 class QuantWeight:
     """A 4-bit weight in kernel layout, accepted by `ops.linear` in place of a weight tensor.
 
-    Holds qweight [N, K/2] uint8 and scales/zeros transposed to [K/G, N] (bf16). `dtype` is the
-    activation dtype the model computes in."""
+    Holds qweight [N, K/2] uint8 in kernel packing and scales/zeros transposed to [K/G, N] (bf16).
+    `dtype` is the activation dtype the model computes in."""
 
     def __init__(self, qweight: torch.Tensor, scales_t: torch.Tensor, zeros_t: torch.Tensor,
                  hadamard: bool, dtype: torch.dtype):
@@ -152,7 +170,8 @@ class QuantWeight:
             raise ValueError(f"inconsistent 4-bit tensors: qweight {list(qweight.shape)}, scales "
                              f"{list(scales.shape)}, zeros {list(zeros.shape)}")
         dev = torch.device(device)
-        return cls(qweight.to(dev).contiguous(), scales.to(dev, torch.bfloat16).t().contiguous(),
+        group = 2 * half // scales.shape[1]
+        return cls(to_kernel_layout(qweight.to(dev), group), scales.to(dev, torch.bfloat16).t().contiguous(),
                    zeros.to(dev, torch.bfloat16).t().contiguous(), hadamard, dtype)
 
     @classmethod
@@ -176,7 +195,11 @@ class QuantWeight:
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K] in the rotated basis (the reference's weight)."""
-        return dequantize_ref(self.qweight, self.scales_t.t(), self.zeros_t.t())
+        codes = from_kernel_layout(self.qweight, self.group_size).float()
+        n, k = codes.shape
+        g = self.group_size
+        w = codes.view(n, -1, g) * self.scales_t.t().float()[..., None] + self.zeros_t.t().float()[..., None]
+        return w.reshape(n, k)
 
     def effective(self) -> torch.Tensor:
         """float32 [N, K] in the original basis: what the layer multiplies by."""

@@ -30,18 +30,21 @@ class GemvConfig:
 
 
 def gemv_config(n: int, k: int) -> GemvConfig:
-    """The launch configuration for a weight [n, k]; depends on the shape only (never on M)."""
-    if n >= 8192:
-        return GemvConfig(block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4)
-    if k >= 8192:
-        return GemvConfig(block_n=32, block_k=256, split_k=2, num_warps=4, num_stages=4)
-    return GemvConfig(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=4)
+    """The launch configuration for a weight [n, k]; depends on the shape only (never on M).
+    Picked by the sweep in bench/linear.py on the H200 (27B shapes, K = 5120..17408)."""
+    if n >= 65536:   # lm_head
+        return GemvConfig(block_n=128, block_k=128, split_k=1, num_warps=8, num_stages=3)
+    if n >= 16384:   # MLP gate / up
+        return GemvConfig(block_n=64, block_k=128, split_k=1, num_warps=8, num_stages=3)
+    if n >= 8192:    # attention q, GDN qkv
+        return GemvConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4)
+    return GemvConfig(block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_: tl.constexpr,
-                 SPLIT: tl.constexpr, IEEE: tl.constexpr):
+                 PARTIAL: tl.constexpr, IEEE: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -64,10 +67,10 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, 
         else:
             acc = tl.dot(w, tl.trans(x), acc)
     out_mask = n_mask[:, None] & m_mask[None, :]
-    if SPLIT == 1:
+    if not PARTIAL:
         tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
                  mask=out_mask)
-    else:  # partials [SPLIT, M, N] float32, summed in a fixed order by _splitk_sum
+    else:  # partials [split, M, N] float32, summed in a fixed order by _splitk_sum
         base = y_ptr + pid_s * M * N
         tl.store(base + offs_m[None, :] * N + offs_n[:, None], acc, mask=out_mask)
 
@@ -102,12 +105,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig | None = None) -> tor
     grid = (triton.cdiv(n, cfg.block_n), split)
     if split == 1:
         _gemv_kernel[grid](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), k_per_split,
-                           BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=ROWS, SPLIT=1, IEEE=ieee,
+                           BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=ROWS, PARTIAL=False, IEEE=ieee,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return y
     part = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     _gemv_kernel[grid](x, w, part, m, n, k, x.stride(0), w.stride(0), n, k_per_split,
-                       BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=ROWS, SPLIT=split, IEEE=ieee,
+                       BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=ROWS, PARTIAL=True, IEEE=ieee,
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     blk = 1024
     _splitk_sum[(triton.cdiv(m * n, blk),)](part, y, m * n, SPLIT=split, BLOCK=blk)

@@ -1,10 +1,11 @@
 """Fused small ops on CUDA, in Triton: RMSNorm (+ residual add), gated RMSNorm, rotary, SiLU-mul,
 row argmax and the greedy accept rule.
 
-Each kernel keeps the rounding points of its PyTorch reference (ops/norm.py, ops/rope.py,
-ops/act.py, ops/greedy.py): values are cast back to the model dtype exactly where the reference
-casts, so the fused op differs from the reference only by float32 reduction order. One program
-handles whole rows, so every op is row-invariant.
+The norms and SiLU-mul keep the rounding points of their PyTorch references (ops/norm.py,
+ops/act.py): values are cast back to the model dtype exactly where the reference casts, so they
+differ from it only by float32 reduction order. Rotary computes in float32 and rounds once (the
+reference rounds each product, so the two may differ by one unit in the last place). One
+program handles whole rows, so every op is row-invariant.
 """
 from __future__ import annotations
 
@@ -113,9 +114,8 @@ def _rope_kernel(x_ptr, c_ptr, s_ptr, y_ptr, H, D, R, stride_t, stride_h, stride
     s2 = tl.load(s_ptr + t * stride_c + half + i, mask=im, other=0.0).to(dt).to(tl.float32)
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
-    # rounding points of the reference: x*c, (-x)*s and x*s each in the model dtype, then the sum
-    o1 = ((x1f * c1).to(dt).to(tl.float32) + (-x2f * s1).to(dt).to(tl.float32)).to(dt)
-    o2 = ((x2f * c2).to(dt).to(tl.float32) + (x1f * s2).to(dt).to(tl.float32)).to(dt)
+    o1 = (x1f * c1 - x2f * s1).to(dt)                                   # rounded once
+    o2 = (x2f * c2 + x1f * s2).to(dt)
     tl.store(dst + i, o1, mask=im)
     tl.store(dst + half + i, o2, mask=im)
     j = tl.arange(0, BLOCK)

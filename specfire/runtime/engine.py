@@ -112,6 +112,7 @@ class Engine:
             "prompt_tokens": len(ids), "generated_tokens": n_gen, "route": route, "route_reason": reason,
             "k": k, "cycles": stats.cycles, "drafted": stats.drafted, "accepted": stats.accepted,
             "mean_accept_len": stats.mean_accept_len, "accept_per_pos": stats.accept_per_pos,
+            "accepted_per_pos": list(stats.accepted_per_pos),
             "prefill_s": prefill_s, "decode_s": decode_s,
             "prefill_tok_s": len(ids) / prefill_s if prefill_s > 0 else 0.0,
             "decode_tok_s": (n_gen - 1) / decode_s if decode_s > 0 and n_gen > 1 else 0.0,

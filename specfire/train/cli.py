@@ -19,6 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="bundled", choices=sorted(PRESETS), help="shape and schedule preset")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda if available)")
     p.add_argument("--corpus-root", default=None, help="directory of .py sources (default: this Python's stdlib)")
+    p.add_argument("--extra-corpus-root", action="append", default=[],
+                   help="another stdlib tree (e.g. a CPython Lib/ with its test suite); adds the files whose "
+                        "relative path the main root lacks (repeatable)")
     types = {f.name: f.type for f in fields(TrainConfig)}
     for name in _OVERRIDABLE:
         kind = float if "float" in str(types[name]) else int
@@ -36,7 +39,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dev.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {dev} requested but CUDA is not available")
-    return TrainConfig(out=args.out, preset=args.preset, device=dev, corpus_root=args.corpus_root, **kw)
+    return TrainConfig(out=args.out, preset=args.preset, device=dev, corpus_root=args.corpus_root,
+                       extra_corpus_roots=tuple(args.extra_corpus_root), **kw)
 
 
 def main(args: argparse.Namespace) -> int:

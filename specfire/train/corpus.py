@@ -23,12 +23,13 @@ EXCLUDED_DIRS = ("site-packages", "dist-packages", "__pycache__", "config-")
 @dataclass
 class Corpus:
     root: str
+    extra_roots: list[str] = field(default_factory=list)
     train: list[tuple[str, str]] = field(default_factory=list)      # (relative path, text)
     held_out: list[tuple[str, str]] = field(default_factory=list)
     skipped_non_utf8: list[str] = field(default_factory=list)
 
     def summary(self) -> dict:
-        return {"root": self.root, "train_files": len(self.train),
+        return {"root": self.root, "extra_roots": self.extra_roots, "train_files": len(self.train),
                 "train_bytes": sum(len(t.encode()) for _, t in self.train),
                 "held_out_files": len(self.held_out),
                 "held_out_bytes": sum(len(t.encode()) for _, t in self.held_out),
@@ -62,24 +63,39 @@ def _leaks_held_out(rel: str) -> bool:
     return False
 
 
-def build_corpus(root: str | None = None, max_files: int | None = None) -> Corpus:
-    """Collect every .py file under `root` (default: this interpreter's stdlib), sorted."""
-    root = os.path.abspath(root or stdlib_root())
-    if not os.path.isdir(root):
-        raise FileNotFoundError(f"corpus root {root} is not a directory")
+def _py_files(root: str) -> list[str]:
     paths = []
     for d, dirs, files in os.walk(root):
         dirs[:] = sorted(x for x in dirs if not x.startswith(EXCLUDED_DIRS))
         for f in sorted(files):
             if f.endswith(".py"):
                 paths.append(os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/"))
-    paths.sort()
+    return sorted(paths)
+
+
+def build_corpus(root: str | None = None, max_files: int | None = None,
+                 extra_roots: tuple[str, ...] | list[str] = ()) -> Corpus:
+    """Collect every .py file under `root` (default: this interpreter's stdlib), sorted; then the
+    files of each `extra_roots` tree (e.g. another CPython's Lib/ with its test suite) whose
+    relative path `root` does not have."""
+    root = os.path.abspath(root or stdlib_root())
+    extra = [os.path.abspath(r) for r in extra_roots]
+    for r in [root] + extra:
+        if not os.path.isdir(r):
+            raise FileNotFoundError(f"corpus root {r} is not a directory")
+    seen: set[str] = set()
+    items: list[tuple[str, str]] = []          # (root, relative path)
+    for r in [root] + extra:
+        for rel in _py_files(r):
+            if rel not in seen:
+                seen.add(rel)
+                items.append((r, rel))
     if max_files is not None:
-        paths = paths[:max_files]
-    c = Corpus(root=root)
-    for rel in paths:
+        items = items[:max_files]
+    c = Corpus(root=root, extra_roots=extra)
+    for r, rel in items:
         try:
-            with open(os.path.join(root, rel), "rb") as fh:
+            with open(os.path.join(r, rel), "rb") as fh:
                 text = fh.read().decode("utf-8")
         except UnicodeDecodeError:
             c.skipped_non_utf8.append(rel)

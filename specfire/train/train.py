@@ -70,6 +70,7 @@ class TrainConfig:
     eval_windows: int = 256
     time_limit_s: float = 0.0           # 0: none; otherwise stop training early (recorded in metrics)
     corpus_root: str | None = None
+    extra_corpus_roots: tuple[str, ...] = ()
     max_files: int | None = None
     extra: dict = field(default_factory=dict)
 
@@ -198,10 +199,11 @@ def run(tc: TrainConfig, log=print) -> dict:
     os.makedirs(tc.out, exist_ok=True)
 
     # ---- corpus and tokenizer ------------------------------------------------------------------
-    corpus = build_corpus(tc.corpus_root, tc.max_files)
+    corpus = build_corpus(tc.corpus_root, tc.max_files, tc.extra_corpus_roots)
     csum = corpus.summary()
     log(f"corpus: {csum['train_files']} train files ({csum['train_bytes'] / 1e6:.1f} MB), "
-        f"{csum['held_out_files']} held-out files ({csum['held_out_bytes'] / 1e6:.2f} MB) from {corpus.root}")
+        f"{csum['held_out_files']} held-out files ({csum['held_out_bytes'] / 1e6:.2f} MB) from "
+        f"{', '.join([corpus.root] + corpus.extra_roots)}")
     tok = train_tokenizer((t for _, t in corpus.train), tc.vocab_size)
     special = save_tokenizer(tok, tc.out, model_max_length=32768)
     eot = special[ENDOFTEXT]
