@@ -12,12 +12,14 @@ so a row's result never depends on how many rows travel with it (verify rows == 
 from __future__ import annotations
 
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
 
 CMD_LEN = 4
 IDLE_TIMEOUT = datetime.timedelta(days=365)
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 class Comm:
@@ -81,6 +83,8 @@ def init(rank: int, world: int, device: torch.device, timeout_s: float, init_met
     backend = "nccl" if device.type == "cuda" else "gloo"
     start = datetime.timedelta(seconds=start_timeout_s)
     if device.type == "cuda":
+        for k, v in NO_MULTICAST.items():   # NVLink multicast is off on our GPU machines
+            os.environ.setdefault(k, v)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world,
