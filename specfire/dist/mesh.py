@@ -351,6 +351,9 @@ class MeshTrunk:
             raise
         except Exception as e:
             raise self._mesh.fail(e) from None
+        except BaseException as e:  # e.g. KeyboardInterrupt mid-collective: the ranks are out of step
+            self._mesh.fail(e)
+            raise
 
     # ---- Trunk ---------------------------------------------------------------------------------
     def begin(self) -> None:
