@@ -117,6 +117,45 @@ def test_refused_degree_names_the_heads_before_any_process(ckpt_cache):
     assert children() == before
 
 
+def test_each_rank_reads_only_its_slices(ckpt_cache):
+    """Over all ranks, every split tensor is read exactly once (KV heads once per replica), whole
+    tensors only for the replicated norms, and the shapes fit the sharded modules."""
+    from specfire.model import loader
+
+    path = ckpt(ckpt_cache, "tp4")
+    src = loader.open_checkpoint(path)
+    cfg = ModelConfig.from_dir(path)
+    reads: dict[str, int] = {}
+    whole: set[str] = set()
+    real_get = src.get
+
+    def get(name, index=None):
+        t = real_get(name, index)
+        reads[name] = reads.get(name, 0) + t.numel()
+        if index is None:
+            whole.add(name)
+        return t
+
+    src.get = get
+    tp = 4
+    names = [n for n in src.names() if not n.startswith("mtp.")]
+    for r in range(tp):
+        plan = ShardPlan(cfg, tp, r)
+        for n in names:
+            t = plan.fetch(src, n, None)
+            if n in ("embed_tokens.weight", "lm_head.weight"):
+                assert t.shape[0] == plan.vocab_shard == 38     # 151 padded to 152
+    assert whole == {n for n in names if "norm" in n}
+    for n in names:
+        numel = 1
+        for d in src.shape(n):
+            numel *= d
+        per_rank = 1 if n not in whole else tp
+        if n.endswith(("k_proj.weight", "v_proj.weight")):
+            per_rank = tp // cfg.num_key_value_heads        # 2 KV heads on 4 ranks: each read twice
+        assert reads[n] == numel * per_rank, n
+
+
 def test_info_lists_valid_degrees(ckpt_cache):
     from specfire.info import describe
 
