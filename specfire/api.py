@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -11,6 +12,7 @@ from .config import ModelConfig, SamplingParams, SpecPolicy
 from .errors import CheckpointError, SpecfireError
 from .model import loader
 from .model.qwen35 import MtpHead, Qwen35Trunk
+from .ops.attention import Q8_KV
 from .runtime.engine import Engine, GenerationResult, StreamChunk
 from .runtime.trunk import LocalTrunk
 from .tokenizer import Tokenizer
@@ -94,7 +96,9 @@ class LLM:
 
     def __init__(self, model: str | None = None, tp: int = 1, device: Any = None, dtype: Any = None,
                  kv_dtype: str = "auto", max_seq_len: int | None = None, spec: SpecPolicy | dict | str | None = None,
-                 mtp_path: str | None = None, progress: bool = True):
+                 mtp_path: str | None = None, progress: bool | None = None):
+        if progress is None:  # a loading bar only where someone watches a terminal
+            progress = sys.stderr.isatty()
         self.spec = SpecPolicy.coerce(spec)
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tp must be a positive integer, got {tp!r}")
@@ -112,11 +116,12 @@ class LLM:
         self.cfg = ModelConfig.from_dir(self.path)
         self.tp = tp
         want_mtp = {"off": "never", "mtp": "must"}.get(self.spec.mode, "if_present")
+        if max_seq_len is not None and max_seq_len > self.cfg.max_position_embeddings:
+            raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
+                             f"{self.cfg.max_position_embeddings}")
         self.max_seq_len = max_seq_len or min(self.cfg.max_position_embeddings,
                                               32768 if self.device.type == "cuda" else 8192)
-        kvd = {"auto": self.dtype, "bf16": torch.bfloat16, "fp32": torch.float32, "q8": None}[kv_dtype]
-        if kvd is None:
-            raise SpecfireError("kv_dtype 'q8' needs the Q8 KV-cache kernels, which this build does not have yet")
+        kvd = {"auto": self.dtype, "bf16": torch.bfloat16, "fp32": torch.float32, "q8": Q8_KV}[kv_dtype]
         self.kv_dtype = kvd
         self.tokenizer = Tokenizer(self.path) if os.path.exists(os.path.join(self.path, "tokenizer.json")) else None
         eos = set(self.cfg.eos_token_ids)
@@ -129,7 +134,13 @@ class LLM:
             trunk = LocalTrunk(model_, self.max_seq_len, kvd)
             self.engine = Engine(trunk, self.tokenizer, eos, head, kvd)
         else:
-            from .dist import build_mesh_engine  # the tensor-parallel mesh
+            try:
+                from .dist import build_mesh_engine  # the tensor-parallel mesh
+            except ModuleNotFoundError as e:
+                if e.name != f"{__package__}.dist":
+                    raise
+                raise SpecfireError(f"tp={tp} needs the tensor-parallel mesh (specfire.dist), which this build "
+                                    f"does not have; use tp=1") from None
             self.engine = build_mesh_engine(self, want_mtp=want_mtp, mtp_path=mtp_path)
         self._closed = False
 
