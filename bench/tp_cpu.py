@@ -1,10 +1,11 @@
 """CPU decode speed on one device and on a gloo mesh (tp = 1, 2), plus the cost of the MTP drafter's
 calls through the mesh (embed / lm_logits) against a whole copy of the weights on rank 0.
 
-    PYTHONPATH=$PWD python bench/tp_cpu.py [--tokens 64] [--tp 1 2]
+    PYTHONPATH=$PWD python bench/tp_cpu.py [--model bundled|PATH] [--tokens 64] [--tp 1 2] [--threads 1]
 
-Random weights (a small Qwen3.5 shape built by transformers), greedy, float32. Prints a table and
-one JSON line last."""
+Without --model: random weights of a small Qwen3.5 shape built by transformers (no draft is ever
+accepted); `--model bundled` takes the bundled trained model and a text prompt. Greedy, float32.
+Prints a table and one JSON line last."""
 from __future__ import annotations
 
 import argparse
@@ -26,6 +27,7 @@ SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_at
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="'bundled' or a checkpoint path (default: random weights)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--calls", type=int, default=200)
@@ -37,9 +39,13 @@ def main() -> None:
 
     from specfire import LLM, SamplingParams, SpecPolicy
 
-    path = make_checkpoint(os.path.join(tempfile.mkdtemp(prefix="tpbench-"), "m"), "base", seed=3, **SHAPE)
-    ids = torch.randint(0, SHAPE["vocab_size"] - 1, (48,), generator=torch.Generator().manual_seed(0)).tolist()
-    ids = ids + ids[:24]
+    if args.model is None:
+        path = make_checkpoint(os.path.join(tempfile.mkdtemp(prefix="tpbench-"), "m"), "base", seed=3, **SHAPE)
+        ids = torch.randint(0, SHAPE["vocab_size"] - 1, (48,), generator=torch.Generator().manual_seed(0)).tolist()
+        ids = ids + ids[:24]
+    else:
+        path = None if args.model == "bundled" else args.model
+        ids = "Once upon a time there was a little robot who"
     sp = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     rows, tokens = [], {}
     for tp in args.tp:
@@ -55,15 +61,18 @@ def main() -> None:
                                  threads=torch.get_num_threads()))
             # the MTP drafter's per-step calls: through the mesh vs a whole copy on rank 0
             trunk = llm.engine.trunk
-            h = torch.randn(1, SHAPE["hidden_size"])
+            hidden, vocab = llm.cfg.hidden_size, llm.cfg.vocab_size
+            h = torch.randn(1, hidden)
             one = torch.tensor([5])
-            w = torch.randn(SHAPE["vocab_size"], SHAPE["hidden_size"])
+            w = torch.randn(vocab, hidden)
             t0 = time.perf_counter()
+            lm = getattr(trunk, "mesh_lm_logits", trunk.lm_logits)
+            emb = getattr(trunk, "mesh_embed", trunk.embed)
             for _ in range(args.calls):
-                trunk.lm_logits(h)
+                lm(h)
             t1 = time.perf_counter()
             for _ in range(args.calls):
-                trunk.embed(one)
+                emb(one)
             t2 = time.perf_counter()
             for _ in range(args.calls):
                 F.linear(h, w)
@@ -79,7 +88,7 @@ def main() -> None:
             print(f"tp={r['tp']}: drafter lm_logits {r['lm_logits_us']:.0f} us, embed {r['embed_us']:.0f} us "
                   f"(whole lm_head on rank 0: {r['local_full_lm_us']:.0f} us)")
     print(f"greedy tokens identical across tp: {same}")
-    print(json.dumps({"shape": SHAPE, "tokens": args.tokens, "rows": rows, "identical": same,
+    print(json.dumps({"model": args.model or SHAPE, "tokens": args.tokens, "rows": rows, "identical": same,
                       "loadavg": os.getloadavg()[0]}))
 
 

@@ -232,10 +232,22 @@ class TestMeshOfTwo:
         assert d["lm_logits"] == 0
         res, d = delta(SpecPolicy("mtp", k=4))
         assert res.stats["route"] == "mtp" and d["verify_rows"] == d["verifies"] + res.stats["drafted"]
-        assert d["lm_logits"] == res.stats["drafted"]       # the head's drafts scored through the mesh
+        assert d["lm_logits"] == 0                           # on the CPU the drafter scores on rank 0
         res, d = delta(SpecPolicy("auto", k=2))
         assert res.stats["route"] == "mtp"
 
+
+    def test_drafter_vocab_calls_through_the_mesh_match(self, base):
+        """The mesh's vocab-parallel embedding and lm_head equal one device (the GPU's drafter path)."""
+        one, mesh = base
+        ids = torch.tensor(prompt(one.cfg.vocab_size, 9, seed=9) + [one.cfg.vocab_size - 1])
+        trunk, ref = mesh.engine.trunk, one.engine.trunk
+        assert torch.equal(trunk.mesh_embed(ids), ref.embed(ids))       # one rank holds each row: exact
+        assert torch.equal(trunk.embed(ids), ref.embed(ids))
+        h = torch.randn(3, one.cfg.hidden_size)
+        assert rel_err(trunk.mesh_lm_logits(h), ref.lm_logits(h)) < 1e-6
+        assert torch.equal(trunk.lm_logits(h), ref.lm_logits(h))
+        assert trunk.mesh_lm_logits(h).shape == (3, one.cfg.vocab_size)
 
     def test_state_isolation_across_requests(self, base):
         one, mesh = base
