@@ -32,14 +32,16 @@ class Comm:
 
     # ---- forward collectives (on the device) ---------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of `x` over ranks, added in rank order; identical on every rank."""
+        """Sum of `x` over ranks, added in rank order in float32; identical on every rank."""
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x, group=self.group)
-        out = parts[0].clone()
+        out = parts[0].float()                       # a copy for bf16 / fp16, parts[0] itself for fp32
+        if out.data_ptr() == parts[0].data_ptr():
+            out = out.clone()
         for p in parts[1:]:
             out += p
-        return out
+        return out.to(x.dtype)
 
     def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
         """Concatenation of every rank's `x` along `dim` on rank 0; None elsewhere."""

@@ -262,8 +262,9 @@ class _Mesh:
     trunk, so it can be the trunk's finalizer."""
 
     def __init__(self, comm: Comm, created: bool, workers: list[LocalWorker], store: str | None,
-                 threads_before: int | None):
+                 threads_before: int | None, timeout_s: float):
         self.comm, self.created = comm, created
+        self.timeout_s = timeout_s
         self.workers = workers
         self.store = store
         self.threads_before = threads_before
@@ -292,7 +293,7 @@ class _Mesh:
             w = dead[0]
             msg = f"tensor-parallel worker rank {w.rank} (pid {w.pid}) died with exit code {w.exitcode}"
         elif exc is not None and ("timed out" in str(exc).lower() or "timeout" in str(exc).lower()):
-            msg = (f"a tensor-parallel rank did not answer within {self.comm_timeout():g} s "
+            msg = (f"a tensor-parallel rank did not answer within {self.timeout_s:g} s "
                    f"({TIMEOUT_ENV}); it is hung or too slow")
         else:
             first = str(exc).strip().splitlines()[0] if exc is not None and str(exc).strip() else type(exc).__name__
@@ -300,9 +301,6 @@ class _Mesh:
         self.error = msg
         self.teardown(graceful=False)
         return MeshError(msg)
-
-    def comm_timeout(self) -> float:
-        return mesh_timeout()
 
     def shutdown(self) -> None:
         """close(), garbage collection and interpreter exit all end here."""
@@ -525,7 +523,7 @@ def build_mesh_engine(llm, want_mtp: str, mtp_path: str | None = None) -> Engine
     if threads is not None:
         threads_before = torch.get_num_threads()
         torch.set_num_threads(threads)
-    mesh = _Mesh(comm, created, workers, store, threads_before)
+    mesh = _Mesh(comm, created, workers, store, threads_before, timeout_s)
     trunk, err = None, None
     try:
         trunk = load_shard(spec, comm)
