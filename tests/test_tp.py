@@ -156,6 +156,18 @@ def test_each_rank_reads_only_its_slices(ckpt_cache):
         assert reads[n] == numel * per_rank, n
 
 
+def test_four_bit_checkpoint_refused_before_any_process(ckpt_cache, tmp_path, capsys):
+    from specfire.cli import main
+    from specfire.errors import CheckpointError
+
+    dst = str(tmp_path / "q4")
+    assert main(["quantize", ckpt(ckpt_cache, "base"), dst, "--group-size", "32", "--device", "cpu"]) == 0
+    before = children()
+    with pytest.raises(CheckpointError, match=r"is a 4-bit checkpoint .*load with tp=1 only"):
+        LLM(dst, tp=2, progress=False)
+    assert children() == before
+
+
 def test_info_lists_valid_degrees(ckpt_cache):
     from specfire.info import describe
 

@@ -486,6 +486,10 @@ def build_mesh_engine(llm, want_mtp: str, mtp_path: str | None = None) -> Engine
         raise SpecfireError("a tensor-parallel LLM is already open in this process; close it first")
     timeout_s = mesh_timeout()
     src = loader.open_checkpoint(llm.path)
+    packed = next((n for n in src.names() if src.is_quantized(n)), None)
+    if packed is not None:
+        raise CheckpointError(f"{llm.path} is a 4-bit checkpoint (e.g. '{packed}'); 4-bit checkpoints load "
+                              f"with tp=1 only (sharding packed weights is not implemented)")
     cfg = follow_tied(src, llm.cfg)
     llm.cfg = cfg
     joined = _launched_by_torchrun()
