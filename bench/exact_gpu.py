@@ -42,7 +42,9 @@ def main() -> None:
             sp = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
             for ctx in [int(c) for c in args.ctx.split(",")]:
                 prompt = ids[len(ids) // 3: len(ids) // 3 + ctx]
-                llm.generate(prompt[:32], SamplingParams(max_tokens=8), spec="off")  # warm-up
+                for mode, k in (("off", 3), ("mtp", 1), ("mtp", 3), ("ngram", 3)):  # warm-up: capture graphs
+                    for cut in (40, 80, 120):
+                        llm.generate(prompt[:cut], SamplingParams(max_tokens=48), spec=SpecPolicy(mode=mode, k=k))
                 ar = llm.generate(prompt, sp, spec=SpecPolicy(mode="off"))
                 row = {"kv": kv, "ctx": ctx, "ar_tok_s": ar.stats["decode_tok_s"]}
                 for mode, k in (("mtp", 1), ("mtp", 3), ("ngram", 3)):

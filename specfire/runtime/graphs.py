@@ -69,3 +69,62 @@ class RowsGraphs:
         caps = [(lc.cap_rec, lc.cap_conv) for lc in self.state.layers]
         log.info("captured a CUDA graph for %d row(s)", ids.shape[0])
         return _Graph(graph, ids_buf, hidden, logits, caps)
+
+
+@dataclass
+class _DraftGraph:
+    graph: torch.cuda.CUDAGraph
+    toks: torch.Tensor                      # [m] tokens following the pending hidden rows
+    hidden: torch.Tensor                    # [m, H] pending trunk hidden rows
+    drafts: torch.Tensor                    # [k] greedy drafts
+
+
+class MtpGraphs:
+    """The greedy MTP draft chain as one CUDA graph per (pending rows m, draft length k): the
+    catch-up forward over the m rows the trunk committed, then k argmax steps feeding the head
+    its own output. The position is a device tensor, as in RowsGraphs; sampled drafting stays
+    eager (it needs the per-step distributions and a host generator)."""
+
+    def __init__(self, head, embed, lm_logits, state: SequenceState, feed: str):
+        self.head, self.embed, self.lm_logits, self.state, self.feed = head, embed, lm_logits, state, feed
+        dev = head.fc.weight.device
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], _DraftGraph] = {}
+
+    def _chain(self, toks: torch.Tensor, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        pre, post = self.head(self.embed(toks), hidden, self.pos, self.state, rows=True)
+        h_pre, h_post = pre[-1:], post[-1:]
+        p = self.pos + (toks.shape[0] - 1)
+        drafts = []
+        for step in range(k):
+            tok = self.lm_logits(h_post).argmax(-1)                         # [1], stays on the device
+            drafts.append(tok)
+            if step + 1 == k:
+                break
+            p = p + 1
+            fed = h_post if self.feed == "post" else h_pre
+            h_pre, h_post = self.head(self.embed(tok), fed, p, self.state, rows=True)
+        return torch.cat(drafts)
+
+    def draft(self, toks: torch.Tensor, hidden: torch.Tensor, pos0: int, k: int) -> list[int]:
+        key = (toks.shape[0], k)
+        self.pos.fill_(pos0)
+        g = self.graphs.get(key)
+        if g is None:
+            tb, hb = toks.clone(), hidden.clone()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._chain(tb, hb, k)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self._chain(tb, hb, k)
+            g = self.graphs[key] = _DraftGraph(graph, tb, hb, out)
+            log.info("captured an MTP draft graph for %d pending row(s), k=%d", *key)
+        g.toks.copy_(toks)
+        g.hidden.copy_(hidden)
+        g.graph.replay()
+        return g.drafts.tolist()
