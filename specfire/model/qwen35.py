@@ -23,6 +23,7 @@ from ..config import FULL, LINEAR, ModelConfig
 from ..ops import attention as attn_ops
 from ..ops import gdn as gdn_ops
 from ..ops import norm as norm_ops
+from ..ops.act import silu_mul
 from ..ops.linear import linear
 from ..ops.rope import apply_rope, rope_cos_sin
 from ..ops.rowwise import rowwise
@@ -69,12 +70,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, rows: bool) -> torch.Tensor:
-        act = rowwise(_silu_mul, rows, self.gate_proj(x, rows), self.up_proj(x, rows))
+        act = rowwise(silu_mul, rows, self.gate_proj(x, rows), self.up_proj(x, rows))
         return self.down_proj(act, rows)
-
-
-def _silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    return F.silu(g) * u
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -94,12 +91,15 @@ def _rope(pos: torch.Tensor, cfg: ModelConfig, rows: bool) -> tuple[torch.Tensor
 
 @dataclass
 class LayerCache:
-    """State of one layer for one sequence. Attention: k, v [max_seq, n_kv, D]. GDN: conv window
+    """State of one layer for one sequence. Attention: k, v [max_seq, n_kv, D] (with a Q8 cache,
+    int8 plus k_scale, v_scale [max_seq, n_kv, D/32] float16; see ops/attention.py). GDN: conv window
     [K-1, conv_dim] and recurrent state [Hv, dk, dv], both float32, plus the per-row capture of
     the last rows-mode forward (conv `full` [K-1+R, C] and states [R, Hv, dk, dv])."""
 
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
     conv: torch.Tensor | None = None
     rec: torch.Tensor | None = None
     cap_conv: torch.Tensor | None = None
@@ -124,9 +124,14 @@ class SequenceState:
         layers = []
         for t in n_layers_types:
             if t == FULL:
-                layers.append(LayerCache(
+                lc = LayerCache(
                     k=torch.zeros(max_seq, n_kv, cfg.head_dim, device=device, dtype=kv_dtype),
-                    v=torch.zeros(max_seq, n_kv, cfg.head_dim, device=device, dtype=kv_dtype)))
+                    v=torch.zeros(max_seq, n_kv, cfg.head_dim, device=device, dtype=kv_dtype))
+                if kv_dtype == attn_ops.Q8_KV:
+                    ns = cfg.head_dim // attn_ops.q8_group(cfg.head_dim)
+                    lc.k_scale = torch.zeros(max_seq, n_kv, ns, device=device, dtype=torch.float16)
+                    lc.v_scale = torch.zeros(max_seq, n_kv, ns, device=device, dtype=torch.float16)
+                layers.append(lc)
             else:
                 layers.append(LayerCache(
                     conv=torch.zeros(cfg.linear_conv_kernel_dim - 1, cd, device=device, dtype=torch.float32),
@@ -189,10 +194,9 @@ class GatedAttention(nn.Module):
         cos, sin = cos_sin
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        lc.k[pos0:pos0 + t] = k.to(lc.k.dtype)
-        lc.v[pos0:pos0 + t] = v.to(lc.v.dtype)
+        attn_ops.kv_write(lc, pos0, k, v)
         fn = attn_ops.attention_rows if rows else attn_ops.attention_prefill
-        o = fn(q, lc.k, lc.v, pos0, self.scale).to(x.dtype)            # [T, Hq, D]
+        o = fn(q, lc.k, lc.v, pos0, self.scale, lc.k_scale, lc.v_scale).to(x.dtype)  # [T, Hq, D]
         o = o.reshape(t, -1) * rowwise(torch.sigmoid, rows, gate.reshape(t, -1))
         return self.o_proj(o, rows)
 
@@ -277,8 +281,9 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(h, pos0, cos_sin, lc, rows)
         else:
             h = self.linear_attn(h, lc, rows)
-        x = x + h
-        return x + self.mlp(rowwise(self.post_attention_layernorm, rows, x), rows)
+        post = self.post_attention_layernorm
+        x, h = rowwise(lambda a, b: norm_ops.add_rms_norm(a, b, post.weight, post.eps), rows, x, h)
+        return x + self.mlp(h, rows)                                    # x += h; h = norm(x) above
 
 
 # ---------------------------------------------------------------------------------------------

@@ -90,6 +90,31 @@ def gdn_chunked_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     return o.contiguous(), s
 
 
-gdn_rows = gdn_rows_ref
-gdn_chunked = gdn_chunked_ref
-conv_window = conv_window_ref
+def gdn_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             state: torch.Tensor, capture: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode / verify rows (contract of gdn_rows_ref); the Triton kernel on CUDA."""
+    if q.is_cuda:
+        from .gdn_kernels import gdn_rows_triton
+        return gdn_rows_triton(q, k, v, g, beta, state, capture)
+    return gdn_rows_ref(q, k, v, g, beta, state, capture)
+
+
+def conv_window(x: torch.Tensor, window: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Conv window update (contract of conv_window_ref); the Triton kernel on CUDA."""
+    if x.is_cuda:
+        from .gdn_kernels import conv_window_triton
+        return conv_window_triton(x, window, w)
+    return conv_window_ref(x, window, w)
+
+
+def _pow2_at_least_16(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                state: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill (contract of gdn_chunked_ref); on CUDA the chunk-to-chunk scan runs in a Triton kernel."""
+    if q.is_cuda and _pow2_at_least_16(k.shape[-1]) and _pow2_at_least_16(v.shape[-1]):
+        from .gdn_kernels import gdn_chunked_triton
+        return gdn_chunked_triton(q, k, v, g, beta, state, chunk)
+    return gdn_chunked_ref(q, k, v, g, beta, state, chunk)

@@ -10,14 +10,18 @@ kernels compute every element the same way, so the GPU takes the direct path.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 
-def rowwise(fn: Callable[..., torch.Tensor], rows: bool, *xs: torch.Tensor) -> torch.Tensor:
-    """fn(*xs) with xs sharing the leading row dimension; per row when `rows` on the CPU."""
+def rowwise(fn: Callable[..., Any], rows: bool, *xs: torch.Tensor) -> Any:
+    """fn(*xs) with xs sharing the leading row dimension; per row when `rows` on the CPU. `fn` may
+    return a tensor or a tuple of tensors (each concatenated over rows)."""
     t = xs[0].shape[0]
     if not rows or t == 1 or xs[0].device.type != "cpu":
         return fn(*xs)
-    return torch.cat([fn(*(x[i:i + 1] for x in xs)) for i in range(t)])
+    parts = [fn(*(x[i:i + 1] for x in xs)) for i in range(t)]
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(list(col)) for col in zip(*parts))
+    return torch.cat(parts)

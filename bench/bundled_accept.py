@@ -1,0 +1,127 @@
+"""MTP acceptance and CPU speed of the bundled model on held-out standard-library code.
+
+Prompts: code from the held-out modules (specfire/train/corpus.py HELD_OUT) of this interpreter's
+standard library, each cut at a `def` line so the model continues a function. For k = 1..5 it runs
+greedy MTP decoding, checks the output equals plain AR greedy output token for token, and reports
+mean_accept_len (tokens per verify cycle) and per-position acceptance. Then it times AR and MTP
+decode on the CPU (interleaved runs, median), with `--feed post` (default drafter) or `pre`.
+
+    PYTHONPATH=. python bench/bundled_accept.py [--model DIR] [--threads 2] [--max-tokens 128]
+Prints a table and one JSON line last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from specfire.api import LLM                               # noqa: E402
+from specfire.config import SamplingParams, SpecPolicy     # noqa: E402
+from specfire.train.corpus import build_corpus             # noqa: E402
+
+
+def held_out_prompts(n: int, lines: int) -> list[tuple[str, str]]:
+    """Up to n prompts: in each held-out file, the `lines` lines ending at the first top-level or
+    method `def` past the file's middle (the def line included)."""
+    out = []
+    for rel, text in build_corpus().held_out:
+        ls = text.splitlines(keepends=True)
+        for i in range(len(ls) // 2, len(ls)):
+            if ls[i].lstrip().startswith("def ") and ls[i].rstrip().endswith(":"):
+                out.append((rel, "".join(ls[max(0, i - lines + 1):i + 1])))
+                break
+        if len(out) == n:
+            break
+    return out
+
+
+def run_prompts(llm: LLM, prompts, sp: SamplingParams, spec) -> list:
+    return [llm.generate(p, sp, spec=spec) for _, p in prompts]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="checkpoint (default: the bundled model)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=10)
+    ap.add_argument("--lines", type=int, default=24, help="prompt length in source lines")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--ks", default="1,2,3,4,5")
+    ap.add_argument("--speed-k", type=int, default=0, help="k for the speed test (0: the best measured)")
+    ap.add_argument("--speed-reps", type=int, default=3)
+    ap.add_argument("--feeds", default="post,pre", help="MTP self-feed variants to measure")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    prompts = held_out_prompts(args.prompts, args.lines)
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    llm = LLM(args.model, device="cpu", dtype="float32", spec="auto", progress=False)
+    if not llm.mtp_loaded:
+        print("the model has no MTP head", file=sys.stderr)
+        return 2
+    drafter = llm.engine.drafters["mtp"]
+    ar = run_prompts(llm, prompts, sp, "off")
+    ks = [int(k) for k in args.ks.split(",")]
+    feeds = args.feeds.split(",")
+    rows = []
+    for feed in feeds:
+        drafter.feed = feed
+        for k in ks:
+            res = run_prompts(llm, prompts, sp, SpecPolicy(mode="mtp", k=k))
+            identical = all(a.token_ids == r.token_ids for a, r in zip(ar, res))
+            cycles = sum(r.stats["cycles"] for r in res)
+            accepted = sum(r.stats["accepted"] for r in res)
+            per_pos = [0.0] * k
+            for r in res:        # weight each request's per-position rate by its cycles
+                for i, a in enumerate(r.stats["accept_per_pos"]):
+                    per_pos[i] += a * r.stats["cycles"]
+            rows.append({"feed": feed, "k": k, "mean_accept_len": 1 + accepted / cycles, "cycles": cycles,
+                         "accept_per_pos": [p / cycles for p in per_pos], "identical_to_ar": identical})
+    drafter.feed = "post"
+    print(f"{len(prompts)} held-out prompts ({', '.join(r for r, _ in prompts)}), {args.max_tokens} new tokens, greedy")
+    print(f"{'feed':>5} {'k':>2} {'mean_accept_len':>16} {'identical':>9}  per-position acceptance")
+    for r in rows:
+        print(f"{r['feed']:>5} {r['k']:>2} {r['mean_accept_len']:>16.3f} {str(r['identical_to_ar']):>9}  "
+              + " ".join(f"{p:.3f}" for p in r["accept_per_pos"]))
+
+    # ---- CPU speed: AR vs MTP at one k, interleaved, median over reps of the summed decode rate ----
+    post_rows = [r for r in rows if r["feed"] == "post"]
+    speed_k = args.speed_k or max(post_rows, key=lambda r: r["mean_accept_len"] / (1 + 0.25 * r["k"]))["k"]
+    ar_rates, mtp_rates, same = [], [], True
+    for _ in range(args.speed_reps):
+        for mode in ("ar", "mtp"):
+            spec = "off" if mode == "ar" else SpecPolicy(mode="mtp", k=speed_k)
+            t_tok, t_s = 0, 0.0
+            toks = []
+            for _, p in prompts:
+                r = llm.generate(p, sp, spec=spec)
+                t_tok += r.stats["generated_tokens"] - 1
+                t_s += r.stats["decode_s"]
+                toks.append(r.token_ids)
+            (ar_rates if mode == "ar" else mtp_rates).append(t_tok / t_s)
+            if mode == "ar":
+                ar_toks = toks
+            else:
+                same &= toks == ar_toks
+    ar_med, mtp_med = statistics.median(ar_rates), statistics.median(mtp_rates)
+    print(f"\nCPU decode, {args.threads} threads, fp32: AR {ar_med:.1f} tok/s, MTP k={speed_k} {mtp_med:.1f} tok/s "
+          f"-> {mtp_med / ar_med:.2f}x (runs AR {[round(x, 1) for x in ar_rates]}, "
+          f"MTP {[round(x, 1) for x in mtp_rates]}), identical output: {same}")
+    sample = ar[0].text
+    print("\nsample (AR greedy, first prompt's last lines + completion):")
+    print("".join(prompts[0][1].splitlines(keepends=True)[-4:]) + "\u2502" + sample)
+    llm.close()
+    print(json.dumps({"bench": "bundled_accept", "threads": args.threads, "max_tokens": args.max_tokens,
+                      "prompts": len(prompts), "accept": rows, "speed_k": speed_k, "ar_tok_s": ar_med,
+                      "mtp_tok_s": mtp_med, "speedup": mtp_med / ar_med, "speed_identical": same}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

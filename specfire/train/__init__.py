@@ -1,0 +1,1 @@
+"""Training the bundled model: corpus, tokenizer, batched training forward, trainer, export."""

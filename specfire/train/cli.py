@@ -1,0 +1,50 @@
+"""`specfire train`: train the bundled model from the interpreter's standard library (needs a GPU for
+the full preset; `--preset tiny --device cpu` runs the whole pipeline in seconds)."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from .train import PRESETS, TrainConfig
+
+_OVERRIDABLE = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                "linear_head_dim", "steps", "batch_size", "seq_len", "lr", "min_lr_frac", "warmup",
+                "weight_decay", "mtp_steps", "mtp_weight", "mtp_distill", "seed", "eval_windows",
+                "time_limit_s", "max_files")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="output checkpoint directory")
+    p.add_argument("--preset", default="bundled", choices=sorted(PRESETS), help="shape and schedule preset")
+    p.add_argument("--device", default=None, help="cuda | cpu (default: cuda if available)")
+    p.add_argument("--corpus-root", default=None, help="directory of .py sources (default: this Python's stdlib)")
+    p.add_argument("--extra-corpus-root", action="append", default=[],
+                   help="another stdlib tree (e.g. a CPython Lib/ with its test suite); adds the files whose "
+                        "relative path the main root lacks (repeatable)")
+    types = {f.name: f.type for f in fields(TrainConfig)}
+    for name in _OVERRIDABLE:
+        kind = float if "float" in str(types[name]) else int
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=f"override the preset's {name}")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    import torch
+
+    kw = dict(PRESETS[args.preset])
+    for name in _OVERRIDABLE:
+        v = getattr(args, name, None)
+        if v is not None:
+            kw[name] = v
+    dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {dev} requested but CUDA is not available")
+    return TrainConfig(out=args.out, preset=args.preset, device=dev, corpus_root=args.corpus_root,
+                       extra_corpus_roots=tuple(args.extra_corpus_root), **kw)
+
+
+def main(args: argparse.Namespace) -> int:
+    from .train import run
+
+    run(config_from_args(args))
+    return 0
