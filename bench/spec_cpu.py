@@ -6,14 +6,13 @@ taken after vs before mtp.norm (MtpDrafter feed='post'|'pre'); and the cost of a
 (trunk.commit) relative to a verify of k+1 rows, on the tiny model and on a mid-size random one.
 The last line is one JSON object with every figure.
 
-    PYTHONPATH=$PWD python bench/spec_cpu.py [--prompts 12] [--tokens 64] [--threads 1]
+    PYTHONPATH=$PWD python bench/spec_cpu.py [--prompts 12] [--tokens 64] [--threads 1] [--rounds 3]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -33,8 +32,9 @@ MID = dict(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_
            linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64)
 
 
-def spec_run(llm: LLM, prompts: list[list[int]], n: int, spec) -> dict:
-    """Greedy requests; acceptance pooled over every cycle of every request."""
+def spec_run(llm: LLM, prompts: list[list[int]], n: int, spec, rounds: int = 1) -> dict:
+    """Greedy requests; acceptance pooled over every cycle of every request; decode time per
+    prompt is the least over `rounds` repeats (the 2-core machine is shared, so load spikes)."""
     cycles: list[tuple[int, int]] = []
     orig = spec_mod.SpecStats.record
 
@@ -42,16 +42,19 @@ def spec_run(llm: LLM, prompts: list[list[int]], n: int, spec) -> dict:
         if k:
             cycles.append((k, acc))
         orig(self, k, acc)
-    spec_mod.SpecStats.record = record
-    try:
-        tokens, decode_s, outs = 0, 0.0, []
-        for p in prompts:
-            r = llm.generate(p, SamplingParams(max_tokens=n, ignore_eos=True), spec=spec)
-            outs.append(r.token_ids)
-            tokens += r.stats["generated_tokens"] - 1
-            decode_s += r.stats["decode_s"]
-    finally:
-        spec_mod.SpecStats.record = orig
+    tokens, decode_s, outs = 0, 0.0, []
+    for p in prompts:
+        best = None
+        for r in range(rounds):
+            spec_mod.SpecStats.record = record if r == 0 else orig
+            try:
+                res = llm.generate(p, SamplingParams(max_tokens=n, ignore_eos=True), spec=spec)
+            finally:
+                spec_mod.SpecStats.record = orig
+            best = res.stats["decode_s"] if best is None else min(best, res.stats["decode_s"])
+        outs.append(res.token_ids)
+        tokens += res.stats["generated_tokens"] - 1
+        decode_s += best
     kmax = max((k for k, _ in cycles), default=0)
     per_pos = [sum(a > i for k, a in cycles if k > i) / max(1, sum(k > i for k, _ in cycles)) for i in range(kmax)]
     return {
@@ -82,7 +85,7 @@ def rollback_cost(llm: LLM, ks: list[int], reps: int) -> list[dict]:
             t2 = time.perf_counter()
             tv.append(t1 - t0)
             tc.append(t2 - t1)
-        v_ms, c_ms = statistics.median(tv) * 1e3, statistics.median(tc) * 1e3
+        v_ms, c_ms = min(tv) * 1e3, min(tc) * 1e3
         rows.append({"k": k, "verify_ms": v_ms, "commit_ms": c_ms, "commit_over_verify": c_ms / v_ms})
     return rows
 
@@ -93,6 +96,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=3, help="repeats per request; the fastest counts")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     root = tempfile.mkdtemp(prefix="spec_cpu_")
@@ -113,8 +117,8 @@ def main() -> int:
         res["mtp"], res["ngram"] = [], []
         for route in ("mtp", "ngram"):
             for k in (1, 2, 3, 4):
-                r = spec_run(llm, prompts, args.tokens, {"mode": route, "k": k})
-                a = spec_run(llm, prompts, args.tokens, "off")       # AR again, right beside: a shared
+                r = spec_run(llm, prompts, args.tokens, {"mode": route, "k": k}, args.rounds)
+                a = spec_run(llm, prompts, args.tokens, "off", args.rounds)       # AR again, right beside: a shared
                 assert r["outputs"] == ar["outputs"] == a["outputs"], f"{route} k={k} output differs from AR"
                 row = {"k": k, "mean_accept_len": r["mean_accept_len"], "decode_tok_s": r["decode_tok_s"],
                        "ar_decode_tok_s": a["decode_tok_s"],          # machine's load changes over minutes
@@ -136,7 +140,7 @@ def main() -> int:
             print(f"{feed:5} " + " ".join(f"{v:>7.3f}" for v in vals))
         drafter.feed = default_feed
 
-        print("\nrollback (commit) vs verify, median of", args.reps)
+        print("\nrollback (commit) vs verify, fastest of", args.reps)
         print(f"{'model':6} {'k':>2} {'verify ms':>10} {'commit ms':>10} {'ratio':>7}")
         res["rollback"] = {"tiny": rollback_cost(llm, [1, 2, 3, 4], args.reps)}
     mid = make_checkpoint(os.path.join(root, "mid"), "base", mtp=False, **MID)
