@@ -394,3 +394,31 @@ def test_ngram_long_context_is_fast():
         draft, _ = d.propose(i, 60_000 + i, 4, SamplingParams(), None)
         d.commit([7], None)
     assert (time.perf_counter() - t) / 500 < 2e-3
+
+
+def test_mtp_feed_variants_are_exact_and_differ(fitted):
+    """Both self-feeds (after / before mtp.norm) keep greedy output exact; they draft differently;
+    the default is the better measured one ('pre', see MtpDrafter)."""
+    from specfire.runtime.drafters import MtpDrafter
+
+    with LLM(fitted, progress=False) as llm:
+        drafter = llm.engine.drafters["mtp"]
+        assert drafter.feed == "pre"
+        drafts: dict[str, list] = {}
+        orig = drafter.propose
+
+        def propose(*a):
+            out = orig(*a)
+            drafts[drafter.feed].append(out[0])
+            return out
+        drafter.propose = propose
+        for feed in ("post", "pre"):
+            drafter.feed = feed
+            drafts[feed] = []
+            for p in specfit.prompts(6, seed=17):
+                ref = llm.generate(p, greedy(32), spec="off")
+                r = llm.generate(p, greedy(32), spec={"mode": "mtp", "k": 4})
+                assert r.token_ids == ref.token_ids, feed
+        assert drafts["pre"] != drafts["post"]
+        with pytest.raises(ValueError, match="feed"):
+            MtpDrafter(drafter.head, llm.engine.trunk, 16, torch.float32, feed="mid")

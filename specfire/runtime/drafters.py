@@ -32,11 +32,16 @@ class MtpDrafter:
     steps feed the head its own output (`feed`: "post" = after mtp.norm, "pre" = before) and its
     previous draft, one position further. Before step 1 it catches its KV cache up with the rows
     the trunk committed last cycle (their true hidden states and tokens), in the same forward.
+
+    The default feed is "pre", the better of the two measured (bench/spec_cpu.py and
+    bench/bundled_accept.py, greedy, mean_accept_len at k = 2/3/4): on a head fitted for one step
+    (tests/specfit.py) pre 2.149/2.255/2.269 vs post 2.131/2.161/2.168; on the bundled model (its
+    head trained chained with the post feed) pre 2.461/3.006/3.303 vs post 2.449/3.000/3.303.
     """
 
     name = "mtp"
 
-    def __init__(self, head: MtpHead, trunk: Trunk, max_seq: int, kv_dtype: torch.dtype, feed: str = "post"):
+    def __init__(self, head: MtpHead, trunk: Trunk, max_seq: int, kv_dtype: torch.dtype, feed: str = "pre"):
         if feed not in ("post", "pre"):
             raise ValueError(f"feed must be 'post' or 'pre', got {feed!r}")
         self.head, self.trunk, self.feed = head, trunk, feed

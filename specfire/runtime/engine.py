@@ -41,7 +41,7 @@ class Engine:
 
     def __init__(self, trunk: Trunk, tokenizer: Tokenizer | None, eos_ids: set[int],
                  mtp_head: MtpHead | None, kv_dtype: torch.dtype, topology: str = "single",
-                 refused: frozenset[str] = frozenset(), mtp_feed: str = "post",
+                 refused: frozenset[str] = frozenset(), mtp_feed: str = "pre",
                  ngram: tuple[int, int] = (1, 4)):
         self.trunk = trunk
         self.tokenizer = tokenizer
