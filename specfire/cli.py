@@ -78,7 +78,10 @@ def _run(args: argparse.Namespace) -> int:
             sys.stdout.write("\n")
         spec = ""
         if st["route"] != "ar":
-            spec = f", {st['route']} k={st['k']} mean_accept_len {st['mean_accept_len']:.2f}"
+            per_pos = "/".join(f"{a:.2f}" for a in st["accept_per_pos"])
+            spec = (f", k={st['k']} mean_accept_len {st['mean_accept_len']:.2f} "
+                    f"({st['accepted']}/{st['drafted']} drafts accepted in {st['cycles']} cycles, "
+                    f"per position {per_pos or '-'})")
         print(f"[specfire] {st['prompt_tokens']} prompt + {st['generated_tokens']} generated tokens, "
               f"prefill {st['prefill_tok_s']:.1f} tok/s, decode {st['decode_tok_s']:.1f} tok/s, "
               f"route {st['route']}{spec} ({st['route_reason']})", file=sys.stderr)

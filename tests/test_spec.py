@@ -328,3 +328,97 @@ def test_stats_fields(fitted):
         assert st["decode_tok_s"] == pytest.approx(39 / st["decode_s"])
         a = llm.generate(p, greedy(40), spec="off").stats
         assert a["route"] == "ar" and a["cycles"] == a["drafted"] == a["accepted"] == 0 and a["accept_per_pos"] == []
+
+
+# ---- n-gram lookup ----------------------------------------------------------------------------
+
+def scan_reference(ctx: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """The plain quadratic scan: latest earlier occurrence of the longest suffix n-gram."""
+    L = len(ctx)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        pat = ctx[L - n:]
+        for i in range(L - n - 1, -1, -1):
+            if ctx[i:i + n] == pat:
+                return ctx[i + n:i + n + k]
+    return []
+
+
+@pytest.mark.parametrize("n_min,n_max", [(1, 1), (1, 4), (2, 3), (3, 6)])
+def test_ngram_index_matches_scan(n_min, n_max):
+    from specfire.runtime.drafters import NgramDrafter
+
+    g = torch.Generator().manual_seed(n_min * 10 + n_max)
+    sp = SamplingParams()
+    for trial in range(20):
+        vocab = 3 + trial % 5
+        prompt = torch.randint(0, vocab, (1 + trial * 3,), generator=g)
+        d = NgramDrafter(n_min, n_max)
+        d.begin(prompt, None)
+        ctx = prompt.tolist()
+        last = int(torch.randint(0, vocab, (), generator=g))
+        for _ in range(15):
+            k = int(torch.randint(0, 7, (), generator=g))
+            draft, q = d.propose(last, len(ctx), k, sp, None)
+            assert q is None
+            assert draft == (scan_reference(ctx + [last], k, n_min, n_max) if k > 0 else [])
+            n = int(torch.randint(0, len(draft) + 1, (), generator=g))
+            out = draft[:n] + [int(torch.randint(0, vocab, (), generator=g))]
+            d.commit(out, None)
+            ctx += [last] + out[:-1]
+            last = out[-1]
+        assert d.tokens == ctx
+
+
+def test_ngram_sizes_validated():
+    from specfire.runtime.drafters import NgramDrafter
+
+    with pytest.raises(ValueError, match="n_min"):
+        NgramDrafter(0, 3)
+    with pytest.raises(ValueError, match="n_max"):
+        NgramDrafter(4, 2)
+    with pytest.raises(ValueError, match="n_max"):
+        NgramDrafter(1, 2.5)
+
+
+def test_ngram_long_context_is_fast():
+    """Proposals cost the same at 60k tokens of context as at 100 (no scan of the context)."""
+    import time
+
+    from specfire.runtime.drafters import NgramDrafter
+
+    g = torch.Generator().manual_seed(0)
+    d = NgramDrafter(1, 4)
+    d.begin(torch.randint(0, 50_000, (60_000,), generator=g), None)
+    t = time.perf_counter()
+    for i in range(500):
+        draft, _ = d.propose(i, 60_000 + i, 4, SamplingParams(), None)
+        d.commit([7], None)
+    assert (time.perf_counter() - t) / 500 < 2e-3
+
+
+def test_mtp_feed_variants_are_exact_and_differ(fitted):
+    """Both self-feeds (after / before mtp.norm) keep greedy output exact; they draft differently;
+    the default is the better measured one ('pre', see MtpDrafter)."""
+    from specfire.runtime.drafters import MtpDrafter
+
+    with LLM(fitted, progress=False) as llm:
+        drafter = llm.engine.drafters["mtp"]
+        assert drafter.feed == "pre"
+        drafts: dict[str, list] = {}
+        orig = drafter.propose
+
+        def propose(*a):
+            out = orig(*a)
+            drafts[drafter.feed].append(out[0])
+            return out
+        drafter.propose = propose
+        for feed in ("post", "pre"):
+            drafter.feed = feed
+            drafts[feed] = []
+            for p in specfit.prompts(6, seed=17):
+                ref = llm.generate(p, greedy(32), spec="off")
+                r = llm.generate(p, greedy(32), spec={"mode": "mtp", "k": 4})
+                assert r.token_ids == ref.token_ids, feed
+        assert drafts["pre"] != drafts["post"]
+        with pytest.raises(ValueError, match="feed"):
+            MtpDrafter(drafter.head, llm.engine.trunk, 16, torch.float32, feed="mid")

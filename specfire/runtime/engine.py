@@ -41,13 +41,14 @@ class Engine:
 
     def __init__(self, trunk: Trunk, tokenizer: Tokenizer | None, eos_ids: set[int],
                  mtp_head: MtpHead | None, kv_dtype: torch.dtype, topology: str = "single",
-                 refused: frozenset[str] = frozenset(), mtp_feed: str = "post"):
+                 refused: frozenset[str] = frozenset(), mtp_feed: str = "pre",
+                 ngram: tuple[int, int] = (1, 4)):
         self.trunk = trunk
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.topology = topology
         self.refused = refused
-        self.drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
+        self.drafters: dict[str, Drafter] = {"ngram": NgramDrafter(*ngram)}
         if mtp_head is not None:
             self.drafters["mtp"] = MtpDrafter(mtp_head, trunk, trunk.max_seq, kv_dtype, feed=mtp_feed)
 
