@@ -56,6 +56,10 @@ class RowsGraphs:
         return g.hidden.clone(), g.logits.clone()
 
     def _capture(self, ids: torch.Tensor) -> _Graph:
+        with torch.cuda.device(ids.device):  # streams and the capture belong to the model's device
+            return self._capture_on_device(ids)
+
+    def _capture_on_device(self, ids: torch.Tensor) -> _Graph:
         ids_buf = ids.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -112,19 +116,23 @@ class MtpGraphs:
         self.pos.fill_(pos0)
         g = self.graphs.get(key)
         if g is None:
-            tb, hb = toks.clone(), hidden.clone()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._chain(tb, hb, k)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = self._chain(tb, hb, k)
-            g = self.graphs[key] = _DraftGraph(graph, tb, hb, out)
-            log.info("captured an MTP draft graph for %d pending row(s), k=%d", *key)
+            with torch.cuda.device(toks.device):
+                g = self.graphs[key] = self._capture(toks, hidden, k)
         g.toks.copy_(toks)
         g.hidden.copy_(hidden)
         g.graph.replay()
         return g.drafts.tolist()
+
+    def _capture(self, toks: torch.Tensor, hidden: torch.Tensor, k: int) -> _DraftGraph:
+        tb, hb = toks.clone(), hidden.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture (kernel compilation)
+            for _ in range(2):
+                self._chain(tb, hb, k)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._chain(tb, hb, k)
+        log.info("captured an MTP draft graph for %d pending row(s), k=%d", toks.shape[0], k)
+        return _DraftGraph(graph, tb, hb, out)
