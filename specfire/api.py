@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -11,6 +12,7 @@ from .config import ModelConfig, SamplingParams, SpecPolicy
 from .errors import CheckpointError, SpecfireError
 from .model import loader
 from .model.qwen35 import MtpHead, Qwen35Trunk
+from .ops.attention import Q8_KV
 from .runtime.engine import Engine, GenerationResult, StreamChunk
 from .runtime.trunk import LocalTrunk
 from .tokenizer import Tokenizer
@@ -49,34 +51,44 @@ def resolve_device(device: Any) -> torch.device:
     return dev
 
 
+def follow_tied(src: loader.TensorSource, cfg: ModelConfig) -> ModelConfig:
+    """The checkpoint, not config.json, decides whether lm_head is tied to the embedding."""
+    tied = "lm_head.weight" not in src
+    if tied == cfg.tie_word_embeddings:
+        return cfg
+    log.info("config says tie_word_embeddings=%s but the checkpoint %s lm_head.weight; following the "
+             "checkpoint", cfg.tie_word_embeddings, "lacks" if tied else "has")
+    from dataclasses import replace
+    return replace(cfg, tie_word_embeddings=tied)
+
+
+def load_mtp_head(path: str, src: loader.TensorSource, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                  want_mtp: str, mtp_path: str | None = None) -> MtpHead | None:
+    """The MTP head by `want_mtp`: 'never' | 'must' | 'if_present' (whole, on one device)."""
+    if want_mtp == "never":
+        return None
+    msrc = loader.mtp_source(path, src, mtp_path)
+    if msrc is None:
+        if want_mtp == "must":
+            raise CheckpointError(f"spec mode 'mtp' needs an MTP head, but {path} has no mtp.* tensors "
+                                  f"and no {loader.MTP_SIDECAR} beside it")
+        return None
+    with torch.device("meta"):
+        head = MtpHead(cfg)
+    loader.load_module(head, msrc, "mtp.", dtype=dtype, device=device, what="MTP head")
+    log.info("MTP head loaded from %s", msrc.file_of("mtp.fc.weight"))
+    return head
+
+
 def load_local(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, want_mtp: str,
                mtp_path: str | None = None, progress: bool = True) -> tuple[Qwen35Trunk, MtpHead | None]:
     """Build the trunk (and the MTP head, by `want_mtp`: 'never' | 'must' | 'if_present') on one device."""
     src = loader.open_checkpoint(path)
+    cfg = follow_tied(src, cfg)
     with torch.device("meta"):
         trunk = Qwen35Trunk(cfg)
-    tied = "lm_head.weight" not in src
-    if tied != cfg.tie_word_embeddings:
-        log.info("config says tie_word_embeddings=%s but the checkpoint %s lm_head.weight; following the "
-                 "checkpoint", cfg.tie_word_embeddings, "lacks" if tied else "has")
-        from dataclasses import replace
-        cfg = replace(cfg, tie_word_embeddings=tied)
-        with torch.device("meta"):
-            trunk = Qwen35Trunk(cfg)
     loader.load_module(trunk, src, "", dtype=dtype, device=device, progress=progress, what="trunk")
-    head = None
-    if want_mtp != "never":
-        msrc = loader.mtp_source(path, src, mtp_path)
-        if msrc is None:
-            if want_mtp == "must":
-                raise CheckpointError(f"spec mode 'mtp' needs an MTP head, but {path} has no mtp.* tensors "
-                                      f"and no {loader.MTP_SIDECAR} beside it")
-        else:
-            with torch.device("meta"):
-                head = MtpHead(cfg)
-            loader.load_module(head, msrc, "mtp.", dtype=dtype, device=device, what="MTP head")
-            log.info("MTP head loaded from %s", msrc.file_of("mtp.fc.weight"))
-    return trunk, head
+    return trunk, load_mtp_head(path, src, cfg, dtype, device, want_mtp, mtp_path)
 
 
 class LLM:
@@ -84,7 +96,9 @@ class LLM:
 
     def __init__(self, model: str | None = None, tp: int = 1, device: Any = None, dtype: Any = None,
                  kv_dtype: str = "auto", max_seq_len: int | None = None, spec: SpecPolicy | dict | str | None = None,
-                 mtp_path: str | None = None, progress: bool = True):
+                 mtp_path: str | None = None, progress: bool | None = None, cuda_graphs: bool | None = None):
+        if progress is None:  # a loading bar only where someone watches a terminal
+            progress = sys.stderr.isatty()
         self.spec = SpecPolicy.coerce(spec)
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tp must be a positive integer, got {tp!r}")
@@ -102,11 +116,12 @@ class LLM:
         self.cfg = ModelConfig.from_dir(self.path)
         self.tp = tp
         want_mtp = {"off": "never", "mtp": "must"}.get(self.spec.mode, "if_present")
+        if max_seq_len is not None and max_seq_len > self.cfg.max_position_embeddings:
+            raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
+                             f"{self.cfg.max_position_embeddings}")
         self.max_seq_len = max_seq_len or min(self.cfg.max_position_embeddings,
                                               32768 if self.device.type == "cuda" else 8192)
-        kvd = {"auto": self.dtype, "bf16": torch.bfloat16, "fp32": torch.float32, "q8": None}[kv_dtype]
-        if kvd is None:
-            raise SpecfireError("kv_dtype 'q8' needs the Q8 KV-cache kernels, which this build does not have yet")
+        kvd = {"auto": self.dtype, "bf16": torch.bfloat16, "fp32": torch.float32, "q8": Q8_KV}[kv_dtype]
         self.kv_dtype = kvd
         self.tokenizer = Tokenizer(self.path) if os.path.exists(os.path.join(self.path, "tokenizer.json")) else None
         eos = set(self.cfg.eos_token_ids)
@@ -116,10 +131,16 @@ class LLM:
         if tp == 1:
             model_, head = load_local(self.path, self.cfg, self.dtype, self.device, want_mtp, mtp_path, progress)
             self.cfg = model_.cfg
-            trunk = LocalTrunk(model_, self.max_seq_len, kvd)
+            trunk = LocalTrunk(model_, self.max_seq_len, kvd, cuda_graphs)
             self.engine = Engine(trunk, self.tokenizer, eos, head, kvd)
         else:
-            from .dist import build_mesh_engine  # the tensor-parallel mesh
+            try:
+                from .dist import build_mesh_engine  # the tensor-parallel mesh
+            except ModuleNotFoundError as e:
+                if e.name != f"{__package__}.dist":
+                    raise
+                raise SpecfireError(f"tp={tp} needs the tensor-parallel mesh (specfire.dist), which this build "
+                                    f"does not have; use tp=1") from None
             self.engine = build_mesh_engine(self, want_mtp=want_mtp, mtp_path=mtp_path)
         self._closed = False
 

@@ -7,7 +7,8 @@ import argparse
 import json
 import logging
 import sys
-from typing import Any, Callable
+import traceback
+from typing import Callable, NoReturn
 
 from .config import SamplingParams, SpecPolicy, SPEC_MODES
 from .errors import SpecfireError
@@ -26,6 +27,7 @@ def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> Non
     p.add_argument("--spec", default="auto", choices=SPEC_MODES, help="speculation mode")
     p.add_argument("--spec-k", type=int, default=3, help="draft length k (1..10)")
     p.add_argument("--mtp-path", default=None, help="MTP head sidecar safetensors (default: in or beside the checkpoint)")
+    p.add_argument("--eager", action="store_true", help="launch kernels eagerly (no CUDA graphs)")
 
 
 def _load(args: argparse.Namespace):
@@ -33,7 +35,7 @@ def _load(args: argparse.Namespace):
 
     return LLM(args.model, tp=args.tp, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
                max_seq_len=args.max_seq_len, spec=SpecPolicy(mode=args.spec, k=args.spec_k),
-               mtp_path=args.mtp_path, progress=sys.stderr.isatty())
+               mtp_path=args.mtp_path, progress=sys.stderr.isatty(), cuda_graphs=False if args.eager else None)
 
 
 # ---- run ----------------------------------------------------------------------------------------
@@ -76,7 +78,10 @@ def _run(args: argparse.Namespace) -> int:
             sys.stdout.write("\n")
         spec = ""
         if st["route"] != "ar":
-            spec = f", {st['route']} k={st['k']} mean_accept_len {st['mean_accept_len']:.2f}"
+            per_pos = "/".join(f"{a:.2f}" for a in st["accept_per_pos"])
+            spec = (f", k={st['k']} mean_accept_len {st['mean_accept_len']:.2f} "
+                    f"({st['accepted']}/{st['drafted']} drafts accepted in {st['cycles']} cycles, "
+                    f"per position {per_pos or '-'})")
         print(f"[specfire] {st['prompt_tokens']} prompt + {st['generated_tokens']} generated tokens, "
               f"prefill {st['prefill_tok_s']:.1f} tok/s, decode {st['decode_tok_s']:.1f} tok/s, "
               f"route {st['route']}{spec} ({st['route_reason']})", file=sys.stderr)
@@ -134,27 +139,46 @@ register("quantize", "turn an HF checkpoint into a specfire 4-bit checkpoint", "
 register("train", "train the bundled model (needs a GPU)", ".train.cli")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line usage error (the default prints the whole usage block first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="specfire", description="Qwen3.5 inference with lossless MTP speculation")
-    ap.add_argument("-v", "--verbose", action="store_true", help="log to stderr")
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap = _Parser(prog="specfire", description="Qwen3.5 inference with lossless MTP speculation")
+    ap.add_argument("-v", "--verbose", action="store_true", help="log to stderr; tracebacks on errors")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_, add, _) in COMMANDS.items():
         p = sub.add_parser(name, help=help_)
         try:
             add(p)
-        except ImportError:
-            pass
+        except ImportError as e:  # a subcommand whose module this build lacks
+            p.set_defaults(_unavailable=f"'{name}' is not available in this build ({e})")
     return ap
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="[specfire] %(message)s", stream=sys.stderr)
+    if getattr(args, "_unavailable", None):
+        print(f"specfire: error: {args._unavailable}", file=sys.stderr)
+        return 2
     try:
         return COMMANDS[args.command][2](args)
-    except (SpecfireError, ValueError, FileNotFoundError) as e:
-        print(f"specfire: error: {e}", file=sys.stderr)
+    except (SpecfireError, ValueError, OSError) as e:
+        if isinstance(e, BrokenPipeError):  # `specfire run ... | head`: the reader left, not an error
+            sys.stderr.close()
+            return 0
+        if args.verbose:
+            traceback.print_exc()
+        print(f"specfire: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

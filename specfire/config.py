@@ -46,10 +46,12 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim",
                      "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                     "linear_value_head_dim", "linear_conv_kernel_dim"):
+                     "linear_value_head_dim", "linear_conv_kernel_dim", "max_position_embeddings"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(f"config field '{name}' must be a positive integer, got {v!r}")
+        if not self.rms_norm_eps > 0.0:
+            raise ConfigError(f"config field 'rms_norm_eps' must be > 0, got {self.rms_norm_eps!r}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(f"config field 'layer_types' has {len(self.layer_types)} entries but "
                               f"num_hidden_layers is {self.num_hidden_layers}")
@@ -98,32 +100,55 @@ class ModelConfig:
         mt = raw.get("model_type")
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"unsupported model_type {mt!r}; specfire serves {', '.join(SUPPORTED_MODEL_TYPES)}")
-        top = raw
+        top, where = raw, ""
         if mt == "qwen3_5":
             if not isinstance(raw.get("text_config"), dict):
                 raise ConfigError("config.json with model_type 'qwen3_5' has no 'text_config' object")
-            raw = raw["text_config"]
+            raw, where = raw["text_config"], "text_config."
 
         def req(name: str) -> Any:
             if name not in raw or raw[name] is None:
-                raise ConfigError(f"config.json is missing required field '{name}'")
+                raise ConfigError(f"config.json is missing required field '{where}{name}'")
             return raw[name]
+
+        def num(name: str, default: Any, conv: Any, src: dict[str, Any] | None = None) -> Any:
+            v = (raw if src is None else src).get(name, default)
+            try:
+                if isinstance(v, (bool, list, dict, str)) and conv is not bool:
+                    raise TypeError
+                return conv(v)
+            except (TypeError, ValueError, OverflowError):
+                raise ConfigError(f"config field '{where}{name}' must be a number, got {v!r}") from None
 
         n_layers = req("num_hidden_layers")
         layer_types = raw.get("layer_types")
         if layer_types is None:
             interval = raw.get("full_attention_interval", 4)
+            for name, v in (("full_attention_interval", interval), ("num_hidden_layers", n_layers)):
+                if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                    raise ConfigError(f"config field '{where}{name}' must be a positive integer, got {v!r}")
             layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers)]
+        if not isinstance(layer_types, (list, tuple)):
+            raise ConfigError(f"config field '{where}layer_types' must be a list, got {layer_types!r}")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         if not isinstance(rope, dict):
-            raise ConfigError(f"config field 'rope_parameters' must be an object, got {rope!r}")
+            raise ConfigError(f"config field '{where}rope_parameters' must be an object, got {rope!r}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "mrope", None):
             raise ConfigError(f"unsupported rope_type {rope_type!r} in 'rope_parameters'; only default rotary")
-        theta = rope.get("rope_theta", raw.get("rope_theta", 10_000_000.0))
-        prf = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25))
+        theta = num("rope_theta", raw.get("rope_theta", 10_000_000.0), float, rope)
+        prf = num("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25), float, rope)
         eos = raw.get("eos_token_id", top.get("eos_token_id"))
         tie = top.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+        head_dim = raw.get("head_dim")
+        if head_dim is None:
+            hs, nh = req("hidden_size"), req("num_attention_heads")
+            head_dim = hs // nh if isinstance(hs, int) and isinstance(nh, int) and nh > 0 else None
+        try:
+            eos_ids = _as_ids(eos)
+        except (TypeError, ValueError):
+            raise ConfigError(f"config field 'eos_token_id' must be an integer or a list of integers, "
+                              f"got {eos!r}") from None
         return cls(
             vocab_size=req("vocab_size"),
             hidden_size=req("hidden_size"),
@@ -132,19 +157,19 @@ class ModelConfig:
             layer_types=tuple(layer_types),
             num_attention_heads=req("num_attention_heads"),
             num_key_value_heads=req("num_key_value_heads"),
-            head_dim=raw.get("head_dim") or req("hidden_size") // req("num_attention_heads"),
+            head_dim=head_dim,
             linear_num_key_heads=req("linear_num_key_heads"),
             linear_num_value_heads=req("linear_num_value_heads"),
             linear_key_head_dim=req("linear_key_head_dim"),
             linear_value_head_dim=req("linear_value_head_dim"),
             linear_conv_kernel_dim=raw.get("linear_conv_kernel_dim", 4),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            partial_rotary_factor=float(prf),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 262144)),
+            rms_norm_eps=num("rms_norm_eps", 1e-6, float),
+            rope_theta=theta,
+            partial_rotary_factor=prf,
+            max_position_embeddings=num("max_position_embeddings", 262144, int),
             tie_word_embeddings=bool(tie),
-            mtp_num_hidden_layers=int(raw.get("mtp_num_hidden_layers", 0) or 0),
-            eos_token_ids=_as_ids(eos),
+            mtp_num_hidden_layers=num("mtp_num_hidden_layers", 0, lambda v: int(v or 0)),
+            eos_token_ids=eos_ids,
             model_type=mt,
         )
 
@@ -157,7 +182,13 @@ class ModelConfig:
         gen_path = os.path.join(path, "generation_config.json")
         eos = list(cfg.eos_token_ids)
         if os.path.exists(gen_path):
-            for i in _as_ids(_read_json(gen_path).get("eos_token_id")):
+            gen_eos = _read_json(gen_path).get("eos_token_id")
+            try:
+                gen_ids = _as_ids(gen_eos)
+            except (TypeError, ValueError):
+                raise ConfigError(f"{gen_path}: 'eos_token_id' must be an integer or a list of integers, "
+                                  f"got {gen_eos!r}") from None
+            for i in gen_ids:
                 if i not in eos:
                     eos.append(i)
         if tuple(eos) != cfg.eos_token_ids:
@@ -250,6 +281,8 @@ class SamplingParams:
         _check_number("min_p", self.min_p, lo=0.0, hi=1.0)
         if self.seed is not None:
             _check_number("seed", self.seed, lo=0, integer=True)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)

@@ -11,3 +11,7 @@ class CheckpointError(SpecfireError):
 
 class ConfigError(CheckpointError):
     """config.json is missing a field, has a wrong value, or names an unsupported model."""
+
+
+class MeshError(SpecfireError):
+    """A tensor-parallel rank died, hung past the timeout, or failed to start; the mesh is closed."""

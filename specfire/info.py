@@ -5,6 +5,8 @@ import os
 from typing import Any
 
 from .config import FULL, ModelConfig
+from .dist.shard import valid_tp_degrees
+from .errors import CheckpointError
 from .model import loader
 
 
@@ -12,6 +14,9 @@ def describe(path: str | None) -> dict[str, Any]:
     from .api import BUNDLED_MODEL
 
     path = os.path.abspath(path) if path else BUNDLED_MODEL
+    if not os.path.isdir(path):
+        raise CheckpointError(f"model path {path} is not a directory" if path != BUNDLED_MODEL else
+                              f"the bundled model is missing from {path}; pass a checkpoint path")
     cfg = ModelConfig.from_dir(path)
     src = loader.open_checkpoint(path)
     trunk = [n for n in src.names() if not n.startswith("mtp.")]
@@ -30,8 +35,8 @@ def describe(path: str | None) -> dict[str, Any]:
                 for d in msrc.shape(n):
                     s *= d
                 mtp_params += s
-    heads = [cfg.num_attention_heads, cfg.linear_num_key_heads, cfg.linear_num_value_heads]
-    degrees = [d for d in range(1, 65) if all(h % d == 0 for h in heads[1:]) and cfg.num_attention_heads % d == 0]
+    kv_per_token = cfg.n_full * 2 * cfg.num_key_value_heads * cfg.head_dim   # elements, K and V
+    degrees = valid_tp_degrees(cfg)
     return {
         "path": path, "model_type": cfg.model_type, "layers": cfg.num_hidden_layers,
         "gated_deltanet_layers": cfg.n_linear, "full_attention_layers": cfg.n_full,
@@ -45,12 +50,24 @@ def describe(path: str | None) -> dict[str, Any]:
         "tied_embeddings": "lm_head.weight" not in src,
         "parameters": n_params, "mtp_head": msrc is not None, "mtp_parameters": mtp_params,
         "memory_bytes": {"float32": 4 * (n_params + mtp_params), "bfloat16": 2 * (n_params + mtp_params)},
+        # per sequence: attention KV rows grow with the context, the GDN state does not
+        "kv_bytes_per_token": {"float32": 4 * kv_per_token, "bfloat16": 2 * kv_per_token},
+        "recurrent_state_bytes": 4 * cfg.n_linear * (
+            cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+            + (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim),
         "tp_degrees": degrees,
     }
 
 
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
 def format_info(d: dict[str, Any]) -> str:
-    gib = 1024 ** 3
     a, g = d["attention"], d["gated_deltanet"]
     lines = [
         f"model        {d['path']} ({d['model_type']})",
@@ -63,7 +80,9 @@ def format_info(d: dict[str, Any]) -> str:
         f"conv {g['conv_kernel']}",
         f"parameters   {d['parameters'] / 1e6:.2f} M trunk" +
         (f" + {d['mtp_parameters'] / 1e6:.2f} M MTP head" if d["mtp_head"] else " (no MTP head)"),
-        "memory       " + ", ".join(f"{k} {v / gib:.3f} GiB" for k, v in d["memory_bytes"].items()),
+        "weights      " + ", ".join(f"{k} {_size(v)}" for k, v in d["memory_bytes"].items()),
+        "kv cache     " + ", ".join(f"{k} {_size(v)}" for k, v in d["kv_bytes_per_token"].items()) +
+        f" per token; Gated DeltaNet state {_size(d['recurrent_state_bytes'])} per sequence (float32)",
         f"tp degrees   {', '.join(map(str, d['tp_degrees']))}",
     ]
     return "\n".join(lines)

@@ -2,8 +2,13 @@ import os
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+# The test models are tiny: one intra-op thread is as fast as several on an idle machine and far
+# faster on a busy one (threads spinning on shared cores slowed decode up to 60x).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

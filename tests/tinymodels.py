@@ -25,6 +25,12 @@ CONFIGS = {
     "mha": dict(num_attention_heads=2, num_key_value_heads=2, linear_num_key_heads=3, linear_num_value_heads=3,
                 vocab_size=257, head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
                                                               "partial_rotary_factor": 0.5}),
+    # tensor parallelism: tp = 4 with KV heads replicated (2 < 4), an odd vocabulary, an MLP whose
+    # rows do not split evenly; and a single KV head with tied embeddings
+    "tp4": dict(num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=4, linear_num_value_heads=8,
+                intermediate_size=98, vocab_size=151),
+    "kv1": dict(num_attention_heads=4, num_key_value_heads=1, linear_num_key_heads=4, linear_num_value_heads=4,
+                vocab_size=127, tie_word_embeddings=True),
 }
 
 

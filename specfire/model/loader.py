@@ -1,7 +1,9 @@
 """Reading HF safetensors checkpoints (single file or sharded), memory-mapped.
 
 Names are normalised to the trunk's own (`model.language_model.` / `model.` stripped), the vision
-tower is skipped, `mtp.*` is kept apart for the MTP head. Every problem is one CheckpointError
+tower is skipped, `mtp.*` is kept apart for the MTP head. A 4-bit weight (`<name>.qweight`,
+`.scales`, `.zeros`, ops/quant.py) appears under its logical `<name>.weight` and loads as a
+QuantWeight. Every problem is one CheckpointError
 line naming the file, the tensor and what was expected.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ from ..errors import CheckpointError
 USABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SKIP_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.")
 MTP_SIDECAR = "mtp.safetensors"
+QUANT_PARTS = ("qweight", "scales", "zeros")
 
 
 def normalise_name(name: str) -> str | None:
@@ -29,7 +32,7 @@ def normalise_name(name: str) -> str | None:
     for p in ("model.language_model.", "model."):
         if name.startswith(p):
             return name[len(p):]
-    if name == "lm_head.weight":
+    if name in ("lm_head.weight", "lm_head.qweight", "lm_head.scales", "lm_head.zeros"):
         return name
     return "?" + name  # unknown: reported by the caller
 
@@ -41,14 +44,26 @@ class TensorSource:
         self._where: dict[str, str] = {}     # normalised name -> file
         self._raw: dict[str, str] = {}       # normalised name -> name in file
         self._handles: dict[str, object] = {}
+        self._quant: dict[str, tuple[str, bool]] = {}  # logical `.weight` name -> (base name, hadamard)
         for f in files:
             h = self._open(f)
+            hadamard = _file_hadamard(h, f)
             for raw in h.keys():
                 n = normalise_name(raw)
                 if n is None:
                     continue
                 self._where[n] = f
                 self._raw[n] = raw
+                if n.endswith(".qweight"):
+                    self._quant[n[:-len("qweight")] + "weight"] = (n[:-len(".qweight")], hadamard)
+        for logical, (base, _) in self._quant.items():
+            for part in QUANT_PARTS:
+                if base + "." + part not in self._where:
+                    raise CheckpointError(f"4-bit weight '{base}' has no '{part}' tensor")
+            self._where[logical] = self._where[base + ".qweight"]
+            self._raw[logical] = self._raw[base + ".qweight"]
+            for part in QUANT_PARTS:
+                del self._where[base + "." + part]
 
     def _open(self, f: str):
         if f not in self._handles:
@@ -69,11 +84,35 @@ class TensorSource:
     def file_of(self, name: str) -> str:
         return self._where[name]
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._open(self._where[name]).get_slice(self._raw[name]).get_shape())
+    def is_quantized(self, name: str) -> bool:
+        return name in self._quant
 
-    def get(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
-        """The tensor (or a slice of it, reading only those bytes)."""
+    def shape(self, name: str) -> tuple[int, ...]:
+        s = tuple(self._open(self._where[name]).get_slice(self._raw[name]).get_shape())
+        return (s[0], 2 * s[1]) if name in self._quant else s
+
+    def _get_quant(self, name: str, index: tuple[slice, ...] | None):
+        from ..ops.quant import QuantWeight
+
+        base, hadamard = self._quant[name]
+        if index is not None:
+            raise CheckpointError(f"tensor '{name}' is 4-bit; 4-bit checkpoints load with tp=1 only")
+        f = self._where[name]
+        raw = self._raw[name][:-len("qweight")]
+        try:
+            q, s, z = (self._open(f).get_tensor(raw + p) for p in QUANT_PARTS)
+            return QuantWeight.from_stored(q, s, z, hadamard)
+        except (ValueError, RuntimeError) as e:
+            raise CheckpointError(f"4-bit weight '{raw[:-1]}' in {f} is malformed: {e}") from None
+        except Exception as e:
+            raise CheckpointError(f"cannot read 4-bit weight '{raw[:-1]}' from {f}: the file is truncated "
+                                  f"or corrupt ({e})") from None
+
+    def get(self, name: str, index: tuple[slice, ...] | None = None):
+        """The tensor (or a slice of it, reading only those bytes); a QuantWeight (CPU) for a
+        4-bit weight."""
+        if name in self._quant:
+            return self._get_quant(name, index)
         f = self._where[name]
         try:
             if index is None:
@@ -87,6 +126,22 @@ class TensorSource:
             raise CheckpointError(f"tensor '{self._raw[name]}' in {f} has dtype {t.dtype}; specfire reads "
                                   f"float32, bfloat16 or float16")
         return t
+
+
+def _file_hadamard(handle, f: str) -> bool:
+    """Whether the 4-bit weights of one file are Hadamard-rotated (its metadata says)."""
+    meta = handle.metadata() or {}
+    q = meta.get("quantization_config")
+    if q is None:
+        return False
+    try:
+        cfg = json.loads(q)
+    except json.JSONDecodeError:
+        raise CheckpointError(f"{f} has malformed quantization_config metadata") from None
+    from ..ops.quant import FORMAT, FORMAT_VERSION
+    if cfg.get("quant_method") != FORMAT or cfg.get("version", 0) > FORMAT_VERSION or cfg.get("bits") != 4:
+        raise CheckpointError(f"{f} uses quantization {cfg}; specfire reads {FORMAT} version <= {FORMAT_VERSION}")
+    return bool(cfg.get("hadamard", False))
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -114,6 +169,10 @@ def checkpoint_files(path: str) -> list[str]:
 def open_checkpoint(path: str) -> TensorSource:
     files = checkpoint_files(path)
     src = TensorSource(files)
+    scaled = [n for n in src.names() if n.endswith("weight_scale_inv")]
+    if scaled:
+        raise CheckpointError(f"{path} is an FP8-quantized checkpoint (tensor '{scaled[0]}'); specfire reads "
+                              f"float32, bfloat16 or float16 checkpoints")
     unknown = sorted(n[1:] for n in src.names() if n.startswith("?"))
     if unknown:
         raise CheckpointError(f"unexpected tensor '{unknown[0]}' in {path} (not a Qwen3.5 trunk, MTP or vision "
@@ -174,7 +233,14 @@ def load_module(module: torch.nn.Module, src: TensorSource, prefix: str, *, dtyp
                                   f"(file {os.path.basename(src.file_of(n))})")
         owner, _, attr = (n[len(prefix):]).rpartition(".")
         sub = module.get_submodule(owner) if owner else module
-        setattr(sub, attr, torch.nn.Parameter(t.to(device=device, dtype=dtype).contiguous(), requires_grad=False))
+        if not isinstance(t, torch.Tensor):  # a 4-bit QuantWeight takes the Linear's weight slot
+            if attr != "weight" or type(sub).__name__ != "Linear":
+                raise CheckpointError(f"tensor '{n}' is stored 4-bit, but the {what} needs it dense "
+                                      f"(only projection weights may be quantized)")
+            delattr(sub, attr)
+            setattr(sub, attr, t.to(device=device, dtype=dtype))
+        else:
+            setattr(sub, attr, torch.nn.Parameter(t.to(device=device, dtype=dtype).contiguous(), requires_grad=False))
         if bar is not None:
             bar.update(1)
     if bar is not None:

@@ -23,8 +23,17 @@ from ..config import FULL, LINEAR, ModelConfig
 from ..ops import attention as attn_ops
 from ..ops import gdn as gdn_ops
 from ..ops import norm as norm_ops
+from ..ops.act import silu_mul
 from ..ops.linear import linear
 from ..ops.rope import apply_rope, rope_cos_sin
+from ..ops.rowwise import rowwise
+
+
+def positions(pos0, t: int, device: torch.device) -> torch.Tensor:
+    """Positions [t] from pos0: an int, or a one-element device tensor (CUDA-graph replay)."""
+    if isinstance(pos0, torch.Tensor):
+        return pos0 + torch.arange(t, device=device)
+    return torch.arange(pos0, pos0 + t, device=device)
 
 
 class Linear(nn.Module):
@@ -68,7 +77,19 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, rows: bool) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x, rows)) * self.up_proj(x, rows), rows)
+        act = rowwise(silu_mul, rows, self.gate_proj(x, rows), self.up_proj(x, rows))
+        return self.down_proj(act, rows)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+
+def _rope(pos: torch.Tensor, cfg: ModelConfig, rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if not rows or pos.shape[0] == 1 or pos.device.type != "cpu":
+        return rope_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta)
+    cs = [rope_cos_sin(pos[i:i + 1], cfg.rotary_dim, cfg.rope_theta) for i in range(pos.shape[0])]
+    return torch.cat([c for c, _ in cs]), torch.cat([s for _, s in cs])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,12 +98,15 @@ class MLP(nn.Module):
 
 @dataclass
 class LayerCache:
-    """State of one layer for one sequence. Attention: k, v [max_seq, n_kv, D]. GDN: conv window
+    """State of one layer for one sequence. Attention: k, v [max_seq, n_kv, D] (with a Q8 cache,
+    int8 plus k_scale, v_scale [max_seq, n_kv, D/32] float16; see ops/attention.py). GDN: conv window
     [K-1, conv_dim] and recurrent state [Hv, dk, dv], both float32, plus the per-row capture of
     the last rows-mode forward (conv `full` [K-1+R, C] and states [R, Hv, dk, dv])."""
 
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
     conv: torch.Tensor | None = None
     rec: torch.Tensor | None = None
     cap_conv: torch.Tensor | None = None
@@ -107,9 +131,14 @@ class SequenceState:
         layers = []
         for t in n_layers_types:
             if t == FULL:
-                layers.append(LayerCache(
+                lc = LayerCache(
                     k=torch.zeros(max_seq, n_kv, cfg.head_dim, device=device, dtype=kv_dtype),
-                    v=torch.zeros(max_seq, n_kv, cfg.head_dim, device=device, dtype=kv_dtype)))
+                    v=torch.zeros(max_seq, n_kv, cfg.head_dim, device=device, dtype=kv_dtype))
+                if kv_dtype == attn_ops.Q8_KV:
+                    ns = cfg.head_dim // attn_ops.q8_group(cfg.head_dim)
+                    lc.k_scale = torch.zeros(max_seq, n_kv, ns, device=device, dtype=torch.float16)
+                    lc.v_scale = torch.zeros(max_seq, n_kv, ns, device=device, dtype=torch.float16)
+                layers.append(lc)
             else:
                 layers.append(LayerCache(
                     conv=torch.zeros(cfg.linear_conv_kernel_dim - 1, cd, device=device, dtype=torch.float32),
@@ -166,17 +195,16 @@ class GatedAttention(nn.Module):
         d = self.head_dim
         qg = self.q_proj(x, rows).view(t, self.n_heads, 2 * d)        # [T, Hq, 2D]
         q, gate = qg[..., :d], qg[..., d:]
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x, rows).view(t, self.n_kv, d))
+        q = rowwise(self.q_norm, rows, q)
+        k = rowwise(self.k_norm, rows, self.k_proj(x, rows).view(t, self.n_kv, d))
         v = self.v_proj(x, rows).view(t, self.n_kv, d)
         cos, sin = cos_sin
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        lc.k[pos0:pos0 + t] = k.to(lc.k.dtype)
-        lc.v[pos0:pos0 + t] = v.to(lc.v.dtype)
+        attn_ops.kv_write(lc, pos0, k, v)
         fn = attn_ops.attention_rows if rows else attn_ops.attention_prefill
-        o = fn(q, lc.k, lc.v, pos0, self.scale).to(x.dtype)            # [T, Hq, D]
-        o = o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+        o = fn(q, lc.k, lc.v, pos0, self.scale, lc.k_scale, lc.v_scale).to(x.dtype)  # [T, Hq, D]
+        o = o.reshape(t, -1) * rowwise(torch.sigmoid, rows, gate.reshape(t, -1))
         return self.o_proj(o, rows)
 
 
@@ -202,21 +230,31 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, h)
 
+    def _log_decay(self, a: torch.Tensor) -> torch.Tensor:
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+
     def forward(self, x: torch.Tensor, lc: LayerCache, rows: bool) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.in_proj_qkv(x, rows)                                 # [T, conv_dim]
         z = self.in_proj_z(x, rows).view(t, self.hv, self.dv)
         b = self.in_proj_b(x, rows)
         a = self.in_proj_a(x, rows)
-        conv_out, full = gdn_ops.conv_window(qkv.float(), lc.conv, self.conv1d.weight[:, 0, :])
+        w = self.conv1d.weight[:, 0, :]
+        if rows and t > 1 and x.device.type == "cpu":  # per row, each with its own window (ops/rowwise.py)
+            xf = qkv.float()
+            full = torch.cat([lc.conv.to(xf.dtype), xf], dim=0)
+            kw = lc.conv.shape[0]
+            conv_out = torch.cat([gdn_ops.conv_window(xf[i:i + 1], full[i:i + kw], w)[0] for i in range(t)])
+        else:
+            conv_out, full = gdn_ops.conv_window(qkv.float(), lc.conv, w)
         q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(t, self.hk, self.dk)
         k = k.reshape(t, self.hk, self.dk)
         v = v.reshape(t, self.hv, self.dv)
-        beta = torch.sigmoid(b.float())
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6) * (self.dk ** -0.5)
-        k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
+        beta = rowwise(torch.sigmoid, rows, b.float())
+        g = rowwise(self._log_decay, rows, a)
+        q = rowwise(_l2norm, rows, q) * (self.dk ** -0.5)
+        k = rowwise(_l2norm, rows, k)
         rep = self.hv // self.hk
         if rep > 1:  # value head j reads key head j // rep
             q = q.repeat_interleave(rep, dim=1)
@@ -228,7 +266,7 @@ class GatedDeltaNet(nn.Module):
             o, s = gdn_ops.gdn_chunked(q, k, v, g, beta, lc.rec)
             lc.rec.copy_(s)
             lc.conv.copy_(full[-lc.conv.shape[0]:])
-        o = self.norm(o.to(x.dtype), z)                                 # [T, Hv, dv]
+        o = rowwise(self.norm, rows, o.to(x.dtype), z)                  # [T, Hv, dv]
         return self.out_proj(o.reshape(t, self.value_dim), rows)
 
 
@@ -245,13 +283,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, pos0: int, cos_sin, lc: LayerCache, rows: bool) -> torch.Tensor:
-        h = self.input_layernorm(x)
+        h = rowwise(self.input_layernorm, rows, x)
         if self.kind == FULL:
             h = self.self_attn(h, pos0, cos_sin, lc, rows)
         else:
             h = self.linear_attn(h, lc, rows)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x), rows)
+        post = self.post_attention_layernorm
+        x, h = rowwise(lambda a, b: norm_ops.add_rms_norm(a, b, post.weight, post.eps), rows, x, h)
+        return x + self.mlp(h, rows)                                    # x += h; h = norm(x) above
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,11 +326,11 @@ class Qwen35Trunk(nn.Module):
         """ids [T] at positions pos0.. -> (post-norm hidden [T, H], float32 logits [T or 1, V] or None)."""
         x = self.embed_tokens(ids)
         t = ids.shape[0]
-        pos = torch.arange(pos0, pos0 + t, device=ids.device)
-        cos_sin = rope_cos_sin(pos, self.cfg.rotary_dim, self.cfg.rope_theta)
+        pos = positions(pos0, t, ids.device)
+        cos_sin = _rope(pos, self.cfg, rows)
         for layer, lc in zip(self.layers, state.layers):
             x = layer(x, pos0, cos_sin, lc, rows)
-        h = self.norm(x)
+        h = rowwise(self.norm, rows, x)
         if logits == "none":
             return h, None
         hl = h if logits == "all" else h[-1:]
@@ -319,10 +358,11 @@ class MtpHead(nn.Module):
                 rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """emb [R, H] embeddings of tokens at p+1, hidden [R, H] at p (positions pos0..) ->
         (pre-norm block output [R, H], post-norm output [R, H] that the lm_head scores)."""
-        x = torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1)
+        x = torch.cat([rowwise(self.pre_fc_norm_embedding, rows, emb),
+                       rowwise(self.pre_fc_norm_hidden, rows, hidden)], dim=-1)
         x = self.fc(x, rows)
         t = x.shape[0]
-        pos = torch.arange(pos0, pos0 + t, device=x.device)
-        cos_sin = rope_cos_sin(pos, self.cfg.rotary_dim, self.cfg.rope_theta)
+        pos = positions(pos0, t, x.device)
+        cos_sin = _rope(pos, self.cfg, rows)
         x = self.layers[0](x, pos0, cos_sin, state.layers[0], rows)
-        return x, self.norm(x)
+        return x, rowwise(self.norm, rows, x)

@@ -3,11 +3,67 @@
 Cache layout per layer: k, v [max_seq, n_kv, head_dim]; row p holds position p. Query rows sit at
 consecutive positions pos0 .. pos0+R-1 and read keys 0 .. their own position, so rows past the
 committed length (rejected drafts) are never read and are simply overwritten later.
+
+Q8 cache (kv dtype `Q8_KV`): k, v hold int8 values and k_scale, v_scale [max_seq, n_kv, D/G]
+float16 hold one scale per group of G = `q8_group(D)` elements (32 when D allows), quantized
+symmetrically (absmax/127) when a row is written, so a row's values never change after writing.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+Q8_KV = torch.int8          # the kv dtype that selects the Q8 cache layout
+Q8_GROUP = 32
+
+
+def q8_group(head_dim: int) -> int:
+    """Elements per Q8 scale: 32, or the whole head when it is narrower."""
+    g = min(Q8_GROUP, head_dim)
+    if head_dim % g:
+        raise ValueError(f"Q8 KV cache needs head_dim divisible by {g}, got head_dim={head_dim}")
+    return g
+
+
+def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (int8 [..., D], float16 scales [..., D/G]). Divides by the stored (fp16) scale,
+    so dequantisation reproduces exactly what the rounding saw."""
+    d = x.shape[-1]
+    g = q8_group(d)
+    xg = x.float().reshape(*x.shape[:-1], d // g, g)
+    scale = (xg.abs().amax(-1) / 127.0).to(torch.float16)
+    div = scale.float().masked_fill(scale == 0, 1.0)
+    q = torch.round(xg / div[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(x.shape), scale
+
+
+def dequantize_q8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of quantize_q8, float32 (exact: int8 x fp16 fits a float32 mantissa)."""
+    g = q.shape[-1] // scale.shape[-1]
+    return (q.float().reshape(*scale.shape, g) * scale.float()[..., None]).reshape(q.shape)
+
+
+def kv_write(lc, pos0, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store rows k, v [T, n_kv, D] at positions pos0.. of a layer cache (quantizing for Q8).
+    `pos0` is an int, or a one-element int64 device tensor (CUDA-graph capturable)."""
+    t = k.shape[0]
+    if lc.k.dtype == Q8_KV:
+        kq, ks = quantize_q8(k)
+        vq, vs = quantize_q8(v)
+        pairs = ((lc.k, kq), (lc.v, vq), (lc.k_scale, ks), (lc.v_scale, vs))
+    else:
+        pairs = ((lc.k, k.to(lc.k.dtype)), (lc.v, v.to(lc.v.dtype)))
+    if isinstance(pos0, torch.Tensor):
+        idx = pos0 + torch.arange(t, device=k.device)
+        for dst, src in pairs:
+            dst.index_copy_(0, idx, src)
+    else:
+        for dst, src in pairs:
+            dst[pos0:pos0 + t] = src
+
+
+def _dequant_prefix(cache: torch.Tensor, scale: torch.Tensor | None, n: int) -> torch.Tensor:
+    return cache[:n] if scale is None else dequantize_q8(cache[:n], scale[:n])
 
 
 def attention_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -45,5 +101,32 @@ def attention_rows_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     return torch.stack(outs)
 
 
-attention_prefill = attention_prefill_ref
-attention_rows = attention_rows_ref
+def attention_rows_q8_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int,
+                          scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
+    """Reference for a Q8 cache: dequantize the rows read, then attention_rows_ref."""
+    n = pos0 + q.shape[0]
+    return attention_rows_ref(q, dequantize_q8(k_cache[:n], k_scale[:n]),
+                              dequantize_q8(v_cache[:n], v_scale[:n]), pos0, scale)
+
+
+def _use_kernel(q: torch.Tensor) -> bool:
+    return q.is_cuda and q.shape[-1] in (16, 32, 64, 128, 256)
+
+
+def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int, scale: float,
+                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode / verify rows (contract of attention_rows_ref); the Triton kernel on CUDA."""
+    if _use_kernel(q):
+        from .attention_kernels import attention_rows_triton
+        return attention_rows_triton(q, k_cache, v_cache, pos0, scale, k_scale, v_scale)
+    if k_scale is not None:
+        return attention_rows_q8_ref(q, k_cache, v_cache, pos0, scale, k_scale, v_scale)
+    return attention_rows_ref(q, k_cache, v_cache, pos0, scale)
+
+
+def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int, scale: float,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Prefill rows (contract of attention_prefill_ref); a Q8 cache is dequantized for the rows read."""
+    n = pos0 + q.shape[0]
+    return attention_prefill_ref(q, _dequant_prefix(k_cache, k_scale, n), _dequant_prefix(v_cache, v_scale, n),
+                                 pos0, scale)

@@ -32,11 +32,16 @@ class MtpDrafter:
     steps feed the head its own output (`feed`: "post" = after mtp.norm, "pre" = before) and its
     previous draft, one position further. Before step 1 it catches its KV cache up with the rows
     the trunk committed last cycle (their true hidden states and tokens), in the same forward.
+
+    The default feed is "pre", the better of the two measured (bench/spec_cpu.py and
+    bench/bundled_accept.py, greedy, mean_accept_len at k = 2/3/4): on a head fitted for one step
+    (tests/specfit.py) pre 2.149/2.255/2.269 vs post 2.131/2.161/2.168; on the bundled model (its
+    head trained chained with the post feed) pre 2.461/3.006/3.303 vs post 2.449/3.000/3.303.
     """
 
     name = "mtp"
 
-    def __init__(self, head: MtpHead, trunk: Trunk, max_seq: int, kv_dtype: torch.dtype, feed: str = "post"):
+    def __init__(self, head: MtpHead, trunk: Trunk, max_seq: int, kv_dtype: torch.dtype, feed: str = "pre"):
         if feed not in ("post", "pre"):
             raise ValueError(f"feed must be 'post' or 'pre', got {feed!r}")
         self.head, self.trunk, self.feed = head, trunk, feed
@@ -44,6 +49,10 @@ class MtpDrafter:
         self._hidden: torch.Tensor | None = None   # trunk hidden rows not yet fed to the head
         self._tokens: list[int] = []               # tokens following those rows (all but the last)
         self._pos0 = 0
+        self.graphs = None
+        if getattr(trunk, "graphs", None) is not None:  # the trunk replays CUDA graphs: so does the chain
+            from .graphs import MtpGraphs
+            self.graphs = MtpGraphs(head, trunk.embed, trunk.lm_logits, self.state, feed)
 
     @torch.inference_mode()
     def begin(self, prompt: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -60,6 +69,8 @@ class MtpDrafter:
             return [], None
         dev = self._hidden.device
         toks = torch.tensor(self._tokens + [last], device=dev)
+        if sp.greedy and self.graphs is not None:
+            return self.graphs.draft(toks, self._hidden, self._pos0, k), None
         pre, post = self.head(self.trunk.embed(toks), self._hidden, self._pos0, self.state, rows=True)
         p = self._pos0 + toks.shape[0] - 1                                   # position of the last row
         h_pre, h_post = pre[-1:], post[-1:]
@@ -89,38 +100,50 @@ class MtpDrafter:
 
 class NgramDrafter:
     """Prompt lookup: find the most recent earlier occurrence of the longest suffix n-gram
-    (n from n_max down to n_min) and propose the tokens that followed it. No model."""
+    (n from n_max down to n_min) and propose the tokens that followed it. No model.
+
+    An index per n maps each n-gram to the start of its latest occurrence that has a follower; it
+    is updated as tokens arrive (O(n_max) per token), so a proposal costs O(n_max) dict lookups
+    whatever the context length, instead of a scan of the whole context."""
 
     name = "ngram"
 
     def __init__(self, n_min: int = 1, n_max: int = 4):
+        for nm, v in (("n_min", n_min), ("n_max", n_max)):
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"ngram {nm} must be an integer, got {v!r}")
         if not (1 <= n_min <= n_max):
-            raise ValueError(f"ngram sizes need 1 <= n_min <= n_max, got {n_min}, {n_max}")
+            raise ValueError(f"ngram sizes need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
         self.n_min, self.n_max = n_min, n_max
         self.tokens: list[int] = []
-        self._last: int | None = None
+        self._index: dict[int, dict[tuple[int, ...], int]] = {}
 
-    def begin(self, prompt: torch.Tensor, hidden: torch.Tensor) -> None:
-        self.tokens = prompt.tolist()
-        self._last = None
+    def begin(self, prompt: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        self.tokens = []
+        self._index = {n: {} for n in range(self.n_min, self.n_max + 1)}
+        self._extend(prompt.tolist())
+
+    def _extend(self, toks: list[int]) -> None:
+        ctx = self.tokens
+        for t in toks:
+            ctx.append(t)
+            end = len(ctx) - 1                      # the n-grams ending just before `t` now have a follower
+            for n, idx in self._index.items():
+                if end >= n:
+                    idx[tuple(ctx[end - n:end])] = end - n
 
     def propose(self, last: int, pos: int, k: int, sp: SamplingParams,
                 gen: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
-        self._last = last
+        self._extend([last])
         if k <= 0:
             return [], None
-        ctx = self.tokens + [last]
+        ctx = self.tokens
         L = len(ctx)
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
-            pat = ctx[L - n:]
-            for i in range(L - n - 1, -1, -1):
-                if ctx[i:i + n] == pat:
-                    follow = ctx[i + n:i + n + k]
-                    if follow:
-                        return follow, None
+            i = self._index[n].get(tuple(ctx[L - n:]))
+            if i is not None:
+                return ctx[i + n:i + n + k], None
         return [], None
 
-    def commit(self, out: list[int], hidden: torch.Tensor) -> None:
-        if self._last is not None:
-            self.tokens.append(self._last)
-        self.tokens.extend(out[:-1])
+    def commit(self, out: list[int], hidden: torch.Tensor | None) -> None:
+        self._extend(out[:-1])                      # the last one comes back as `last`

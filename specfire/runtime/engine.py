@@ -41,13 +41,14 @@ class Engine:
 
     def __init__(self, trunk: Trunk, tokenizer: Tokenizer | None, eos_ids: set[int],
                  mtp_head: MtpHead | None, kv_dtype: torch.dtype, topology: str = "single",
-                 refused: frozenset[str] = frozenset(), mtp_feed: str = "post"):
+                 refused: frozenset[str] = frozenset(), mtp_feed: str = "pre",
+                 ngram: tuple[int, int] = (1, 4)):
         self.trunk = trunk
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.topology = topology
         self.refused = refused
-        self.drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
+        self.drafters: dict[str, Drafter] = {"ngram": NgramDrafter(*ngram)}
         if mtp_head is not None:
             self.drafters["mtp"] = MtpDrafter(mtp_head, trunk, trunk.max_seq, kv_dtype, feed=mtp_feed)
 
@@ -59,9 +60,11 @@ class Engine:
         vocab = self.trunk.cfg.vocab_size
         if len(ids) == 0:
             raise ValueError("prompt is empty: give at least one token")
-        bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool) or not (0 <= i < vocab)]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is out of range [0, {vocab})")
+        for i in ids:
+            if not isinstance(i, int) or isinstance(i, bool):
+                raise ValueError(f"prompt token id {i!r} is not an integer")
+            if not 0 <= i < vocab:
+                raise ValueError(f"prompt token id {i!r} is out of range [0, {vocab})")
         if len(ids) >= self.trunk.max_seq:
             raise ValueError(f"prompt has {len(ids)} tokens; max_seq_len is {self.trunk.max_seq} "
                              f"(room for at least one generated token is needed)")
@@ -110,6 +113,7 @@ class Engine:
             "prompt_tokens": len(ids), "generated_tokens": n_gen, "route": route, "route_reason": reason,
             "k": k, "cycles": stats.cycles, "drafted": stats.drafted, "accepted": stats.accepted,
             "mean_accept_len": stats.mean_accept_len, "accept_per_pos": stats.accept_per_pos,
+            "accepted_per_pos": list(stats.accepted_per_pos),
             "prefill_s": prefill_s, "decode_s": decode_s,
             "prefill_tok_s": len(ids) / prefill_s if prefill_s > 0 else 0.0,
             "decode_tok_s": (n_gen - 1) / decode_s if decode_s > 0 and n_gen > 1 else 0.0,

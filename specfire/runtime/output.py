@@ -39,6 +39,8 @@ class OutputBuilder:
         self.token_ids.append(token)
         if token in self.eos:
             self.finish_reason = "stop"
+            if self.detok is not None:      # a dangling partial character is released, not dropped
+                self._text += self.detok.flush()
             return self._release(len(self._text))
         if self.detok is not None:
             self._text += self.detok.push(token)

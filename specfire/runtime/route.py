@@ -27,4 +27,6 @@ def select_route(policy: SpecPolicy, mtp_loaded: bool, sp: SamplingParams, topol
         return "ar", "auto: a single token leaves nothing to speculate"
     if mtp_loaded and "mtp" not in refused:
         return "mtp", f"auto: MTP head loaded (k={policy.k}, {topology})"
+    if mtp_loaded:
+        return "ar", f"auto: the MTP drafter cannot be served on topology {topology!r}"
     return "ar", "auto: no MTP head loaded"

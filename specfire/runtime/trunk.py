@@ -2,10 +2,11 @@
 
 Rollback choice: per-row state capture. A rows-mode forward (decode = 1 row, verify = k+1 rows)
 leaves the live Gated DeltaNet state untouched and keeps the state and conv window after every
-row; `commit(n)` copies slot n into the live state. Measured on the CPU (tests/test_spec.py and
-bench notes in docs/BENCHMARKS.md): a commit costs one state copy per GDN layer, well under 1% of
-a verify, while snapshot + replay would re-run up to k rows of every GDN layer after each partial
-accept. Memory: (k+1) states per GDN layer, e.g. 4 x 151 MB on the 27B at k = 3.
+row; `commit(n)` copies slot n into the live state. Measured on the CPU (bench/spec_cpu.py,
+docs/BENCHMARKS.md): a commit costs one state copy per GDN layer, 0.3-1% of a verify of k+1 rows
+(k = 1..4; 0.12 ms vs 32-46 ms on a 512-wide 8-layer model), while snapshot + replay would re-run
+up to k rows of every GDN layer after each partial accept. Memory: (k+1) captured states per GDN
+layer, e.g. 4 x 151 MB over all layers of the 27B at k = 3.
 """
 from __future__ import annotations
 
@@ -47,12 +48,18 @@ class Trunk(Protocol):
 class LocalTrunk:
     """The trunk on one device."""
 
-    def __init__(self, model: Qwen35Trunk, max_seq: int, kv_dtype: torch.dtype):
+    def __init__(self, model: Qwen35Trunk, max_seq: int, kv_dtype: torch.dtype, cuda_graphs: bool | None = None):
         self.model = model
         self.cfg = model.cfg
         self.max_seq = max_seq
         self.device = model.embed_tokens.weight.device
         self.state: SequenceState = model.new_state(max_seq, kv_dtype)
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        self.graphs = None
+        if cuda_graphs:
+            from .graphs import RowsGraphs
+            self.graphs = RowsGraphs(model, self.state)
 
     def begin(self) -> None:
         self.state.reset()
@@ -72,7 +79,10 @@ class LocalTrunk:
 
     @torch.inference_mode()
     def verify(self, ids: torch.Tensor, pos: int) -> Rows:
-        h, l = self.model(ids, pos, self.state, rows=True, logits="all")
+        if self.graphs is not None:
+            h, l = self.graphs.run(ids, pos)
+        else:
+            h, l = self.model(ids, pos, self.state, rows=True, logits="all")
         return Rows(l, h)
 
     def commit(self, n: int) -> None:
@@ -92,6 +102,7 @@ class LocalTrunk:
         return self.model.logits(h, rows=True)
 
     def close(self) -> None:
+        self.graphs = None
         self.state = None  # type: ignore[assignment]
         self.model = None  # type: ignore[assignment]
         if torch.cuda.is_available():

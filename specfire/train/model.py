@@ -8,7 +8,7 @@ against the MtpHead run step by step.
 
 MTP training follows the inference convention exactly. Step 1 at position p sees the trunk's
 post-norm hidden at p and the embedding of token p+1 and predicts token p+2. Step s >= 2 at
-position p sees step s-1's post-norm output at p-1 (the drafter's default "post" feed) and token
+position p sees step s-1's post-norm output at p-1 (the drafter's "post" feed) and token
 p+1 (teacher forcing: a wrong draft ends acceptance anyway), and attends to what the head's KV
 cache holds at that moment during decoding: step-1 rows at positions <= p-s+1 and the step-j row
 at position p-s+j for 2 <= j <= s.

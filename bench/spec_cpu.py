@@ -1,0 +1,157 @@
+"""CPU figures for speculative decoding on the fitted tiny model (tests/specfit.py).
+
+Prints, per k = 1..4: mean_accept_len (1 + accepted/cycles), acceptance per draft position, MTP and
+AR decode tok/s and their ratio; the same for n-gram lookup; acceptance with the self-fed hidden
+taken after vs before mtp.norm (MtpDrafter feed='post'|'pre'); and the cost of a rollback
+(trunk.commit) relative to a verify of k+1 rows, on the tiny model and on a mid-size random one.
+The last line is one JSON object with every figure.
+
+    PYTHONPATH=$PWD python bench/spec_cpu.py [--prompts 12] [--tokens 64] [--threads 1] [--rounds 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+import specfit  # noqa: E402
+from tinymodels import make_checkpoint  # noqa: E402
+
+from specfire import LLM, SamplingParams  # noqa: E402
+from specfire.runtime import spec as spec_mod  # noqa: E402
+
+MID = dict(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+           num_attention_heads=8, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
+           linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64)
+
+
+def spec_run(llm: LLM, prompts: list[list[int]], n: int, spec, rounds: int = 1) -> dict:
+    """Greedy requests; acceptance pooled over every cycle of every request; decode time per
+    prompt is the least over `rounds` repeats (the 2-core machine is shared, so load spikes)."""
+    cycles: list[tuple[int, int]] = []
+    orig = spec_mod.SpecStats.record
+
+    def record(self, k, acc):
+        if k:
+            cycles.append((k, acc))
+        orig(self, k, acc)
+    tokens, decode_s, outs = 0, 0.0, []
+    for p in prompts:
+        best = None
+        for r in range(rounds):
+            spec_mod.SpecStats.record = record if r == 0 else orig
+            try:
+                res = llm.generate(p, SamplingParams(max_tokens=n, ignore_eos=True), spec=spec)
+            finally:
+                spec_mod.SpecStats.record = orig
+            best = res.stats["decode_s"] if best is None else min(best, res.stats["decode_s"])
+        outs.append(res.token_ids)
+        tokens += res.stats["generated_tokens"] - 1
+        decode_s += best
+    kmax = max((k for k, _ in cycles), default=0)
+    per_pos = [sum(a > i for k, a in cycles if k > i) / max(1, sum(k > i for k, _ in cycles)) for i in range(kmax)]
+    return {
+        "mean_accept_len": 1 + sum(a for _, a in cycles) / len(cycles) if cycles else 1.0,
+        "accept_per_pos": per_pos,
+        "all_accepted_frac": sum(a == k for k, a in cycles) / len(cycles) if cycles else 0.0,
+        "decode_tok_s": tokens / decode_s,
+        "outputs": outs,
+    }
+
+
+def rollback_cost(llm: LLM, ks: list[int], reps: int) -> list[dict]:
+    trunk = llm.engine.trunk
+    v = llm.cfg.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, v, (64,), generator=g)
+    rows = []
+    for k in ks:
+        ids = torch.randint(0, v, (k + 1,), generator=g)
+        tv, tc = [], []
+        for _ in range(reps):
+            trunk.begin()
+            trunk.prefill(prompt)
+            t0 = time.perf_counter()
+            trunk.verify(ids, 64)
+            t1 = time.perf_counter()
+            trunk.commit(k // 2)
+            t2 = time.perf_counter()
+            tv.append(t1 - t0)
+            tc.append(t2 - t1)
+        v_ms, c_ms = min(tv) * 1e3, min(tc) * 1e3
+        rows.append({"k": k, "verify_ms": v_ms, "commit_ms": c_ms, "commit_over_verify": c_ms / v_ms})
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=3, help="repeats per request; the fastest counts")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    root = tempfile.mkdtemp(prefix="spec_cpu_")
+    t0 = time.perf_counter()
+    path = specfit.fitted_checkpoint(root)
+    fit_s = time.perf_counter() - t0
+    prompts = specfit.prompts(args.prompts, seed=500)
+    res: dict = {"threads": args.threads, "prompts": args.prompts, "tokens": args.tokens, "fit_s": fit_s}
+
+    with LLM(path, progress=False) as llm:
+        spec_run(llm, prompts[:2], 16, "off")                      # warm-up
+        ar = spec_run(llm, prompts, args.tokens, "off")
+        res["ar_decode_tok_s"] = ar["decode_tok_s"]
+        print(f"fitted tiny model (hidden 64, 4 layers, vocab 131), {args.prompts} prompts x {args.tokens} "
+              f"tokens, {args.threads} thread(s); fit {fit_s:.1f} s")
+        print(f"AR decode {ar['decode_tok_s']:.0f} tok/s")
+        print(f"{'route':6} {'k':>2} {'mean_acc_len':>12} {'tok/s':>8} {'AR tok/s':>8} {'vs AR':>6}  accept per position")
+        res["mtp"], res["ngram"] = [], []
+        for route in ("mtp", "ngram"):
+            for k in (1, 2, 3, 4):
+                r = spec_run(llm, prompts, args.tokens, {"mode": route, "k": k}, args.rounds)
+                a = spec_run(llm, prompts, args.tokens, "off", args.rounds)       # AR again, right beside: a shared
+                assert r["outputs"] == ar["outputs"] == a["outputs"], f"{route} k={k} output differs from AR"
+                row = {"k": k, "mean_accept_len": r["mean_accept_len"], "decode_tok_s": r["decode_tok_s"],
+                       "ar_decode_tok_s": a["decode_tok_s"],          # machine's load changes over minutes
+                       "speed_vs_ar": r["decode_tok_s"] / a["decode_tok_s"], "accept_per_pos": r["accept_per_pos"]}
+                res[route].append(row)
+                print(f"{route:6} {k:>2} {row['mean_accept_len']:>12.3f} {row['decode_tok_s']:>8.0f} "
+                      f"{row['ar_decode_tok_s']:>8.0f} "
+                      f"{row['speed_vs_ar']:>6.2f}  " + " ".join(f"{a:.2f}" for a in row["accept_per_pos"]))
+
+        drafter = llm.engine.drafters["mtp"]
+        default_feed = drafter.feed
+        res["feed"] = {}
+        print(f"\nMTP self-fed hidden (default feed={default_feed!r}): mean_accept_len")
+        print(f"{'feed':5} " + " ".join(f"{'k=' + str(k):>7}" for k in (1, 2, 3, 4, 6)))
+        for feed in ("post", "pre"):
+            drafter.feed = feed
+            vals = [spec_run(llm, prompts, args.tokens, {"mode": "mtp", "k": k})["mean_accept_len"] for k in (1, 2, 3, 4, 6)]
+            res["feed"][feed] = dict(zip(("k1", "k2", "k3", "k4", "k6"), vals))
+            print(f"{feed:5} " + " ".join(f"{v:>7.3f}" for v in vals))
+        drafter.feed = default_feed
+
+        print("\nrollback (commit) vs verify, fastest of", args.reps)
+        print(f"{'model':6} {'k':>2} {'verify ms':>10} {'commit ms':>10} {'ratio':>7}")
+        res["rollback"] = {"tiny": rollback_cost(llm, [1, 2, 3, 4], args.reps)}
+    mid = make_checkpoint(os.path.join(root, "mid"), "base", mtp=False, **MID)
+    with LLM(mid, spec="off", progress=False) as llm:
+        res["rollback"]["mid"] = rollback_cost(llm, [1, 2, 3, 4], args.reps)
+    for name, rows in res["rollback"].items():
+        for r in rows:
+            print(f"{name:6} {r['k']:>2} {r['verify_ms']:>10.3f} {r['commit_ms']:>10.4f} {r['commit_over_verify']:>7.4f}")
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Every collective the mesh uses, in one place (so a graph-capturable all-reduce can replace the
+stock one without touching the model).
+
+Two process groups: `group` carries the forward's tensors (NCCL on CUDA, gloo on the CPU) with a
+bounded timeout, so a dead or hung rank surfaces as an error; `cmd_group` (gloo, CPU tensors)
+carries rank 0's small commands, and a worker may wait on it for as long as the user is idle.
+
+The all-reduce is deterministic: every rank gathers all partial sums and adds them in rank order,
+so every rank holds bit-identical activations and a tp run reproduces itself. It is elementwise,
+so a row's result never depends on how many rows travel with it (verify rows == decode rows).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+CMD_LEN = 4
+IDLE_TIMEOUT = datetime.timedelta(days=365)
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+class Comm:
+    """The mesh's collectives for one process (rank `rank` of `world`)."""
+
+    def __init__(self, rank: int, world: int, group, cmd_group, start_group, device: torch.device):
+        self.rank, self.world = rank, world
+        self.group, self.cmd_group, self.start_group = group, cmd_group, start_group
+        self.device = device
+
+    # ---- forward collectives (on the device) ---------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of `x` over ranks, added in rank order in float32; identical on every rank."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x, group=self.group)
+        out = parts[0].float()                       # a copy for bf16 / fp16, parts[0] itself for fp32
+        if out.data_ptr() == parts[0].data_ptr():
+            out = out.clone()
+        for p in parts[1:]:
+            out += p
+        return out.to(x.dtype)
+
+    def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
+        """Concatenation of every rank's `x` along `dim` on rank 0; None elsewhere."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world)] if self.rank == 0 else None
+        dist.gather(x, parts, dst=0, group=self.group)
+        return torch.cat(parts, dim=dim) if parts is not None else None
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank (`x` is a same-shaped buffer on the others)."""
+        dist.broadcast(x, src=0, group=self.group)
+        return x
+
+    # ---- commands (CPU, gloo) ------------------------------------------------------------------
+    def send_command(self, op: int, a: int = 0, b: int = 0, c: int = 0) -> None:
+        dist.broadcast(torch.tensor([op, a, b, c], dtype=torch.int64), src=0, group=self.cmd_group)
+
+    def recv_command(self) -> tuple[int, int, int, int]:
+        t = torch.empty(CMD_LEN, dtype=torch.int64)
+        dist.broadcast(t, src=0, group=self.cmd_group)
+        op, a, b, c = t.tolist()
+        return op, a, b, c
+
+    def exchange_flags(self, flag: int) -> list[int]:
+        """Every rank's small integer flag (e.g. load succeeded), on every rank."""
+        t = torch.tensor([flag], dtype=torch.int64)
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(parts, t, group=self.start_group)
+        return [int(p) for p in parts]
+
+
+def init(rank: int, world: int, device: torch.device, timeout_s: float, init_method: str | None,
+         start_timeout_s: float) -> tuple[Comm, bool]:
+    """Join (or create) the process group and make the mesh's two groups. Returns the Comm and
+    whether this call created the default group (and so must destroy it).
+
+    The forward's group and rank 0's side of the command group time out after `timeout_s` (a gloo
+    broadcast waits for every receiver); a worker waits for the next command indefinitely. The
+    start-up exchange has its own group bounded by `start_timeout_s` (loading may take minutes)."""
+    created = False
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    start = datetime.timedelta(seconds=start_timeout_s)
+    if device.type == "cuda":
+        for k, v in NO_MULTICAST.items():   # NVLink multicast is off on our GPU machines
+            os.environ.setdefault(k, v)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world,
+                                timeout=start)
+        created = True
+    group = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    cmd_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s) if rank == 0
+                               else IDLE_TIMEOUT)
+    start_group = dist.new_group(backend="gloo", timeout=start)
+    return Comm(rank, world, group, cmd_group, start_group, device), created
+
+
+def shutdown(comm: Comm, created: bool) -> None:
+    """Destroy the groups this process made (best effort: peers may already be gone)."""
+    try:
+        dist.destroy_process_group(comm.start_group)
+        dist.destroy_process_group(comm.cmd_group)
+        dist.destroy_process_group(comm.group)
+        if created:
+            dist.destroy_process_group()
+    except Exception:  # a failed mesh may leave a group half-torn; nothing more to free here
+        pass

@@ -1,0 +1,188 @@
+"""Triton attention for a few query rows (decode, verify) over the KV cache, bf16 / fp32 or Q8.
+
+Why this shape: one program scans one fixed span of SPLIT keys of one KV head for a tile of
+BLOCK_M (row, query head) pairs, so a KV block loaded once serves every query head of the group
+and every row (GQA packing, rows masked by causal position). Long contexts get parallelism from
+the number of spans, not from the number of rows.
+
+Row invariance (a row's result never depends on R): pair index r*rep + h is independent of R, so
+a row always lands in the same tile slot of a kernel compiled with the same constants; keys past
+a row's position contribute exactly zero (p = 0, running max unchanged); spans are fixed key
+ranges [j*SPLIT, (j+1)*SPLIT) and the combine walks a row's own spans 0..pos//SPLIT in order. None
+of SPLIT, BLOCK_M, BLOCK_N depends on R or pos0.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Chosen by bench/flash_rows.py on the H200 (docs/BENCHMARKS.md). None may depend on R or pos0.
+SPLIT = 512      # keys per span (fixed: part of the reduction order)
+BLOCK_M = 32     # (row, query-head) pairs per tile: up to 5 rows of a 6-head group in one tile
+BLOCK_N = 64     # keys per inner step
+CHUNK = 16       # spans merged per step of the combine (fixed: part of the reduction order)
+PREFETCH = True  # Q8: load the next int8 block into registers before dequantizing this one
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, offs_n, pos, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
+    """Fold one key block into (m, l, acc). Keys past a row's position get p = 0 exactly and leave
+    its running max unchanged, so extra masked blocks never alter a row's result."""
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale          # [BLOCK_M, BLOCK_N], log2 units
+    s = tl.where(offs_n[None, :] <= pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _dequant(xq, sc, BLOCK_N: tl.constexpr, D: tl.constexpr, G: tl.constexpr, dtype: tl.constexpr):
+    """int8 [BLOCK_N, D] x fp16 scales [BLOCK_N, D/G]: exact in float32, one rounding to `dtype`."""
+    x = tl.reshape(xq.to(tl.float32), (BLOCK_N, D // G, G)) * sc.to(tl.float32)[:, :, None]
+    return tl.reshape(x, (BLOCK_N, D)).to(dtype)
+
+
+@triton.jit
+def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
+                       pos0, pos_ptr, n_rows, n_split, qk_scale,
+                       sq_r, sq_h, sk_n, sk_h, sv_n, sv_h, sks_n, sks_h, svs_n, svs_h,
+                       REP: tl.constexpr, D: tl.constexpr, G: tl.constexpr, Q8: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                       PREC: tl.constexpr, PREFETCH: tl.constexpr, POS_PTR: tl.constexpr):
+    if POS_PTR:  # position read on the device (CUDA-graph replay with a new position)
+        pos0 = tl.load(pos_ptr).to(tl.int32)
+    mt = tl.program_id(0)        # tiles of one span run side by side, so later tiles read the span from L2
+    sid = tl.program_id(1)
+    kvh = tl.program_id(2)
+    hq = tl.num_programs(2) * REP
+    offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)        # pair = row * REP + head-in-group
+    row = offs_m // REP
+    head = kvh * REP + offs_m % REP
+    m_ok = row < n_rows
+    pos = pos0 + row                                     # each row's own position
+    offs_d = tl.arange(0, D)
+    offs_g = tl.arange(0, D // G)
+    offs_b = tl.arange(0, BLOCK_N)
+    q = tl.load(q_ptr + row[:, None] * sq_r + head[:, None] * sq_h + offs_d[None, :],
+                mask=m_ok[:, None], other=0.0)
+    if PREC == "ieee":
+        q = q.to(tl.float32)
+    start = sid * SPLIT
+    hi = tl.minimum(start + SPLIT, pos0 + n_rows)
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    k_base = k_ptr + kvh * sk_h + offs_d[None, :]
+    v_base = v_ptr + kvh * sv_h + offs_d[None, :]
+    ks_base = ks_ptr + kvh * sks_h + offs_g[None, :]
+    vs_base = vs_ptr + kvh * svs_h + offs_g[None, :]
+    if Q8 and PREFETCH:
+        # registers hold the next block's int8 tiles while this one is dequantized and multiplied
+        nxt = start + offs_b
+        ok = (nxt < hi)[:, None]
+        kq = tl.load(k_base + nxt[:, None] * sk_n, mask=ok, other=0)
+        vq = tl.load(v_base + nxt[:, None] * sv_n, mask=ok, other=0)
+        ksc = tl.load(ks_base + nxt[:, None] * sks_n, mask=ok, other=0.0)
+        vsc = tl.load(vs_base + nxt[:, None] * svs_n, mask=ok, other=0.0)
+        for n0 in range(start, hi, BLOCK_N):
+            offs_n = n0 + offs_b
+            k = _dequant(kq, ksc, BLOCK_N, D, G, q.dtype)
+            v = _dequant(vq, vsc, BLOCK_N, D, G, q.dtype)
+            nxt = offs_n + BLOCK_N
+            ok = (nxt < hi)[:, None]
+            kq = tl.load(k_base + nxt[:, None] * sk_n, mask=ok, other=0)
+            vq = tl.load(v_base + nxt[:, None] * sv_n, mask=ok, other=0)
+            ksc = tl.load(ks_base + nxt[:, None] * sks_n, mask=ok, other=0.0)
+            vsc = tl.load(vs_base + nxt[:, None] * svs_n, mask=ok, other=0.0)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, offs_n, pos, m_i, l_i, acc, qk_scale, PREC)
+    else:
+        for n0 in range(start, hi, BLOCK_N):
+            offs_n = n0 + offs_b
+            ok = (offs_n < hi)[:, None]
+            if Q8:
+                k = _dequant(tl.load(k_base + offs_n[:, None] * sk_n, mask=ok, other=0),
+                             tl.load(ks_base + offs_n[:, None] * sks_n, mask=ok, other=0.0), BLOCK_N, D, G, q.dtype)
+                v = _dequant(tl.load(v_base + offs_n[:, None] * sv_n, mask=ok, other=0),
+                             tl.load(vs_base + offs_n[:, None] * svs_n, mask=ok, other=0.0), BLOCK_N, D, G, q.dtype)
+            else:
+                k = tl.load(k_base + offs_n[:, None] * sk_n, mask=ok, other=0.0).to(q.dtype)
+                v = tl.load(v_base + offs_n[:, None] * sv_n, mask=ok, other=0.0).to(q.dtype)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, offs_n, pos, m_i, l_i, acc, qk_scale, PREC)
+    # partials: acc [R, Hq, n_split, D], ml [R, Hq, n_split, 2]
+    base = (row * hq + head) * n_split + sid
+    tl.store(acc_ptr + base[:, None] * D + offs_d[None, :], acc, mask=m_ok[:, None])
+    tl.store(ml_ptr + base * 2, m_i, mask=m_ok)
+    tl.store(ml_ptr + base * 2 + 1, l_i, mask=m_ok)
+
+
+@triton.jit
+def _attn_combine_kernel(acc_ptr, ml_ptr, out_ptr, pos0, pos_ptr, n_split, hq,
+                         D: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr, POS_PTR: tl.constexpr):
+    """One (row, query head): merge the row's own spans 0..pos//SPLIT. Spans are taken CHUNK at a
+    time from fixed boundaries (a fixed-shape tree within a chunk, chunks in order); spans past the
+    row's own are masked to exact zeros, so the sum depends on the row's position only."""
+    if POS_PTR:
+        pos0 = tl.load(pos_ptr).to(tl.int32)
+    pid = tl.program_id(0)
+    row = pid // hq
+    n_own = (pos0 + row) // SPLIT + 1
+    base = pid * n_split
+    offs_j = tl.arange(0, CHUNK)
+    offs_d = tl.arange(0, D)
+    m = tl.full([CHUNK], -1.0e30, tl.float32)
+    for j0 in range(0, n_own, CHUNK):
+        mj = tl.load(ml_ptr + (base + j0 + offs_j) * 2, mask=j0 + offs_j < n_own, other=-1.0e30)
+        m = tl.maximum(m, mj)
+    m_all = tl.max(m, 0)
+    l_sum = tl.zeros([CHUNK], tl.float32)
+    o = tl.zeros([D], tl.float32)
+    for j0 in range(0, n_own, CHUNK):
+        ok = j0 + offs_j < n_own
+        w = tl.where(ok, tl.exp2(tl.load(ml_ptr + (base + j0 + offs_j) * 2, mask=ok, other=0.0) - m_all), 0.0)
+        l_sum += tl.load(ml_ptr + (base + j0 + offs_j) * 2 + 1, mask=ok, other=0.0) * w
+        a = tl.load(acc_ptr + (base + j0 + offs_j)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+        o += tl.sum(a * w[:, None], 0)
+    tl.store(out_ptr + pid * D + offs_d, o / tl.sum(l_sum, 0))
+
+
+def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos0, scale: float,
+                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                          block_m: int = BLOCK_M, split: int = SPLIT, block_n: int = BLOCK_N,
+                          num_warps: int = 4, num_stages: int = 2, prefetch: bool = PREFETCH,
+                          chunk: int = CHUNK) -> torch.Tensor:
+    """Contract of attention_rows_ref (q [R, Hq, D] -> float32 [R, Hq, D]); Q8 when scales are given.
+    `pos0` may be a one-element int tensor on the device: the kernels then read it there and the
+    launch covers every span of the cache (spans past the rows' positions contribute nothing), so
+    the call can be captured in a CUDA graph and replayed at any position."""
+    r_rows, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    rep = hq // hkv
+    q8 = k_scale is not None
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    pos_ptr = pos0 if isinstance(pos0, torch.Tensor) else None
+    n_keys = k_cache.shape[0] if pos_ptr is not None else pos0 + r_rows
+    n_split = triton.cdiv(n_keys, split)
+    pos_int = 0 if pos_ptr is not None else pos0
+    n_mt = triton.cdiv(r_rows * rep, block_m)
+    acc = torch.empty(r_rows, hq, n_split, d, device=q.device, dtype=torch.float32)
+    pos_arg = pos_ptr if pos_ptr is not None else acc   # unused by the kernels when the position is an int
+    ml = torch.empty(r_rows, hq, n_split, 2, device=q.device, dtype=torch.float32)
+    out = torch.empty(r_rows, hq, d, device=q.device, dtype=torch.float32)
+    ks = k_scale if q8 else k_cache
+    vs = v_scale if q8 else v_cache
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    _attn_split_kernel[(n_mt, n_split, hkv)](
+        q, k_cache, v_cache, ks, vs, acc, ml, pos_int, pos_arg, r_rows, n_split, scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
+        REP=rep, D=d, G=(d // k_scale.shape[-1]) if q8 else 1, Q8=q8, BLOCK_M=block_m, BLOCK_N=block_n,
+        SPLIT=split, PREC=prec, PREFETCH=prefetch, POS_PTR=pos_ptr is not None,
+        num_warps=num_warps, num_stages=num_stages)
+    _attn_combine_kernel[(r_rows * hq,)](acc, ml, out, pos_int, pos_arg, n_split, hq, D=d, SPLIT=split,
+                                         CHUNK=chunk, POS_PTR=pos_ptr is not None, num_warps=4)
+    return out

@@ -1,0 +1,241 @@
+"""specfire's 4-bit weight format: asymmetric, group-quantised along K, optional Hadamard rotation.
+
+On disk (safetensors, one stable layout, never a kernel's private packing), for a weight [N, K]
+with groups of G consecutive input features:
+  <name>.qweight  uint8 [N, K/2]   two codes per byte: low nibble = even k, high nibble = odd k
+  <name>.scales   bf16  [N, K/G]   step of each group
+  <name>.zeros    bf16  [N, K/G]   the value of code 0 in each group (its minimum, after clipping)
+  w[n, k] = qweight_code[n, k] * scales[n, k // G] + zeros[n, k // G]
+With `hadamard` the stored weight is W' = W H (H block-diagonal orthonormal Walsh-Hadamard of
+block G along K) and the matmul rotates x the same way, x' = x H, since x W^T = x' W'^T; the
+rotation spreads outliers across a group before rounding. G is implied per tensor by the shapes.
+At load the tensors are packed into kernel layout (ops/triton_quant.py): scales and zeros are
+transposed to [K/G, N] so a kernel reads them contiguously, and within each group byte j holds
+codes j (low nibble) and j + G/2 (high nibble), so each nibble plane meets a contiguous half of x.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+FORMAT = "specfire-q4"
+FORMAT_VERSION = 1
+DEFAULT_GROUP = 128
+CLIP_RATIOS = (1.0, 0.96, 0.92, 0.88, 0.84, 0.80)
+
+
+def quant_config(group_size: int, hadamard: bool) -> dict:
+    """The `quantization_config` object written into config.json and the safetensors metadata."""
+    return {"quant_method": FORMAT, "version": FORMAT_VERSION, "bits": 4, "group_size": group_size,
+            "hadamard": bool(hadamard), "symmetric": False}
+
+
+# ---- Hadamard rotation ----------------------------------------------------------------------
+
+def hadamard_rotate(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [..., K] -> x H along the last dim, H block-diagonal orthonormal Hadamard of size `block`.
+
+    A fast Walsh-Hadamard transform written as elementwise butterflies, so each row's result is
+    independent of how many rows are transformed (no GEMM blocking), i.e. row-invariant."""
+    if block & (block - 1):
+        raise ValueError(f"Hadamard block must be a power of two, got {block}")
+    shape = x.shape
+    k = shape[-1]
+    if k % block:
+        raise ValueError(f"Hadamard block {block} does not divide K={k}")
+    dt = x.dtype
+    y = x.float().reshape(-1, k // block, block)
+    h = 1
+    while h < block:
+        y = y.view(y.shape[0], k // block, block // (2 * h), 2, h)
+        a, b = y[:, :, :, 0, :], y[:, :, :, 1, :]
+        y = torch.stack((a + b, a - b), dim=3)
+        h *= 2
+    y = y.reshape(shape) * (1.0 / math.sqrt(block))
+    return y.to(dt)
+
+
+# ---- quantise / dequantise (references) -----------------------------------------------------
+
+def pick_group(k: int, group_size: int) -> int | None:
+    """The group size used for a tensor with K inputs: the wanted one, else the largest power of
+    two >= 32 below it that divides K; None when no group fits (the tensor stays bf16)."""
+    g = group_size
+    while g >= 32:
+        if k % g == 0:
+            return g
+        g //= 2
+    return None
+
+
+def quantize_tensor(w: torch.Tensor, group_size: int = DEFAULT_GROUP, hadamard: bool = False,
+                    clip_search: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (qweight uint8 [N, K/2], scales bf16 [N, K/G], zeros bf16 [N, K/G]).
+
+    Per group: min/max range, shrunk by the clip ratio (of CLIP_RATIOS) with the least squared
+    error; codes are rounded against the bf16-rounded scale and zero actually stored."""
+    n, k = w.shape
+    g = group_size
+    if k % g or g % 2:
+        raise ValueError(f"group size {g} does not divide K={k}")
+    wf = w.float()
+    if hadamard:
+        wf = hadamard_rotate(wf, g)
+    wg = wf.reshape(n, k // g, g)                                      # [N, groups, G]
+    lo = wg.amin(-1)
+    hi = wg.amax(-1)
+    best_err = None
+    best = None
+    for r in (CLIP_RATIOS if clip_search else (1.0,)):
+        mid = (hi + lo) * 0.5
+        half = (hi - lo) * 0.5 * r
+        mn, mx = mid - half, mid + half
+        s = ((mx - mn) / 15.0).clamp_min(1e-8).to(torch.bfloat16)
+        z = mn.to(torch.bfloat16)
+        sf, zf = s.float()[..., None], z.float()[..., None]
+        q = torch.round((wg - zf) / sf).clamp_(0, 15)
+        err = ((q * sf + zf - wg) ** 2).sum(-1)
+        if best is None:
+            best_err, best = err, (q, s, z)
+        else:
+            take = err < best_err
+            best_err = torch.where(take, err, best_err)
+            best = (torch.where(take[..., None], q, best[0]), torch.where(take, s, best[1]),
+                    torch.where(take, z, best[2]))
+    q, s, z = best
+    q = q.to(torch.uint8).reshape(n, k)
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)
+    return packed.contiguous(), s.contiguous(), z.contiguous()
+
+
+def unpack_codes(qweight: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] -> codes uint8 [N, K]."""
+    lo = qweight & 15
+    hi = qweight >> 4
+    return torch.stack((lo, hi), dim=-1).reshape(qweight.shape[0], -1)
+
+
+def to_kernel_layout(qweight: torch.Tensor, group: int) -> torch.Tensor:
+    """On-disk packing (even/odd k per byte) -> kernel packing (k and k + G/2 per byte, per group)."""
+    codes = unpack_codes(qweight)
+    n, k = codes.shape
+    c = codes.view(n, k // group, 2, group // 2)                       # [N, groups, half, G/2]
+    return (c[:, :, 0, :] | (c[:, :, 1, :] << 4)).reshape(n, k // 2).contiguous()
+
+
+def from_kernel_layout(kq: torch.Tensor, group: int) -> torch.Tensor:
+    """Kernel packing -> codes uint8 [N, K]."""
+    n = kq.shape[0]
+    lo = (kq & 15).view(n, -1, group // 2)
+    hi = (kq >> 4).view(n, -1, group // 2)
+    return torch.cat((lo, hi), dim=-1).reshape(n, -1)
+
+
+def dequantize_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """Stored layout -> float32 [N, K] (in the rotated basis when the tensor was rotated)."""
+    codes = unpack_codes(qweight).float()
+    n, k = codes.shape
+    g = k // scales.shape[1]
+    w = codes.view(n, -1, g) * scales.float()[..., None] + zeros.float()[..., None]
+    return w.reshape(n, k)
+
+
+# ---- the weight object ops.linear accepts ---------------------------------------------------
+
+class QuantWeight:
+    """A 4-bit weight in kernel layout, accepted by `ops.linear` in place of a weight tensor.
+
+    Holds qweight [N, K/2] uint8 in kernel packing and scales/zeros transposed to [K/G, N] (bf16).
+    `dtype` is the activation dtype the model computes in."""
+
+    def __init__(self, qweight: torch.Tensor, scales_t: torch.Tensor, zeros_t: torch.Tensor,
+                 hadamard: bool, dtype: torch.dtype):
+        self.qweight = qweight
+        self.scales_t = scales_t
+        self.zeros_t = zeros_t
+        self.hadamard = hadamard
+        self.dtype = dtype
+        self.shape = torch.Size((qweight.shape[0], qweight.shape[1] * 2))
+        self.group_size = self.shape[1] // scales_t.shape[0]
+        self._dense: torch.Tensor | None = None
+
+    @classmethod
+    def from_stored(cls, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, hadamard: bool,
+                    dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "QuantWeight":
+        """Pack the on-disk layout into kernel layout on `device`."""
+        n, half = qweight.shape
+        if scales.shape != zeros.shape or scales.shape[0] != n or (2 * half) % scales.shape[1]:
+            raise ValueError(f"inconsistent 4-bit tensors: qweight {list(qweight.shape)}, scales "
+                             f"{list(scales.shape)}, zeros {list(zeros.shape)}")
+        dev = torch.device(device)
+        group = 2 * half // scales.shape[1]
+        return cls(to_kernel_layout(qweight.to(dev), group), scales.to(dev, torch.bfloat16).t().contiguous(),
+                   zeros.to(dev, torch.bfloat16).t().contiguous(), hadamard, dtype)
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, group_size: int = DEFAULT_GROUP, hadamard: bool = False,
+                 dtype: torch.dtype | None = None) -> "QuantWeight":
+        q, s, z = quantize_tensor(w, group_size, hadamard)
+        return cls.from_stored(q, s, z, hadamard, dtype or w.dtype, w.device)
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "QuantWeight":
+        dev = torch.device(device) if device is not None else self.device
+        return QuantWeight(self.qweight.to(dev), self.scales_t.to(dev), self.zeros_t.to(dev), self.hadamard,
+                           dtype or self.dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    def nbytes(self) -> int:
+        """Bytes a matmul reads: codes + scales + zeros."""
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales_t, self.zeros_t))
+
+    def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
+        """float32 [N, K] (or the given output rows) in the rotated basis (the reference's weight)."""
+        codes = from_kernel_layout(self.qweight[rows], self.group_size).float()
+        n, k = codes.shape
+        g = self.group_size
+        s = self.scales_t[:, rows].t().float()[..., None]
+        z = self.zeros_t[:, rows].t().float()[..., None]
+        return (codes.view(n, -1, g) * s + z).reshape(n, k)
+
+    def effective(self) -> torch.Tensor:
+        """float32 [N, K] in the original basis: what the layer multiplies by."""
+        w = self.dequantize()
+        if self.hadamard:  # W = W' H^T, and H is symmetric
+            w = hadamard_rotate(w, self.group_size)
+        return w
+
+    def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
+        return hadamard_rotate(x, self.group_size) if self.hadamard else x
+
+    def linear(self, x: torch.Tensor, rows: bool) -> torch.Tensor:
+        """x [M, K] -> [M, N] in x's dtype. rows=True is row-invariant (the Triton dequant-GEMV on
+        CUDA, one batched row at a time elsewhere)."""
+        from .linear import ROW_PATH_MAX, linear_rows_ref
+
+        xr = self.prepare_input(x)
+        if rows and x.is_cuda:
+            from .triton_quant import q4_gemv
+            outs = [q4_gemv(xr[i:i + ROW_PATH_MAX], self) for i in range(0, xr.shape[0], ROW_PATH_MAX)]
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
+        if x.is_cuda:  # prefill: compute-bound, so dequantise and use the stock GEMM
+            return self.linear_dequantized(xr)
+        if self._dense is None or self._dense.dtype != x.dtype:
+            self._dense = self.dequantize().to(x.dtype)  # the CPU reference keeps one dense copy
+        return linear_rows_ref(xr, self._dense) if rows else F.linear(xr, self._dense)
+
+    def linear_dequantized(self, x: torch.Tensor, step: int | None = None) -> torch.Tensor:
+        """F.linear against the dequantised weight, built `step` output rows at a time (bounded
+        temporary memory: the lm_head would otherwise need 5 GB of float32)."""
+        n = self.shape[0]
+        step = step or max(1, (1 << 26) // self.shape[1])  # <= 256 MB of float32 at a time
+        return torch.cat([F.linear(x, self.dequantize(slice(i, min(n, i + step))).to(x.dtype))
+                          for i in range(0, n, step)], dim=-1)
+
+    def __repr__(self) -> str:
+        return (f"QuantWeight(shape={list(self.shape)}, group={self.group_size}, hadamard={self.hadamard}, "
+                f"device={self.device})")

@@ -1,0 +1,49 @@
+"""Start `specfire serve` in a subprocess on a free port and wait until /health answers."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: list[str], log_path: str, timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
+    """`specfire serve ARGS --port P`; output goes to log_path (a pipe nobody reads could fill up)."""
+    port = free_port()
+    # one intra-op thread: tiny models gain nothing from more, and a busy CI box loses a lot
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "specfire.cli", "serve", *args, "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    log.close()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            proc.wait()
+            with open(log_path) as f:
+                raise RuntimeError("server did not start:\n" + f.read())
+        time.sleep(0.2)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()

@@ -1,0 +1,206 @@
+"""`specfire run` and `specfire info` end to end through a subprocess, and one-line errors (exit
+code non-zero, no traceback) for every kind of bad input."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from ckpts import tiny
+from specfire import LLM, SamplingParams
+from specfire import cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUMMARY = re.compile(r"^\[specfire\] (\d+) prompt \+ (\d+) generated tokens, prefill ([\d.]+) tok/s, "
+                     r"decode ([\d.]+) tok/s, route (\w+)")
+
+
+def specfire(*args: str, stdin: str | None = None, cwd: str | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m specfire.cli ARGS` as a user would, from outside the repository."""
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "specfire.cli", *args], input=stdin, capture_output=True,
+                          text=True, env=env, cwd=cwd, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model(ckpt_cache):
+    return tiny(ckpt_cache, "base", tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    with LLM(model, device="cpu", spec="off", progress=False) as m:
+        yield m
+
+
+def summary(stderr: str) -> re.Match:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    m = SUMMARY.match(lines[0])
+    assert m, stderr
+    return m
+
+
+def test_run_json(model, llm, tmp_path):
+    p = specfire("run", "--model", model, "--prompt", "def fibonacci(n):", "-n", "12", "--spec", "off",
+                 "--json", cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    ref = llm.generate("def fibonacci(n):", SamplingParams(max_tokens=12))
+    assert out["text"] == ref.text and out["token_ids"] == ref.token_ids
+    assert out["finish_reason"] == ref.finish_reason
+    st = out["stats"]
+    assert st["prompt_tokens"] == len(llm.tokenizer.encode("def fibonacci(n):"))
+    assert st["generated_tokens"] == len(ref.token_ids) and st["route"] == "ar"
+    for key in ("prefill_tok_s", "decode_tok_s", "prefill_s", "decode_s", "route_reason"):
+        assert key in st
+    m = summary(p.stderr)
+    assert int(m.group(1)) == st["prompt_tokens"] and int(m.group(2)) == st["generated_tokens"]
+    assert float(m.group(3)) > 0 and (float(m.group(4)) > 0 or st["generated_tokens"] < 2)
+
+
+def test_run_stdin_streams_text(model, llm, tmp_path):
+    prompt = "The quick brown fox 🙂\n"
+    p = specfire("run", "--model", model, "-n", "20", "--spec", "off", stdin=prompt, cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    ref = llm.generate(prompt, SamplingParams(max_tokens=20))
+    assert p.stdout == ref.text + "\n"
+    assert int(summary(p.stderr).group(2)) == len(ref.token_ids)
+
+
+def test_run_sampling_flags_and_chat(model, llm):
+    p = specfire("run", "--model", model, "--prompt", "Hi", "--chat", "-n", "10", "-t", "0.9", "--top-k", "7",
+                 "--top-p", "0.9", "--min-p", "0.05", "--seed", "3", "--stop", "zz", "--spec", "off", "--json")
+    assert p.returncode == 0, p.stderr
+    ref = llm.chat([{"role": "user", "content": "Hi"}],
+                   SamplingParams(max_tokens=10, temperature=0.9, top_k=7, top_p=0.9, min_p=0.05, seed=3,
+                                  stop=["zz"]))
+    out = json.loads(p.stdout)
+    assert out["token_ids"] == ref.token_ids and out["text"] == ref.text
+    assert out["stats"]["prompt_tokens"] == len(ref.prompt_token_ids)
+
+
+def test_run_default_route(model):
+    """Without --spec the load-time policy is auto; the answer is still one JSON object."""
+    p = specfire("run", "--model", model, "--prompt", "x", "-n", "4", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert len(out["token_ids"]) <= 4 and out["stats"]["route"] in ("ar", "mtp", "ngram")
+    summary(p.stderr)
+
+
+def test_info(ckpt_cache, capsys):
+    from tinymodels import load_hf
+
+    for name, mm in (("mix", True), ("tied", False)):
+        path = tiny(ckpt_cache, name, multimodal=mm)
+        assert cli.main(["info", path, "--json"]) == 0
+        d = json.loads(capsys.readouterr().out)
+        hf = load_hf(path, mm)
+        lm = hf.model.language_model if mm else hf.model
+        n = sum(t.numel() for t in lm.parameters()) + (0 if hf.config.get_text_config().tie_word_embeddings
+                                                       else hf.lm_head.weight.numel())
+        assert d["parameters"] == n
+        cfg = hf.config.get_text_config()
+        assert d["layer_types"] == ["A" if t == "full_attention" else "L" for t in cfg.layer_types]
+        assert d["gated_deltanet_layers"] + d["full_attention_layers"] == cfg.num_hidden_layers
+        assert d["attention"] == {"heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
+                                  "head_dim": cfg.head_dim, "rotary_dim": int(cfg.head_dim * 0.25)}
+        assert d["gated_deltanet"]["value_heads"] == cfg.linear_num_value_heads
+        assert d["mtp_head"] and d["mtp_parameters"] > 0
+        assert d["memory_bytes"]["bfloat16"] * 2 == d["memory_bytes"]["float32"] == 4 * (n + d["mtp_parameters"])
+        assert d["tied_embeddings"] == cfg.tie_word_embeddings
+        assert 1 in d["tp_degrees"] and all(cfg.num_attention_heads % t == 0 for t in d["tp_degrees"])
+        # per-sequence sizes agree with the state the engine really allocates
+        with LLM(path, device="cpu", dtype="float32", spec="off", max_seq_len=64, progress=False) as llm:
+            st = llm.engine.trunk.state.layers
+            kv = sum(lc.k.nbytes + lc.v.nbytes for lc in st if lc.k is not None)
+            rec = sum(lc.rec.nbytes + lc.conv.nbytes for lc in st if lc.rec is not None)
+        assert d["kv_bytes_per_token"]["float32"] * 64 == kv and d["recurrent_state_bytes"] == rec
+        text = specfire("info", path) if name == "mix" else None     # once through a real process
+        out = text.stdout if text is not None else (cli.main(["info", path]), capsys.readouterr().out)[1]
+        assert text is None or text.returncode == 0
+        assert "".join(d["layer_types"]) in out and "MTP head" in out
+        assert f"{n / 1e6:.2f} M" in out and "KiB" in out and "tp degrees" in out and "per token" in out
+
+
+def test_info_without_mtp(ckpt_cache, capsys):
+    assert cli.main(["info", tiny(ckpt_cache, "base", mtp=False)]) == 0
+    assert "no MTP head" in capsys.readouterr().out
+
+
+# ---- errors ------------------------------------------------------------------------------------------
+
+def test_bad_path_and_bad_parameter_through_a_process(model, tmp_path):
+    for args in (["run", "--model", str(tmp_path / "nope"), "--prompt", "x"],
+                 ["run", "--model", model, "--prompt", "x", "-t", "-1"],
+                 ["run", "--model", model, "--prompt", "x", "--top-k", "many"]):
+        p = specfire(*args)
+        assert p.returncode != 0 and p.stdout == ""
+        assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert p.stderr.startswith("specfire")
+
+
+BAD_ARGS = [
+    (["-t", "-1"], r"temperature must be >= 0\.0, got -1\.0"),
+    (["--top-p", "2"], r"top_p must be <= 1\.0, got 2\.0"),
+    (["--top-p", "0"], r"top_p must be > 0\.0"),
+    (["--top-k", "-2"], r"top_k must be >= 0, got -2"),
+    (["--top-k", "abc"], r"argument --top-k: invalid int value: 'abc'"),
+    (["--min-p", "1.5"], r"min_p must be <= 1\.0"),
+    (["--seed", "-3"], r"seed must be >= 0, got -3"),
+    (["-n", "0"], r"max_tokens must be >= 1, got 0"),
+    (["-n", "ten"], r"argument -n/--max-tokens: invalid int value"),
+    (["--spec", "turbo"], r"argument --spec: invalid choice: 'turbo'"),
+    (["--spec-k", "0"], r"spec\.k must be >= 1, got 0"),
+    (["--spec-k", "11"], r"spec\.k must be <= 10, got 11"),
+    (["--dtype", "int8"], r"dtype must be one of .* got 'int8'"),
+    (["--device", "tpu:x"], r"device 'tpu:x'"),
+    (["--kv-dtype", "fp8"], r"kv_dtype must be one of auto, bf16, fp32, q8, got 'fp8'"),
+    (["--tp", "0"], r"tp must be a positive integer, got 0"),
+    (["--max-seq-len", "1"], r"max_seq_len must be an integer >= 2, got 1"),
+    (["--max-seq-len", "5000"], r"max_seq_len 5000 exceeds the model's max_position_embeddings 4096"),
+    (["--max-seq-len", "3"], r"prompt has \d+ tokens; max_seq_len is 3"),
+    (["--mtp-path", "/nonexistent/mtp.safetensors", "--spec", "mtp"], r"/nonexistent/mtp\.safetensors not found"),
+    (["--stop", ""], r"stop must be"),
+    (["--bogus"], r"unrecognized arguments: --bogus"),
+]
+
+
+@pytest.mark.parametrize("extra,pattern", BAD_ARGS, ids=[" ".join(b[0]) for b in BAD_ARGS])
+def test_bad_run_arguments_are_one_line(model, extra, pattern, capsys):
+    argv = ["run", "--model", model, "--prompt", "def fibonacci(n): return fibonacci(n - 1)", "-n", "2", *extra]
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:          # argparse errors leave through exit()
+        rc = e.code
+    out, err = capsys.readouterr()
+    assert rc != 0 and out == ""
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert err.startswith("specfire") and "error:" in err
+    assert re.search(pattern, err), err
+
+
+def test_other_bad_invocations_are_one_line(model, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    cases = [["run", "--model", model],                       # empty stdin
+             [],                                                # no command
+             ["frobnicate"]]                                    # unknown command
+    cli.register("notbuilt", "a command whose module is absent", ".no_such_module")
+    try:
+        cases.append(["notbuilt"])
+        for argv in cases:
+            try:
+                rc = cli.main(argv)
+            except SystemExit as e:
+                rc = e.code
+            out, err = capsys.readouterr()
+            assert rc != 0 and out == "" and err.count("\n") == 1 and "error:" in err, (argv, err)
+    finally:
+        cli.COMMANDS.pop("notbuilt")

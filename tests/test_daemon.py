@@ -1,0 +1,158 @@
+"""`specfire daemon` over a subprocess pipe: the full message set, bad lines, attempt_id rules."""
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from tinytok import make_tok_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Pipe:
+    """A running daemon: send one message, read the events it answers with."""
+
+    def __init__(self):
+        env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "specfire.cli", "daemon"], env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.lines: queue.Queue = queue.Queue()
+        self.raw: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.raw.append(line)
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def send(self, msg) -> None:
+        self.proc.stdin.write((msg if isinstance(msg, str) else json.dumps(msg)) + "\n")
+        self.proc.stdin.flush()
+
+    def recv(self, timeout=60) -> dict:
+        line = self.lines.get(timeout=timeout)
+        assert line is not None, "daemon exited: " + self.proc.stderr.read()
+        return json.loads(line)
+
+    def until(self, kind: str) -> list[dict]:
+        evs = []
+        while True:
+            ev = self.recv()
+            evs.append(ev)
+            if ev["type"] in (kind, "error"):
+                return evs
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tok_checkpoint(str(tmp_path_factory.mktemp("tok") / "ckpt"), seed=5)
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    d = Pipe()
+    yield d
+    if d.proc.poll() is None:
+        d.proc.kill()
+        d.proc.wait()
+
+
+def _bad(d: Pipe, line, cls: str, word: str, mid=None):
+    d.send(line)
+    ev = d.recv()
+    assert ev["type"] == "error" and ev["class"] == cls and ev["id"] == mid, ev
+    assert word in ev["message"] and ev["retryable"] is False
+    d.send({"type": "ping", "id": "alive"})  # still running
+    assert d.recv() == {"type": "pong", "id": "alive"}
+
+
+def test_ping_and_generate_before_load(daemon):
+    daemon.send({"type": "ping", "id": 1})
+    assert daemon.recv() == {"type": "pong", "id": 1}
+    _bad(daemon, {"type": "generate", "id": "g0", "attempt_id": 0, "prompt": "hi"}, "not_loaded", "load", "g0")
+
+
+def test_load(daemon, ckpt):
+    _bad(daemon, {"type": "load", "id": "l0", "model": "/nonexistent/model"}, "load_error", "nonexistent", "l0")
+    _bad(daemon, {"type": "load", "id": "l1", "model": ckpt, "params": {"bogus": 1}}, "invalid_request", "bogus", "l1")
+    daemon.send({"type": "load", "id": "l2", "model": ckpt, "params": {"spec": {"mode": "auto", "k": 2}}})
+    ev = daemon.recv()
+    assert ev["type"] == "loaded" and ev["id"] == "l2"
+    assert ev["arch"] == "qwen3_5_text" and ev["layers"] == 4 and ev["vocab"] == 320
+    assert ev["mtp"] is True and ev["tp"] == 1
+
+
+def test_generate_events_match_in_process(daemon, ckpt):
+    from specfire import LLM, SamplingParams
+
+    daemon.send({"type": "generate", "id": "g1", "attempt_id": 3, "prompt": "def add(a, b):", "max_tokens": 12,
+                 "temperature": 0, "speculation": {"mode": "mtp", "k": 2}})
+    evs = daemon.until("done")
+    start, toks, done = evs[0], evs[1:-1], evs[-1]
+    assert start["type"] == "gen_start" and start["attempt_id"] == 3 and start["id"] == "g1"
+    assert toks and all(t["type"] == "token" and t["attempt_id"] == 3 and t["text"] for t in toks)
+    assert done["type"] == "done" and done["attempt_id"] == 3 and done["id"] == "g1"
+    for key in ("tokens", "prefill_tokens", "prefill_tok_s", "decode_tok_s", "ttft_ms", "finish_reason",
+                "mean_accept_len", "cycles"):
+        assert key in done, key
+    assert done["route"] == "mtp" and done["cycles"] >= 1 and done["mean_accept_len"] >= 1.0
+    text = "".join(t["text"] for t in toks)
+    with LLM(ckpt, progress=False) as llm:
+        ref = llm.generate("def add(a, b):", SamplingParams(max_tokens=12), spec="off")
+    assert text == ref.text and done["tokens"] == len(ref.token_ids)
+    assert done["finish_reason"] == ref.finish_reason and done["prefill_tokens"] == len(ref.prompt_token_ids)
+
+    # the same request with speculation off gives the same greedy text
+    daemon.send({"type": "generate", "id": "g2", "attempt_id": 4, "prompt": "def add(a, b):", "max_tokens": 12,
+                 "temperature": 0, "speculation": {"mode": "off"}})
+    evs = daemon.until("done")
+    assert "".join(e["text"] for e in evs if e["type"] == "token") == text and evs[-1]["route"] == "ar"
+
+
+def test_generate_messages(daemon):
+    daemon.send({"type": "generate", "id": "c", "attempt_id": 0, "messages": [{"role": "user", "content": "Hi"}],
+                 "max_tokens": 5, "temperature": 0})
+    evs = daemon.until("done")
+    assert evs[0]["type"] == "gen_start" and evs[0]["prompt_tokens"] > 3
+    assert evs[-1]["type"] == "done" and evs[-1]["tokens"] <= 5
+
+
+@pytest.mark.parametrize("attempt", ["missing", "1", True, -1, 1.5, None, [1]])
+def test_attempt_id_rules(daemon, attempt):
+    msg = {"type": "generate", "id": "a", "prompt": "hi", "max_tokens": 2}
+    if attempt != "missing":
+        msg["attempt_id"] = attempt
+    _bad(daemon, msg, "invalid_request", "attempt_id", "a")
+
+
+@pytest.mark.parametrize("line,cls,word", [
+    ("this is not json", "parse_error", "JSON"),
+    ("[1, 2]", "parse_error", "object"),
+    ('{"type": "fly"}', "invalid_request", "fly"),
+    ('{"id": 9}', "invalid_request", "type"),
+    ('{"type": "generate", "attempt_id": 0}', "invalid_request", "prompt"),
+    ('{"type": "generate", "attempt_id": 0, "prompt": "x", "temperature": -1}', "invalid_request", "temperature"),
+    ('{"type": "generate", "attempt_id": 0, "prompt": "x", "max_tokens": 0}', "invalid_request", "max_tokens"),
+    ('{"type": "generate", "attempt_id": 0, "prompt": "x", "top_p": 2}', "invalid_request", "top_p"),
+    ('{"type": "generate", "attempt_id": 0, "prompt": "x", "speculation": {"k": 0}}', "invalid_request", "k"),
+    ('{"type": "generate", "attempt_id": 0, "prompt": "x", "messages": []}', "invalid_request", "prompt"),
+])
+def test_bad_lines(daemon, line, cls, word):
+    mid = json.loads(line).get("id") if line.startswith("{") else None
+    _bad(daemon, line, cls, word, mid)
+
+
+def test_unload_then_exit(daemon):
+    daemon.send({"type": "unload", "id": "u"})
+    assert daemon.recv() == {"type": "unloaded", "id": "u", "was_loaded": True}
+    _bad(daemon, {"type": "generate", "id": "z", "attempt_id": 1, "prompt": "hi"}, "not_loaded", "load", "z")
+    daemon.proc.stdin.close()
+    assert daemon.proc.wait(timeout=30) == 0
+    for line in daemon.raw:  # stdout carried protocol JSON only
+        assert isinstance(json.loads(line), dict)

@@ -1,0 +1,241 @@
+"""Output: stop strings (single, several, spanning tokens, held back while streaming, text cut),
+eos, max_tokens, finish_reason; streamed deltas always concatenate to the final text."""
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from ckpts import copy_checkpoint, tiny
+from specfire import LLM, SamplingParams
+from specfire.runtime.output import OutputBuilder
+from specfire.tokenizer import Tokenizer
+
+TEXT = "Hello, world! The quick brown fox jumps over the lazy dog. for i in range(10): print(i)"
+
+
+@pytest.fixture(scope="module")
+def tok_path(ckpt_cache):
+    return tiny(ckpt_cache, "base", tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def tok(tok_path):
+    return Tokenizer(tok_path)
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """The longest tail of `text` that is a proper prefix of some stop string."""
+    for n in range(min(len(text), max(map(len, stops)) - 1), 0, -1):
+        if any(s.startswith(text[-n:]) for s in stops):
+            return n
+    return 0
+
+
+def feed(tok, ids, sp, eos=frozenset(), max_new=1000):
+    """Run tokens through an OutputBuilder the way the engine does; return it and the deltas."""
+    out = OutputBuilder(sp, set(eos), tok, max_new)
+    deltas = []
+    for t in ids:
+        if out.done:
+            break
+        deltas.append(out.add(t))
+    return out, deltas
+
+
+@pytest.mark.parametrize("stops", [["world"], ["quick brown"], ["fox", "quick brown"], ["lazy", "Hello"],
+                                   ["o"], ["range(10)"], [" jumps over the"], ["not in the text"]])
+def test_stop_strings(tok, stops):
+    ids = tok.encode(TEXT)
+    sp = SamplingParams(stop=stops)
+    out, deltas = feed(tok, ids, sp)
+    found = [TEXT.find(s) for s in stops if s in TEXT]
+    if found:
+        # the first stop string to complete, not merely the first to start
+        end = min((TEXT.find(s) + len(s), TEXT.find(s)) for s in stops if s in TEXT)[1]
+        assert out.finish_reason == "stop"
+        assert out.text == TEXT[:end]
+        assert tok.decode(out.token_ids).startswith(out.text)
+        assert not any(s in out.text for s in stops)
+    else:
+        assert out.finish_reason is None and out.text == TEXT
+    assert "".join(deltas) == out.text
+
+
+def test_stop_text_is_held_back_while_streaming(tok):
+    """After every token the released text is the decoded text minus exactly the tail that could
+    still grow into a stop string."""
+    stops = ["fox jumps", "lazy cat", "range(11)"]
+    ids = tok.encode(TEXT)
+    out = OutputBuilder(SamplingParams(stop=stops), set(), tok, 1000)
+    released = ""
+    for i, t in enumerate(ids):
+        released += out.add(t)
+        so_far = tok.decode(ids[:i + 1])
+        if out.done:
+            break
+        if "\ufffd" not in so_far:
+            assert released == so_far[:len(so_far) - held_back(so_far, stops)], (i, released, so_far)
+    assert out.finish_reason == "stop" and released == out.text == TEXT[:TEXT.index("fox jumps")]
+
+
+def test_eos_and_ignore_eos(tok):
+    ids = tok.encode(TEXT)
+    eos = ids[7]
+    first = ids.index(eos)
+    out, deltas = feed(tok, ids, SamplingParams(), eos={eos})
+    assert out.finish_reason == "stop" and out.token_ids == ids[:first + 1]
+    assert out.text == tok.decode(ids[:first]) == "".join(deltas)
+    out, _ = feed(tok, ids, SamplingParams(ignore_eos=True), eos={eos}, max_new=len(ids))
+    assert out.finish_reason == "length" and out.text == TEXT and out.token_ids == ids
+
+
+def test_max_tokens(tok):
+    ids = tok.encode(TEXT)
+    for n in (1, 2, len(ids) // 2):
+        out, deltas = feed(tok, ids, SamplingParams(stop=["zzz"]), max_new=n)
+        assert out.finish_reason == "length" and out.token_ids == ids[:n]
+        assert out.text == tok.decode(ids[:n]) == "".join(deltas)
+
+
+def test_stop_in_last_allowed_token_is_stop(tok):
+    ids = tok.encode(TEXT)
+    n = next(i for i in range(1, len(ids)) if "world" in tok.decode(ids[:i]))
+    out, _ = feed(tok, ids, SamplingParams(stop=["world"]), max_new=n)
+    assert out.finish_reason == "stop" and out.text == "Hello, "
+
+
+def test_eos_releases_held_back_text(tok):
+    """Text held back for a possible stop string is released when eos ends the output."""
+    ids = tok.encode("Hello, wor")
+    out, deltas = feed(tok, ids + [tok.tok.token_to_id("<|im_end|>")], SamplingParams(stop=["world"]),
+                       eos={tok.tok.token_to_id("<|im_end|>")})
+    assert out.finish_reason == "stop" and out.text == "Hello, wor" == "".join(deltas)
+
+
+def test_eos_after_partial_character_is_not_dropped(tok):
+    """A dangling partial UTF-8 byte before eos is flushed like at max_tokens, never dropped."""
+    ids = tok.encode("ab🙂")
+    im_end = tok.tok.token_to_id("<|im_end|>")
+    cut = ids[:-1] if tok.decode(ids[:-1]).endswith("\ufffd") else ids[:-2]
+    out_eos, d_eos = feed(tok, cut + [im_end], SamplingParams(), eos={im_end})
+    out_len, d_len = feed(tok, cut, SamplingParams(), max_new=len(cut))
+    assert out_eos.text == out_len.text == tok.decode(cut) == "".join(d_eos) == "".join(d_len)
+
+
+# ---- through the LLM ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llm(tok_path):
+    with LLM(tok_path, device="cpu", spec="off", progress=False) as m:
+        yield m
+
+
+def collect(llm, prompt, sp):
+    deltas, ids, res = [], [], None
+    for chunk in llm.stream(prompt, sp):
+        deltas.append(chunk.text)
+        ids += chunk.token_ids
+        res = chunk.result
+    return deltas, ids, res
+
+
+def test_streamed_deltas_concatenate_to_final_text(llm):
+    rnd = random.Random(0)
+    for i in range(6):
+        sp = SamplingParams(max_tokens=rnd.randint(1, 40), temperature=rnd.choice([0.0, 0.8, 1.5]), seed=i,
+                            ignore_eos=bool(i % 2))
+        deltas, ids, res = collect(llm, "def fibonacci(n):", sp)
+        assert "".join(deltas) == res.text
+        assert ids == res.token_ids
+        assert res.finish_reason in ("stop", "length")
+        body = res.token_ids[:-1] if res.token_ids[-1] in llm.eos_ids and not sp.ignore_eos else res.token_ids
+        assert res.text == llm.tokenizer.decode(body)
+        assert res.stats["generated_tokens"] == len(res.token_ids) <= sp.max_tokens
+
+
+def test_stop_string_through_llm(llm):
+    base = llm.generate("The quick", SamplingParams(max_tokens=40, temperature=1.0, seed=5, ignore_eos=True))
+    text = base.text
+    start = next(i for i in range(len(text) // 2, len(text) - 3) if "\ufffd" not in text[i:i + 3])
+    stop = text[start:start + 3]
+    sp = SamplingParams(max_tokens=40, temperature=1.0, seed=5, ignore_eos=True, stop=[stop, "\x00never"])
+    deltas, _, res = collect(llm, "The quick", sp)
+    assert res.finish_reason == "stop"
+    assert res.text == base.text[:base.text.find(stop)] == "".join(deltas)
+    assert base.token_ids[:len(res.token_ids)] == res.token_ids
+    assert stop in llm.tokenizer.decode(res.token_ids)
+
+
+def test_eos_through_llm(tok_path, tmp_path):
+    """An eos id from generation_config.json ends generation with finish_reason 'stop'."""
+    with LLM(tok_path, device="cpu", spec="off", progress=False) as llm:
+        ref = llm.generate("Hello", SamplingParams(max_tokens=30, ignore_eos=True))
+    eos_tok = ref.token_ids[4]
+    first = ref.token_ids.index(eos_tok)
+    path = copy_checkpoint(tok_path, str(tmp_path / "eos"))
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [eos_tok]}, f)
+    with LLM(path, device="cpu", spec="off", progress=False) as llm:
+        res = llm.generate("Hello", SamplingParams(max_tokens=30))
+        assert res.finish_reason == "stop" and res.token_ids == ref.token_ids[:first + 1]
+        assert res.text == llm.tokenizer.decode(ref.token_ids[:first])
+        res = llm.generate("Hello", SamplingParams(max_tokens=30, ignore_eos=True))
+        assert res.finish_reason == "length" and res.token_ids == ref.token_ids
+
+
+def test_max_tokens_through_llm(llm):
+    for n in (1, 2, 17):
+        res = llm.generate([1, 2, 3], SamplingParams(max_tokens=n, ignore_eos=True))
+        assert res.finish_reason == "length" and len(res.token_ids) == n
+        assert res.stats["generated_tokens"] == n and res.stats["prompt_tokens"] == 3
+
+
+def test_generation_stops_at_max_seq_len(tok_path):
+    with LLM(tok_path, device="cpu", spec="off", max_seq_len=12, progress=False) as llm:
+        res = llm.generate(list(range(10)), SamplingParams(max_tokens=50, ignore_eos=True))
+        assert res.finish_reason == "length" and len(res.token_ids) == 2
+
+
+# ---- bad requests leave the LLM usable --------------------------------------------------------------
+
+def test_failed_requests_leave_llm_usable(llm):
+    sp = SamplingParams(max_tokens=12, temperature=0.8, seed=4, ignore_eos=True)
+    before = llm.generate("Hello, world", sp)
+    vocab = llm.cfg.vocab_size
+    bad = [([1, vocab, 2], rf"token id {vocab} is out of range \[0, {vocab}\)"),
+           ([-1], r"token id -1 is out of range"), ([1, 2.0], r"token id 2\.0 is not an integer"),
+           ([], r"prompt is empty"),
+           ([1] * llm.max_seq_len, rf"prompt has {llm.max_seq_len} tokens; max_seq_len is {llm.max_seq_len}"),
+           (123, r"prompt must be a string or a list of token ids")]
+    for prompt, pattern in bad:
+        with pytest.raises(ValueError, match=pattern):
+            llm.generate(prompt, sp)
+        with pytest.raises(ValueError, match=pattern):
+            llm.score(prompt)
+    with pytest.raises(ValueError, match="params must be SamplingParams"):
+        llm.generate([1, 2], {"max_tokens": 3})
+    # a stream abandoned half-way
+    it = llm.stream("Hello, world", SamplingParams(max_tokens=30, temperature=1.0, seed=9, ignore_eos=True))
+    next(it), next(it)
+    del it
+    after = llm.generate("Hello, world", sp)
+    assert after.token_ids == before.token_ids and after.text == before.text
+
+
+def test_defaults_and_close(tok_path):
+    from specfire import SpecfireError
+
+    llm = LLM(tok_path, spec="off", progress=False)            # no GPU here: cpu and float32
+    assert llm.device.type == "cpu" and llm.dtype == llm.kv_dtype == torch.float32
+    res = llm.generate("Hi", SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(res.token_ids) == 3
+    llm.close()
+    llm.close()                                                  # idempotent
+    with pytest.raises(SpecfireError, match="closed"):
+        llm.generate("Hi")
+    with pytest.raises(SpecfireError, match="closed"):
+        llm.score([1, 2])

@@ -1,0 +1,87 @@
+"""Rollback by per-row capture: after verify(k+1 rows) + commit(n), every Gated DeltaNet layer's
+recurrent state and conv window are bit-identical (float32, CPU) to those after n+1 one-row
+decodes, and decoding continues identically (attention rows past the commit are never read)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from specfire import LLM
+from tinymodels import CONFIGS, make_checkpoint
+
+K = 6
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def ckpt(cache, name: str) -> str:
+    key = ("spec", name)
+    if key not in cache["made"]:
+        cache["made"][key] = make_checkpoint(os.path.join(cache["root"], f"spec_{name}"), name)
+    return cache["made"][key]
+
+
+def gdn_state(trunk) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(lc.rec.clone(), lc.conv.clone()) for lc in trunk.state.layers if lc.rec is not None]
+
+
+@pytest.mark.parametrize("name", ["base", "mix", "gqa4", "kdim", "mha"])
+def test_commit_n_equals_n_plus_1_decodes(ckpt_cache, name):
+    with LLM(ckpt(ckpt_cache, name), spec="off", progress=False) as llm:
+        trunk = llm.engine.trunk
+        g = torch.Generator().manual_seed(len(name))
+        prompt = torch.randint(0, llm.cfg.vocab_size, (11,), generator=g)
+        rows_ids = torch.randint(0, llm.cfg.vocab_size, (K + 1,), generator=g)
+        after = torch.randint(0, llm.cfg.vocab_size, (1,), generator=g)
+        pos = prompt.shape[0]
+
+        # reference: one-row decodes, each committed
+        trunk.begin()
+        trunk.prefill(prompt)
+        ref_states, ref_logits = [], []
+        for i in range(K + 1):
+            r = trunk.verify(rows_ids[i:i + 1], pos + i)
+            trunk.commit(0)
+            ref_states.append(gdn_state(trunk))
+            ref_logits.append(r.logits[0])
+
+        for n in range(K + 1):
+            trunk.begin()
+            trunk.prefill(prompt)
+            r = trunk.verify(rows_ids, pos)
+            for i in range(K + 1):          # row invariance: a verify row is the one-row decode
+                assert torch.equal(r.logits[i], ref_logits[i]), (name, i)
+            trunk.commit(n)
+            got = gdn_state(trunk)
+            assert len(got) == llm.cfg.n_linear
+            for (rec, conv), (rrec, rconv) in zip(got, ref_states[n]):
+                assert torch.equal(rec, rrec), (name, n, "recurrent state")
+                assert torch.equal(conv, rconv), (name, n, "conv window")
+            # a different token after the commit point continues exactly like AR from there
+            nxt = trunk.verify(after, pos + n + 1).logits[0]
+            trunk.commit(0)
+            trunk.begin()
+            trunk.prefill(prompt)
+            for i in range(n + 1):
+                trunk.verify(rows_ids[i:i + 1], pos + i)
+                trunk.commit(0)
+            want = trunk.verify(after, pos + n + 1).logits[0]
+            trunk.commit(0)
+            assert torch.equal(nxt, want), (name, n)
+
+
+def test_commit_needs_a_rows_forward(ckpt_cache):
+    with LLM(ckpt(ckpt_cache, "base"), spec="off", progress=False) as llm:
+        trunk = llm.engine.trunk
+        trunk.begin()
+        trunk.prefill(torch.tensor([1, 2, 3]))
+        with pytest.raises(RuntimeError, match="commit"):
+            trunk.commit(0)

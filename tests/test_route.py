@@ -1,0 +1,183 @@
+"""The typed speculation policy end to end: validation, what LLM(spec=...) loads, per-request
+override, the route selector and its reason in stats, and where the MTP head's weights come from."""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import specfit
+from specfire import LLM, SamplingParams, SpecPolicy
+from specfire.errors import CheckpointError, SpecfireError
+from specfire.runtime.route import select_route
+from tinymodels import make_checkpoint
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def ckpt(cache, name: str, mtp: bool = True) -> str:
+    key = ("spec", name, mtp)
+    if key not in cache["made"]:
+        cache["made"][key] = make_checkpoint(os.path.join(cache["root"], f"route_{name}_{mtp}"), name, mtp=mtp)
+    return cache["made"][key]
+
+
+SP = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+# ---- SpecPolicy --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(mode="fast"), "spec.mode"), (dict(mode=None), "spec.mode"), (dict(k=0), "spec.k"),
+    (dict(k=11), "spec.k"), (dict(k=2.5), "spec.k"), (dict(k=True), "spec.k"), (dict(k="3"), "spec.k"),
+])
+def test_policy_validation_names_the_field(kw, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        SpecPolicy(**kw)
+
+
+def test_policy_coerce():
+    d = SpecPolicy(mode="ngram", k=2)
+    assert SpecPolicy.coerce(None, d) is d
+    assert SpecPolicy.coerce("mtp", d) == SpecPolicy("mtp", 2)
+    assert SpecPolicy.coerce({"k": 5}, d) == SpecPolicy("ngram", 5)
+    with pytest.raises(ValueError, match="unknown field"):
+        SpecPolicy.coerce({"mode": "mtp", "depth": 3}, d)
+    with pytest.raises(ValueError, match="spec must be"):
+        SpecPolicy.coerce(3, d)
+    with pytest.raises(ValueError, match="spec.k"):
+        SpecPolicy.coerce({"k": 0}, d)
+
+
+# ---- the route selector -------------------------------------------------------------------------
+
+def test_select_route():
+    g = SamplingParams()
+    assert select_route(SpecPolicy("off"), True, g) == ("ar", "speculation off by policy")
+    r, why = select_route(SpecPolicy("auto", 4), True, g)
+    assert r == "mtp" and "k=4" in why
+    r, why = select_route(SpecPolicy("auto"), False, g)
+    assert r == "ar" and "no MTP head" in why
+    r, why = select_route(SpecPolicy("auto"), True, SamplingParams(max_tokens=1))
+    assert r == "ar" and "single token" in why
+    assert select_route(SpecPolicy("auto"), True, SamplingParams(temperature=0.8))[0] == "mtp"
+    assert select_route(SpecPolicy("ngram"), False, g)[0] == "ngram"
+    with pytest.raises(SpecfireError, match="no MTP head"):
+        select_route(SpecPolicy("mtp"), False, g)
+    with pytest.raises(SpecfireError, match="cannot be served"):
+        select_route(SpecPolicy("mtp"), True, g, "mesh", frozenset({"mtp"}))
+    r, why = select_route(SpecPolicy("auto"), True, g, "mesh", frozenset({"mtp"}))
+    assert r == "ar" and "mesh" in why
+
+
+# ---- what LLM(spec=...) loads -------------------------------------------------------------------
+
+def test_spec_off_never_loads_the_head(ckpt_cache, tmp_path):
+    path = ckpt(ckpt_cache, "base")
+    missing = str(tmp_path / "nowhere.safetensors")
+    with LLM(path, spec="off", mtp_path=missing, progress=False) as llm:   # not even looked at
+        assert not llm.mtp_loaded
+        r = llm.generate([1, 2, 3], SP)
+        assert r.stats["route"] == "ar" and r.stats["route_reason"] == "speculation off by policy"
+        with pytest.raises(SpecfireError, match="mtp"):
+            llm.generate([1, 2, 3], SP, spec="mtp")                       # an error, not a fallback
+        with pytest.raises(SpecfireError, match="mtp"):
+            llm.generate([1, 2, 3], SP, spec={"mode": "mtp", "k": 2})
+        assert llm.generate([1, 2, 3], SP, spec="auto").stats["route"] == "ar"
+        assert llm.generate([1, 2, 3], SP, spec="ngram").stats["route"] == "ngram"
+
+
+def test_spec_mtp_requires_a_head(ckpt_cache):
+    path = ckpt(ckpt_cache, "base", mtp=False)
+    with pytest.raises(CheckpointError, match=r"mtp\.\* tensors.*mtp\.safetensors"):
+        LLM(path, spec="mtp", progress=False)
+    with pytest.raises(CheckpointError):
+        LLM(path, spec={"mode": "mtp", "k": 2}, progress=False)
+
+
+def test_spec_auto_loads_when_present_and_says_so(ckpt_cache, caplog):
+    with caplog.at_level(logging.INFO, logger="specfire"):
+        with LLM(ckpt(ckpt_cache, "base"), progress=False) as llm:
+            assert llm.spec == SpecPolicy() and llm.mtp_loaded
+            r = llm.generate([1, 2, 3], SP)
+            assert r.stats["route"] == "mtp" and r.stats["route_reason"].startswith("auto")
+    assert any("MTP head loaded" in m for m in caplog.messages)
+    with LLM(ckpt(ckpt_cache, "base", mtp=False), progress=False) as llm:
+        assert not llm.mtp_loaded
+        r = llm.generate([1, 2, 3], SP)
+        assert r.stats["route"] == "ar" and "no MTP head" in r.stats["route_reason"]
+        with pytest.raises(SpecfireError, match="no MTP head"):
+            llm.generate([1, 2, 3], SP, spec="mtp")
+
+
+def test_per_request_override(ckpt_cache):
+    with LLM(ckpt(ckpt_cache, "base"), spec={"mode": "ngram", "k": 2}, progress=False) as llm:
+        r = llm.generate([1, 2, 1, 2, 1, 2], SP)
+        assert (r.stats["route"], r.stats["k"]) == ("ngram", 2)
+        r = llm.generate([1, 2, 1, 2], SP, spec={"k": 5})                   # mode from the default
+        assert (r.stats["route"], r.stats["k"]) == ("ngram", 5)
+        r = llm.generate([1, 2, 1, 2], SP, spec=SpecPolicy("mtp", 4))
+        assert (r.stats["route"], r.stats["k"]) == ("mtp", 4)
+        r = llm.generate([1, 2, 1, 2], SP, spec="off")
+        assert (r.stats["route"], r.stats["k"]) == ("ar", 0)
+        r = llm.generate([1, 2, 1, 2], SamplingParams(max_tokens=1), spec="auto")
+        assert r.stats["route"] == "ar" and len(r.token_ids) == 1
+        with pytest.raises(ValueError, match="spec.mode"):
+            llm.generate([1, 2], SP, spec="turbo")
+        with pytest.raises(ValueError, match="spec.k"):
+            llm.generate([1, 2], SP, spec={"k": 99})
+
+
+# ---- where the head's weights come from ---------------------------------------------------------
+
+def head_tensors(llm: LLM) -> dict[str, torch.Tensor]:
+    head = llm.engine.drafters["mtp"].head
+    return {"mtp." + n: p.detach() for n, p in head.named_parameters()}
+
+
+def test_mtp_sidecar_beside_the_checkpoint(ckpt_cache, tmp_path):
+    fitted = specfit.fitted_checkpoint(ckpt_cache["root"])
+    side = specfit.variant(fitted, str(tmp_path / "side"), mtp_sidecar=True)
+    assert not any(k.startswith("mtp.") for k in load_file(os.path.join(side, "model.safetensors")))
+    p = specfit.prompts(1, seed=31)[0]
+    with LLM(fitted, progress=False) as a, LLM(side, progress=False) as b:
+        assert b.mtp_loaded
+        ta, tb = head_tensors(a), head_tensors(b)
+        assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+        ra = a.generate(p, SamplingParams(max_tokens=24, ignore_eos=True), spec={"mode": "mtp", "k": 3})
+        rb = b.generate(p, SamplingParams(max_tokens=24, ignore_eos=True), spec={"mode": "mtp", "k": 3})
+        assert ra.token_ids == rb.token_ids and ra.stats["accepted"] == rb.stats["accepted"] > 0
+    with LLM(side, spec="off", progress=False) as c:
+        assert not c.mtp_loaded
+
+
+def test_mtp_path_given_explicitly(ckpt_cache, tmp_path):
+    fitted = specfit.fitted_checkpoint(ckpt_cache["root"])
+    heads = {k: v for k, v in load_file(os.path.join(fitted, "model.safetensors")).items() if k.startswith("mtp.")}
+    sidecar = str(tmp_path / "my_head.safetensors")
+    save_file(heads, sidecar)
+    nohead = ckpt(ckpt_cache, "base", mtp=False)
+    with LLM(nohead, spec="mtp", mtp_path=sidecar, progress=False) as llm:
+        got = head_tensors(llm)
+        assert all(torch.equal(got[k], heads[k]) for k in heads)
+        assert llm.generate([1, 2, 3], SP).stats["route"] == "mtp"
+    # an explicit path wins over the checkpoint's own mtp.* tensors
+    with LLM(ckpt(ckpt_cache, "base"), mtp_path=sidecar, progress=False) as llm:
+        got = head_tensors(llm)
+        assert all(torch.equal(got[k], heads[k]) for k in heads)
+    with pytest.raises(CheckpointError, match="not found"):
+        LLM(nohead, spec="auto", mtp_path=str(tmp_path / "missing.safetensors"), progress=False)
+    bad = dict(heads)
+    bad["mtp.fc.weight"] = bad["mtp.fc.weight"][:, :5].contiguous()
+    save_file(bad, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(CheckpointError, match=r"mtp\.fc\.weight"):
+        LLM(nohead, spec="mtp", mtp_path=str(tmp_path / "bad.safetensors"), progress=False)

@@ -1,0 +1,293 @@
+"""The OpenAI-compatible server, live in a subprocess (`specfire serve`), driven by the real `openai`
+client and by raw HTTP for the error cases."""
+import json
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from serving import start_server, stop
+from tinytok import make_tok_checkpoint
+
+KEY = "sk-test-key"
+NAME = "tiny"
+MAX_SEQ = 1024
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("srv")
+    path = make_tok_checkpoint(str(root / "ckpt"), seed=3)
+    log = str(root / "server.log")
+    proc, base = start_server([path, "--api-key", KEY, "--served-model-name", NAME, "--max-seq-len", str(MAX_SEQ)],
+                              log)
+    yield {"base": base, "proc": proc, "path": path, "log": log}
+    stop(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server["base"] + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _post(server, path, body=None, raw=None, key=KEY):
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    content = raw if raw is not None else json.dumps(body)
+    return httpx.post(server["base"] + path, content=content, headers=headers, timeout=60)
+
+
+def _metric(server, name, **labels):
+    text = httpx.get(server["base"] + "/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(f"specfire:{name}{{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+MSGS = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert httpx.get(server["base"] + "/health").json() == {"status": "ok"}
+
+
+def test_chat_stream_equals_nonstream(client):
+    full = client.chat.completions.create(model=NAME, messages=MSGS, max_tokens=20, temperature=0)
+    text = full.choices[0].message.content
+    assert full.choices[0].message.role == "assistant"
+    assert full.choices[0].finish_reason in ("stop", "length")
+    assert full.usage.completion_tokens >= 1 and full.usage.prompt_tokens > 5
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    t = full.model_extra["timings"]
+    assert t["ttft_ms"] > 0 and t["prefill_tok_s"] > 0 and "mean_accept_len" in t
+
+    chunks = list(client.chat.completions.create(model=NAME, messages=MSGS, max_tokens=20, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == full.choices[0].finish_reason and all(f is None for f in finishes[:-1])
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_completions_stream_equals_nonstream(client):
+    full = client.completions.create(model=NAME, prompt="def add(a, b):", max_tokens=16, temperature=0)
+    chunks = list(client.completions.create(model=NAME, prompt="def add(a, b):", max_tokens=16, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert full.usage.completion_tokens == 16 or full.choices[0].finish_reason == "stop"
+
+
+def test_raw_sse_ends_with_done(server):
+    with httpx.stream("POST", server["base"] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"prompt": "hello", "max_tokens": 4, "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]" and all(ln.startswith("data: ") for ln in lines)
+
+
+def test_per_request_speculation_same_greedy_text(client):
+    texts, routes = {}, {}
+    for mode in ("off", "mtp", "ngram", "auto"):
+        r = client.chat.completions.create(model=NAME, messages=MSGS, max_tokens=24, temperature=0,
+                                           extra_body={"speculation": {"mode": mode, "k": 2}})
+        texts[mode] = r.choices[0].message.content
+        routes[mode] = r.model_extra["timings"]["route"]
+    assert len(set(texts.values())) == 1, texts
+    assert routes["off"] == "ar" and routes["mtp"] == "mtp" and routes["ngram"] == "ngram"
+
+
+def test_stop_string(client):
+    full = client.completions.create(model=NAME, prompt="Hello", max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    assert len(full) >= 8
+    stop = full[4:6]
+    cut = full[:full.find(stop)]
+    for stream in (False, True):
+        r = client.completions.create(model=NAME, prompt="Hello", max_tokens=24, temperature=0, stop=[stop],
+                                      stream=stream, extra_body={"ignore_eos": True})
+        if stream:
+            chunks = list(r)
+            text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            text, finish = r.choices[0].text, r.choices[0].finish_reason
+        assert (text, finish) == (cut, "stop")
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = dict(model=NAME, prompt="Once upon", max_tokens=12, temperature=1.0, top_p=0.9, seed=7,
+              extra_body={"top_k": 50, "min_p": 0.01})
+    a = client.completions.create(**kw).choices[0].text
+    b = client.completions.create(**kw).choices[0].text
+    assert a == b
+
+
+ERRORS = [
+    ("/v1/chat/completions", None, '{"messages": [', 400, None),
+    ("/v1/chat/completions", None, "[1, 2]", 400, None),
+    ("/v1/chat/completions", {"max_tokens": 4}, None, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, None, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, None, 400, "messages[0].role"),
+    ("/v1/completions", {"max_tokens": 4}, None, 400, "prompt"),
+    ("/v1/completions", {"prompt": 5}, None, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, None, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, None, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": MSGS, "max_completion_tokens": 0}, None, 400, "max_completion_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, None, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, None, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "min_p": 2}, None, 400, "min_p"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 1.5}, None, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, None, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "stop": 3}, None, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, None, 400, "stream"),
+    ("/v1/completions", {"prompt": "hi", "speculation": {"mode": "mtp", "k": 0}}, None, 400, "speculation.k"),
+    ("/v1/completions", {"prompt": "hi", "speculation": {"mode": "fast"}}, None, 400, "speculation.mode"),
+    ("/v1/completions", {"prompt": "hi", "speculation": 3}, None, 400, "speculation"),
+    ("/v1/completions", {"prompt": [1, 2, 99999]}, None, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hello " * (MAX_SEQ + 50)}, None, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * (MAX_SEQ + 50)}]}, None, 400,
+     "messages"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, None, 404, "model"),
+    ("/v1/completions", {"prompt": "hi", "model": 7}, None, 400, "model"),
+]
+
+
+@pytest.mark.parametrize("path,body,raw,status,param", ERRORS)
+def test_errors_then_good_request(server, path, body, raw, status, param):
+    r = _post(server, path, body, raw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] and err["type"]
+    if param is not None:
+        assert param.split("[")[0].split(".")[0] in err["message"]
+    good = _post(server, "/v1/completions", {"prompt": "ok", "max_tokens": 2, "temperature": 0})
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2
+
+
+def test_auth_and_unknown_route(server, client):
+    for key in (None, "wrong"):
+        r = _post(server, "/v1/completions", {"prompt": "hi"}, key=key)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server["base"] + "/v1/models").status_code == 401
+    bad = openai.OpenAI(base_url=server["base"] + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=NAME, prompt="hi", max_tokens=-3)
+    r = httpx.get(server["base"] + "/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_concurrent_requests_match_sequential(client):
+    prompts = ["def f(x):", "The quick brown fox", "Tip 1:", "Once upon a time"]
+    kw = dict(model=NAME, max_tokens=24, temperature=0)
+    seq = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+    got = [None] * 4
+
+    def go(i):
+        s = i % 2 == 1  # mix streaming and non-streaming
+        if s:
+            got[i] = "".join(c.choices[0].text for c in client.completions.create(prompt=prompts[i], stream=True, **kw))
+        else:
+            got[i] = client.completions.create(prompt=prompts[i], **kw).choices[0].text
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got == seq
+
+
+def test_disconnect_mid_stream_stops_generation(server, client):
+    aborted0 = _metric(server, "request_success_total", finished_reason="abort") or 0.0
+    body = {"prompt": "hello", "max_tokens": MAX_SEQ - 10, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server["base"] + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as r:
+        it = r.iter_lines()
+        for _ in range(3):
+            next(it)
+    # the server is not wedged: a new request is served, and the abandoned one ended as 'abort'
+    t0 = time.time()
+    r = client.completions.create(model=NAME, prompt="ok", max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3
+    deadline = time.time() + 10
+    while (_metric(server, "request_success_total", finished_reason="abort") or 0.0) < aborted0 + 1:
+        assert time.time() < deadline, "the abandoned generation was not stopped"
+        time.sleep(0.1)
+    assert time.time() - t0 < 20
+
+
+def test_metrics(server, client):
+    client.completions.create(model=NAME, prompt="x", max_tokens=6, temperature=0,
+                              extra_body={"speculation": {"mode": "mtp", "k": 3}})
+    text = httpx.get(server["base"] + "/metrics").text
+    assert "# TYPE specfire:time_to_first_token_seconds histogram" in text
+    assert "# TYPE specfire:inter_token_latency_seconds histogram" in text
+    assert _metric(server, "generation_tokens_total") > 0 and _metric(server, "prompt_tokens_total") > 0
+    assert _metric(server, "time_to_first_token_seconds_count") >= 1
+    assert _metric(server, "spec_decode_num_drafts_total") >= 1
+    assert _metric(server, "spec_decode_num_draft_tokens_total") >= 3
+    assert _metric(server, "spec_decode_num_accepted_tokens_per_pos_total", position="0") is not None
+    assert _metric(server, "http_errors_total", status="400") >= 1
+    assert _metric(server, "num_requests_running") == 0
+
+
+def test_battery_against_server(server, capsys):
+    from specfire.cli import main
+    from specfire.serve.battery import PROMPTS
+
+    rc = main(["bench", "battery", "--url", server["base"], "--api-key", KEY, "--served-model-name", NAME,
+               "-n", "6", "--identity", "--spec", "mtp", "--spec-k", "2"])
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert rc == 0 and lines[-1]["identity"] is True and lines[-1]["cells"] == ["spec=off", "spec=mtp"]
+    rows = lines[:-1]
+    assert len(rows) == 2 * len(PROMPTS)
+    assert all(r["saw_done"] and r["gen"] >= 1 and r["ctx"] > 5 and r["cached"] == 0 for r in rows)
+    assert {r["tau"] >= 1.0 for r in rows if r["spec"] == "mtp"} == {True}
+
+
+def test_sigterm_is_clean(server):
+    """SIGTERM with a long stream in flight: the process ends promptly with status 0."""
+    proc = server["proc"]
+    body = {"prompt": "hello", "max_tokens": MAX_SEQ - 10, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server["base"] + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as r:
+        lines = r.iter_lines()
+        next(lines)
+        proc.send_signal(signal.SIGTERM)
+        rest = [ln for ln in lines if ln]
+    # the stream was ended by the server (not cut off after the grace period) and said why
+    assert rest[-1] == "data: [DONE]" and "shutting down" in rest[-2]
+    assert proc.wait(timeout=30) == 0
+    with open(server["log"]) as f:
+        assert "server stopped" in f.read()
+
+
+def test_in_process_app_without_mtp_head(tmp_path):
+    """build_app over an LLM in this process (fastapi's TestClient): a model with no MTP head refuses
+    speculation mode 'mtp' with a 400 naming speculation.mode, and serves 'auto' on the AR route."""
+    from fastapi.testclient import TestClient
+
+    from specfire import LLM
+    from specfire.serve.http import build_app
+
+    path = make_tok_checkpoint(str(tmp_path / "nomtp"), seed=2, mtp=False)
+    with LLM(path, progress=False) as llm, TestClient(build_app(llm, "nomtp")) as tc:
+        r = tc.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "speculation": {"mode": "mtp"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "speculation.mode"
+        assert "MTP head" in r.json()["error"]["message"]
+        r = tc.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0,
+                                             "speculation": "auto"})
+        assert r.status_code == 200 and r.json()["timings"]["route"] == "ar"
+        assert tc.get("/v1/models").json()["data"][0]["id"] == "nomtp"  # no API key: open

@@ -1,0 +1,424 @@
+"""Greedy speculative decoding is exactly AR decoding (float32, CPU), whatever gets accepted.
+
+Three kinds of drafter drive the shared step: the model's MTP head (random on the random configs,
+fitted on the fitted model), n-gram lookup, and a scripted drafter that proposes AR's own
+continuation with a chosen number of right tokens per cycle, which makes zero-accept, partial and
+all-accept cycles, EOS and stop strings inside accepted drafts happen on purpose.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import specfit
+from specfire import LLM, SamplingParams
+from specfire.runtime import engine as engine_mod
+from specfire.runtime import spec as spec_mod
+from tinymodels import CONFIGS, make_checkpoint
+
+
+def ckpt(cache, name: str) -> str:
+    key = ("spec", name)
+    if key not in cache["made"]:
+        cache["made"][key] = make_checkpoint(os.path.join(cache["root"], f"spec_{name}"), name)
+    return cache["made"][key]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: one thread is as fast and does not fight other processes for the cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def fitted(ckpt_cache, one_thread) -> str:
+    return specfit.fitted_checkpoint(ckpt_cache["root"])
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=kw.pop("ignore_eos", True), **kw)
+
+
+def random_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = [1, 2, 7, 19, 33][:n] + [5] * max(0, n - 5)
+    return [torch.randint(0, vocab - 1, (L,), generator=g).tolist() for L in lens]
+
+
+class Scripted:
+    """A drafter that proposes the known AR continuation `ref` (token i at position plen + i),
+    right for the first `right` drafts of every cycle and wrong after that."""
+
+    name = "ngram"
+
+    def __init__(self, plen: int, ref: list[int], right: int, vocab: int):
+        self.plen, self.ref, self.right, self.vocab = plen, ref, right, vocab
+
+    def begin(self, prompt, hidden) -> None:
+        assert prompt.shape[0] == self.plen
+
+    def propose(self, last, pos, k, sp, gen):
+        out = []
+        for j in range(k):
+            i = pos + 1 + j - self.plen
+            t = self.ref[i] if i < len(self.ref) else 0
+            out.append(t if j < self.right else (t + 1) % self.vocab)
+        return out, None
+
+    def commit(self, out, hidden) -> None:
+        pass
+
+
+@pytest.fixture
+def cycles(monkeypatch):
+    """Every speculative cycle as (drafted, accepted)."""
+    log: list[tuple[int, int]] = []
+    orig = spec_mod.SpecStats.record
+
+    def record(self, k, n):
+        if k:
+            log.append((k, n))
+        orig(self, k, n)
+    monkeypatch.setattr(spec_mod.SpecStats, "record", record)
+    return log
+
+
+@pytest.fixture
+def emitted(monkeypatch):
+    """The tokens each step emitted (the first entry of a request is its first cycle)."""
+    log: list[list[int]] = []
+    orig = engine_mod.spec_step
+
+    def step(*a, **kw):
+        out = orig(*a, **kw)
+        log.append(list(out))
+        return out
+    monkeypatch.setattr(engine_mod, "spec_step", step)
+    return log
+
+
+# ---- equality on random models --------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_greedy_mtp_and_ngram_equal_ar(ckpt_cache, name):
+    path = ckpt(ckpt_cache, name)
+    with LLM(path, spec="auto", progress=False) as llm:
+        assert llm.mtp_loaded
+        v = llm.cfg.vocab_size
+        for j, p in enumerate(random_prompts(v, 3, seed=sorted(CONFIGS).index(name))):
+            ref = llm.generate(p, greedy(20), spec="off")
+            assert ref.stats["route"] == "ar" and len(ref.token_ids) == 20
+            for k in (range(1, 7) if j == 0 else (2, 5)):
+                r = llm.generate(p, greedy(20), spec={"mode": "mtp", "k": k})
+                assert r.stats["route"] == "mtp"
+                assert r.token_ids == ref.token_ids, (name, p, k)
+            rep = (p * 4)[:40]              # a repetitive prompt gives n-gram something to propose
+            ref2 = llm.generate(rep, greedy(20), spec="off")
+            for k in ((1, 4, 6) if j == 0 else (3,)):
+                r = llm.generate(rep, greedy(20), spec={"mode": "ngram", "k": k})
+                assert r.token_ids == ref2.token_ids, (name, rep, k)
+
+
+@pytest.mark.parametrize("name", ["base", "mix", "gqa4"])
+def test_scripted_accept_patterns(ckpt_cache, name, cycles):
+    """Zero, partial and all-accepted cycles, for every count of right drafts per cycle."""
+    path = ckpt(ckpt_cache, name)
+    with LLM(path, spec="off", progress=False) as llm:
+        v = llm.cfg.vocab_size
+        p = random_prompts(v, 3, seed=5)[2]
+        ref = llm.generate(p, greedy(24)).token_ids
+        for k in (1, 3, 6):
+            for right in range(0, k + 1):
+                llm.engine.drafters["ngram"] = Scripted(len(p), ref, right, v)
+                cycles.clear()
+                r = llm.generate(p, greedy(24), spec={"mode": "ngram", "k": k})
+                assert r.token_ids == ref, (k, right)
+                assert cycles and all(n == min(right, d) for d, n in cycles), (k, right, cycles)
+                assert r.stats["accepted"] == sum(n for _, n in cycles)
+                assert r.stats["cycles"] == len(cycles)
+
+
+# ---- the fitted model: drafts really get accepted ----------------------------------------------
+
+def test_fitted_mtp_accepts_and_equals_ar(fitted, cycles):
+    fulls = []
+    with LLM(fitted, progress=False) as llm:
+        assert llm.spec.mode == "auto" and llm.mtp_loaded
+        for k in range(1, 7):
+            cycles.clear()
+            acc = 0
+            for p in specfit.prompts(4, seed=7):
+                ref = llm.generate(p, greedy(32), spec="off")
+                r = llm.generate(p, greedy(32), spec={"mode": "mtp", "k": k})
+                assert r.token_ids == ref.token_ids, (k, p)
+                assert r.stats["route"] == "mtp"
+                acc += r.stats["accepted"]
+            assert acc > 0, k
+            full = sum(n == d == k for d, n in cycles)
+            fulls.append(full)
+            if k <= 3:  # the head is fitted for step 1 only, so long all-right chains get rare
+                assert full > 0, f"no all-accepted cycle at k={k}: {cycles}"
+            if k >= 2:
+                assert any(n < d for d, n in cycles), f"no rejection at k={k}"
+
+
+def test_fitted_ngram_accepts_and_equals_ar(fitted, cycles):
+    with LLM(fitted, spec="off", progress=False) as llm:
+        for k in (1, 3, 6):
+            cycles.clear()
+            for p in specfit.prompts(4, length=16, seed=9):
+                ref = llm.generate(p, greedy(40))
+                r = llm.generate(p, greedy(40), spec={"mode": "ngram", "k": k})
+                assert r.token_ids == ref.token_ids
+                assert r.stats["route"] == "ngram" and r.stats["mean_accept_len"] > 1.5
+            assert any(n == d == k for d, n in cycles)
+
+
+def test_requests_do_not_leak_state(fitted):
+    """One LLM, speculation switched between requests (and a sampled request in between): every
+    greedy output equals that of a freshly loaded model decoding AR."""
+    plan = [("off", 3, 20), ("mtp", 4, 30), ("ngram", 3, 25), ("mtp", 1, 9), ("auto", 6, 31),
+            ("off", 3, 12), ("ngram", 6, 40), ("mtp", 6, 17), ("mtp", 2, 33)]
+    prompts = specfit.prompts(len(plan), seed=11)
+    prompts[3] = prompts[3][:1]
+    refs = []
+    for p, (_, _, n) in zip(prompts, plan):
+        with LLM(fitted, spec="off", progress=False) as fresh:
+            refs.append(fresh.generate(p, greedy(n)).token_ids)
+    with LLM(fitted, spec={"mode": "mtp", "k": 3}, progress=False) as llm:
+        for i, (p, (mode, k, n)) in enumerate(zip(prompts, plan)):
+            r = llm.generate(p, greedy(n), spec={"mode": mode, "k": k})
+            assert r.token_ids == refs[i], (i, mode, k)
+            llm.generate(prompts[-1 - i], SamplingParams(max_tokens=7, temperature=0.9, seed=i),
+                         spec={"mode": ["mtp", "ngram", "off"][i % 3], "k": 5})
+        # the load-time default applies when the request names no policy
+        r = llm.generate(prompts[0], greedy(20))
+        assert r.stats["route"] == "mtp" and r.stats["k"] == 3 and r.token_ids == refs[0]
+
+
+# ---- where the output ends ------------------------------------------------------------------
+
+def test_eos_inside_accepted_drafts(ckpt_cache, tmp_path, emitted):
+    base = ckpt(ckpt_cache, "base")
+    with LLM(base, progress=False) as llm:
+        v = llm.cfg.vocab_size
+        p = random_prompts(v, 3, seed=3)[1]
+        ref = llm.generate(p, greedy(30), spec="off").token_ids
+    firsts = [i for i in range(1, 30) if ref[i] not in ref[:i] and ref[i] != v - 1]
+    inside = [i for i in firsts if (i - 1) % 7 != 6][:4]      # with k = 6 all right, cycles cover 1+7c..7+7c
+    assert inside
+    for i in inside:
+        path = specfit.variant(base, str(tmp_path / f"eos{i}"), eos=ref[i])
+        with LLM(path, progress=False) as llm:
+            a = llm.generate(p, SamplingParams(max_tokens=30), spec="off")
+            assert a.token_ids == ref[:i + 1] and a.finish_reason == "stop"
+            llm.engine.drafters["ngram"] = Scripted(len(p), ref, 6, v)
+            emitted.clear()
+            s = llm.generate(p, SamplingParams(max_tokens=30), spec={"mode": "ngram", "k": 6})
+            assert s.token_ids == a.token_ids and s.finish_reason == "stop"
+            last = emitted[-1]
+            assert ref[i] in last[:-1], "the EOS should sit inside the accepted drafts, not be the bonus"
+            m = llm.generate(p, SamplingParams(max_tokens=30), spec={"mode": "mtp", "k": 6})
+            assert m.token_ids == a.token_ids and m.finish_reason == "stop"
+
+
+def test_eos_inside_mtp_drafts_fitted(fitted, tmp_path, emitted):
+    with LLM(fitted, progress=False) as llm:
+        p = specfit.prompts(1, seed=13)[0]
+        ref = llm.generate(p, greedy(40), spec="off").token_ids
+    hit = 0
+    for i in [i for i in range(1, 12) if ref[i] not in ref[:i]]:
+        path = specfit.variant(fitted, str(tmp_path / f"eos{i}"), eos=ref[i])
+        with LLM(path, progress=False) as llm:
+            a = llm.generate(p, SamplingParams(max_tokens=40), spec="off")
+            emitted.clear()
+            m = llm.generate(p, SamplingParams(max_tokens=40), spec={"mode": "mtp", "k": 4})
+            assert a.token_ids == ref[:i + 1] and a.finish_reason == "stop"
+            assert m.token_ids == a.token_ids and m.finish_reason == "stop"
+            hit += ref[i] in emitted[-1][:-1]
+    assert hit > 0, "no EOS fell inside accepted MTP drafts"
+
+
+def test_stop_string_inside_accepted_drafts(ckpt_cache, tmp_path, emitted):
+    base = ckpt(ckpt_cache, "base")
+    path = specfit.variant(base, str(tmp_path / "tok"), tokenizer=True)
+    with LLM(path, progress=False) as llm:
+        v = llm.cfg.vocab_size
+        p = random_prompts(v, 3, seed=4)[2]
+        ref = llm.generate(p, greedy(30), spec="off")
+        text = ref.text
+        assert len(text) == 30                          # one character per token
+        done = 0
+        for i in range(3, 28):
+            stop = text[i:i + 2]
+            if text.find(stop) != i or i % 7 == 6:   # token i+1 completes it: not a cycle's bonus
+                continue
+            sp = SamplingParams(max_tokens=30, stop=[stop], ignore_eos=True)
+            a = llm.generate(p, sp, spec="off")
+            assert a.text == text[:i] and a.finish_reason == "stop"
+            llm.engine.drafters["ngram"] = Scripted(len(p), ref.token_ids, 6, v)
+            emitted.clear()
+            chunks = list(llm.stream(p, sp, spec={"mode": "ngram", "k": 6}))
+            s = chunks[-1].result
+            assert (s.text, s.token_ids, s.finish_reason) == (a.text, a.token_ids, a.finish_reason)
+            assert "".join(c.text for c in chunks) == a.text
+            assert len(emitted[-1]) == 7 and a.token_ids[-1] in emitted[-1][:-1]
+            m = llm.generate(p, sp, spec={"mode": "mtp", "k": 5})
+            assert (m.text, m.token_ids, m.finish_reason) == (a.text, a.token_ids, a.finish_reason)
+            done += 1
+        assert done >= 2
+
+
+def test_max_tokens_mid_cycle_and_k_clamped(ckpt_cache, monkeypatch):
+    """With every draft right, a cycle would emit k+1 tokens; k is clamped to what is left, so the
+    rows verified add up to exactly max_tokens - 1 (the first token comes from the prefill)."""
+    base = ckpt(ckpt_cache, "base")
+    with LLM(base, progress=False) as llm:
+        v = llm.cfg.vocab_size
+        p = random_prompts(v, 3, seed=6)[1]
+        ref = llm.generate(p, greedy(16), spec="off").token_ids
+        rows: list[int] = []
+        orig = llm.engine.trunk.verify
+        monkeypatch.setattr(llm.engine.trunk, "verify", lambda ids, pos: (rows.append(ids.shape[0]), orig(ids, pos))[1])
+        for k in (3, 6, 10):
+            for m in range(1, 17):
+                llm.engine.drafters["ngram"] = Scripted(len(p), ref, k, v)
+                rows.clear()
+                r = llm.generate(p, greedy(m), spec={"mode": "ngram", "k": k})
+                assert r.token_ids == ref[:m] and r.finish_reason == "length"
+                assert sum(rows) == m - 1 and all(x <= k + 1 for x in rows), (k, m, rows)
+                r = llm.generate(p, greedy(m), spec={"mode": "mtp", "k": k})
+                assert r.token_ids == ref[:m]
+
+
+def test_context_limit_clamps_k(ckpt_cache):
+    base = ckpt(ckpt_cache, "base")
+    with LLM(base, max_seq_len=24, progress=False) as llm:
+        p = random_prompts(llm.cfg.vocab_size, 4, seed=8)[3][:17]
+        ref = llm.generate(p, greedy(50), spec="off")
+        assert len(ref.token_ids) == 24 - 17 and ref.finish_reason == "length"
+        for mode in ("mtp", "ngram"):
+            r = llm.generate(p, greedy(50), spec={"mode": mode, "k": 6})
+            assert r.token_ids == ref.token_ids and r.finish_reason == "length"
+
+
+# ---- stats ------------------------------------------------------------------------------------
+
+def test_stats_fields(fitted):
+    with LLM(fitted, progress=False) as llm:
+        p = specfit.prompts(1, seed=21)[0]
+        r = llm.generate(p, greedy(40), spec={"mode": "mtp", "k": 3})
+        st = r.stats
+        assert st["route"] == "mtp" and "MTP" in st["route_reason"] and st["k"] == 3
+        assert st["prompt_tokens"] == len(p) and st["generated_tokens"] == len(r.token_ids) == 40
+        assert st["cycles"] > 0 and 0 < st["accepted"] <= st["drafted"] <= 3 * st["cycles"]
+        assert st["mean_accept_len"] == pytest.approx(1 + st["accepted"] / st["cycles"])
+        # every cycle emits accepted + 1 tokens, the prefill the first; with one token left there
+        # is nothing to draft and the last step is a plain one
+        assert st["generated_tokens"] - 1 - (st["cycles"] + st["accepted"]) in (0, 1)
+        app = st["accept_per_pos"]
+        assert len(app) == 3 and all(0 <= a <= 1 for a in app)
+        assert st["prefill_s"] > 0 and st["decode_s"] > 0
+        assert st["prefill_tok_s"] == pytest.approx(len(p) / st["prefill_s"])
+        assert st["decode_tok_s"] == pytest.approx(39 / st["decode_s"])
+        a = llm.generate(p, greedy(40), spec="off").stats
+        assert a["route"] == "ar" and a["cycles"] == a["drafted"] == a["accepted"] == 0 and a["accept_per_pos"] == []
+
+
+# ---- n-gram lookup ----------------------------------------------------------------------------
+
+def scan_reference(ctx: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """The plain quadratic scan: latest earlier occurrence of the longest suffix n-gram."""
+    L = len(ctx)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        pat = ctx[L - n:]
+        for i in range(L - n - 1, -1, -1):
+            if ctx[i:i + n] == pat:
+                return ctx[i + n:i + n + k]
+    return []
+
+
+@pytest.mark.parametrize("n_min,n_max", [(1, 1), (1, 4), (2, 3), (3, 6)])
+def test_ngram_index_matches_scan(n_min, n_max):
+    from specfire.runtime.drafters import NgramDrafter
+
+    g = torch.Generator().manual_seed(n_min * 10 + n_max)
+    sp = SamplingParams()
+    for trial in range(20):
+        vocab = 3 + trial % 5
+        prompt = torch.randint(0, vocab, (1 + trial * 3,), generator=g)
+        d = NgramDrafter(n_min, n_max)
+        d.begin(prompt, None)
+        ctx = prompt.tolist()
+        last = int(torch.randint(0, vocab, (), generator=g))
+        for _ in range(15):
+            k = int(torch.randint(0, 7, (), generator=g))
+            draft, q = d.propose(last, len(ctx), k, sp, None)
+            assert q is None
+            assert draft == (scan_reference(ctx + [last], k, n_min, n_max) if k > 0 else [])
+            n = int(torch.randint(0, len(draft) + 1, (), generator=g))
+            out = draft[:n] + [int(torch.randint(0, vocab, (), generator=g))]
+            d.commit(out, None)
+            ctx += [last] + out[:-1]
+            last = out[-1]
+        assert d.tokens == ctx
+
+
+def test_ngram_sizes_validated():
+    from specfire.runtime.drafters import NgramDrafter
+
+    with pytest.raises(ValueError, match="n_min"):
+        NgramDrafter(0, 3)
+    with pytest.raises(ValueError, match="n_max"):
+        NgramDrafter(4, 2)
+    with pytest.raises(ValueError, match="n_max"):
+        NgramDrafter(1, 2.5)
+
+
+def test_ngram_long_context_is_fast():
+    """Proposals cost the same at 60k tokens of context as at 100 (no scan of the context)."""
+    import time
+
+    from specfire.runtime.drafters import NgramDrafter
+
+    g = torch.Generator().manual_seed(0)
+    d = NgramDrafter(1, 4)
+    d.begin(torch.randint(0, 50_000, (60_000,), generator=g), None)
+    t = time.perf_counter()
+    for i in range(500):
+        draft, _ = d.propose(i, 60_000 + i, 4, SamplingParams(), None)
+        d.commit([7], None)
+    assert (time.perf_counter() - t) / 500 < 2e-3
+
+
+def test_mtp_feed_variants_are_exact_and_differ(fitted):
+    """Both self-feeds (after / before mtp.norm) keep greedy output exact; they draft differently;
+    the default is the better measured one ('pre', see MtpDrafter)."""
+    from specfire.runtime.drafters import MtpDrafter
+
+    with LLM(fitted, progress=False) as llm:
+        drafter = llm.engine.drafters["mtp"]
+        assert drafter.feed == "pre"
+        drafts: dict[str, list] = {}
+        orig = drafter.propose
+
+        def propose(*a):
+            out = orig(*a)
+            drafts[drafter.feed].append(out[0])
+            return out
+        drafter.propose = propose
+        for feed in ("post", "pre"):
+            drafter.feed = feed
+            drafts[feed] = []
+            for p in specfit.prompts(6, seed=17):
+                ref = llm.generate(p, greedy(32), spec="off")
+                r = llm.generate(p, greedy(32), spec={"mode": "mtp", "k": 4})
+                assert r.token_ids == ref.token_ids, feed
+        assert drafts["pre"] != drafts["post"]
+        with pytest.raises(ValueError, match="feed"):
+            MtpDrafter(drafter.head, llm.engine.trunk, 16, torch.float32, feed="mid")

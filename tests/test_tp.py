@@ -1,0 +1,365 @@
+"""Tensor parallelism on the CPU (gloo, 2 and 4 ranks): the mesh is just another Trunk.
+
+One mesh per (config, degree) is opened and reused across checks, because starting a rank costs
+an interpreter and a torch import."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from tinymodels import make_checkpoint
+
+from specfire import LLM, SamplingParams, SpecPolicy
+from specfire.config import ModelConfig
+from specfire.dist import valid_tp_degrees
+from specfire.dist.shard import ShardPlan
+from specfire.errors import MeshError, SpecfireError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GREEDY = SamplingParams(max_tokens=24)
+
+
+def ckpt(cache, name: str) -> str:
+    if name not in cache["made"]:
+        cache["made"][name] = make_checkpoint(str(cache["root"] / f"tp-{name}"), name, seed=7)
+    return cache["made"][name]
+
+
+def children() -> set[int]:
+    """Live child processes of this process (from /proc)."""
+    pids: set[int] = set()
+    for tid in os.listdir(f"/proc/{os.getpid()}/task"):
+        try:
+            with open(f"/proc/{os.getpid()}/task/{tid}/children") as f:
+                pids.update(int(x) for x in f.read().split())
+        except FileNotFoundError:
+            pass
+    return {p for p in pids if _alive(p)}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def prompt(vocab: int, n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    body = torch.randint(0, vocab - 1, (n,), generator=g).tolist()
+    return body + body[: n // 2]          # a repeat, so n-gram lookup has something to find
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.fixture(scope="class")
+def base(ckpt_cache):
+    """The base config (vocab 131: odd, 2 KV heads) on one device and on a 2-rank mesh."""
+    path = ckpt(ckpt_cache, "base")
+    one = LLM(path, tp=1, progress=False)
+    mesh = LLM(path, tp=2, progress=False)
+    yield one, mesh
+    pids = mesh.engine.trunk.worker_pids
+    mesh.close()
+    one.close()
+    assert wait_gone(pids, 10.0)
+
+
+# ---- degrees ------------------------------------------------------------------------------------
+
+def _cfg(**kw) -> ModelConfig:
+    base = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                layer_types=("full_attention",), num_attention_heads=12, num_key_value_heads=3, head_dim=8,
+                linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=8)
+    return ModelConfig(**{**base, **kw})
+
+
+def test_valid_degrees_follow_every_head_count():
+    assert valid_tp_degrees(_cfg()) == [1]                     # 3 KV heads vs 2 and 4 q/GDN splits
+    assert valid_tp_degrees(_cfg(num_key_value_heads=2)) == [1, 2, 4]
+    assert valid_tp_degrees(_cfg(num_key_value_heads=1)) == [1, 2, 4]
+    assert valid_tp_degrees(_cfg(num_attention_heads=24, num_key_value_heads=4, linear_num_key_heads=16,
+                                 linear_num_value_heads=48)) == [1, 2, 4, 8]
+    # replicated KV: rank r's query heads all read the one KV head it holds
+    cfg = _cfg(num_attention_heads=8, num_key_value_heads=2)
+    assert [ShardPlan(cfg, 4, r).kv0 for r in range(4)] == [0, 0, 1, 1]
+    assert [ShardPlan(cfg, 4, r).n_kv for r in range(4)] == [1, 1, 1, 1]
+    assert [ShardPlan(cfg, 2, r).kv0 for r in range(2)] == [0, 1]
+
+
+def test_refused_degree_names_the_heads_before_any_process(ckpt_cache):
+    path = ckpt(ckpt_cache, "base")
+    before = children()
+    with pytest.raises(ValueError, match=r"tp=4 does not divide linear_num_key_heads=2; valid tp degrees for "
+                                         r"this model: 1, 2$"):
+        LLM(path, tp=4, progress=False)
+    with pytest.raises(ValueError, match=r"tp=3 does not divide num_attention_heads=4"):
+        LLM(path, tp=3, progress=False)
+    assert children() == before
+
+
+def test_each_rank_reads_only_its_slices(ckpt_cache):
+    """Over all ranks, every split tensor is read exactly once (KV heads once per replica), whole
+    tensors only for the replicated norms, and the shapes fit the sharded modules."""
+    from specfire.model import loader
+
+    path = ckpt(ckpt_cache, "tp4")
+    src = loader.open_checkpoint(path)
+    cfg = ModelConfig.from_dir(path)
+    reads: dict[str, int] = {}
+    whole: set[str] = set()
+    real_get = src.get
+
+    def get(name, index=None):
+        t = real_get(name, index)
+        reads[name] = reads.get(name, 0) + t.numel()
+        if index is None:
+            whole.add(name)
+        return t
+
+    src.get = get
+    tp = 4
+    names = [n for n in src.names() if not n.startswith("mtp.")]
+    for r in range(tp):
+        plan = ShardPlan(cfg, tp, r)
+        for n in names:
+            t = plan.fetch(src, n, None)
+            if n in ("embed_tokens.weight", "lm_head.weight"):
+                assert t.shape[0] == plan.vocab_shard == 38     # 151 padded to 152
+    assert whole == {n for n in names if "norm" in n}
+    for n in names:
+        numel = 1
+        for d in src.shape(n):
+            numel *= d
+        per_rank = 1 if n not in whole else tp
+        if n.endswith(("k_proj.weight", "v_proj.weight")):
+            per_rank = tp // cfg.num_key_value_heads        # 2 KV heads on 4 ranks: each read twice
+        assert reads[n] == numel * per_rank, n
+
+
+def test_four_bit_checkpoint_refused_before_any_process(ckpt_cache, tmp_path, capsys):
+    from specfire.cli import main
+    from specfire.errors import CheckpointError
+
+    dst = str(tmp_path / "q4")
+    assert main(["quantize", ckpt(ckpt_cache, "base"), dst, "--group-size", "32", "--device", "cpu"]) == 0
+    before = children()
+    with pytest.raises(CheckpointError, match=r"is a 4-bit checkpoint .*load with tp=1 only"):
+        LLM(dst, tp=2, progress=False)
+    assert children() == before
+
+
+def test_info_lists_valid_degrees(ckpt_cache):
+    from specfire.info import describe
+
+    assert describe(ckpt(ckpt_cache, "base"))["tp_degrees"] == [1, 2]
+    assert describe(ckpt(ckpt_cache, "tp4"))["tp_degrees"] == [1, 2, 4]
+
+
+# ---- numerics: the mesh equals one device ---------------------------------------------------------
+
+@pytest.mark.parametrize("name,tp", [("tp4", 4), ("kv1", 2)])
+def test_score_and_greedy_match_one_device(ckpt_cache, name, tp):
+    """Odd vocabularies (padded), replicated KV heads (2 KV heads on 4 ranks, 1 on 2), tied and
+    untied embeddings, uneven MLP rows. Each mesh is opened and closed; none may leave a process
+    behind."""
+    path = ckpt(ckpt_cache, name)
+    before = children()
+    with LLM(path, tp=1, progress=False) as one:
+        ids = prompt(one.cfg.vocab_size, 40, seed=tp)
+        ref = one.score(ids)
+        ar = one.generate(ids, GREEDY, spec="off").token_ids
+    with LLM(path, tp=tp, progress=False) as mesh:
+        pids = mesh.engine.trunk.worker_pids
+        assert len(pids) == tp - 1
+        got = mesh.score(ids)
+        assert got.shape == ref.shape == (len(ids), one.cfg.vocab_size)
+        assert rel_err(got, ref) < 1e-5
+        assert mesh.generate(ids, GREEDY, spec="off").token_ids == ar
+        assert mesh.generate(ids, GREEDY, spec=SpecPolicy("mtp", k=3)).token_ids == ar
+    assert wait_gone(pids, 10.0)
+    assert children() == before
+
+
+class TestMeshOfTwo:
+    """Checks sharing one 2-rank mesh of the base config (closed when the class is done)."""
+
+    def test_score_tp2_matches(self, base):
+        one, mesh = base
+        ids = prompt(one.cfg.vocab_size, 50, seed=1)
+        assert rel_err(mesh.score(ids), one.score(ids)) < 1e-5
+
+
+    def test_greedy_ar_mtp_ngram_on_mesh_equal_ar(self, base):
+        one, mesh = base
+        ids = prompt(one.cfg.vocab_size, 30, seed=2)
+        sp = SamplingParams(max_tokens=40)
+        ar = one.generate(ids, sp, spec="off").token_ids
+        assert mesh.generate(ids, sp, spec="off").token_ids == ar
+        for k in (1, 3, 5):
+            r = mesh.generate(ids, sp, spec=SpecPolicy("mtp", k=k))
+            assert r.stats["route"] == "mtp" and r.stats["drafted"] > 0
+            assert r.token_ids == ar
+        r = mesh.generate(ids, sp, spec=SpecPolicy("ngram", k=4))
+        assert r.stats["route"] == "ngram" and r.stats["drafted"] > 0
+        assert r.token_ids == ar
+
+
+    def test_policy_per_request_reaches_every_rank(self, base):
+        """Every rank runs exactly the verify rows rank 0's route asks for: one row per step with
+        speculation off, k+1 rows with MTP at k."""
+        _, mesh = base
+        trunk = mesh.engine.trunk
+        ids = prompt(mesh.cfg.vocab_size, 20, seed=3)
+
+        def delta(spec):
+            s0 = trunk.rank_stats()
+            res = mesh.generate(ids, SamplingParams(max_tokens=12), spec=spec)
+            s1 = trunk.rank_stats()
+            d = [{k: b[k] - a[k] for k in a if k != "max_verify_rows"} for a, b in zip(s0, s1)]
+            assert all(x == d[0] for x in d), d            # every rank did the same work
+            return res, d[0]
+
+        res, d = delta("off")
+        assert res.stats["route"] == "ar" and d["verify_rows"] == d["verifies"] == res.stats["generated_tokens"] - 1
+        assert d["lm_logits"] == 0
+        res, d = delta(SpecPolicy("mtp", k=4))
+        assert res.stats["route"] == "mtp" and d["verify_rows"] == d["verifies"] + res.stats["drafted"]
+        assert d["lm_logits"] == 0                           # on the CPU the drafter scores on rank 0
+        res, d = delta(SpecPolicy("auto", k=2))
+        assert res.stats["route"] == "mtp"
+
+
+    def test_drafter_vocab_calls_through_the_mesh_match(self, base):
+        """The mesh's vocab-parallel embedding and lm_head equal one device (the GPU's drafter path)."""
+        one, mesh = base
+        ids = torch.tensor(prompt(one.cfg.vocab_size, 9, seed=9) + [one.cfg.vocab_size - 1])
+        trunk, ref = mesh.engine.trunk, one.engine.trunk
+        assert torch.equal(trunk.mesh_embed(ids), ref.embed(ids))       # one rank holds each row: exact
+        assert torch.equal(trunk.embed(ids), ref.embed(ids))
+        h = torch.randn(3, one.cfg.hidden_size)
+        assert rel_err(trunk.mesh_lm_logits(h), ref.lm_logits(h)) < 1e-6
+        assert torch.equal(trunk.lm_logits(h), ref.lm_logits(h))
+        assert trunk.mesh_lm_logits(h).shape == (3, one.cfg.vocab_size)
+
+    def test_state_isolation_across_requests(self, base):
+        one, mesh = base
+        a = prompt(one.cfg.vocab_size, 25, seed=4)
+        b = prompt(one.cfg.vocab_size, 33, seed=5)
+        sp = SamplingParams(max_tokens=16)
+        ref_a = one.generate(a, sp, spec="off").token_ids
+        first = mesh.generate(a, sp, spec="mtp").token_ids
+        mesh.generate(b, sp, spec="ngram")
+        mesh.generate(b, SamplingParams(max_tokens=9, temperature=0.8, seed=1), spec="mtp")
+        assert mesh.generate(a, sp, spec="mtp").token_ids == first == ref_a
+        assert mesh.generate(a, sp, spec="off").token_ids == ref_a
+
+
+    def test_sampling_on_mesh_runs_and_is_seeded(self, base):
+        _, mesh = base
+        ids = prompt(mesh.cfg.vocab_size, 20, seed=6)
+        sp = SamplingParams(max_tokens=12, temperature=0.9, top_k=20, seed=11)
+        r1 = mesh.generate(ids, sp, spec="mtp")
+        r2 = mesh.generate(ids, sp, spec="mtp")
+        assert r1.token_ids == r2.token_ids and len(r1.token_ids) == 12
+        assert all(0 <= t < mesh.cfg.vocab_size for t in r1.token_ids)
+
+
+# ---- load-time policy, faults, lifecycle -------------------------------------------------------------
+
+def test_load_time_off_then_killed_worker(ckpt_cache):
+    """spec=off at load: no MTP head anywhere, an explicit mtp request is refused, n-gram still
+    served. Then a killed worker surfaces as MeshError at once, the mesh closes, nothing hangs."""
+    path = ckpt(ckpt_cache, "base")
+    llm = LLM(path, tp=2, spec="off", progress=False)
+    trunk = llm.engine.trunk
+    assert not llm.mtp_loaded
+    ids = prompt(llm.cfg.vocab_size, 20, seed=8)
+    with pytest.raises(SpecfireError, match="no MTP head is loaded"):
+        llm.generate(ids, GREEDY, spec="mtp")
+    assert llm.generate(ids, GREEDY).stats["route"] == "ar"
+    assert llm.generate(ids, GREEDY, spec="ngram").stats["route"] == "ngram"
+    (pid,) = trunk.worker_pids
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(MeshError, match=r"worker rank 1 \(pid \d+\) died"):
+        llm.generate(ids, GREEDY, spec="off")
+    assert time.monotonic() - t0 < 5.0
+    assert trunk.closed and wait_gone([pid], 5.0)
+    with pytest.raises(MeshError, match="failed earlier"):
+        trunk.score(torch.tensor(ids))
+    llm.close()
+    llm.close()
+
+
+def test_hung_worker_times_out(ckpt_cache, monkeypatch):
+    monkeypatch.setenv("SPECFIRE_TP_TIMEOUT", "2")
+    path = ckpt(ckpt_cache, "base")
+    with LLM(path, tp=2, progress=False) as llm:
+        (pid,) = llm.engine.trunk.worker_pids
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(MeshError, match="did not answer within 2 s"):
+            llm.generate([1, 2, 3], GREEDY)
+        assert time.monotonic() - t0 < 10.0
+        assert wait_gone([pid], 5.0)
+
+
+def _script(body: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(body)]
+
+
+def test_no_orphans_and_exit_without_close_and_torchrun(ckpt_cache):
+    """At once: (a) a parent killed with SIGKILL takes its worker with it; (b) a torchrun-style
+    launch (RANK/WORLD_SIZE/MASTER_*) joins the group: rank 0 drives and exits without close(),
+    so only the finalizer at interpreter exit can tell rank 1, which then exits 0."""
+    path = ckpt(ckpt_cache, "base")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    env.pop("WORLD_SIZE", None)
+    env.pop("RANK", None)
+    common = f"""
+        import os, signal, sys
+        from specfire import LLM, SamplingParams
+        llm = LLM({path!r}, tp=2, progress=False)
+    """
+    kill = subprocess.Popen(_script(common + """
+        print(llm.engine.trunk.worker_pids[0], flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """), env=env, stdout=subprocess.PIPE, text=True)
+    port = 29500 + os.getpid() % 1000
+    ranks = [subprocess.Popen(_script(common + """
+        print(llm.generate([5, 6, 7, 5, 6], SamplingParams(max_tokens=6), spec="mtp").token_ids, flush=True)
+    """), env={**env, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}, stdout=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        out_kill, _ = kill.communicate(timeout=120)
+        outs = [p.communicate(timeout=120)[0] for p in ranks]
+    finally:
+        for p in [kill, *ranks]:
+            if p.poll() is None:
+                p.kill()
+    assert kill.returncode == -signal.SIGKILL
+    assert wait_gone([int(out_kill.split()[0])], 5.0), "worker outlived its killed parent"
+    with LLM(path, tp=1, progress=False) as one:
+        ref = one.generate([5, 6, 7, 5, 6], SamplingParams(max_tokens=6), spec="off").token_ids
+    assert [p.returncode for p in ranks] == [0, 0]
+    assert outs[0].strip() == str(ref) and outs[1].strip() == ""
