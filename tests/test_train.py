@@ -86,3 +86,11 @@ def test_tiny_recipe_end_to_end(tmp_path):
         a = llm.generate("def f(x):", sp, spec="off")
         b = llm.generate("def f(x):", sp, spec={"mode": "mtp", "k": 3})
         assert a.token_ids == b.token_ids and len(a.token_ids) == 12
+        ids = llm.tokenizer.encode("import os\n\ndef main():\n    return 0\n")
+        ours = llm.score(ids)
+    from transformers import Qwen3_5ForCausalLM      # the export is a real HF checkpoint
+
+    hf = Qwen3_5ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert ((ref - ours).abs().max() / ref.abs().max()).item() < 1e-4
