@@ -4,7 +4,7 @@ Prompts: code from the held-out modules (specfire/train/corpus.py HELD_OUT) of t
 standard library, each cut at a `def` line so the model continues a function. For k = 1..5 it runs
 greedy MTP decoding, checks the output equals plain AR greedy output token for token, and reports
 mean_accept_len (tokens per verify cycle) and per-position acceptance. Then it times AR and MTP
-decode on the CPU (interleaved runs, median), with `--feed post` (default drafter) or `pre`.
+decode on the CPU (alternating prompt by prompt), with `--feed post` (default drafter) or `pre`.
 
     PYTHONPATH=. python bench/bundled_accept.py [--model DIR] [--threads 2] [--max-tokens 128]
 Prints a table and one JSON line last.
@@ -90,36 +90,43 @@ def main() -> int:
         print(f"{r['feed']:>5} {r['k']:>2} {r['mean_accept_len']:>16.3f} {str(r['identical_to_ar']):>9}  "
               + " ".join(f"{p:.3f}" for p in r["accept_per_pos"]))
 
-    # ---- CPU speed: AR vs MTP at one k, interleaved, median over reps of the summed decode rate ----
+    # ---- CPU speed: AR and MTP alternate prompt by prompt, so both see the same machine load; the
+    # figure is the median over (prompt, rep) pairs of the MTP/AR decode-rate ratio, beside the
+    # best-of-reps aggregate rate of each mode (the least-disturbed run on a shared machine) ----
     post_rows = [r for r in rows if r["feed"] == "post"]
     speed_k = args.speed_k or max(post_rows, key=lambda r: r["mean_accept_len"] / (1 + 0.25 * r["k"]))["k"]
-    ar_rates, mtp_rates, same = [], [], True
+    ratios, same = [], True
+    tot = {"ar": [0, 0.0], "mtp": [0, 0.0]}
+    best = {"ar": 0.0, "mtp": 0.0}
     for _ in range(args.speed_reps):
-        for mode in ("ar", "mtp"):
-            spec = "off" if mode == "ar" else SpecPolicy(mode="mtp", k=speed_k)
-            t_tok, t_s = 0, 0.0
-            toks = []
-            for _, p in prompts:
-                r = llm.generate(p, sp, spec=spec)
-                t_tok += r.stats["generated_tokens"] - 1
-                t_s += r.stats["decode_s"]
-                toks.append(r.token_ids)
-            (ar_rates if mode == "ar" else mtp_rates).append(t_tok / t_s)
-            if mode == "ar":
-                ar_toks = toks
-            else:
-                same &= toks == ar_toks
-    ar_med, mtp_med = statistics.median(ar_rates), statistics.median(mtp_rates)
-    print(f"\nCPU decode, {args.threads} threads, fp32: AR {ar_med:.1f} tok/s, MTP k={speed_k} {mtp_med:.1f} tok/s "
-          f"-> {mtp_med / ar_med:.2f}x (runs AR {[round(x, 1) for x in ar_rates]}, "
-          f"MTP {[round(x, 1) for x in mtp_rates]}), identical output: {same}")
+        rep = {"ar": [0, 0.0], "mtp": [0, 0.0]}
+        for _, p in prompts:
+            a = llm.generate(p, sp, spec="off")
+            m = llm.generate(p, sp, spec=SpecPolicy(mode="mtp", k=speed_k))
+            same &= a.token_ids == m.token_ids
+            for mode, r in (("ar", a), ("mtp", m)):
+                rep[mode][0] += r.stats["generated_tokens"] - 1
+                rep[mode][1] += r.stats["decode_s"]
+            ratios.append(m.stats["decode_tok_s"] / a.stats["decode_tok_s"])
+        for mode in rep:
+            best[mode] = max(best[mode], rep[mode][0] / rep[mode][1])
+            tot[mode][0] += rep[mode][0]
+            tot[mode][1] += rep[mode][1]
+    ratio = statistics.median(ratios)
+    print(f"\nCPU decode, {args.threads} threads, fp32, k={speed_k}: AR {best['ar']:.1f} tok/s, MTP {best['mtp']:.1f} tok/s "
+          f"(best of {args.speed_reps} reps; overall {tot['ar'][0] / tot['ar'][1]:.1f} vs "
+          f"{tot['mtp'][0] / tot['mtp'][1]:.1f}); median per-prompt MTP/AR ratio {ratio:.2f}x "
+          f"(quartiles {statistics.quantiles(ratios, n=4)[0]:.2f}..{statistics.quantiles(ratios, n=4)[2]:.2f}); "
+          f"identical output: {same}")
+    ar_med, mtp_med = best["ar"], best["mtp"]
     sample = ar[0].text
     print("\nsample (AR greedy, first prompt's last lines + completion):")
     print("".join(prompts[0][1].splitlines(keepends=True)[-4:]) + "\u2502" + sample)
     llm.close()
     print(json.dumps({"bench": "bundled_accept", "threads": args.threads, "max_tokens": args.max_tokens,
                       "prompts": len(prompts), "accept": rows, "speed_k": speed_k, "ar_tok_s": ar_med,
-                      "mtp_tok_s": mtp_med, "speedup": mtp_med / ar_med, "speed_identical": same}))
+                      "mtp_tok_s": mtp_med, "speedup_best": mtp_med / ar_med, "speedup_median_ratio": ratio,
+                      "speed_identical": same}))
     return 0
 
 

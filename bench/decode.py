@@ -42,15 +42,15 @@ def make_cfg(name: str) -> ModelConfig:
 def build(cfg: ModelConfig, device: str, dtype: torch.dtype) -> Qwen35Trunk:
     with torch.device("meta"):
         m = Qwen35Trunk(cfg)
-    m = m.to_empty(device=device)
+    m = m.to(dtype).to_empty(device=device)   # allocate directly in the target dtype
     g = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, p in m.named_parameters():
             if p.dim() == 1:
-                p.copy_(torch.randn(p.shape, generator=g, device=device) * 0.1)
+                p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=dtype) * 0.1)
             else:
-                p.copy_(torch.randn(p.shape, generator=g, device=device) * p.shape[-1] ** -0.5)
-    return m.to(dtype)
+                p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=dtype) * p.shape[-1] ** -0.5)
+    return m
 
 
 def step_bytes(m: Qwen35Trunk, ctx: int, kv_bytes: int) -> int:
@@ -71,14 +71,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--verify-rows", default="1,2,4")
+    ap.add_argument("--graphs", default="0,1", help="eager (0) and/or CUDA graphs (1)")
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     rows_out = []
-    for shape in args.shape.split(","):
+    for shape, graphs in [(s, g) for s in args.shape.split(",") for g in args.graphs.split(",")]:
+        graphs = graphs == "1" and dev == "cuda"
         cfg = make_cfg(shape)
         m = build(cfg, dev, dtype)
-        trunk = LocalTrunk(m, args.prompt + args.tokens + 32, dtype)
+        trunk = LocalTrunk(m, args.prompt + args.tokens + 32, dtype, cuda_graphs=graphs)
         ids = torch.randint(0, cfg.vocab_size, (args.prompt,), device=dev)
         trunk.begin()
         sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
@@ -96,7 +98,7 @@ def main() -> None:
             last = int(r.logits[0].argmax()); pos += 1
         sync(); dt = (time.perf_counter() - t0) / args.tokens
         nbytes = step_bytes(m, pos, torch.tensor([], dtype=dtype).element_size())
-        res = {"shape": shape, "prefill_tok_s": args.prompt / t_prefill, "decode_ms": dt * 1e3,
+        res = {"shape": shape, "graphs": graphs, "prefill_tok_s": args.prompt / t_prefill, "decode_ms": dt * 1e3,
                "decode_tok_s": 1 / dt, "step_bytes": nbytes, "ceiling_tok_s": CEILING / nbytes,
                "bw_frac": nbytes / dt / CEILING}
         for r_ in [int(x) for x in args.verify_rows.split(",")]:
@@ -111,10 +113,10 @@ def main() -> None:
         if dev == "cuda":
             torch.cuda.empty_cache()
     print(f"device {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}, dtype {dtype}, ceiling 4.17 TB/s")
-    print(f"{'shape':>6} {'step MB':>9} {'ceil tok/s':>10} {'prefill tok/s':>13} {'decode ms':>9} {'tok/s':>7} {'BW %':>6}  verify ms by rows")
+    print(f"{'shape':>6} {'graph':>5} {'step MB':>9} {'ceil tok/s':>10} {'prefill tok/s':>13} {'decode ms':>9} {'tok/s':>7} {'BW %':>6}  verify ms by rows")
     for r in rows_out:
         vs = " ".join(f"{k[6:-3]}:{v:.2f}" for k, v in r.items() if k.startswith("verify"))
-        print(f"{r['shape']:>6} {r['step_bytes'] / 1e6:9.1f} {r['ceiling_tok_s']:10.1f} {r['prefill_tok_s']:13.1f} "
+        print(f"{r['shape']:>6} {str(r['graphs']):>5} {r['step_bytes'] / 1e6:9.1f} {r['ceiling_tok_s']:10.1f} {r['prefill_tok_s']:13.1f} "
               f"{r['decode_ms']:9.2f} {r['decode_tok_s']:7.1f} {100 * r['bw_frac']:6.1f}  {vs}")
     print(json.dumps({"bench": "decode", "results": rows_out}))
 

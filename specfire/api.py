@@ -96,7 +96,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, tp: int = 1, device: Any = None, dtype: Any = None,
                  kv_dtype: str = "auto", max_seq_len: int | None = None, spec: SpecPolicy | dict | str | None = None,
-                 mtp_path: str | None = None, progress: bool | None = None):
+                 mtp_path: str | None = None, progress: bool | None = None, cuda_graphs: bool | None = None):
         if progress is None:  # a loading bar only where someone watches a terminal
             progress = sys.stderr.isatty()
         self.spec = SpecPolicy.coerce(spec)
@@ -131,7 +131,7 @@ class LLM:
         if tp == 1:
             model_, head = load_local(self.path, self.cfg, self.dtype, self.device, want_mtp, mtp_path, progress)
             self.cfg = model_.cfg
-            trunk = LocalTrunk(model_, self.max_seq_len, kvd)
+            trunk = LocalTrunk(model_, self.max_seq_len, kvd, cuda_graphs)
             self.engine = Engine(trunk, self.tokenizer, eos, head, kvd)
         else:
             try:

@@ -27,6 +27,7 @@ def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> Non
     p.add_argument("--spec", default="auto", choices=SPEC_MODES, help="speculation mode")
     p.add_argument("--spec-k", type=int, default=3, help="draft length k (1..10)")
     p.add_argument("--mtp-path", default=None, help="MTP head sidecar safetensors (default: in or beside the checkpoint)")
+    p.add_argument("--eager", action="store_true", help="launch kernels eagerly (no CUDA graphs)")
 
 
 def _load(args: argparse.Namespace):
@@ -34,7 +35,7 @@ def _load(args: argparse.Namespace):
 
     return LLM(args.model, tp=args.tp, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
                max_seq_len=args.max_seq_len, spec=SpecPolicy(mode=args.spec, k=args.spec_k),
-               mtp_path=args.mtp_path, progress=sys.stderr.isatty())
+               mtp_path=args.mtp_path, progress=sys.stderr.isatty(), cuda_graphs=False if args.eager else None)
 
 
 # ---- run ----------------------------------------------------------------------------------------

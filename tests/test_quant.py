@@ -197,3 +197,18 @@ def test_quantize_rejects_bad_input(ckpts, tmp_path, capsys):
     assert "group_size" in capsys.readouterr().err
     assert main(["quantize", dst, str(tmp_path / "y")]) == 2
     assert "already quantized" in capsys.readouterr().err
+
+
+def test_dequantize_row_slices():
+    qw = QuantWeight.quantize(torch.randn(10, 128, generator=_g(11)), 64)
+    full = qw.dequantize()
+    assert torch.equal(torch.cat([qw.dequantize(slice(0, 3)), qw.dequantize(slice(3, 10))]), full)
+
+
+def test_linear_dequantized_in_slices():
+    """The GPU prefill path (dequantise a slice of rows at a time) equals one dense matmul."""
+    import torch.nn.functional as F
+
+    qw = QuantWeight.quantize(torch.randn(37, 128, generator=_g(12)), 64)
+    x = torch.randn(20, 128, generator=_g(13))
+    torch.testing.assert_close(qw.linear_dequantized(x, step=8), F.linear(x, qw.dequantize()))

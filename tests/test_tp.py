@@ -117,6 +117,57 @@ def test_refused_degree_names_the_heads_before_any_process(ckpt_cache):
     assert children() == before
 
 
+def test_each_rank_reads_only_its_slices(ckpt_cache):
+    """Over all ranks, every split tensor is read exactly once (KV heads once per replica), whole
+    tensors only for the replicated norms, and the shapes fit the sharded modules."""
+    from specfire.model import loader
+
+    path = ckpt(ckpt_cache, "tp4")
+    src = loader.open_checkpoint(path)
+    cfg = ModelConfig.from_dir(path)
+    reads: dict[str, int] = {}
+    whole: set[str] = set()
+    real_get = src.get
+
+    def get(name, index=None):
+        t = real_get(name, index)
+        reads[name] = reads.get(name, 0) + t.numel()
+        if index is None:
+            whole.add(name)
+        return t
+
+    src.get = get
+    tp = 4
+    names = [n for n in src.names() if not n.startswith("mtp.")]
+    for r in range(tp):
+        plan = ShardPlan(cfg, tp, r)
+        for n in names:
+            t = plan.fetch(src, n, None)
+            if n in ("embed_tokens.weight", "lm_head.weight"):
+                assert t.shape[0] == plan.vocab_shard == 38     # 151 padded to 152
+    assert whole == {n for n in names if "norm" in n}
+    for n in names:
+        numel = 1
+        for d in src.shape(n):
+            numel *= d
+        per_rank = 1 if n not in whole else tp
+        if n.endswith(("k_proj.weight", "v_proj.weight")):
+            per_rank = tp // cfg.num_key_value_heads        # 2 KV heads on 4 ranks: each read twice
+        assert reads[n] == numel * per_rank, n
+
+
+def test_four_bit_checkpoint_refused_before_any_process(ckpt_cache, tmp_path, capsys):
+    from specfire.cli import main
+    from specfire.errors import CheckpointError
+
+    dst = str(tmp_path / "q4")
+    assert main(["quantize", ckpt(ckpt_cache, "base"), dst, "--group-size", "32", "--device", "cpu"]) == 0
+    before = children()
+    with pytest.raises(CheckpointError, match=r"is a 4-bit checkpoint .*load with tp=1 only"):
+        LLM(dst, tp=2, progress=False)
+    assert children() == before
+
+
 def test_info_lists_valid_degrees(ckpt_cache):
     from specfire.info import describe
 
@@ -193,10 +244,22 @@ class TestMeshOfTwo:
         assert d["lm_logits"] == 0
         res, d = delta(SpecPolicy("mtp", k=4))
         assert res.stats["route"] == "mtp" and d["verify_rows"] == d["verifies"] + res.stats["drafted"]
-        assert d["lm_logits"] == res.stats["drafted"]       # the head's drafts scored through the mesh
+        assert d["lm_logits"] == 0                           # on the CPU the drafter scores on rank 0
         res, d = delta(SpecPolicy("auto", k=2))
         assert res.stats["route"] == "mtp"
 
+
+    def test_drafter_vocab_calls_through_the_mesh_match(self, base):
+        """The mesh's vocab-parallel embedding and lm_head equal one device (the GPU's drafter path)."""
+        one, mesh = base
+        ids = torch.tensor(prompt(one.cfg.vocab_size, 9, seed=9) + [one.cfg.vocab_size - 1])
+        trunk, ref = mesh.engine.trunk, one.engine.trunk
+        assert torch.equal(trunk.mesh_embed(ids), ref.embed(ids))       # one rank holds each row: exact
+        assert torch.equal(trunk.embed(ids), ref.embed(ids))
+        h = torch.randn(3, one.cfg.hidden_size)
+        assert rel_err(trunk.mesh_lm_logits(h), ref.lm_logits(h)) < 1e-6
+        assert torch.equal(trunk.lm_logits(h), ref.lm_logits(h))
+        assert trunk.mesh_lm_logits(h).shape == (3, one.cfg.vocab_size)
 
     def test_state_isolation_across_requests(self, base):
         one, mesh = base

@@ -12,12 +12,14 @@ so a row's result never depends on how many rows travel with it (verify rows == 
 from __future__ import annotations
 
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
 
 CMD_LEN = 4
 IDLE_TIMEOUT = datetime.timedelta(days=365)
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 class Comm:
@@ -30,14 +32,16 @@ class Comm:
 
     # ---- forward collectives (on the device) ---------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of `x` over ranks, added in rank order; identical on every rank."""
+        """Sum of `x` over ranks, added in rank order in float32; identical on every rank."""
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x, group=self.group)
-        out = parts[0].clone()
+        out = parts[0].float()                       # a copy for bf16 / fp16, parts[0] itself for fp32
+        if out.data_ptr() == parts[0].data_ptr():
+            out = out.clone()
         for p in parts[1:]:
             out += p
-        return out
+        return out.to(x.dtype)
 
     def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
         """Concatenation of every rank's `x` along `dim` on rank 0; None elsewhere."""
@@ -81,6 +85,8 @@ def init(rank: int, world: int, device: torch.device, timeout_s: float, init_met
     backend = "nccl" if device.type == "cuda" else "gloo"
     start = datetime.timedelta(seconds=start_timeout_s)
     if device.type == "cuda":
+        for k, v in NO_MULTICAST.items():   # NVLink multicast is off on our GPU machines
+            os.environ.setdefault(k, v)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world,

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 
@@ -35,6 +36,7 @@ from ..config import ModelConfig
 from ..errors import CheckpointError, MeshError, SpecfireError
 from ..model import loader
 from ..runtime.engine import Engine
+from ..ops.linear import linear
 from ..runtime.trunk import LocalTrunk, Rows
 from . import comm as comm_mod
 from .comm import Comm
@@ -260,8 +262,9 @@ class _Mesh:
     trunk, so it can be the trunk's finalizer."""
 
     def __init__(self, comm: Comm, created: bool, workers: list[LocalWorker], store: str | None,
-                 threads_before: int | None):
+                 threads_before: int | None, timeout_s: float):
         self.comm, self.created = comm, created
+        self.timeout_s = timeout_s
         self.workers = workers
         self.store = store
         self.threads_before = threads_before
@@ -290,7 +293,7 @@ class _Mesh:
             w = dead[0]
             msg = f"tensor-parallel worker rank {w.rank} (pid {w.pid}) died with exit code {w.exitcode}"
         elif exc is not None and ("timed out" in str(exc).lower() or "timeout" in str(exc).lower()):
-            msg = (f"a tensor-parallel rank did not answer within {self.comm_timeout():g} s "
+            msg = (f"a tensor-parallel rank did not answer within {self.timeout_s:g} s "
                    f"({TIMEOUT_ENV}); it is hung or too slow")
         else:
             first = str(exc).strip().splitlines()[0] if exc is not None and str(exc).strip() else type(exc).__name__
@@ -298,9 +301,6 @@ class _Mesh:
         self.error = msg
         self.teardown(graceful=False)
         return MeshError(msg)
-
-    def comm_timeout(self) -> float:
-        return mesh_timeout()
 
     def shutdown(self) -> None:
         """close(), garbage collection and interpreter exit all end here."""
@@ -331,7 +331,8 @@ class MeshTrunk:
     """The Trunk interface over the mesh (rank 0). Same results as LocalTrunk: hidden rows are
     replicated on every rank, logits are gathered to rank 0."""
 
-    def __init__(self, mesh: _Mesh, trunk: LocalTrunk, tp: int, dtype: torch.dtype):
+    def __init__(self, mesh: _Mesh, trunk: LocalTrunk, tp: int, dtype: torch.dtype,
+                 drafter_vocab: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.cfg: ModelConfig = trunk.cfg
         self.max_seq = trunk.max_seq
         self.device = trunk.device
@@ -340,6 +341,7 @@ class MeshTrunk:
         self._local: LocalTrunk | None = trunk
         self._ex = RankExecutor(mesh.comm, trunk, dtype)
         self._dtype = dtype
+        self._drafter_vocab = drafter_vocab     # whole (embedding, lm_head) on rank 0, or None
         self._finalizer = weakref.finalize(self, mesh.shutdown)
 
     def _do(self, op: int, a: int = 0, b: int = 0, payload: torch.Tensor | None = None) -> Any:
@@ -351,6 +353,9 @@ class MeshTrunk:
             raise
         except Exception as e:
             raise self._mesh.fail(e) from None
+        except BaseException as e:  # e.g. KeyboardInterrupt mid-collective: the ranks are out of step
+            self._mesh.fail(e)
+            raise
 
     # ---- Trunk ---------------------------------------------------------------------------------
     def begin(self) -> None:
@@ -369,15 +374,27 @@ class MeshTrunk:
         return self._do(SCORE, ids.shape[0], 0, ids)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._do(EMBED, ids.shape[0], 0, ids)
+        if self._drafter_vocab is not None:
+            return F.embedding(ids, self._drafter_vocab[0])
+        return self.mesh_embed(ids)
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        if self._drafter_vocab is not None:
+            return linear(h, self._drafter_vocab[1], rows=True).float()
+        return self.mesh_lm_logits(h)
+
+    def mesh_embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The vocab-parallel embedding across the mesh (masked lookup + all-reduce)."""
+        return self._do(EMBED, ids.shape[0], 0, ids)
+
+    def mesh_lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The vocab-parallel lm_head across the mesh (each rank 1/tp of the rows, gathered)."""
         return self._do(LM_LOGITS, h.shape[0], 0, h.to(self._dtype))
 
     def close(self) -> None:
         if self._local is not None:
             self._local.close()
-        self._local = self._ex = None  # type: ignore[assignment]
+        self._local = self._ex = self._drafter_vocab = None  # type: ignore[assignment]
         self._finalizer()
 
     # ---- inspection ----------------------------------------------------------------------------
@@ -443,6 +460,19 @@ def _worker_errors(workers: list[LocalWorker]) -> list[tuple[str, str]]:
     return out
 
 
+def _drafter_vocab(src: loader.TensorSource, cfg: ModelConfig, head, dtype: torch.dtype,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Where the MTP drafter's embedding and lm_head calls run. On the CPU a whole copy on rank 0
+    (a gloo round trip costs milliseconds, the whole lm_head a tenth of one: docs/BENCHMARKS.md);
+    on the GPU through the mesh (each rank reads 1/tp of the largest matrix, for one small
+    collective, and rank 0 holds no extra copy). None without an MTP head."""
+    if head is None or device.type != "cpu":
+        return None
+    emb = src.get("embed_tokens.weight").to(device=device, dtype=dtype)
+    lm = emb if cfg.tie_word_embeddings else src.get("lm_head.weight").to(device=device, dtype=dtype)
+    return emb, lm
+
+
 def build_mesh_engine(llm, want_mtp: str, mtp_path: str | None = None) -> Engine:
     """Start (or join) the mesh for `llm` (an api.LLM with tp > 1) and return its Engine.
 
@@ -456,6 +486,10 @@ def build_mesh_engine(llm, want_mtp: str, mtp_path: str | None = None) -> Engine
         raise SpecfireError("a tensor-parallel LLM is already open in this process; close it first")
     timeout_s = mesh_timeout()
     src = loader.open_checkpoint(llm.path)
+    packed = next((n for n in src.names() if src.is_quantized(n)), None)
+    if packed is not None:
+        raise CheckpointError(f"{llm.path} is a 4-bit checkpoint (e.g. '{packed}'); 4-bit checkpoints load "
+                              f"with tp=1 only (sharding packed weights is not implemented)")
     cfg = follow_tied(src, llm.cfg)
     llm.cfg = cfg
     joined = _launched_by_torchrun()
@@ -493,7 +527,7 @@ def build_mesh_engine(llm, want_mtp: str, mtp_path: str | None = None) -> Engine
     if threads is not None:
         threads_before = torch.get_num_threads()
         torch.set_num_threads(threads)
-    mesh = _Mesh(comm, created, workers, store, threads_before)
+    mesh = _Mesh(comm, created, workers, store, threads_before, timeout_s)
     trunk, err = None, None
     try:
         trunk = load_shard(spec, comm)
@@ -511,7 +545,7 @@ def build_mesh_engine(llm, want_mtp: str, mtp_path: str | None = None) -> Engine
         bad = [r for r, f in enumerate(flags) if not f]
         name, msg = worker_errs[0] if worker_errs else ("", f"rank {bad[0]} failed to load its shard (see its log)")
         raise (CheckpointError if name in ("CheckpointError", "ConfigError") else MeshError)(msg)
-    mt = MeshTrunk(mesh, trunk, tp, llm.dtype)
+    mt = MeshTrunk(mesh, trunk, tp, llm.dtype, _drafter_vocab(src, cfg, head, llm.dtype, spec.device(local_rank)))
     _open_meshes.add(mt)
     log.info("tensor-parallel mesh of %d ranks ready (%s)", tp, "joined" if joined else "local workers")
     return Engine(mt, llm.tokenizer, llm.eos_ids, head, llm.kv_dtype, topology=f"tp{tp}")

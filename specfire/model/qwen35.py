@@ -29,6 +29,13 @@ from ..ops.rope import apply_rope, rope_cos_sin
 from ..ops.rowwise import rowwise
 
 
+def positions(pos0, t: int, device: torch.device) -> torch.Tensor:
+    """Positions [t] from pos0: an int, or a one-element device tensor (CUDA-graph replay)."""
+    if isinstance(pos0, torch.Tensor):
+        return pos0 + torch.arange(t, device=device)
+    return torch.arange(pos0, pos0 + t, device=device)
+
+
 class Linear(nn.Module):
     """A bias-free projection holding `weight` [out, in]; the matmul goes through ops.linear."""
 
@@ -319,7 +326,7 @@ class Qwen35Trunk(nn.Module):
         """ids [T] at positions pos0.. -> (post-norm hidden [T, H], float32 logits [T or 1, V] or None)."""
         x = self.embed_tokens(ids)
         t = ids.shape[0]
-        pos = torch.arange(pos0, pos0 + t, device=ids.device)
+        pos = positions(pos0, t, ids.device)
         cos_sin = _rope(pos, self.cfg, rows)
         for layer, lc in zip(self.layers, state.layers):
             x = layer(x, pos0, cos_sin, lc, rows)
@@ -355,7 +362,7 @@ class MtpHead(nn.Module):
                        rowwise(self.pre_fc_norm_hidden, rows, hidden)], dim=-1)
         x = self.fc(x, rows)
         t = x.shape[0]
-        pos = torch.arange(pos0, pos0 + t, device=x.device)
+        pos = positions(pos0, t, x.device)
         cos_sin = _rope(pos, self.cfg, rows)
         x = self.layers[0](x, pos0, cos_sin, state.layers[0], rows)
         return x, rowwise(self.norm, rows, x)

@@ -43,19 +43,23 @@ def dequantize_q8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (q.float().reshape(*scale.shape, g) * scale.float()[..., None]).reshape(q.shape)
 
 
-def kv_write(lc, pos0: int, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store rows k, v [T, n_kv, D] at positions pos0.. of a layer cache (quantizing for Q8)."""
+def kv_write(lc, pos0, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store rows k, v [T, n_kv, D] at positions pos0.. of a layer cache (quantizing for Q8).
+    `pos0` is an int, or a one-element int64 device tensor (CUDA-graph capturable)."""
     t = k.shape[0]
     if lc.k.dtype == Q8_KV:
         kq, ks = quantize_q8(k)
         vq, vs = quantize_q8(v)
-        lc.k[pos0:pos0 + t] = kq
-        lc.v[pos0:pos0 + t] = vq
-        lc.k_scale[pos0:pos0 + t] = ks
-        lc.v_scale[pos0:pos0 + t] = vs
+        pairs = ((lc.k, kq), (lc.v, vq), (lc.k_scale, ks), (lc.v_scale, vs))
     else:
-        lc.k[pos0:pos0 + t] = k.to(lc.k.dtype)
-        lc.v[pos0:pos0 + t] = v.to(lc.v.dtype)
+        pairs = ((lc.k, k.to(lc.k.dtype)), (lc.v, v.to(lc.v.dtype)))
+    if isinstance(pos0, torch.Tensor):
+        idx = pos0 + torch.arange(t, device=k.device)
+        for dst, src in pairs:
+            dst.index_copy_(0, idx, src)
+    else:
+        for dst, src in pairs:
+            dst[pos0:pos0 + t] = src
 
 
 def _dequant_prefix(cache: torch.Tensor, scale: torch.Tensor | None, n: int) -> torch.Tensor:

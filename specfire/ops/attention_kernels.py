@@ -48,11 +48,13 @@ def _dequant(xq, sc, BLOCK_N: tl.constexpr, D: tl.constexpr, G: tl.constexpr, dt
 
 @triton.jit
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
-                       pos0, n_rows, n_split, qk_scale,
+                       pos0, pos_ptr, n_rows, n_split, qk_scale,
                        sq_r, sq_h, sk_n, sk_h, sv_n, sv_h, sks_n, sks_h, svs_n, svs_h,
                        REP: tl.constexpr, D: tl.constexpr, G: tl.constexpr, Q8: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                       PREC: tl.constexpr, PREFETCH: tl.constexpr):
+                       PREC: tl.constexpr, PREFETCH: tl.constexpr, POS_PTR: tl.constexpr):
+    if POS_PTR:  # position read on the device (CUDA-graph replay with a new position)
+        pos0 = tl.load(pos_ptr).to(tl.int32)
     mt = tl.program_id(0)        # tiles of one span run side by side, so later tiles read the span from L2
     sid = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -118,11 +120,13 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
 
 
 @triton.jit
-def _attn_combine_kernel(acc_ptr, ml_ptr, out_ptr, pos0, n_split, hq,
-                         D: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr):
+def _attn_combine_kernel(acc_ptr, ml_ptr, out_ptr, pos0, pos_ptr, n_split, hq,
+                         D: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr, POS_PTR: tl.constexpr):
     """One (row, query head): merge the row's own spans 0..pos//SPLIT. Spans are taken CHUNK at a
     time from fixed boundaries (a fixed-shape tree within a chunk, chunks in order); spans past the
     row's own are masked to exact zeros, so the sum depends on the row's position only."""
+    if POS_PTR:
+        pos0 = tl.load(pos_ptr).to(tl.int32)
     pid = tl.program_id(0)
     row = pid // hq
     n_own = (pos0 + row) // SPLIT + 1
@@ -145,33 +149,40 @@ def _attn_combine_kernel(acc_ptr, ml_ptr, out_ptr, pos0, n_split, hq,
     tl.store(out_ptr + pid * D + offs_d, o / tl.sum(l_sum, 0))
 
 
-def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int, scale: float,
+def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos0, scale: float,
                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                           block_m: int = BLOCK_M, split: int = SPLIT, block_n: int = BLOCK_N,
                           num_warps: int = 4, num_stages: int = 2, prefetch: bool = PREFETCH,
                           chunk: int = CHUNK) -> torch.Tensor:
-    """Contract of attention_rows_ref (q [R, Hq, D] -> float32 [R, Hq, D]); Q8 when scales are given."""
+    """Contract of attention_rows_ref (q [R, Hq, D] -> float32 [R, Hq, D]); Q8 when scales are given.
+    `pos0` may be a one-element int tensor on the device: the kernels then read it there and the
+    launch covers every span of the cache (spans past the rows' positions contribute nothing), so
+    the call can be captured in a CUDA graph and replayed at any position."""
     r_rows, hq, d = q.shape
     hkv = k_cache.shape[1]
     rep = hq // hkv
     q8 = k_scale is not None
     if q.stride(-1) != 1:
         q = q.contiguous()
-    n_keys = pos0 + r_rows
+    pos_ptr = pos0 if isinstance(pos0, torch.Tensor) else None
+    n_keys = k_cache.shape[0] if pos_ptr is not None else pos0 + r_rows
     n_split = triton.cdiv(n_keys, split)
+    pos_int = 0 if pos_ptr is not None else pos0
     n_mt = triton.cdiv(r_rows * rep, block_m)
     acc = torch.empty(r_rows, hq, n_split, d, device=q.device, dtype=torch.float32)
+    pos_arg = pos_ptr if pos_ptr is not None else acc   # unused by the kernels when the position is an int
     ml = torch.empty(r_rows, hq, n_split, 2, device=q.device, dtype=torch.float32)
     out = torch.empty(r_rows, hq, d, device=q.device, dtype=torch.float32)
     ks = k_scale if q8 else k_cache
     vs = v_scale if q8 else v_cache
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     _attn_split_kernel[(n_mt, n_split, hkv)](
-        q, k_cache, v_cache, ks, vs, acc, ml, pos0, r_rows, n_split, scale * 1.4426950408889634,
+        q, k_cache, v_cache, ks, vs, acc, ml, pos_int, pos_arg, r_rows, n_split, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
         REP=rep, D=d, G=(d // k_scale.shape[-1]) if q8 else 1, Q8=q8, BLOCK_M=block_m, BLOCK_N=block_n,
-        SPLIT=split, PREC=prec, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages)
-    _attn_combine_kernel[(r_rows * hq,)](acc, ml, out, pos0, n_split, hq, D=d, SPLIT=split, CHUNK=chunk,
-                                         num_warps=4)
+        SPLIT=split, PREC=prec, PREFETCH=prefetch, POS_PTR=pos_ptr is not None,
+        num_warps=num_warps, num_stages=num_stages)
+    _attn_combine_kernel[(r_rows * hq,)](acc, ml, out, pos_int, pos_arg, n_split, hq, D=d, SPLIT=split,
+                                         CHUNK=chunk, POS_PTR=pos_ptr is not None, num_warps=4)
     return out

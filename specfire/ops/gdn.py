@@ -13,6 +13,8 @@ Per row t:  S = exp(g_t) S;  u = S^T k_t;  S += k_t (beta_t (v_t - u))^T;  o_t =
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -51,17 +53,29 @@ def gdn_rows_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     return o, (torch.stack(caps) if capture else s)
 
 
-def gdn_chunked_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    state: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked form for prefill. Same contract as gdn_rows_ref without capture."""
-    t_len, h, dk = k.shape
-    dv = v.shape[-1]
+@dataclass
+class ChunkTerms:
+    """The per-chunk terms of the chunked form, batched over every chunk ([H, N, C, ...])."""
+
+    qb: torch.Tensor        # [H, N, C, dk]
+    kb: torch.Tensor        # [H, N, C, dk]
+    G: torch.Tensor         # [H, N, C] cumulative log decay within the chunk
+    Wv: torch.Tensor        # [H, N, C, dv] (I + A)^-1 beta v
+    Uk: torch.Tensor        # [H, N, C, dk] (I + A)^-1 beta exp(G) k
+    QK: torch.Tensor        # [H, N, C, C]  (Q K^T) * decay, causal incl. the diagonal
+    kdec: torch.Tensor      # [H, N, C, dk] k * exp(G_C - G)
+    n: int
+    t_len: int
+
+
+def chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                chunk: int) -> ChunkTerms:
+    t_len = k.shape[0]
     pad = (-t_len) % chunk
     n = (t_len + pad) // chunk
 
     def blocks(x: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [H, N, C, ...]
-        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, 0, 0, pad)) if x.dim() > 2 else \
-            torch.nn.functional.pad(x, (0, 0, 0, pad))
+        x = torch.nn.functional.pad(x.float(), (0, 0) * (x.dim() - 2) + (0, 0, 0, pad))
         return x.reshape(n, chunk, *x.shape[1:]).movedim(2, 0)
 
     qb, kb, vb = blocks(q), blocks(k), blocks(v)                    # [H, N, C, d]
@@ -69,24 +83,28 @@ def gdn_chunked_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     G = gb.cumsum(-1)
     idx = torch.arange(chunk, device=q.device)
     incl = idx[:, None] >= idx[None, :]                             # s <= t
-    diff = (G[..., :, None] - G[..., None, :]).masked_fill(~incl, float("-inf"))
-    D = diff.exp()                                                  # [H, N, C, C]
-    kk = kb @ kb.transpose(-1, -2)
-    A = (bb[..., :, None] * kk * D).masked_fill(idx[:, None] <= idx[None, :], 0.0)  # strictly lower
-    eye = torch.eye(chunk, device=q.device, dtype=q.dtype)
-    L = A + eye
+    D = (G[..., :, None] - G[..., None, :]).masked_fill(~incl, float("-inf")).exp()   # [H, N, C, C]
+    A = (bb[..., :, None] * (kb @ kb.transpose(-1, -2)) * D).masked_fill(~(idx[:, None] > idx[None, :]), 0.0)
+    L = A + torch.eye(chunk, device=q.device, dtype=torch.float32)  # unit lower triangular
     Wv = torch.linalg.solve_triangular(L, bb[..., None] * vb, upper=False, unitriangular=True)
     Uk = torch.linalg.solve_triangular(L, (bb * G.exp())[..., None] * kb, upper=False, unitriangular=True)
     QK = (qb @ kb.transpose(-1, -2)) * D
-    decay_to_end = (G[..., -1:] - G).exp()                          # [H, N, C]
+    kdec = kb * (G[..., -1:] - G).exp()[..., None]
+    return ChunkTerms(qb, kb, G, Wv, Uk, QK, kdec, n, t_len)
+
+
+def gdn_chunked_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked form for prefill. Same contract as gdn_rows_ref without capture."""
+    c = chunk_terms(q, k, v, g, beta, chunk)
+    h, dv = c.Wv.shape[0], c.Wv.shape[-1]
     s = state
     outs = []
-    for c in range(n):
-        delta = Wv[:, c] - Uk[:, c] @ s                             # [H, C, dv]
-        o = G[:, c].exp()[..., None] * (qb[:, c] @ s) + QK[:, c] @ delta
-        outs.append(o)
-        s = G[:, c, -1].exp()[:, None, None] * s + (kb[:, c] * decay_to_end[:, c, :, None]).transpose(-1, -2) @ delta
-    o = torch.stack(outs, dim=1).reshape(h, n * chunk, dv)[:, :t_len].transpose(0, 1)
+    for i in range(c.n):
+        delta = c.Wv[:, i] - c.Uk[:, i] @ s                         # [H, C, dv]
+        outs.append(c.G[:, i].exp()[..., None] * (c.qb[:, i] @ s) + c.QK[:, i] @ delta)
+        s = c.G[:, i, -1].exp()[:, None, None] * s + c.kdec[:, i].transpose(-1, -2) @ delta
+    o = torch.stack(outs, dim=1).reshape(h, c.n * chunk, dv)[:, :c.t_len].transpose(0, 1)
     return o.contiguous(), s
 
 

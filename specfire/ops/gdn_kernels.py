@@ -130,34 +130,17 @@ def gdn_chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     """Contract of gdn_chunked_ref. The per-chunk terms (both triangular solves, Q K^T with decay)
     are batched over all chunks in PyTorch; the chunk-to-chunk state scan runs in one kernel.
     Needs dk, dv powers of two >= 16 (tensor-core tile sizes)."""
-    t_len, h, dk = k.shape
-    dv = v.shape[-1]
-    pad = (-t_len) % chunk
-    n = (t_len + pad) // chunk
+    from .gdn import chunk_terms
 
-    def blocks(x: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [H, N, C, ...]
-        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, 0, 0, pad)) if x.dim() > 2 else \
-            torch.nn.functional.pad(x, (0, 0, 0, pad))
-        return x.reshape(n, chunk, *x.shape[1:]).movedim(2, 0)
-
-    qb, kb, vb = blocks(q.float()), blocks(k.float()), blocks(v.float())   # [H, N, C, d]
-    gb, bb = blocks(g.float()), blocks(beta.float())                        # [H, N, C]
-    G = gb.cumsum(-1)
-    idx = torch.arange(chunk, device=q.device)
-    incl = idx[:, None] >= idx[None, :]
-    D = (G[..., :, None] - G[..., None, :]).masked_fill(~incl, float("-inf")).exp()
-    A = (bb[..., :, None] * (kb @ kb.transpose(-1, -2)) * D).masked_fill(idx[:, None] <= idx[None, :], 0.0)
-    L = A + torch.eye(chunk, device=q.device, dtype=torch.float32)
-    Wv = torch.linalg.solve_triangular(L, bb[..., None] * vb, upper=False, unitriangular=True)
-    Uk = torch.linalg.solve_triangular(L, (bb * G.exp())[..., None] * kb, upper=False, unitriangular=True)
-    QK = (qb @ kb.transpose(-1, -2)) * D
-    kdec = kb * (G[..., -1:] - G).exp()[..., None]
-    gexp = G.exp().contiguous()
-    gend = G[..., -1].exp().contiguous()
+    h, dk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    c = chunk_terms(q, k, v, g, beta, chunk)
+    n, t_len = c.n, c.t_len
+    gexp = c.G.exp().contiguous()
+    gend = c.G[..., -1].exp().contiguous()
     o = torch.empty(h, n, chunk, dv, device=q.device, dtype=torch.float32)
     s_out = torch.empty(h, dk, dv, device=q.device, dtype=torch.float32)
     bv = min(bv, dv)
     _gdn_chunk_scan_kernel[(h, dv // bv)](
-        Wv.contiguous(), Uk.contiguous(), qb.contiguous(), QK.contiguous(), gexp, kdec.contiguous(), gend,
+        c.Wv.contiguous(), c.Uk.contiguous(), c.qb.contiguous(), c.QK.contiguous(), gexp, c.kdec.contiguous(), gend,
         state.float().contiguous(), o, s_out, n, C=chunk, DK=dk, DV=dv, BV=bv, num_warps=4, num_stages=1)
     return o.reshape(h, n * chunk, dv)[:, :t_len].transpose(0, 1).contiguous(), s_out

@@ -193,13 +193,14 @@ class QuantWeight:
         """Bytes a matmul reads: codes + scales + zeros."""
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales_t, self.zeros_t))
 
-    def dequantize(self) -> torch.Tensor:
-        """float32 [N, K] in the rotated basis (the reference's weight)."""
-        codes = from_kernel_layout(self.qweight, self.group_size).float()
+    def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
+        """float32 [N, K] (or the given output rows) in the rotated basis (the reference's weight)."""
+        codes = from_kernel_layout(self.qweight[rows], self.group_size).float()
         n, k = codes.shape
         g = self.group_size
-        w = codes.view(n, -1, g) * self.scales_t.t().float()[..., None] + self.zeros_t.t().float()[..., None]
-        return w.reshape(n, k)
+        s = self.scales_t[:, rows].t().float()[..., None]
+        z = self.zeros_t[:, rows].t().float()[..., None]
+        return (codes.view(n, -1, g) * s + z).reshape(n, k)
 
     def effective(self) -> torch.Tensor:
         """float32 [N, K] in the original basis: what the layer multiplies by."""
@@ -222,10 +223,18 @@ class QuantWeight:
             outs = [q4_gemv(xr[i:i + ROW_PATH_MAX], self) for i in range(0, xr.shape[0], ROW_PATH_MAX)]
             return outs[0] if len(outs) == 1 else torch.cat(outs)
         if x.is_cuda:  # prefill: compute-bound, so dequantise and use the stock GEMM
-            return F.linear(xr, self.dequantize().to(x.dtype))
+            return self.linear_dequantized(xr)
         if self._dense is None or self._dense.dtype != x.dtype:
             self._dense = self.dequantize().to(x.dtype)  # the CPU reference keeps one dense copy
         return linear_rows_ref(xr, self._dense) if rows else F.linear(xr, self._dense)
+
+    def linear_dequantized(self, x: torch.Tensor, step: int | None = None) -> torch.Tensor:
+        """F.linear against the dequantised weight, built `step` output rows at a time (bounded
+        temporary memory: the lm_head would otherwise need 5 GB of float32)."""
+        n = self.shape[0]
+        step = step or max(1, (1 << 26) // self.shape[1])  # <= 256 MB of float32 at a time
+        return torch.cat([F.linear(x, self.dequantize(slice(i, min(n, i + step))).to(x.dtype))
+                          for i in range(0, n, step)], dim=-1)
 
     def __repr__(self) -> str:
         return (f"QuantWeight(shape={list(self.shape)}, group={self.group_size}, hadamard={self.hadamard}, "

@@ -49,6 +49,10 @@ class MtpDrafter:
         self._hidden: torch.Tensor | None = None   # trunk hidden rows not yet fed to the head
         self._tokens: list[int] = []               # tokens following those rows (all but the last)
         self._pos0 = 0
+        self.graphs = None
+        if getattr(trunk, "graphs", None) is not None:  # the trunk replays CUDA graphs: so does the chain
+            from .graphs import MtpGraphs
+            self.graphs = MtpGraphs(head, trunk.embed, trunk.lm_logits, self.state, feed)
 
     @torch.inference_mode()
     def begin(self, prompt: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -65,6 +69,8 @@ class MtpDrafter:
             return [], None
         dev = self._hidden.device
         toks = torch.tensor(self._tokens + [last], device=dev)
+        if sp.greedy and self.graphs is not None:
+            return self.graphs.draft(toks, self._hidden, self._pos0, k), None
         pre, post = self.head(self.trunk.embed(toks), self._hidden, self._pos0, self.state, rows=True)
         p = self._pos0 + toks.shape[0] - 1                                   # position of the last row
         h_pre, h_post = pre[-1:], post[-1:]

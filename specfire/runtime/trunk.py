@@ -48,12 +48,18 @@ class Trunk(Protocol):
 class LocalTrunk:
     """The trunk on one device."""
 
-    def __init__(self, model: Qwen35Trunk, max_seq: int, kv_dtype: torch.dtype):
+    def __init__(self, model: Qwen35Trunk, max_seq: int, kv_dtype: torch.dtype, cuda_graphs: bool | None = None):
         self.model = model
         self.cfg = model.cfg
         self.max_seq = max_seq
         self.device = model.embed_tokens.weight.device
         self.state: SequenceState = model.new_state(max_seq, kv_dtype)
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        self.graphs = None
+        if cuda_graphs:
+            from .graphs import RowsGraphs
+            self.graphs = RowsGraphs(model, self.state)
 
     def begin(self) -> None:
         self.state.reset()
@@ -73,7 +79,10 @@ class LocalTrunk:
 
     @torch.inference_mode()
     def verify(self, ids: torch.Tensor, pos: int) -> Rows:
-        h, l = self.model(ids, pos, self.state, rows=True, logits="all")
+        if self.graphs is not None:
+            h, l = self.graphs.run(ids, pos)
+        else:
+            h, l = self.model(ids, pos, self.state, rows=True, logits="all")
         return Rows(l, h)
 
     def commit(self, n: int) -> None:
@@ -93,6 +102,7 @@ class LocalTrunk:
         return self.model.logits(h, rows=True)
 
     def close(self) -> None:
+        self.graphs = None
         self.state = None  # type: ignore[assignment]
         self.model = None  # type: ignore[assignment]
         if torch.cuda.is_available():

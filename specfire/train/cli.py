@@ -11,7 +11,7 @@ _OVERRIDABLE = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", 
                 "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
                 "linear_head_dim", "steps", "batch_size", "seq_len", "lr", "min_lr_frac", "warmup",
                 "weight_decay", "mtp_steps", "mtp_weight", "mtp_distill", "seed", "eval_windows",
-                "time_limit_s", "max_files")
+                "time_limit_s", "stop_after_steps", "max_files")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -26,11 +26,13 @@ from .export import export_checkpoint
 from .tok import ENDOFTEXT, IM_END, save_tokenizer, train_tokenizer
 
 PRESETS: dict[str, dict] = {
-    # the shipped model: 8 layers in the real 3:1 pattern, scaled-down real head geometry
+    # the shipped model: 8 layers in the real 3:1 pattern, scaled-down real head geometry. Its run
+    # was planned for 2200 steps and stopped by a 360 s time limit after step 2107 (lr then 2.1e-4
+    # of the 2e-4 floor); stop_after_steps replays exactly that schedule.
     "bundled": dict(vocab_size=8192, hidden_size=256, intermediate_size=640, num_layers=8,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                     linear_num_key_heads=2, linear_num_value_heads=4, linear_head_dim=64,
-                    steps=3000, batch_size=64, seq_len=512, lr=2e-3, warmup=150),
+                    steps=2200, stop_after_steps=2107, batch_size=64, seq_len=512, lr=2e-3, warmup=150),
     # a CPU smoke test of the whole pipeline
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4,
                  num_attention_heads=2, num_key_value_heads=1, head_dim=32,
@@ -54,7 +56,7 @@ class TrainConfig:
     linear_num_value_heads: int = 4
     linear_head_dim: int = 64
     rope_theta: float = 10_000_000.0
-    steps: int = 3000
+    steps: int = 2200
     batch_size: int = 64
     seq_len: int = 512
     lr: float = 2e-3
@@ -69,6 +71,7 @@ class TrainConfig:
     device: str = "cuda"
     eval_windows: int = 256
     time_limit_s: float = 0.0           # 0: none; otherwise stop training early (recorded in metrics)
+    stop_after_steps: int = 0           # 0: none; otherwise stop after this many steps of the `steps` schedule
     corpus_root: str | None = None
     extra_corpus_roots: tuple[str, ...] = ()
     max_files: int | None = None
@@ -259,6 +262,10 @@ def run(tc: TrainConfig, log=print) -> dict:
         if tc.time_limit_s and time.time() - t_train > tc.time_limit_s:
             stopped_at = step + 1
             log(f"time limit {tc.time_limit_s}s reached: stopping after {stopped_at} of {tc.steps} steps")
+            break
+        if tc.stop_after_steps and step + 1 >= tc.stop_after_steps:
+            stopped_at = step + 1
+            log(f"stopping after {stopped_at} of {tc.steps} scheduled steps (stop_after_steps)")
             break
     bar.close()
     if dev.type == "cuda":

@@ -1,0 +1,130 @@
+"""CUDA graphs for the rows forward (decode = 1 row, verify = k+1 rows), one graph per row count.
+
+Why: a batch-1 step of these models is several hundred small kernels; launched eagerly from
+Python they cost about 30 ms per step on the H200 whatever the model size (bench/decode.py,
+docs/BENCHMARKS.md), far above the bandwidth bound. Replaying one captured graph removes that.
+
+What makes the forward capturable: the position is a device tensor (read by the rotary, the KV
+write and the attention kernel), every kernel's launch shape depends only on the row count and
+the cache size, and the per-row state capture buffers that `commit()` reads are graph outputs,
+re-attached to the sequence state after each replay. The live recurrent state is only changed
+by `commit()`, outside the graph, so capture and warm-up never disturb a sequence.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..model.qwen35 import Qwen35Trunk, SequenceState
+
+log = logging.getLogger("specfire")
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor                       # [R] static input
+    hidden: torch.Tensor                    # [R, H] static outputs
+    logits: torch.Tensor                    # [R, V]
+    caps: list[tuple[torch.Tensor | None, torch.Tensor | None]]
+
+
+class RowsGraphs:
+    """Captures lazily, on the first call with a given row count, at the position of that call
+    (the warm-up writes the same KV rows the call itself writes, so nothing is disturbed)."""
+
+    def __init__(self, model: Qwen35Trunk, state: SequenceState):
+        self.model, self.state = model, state
+        dev = model.embed_tokens.weight.device
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[int, _Graph] = {}
+
+    def run(self, ids: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        r = ids.shape[0]
+        self.pos.fill_(pos)
+        g = self.graphs.get(r)
+        if g is None:
+            g = self.graphs[r] = self._capture(ids)
+        g.ids.copy_(ids)
+        g.graph.replay()
+        for lc, (cap_rec, cap_conv) in zip(self.state.layers, g.caps):
+            if lc.rec is not None:
+                lc.cap_rec, lc.cap_conv = cap_rec, cap_conv
+        return g.hidden.clone(), g.logits.clone()
+
+    def _capture(self, ids: torch.Tensor) -> _Graph:
+        ids_buf = ids.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: compile and autotune every kernel outside the capture
+            for _ in range(2):
+                self.model(ids_buf, self.pos, self.state, rows=True, logits="all")
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden, logits = self.model(ids_buf, self.pos, self.state, rows=True, logits="all")
+        caps = [(lc.cap_rec, lc.cap_conv) for lc in self.state.layers]
+        log.info("captured a CUDA graph for %d row(s)", ids.shape[0])
+        return _Graph(graph, ids_buf, hidden, logits, caps)
+
+
+@dataclass
+class _DraftGraph:
+    graph: torch.cuda.CUDAGraph
+    toks: torch.Tensor                      # [m] tokens following the pending hidden rows
+    hidden: torch.Tensor                    # [m, H] pending trunk hidden rows
+    drafts: torch.Tensor                    # [k] greedy drafts
+
+
+class MtpGraphs:
+    """The greedy MTP draft chain as one CUDA graph per (pending rows m, draft length k): the
+    catch-up forward over the m rows the trunk committed, then k argmax steps feeding the head
+    its own output. The position is a device tensor, as in RowsGraphs; sampled drafting stays
+    eager (it needs the per-step distributions and a host generator)."""
+
+    def __init__(self, head, embed, lm_logits, state: SequenceState, feed: str):
+        self.head, self.embed, self.lm_logits, self.state, self.feed = head, embed, lm_logits, state, feed
+        dev = head.fc.weight.device
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], _DraftGraph] = {}
+
+    def _chain(self, toks: torch.Tensor, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        pre, post = self.head(self.embed(toks), hidden, self.pos, self.state, rows=True)
+        h_pre, h_post = pre[-1:], post[-1:]
+        p = self.pos + (toks.shape[0] - 1)
+        drafts = []
+        for step in range(k):
+            tok = self.lm_logits(h_post).argmax(-1)                         # [1], stays on the device
+            drafts.append(tok)
+            if step + 1 == k:
+                break
+            p = p + 1
+            fed = h_post if self.feed == "post" else h_pre
+            h_pre, h_post = self.head(self.embed(tok), fed, p, self.state, rows=True)
+        return torch.cat(drafts)
+
+    def draft(self, toks: torch.Tensor, hidden: torch.Tensor, pos0: int, k: int) -> list[int]:
+        key = (toks.shape[0], k)
+        self.pos.fill_(pos0)
+        g = self.graphs.get(key)
+        if g is None:
+            tb, hb = toks.clone(), hidden.clone()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._chain(tb, hb, k)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self._chain(tb, hb, k)
+            g = self.graphs[key] = _DraftGraph(graph, tb, hb, out)
+            log.info("captured an MTP draft graph for %d pending row(s), k=%d", *key)
+        g.toks.copy_(toks)
+        g.hidden.copy_(hidden)
+        g.graph.replay()
+        return g.drafts.tolist()
