@@ -4,7 +4,8 @@ Prompts: code from the held-out modules (specfire/train/corpus.py HELD_OUT) of t
 standard library, each cut at a `def` line so the model continues a function. For k = 1..5 it runs
 greedy MTP decoding, checks the output equals plain AR greedy output token for token, and reports
 mean_accept_len (tokens per verify cycle) and per-position acceptance. Then it times AR and MTP
-decode on the CPU (alternating prompt by prompt), with `--feed post` (default drafter) or `pre`.
+decode on the CPU (alternating prompt by prompt) with the default drafter; `--feeds` picks the
+MTP self-feed variants whose acceptance is measured.
 
     PYTHONPATH=. python bench/bundled_accept.py [--model DIR] [--threads 2] [--max-tokens 128]
 Prints a table and one JSON line last.
@@ -71,6 +72,7 @@ def main() -> int:
     ks = [int(k) for k in args.ks.split(",")]
     feeds = args.feeds.split(",")
     rows = []
+    default_feed = drafter.feed
     for feed in feeds:
         drafter.feed = feed
         for k in ks:
@@ -84,7 +86,7 @@ def main() -> int:
                     per_pos[i] += a * r.stats["cycles"]
             rows.append({"feed": feed, "k": k, "mean_accept_len": 1 + accepted / cycles, "cycles": cycles,
                          "accept_per_pos": [p / cycles for p in per_pos], "identical_to_ar": identical})
-    drafter.feed = default_feed
+    drafter.feed = default_feed                  # the speed test runs the default drafter
     print(f"{len(prompts)} held-out prompts ({', '.join(r for r, _ in prompts)}), {args.max_tokens} new tokens, greedy")
     print(f"{'feed':>5} {'k':>2} {'mean_accept_len':>16} {'identical':>9}  per-position acceptance")
     for r in rows:

@@ -42,17 +42,30 @@ class MtpDrafter:
     name = "mtp"
 
     def __init__(self, head: MtpHead, trunk: Trunk, max_seq: int, kv_dtype: torch.dtype, feed: str = "pre"):
-        if feed not in ("post", "pre"):
-            raise ValueError(f"feed must be 'post' or 'pre', got {feed!r}")
+        self.graphs = None  # set before `feed`, whose setter resets captured graphs
         self.head, self.trunk, self.feed = head, trunk, feed
         self.state = head.new_state(max_seq, kv_dtype)
         self._hidden: torch.Tensor | None = None   # trunk hidden rows not yet fed to the head
         self._tokens: list[int] = []               # tokens following those rows (all but the last)
         self._pos0 = 0
-        self.graphs = None
         if getattr(trunk, "graphs", None) is not None:  # the trunk replays CUDA graphs: so does the chain
             from .graphs import MtpGraphs
             self.graphs = MtpGraphs(head, trunk.embed, trunk.lm_logits, self.state, feed)
+
+    @property
+    def feed(self) -> str:
+        return self._feed
+
+    @feed.setter
+    def feed(self, feed: str) -> None:
+        """Changeable between requests (to measure both); captured draft graphs bake it in, so
+        they are dropped and captured again."""
+        if feed not in ("post", "pre"):
+            raise ValueError(f"feed must be 'post' or 'pre', got {feed!r}")
+        self._feed = feed
+        if self.graphs is not None:
+            self.graphs.feed = feed
+            self.graphs.graphs.clear()
 
     @torch.inference_mode()
     def begin(self, prompt: torch.Tensor, hidden: torch.Tensor) -> None:
