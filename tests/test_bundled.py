@@ -10,9 +10,6 @@ import torch
 from specfire.api import BUNDLED_MODEL, LLM
 from specfire.config import SamplingParams
 
-pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(BUNDLED_MODEL, "config.json")),
-                                reason="bundled model files not present")
-
 PROMPT = "def is_even(n):\n    \"\"\"Return True if n is even.\"\"\"\n"
 
 

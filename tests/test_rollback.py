@@ -9,17 +9,10 @@ import pytest
 import torch
 
 from specfire import LLM
-from tinymodels import CONFIGS, make_checkpoint
+from tinymodels import make_checkpoint
 
 K = 6
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def ckpt(cache, name: str) -> str:

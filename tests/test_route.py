@@ -16,13 +16,6 @@ from specfire.runtime.route import select_route
 from tinymodels import make_checkpoint
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def ckpt(cache, name: str, mtp: bool = True) -> str:
     key = ("spec", name, mtp)

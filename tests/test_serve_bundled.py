@@ -10,9 +10,6 @@ import pytest
 from serving import ROOT, start_server, stop
 
 BUNDLED = os.path.join(ROOT, "specfire", "bundled")
-pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(BUNDLED, "config.json")),
-                                reason="the bundled model is not in this checkout")
-
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

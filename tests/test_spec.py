@@ -26,17 +26,9 @@ def ckpt(cache, name: str) -> str:
     return cache["made"][key]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one thread is as fast and does not fight other processes for the cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
-def fitted(ckpt_cache, one_thread) -> str:
+def fitted(ckpt_cache) -> str:
     return specfit.fitted_checkpoint(ckpt_cache["root"])
 
 

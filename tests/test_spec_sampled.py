@@ -57,13 +57,6 @@ def resample_from_p(logits, draft, q, sp, gen):
 RULES = {"right": spec_mod.accept, "always": always_accept, "resample_p": resample_from_p}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 # ---- the accept rule alone ----------------------------------------------------------------------
 

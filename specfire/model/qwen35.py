@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import FULL, LINEAR, ModelConfig
+from ..config import FULL, ModelConfig
 from ..ops import attention as attn_ops
 from ..ops import gdn as gdn_ops
 from ..ops import norm as norm_ops
