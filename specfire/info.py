@@ -35,6 +35,10 @@ def describe(path: str | None) -> dict[str, Any]:
                 for d in msrc.shape(n):
                     s *= d
                 mtp_params += s
+    memory = {"float32": 4 * (n_params + mtp_params), "bfloat16": 2 * (n_params + mtp_params)}
+    if os.path.exists(os.path.join(path, "config.json")) and _quantized(path):
+        # a 4-bit checkpoint loads as stored: packed codes, scales and zeros, bf16 for the rest
+        memory = {"as stored (4-bit)": src.stored_bytes() + (msrc.stored_bytes() if msrc not in (None, src) else 0)}
     kv_per_token = cfg.n_full * 2 * cfg.num_key_value_heads * cfg.head_dim   # elements, K and V
     degrees = valid_tp_degrees(cfg)
     return {
@@ -49,7 +53,7 @@ def describe(path: str | None) -> dict[str, Any]:
                            "conv_kernel": cfg.linear_conv_kernel_dim},
         "tied_embeddings": "lm_head.weight" not in src,
         "parameters": n_params, "mtp_head": msrc is not None, "mtp_parameters": mtp_params,
-        "memory_bytes": {"float32": 4 * (n_params + mtp_params), "bfloat16": 2 * (n_params + mtp_params)},
+        "memory_bytes": memory,
         # per sequence: attention KV rows grow with the context, the GDN state does not
         "kv_bytes_per_token": {"float32": 4 * kv_per_token, "bfloat16": 2 * kv_per_token},
         "recurrent_state_bytes": 4 * cfg.n_linear * (
@@ -57,6 +61,13 @@ def describe(path: str | None) -> dict[str, Any]:
             + (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim),
         "tp_degrees": degrees,
     }
+
+
+def _quantized(path: str) -> bool:
+    import json
+
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        return "quantization_config" in json.load(f)
 
 
 def _size(n: float) -> str:

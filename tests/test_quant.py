@@ -212,3 +212,24 @@ def test_linear_dequantized_in_slices():
     qw = QuantWeight.quantize(torch.randn(37, 128, generator=_g(12)), 64)
     x = torch.randn(20, 128, generator=_g(13))
     torch.testing.assert_close(qw.linear_dequantized(x, step=8), F.linear(x, qw.dequantize()))
+
+
+def test_info_reports_memory_as_stored(ckpts):
+    """`specfire info` on a 4-bit checkpoint: the memory it needs is its stored bytes, which are
+    well under the bf16 size and equal the bytes of its safetensors payloads."""
+    import glob
+
+    from safetensors import safe_open
+
+    from specfire.info import describe
+
+    src, dst = ckpts
+    dense, q4 = describe(src), describe(dst)
+    assert set(q4["memory_bytes"]) == {"as stored (4-bit)"}
+    stored = q4["memory_bytes"]["as stored (4-bit)"]
+    payload = 0
+    for f in glob.glob(os.path.join(dst, "*.safetensors")):
+        with safe_open(f, "pt") as h:
+            payload += sum(h.get_tensor(n).numel() * h.get_tensor(n).element_size() for n in h.keys())
+    assert stored == payload
+    assert stored < dense["memory_bytes"]["bfloat16"]

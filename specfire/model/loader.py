@@ -17,6 +17,8 @@ from safetensors import safe_open
 
 from ..errors import CheckpointError
 
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "U8": 1, "I8": 1,
+                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 USABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SKIP_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.")
 MTP_SIDECAR = "mtp.safetensors"
@@ -86,6 +88,19 @@ class TensorSource:
 
     def is_quantized(self, name: str) -> bool:
         return name in self._quant
+
+    def stored_bytes(self) -> int:
+        """Bytes of every tensor this source holds, as stored on disk (quantized ones packed)."""
+        total = 0
+        files = sorted(set(self._where.values()))
+        stored = [(f, raw) for f in files for raw in self._open(f).keys() if normalise_name(raw) is not None]
+        for f, raw in stored:  # every stored tensor once (packed codes, scales and zeros included)
+            sl = self._open(f).get_slice(raw)
+            n = 1
+            for d in sl.get_shape():
+                n *= d
+            total += n * _DTYPE_BYTES.get(sl.get_dtype(), 4)
+        return total
 
     def shape(self, name: str) -> tuple[int, ...]:
         s = tuple(self._open(self._where[name]).get_slice(self._raw[name]).get_shape())
