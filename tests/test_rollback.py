@@ -3,23 +3,19 @@ recurrent state and conv window are bit-identical (float32, CPU) to those after 
 decodes, and decoding continues identically (attention rows past the commit are never read)."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 from specfire import LLM
-from tinymodels import make_checkpoint
+from ckpts import tiny
 
 K = 6
 
 
 
 def ckpt(cache, name: str) -> str:
-    key = ("spec", name)
-    if key not in cache["made"]:
-        cache["made"][key] = make_checkpoint(os.path.join(cache["root"], f"spec_{name}"), name)
-    return cache["made"][key]
+    return tiny(cache, name)
 
 
 def gdn_state(trunk) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -13,15 +13,12 @@ import specfit
 from specfire import LLM, SamplingParams, SpecPolicy
 from specfire.errors import CheckpointError, SpecfireError
 from specfire.runtime.route import select_route
-from tinymodels import make_checkpoint
+from ckpts import tiny
 
 
 
 def ckpt(cache, name: str, mtp: bool = True) -> str:
-    key = ("spec", name, mtp)
-    if key not in cache["made"]:
-        cache["made"][key] = make_checkpoint(os.path.join(cache["root"], f"route_{name}_{mtp}"), name, mtp=mtp)
-    return cache["made"][key]
+    return tiny(cache, name, mtp=mtp)
 
 
 SP = SamplingParams(max_tokens=6, ignore_eos=True)

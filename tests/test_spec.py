@@ -7,7 +7,6 @@ all-accept cycles, EOS and stop strings inside accepted drafts happen on purpose
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -16,14 +15,12 @@ import specfit
 from specfire import LLM, SamplingParams
 from specfire.runtime import engine as engine_mod
 from specfire.runtime import spec as spec_mod
-from tinymodels import CONFIGS, make_checkpoint
+from ckpts import tiny
+from tinymodels import CONFIGS
 
 
 def ckpt(cache, name: str) -> str:
-    key = ("spec", name)
-    if key not in cache["made"]:
-        cache["made"][key] = make_checkpoint(os.path.join(cache["root"], f"spec_{name}"), name)
-    return cache["made"][key]
+    return tiny(cache, name)
 
 
 
