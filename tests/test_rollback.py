@@ -3,7 +3,6 @@ recurrent state and conv window are bit-identical (float32, CPU) to those after 
 decodes, and decoding continues identically (attention rows past the commit are never read)."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
