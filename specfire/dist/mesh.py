@@ -98,7 +98,9 @@ def load_shard(spec: MeshSpec, comm: Comm) -> LocalTrunk:
         model = ShardedQwen35(spec.cfg, plan, comm)
     loader.load_module(model, src, "", dtype=spec.dtype, device=comm.device, fetch=plan.fetch,
                        what=f"trunk shard {comm.rank}/{spec.tp}")
-    return LocalTrunk(model, spec.max_seq, spec.kv_dtype)
+    # Eager on every rank: the forward holds collectives, and capturing NCCL into a CUDA graph hung
+    # on our GPU machine (shared/GPU.md); a capturable all-reduce comes first (docs/TENSOR_PARALLEL.md).
+    return LocalTrunk(model, spec.max_seq, spec.kv_dtype, cuda_graphs=False)
 
 
 # ---------------------------------------------------------------------------------------------
