@@ -96,10 +96,16 @@ class LLM:
 
     def __init__(self, model: str | None = None, tp: int = 1, device: Any = None, dtype: Any = None,
                  kv_dtype: str = "auto", max_seq_len: int | None = None, spec: SpecPolicy | dict | str | None = None,
-                 mtp_path: str | None = None, progress: bool | None = None, cuda_graphs: bool | None = None):
+                 mtp_path: str | None = None, progress: bool | None = None, cuda_graphs: bool | None = None,
+                 ngram: tuple[int, int] = (1, 4)):
         if progress is None:  # a loading bar only where someone watches a terminal
             progress = sys.stderr.isatty()
         self.spec = SpecPolicy.coerce(spec)
+        if (not isinstance(ngram, (tuple, list)) or len(ngram) != 2
+                or not all(isinstance(n, int) and not isinstance(n, bool) for n in ngram)
+                or not 1 <= ngram[0] <= ngram[1]):
+            raise ValueError(f"ngram must be (n_min, n_max) with 1 <= n_min <= n_max, got {ngram!r}")
+        self.ngram = (int(ngram[0]), int(ngram[1]))   # n-gram drafter: suffix sizes to look up
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tp must be a positive integer, got {tp!r}")
         if kv_dtype not in KV_DTYPES:
@@ -132,7 +138,7 @@ class LLM:
             model_, head = load_local(self.path, self.cfg, self.dtype, self.device, want_mtp, mtp_path, progress)
             self.cfg = model_.cfg
             trunk = LocalTrunk(model_, self.max_seq_len, kvd, cuda_graphs)
-            self.engine = Engine(trunk, self.tokenizer, eos, head, kvd)
+            self.engine = Engine(trunk, self.tokenizer, eos, head, kvd, ngram=self.ngram)
         else:
             try:
                 from .dist import build_mesh_engine  # the tensor-parallel mesh

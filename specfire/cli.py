@@ -29,6 +29,8 @@ def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> Non
     p.add_argument("--spec-k", type=int, default=3, help="draft length k (1..10)")
     p.add_argument("--mtp-path", default=None, help="MTP head sidecar safetensors (default: in or beside the checkpoint)")
     p.add_argument("--eager", action="store_true", help="launch kernels eagerly (no CUDA graphs)")
+    p.add_argument("--ngram-n", default="1:4", metavar="MIN:MAX",
+                   help="suffix lengths the n-gram drafter looks up (default 1:4)")
 
 
 def _load(args: argparse.Namespace):
@@ -36,7 +38,16 @@ def _load(args: argparse.Namespace):
 
     return LLM(args.model, tp=args.tp, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
                max_seq_len=args.max_seq_len, spec=SpecPolicy(mode=args.spec, k=args.spec_k),
-               mtp_path=args.mtp_path, progress=sys.stderr.isatty(), cuda_graphs=False if args.eager else None)
+               mtp_path=args.mtp_path, progress=sys.stderr.isatty(), cuda_graphs=False if args.eager else None,
+               ngram=_ngram_range(args.ngram_n))
+
+
+def _ngram_range(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--ngram-n must be MIN:MAX (two integers), got {text!r}") from None
+    return lo, hi
 
 
 # ---- run ----------------------------------------------------------------------------------------

@@ -410,3 +410,16 @@ def test_mtp_feed_variants_are_exact_and_differ(fitted):
         assert drafts["pre"] != drafts["post"]
         with pytest.raises(ValueError, match="feed"):
             MtpDrafter(drafter.head, llm.engine.trunk, 16, torch.float32, feed="mid")
+
+
+def test_ngram_sizes_reach_the_drafter_and_are_validated(ckpt_cache):
+    path = ckpt(ckpt_cache, "base")
+    with LLM(path, ngram=(2, 3)) as llm:
+        d = llm.engine.drafters["ngram"]
+        assert (d.n_min, d.n_max) == (2, 3)
+        ids = list(range(5, 25)) * 3
+        sp = SamplingParams(max_tokens=12, ignore_eos=True)
+        assert llm.generate(ids, sp, spec="ngram").token_ids == llm.generate(ids, sp, spec="off").token_ids
+    for bad in [(0, 2), (3, 2), (1,), "1:4", (1.0, 2)]:
+        with pytest.raises(ValueError, match="ngram"):
+            LLM(path, ngram=bad)

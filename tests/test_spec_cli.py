@@ -61,3 +61,11 @@ def test_run_bad_spec_values_are_one_line_errors(model, ckpt_cache, tmp_path):
     r = run("run", "--model", nohead, "--device", "cpu", "--prompt", prompt, "--spec", "mtp")
     assert r.returncode == 2 and "MTP head" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_bad_ngram_range_is_one_line_error():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "specfire.cli", "run", "--prompt", "x", "--ngram-n", "4"],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root}, timeout=120)
+    assert r.returncode != 0
+    assert "--ngram-n must be MIN:MAX" in r.stderr and "Traceback" not in r.stderr

@@ -550,4 +550,4 @@ def build_mesh_engine(llm, want_mtp: str, mtp_path: str | None = None) -> Engine
     mt = MeshTrunk(mesh, trunk, tp, llm.dtype, _drafter_vocab(src, cfg, head, llm.dtype, spec.device(local_rank)))
     _open_meshes.add(mt)
     log.info("tensor-parallel mesh of %d ranks ready (%s)", tp, "joined" if joined else "local workers")
-    return Engine(mt, llm.tokenizer, llm.eos_ids, head, llm.kv_dtype, topology=f"tp{tp}")
+    return Engine(mt, llm.tokenizer, llm.eos_ids, head, llm.kv_dtype, topology=f"tp{tp}", ngram=llm.ngram)
