@@ -109,8 +109,11 @@ def attention_rows_q8_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                               dequantize_q8(v_cache[:n], v_scale[:n]), pos0, scale)
 
 
+KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
 def _use_kernel(q: torch.Tensor) -> bool:
-    return q.is_cuda and q.shape[-1] in (16, 32, 64, 128, 256)
+    return q.is_cuda and q.shape[-1] in KERNEL_HEAD_DIMS
 
 
 def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int, scale: float,

@@ -54,8 +54,9 @@ class LocalTrunk:
         self.max_seq = max_seq
         self.device = model.embed_tokens.weight.device
         self.state: SequenceState = model.new_state(max_seq, kv_dtype)
-        if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda"
+        if cuda_graphs is None:  # graphs need the attention kernel (it reads the position on the device)
+            from ..ops.attention import KERNEL_HEAD_DIMS
+            cuda_graphs = self.device.type == "cuda" and self.cfg.head_dim in KERNEL_HEAD_DIMS
         self.graphs = None
         if cuda_graphs:
             from .graphs import RowsGraphs
