@@ -16,6 +16,7 @@ import json
 import sys
 
 import torch
+from timing import graph_time  # bench/timing.py: run as a script, this folder is on sys.path
 import torch.nn.functional as F
 
 from specfire.ops import attention as A
@@ -23,33 +24,6 @@ from specfire.ops.attention_kernels import BLOCK_M, BLOCK_N, PREFETCH, SPLIT, at
 
 PEAK = 4.17e12
 ITERS = 20
-
-
-def graph_time(fns) -> float:
-    """Seconds per call of fns[i % len(fns)], replayed from one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(ITERS):
-            fns[i % len(fns)]()
-    g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = []
-    for _ in range(5):
-        e0.record()
-        g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        best.append(e0.elapsed_time(e1) / 1e3 / ITERS)
-    best.sort()
-    return best[len(best) // 2]
 
 
 def main() -> int:
@@ -131,7 +105,7 @@ def main() -> int:
                     ok &= inv and rec["rel_err"] < 2e-2
                 fns = [lambda c=c: attention_rows_triton(q, c[0], c[1], pos0, scale, c[2], c[3], **kw)
                        for c in caches[kind]]
-                t = graph_time(fns)
+                t = graph_time(fns, ITERS)
                 if r == 1:
                     one[kind] = t
                 n = pos0 + r
@@ -150,7 +124,7 @@ def main() -> int:
                         sfns = [lambda h=h: F.scaled_dot_product_attention(qh, h[0], h[1], attn_mask=mask,
                                                                            scale=scale, enable_gqa=True)
                                 for h in heads]
-                        ts = graph_time(sfns)
+                        ts = graph_time(sfns, ITERS)
                         rec["stock_sdpa_us"] = ts * 1e6
                         rec["stock_frac_peak"] = kv_bytes(kind, n) / ts / PEAK
                         del heads

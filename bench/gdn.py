@@ -15,38 +15,13 @@ import json
 import sys
 
 import torch
+from timing import graph_time  # bench/timing.py: run as a script, this folder is on sys.path
 
 from specfire.ops import gdn as G
 from specfire.ops.gdn_kernels import BV, NUM_WARPS, conv_window_triton, gdn_chunked_triton, gdn_rows_triton
 
 PEAK = 4.17e12
 ITERS = 24
-
-
-def graph_time(fns, iters: int = ITERS) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns[:2]:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(iters):
-            fns[i % len(fns)]()
-    g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(5):
-        e0.record()
-        g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) / 1e3 / iters)
-    ts.sort()
-    return ts[len(ts) // 2]
 
 
 def eager_time(fn, iters: int = 10) -> float:
@@ -110,7 +85,7 @@ def main() -> int:
             ok &= inv and rec["o_rel_err"] < 1e-5 and rec["state_rel_err"] < 1e-5
         for bv, nw in variants:
             fns = [lambda s=s: gdn_rows_triton(q, k, v, g, beta, s, True, bv=bv, num_warps=nw) for s in states]
-            t = graph_time(fns)
+            t = graph_time(fns, ITERS)
             nbytes = state_bytes * (1 + r)
             rec[f"us_{bv}x{nw}"] = t * 1e6
             rec[f"frac_peak_{bv}x{nw}"] = nbytes / t / PEAK
@@ -133,8 +108,8 @@ def main() -> int:
         o1, _ = conv_window_triton(x[-1:], full[r - 1:r - 1 + kk - 1], w)
         rec["row_invariant"] = torch.equal(o1[0], out[-1])
         ok &= rec["row_invariant"] and rec["rel_err"] < 1e-5
-        rec["us"] = graph_time([lambda wi=wi: conv_window_triton(x, wi, w) for wi in windows]) * 1e6
-        rec["ref_us"] = graph_time([lambda wi=wi: G.conv_window_ref(x, wi, w) for wi in windows]) * 1e6
+        rec["us"] = graph_time([lambda wi=wi: conv_window_triton(x, wi, w) for wi in windows], ITERS) * 1e6
+        rec["ref_us"] = graph_time([lambda wi=wi: G.conv_window_ref(x, wi, w) for wi in windows], ITERS) * 1e6
         results.append(rec)
 
     for t_pre in (1024, 4096):

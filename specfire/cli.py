@@ -178,10 +178,11 @@ def _one_line(e: BaseException) -> str:
 
 
 def _set_threads(n: int | None) -> None:
-    """One intra-op thread unless told otherwise. Single-stream decode is a chain of small ops: on
-    the 2-core CPU, one thread decoded the bundled model as fast as two on an idle machine and
-    about 9x faster when the cores were shared (141 vs 15 tok/s; prefill of 1689 tokens 1.0 s vs
-    5.5 s at load average 3.5), where the second thread's spin-waits stall every op."""
+    """One intra-op thread unless told otherwise. Single-stream decode is a chain of small ops.
+    `specfire --threads T run --prompt "def fibonacci(n):" --spec off -n 64 --json` on the 2-core
+    CPU, bundled model: idle machine, decode 215 tok/s at T = 1 and at T = 2; cores shared with
+    other jobs (load ~7.7), 50.4 tok/s at T = 1 and 4.1 at T = 2, where the second thread's
+    spin-waits stall every op."""
     if n is None:
         if os.environ.get("OMP_NUM_THREADS"):
             return

@@ -15,3 +15,18 @@ torch.set_num_threads(1)
 def ckpt_cache(tmp_path_factory):
     """Session-wide cache of tiny checkpoints, keyed by their recipe."""
     return {"root": tmp_path_factory.mktemp("ckpts"), "made": {}}
+
+
+@pytest.fixture(scope="module")
+def tok_path(ckpt_cache):
+    """A tiny checkpoint with a small byte-level BPE tokenizer (tests/ckpts.py)."""
+    from ckpts import tiny
+
+    return tiny(ckpt_cache, "base", tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def tok(tok_path):
+    from specfire.tokenizer import Tokenizer
+
+    return Tokenizer(tok_path)

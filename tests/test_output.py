@@ -9,22 +9,11 @@ import random
 import pytest
 import torch
 
-from ckpts import copy_checkpoint, tiny
+from ckpts import copy_checkpoint
 from specfire import LLM, SamplingParams
 from specfire.runtime.output import OutputBuilder
-from specfire.tokenizer import Tokenizer
 
 TEXT = "Hello, world! The quick brown fox jumps over the lazy dog. for i in range(10): print(i)"
-
-
-@pytest.fixture(scope="module")
-def tok_path(ckpt_cache):
-    return tiny(ckpt_cache, "base", tokenizer=True)
-
-
-@pytest.fixture(scope="module")
-def tok(tok_path):
-    return Tokenizer(tok_path)
 
 
 def held_back(text: str, stops: list[str]) -> int:

@@ -15,16 +15,6 @@ from specfire.tokenizer import Detokenizer, Tokenizer
 MULTI = "naïve café 中文文本测试，中文分词 🙂🚀🎉 日本語のテキスト 한국어 x"
 
 
-@pytest.fixture(scope="module")
-def tok_path(ckpt_cache):
-    return tiny(ckpt_cache, "base", tokenizer=True)
-
-
-@pytest.fixture(scope="module")
-def tok(tok_path):
-    return Tokenizer(tok_path)
-
-
 def byte_decoder() -> dict[str, int]:
     """Byte-level BPE spells byte b as one printable character; invert that table."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
