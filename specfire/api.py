@@ -141,11 +141,11 @@ class LLM:
             self.engine = Engine(trunk, self.tokenizer, eos, head, kvd, ngram=self.ngram)
         else:
             try:
-                from .dist import build_mesh_engine  # the tensor-parallel mesh
+                from .parallel import build_mesh_engine  # the tensor-parallel mesh
             except ModuleNotFoundError as e:
-                if e.name != f"{__package__}.dist":
+                if e.name != f"{__package__}.parallel":
                     raise
-                raise SpecfireError(f"tp={tp} needs the tensor-parallel mesh (specfire.dist), which this build "
+                raise SpecfireError(f"tp={tp} needs the tensor-parallel mesh (specfire.parallel), which this build "
                                     f"does not have; use tp=1") from None
             self.engine = build_mesh_engine(self, want_mtp=want_mtp, mtp_path=mtp_path)
         self._closed = False

@@ -18,8 +18,8 @@ from tinymodels import make_checkpoint
 
 from specfire import LLM, SamplingParams, SpecPolicy
 from specfire.config import ModelConfig
-from specfire.dist import valid_tp_degrees
-from specfire.dist.shard import ShardPlan
+from specfire.parallel import valid_tp_degrees
+from specfire.parallel.shard import ShardPlan
 from specfire.errors import MeshError, SpecfireError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""`python -m specfire.dist.worker FD PARENT_PID`: one local rank of a mesh started by rank 0."""
+"""`python -m specfire.parallel.worker FD PARENT_PID`: one local rank of a mesh started by rank 0."""
 from __future__ import annotations
 
 import os

@@ -199,7 +199,7 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 
 def worker_main(conn: Connection, parent_pid: int) -> int:
-    """A local worker (`python -m specfire.dist.worker`): receive (rank, spec, init_method), say
+    """A local worker (`python -m specfire.parallel.worker`): receive (rank, spec, init_method), say
     hello, join the group, serve. Returns the exit code."""
     _exit_with_parent(parent_pid)
     rank, spec, init_method = conn.recv()
@@ -223,7 +223,7 @@ class LocalWorker:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "specfire.dist.worker", str(theirs.fileno()), str(os.getpid())],
+            [sys.executable, "-m", "specfire.parallel.worker", str(theirs.fileno()), str(os.getpid())],
             pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
         theirs.close()
         self.conn = ours
