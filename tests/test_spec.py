@@ -409,7 +409,7 @@ def test_mtp_feed_variants_are_exact_and_differ(fitted):
                 assert r.token_ids == ref.token_ids, feed
         assert drafts["pre"] != drafts["post"]
         with pytest.raises(ValueError, match="feed"):
-            MtpDrafter(drafter.head, llm.engine.trunk, 16, torch.float32, feed="mid")
+            MtpDrafter(drafter.head, llm.engine.trunk, torch.float32, feed="mid")
 
 
 def test_ngram_sizes_reach_the_drafter_and_are_validated(ckpt_cache):

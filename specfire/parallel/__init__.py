@@ -1,12 +1,11 @@
-"""The tensor-parallel mesh: process group, rank-0 driver, worker loop, collectives."""
+"""The tensor-parallel mesh. One job per module:
+
+shard.py      how weights and state split over ranks       model.py   a rank's sharded trunk
+comm.py       every collective                            launch.py  starting ranks (local or torchrun)
+control.py    rank 0 calls a Trunk method on every rank   worker.py  a rank's life: load, serve, free
+lifecycle.py  faults and teardown                         trunk.py   MeshTrunk, the Trunk on rank 0
+build.py      the trunk factory that runtime/build.py calls for tp > 1
+"""
 from .shard import ShardPlan, check_degree, valid_tp_degrees
 
-
-def build_mesh_engine(llm, want_mtp: str, mtp_path: str | None = None):
-    """The Engine of a tp > 1 LLM; see mesh.build_mesh_engine."""
-    from .mesh import build_mesh_engine as build
-
-    return build(llm, want_mtp=want_mtp, mtp_path=mtp_path)
-
-
-__all__ = ["ShardPlan", "build_mesh_engine", "check_degree", "valid_tp_degrees"]
+__all__ = ["ShardPlan", "check_degree", "valid_tp_degrees"]

@@ -41,14 +41,14 @@ class MtpDrafter:
 
     name = "mtp"
 
-    def __init__(self, head: MtpHead, trunk: Trunk, max_seq: int, kv_dtype: torch.dtype, feed: str = "pre"):
+    def __init__(self, head: MtpHead, trunk: Trunk, kv_dtype: torch.dtype, feed: str = "pre"):
         self.graphs = None  # set before `feed`, whose setter resets captured graphs
         self.head, self.trunk, self.feed = head, trunk, feed
-        self.state = head.new_state(max_seq, kv_dtype)
+        self.state = head.new_state(trunk.max_seq, kv_dtype)
         self._hidden: torch.Tensor | None = None   # trunk hidden rows not yet fed to the head
         self._tokens: list[int] = []               # tokens following those rows (all but the last)
         self._pos0 = 0
-        if getattr(trunk, "graphs", None) is not None:  # the trunk replays CUDA graphs: so does the chain
+        if trunk.graphs_enabled:  # the trunk replays CUDA graphs: so does the chain
             from .graphs import MtpGraphs
             self.graphs = MtpGraphs(head, trunk.embed, trunk.lm_logits, self.state, feed)
 

@@ -8,9 +8,8 @@ from typing import Any, Iterator
 import torch
 
 from ..config import SamplingParams, SpecPolicy
-from ..model.qwen35 import MtpHead
 from ..tokenizer import Tokenizer
-from .drafters import Drafter, MtpDrafter, NgramDrafter
+from .drafters import Drafter
 from .output import OutputBuilder
 from .route import select_route
 from .sampling import pick
@@ -40,21 +39,25 @@ class Engine:
     """Token ids in, token ids (and text) out, over one trunk and optional drafters."""
 
     def __init__(self, trunk: Trunk, tokenizer: Tokenizer | None, eos_ids: set[int],
-                 mtp_head: MtpHead | None, kv_dtype: torch.dtype, topology: str = "single",
-                 refused: frozenset[str] = frozenset(), mtp_feed: str = "pre",
-                 ngram: tuple[int, int] = (1, 4)):
+                 drafters: dict[str, Drafter], topology: str = "single"):
         self.trunk = trunk
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
-        self.topology = topology
-        self.refused = refused
-        self.drafters: dict[str, Drafter] = {"ngram": NgramDrafter(*ngram)}
-        if mtp_head is not None:
-            self.drafters["mtp"] = MtpDrafter(mtp_head, trunk, trunk.max_seq, kv_dtype, feed=mtp_feed)
+        self.topology = topology                # a label in route reasons; every topology serves every drafter
+        self.drafters = drafters                # route name -> drafter ("mtp", "ngram")
 
     @property
     def mtp_loaded(self) -> bool:
         return "mtp" in self.drafters
+
+    @property
+    def max_seq(self) -> int:
+        """Prompt plus generated tokens must fit in this many positions."""
+        return self.trunk.max_seq
+
+    def route(self, policy: SpecPolicy, sp: SamplingParams) -> tuple[str, str]:
+        """(route, reason) a request would take; raises SpecfireError for a mode it cannot serve."""
+        return select_route(policy, self.mtp_loaded, sp, self.topology)
 
     def check_prompt(self, ids: list[int]) -> None:
         vocab = self.trunk.cfg.vocab_size
@@ -71,10 +74,10 @@ class Engine:
 
     def stream(self, ids: list[int], sp: SamplingParams, policy: SpecPolicy) -> Iterator[StreamChunk]:
         self.check_prompt(ids)
-        route, reason = select_route(policy, self.mtp_loaded, sp, self.topology, self.refused)
+        route, reason = self.route(policy, sp)
         drafter = None if route == "ar" else self.drafters[route]
         k = policy.k if drafter is not None else 0
-        dev = getattr(self.trunk, "device", torch.device("cpu"))
+        dev = self.trunk.device
         gen = None
         if sp.seed is not None:
             gen = torch.Generator(device=dev)
@@ -120,10 +123,3 @@ class Engine:
         }
         res = GenerationResult(out.text, list(out.token_ids), out.finish_reason or "length", list(ids), st)
         yield StreamChunk(text, out.token_ids[n_before:], res)
-
-    def generate(self, ids: list[int], sp: SamplingParams, policy: SpecPolicy) -> GenerationResult:
-        res = None
-        for chunk in self.stream(ids, sp, policy):
-            res = chunk.result
-        assert res is not None
-        return res

@@ -87,7 +87,7 @@ def spec_step(trunk: Trunk, drafter: Drafter | None, last: int, pos: int, k: int
               gen: torch.Generator | None, stats: SpecStats) -> list[int]:
     """One draft -> verify -> accept -> commit cycle. Returns the emitted tokens (1..k+1)."""
     draft, q = drafter.propose(last, pos, k, sp, gen) if drafter is not None else ([], None)
-    ids = torch.tensor([last] + draft, device=trunk.device if hasattr(trunk, "device") else None)
+    ids = torch.tensor([last] + draft, device=trunk.device)
     rows = trunk.verify(ids, pos)
     n, out = accept(rows.logits, draft, q, sp, gen)
     trunk.commit(n)
