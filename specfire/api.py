@@ -12,6 +12,7 @@ from .errors import CheckpointError, SpecfireError
 from .ops.attention import Q8_KV
 from .runtime.build import EngineOptions, build_engine
 from .runtime.engine import GenerationResult, StreamChunk
+from .runtime.spec import OnCycle
 from .tokenizer import Tokenizer
 
 BUNDLED_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bundled")
@@ -131,19 +132,20 @@ class LLM:
         return list(prompt)
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-               spec: SpecPolicy | dict | str | None = None) -> Iterator[StreamChunk]:
-        """Yield StreamChunk(text, token_ids); the last chunk carries `result`."""
+               spec: SpecPolicy | dict | str | None = None, *, on_cycle: OnCycle | None = None) -> Iterator[StreamChunk]:
+        """Yield StreamChunk(text, token_ids); the last chunk carries `result`. `on_cycle(k, n,
+        emitted)` is called after every decoding step (k drafted, n accepted; k = 0 for AR)."""
         self._check_open()
         sp = params if params is not None else SamplingParams()
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(sp).__name__}")
         policy = SpecPolicy.coerce(spec, self.spec)
-        return self.engine.stream(self._ids(prompt), sp, policy)
+        return self.engine.stream(self._ids(prompt), sp, policy, on_cycle=on_cycle)
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                 spec: SpecPolicy | dict | str | None = None) -> GenerationResult:
+                 spec: SpecPolicy | dict | str | None = None, *, on_cycle: OnCycle | None = None) -> GenerationResult:
         res = None
-        for chunk in self.stream(prompt, params, spec):
+        for chunk in self.stream(prompt, params, spec, on_cycle=on_cycle):
             res = chunk.result
         assert res is not None
         return res

@@ -13,7 +13,7 @@ from .drafters import Drafter
 from .output import OutputBuilder
 from .route import select_route
 from .sampling import pick
-from .spec import SpecStats, spec_step
+from .spec import OnCycle, SpecStats, spec_step
 from .trunk import Trunk
 
 
@@ -72,10 +72,16 @@ class Engine:
             raise ValueError(f"prompt has {len(ids)} tokens; max_seq_len is {self.trunk.max_seq} "
                              f"(room for at least one generated token is needed)")
 
-    def stream(self, ids: list[int], sp: SamplingParams, policy: SpecPolicy) -> Iterator[StreamChunk]:
+    def stream(self, ids: list[int], sp: SamplingParams, policy: SpecPolicy, on_cycle: OnCycle | None = None,
+               drafter: Drafter | None = None) -> Iterator[StreamChunk]:
+        """Generate from `ids`. `on_cycle(k, n, emitted)` is called after every step; `drafter`,
+        when given, serves the request instead of the routed one (tests script drafts with it)."""
         self.check_prompt(ids)
-        route, reason = self.route(policy, sp)
-        drafter = None if route == "ar" else self.drafters[route]
+        if drafter is not None:
+            route, reason = drafter.name, f"drafter {drafter.name!r} given by the caller (k={policy.k})"
+        else:
+            route, reason = self.route(policy, sp)
+            drafter = None if route == "ar" else self.drafters[route]
         k = policy.k if drafter is not None else 0
         dev = self.trunk.device
         gen = None
@@ -84,7 +90,7 @@ class Engine:
             gen.manual_seed(sp.seed)
         max_new = min(sp.max_tokens, self.trunk.max_seq - len(ids))
         out = OutputBuilder(sp, self.eos_ids, self.tokenizer, max_new)
-        stats = SpecStats()
+        stats = SpecStats(on_cycle=on_cycle)
 
         t0 = time.perf_counter()
         prompt = torch.tensor(ids, device=dev)
