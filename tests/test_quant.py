@@ -123,6 +123,8 @@ CASES = [  # v1: both kernel forms, split-K, several groups per step with a mask
     (7, 50, 160, 32, False, Q4Config(16, split_k=3, gps=2, sem=False)),
     (9, 33, 2304, 64, False, Q4Config(32, split_k=5, gps=3, num_warps=2)),
     (4, 48, 512, 128, False, Q4Config(16, split_k=2, magic=False, xsum=False)),
+    (6, 45, 384, 128, False, Q4Config(32, split_k=2, gps=2, deq=True, num_warps=2)),
+    (2, 20, 192, 32, True, Q4Config(16, gps=3, deq=True, num_warps=1)),
 ]
 
 

@@ -1,6 +1,7 @@
 """Row-invariant dequant-GEMV for specfire's 4-bit format (ops/quant.py) on CUDA, in Triton.
 
-Version 2 (the default) runs the factorised form: per group, t = codes @ x^T on the tensor cores
+Version 2 (the default) runs the factorised form (or, with `deq`, rounds w = q s + z to bf16 by
+bf16x2 FMAs in the same PTX and multiplies that, needing no per-group epilogue and no sum(x)): per group, t = codes @ x^T on the tensor cores
 (codes are exact in bf16, fp32 accumulation), then y += scale * t + zero * sum(x) in fp32. Codes
 become bf16 by bit tricks on whole 32-bit words (inline PTX: one prmt, a shift and one lop3 per
 pair of codes gives bf16 128 + q; the +128 comes back out through the zero term), groups are
@@ -33,7 +34,7 @@ class Q4Config:
     num_warps: int = 4
     num_stages: int = 4
     gps: int = 1          # groups per K step (v2: unrolled, separate loads in flight)
-    deq: bool = False     # v1 only: dequantise the tile to the activation dtype
+    deq: bool = False     # dequantise the tile to the activation dtype (v2: bf16x2 FMAs in PTX)
     magic: bool = True    # codes to floats by bit tricks instead of int->float converts
     version: int = 2
     asm: bool = True      # v2: bf16 codes from 32-bit words by inline PTX (off in the interpreter)
@@ -82,6 +83,29 @@ def asm_q4_emulate(word: int) -> tuple[list[int], list[int]]:
 
 
 _ASM_Q4_TL = tl.constexpr(_ASM_Q4)
+# the dequantising form: as _ASM_Q4, then (128 + q) - 128 and q s + z by exactly rounded bf16x2 FMAs;
+# in: $4 codes, $5 $6 scales, $7 $8 zeros (bf16 pairs of elements 0-1 and 2-3)
+_ASM_Q4_DEQ_TL = tl.constexpr("""{
+.reg .b32 t0, t1, u0, u1, u2, u3, one, off;
+mov.b32 one, 0x3F803F80;
+mov.b32 off, 0xC300C300;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+lop3.b32 u0, t0, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 u1, t1, 0x000F000F, 0x43004300, 0xEA;
+shr.b32 t0, t0, 4;
+shr.b32 t1, t1, 4;
+lop3.b32 u2, t0, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 u3, t1, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 u0, u0, one, off;
+fma.rn.bf16x2 u1, u1, one, off;
+fma.rn.bf16x2 u2, u2, one, off;
+fma.rn.bf16x2 u3, u3, one, off;
+fma.rn.bf16x2 $0, u0, $5, $7;
+fma.rn.bf16x2 $1, u1, $6, $8;
+fma.rn.bf16x2 $2, u2, $5, $7;
+fma.rn.bf16x2 $3, u3, $6, $8;
+}""")
 
 @triton.jit(do_not_specialize=["M"])
 def _q4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_ym, groups_per_split,
@@ -177,7 +201,105 @@ def _xsum_kernel(x_ptr, xs_ptr, K, stride_xm, G: tl.constexpr, GB: tl.constexpr)
 @triton.jit(do_not_specialize=["M"])
 def _q4v2_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, stride_xm, stride_ym,
                  groups_per_split, BLOCK_N: tl.constexpr, G: tl.constexpr, GPS: tl.constexpr, ROWS_: tl.constexpr,
-                 SPLIT: tl.constexpr, SEM: tl.constexpr, XSUM: tl.constexpr, ASM: tl.constexpr,
+                 SPLIT: tl.constexpr, SEM: tl.constexpr, XSUM: tl.constexpr, DEQ: tl.constexpr, ASM: tl.constexpr,
+                 MAGIC: tl.constexpr, BF16: tl.constexpr, IEEE: tl.constexpr):
+    # Kernel packing (ops/quant.py): in group g, byte j of a row holds codes g*G + j (low nibble)
+    # and g*G + G/2 + j (high nibble); scales / zeros are [K/G, N].
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    HALF: tl.constexpr = G // 2
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, ROWS_)
+    offs_c = tl.arange(0, HALF)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    n_groups = K // G
+    g_lo = pid_s * groups_per_split
+    g_hi = tl.minimum(g_lo + groups_per_split, n_groups)
+    acc = tl.zeros((BLOCK_N, ROWS_), dtype=tl.float32)                       # [BLOCK_N, ROWS]
+    q_rows = q_ptr + offs_n[:, None] * (K // 2) + offs_c[None, :]
+    x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_c[None, :]
+    for g0 in range(g_lo, g_hi, GPS):
+        for gi in tl.static_range(GPS):
+            g = g0 + gi
+            okc = (g + offs_c * 0) < g_hi                                           # full-shape masks
+            qb = tl.load(q_rows + g * HALF, mask=n_mask[:, None] & okc[None, :], other=0)
+            xe = tl.load(x_rows + g * G, mask=m_mask[:, None] & okc[None, :], other=0.0)  # [ROWS, HALF]
+            xo = tl.load(x_rows + g * G + HALF, mask=m_mask[:, None] & okc[None, :], other=0.0)
+            okn = n_mask & ((g + offs_n * 0) < g_hi)
+            sb = tl.load(s_ptr + g * N + offs_n, mask=okn, other=0.0)
+            zb = tl.load(z_ptr + g * N + offs_n, mask=okn, other=0.0)
+            if DEQ:
+                # w = q s + z rounded once to the activation dtype, then MMA into the accumulator:
+                # no per-group epilogue and no sum(x)
+                if ASM:
+                    wl, wh = tl.inline_asm_elementwise(
+                        _ASM_Q4_DEQ_TL, "=r,=r,=r,=r,r,r,r,r,r",
+                        [qb, tl.broadcast_to(sb[:, None], (BLOCK_N, HALF)), tl.broadcast_to(zb[:, None], (BLOCK_N, HALF))],
+                        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+                else:
+                    sf = sb.to(tl.float32)[:, None]
+                    zf = zb.to(tl.float32)[:, None]
+                    wl = ((qb & 15).to(tl.float32) * sf + zf).to(xe.dtype)
+                    wh = ((qb >> 4).to(tl.float32) * sf + zf).to(xe.dtype)
+                if IEEE:
+                    acc = tl.dot(wl, tl.trans(xe), acc, input_precision="ieee")
+                    acc = tl.dot(wh, tl.trans(xo), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(wl, tl.trans(xe), acc)
+                    acc = tl.dot(wh, tl.trans(xo), acc)
+            else:
+                if ASM:
+                    lo, hi = tl.inline_asm_elementwise(_ASM_Q4_TL, "=r,=r,=r,=r,r", [qb],
+                                                       dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+                elif MAGIC and BF16:  # bf16 bits 0x4300 | q are 128 + q
+                    lo = ((qb & 15).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
+                    hi = ((qb >> 4).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
+                elif MAGIC:           # float32 activations (the CPU tests): the same 128 + q values
+                    lo = (qb & 15).to(tl.float32) + 128.0
+                    hi = (qb >> 4).to(tl.float32) + 128.0
+                else:
+                    lo = (qb & 15).to(xe.dtype)
+                    hi = (qb >> 4).to(xe.dtype)
+                if IEEE:
+                    t = tl.dot(lo, tl.trans(xe), input_precision="ieee")
+                    t = tl.dot(hi, tl.trans(xo), t, input_precision="ieee")
+                else:
+                    t = tl.dot(lo, tl.trans(xe))
+                    t = tl.dot(hi, tl.trans(xo), t)                                  # [BLOCK_N, ROWS]
+                if XSUM:
+                    xs = tl.load(xs_ptr + offs_m * n_groups + g, mask=m_mask & ((g + offs_m * 0) < g_hi), other=0.0)
+                else:
+                    xs = tl.sum(xe.to(tl.float32), axis=1) + tl.sum(xo.to(tl.float32), axis=1)
+                s = sb.to(tl.float32)
+                z = zb.to(tl.float32)
+                if MAGIC:  # t holds sum (128 + q) x: take 128 s sum(x) back out through the zero term
+                    z = z - 128.0 * s
+                acc += s[:, None] * t + z[:, None] * xs[None, :]
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    if not PARTIAL:
+        tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=out_mask)
+    else:
+        base = y_ptr + pid_s * M * N
+        tl.store(base + offs_m[None, :] * N + offs_n[:, None], acc, mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _xsum_kernel(x_ptr, xs_ptr, K, stride_xm, G: tl.constexpr, GB: tl.constexpr):
+    """xs[m, g] = sum of row m's inputs in group g, float32 (one program per row and GB groups)."""
+    m = tl.program_id(0)
+    n_groups = K // G
+    offs_g = tl.program_id(1) * GB + tl.arange(0, GB)
+    ok = offs_g < n_groups
+    x = tl.load(x_ptr + m * stride_xm + offs_g[:, None] * G + tl.arange(0, G)[None, :], mask=ok[:, None], other=0.0)
+    tl.store(xs_ptr + m * n_groups + offs_g, tl.sum(x.to(tl.float32), 1), mask=ok)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _q4v2_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, stride_xm, stride_ym,
+                 groups_per_split, BLOCK_N: tl.constexpr, G: tl.constexpr, GPS: tl.constexpr, ROWS_: tl.constexpr,
+                 SPLIT: tl.constexpr, SEM: tl.constexpr, XSUM: tl.constexpr, DEQ: tl.constexpr, ASM: tl.constexpr,
                  MAGIC: tl.constexpr, BF16: tl.constexpr, IEEE: tl.constexpr):
     # Kernel packing (ops/quant.py): in group g, byte j of a row holds codes g*G + j (low nibble)
     # and g*G + G/2 + j (high nibble); scales / zeros are [K/G, N].
@@ -287,13 +409,14 @@ def q4_gemv(x: torch.Tensor, qw, cfg: Q4Config | None = None) -> torch.Tensor:
     sem = cfg.sem and split > 1
     locks = _locks(x.device, n_tiles) if sem else y
     xs = y
-    if cfg.xsum:
+    xsum = cfg.xsum and not cfg.deq  # the dequantising form needs no sum(x)
+    if xsum:
         xs = torch.empty(m, n_groups, device=x.device, dtype=torch.float32)
         gb = 16
         _xsum_kernel[(m, triton.cdiv(n_groups, gb))](x, xs, k, x.stride(0), G=g, GB=gb)
     _q4v2_kernel[(n_tiles, split)](
         x, xs, qw.qweight, qw.scales_t, qw.zeros_t, y, part, locks, m, n, k, x.stride(0), y.stride(0), per,
-        BLOCK_N=cfg.block_n, G=g, GPS=cfg.gps, ROWS_=ROWS, SPLIT=split, SEM=sem, XSUM=cfg.xsum,
+        BLOCK_N=cfg.block_n, G=g, GPS=cfg.gps, ROWS_=ROWS, SPLIT=split, SEM=sem, XSUM=xsum, DEQ=cfg.deq,
         ASM=cfg.asm and bf16 and magic and not INTERPRET, MAGIC=magic, BF16=bf16, IEEE=x.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1 and not sem:
