@@ -224,10 +224,14 @@ def bench_q8(res: dict, budget: float) -> None:
     qs = {r: torch.randn(r, hq, d, device=DEV, dtype=BF) * 2 for r in rows}
     scale = d ** -0.5
     per_pos = {"bf16": hkv * d * 2 * 2, "q8": hkv * d * 2 + hkv * (d // A.q8_group(d)) * 2 * 2}
-    variants = [("bf16", {}), ("q8", {"q8_mode": 0}), ("q8", {"q8_mode": 1}), ("q8", {"q8_mode": 2}),
-                ("q8", {"q8_mode": 2, "prefetch": False}), ("q8", {"q8_mode": 2, "block_n": 32, "num_stages": 3}),
-                ("q8", {"q8_mode": 2, "num_warps": 8}), ("q8", {"q8_mode": 1, "prefetch": False}),
-                ("q8", {"q8_mode": 2, "split": 1024})]
+    d64 = {"block_n": 64, "num_stages": 2}      # the shared default tile before the Q8 fp16 path got its own
+    variants = [("bf16", {}), ("q8", {"q8_mode": 0, **d64}), ("q8", {}),
+                ("q8", {"q8_mode": 1, **d64}), ("q8", {"q8_mode": 2, **d64}),
+                ("q8", {"q8_mode": 2, "prefetch": False, **d64}), ("q8", {"q8_mode": 1, "prefetch": False, **d64}),
+                ("q8", {"q8_mode": 1, "block_n": 32, "num_stages": 3}),
+                ("q8", {"q8_mode": 2, "block_n": 32, "num_stages": 3, "prefetch": False}),
+                ("q8", {"q8_mode": 2, "block_n": 16, "num_stages": 3}),
+                ("q8", {"q8_mode": 2, "num_warps": 8, **d64}), ("q8", {"q8_mode": 2, "split": 1024, **d64})]
     if SMOKE:
         variants = [("bf16", {"split": 64, "block_n": 16}), ("q8", {"q8_mode": 0, "split": 64, "block_n": 16}),
                     ("q8", {"q8_mode": 1, "split": 64, "block_n": 16})]

@@ -105,6 +105,18 @@ def test_q4_split_counters_reset():
     assert all(int(b.abs().sum()) == 0 for b in _LOCKS.values())
 
 
+def test_kernel_module_defines_each_kernel_once():
+    """A kernel defined twice silently takes the later body (and Triton ignores launch arguments
+    the bound kernel lacks): that once sent benchmark configs to the wrong code path."""
+    import inspect
+    import re
+
+    import specfire.ops.triton_quant as tq
+
+    names = re.findall(r"^def (\w+)\(", inspect.getsource(tq), flags=re.M)
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
 def test_pick_group():
     assert pick_group(5120, 128) == 128 and pick_group(96, 128) == 32 and pick_group(48, 128) is None
 

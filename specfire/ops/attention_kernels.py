@@ -32,6 +32,11 @@ PREFETCH = True  # Q8: load the next int8 block into registers before dequantizi
 #     x fp16 scale, fp16 MMAs (q converted to fp16: exact for |q| in [6.1e-5, 65504]);
 # 2 = as 1 with the conversion done on whole 32-bit words by inline PTX (xor, prmt, sub.f16x2)
 Q8_MODE = 2
+# the Q8 fp16 path's own tile: 32 keys a step, 3 stages (bench/quant_gpu.py, H200: 60.9 us at 33k
+# positions, R = 1, against 67.6 us for mode 0 at the shared 64-key default; prefetch with 64-key
+# steps and the PTX conversion measured 281 us, so the Q8 path never takes those together)
+Q8_BLOCK_N = 32
+Q8_STAGES = 3
 
 
 @triton.jit
@@ -209,8 +214,8 @@ def _attn_combine_kernel(acc_ptr, ml_ptr, out_ptr, pos0, pos_ptr, n_split, hq,
 
 def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos0, scale: float,
                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                          block_m: int = BLOCK_M, split: int = SPLIT, block_n: int = BLOCK_N,
-                          num_warps: int = 4, num_stages: int = 2, prefetch: bool = PREFETCH,
+                          block_m: int = BLOCK_M, split: int = SPLIT, block_n: int | None = None,
+                          num_warps: int = 4, num_stages: int | None = None, prefetch: bool = PREFETCH,
                           chunk: int = CHUNK, q8_mode: int | None = None) -> torch.Tensor:
     """Contract of attention_rows_ref (q [R, Hq, D] -> float32 [R, Hq, D]); Q8 when scales are given.
     `pos0` may be a one-element int tensor on the device: the kernels then read it there and the
@@ -239,6 +244,9 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         qmode = Q8_MODE if q8_mode is None else q8_mode
         if qmode == 2 and INTERPRET:
             qmode = 1
+    fp16_q8 = qmode > 0
+    block_n = block_n or (Q8_BLOCK_N if fp16_q8 else BLOCK_N)
+    num_stages = num_stages or (Q8_STAGES if fp16_q8 else 2)
     _attn_split_kernel[(n_mt, n_split, hkv)](
         q, k_cache, v_cache, ks, vs, acc, ml, pos_int, pos_arg, r_rows, n_split, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),

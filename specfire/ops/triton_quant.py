@@ -43,12 +43,19 @@ class Q4Config:
 
 
 def q4_config(n: int, k: int, group: int) -> Q4Config:
-    """Launch configuration from the weight's shape only (never from M)."""
-    if n >= 65536:
+    """Launch configuration from the weight's shape only (never from M): the fastest row-invariant
+    configuration per 27B shape in the sweep of bench/quant_gpu.py on the H200 (docs/BENCHMARKS.md).
+    The kernel is bound by the loads one CTA keeps in flight, so wide-K shapes keep version 1 with
+    split-K 8 (more CTAs), the rest take version 2 with factorised bit-trick codes."""
+    if n >= 65536:      # lm_head: 55% (g128) at 32 rows a tile, one group a step, 4 stages
+        if group >= 128:
+            return Q4Config(block_n=32, num_warps=2, num_stages=4, gps=1)
         return Q4Config(block_n=64, num_warps=4, num_stages=3, gps=2)
-    if n * k <= 6144 * 5120 * 2:
+    if k >= 12288:      # down projection (K = 17408): v1 split 8, 31.6% vs 18.4% for the best v2 tried
+        return Q4Config(block_n=64, split_k=8, version=1)
+    if n <= 12288:      # q / qkv / z (N = 6144..12288): split 2, combined in the kernel
         return Q4Config(block_n=32, split_k=2, num_warps=2, num_stages=3, gps=2)
-    return Q4Config(block_n=32, num_warps=2, num_stages=3, gps=2)
+    return Q4Config(block_n=32, num_warps=2, num_stages=3, gps=2)   # gate / up (N = 17408)
 
 
 # inline PTX, 4 packed bytes in ($4) -> low nibbles as bf16 128+q ($0, $1) and high nibbles ($2, $3);
@@ -276,82 +283,6 @@ def _q4v2_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, 
                 if MAGIC:  # t holds sum (128 + q) x: take 128 s sum(x) back out through the zero term
                     z = z - 128.0 * s
                 acc += s[:, None] * t + z[:, None] * xs[None, :]
-    out_mask = n_mask[:, None] & m_mask[None, :]
-    if not PARTIAL:
-        tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
-                 mask=out_mask)
-    else:
-        base = y_ptr + pid_s * M * N
-        tl.store(base + offs_m[None, :] * N + offs_n[:, None], acc, mask=out_mask)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _xsum_kernel(x_ptr, xs_ptr, K, stride_xm, G: tl.constexpr, GB: tl.constexpr):
-    """xs[m, g] = sum of row m's inputs in group g, float32 (one program per row and GB groups)."""
-    m = tl.program_id(0)
-    n_groups = K // G
-    offs_g = tl.program_id(1) * GB + tl.arange(0, GB)
-    ok = offs_g < n_groups
-    x = tl.load(x_ptr + m * stride_xm + offs_g[:, None] * G + tl.arange(0, G)[None, :], mask=ok[:, None], other=0.0)
-    tl.store(xs_ptr + m * n_groups + offs_g, tl.sum(x.to(tl.float32), 1), mask=ok)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _q4v2_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, stride_xm, stride_ym,
-                 groups_per_split, BLOCK_N: tl.constexpr, G: tl.constexpr, GPS: tl.constexpr, ROWS_: tl.constexpr,
-                 SPLIT: tl.constexpr, SEM: tl.constexpr, XSUM: tl.constexpr, DEQ: tl.constexpr, ASM: tl.constexpr,
-                 MAGIC: tl.constexpr, BF16: tl.constexpr, IEEE: tl.constexpr):
-    # Kernel packing (ops/quant.py): in group g, byte j of a row holds codes g*G + j (low nibble)
-    # and g*G + G/2 + j (high nibble); scales / zeros are [K/G, N].
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    HALF: tl.constexpr = G // 2
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, ROWS_)
-    offs_c = tl.arange(0, HALF)
-    n_mask = offs_n < N
-    m_mask = offs_m < M
-    n_groups = K // G
-    g_lo = pid_s * groups_per_split
-    g_hi = tl.minimum(g_lo + groups_per_split, n_groups)
-    acc = tl.zeros((BLOCK_N, ROWS_), dtype=tl.float32)                       # [BLOCK_N, ROWS]
-    q_rows = q_ptr + offs_n[:, None] * (K // 2) + offs_c[None, :]
-    x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_c[None, :]
-    for g0 in range(g_lo, g_hi, GPS):
-        for gi in tl.static_range(GPS):
-            g = g0 + gi
-            okc = (g + offs_c * 0) < g_hi                                           # full-shape masks
-            qb = tl.load(q_rows + g * HALF, mask=n_mask[:, None] & okc[None, :], other=0)
-            xe = tl.load(x_rows + g * G, mask=m_mask[:, None] & okc[None, :], other=0.0)  # [ROWS, HALF]
-            xo = tl.load(x_rows + g * G + HALF, mask=m_mask[:, None] & okc[None, :], other=0.0)
-            if ASM:
-                lo, hi = tl.inline_asm_elementwise(_ASM_Q4_TL, "=r,=r,=r,=r,r", [qb],
-                                                   dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-            elif MAGIC and BF16:  # bf16 bits 0x4300 | q are 128 + q
-                lo = ((qb & 15).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
-                hi = ((qb >> 4).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
-            elif MAGIC:           # float32 activations (the CPU tests): the same 128 + q values
-                lo = (qb & 15).to(tl.float32) + 128.0
-                hi = (qb >> 4).to(tl.float32) + 128.0
-            else:
-                lo = (qb & 15).to(xe.dtype)
-                hi = (qb >> 4).to(xe.dtype)
-            if IEEE:
-                t = tl.dot(lo, tl.trans(xe), input_precision="ieee")
-                t = tl.dot(hi, tl.trans(xo), t, input_precision="ieee")
-            else:
-                t = tl.dot(lo, tl.trans(xe))
-                t = tl.dot(hi, tl.trans(xo), t)                                      # [BLOCK_N, ROWS]
-            if XSUM:
-                xs = tl.load(xs_ptr + offs_m * n_groups + g, mask=m_mask & ((g + offs_m * 0) < g_hi), other=0.0)
-            else:
-                xs = tl.sum(xe.to(tl.float32), axis=1) + tl.sum(xo.to(tl.float32), axis=1)
-            okn = n_mask & ((g + offs_n * 0) < g_hi)
-            s = tl.load(s_ptr + g * N + offs_n, mask=okn, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g * N + offs_n, mask=okn, other=0.0).to(tl.float32)
-            if MAGIC:  # t holds sum (128 + q) x: take 128 s sum(x) back out through the zero term
-                z = z - 128.0 * s
-            acc += s[:, None] * t + z[:, None] * xs[None, :]
     out_mask = n_mask[:, None] & m_mask[None, :]
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
     if SPLIT == 1:
