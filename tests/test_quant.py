@@ -288,3 +288,7 @@ def test_info_reports_memory_as_stored(ckpts):
             payload += sum(h.get_tensor(n).numel() * h.get_tensor(n).element_size() for n in h.keys())
     assert stored == payload
     assert stored < dense["memory_bytes"]["bfloat16"]
+    q = q4["quantization"]  # group 64 (32 where K needs it): 4.5..5 bits per quantized weight, MTP included
+    assert dense["quantization"] is None and q["group_size"] == 64
+    assert 4.5 <= q["bits_per_weight"] <= 5.0 and q["mtp_quantized_weights"] > 0
+    assert q["bits_per_parameter"] == 8 * stored / (q4["parameters"] + q4["mtp_parameters"])
