@@ -118,8 +118,12 @@ def candidates(n: int) -> list[Q4Config]:
          Q4Config(64, num_warps=2, num_stages=3, gps=2, deq=True), Q4Config(128, num_warps=4, num_stages=3, gps=1, deq=True),
          Q4Config(32, num_warps=2, num_stages=3, gps=4, deq=True), Q4Config(32, num_warps=2, num_stages=2, gps=2, deq=True),
          Q4Config(32, num_warps=2, num_stages=3, gps=2, asm=False), Q4Config(32, num_warps=2, num_stages=3, gps=2, deq=True, asm=False)]
+    c += [Q4Config(32, num_warps=2, num_stages=3, gps=1, prefetch=True), Q4Config(32, num_warps=2, num_stages=2, gps=2,
+          prefetch=True), Q4Config(32, num_warps=2, num_stages=3, gps=2, prefetch=True, deq=True)]
     if n < 65536:
-        c += [Q4Config(32, split_k=2, num_warps=2, num_stages=3, gps=2, deq=True),
+        c += [Q4Config(32, split_k=4, num_warps=2, num_stages=3, gps=2), Q4Config(32, split_k=8, num_warps=2, num_stages=3),
+              Q4Config(32, split_k=4, num_warps=2, num_stages=3, gps=2, prefetch=True),
+              Q4Config(32, split_k=2, num_warps=2, num_stages=3, gps=2, deq=True),
               Q4Config(16, split_k=2, num_warps=1, num_stages=3, gps=2, deq=True),
               Q4Config(32, split_k=2, num_warps=2, num_stages=3, gps=2, xsum=False),
               Q4Config(32, split_k=2, num_warps=2, num_stages=3, gps=2, deq=True, sem=False)]
@@ -195,7 +199,7 @@ def bench_q4(res: dict, budget: float, group: int = 128, shapes=None, full: bool
             tag = (f"v{c['version']} bn{c['block_n']} sk{c['split_k']} w{c['num_warps']} s{c['num_stages']} "
                    f"gps{c['gps']}{' deq' if c['deq'] else ''}{'' if c['asm'] else ' noasm'}"
                    f"{'' if c['xsum'] or c['deq'] else ' inxs'}"
-                   f"{'' if c['sem'] or c['split_k'] == 1 else ' 2launch'}")
+                   f"{'' if c['sem'] or c['split_k'] == 1 else ' 2launch'}{' pf' if c.get('prefetch') else ''}")
             mark = " <- best" if r is best else (" (default)" if r is rows[0] else "")
             print(f"  {n:>6}x{k:<6} {tag:<40} M1 {r['us_M1']:7.1f} us {r['frac_M1']:6.1%}  M16 {r['us_M16']:7.1f} us "
                   f"{r['frac_M16']:6.1%}  err {r['rel_err']:.1e} inv {r['row_invariant']}{mark}")

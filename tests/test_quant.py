@@ -137,6 +137,8 @@ CASES = [  # v1: both kernel forms, split-K, several groups per step with a mask
     (4, 48, 512, 128, False, Q4Config(16, split_k=2, magic=False, xsum=False)),
     (6, 45, 384, 128, False, Q4Config(32, split_k=2, gps=2, deq=True, num_warps=2)),
     (2, 20, 192, 32, True, Q4Config(16, gps=3, deq=True, num_warps=1)),
+    (5, 40, 640, 64, False, Q4Config(32, split_k=3, gps=2, prefetch=True, num_warps=2)),
+    (3, 24, 384, 128, False, Q4Config(16, prefetch=True, deq=True, num_warps=1)),
 ]
 
 

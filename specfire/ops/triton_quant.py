@@ -40,6 +40,7 @@ class Q4Config:
     asm: bool = True      # v2: bf16 codes from 32-bit words by inline PTX (off in the interpreter)
     xsum: bool = True     # v2: sum(x) per group precomputed once per call (else in the kernel)
     sem: bool = True      # v2, split_k > 1: combine in the kernel (last CTA per tile) instead of a launch
+    prefetch: bool = False  # v2: the next group's codes are loaded before this group's are used
 
 
 def q4_config(n: int, k: int, group: int) -> Q4Config:
@@ -209,7 +210,7 @@ def _xsum_kernel(x_ptr, xs_ptr, K, stride_xm, G: tl.constexpr, GB: tl.constexpr)
 def _q4v2_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, stride_xm, stride_ym,
                  groups_per_split, BLOCK_N: tl.constexpr, G: tl.constexpr, GPS: tl.constexpr, ROWS_: tl.constexpr,
                  SPLIT: tl.constexpr, SEM: tl.constexpr, XSUM: tl.constexpr, DEQ: tl.constexpr, ASM: tl.constexpr,
-                 MAGIC: tl.constexpr, BF16: tl.constexpr, IEEE: tl.constexpr):
+                 MAGIC: tl.constexpr, BF16: tl.constexpr, IEEE: tl.constexpr, PF: tl.constexpr):
     # Kernel packing (ops/quant.py): in group g, byte j of a row holds codes g*G + j (low nibble)
     # and g*G + G/2 + j (high nibble); scales / zeros are [K/G, N].
     pid_n = tl.program_id(0)
@@ -226,11 +227,18 @@ def _q4v2_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, 
     acc = tl.zeros((BLOCK_N, ROWS_), dtype=tl.float32)                       # [BLOCK_N, ROWS]
     q_rows = q_ptr + offs_n[:, None] * (K // 2) + offs_c[None, :]
     x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_c[None, :]
+    if PF:  # register double buffer: group g + 1's codes are in flight while group g is computed
+        qn = tl.load(q_rows + g_lo * HALF, mask=n_mask[:, None] & ((g_lo + offs_c * 0) < g_hi)[None, :], other=0)
     for g0 in range(g_lo, g_hi, GPS):
         for gi in tl.static_range(GPS):
             g = g0 + gi
             okc = (g + offs_c * 0) < g_hi                                           # full-shape masks
-            qb = tl.load(q_rows + g * HALF, mask=n_mask[:, None] & okc[None, :], other=0)
+            if PF:
+                qb = qn
+                qn = tl.load(q_rows + (g + 1) * HALF, mask=n_mask[:, None] & ((g + 1 + offs_c * 0) < g_hi)[None, :],
+                             other=0)
+            else:
+                qb = tl.load(q_rows + g * HALF, mask=n_mask[:, None] & okc[None, :], other=0)
             xe = tl.load(x_rows + g * G, mask=m_mask[:, None] & okc[None, :], other=0.0)  # [ROWS, HALF]
             xo = tl.load(x_rows + g * G + HALF, mask=m_mask[:, None] & okc[None, :], other=0.0)
             okn = n_mask & ((g + offs_n * 0) < g_hi)
@@ -349,6 +357,7 @@ def q4_gemv(x: torch.Tensor, qw, cfg: Q4Config | None = None) -> torch.Tensor:
         x, xs, qw.qweight, qw.scales_t, qw.zeros_t, y, part, locks, m, n, k, x.stride(0), y.stride(0), per,
         BLOCK_N=cfg.block_n, G=g, GPS=cfg.gps, ROWS_=ROWS, SPLIT=split, SEM=sem, XSUM=xsum, DEQ=cfg.deq,
         ASM=cfg.asm and bf16 and magic and not INTERPRET, MAGIC=magic, BF16=bf16, IEEE=x.dtype == torch.float32,
+        PF=cfg.prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1 and not sem:
         blk = 1024
