@@ -44,7 +44,7 @@ def load(path: str, device: torch.device):
 
 def stream(tok, eot: int, docs: list[tuple[str, str]]) -> torch.Tensor:
     ids: list[int] = []
-    for enc in tok.encode_batch_fast([t for _, t in docs], add_special_tokens=False):
+    for enc in getattr(tok, "encode_batch_fast", tok.encode_batch)([t for _, t in docs], add_special_tokens=False):
         ids.extend(enc.ids)
         ids.append(eot)
     return torch.tensor(ids, dtype=torch.int64)

@@ -173,7 +173,7 @@ def _tokenize(tok, docs: list[tuple[str, str]], eot: int) -> torch.Tensor:
     import numpy as np
 
     parts = []
-    for enc in tok.encode_batch_fast([t for _, t in docs], add_special_tokens=False):
+    for enc in getattr(tok, "encode_batch_fast", tok.encode_batch)([t for _, t in docs], add_special_tokens=False):
         parts.append(np.asarray(enc.ids + [eot], dtype=np.int64))
     return torch.from_numpy(np.concatenate(parts)) if parts else torch.zeros(0, dtype=torch.int64)
 
