@@ -44,3 +44,12 @@ def tok(tok_path):
     from specfire.tokenizer import Tokenizer
 
     return Tokenizer(tok_path)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """pytest-randomly prints its seed in the header, which -q hides: repeat it, so a failure in
+    one order can be rerun in that order."""
+    if config.pluginmanager.hasplugin("randomly"):
+        seed = config.getoption("randomly_seed")
+        terminalreporter.write_line(f"test order: pytest-randomly seed {seed} (rerun this order: "
+                                    f"pytest --randomly-seed={seed}; fixed order: pytest -p no:randomly)")
