@@ -76,12 +76,13 @@ def main() -> None:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     rows_out = []
+    gen = torch.Generator(device=dev).manual_seed(1)     # the same prompt and verify rows every run
     for shape, graphs in [(s, g) for s in args.shape.split(",") for g in args.graphs.split(",")]:
         graphs = graphs == "1" and dev == "cuda"
         cfg = make_cfg(shape)
         m = build(cfg, dev, dtype)
         trunk = LocalTrunk(m, args.prompt + args.tokens + 32, dtype, cuda_graphs=graphs)
-        ids = torch.randint(0, cfg.vocab_size, (args.prompt,), device=dev)
+        ids = torch.randint(0, cfg.vocab_size, (args.prompt,), device=dev, generator=gen)
         trunk.begin()
         sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
         sync(); t0 = time.perf_counter()
@@ -102,7 +103,7 @@ def main() -> None:
                "decode_tok_s": 1 / dt, "step_bytes": nbytes, "ceiling_tok_s": CEILING / nbytes,
                "bw_frac": nbytes / dt / CEILING}
         for r_ in [int(x) for x in args.verify_rows.split(",")]:
-            ids_r = torch.randint(0, cfg.vocab_size, (r_,), device=dev)
+            ids_r = torch.randint(0, cfg.vocab_size, (r_,), device=dev, generator=gen)
             trunk.verify(ids_r, pos); trunk.commit(0)
             sync(); t0 = time.perf_counter()
             for _ in range(8):

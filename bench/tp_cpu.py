@@ -62,9 +62,10 @@ def main() -> None:
             # the MTP drafter's per-step calls: through the mesh vs a whole copy on rank 0
             trunk = llm.engine.trunk
             hidden, vocab = llm.cfg.hidden_size, llm.cfg.vocab_size
-            h = torch.randn(1, hidden)
+            g = torch.Generator().manual_seed(2)
+            h = torch.randn(1, hidden, generator=g)
             one = torch.tensor([5])
-            w = torch.randn(vocab, hidden)
+            w = torch.randn(vocab, hidden, generator=g)
             t0 = time.perf_counter()
             lm = getattr(trunk, "mesh_lm_logits", trunk.lm_logits)
             emb = getattr(trunk, "mesh_embed", trunk.embed)

@@ -1,5 +1,7 @@
 import os
+import random
 import sys
+import zlib
 
 import pytest
 import torch
@@ -9,6 +11,18 @@ sys.path.insert(0, os.path.dirname(__file__))
 # The test models are tiny: one intra-op thread is as fast as several on an idle machine and far
 # faster on a busy one (threads spinning on shared cores slowed decode up to 60x).
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def seeded_rngs(request):
+    """The global RNGs start from a seed of the test's own id, so a draw that forgets its generator
+    is still the same whatever ran before (tests should pass a torch.Generator all the same)."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(seed)
+    random.seed(seed)
+    if torch.get_num_threads() != 1:        # an in-process `specfire --threads N` leaves N behind
+        torch.set_num_threads(1)
+    yield
 
 
 @pytest.fixture(scope="session")
@@ -30,3 +44,12 @@ def tok(tok_path):
     from specfire.tokenizer import Tokenizer
 
     return Tokenizer(tok_path)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """pytest-randomly prints its seed in the header, which -q hides: repeat it, so a failure in
+    one order can be rerun in that order."""
+    if config.pluginmanager.hasplugin("randomly"):
+        seed = config.getoption("randomly_seed")
+        terminalreporter.write_line(f"test order: pytest-randomly seed {seed} (rerun this order: "
+                                    f"pytest --randomly-seed={seed}; fixed order: pytest -p no:randomly)")

@@ -76,7 +76,7 @@ def fit_mtp_head(path: str, steps: int = MTP_STEPS) -> dict[str, torch.Tensor]:
     """Fit the MTP head of the checkpoint at `path` to its (frozen) trunk; return the mtp.* tensors."""
     from specfire import LLM
 
-    llm = LLM(path, spec="mtp", progress=False)
+    llm = LLM(path, device="cpu", spec="mtp", progress=False)
     trunk, head = llm.engine.trunk, llm.engine.drafters["mtp"].head
     data = []
     with torch.inference_mode():

@@ -145,7 +145,7 @@ def test_damaged_checkpoint_is_one_clear_error(base, tmp_path, damage, pattern, 
         LLM(path, device="cpu", progress=False)
     assert "\n" not in str(ei.value)
     # the CLI: non-zero exit, exactly one line on stderr, nothing on stdout
-    rc = cli.main(["run", "--model", path, "--prompt", "x", "-n", "2"])
+    rc = cli.main(["run", "--model", path, "--device", "cpu", "--prompt", "x", "-n", "2"])
     out, err = capsys.readouterr()
     assert rc != 0 and out == ""
     assert err.count("\n") == 1 and err.startswith("specfire: error:") and str(ei.value) in err
@@ -155,7 +155,7 @@ def test_wrong_path_is_one_clear_error(tmp_path, capsys):
     missing = str(tmp_path / "does-not-exist")
     with pytest.raises(CheckpointError, match="is not a directory"):
         LLM(missing, device="cpu", progress=False)
-    for argv in (["run", "--model", missing, "--prompt", "x"], ["info", missing]):
+    for argv in (["run", "--model", missing, "--device", "cpu", "--prompt", "x"], ["info", missing]):
         assert cli.main(argv) != 0
         out, err = capsys.readouterr()
         assert out == "" and err.count("\n") == 1 and "does-not-exist" in err
@@ -174,7 +174,8 @@ def test_cli_damaged_checkpoint_no_traceback(base, tmp_path):
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     for i, (name, damage, _) in enumerate(d for d in DAMAGE if d[0] in ("wrong-shape", "truncated")):
         path = _damaged(base, tmp_path / str(i), damage)
-        p = subprocess.run([sys.executable, "-m", "specfire.cli", "run", "--model", path, "--prompt", "x"],
+        p = subprocess.run([sys.executable, "-m", "specfire.cli", "run", "--model", path, "--device", "cpu",
+                            "--prompt", "x"],
                            capture_output=True, text=True, env=env, timeout=120)
         assert p.returncode != 0, name
         assert "Traceback" not in p.stderr and p.stderr.strip().count("\n") == 0, p.stderr

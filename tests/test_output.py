@@ -140,8 +140,11 @@ def test_streamed_deltas_concatenate_to_final_text(llm):
         deltas, ids, res = collect(llm, "def fibonacci(n):", sp)
         assert "".join(deltas) == res.text
         assert ids == res.token_ids
-        assert res.finish_reason in ("stop", "length")
-        body = res.token_ids[:-1] if res.token_ids[-1] in llm.eos_ids and not sp.ignore_eos else res.token_ids
+        stopped = res.token_ids[-1] in llm.eos_ids and not sp.ignore_eos
+        assert res.finish_reason == ("stop" if stopped else "length")
+        assert stopped or len(res.token_ids) == sp.max_tokens
+        assert not any(t in llm.eos_ids for t in res.token_ids[:-1]) or sp.ignore_eos
+        body = res.token_ids[:-1] if stopped else res.token_ids
         assert res.text == llm.tokenizer.decode(body)
         assert res.stats["generated_tokens"] == len(res.token_ids) <= sp.max_tokens
 
@@ -218,8 +221,11 @@ def test_failed_requests_leave_llm_usable(llm):
 def test_defaults_and_close(tok_path):
     from specfire import SpecfireError
 
-    llm = LLM(tok_path, spec="off", progress=False)            # no GPU here: cpu and float32
-    assert llm.device.type == "cpu" and llm.dtype == llm.kv_dtype == torch.float32
+    llm = LLM(tok_path, spec="off", progress=False)            # device and dtype left to their defaults
+    if torch.cuda.is_available():
+        assert llm.device.type == "cuda" and llm.dtype == llm.kv_dtype == torch.bfloat16
+    else:
+        assert llm.device.type == "cpu" and llm.dtype == llm.kv_dtype == torch.float32
     res = llm.generate("Hi", SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(res.token_ids) == 3
     llm.close()

@@ -23,7 +23,7 @@ def gdn_state(trunk) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 @pytest.mark.parametrize("name", ["base", "mix", "gqa4", "kdim", "mha"])
 def test_commit_n_equals_n_plus_1_decodes(ckpt_cache, name):
-    with LLM(ckpt(ckpt_cache, name), spec="off", progress=False) as llm:
+    with LLM(ckpt(ckpt_cache, name), device="cpu", spec="off", progress=False) as llm:
         trunk = llm.engine.trunk
         g = torch.Generator().manual_seed(len(name))
         prompt = torch.randint(0, llm.cfg.vocab_size, (11,), generator=g)
@@ -67,7 +67,7 @@ def test_commit_n_equals_n_plus_1_decodes(ckpt_cache, name):
 
 
 def test_commit_needs_a_rows_forward(ckpt_cache):
-    with LLM(ckpt(ckpt_cache, "base"), spec="off", progress=False) as llm:
+    with LLM(ckpt(ckpt_cache, "base"), device="cpu", spec="off", progress=False) as llm:
         trunk = llm.engine.trunk
         trunk.begin()
         trunk.prefill(torch.tensor([1, 2, 3]))

@@ -72,7 +72,7 @@ def test_select_route():
 def test_spec_off_never_loads_the_head(ckpt_cache, tmp_path):
     path = ckpt(ckpt_cache, "base")
     missing = str(tmp_path / "nowhere.safetensors")
-    with LLM(path, spec="off", mtp_path=missing, progress=False) as llm:   # not even looked at
+    with LLM(path, device="cpu", spec="off", mtp_path=missing, progress=False) as llm:   # not even looked at
         assert not llm.mtp_loaded
         r = llm.generate([1, 2, 3], SP)
         assert r.stats["route"] == "ar" and r.stats["route_reason"] == "speculation off by policy"
@@ -87,19 +87,19 @@ def test_spec_off_never_loads_the_head(ckpt_cache, tmp_path):
 def test_spec_mtp_requires_a_head(ckpt_cache):
     path = ckpt(ckpt_cache, "base", mtp=False)
     with pytest.raises(CheckpointError, match=r"mtp\.\* tensors.*mtp\.safetensors"):
-        LLM(path, spec="mtp", progress=False)
+        LLM(path, device="cpu", spec="mtp", progress=False)
     with pytest.raises(CheckpointError):
-        LLM(path, spec={"mode": "mtp", "k": 2}, progress=False)
+        LLM(path, device="cpu", spec={"mode": "mtp", "k": 2}, progress=False)
 
 
 def test_spec_auto_loads_when_present_and_says_so(ckpt_cache, caplog):
     with caplog.at_level(logging.INFO, logger="specfire"):
-        with LLM(ckpt(ckpt_cache, "base"), progress=False) as llm:
+        with LLM(ckpt(ckpt_cache, "base"), device="cpu", progress=False) as llm:
             assert llm.spec == SpecPolicy() and llm.mtp_loaded
             r = llm.generate([1, 2, 3], SP)
             assert r.stats["route"] == "mtp" and r.stats["route_reason"].startswith("auto")
     assert any("MTP head loaded" in m for m in caplog.messages)
-    with LLM(ckpt(ckpt_cache, "base", mtp=False), progress=False) as llm:
+    with LLM(ckpt(ckpt_cache, "base", mtp=False), device="cpu", progress=False) as llm:
         assert not llm.mtp_loaded
         r = llm.generate([1, 2, 3], SP)
         assert r.stats["route"] == "ar" and "no MTP head" in r.stats["route_reason"]
@@ -108,7 +108,7 @@ def test_spec_auto_loads_when_present_and_says_so(ckpt_cache, caplog):
 
 
 def test_per_request_override(ckpt_cache):
-    with LLM(ckpt(ckpt_cache, "base"), spec={"mode": "ngram", "k": 2}, progress=False) as llm:
+    with LLM(ckpt(ckpt_cache, "base"), device="cpu", spec={"mode": "ngram", "k": 2}, progress=False) as llm:
         r = llm.generate([1, 2, 1, 2, 1, 2], SP)
         assert (r.stats["route"], r.stats["k"]) == ("ngram", 2)
         r = llm.generate([1, 2, 1, 2], SP, spec={"k": 5})                   # mode from the default
@@ -137,14 +137,14 @@ def test_mtp_sidecar_beside_the_checkpoint(ckpt_cache, tmp_path):
     side = specfit.variant(fitted, str(tmp_path / "side"), mtp_sidecar=True)
     assert not any(k.startswith("mtp.") for k in load_file(os.path.join(side, "model.safetensors")))
     p = specfit.prompts(1, seed=31)[0]
-    with LLM(fitted, progress=False) as a, LLM(side, progress=False) as b:
+    with LLM(fitted, device="cpu", progress=False) as a, LLM(side, device="cpu", progress=False) as b:
         assert b.mtp_loaded
         ta, tb = head_tensors(a), head_tensors(b)
         assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
         ra = a.generate(p, SamplingParams(max_tokens=24, ignore_eos=True), spec={"mode": "mtp", "k": 3})
         rb = b.generate(p, SamplingParams(max_tokens=24, ignore_eos=True), spec={"mode": "mtp", "k": 3})
         assert ra.token_ids == rb.token_ids and ra.stats["accepted"] == rb.stats["accepted"] > 0
-    with LLM(side, spec="off", progress=False) as c:
+    with LLM(side, device="cpu", spec="off", progress=False) as c:
         assert not c.mtp_loaded
 
 
@@ -154,18 +154,18 @@ def test_mtp_path_given_explicitly(ckpt_cache, tmp_path):
     sidecar = str(tmp_path / "my_head.safetensors")
     save_file(heads, sidecar)
     nohead = ckpt(ckpt_cache, "base", mtp=False)
-    with LLM(nohead, spec="mtp", mtp_path=sidecar, progress=False) as llm:
+    with LLM(nohead, device="cpu", spec="mtp", mtp_path=sidecar, progress=False) as llm:
         got = head_tensors(llm)
         assert all(torch.equal(got[k], heads[k]) for k in heads)
         assert llm.generate([1, 2, 3], SP).stats["route"] == "mtp"
     # an explicit path wins over the checkpoint's own mtp.* tensors
-    with LLM(ckpt(ckpt_cache, "base"), mtp_path=sidecar, progress=False) as llm:
+    with LLM(ckpt(ckpt_cache, "base"), device="cpu", mtp_path=sidecar, progress=False) as llm:
         got = head_tensors(llm)
         assert all(torch.equal(got[k], heads[k]) for k in heads)
     with pytest.raises(CheckpointError, match="not found"):
-        LLM(nohead, spec="auto", mtp_path=str(tmp_path / "missing.safetensors"), progress=False)
+        LLM(nohead, device="cpu", spec="auto", mtp_path=str(tmp_path / "missing.safetensors"), progress=False)
     bad = dict(heads)
     bad["mtp.fc.weight"] = bad["mtp.fc.weight"][:, :5].contiguous()
     save_file(bad, str(tmp_path / "bad.safetensors"))
     with pytest.raises(CheckpointError, match=r"mtp\.fc\.weight"):
-        LLM(nohead, spec="mtp", mtp_path=str(tmp_path / "bad.safetensors"), progress=False)
+        LLM(nohead, device="cpu", spec="mtp", mtp_path=str(tmp_path / "bad.safetensors"), progress=False)

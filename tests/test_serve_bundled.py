@@ -13,7 +13,7 @@ BUNDLED = os.path.join(ROOT, "specfire", "bundled")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc, base = start_server(["--max-seq-len", "2048"], str(tmp_path_factory.mktemp("bundled") / "server.log"))
+    proc, base = start_server(["--device", "cpu", "--max-seq-len", "2048"], str(tmp_path_factory.mktemp("bundled") / "server.log"))
     yield base
     stop(proc)
 

@@ -93,7 +93,7 @@ def scripted(llm: LLM, p: list[int], sp: SamplingParams, k: int, drafter: Script
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_greedy_mtp_and_ngram_equal_ar(ckpt_cache, name):
     path = ckpt(ckpt_cache, name)
-    with LLM(path, spec="auto", progress=False) as llm:
+    with LLM(path, device="cpu", spec="auto", progress=False) as llm:
         assert llm.mtp_loaded
         v = llm.cfg.vocab_size
         for j, p in enumerate(random_prompts(v, 3, seed=sorted(CONFIGS).index(name))):
@@ -114,7 +114,7 @@ def test_greedy_mtp_and_ngram_equal_ar(ckpt_cache, name):
 def test_scripted_accept_patterns(ckpt_cache, name):
     """Zero, partial and all-accepted cycles, for every count of right drafts per cycle."""
     path = ckpt(ckpt_cache, name)
-    with LLM(path, spec="off", progress=False) as llm:
+    with LLM(path, device="cpu", spec="off", progress=False) as llm:
         v = llm.cfg.vocab_size
         p = random_prompts(v, 3, seed=5)[2]
         ref = llm.generate(p, greedy(24)).token_ids
@@ -132,7 +132,7 @@ def test_scripted_accept_patterns(ckpt_cache, name):
 # ---- the fitted model: drafts really get accepted ----------------------------------------------
 
 def test_fitted_mtp_accepts_and_equals_ar(fitted):
-    with LLM(fitted, progress=False) as llm:
+    with LLM(fitted, device="cpu", progress=False) as llm:
         assert llm.spec.mode == "auto" and llm.mtp_loaded
         for k in range(1, 7):
             watch = Steps()
@@ -154,7 +154,7 @@ def test_fitted_mtp_accepts_and_equals_ar(fitted):
 
 
 def test_fitted_ngram_accepts_and_equals_ar(fitted):
-    with LLM(fitted, spec="off", progress=False) as llm:
+    with LLM(fitted, device="cpu", spec="off", progress=False) as llm:
         for k in (1, 3, 6):
             watch = Steps()
             for p in specfit.prompts(4, length=16, seed=9):
@@ -174,9 +174,9 @@ def test_requests_do_not_leak_state(fitted):
     prompts[3] = prompts[3][:1]
     refs = []
     for p, (_, _, n) in zip(prompts, plan):
-        with LLM(fitted, spec="off", progress=False) as fresh:
+        with LLM(fitted, device="cpu", spec="off", progress=False) as fresh:
             refs.append(fresh.generate(p, greedy(n)).token_ids)
-    with LLM(fitted, spec={"mode": "mtp", "k": 3}, progress=False) as llm:
+    with LLM(fitted, device="cpu", spec={"mode": "mtp", "k": 3}, progress=False) as llm:
         for i, (p, (mode, k, n)) in enumerate(zip(prompts, plan)):
             r = llm.generate(p, greedy(n), spec={"mode": mode, "k": k})
             assert r.token_ids == refs[i], (i, mode, k)
@@ -191,7 +191,7 @@ def test_requests_do_not_leak_state(fitted):
 
 def test_eos_inside_accepted_drafts(ckpt_cache, tmp_path):
     base = ckpt(ckpt_cache, "base")
-    with LLM(base, progress=False) as llm:
+    with LLM(base, device="cpu", progress=False) as llm:
         v = llm.cfg.vocab_size
         p = random_prompts(v, 3, seed=3)[1]
         ref = llm.generate(p, greedy(30), spec="off").token_ids
@@ -200,7 +200,7 @@ def test_eos_inside_accepted_drafts(ckpt_cache, tmp_path):
     assert inside
     for i in inside:
         path = specfit.variant(base, str(tmp_path / f"eos{i}"), eos=ref[i])
-        with LLM(path, progress=False) as llm:
+        with LLM(path, device="cpu", progress=False) as llm:
             a = llm.generate(p, SamplingParams(max_tokens=30), spec="off")
             assert a.token_ids == ref[:i + 1] and a.finish_reason == "stop"
             watch = Steps()
@@ -213,13 +213,13 @@ def test_eos_inside_accepted_drafts(ckpt_cache, tmp_path):
 
 
 def test_eos_inside_mtp_drafts_fitted(fitted, tmp_path):
-    with LLM(fitted, progress=False) as llm:
+    with LLM(fitted, device="cpu", progress=False) as llm:
         p = specfit.prompts(1, seed=13)[0]
         ref = llm.generate(p, greedy(40), spec="off").token_ids
     hit = 0
     for i in [i for i in range(1, 12) if ref[i] not in ref[:i]]:
         path = specfit.variant(fitted, str(tmp_path / f"eos{i}"), eos=ref[i])
-        with LLM(path, progress=False) as llm:
+        with LLM(path, device="cpu", progress=False) as llm:
             a = llm.generate(p, SamplingParams(max_tokens=40), spec="off")
             watch = Steps()
             m = llm.generate(p, SamplingParams(max_tokens=40), spec={"mode": "mtp", "k": 4}, on_cycle=watch)
@@ -232,7 +232,7 @@ def test_eos_inside_mtp_drafts_fitted(fitted, tmp_path):
 def test_stop_string_inside_accepted_drafts(ckpt_cache, tmp_path):
     base = ckpt(ckpt_cache, "base")
     path = specfit.variant(base, str(tmp_path / "tok"), tokenizer=True)
-    with LLM(path, progress=False) as llm:
+    with LLM(path, device="cpu", progress=False) as llm:
         v = llm.cfg.vocab_size
         p = random_prompts(v, 3, seed=4)[2]
         ref = llm.generate(p, greedy(30), spec="off")
@@ -262,7 +262,7 @@ def test_max_tokens_mid_cycle_and_k_clamped(ckpt_cache):
     """With every draft right, a cycle would emit k+1 tokens; k is clamped to what is left, so the
     rows verified add up to exactly max_tokens - 1 (the first token comes from the prefill)."""
     base = ckpt(ckpt_cache, "base")
-    with LLM(base, progress=False) as llm:
+    with LLM(base, device="cpu", progress=False) as llm:
         v = llm.cfg.vocab_size
         p = random_prompts(v, 3, seed=6)[1]
         ref = llm.generate(p, greedy(16), spec="off").token_ids
@@ -279,7 +279,7 @@ def test_max_tokens_mid_cycle_and_k_clamped(ckpt_cache):
 
 def test_context_limit_clamps_k(ckpt_cache):
     base = ckpt(ckpt_cache, "base")
-    with LLM(base, max_seq_len=24, progress=False) as llm:
+    with LLM(base, device="cpu", max_seq_len=24, progress=False) as llm:
         p = random_prompts(llm.cfg.vocab_size, 4, seed=8)[3][:17]
         ref = llm.generate(p, greedy(50), spec="off")
         assert len(ref.token_ids) == 24 - 17 and ref.finish_reason == "length"
@@ -291,7 +291,7 @@ def test_context_limit_clamps_k(ckpt_cache):
 # ---- stats ------------------------------------------------------------------------------------
 
 def test_stats_fields(fitted):
-    with LLM(fitted, progress=False) as llm:
+    with LLM(fitted, device="cpu", progress=False) as llm:
         p = specfit.prompts(1, seed=21)[0]
         r = llm.generate(p, greedy(40), spec={"mode": "mtp", "k": 3})
         st = r.stats
@@ -383,7 +383,7 @@ def test_mtp_feed_variants_are_exact_and_differ(fitted):
     the default is the better measured one ('pre', see MtpDrafter)."""
     from specfire.runtime.drafters import MtpDrafter
 
-    with LLM(fitted, progress=False) as llm:
+    with LLM(fitted, device="cpu", progress=False) as llm:
         drafter = llm.engine.drafters["mtp"]
         assert drafter.feed == "pre"
         drafts: dict[str, list] = {}
@@ -408,7 +408,7 @@ def test_mtp_feed_variants_are_exact_and_differ(fitted):
 
 def test_ngram_sizes_reach_the_drafter_and_are_validated(ckpt_cache):
     path = ckpt(ckpt_cache, "base")
-    with LLM(path, ngram=(2, 3)) as llm:
+    with LLM(path, device="cpu", ngram=(2, 3)) as llm:
         d = llm.engine.drafters["ngram"]
         assert (d.n_min, d.n_max) == (2, 3)
         ids = list(range(5, 25)) * 3
@@ -416,4 +416,4 @@ def test_ngram_sizes_reach_the_drafter_and_are_validated(ckpt_cache):
         assert llm.generate(ids, sp, spec="ngram").token_ids == llm.generate(ids, sp, spec="off").token_ids
     for bad in [(0, 2), (3, 2), (1,), "1:4", (1.0, 2)]:
         with pytest.raises(ValueError, match="ngram"):
-            LLM(path, ngram=bad)
+            LLM(path, device="cpu", ngram=bad)

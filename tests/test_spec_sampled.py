@@ -137,7 +137,7 @@ def pit_chi2(llm: LLM, mode: str, sp_kw: dict, requests: int = 2, n: int = 300) 
 @pytest.mark.parametrize("sp_kw", [dict(temperature=0.6), dict(temperature=0.9, top_k=5, top_p=0.95, min_p=0.02)],
                          ids=["t06", "truncated"])
 def test_sampled_speculation_matches_ar_distribution(tiny_vocab, mode, sp_kw):
-    with LLM(tiny_vocab, progress=False) as llm:
+    with LLM(tiny_vocab, device="cpu", progress=False) as llm:
         c, acc = pit_chi2(llm, mode, sp_kw)
     if mode != "off":
         assert acc["cycles"] > 0 and acc["accepted"] > 0, acc      # speculation really happened
@@ -150,6 +150,6 @@ def test_wrong_rule_fails_end_to_end(tiny_vocab, monkeypatch, mode):
     the accept-rule check above; end to end at this sample size it is not.)"""
     rule = "always"
     monkeypatch.setattr(spec_mod, "accept", RULES[rule])
-    with LLM(tiny_vocab, progress=False) as llm:
+    with LLM(tiny_vocab, device="cpu", progress=False) as llm:
         c, _ = pit_chi2(llm, mode, dict(temperature=0.6))
     assert c > chi2_critical(BINS - 1), (rule, mode, c)

@@ -75,8 +75,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def base(ckpt_cache):
     """The base config (vocab 131: odd, 2 KV heads) on one device and on a 2-rank mesh."""
     path = ckpt(ckpt_cache, "base")
-    one = LLM(path, tp=1, progress=False)
-    mesh = LLM(path, tp=2, progress=False)
+    one = LLM(path, tp=1, device="cpu", progress=False)
+    mesh = LLM(path, tp=2, device="cpu", progress=False)
     yield one, mesh
     pids = mesh.engine.trunk.worker_pids
     mesh.close()
@@ -111,9 +111,9 @@ def test_refused_degree_names_the_heads_before_any_process(ckpt_cache):
     before = children()
     with pytest.raises(ValueError, match=r"tp=4 does not divide linear_num_key_heads=2; valid tp degrees for "
                                          r"this model: 1, 2$"):
-        LLM(path, tp=4, progress=False)
+        LLM(path, tp=4, device="cpu", progress=False)
     with pytest.raises(ValueError, match=r"tp=3 does not divide num_attention_heads=4"):
-        LLM(path, tp=3, progress=False)
+        LLM(path, tp=3, device="cpu", progress=False)
     assert children() == before
 
 
@@ -164,7 +164,7 @@ def test_four_bit_checkpoint_refused_before_any_process(ckpt_cache, tmp_path, ca
     assert main(["quantize", ckpt(ckpt_cache, "base"), dst, "--group-size", "32", "--device", "cpu"]) == 0
     before = children()
     with pytest.raises(CheckpointError, match=r"is a 4-bit checkpoint .*load with tp=1 only"):
-        LLM(dst, tp=2, progress=False)
+        LLM(dst, tp=2, device="cpu", progress=False)
     assert children() == before
 
 
@@ -184,11 +184,11 @@ def test_score_and_greedy_match_one_device(ckpt_cache, name, tp):
     behind."""
     path = ckpt(ckpt_cache, name)
     before = children()
-    with LLM(path, tp=1, progress=False) as one:
+    with LLM(path, tp=1, device="cpu", progress=False) as one:
         ids = prompt(one.cfg.vocab_size, 40, seed=tp)
         ref = one.score(ids)
         ar = one.generate(ids, GREEDY, spec="off").token_ids
-    with LLM(path, tp=tp, progress=False) as mesh:
+    with LLM(path, tp=tp, device="cpu", progress=False) as mesh:
         pids = mesh.engine.trunk.worker_pids
         assert len(pids) == tp - 1
         got = mesh.score(ids)
@@ -256,7 +256,7 @@ class TestMeshOfTwo:
         trunk, ref = mesh.engine.trunk, one.engine.trunk
         assert torch.equal(trunk.mesh_embed(ids), ref.embed(ids))       # one rank holds each row: exact
         assert torch.equal(trunk.embed(ids), ref.embed(ids))
-        h = torch.randn(3, one.cfg.hidden_size)
+        h = torch.randn(3, one.cfg.hidden_size, generator=torch.Generator().manual_seed(10))
         assert rel_err(trunk.mesh_lm_logits(h), ref.lm_logits(h)) < 1e-6
         assert torch.equal(trunk.lm_logits(h), ref.lm_logits(h))
         assert trunk.mesh_lm_logits(h).shape == (3, one.cfg.vocab_size)
@@ -290,7 +290,7 @@ def test_load_time_off_then_killed_worker(ckpt_cache):
     """spec=off at load: no MTP head anywhere, an explicit mtp request is refused, n-gram still
     served. Then a killed worker surfaces as MeshError at once, the mesh closes, nothing hangs."""
     path = ckpt(ckpt_cache, "base")
-    llm = LLM(path, tp=2, spec="off", progress=False)
+    llm = LLM(path, tp=2, device="cpu", spec="off", progress=False)
     trunk = llm.engine.trunk
     assert not llm.mtp_loaded
     ids = prompt(llm.cfg.vocab_size, 20, seed=8)
@@ -314,7 +314,7 @@ def test_load_time_off_then_killed_worker(ckpt_cache):
 def test_hung_worker_times_out(ckpt_cache, monkeypatch):
     monkeypatch.setenv("SPECFIRE_TP_TIMEOUT", "2")
     path = ckpt(ckpt_cache, "base")
-    with LLM(path, tp=2, progress=False) as llm:
+    with LLM(path, tp=2, device="cpu", progress=False) as llm:
         (pid,) = llm.engine.trunk.worker_pids
         os.kill(pid, signal.SIGSTOP)
         t0 = time.monotonic()
@@ -339,13 +339,15 @@ def test_no_orphans_and_exit_without_close_and_torchrun(ckpt_cache):
     common = f"""
         import os, signal, sys
         from specfire import LLM, SamplingParams
-        llm = LLM({path!r}, tp=2, progress=False)
+        llm = LLM({path!r}, tp=2, device="cpu", progress=False)
     """
     kill = subprocess.Popen(_script(common + """
         print(llm.engine.trunk.worker_pids[0], flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """), env=env, stdout=subprocess.PIPE, text=True)
-    port = 29500 + os.getpid() % 1000
+    from serving import free_port
+
+    port = free_port()                   # not a fixed one: other test runs may share the machine
     ranks = [subprocess.Popen(_script(common + """
         print(llm.generate([5, 6, 7, 5, 6], SamplingParams(max_tokens=6), spec="mtp").token_ids, flush=True)
     """), env={**env, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
@@ -359,7 +361,7 @@ def test_no_orphans_and_exit_without_close_and_torchrun(ckpt_cache):
                 p.kill()
     assert kill.returncode == -signal.SIGKILL
     assert wait_gone([int(out_kill.split()[0])], 5.0), "worker outlived its killed parent"
-    with LLM(path, tp=1, progress=False) as one:
+    with LLM(path, tp=1, device="cpu", progress=False) as one:
         ref = one.generate([5, 6, 7, 5, 6], SamplingParams(max_tokens=6), spec="off").token_ids
     assert [p.returncode for p in ranks] == [0, 0]
     assert outs[0].strip() == str(ref) and outs[1].strip() == ""

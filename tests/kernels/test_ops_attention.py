@@ -1,8 +1,5 @@
 """Multi-row attention kernel (Triton, interpreted on the CPU in float32) vs the reference, row
 invariance, the Q8 KV cache (round trip, kernel, end to end with greedy MTP == AR)."""
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton or the kernels are imported
 
 import pytest
 import torch

@@ -1,10 +1,8 @@
 """The 4-bit format: kernel (TRITON_INTERPRET=1) vs reference, row invariance, quality, and the
 `specfire quantize` round trip through the loader."""
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton kernels are imported
 
 import json
+import os
 
 import pytest
 import torch

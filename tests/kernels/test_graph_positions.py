@@ -1,9 +1,6 @@
 """The CUDA-graph form of the rows forward reads the position from a device tensor. On the CPU
 (attention kernel under TRITON_INTERPRET=1) check that this form gives exactly the int form: the
 attention kernel over the whole cache with the position loaded from memory, and the KV write."""
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton or the kernels are imported
 
 import pytest
 import torch
