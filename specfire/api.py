@@ -9,11 +9,13 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .config import ModelConfig, SamplingParams, SpecPolicy
-from .errors import CheckpointError, SpecfireError
+from .errors import CheckpointError, PromptError, SpecfireError
 from .model import loader
 from .model.qwen35 import MtpHead, Qwen35Trunk
 from .ops.attention import Q8_KV
+from .report import RequestFigures
 from .runtime.engine import Engine, GenerationResult, StreamChunk
+from .runtime.route import select_route
 from .runtime.trunk import LocalTrunk
 from .tokenizer import Tokenizer
 
@@ -218,3 +220,48 @@ class LLM:
         self.engine.check_prompt(ids)
         dev = getattr(self.engine.trunk, "device", torch.device("cpu"))
         return self.engine.trunk.score(torch.tensor(ids, device=dev))
+
+    # ==== serving helpers ========================================================================
+    # What the servers and the CLI need (specfire/serve, cli.py), so they never reach into the
+    # engine or the trunk: the context length, a route preview, prompt validation, one stats
+    # projection.
+
+    @property
+    def max_model_len(self) -> int:
+        """The context in tokens (prompt + generated) this model was loaded with."""
+        self._check_open()
+        return self.engine.trunk.max_seq
+
+    def preview_route(self, params: SamplingParams, spec: SpecPolicy | dict | str | None = None) -> tuple[str, str]:
+        """(route, reason) that generate() would take for these params, from the one route
+        selector; raises SpecfireError for a mode this model cannot serve (servers refuse before
+        queueing)."""
+        self._check_open()
+        policy = SpecPolicy.coerce(spec, self.spec)
+        return select_route(policy, self.mtp_loaded, params, self.engine.topology, self.engine.refused)
+
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of `prompt`, checked as generate() checks them (Engine.check_prompt); a bad
+        prompt raises PromptError (`too_long` when it leaves no room to generate)."""
+        self._check_open()
+        if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise PromptError(f"prompt has a lone surrogate {prompt[e.start]!r} at character {e.start}; "
+                                  f"text must be valid Unicode") from None
+        try:
+            ids = self._ids(prompt)
+        except (ValueError, TypeError) as e:
+            raise PromptError(str(e)) from None
+        try:
+            self.engine.check_prompt(ids)
+        except ValueError as e:
+            raise PromptError(str(e), too_long=len(ids) >= self.max_model_len) from None
+        return ids
+
+    @staticmethod
+    def figures(result: GenerationResult, params: SamplingParams) -> RequestFigures:
+        """The one projection of a result's stats that every front end prints."""
+        return RequestFigures.of(result.stats, result.finish_reason, params.max_tokens)
+
