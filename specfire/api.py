@@ -1,6 +1,7 @@
 """The public Python API: LLM, SamplingParams, SpecPolicy, GenerationResult."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -250,6 +251,12 @@ class LLM:
             except UnicodeEncodeError as e:
                 raise PromptError(f"prompt has a lone surrogate {prompt[e.start]!r} at character {e.start}; "
                                   f"text must be valid Unicode") from None
+            limit = 4 * self._max_token_chars * self.max_model_len
+            if self.tokenizer is not None and len(prompt) > limit:
+                # a token stands for at most _max_token_chars characters (x4 for what Unicode
+                # normalization may compose), so this is too long without tokenizing it
+                raise PromptError(f"prompt has {len(prompt)} characters, more than {limit} could fit in "
+                                  f"max_seq_len {self.max_model_len} tokens", too_long=True)
         try:
             ids = self._ids(prompt)
         except (ValueError, TypeError) as e:
@@ -259,6 +266,12 @@ class LLM:
         except ValueError as e:
             raise PromptError(str(e), too_long=len(ids) >= self.max_model_len) from None
         return ids
+
+    @functools.cached_property
+    def _max_token_chars(self) -> int:
+        """The most characters of text one token can stand for (its longest vocabulary entry)."""
+        assert self.tokenizer is not None
+        return max(1, max(map(len, self.tokenizer.tok.get_vocab(with_added_tokens=True))))
 
     @staticmethod
     def figures(result: GenerationResult, params: SamplingParams) -> RequestFigures:

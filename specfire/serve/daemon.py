@@ -122,10 +122,10 @@ class Daemon:
                 check_tree(mid)
             except RequestError:
                 mid = None                       # an id that cannot be echoed faithfully
-            check_tree(msg)
             kind = msg.get("type")
             if kind == "generate" and is_int(msg.get("attempt_id")) and msg["attempt_id"] >= 0:
                 attempt = msg["attempt_id"]
+            check_tree(msg)
             handler = {"ping": self.ping, "load": self.load, "generate": self.generate, "unload": self.unload,
                        "cancel": self.cancel}.get(kind) if isinstance(kind, str) else None
             if handler is None:
@@ -321,7 +321,9 @@ def main(args: argparse.Namespace) -> int:
         if args.model is not None:
             d.handle_line(json.dumps({"type": "load", "model": None if args.model == "bundled" else args.model})
                           .encode())
-        d.run(sys.stdin.buffer)
+        # the reader thread gets its own file on a copy of fd 0: it may still be blocked in a read
+        # at exit, and the interpreter aborts if that lock is sys.stdin's
+        d.run(os.fdopen(os.dup(0), "rb"))
     finally:
         sys.stdout = real_stdout
         try:
