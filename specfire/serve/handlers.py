@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -17,6 +17,9 @@ from .app import ServeState, state_of
 from .metrics import CONTENT_TYPE
 from .schema import (ChatBody, CompletionBody, HttpBody, RequestError, check_route, encode, parse_object,
                      sampling_params, spec_policy, validate)
+
+if TYPE_CHECKING:
+    from ..api import LLM
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
 
@@ -125,7 +128,7 @@ def prepare(st: ServeState, raw: bytes, chat: bool) -> Prepared:
     return Prepared(ids, sp, policy, chat, bool(b.stream), bool(so is not None and so.include_usage))
 
 
-def render(llm: Any, messages: list[dict[str, Any]], kw: dict[str, Any]) -> str:
+def render(llm: "LLM", messages: list[dict[str, Any]], kw: dict[str, Any]) -> str:
     from jinja2 import TemplateError
 
     if llm.tokenizer is None:

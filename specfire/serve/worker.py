@@ -15,11 +15,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..config import SamplingParams, SpecPolicy
 from ..report import RequestFigures
-from ..runtime.engine import GenerationResult
 from .metrics import Metrics
 
 if TYPE_CHECKING:
-    from ..api import LLM
+    from ..api import LLM, GenerationResult
 
 log = logging.getLogger("specfire")
 
@@ -32,7 +31,7 @@ class Finished:
     """The DONE payload: the last chunk's text, the result and its figures."""
 
     text: str
-    result: GenerationResult
+    result: "GenerationResult"
     figures: RequestFigures
     ttft_s: float
 
