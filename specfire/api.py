@@ -14,7 +14,9 @@ from .ops.attention import Q8_KV
 from .report import RequestFigures
 from .runtime.build import EngineOptions, build_engine
 from .runtime.engine import GenerationResult, StreamChunk
+from .runtime.prefix import PrefixCache
 from .runtime.spec import OnCycle
+from .runtime.trunk import LocalTrunk
 from .tokenizer import Tokenizer
 
 BUNDLED_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bundled")
@@ -212,6 +214,25 @@ class LLM:
         except ValueError as e:
             raise PromptError(str(e), too_long=len(ids) >= self.max_model_len) from None
         return ids
+
+    def enable_prefix_cache(self, max_bytes: int, piece: int | None = None) -> None:
+        """Keep snapshots of recent prompts (at most `max_bytes`; 0 turns reuse off) so that a prompt
+        starting with one (a chat's next turn) prefills only the rest; greedy output stays that of
+        a cold run. `piece`: prompt rows per prefill forward, the granularity of reuse (default
+        1024; it sets the cold prefill too). Single device only."""
+        self._check_open()
+        if max_bytes == 0:
+            self.engine.prefix = None
+            return
+        if self.tp != 1:
+            raise SpecfireError(f"the prefix cache serves one device; this model runs with tp={self.tp}")
+        if piece is not None and (not isinstance(piece, int) or piece < 1):
+            raise ValueError(f"prefill piece must be a positive integer, got {piece!r}")
+        trunk = self.engine.trunk
+        assert isinstance(trunk, LocalTrunk)
+        if piece is not None:
+            trunk.piece = piece
+        self.engine.prefix = PrefixCache(trunk, max_bytes)
 
     @functools.cached_property
     def _max_token_chars(self) -> int:

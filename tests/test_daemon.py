@@ -275,3 +275,24 @@ def test_reader_that_leaves_ends_it_quietly(ckpt):
     err = proc.stderr.read().decode()
     assert "Traceback" not in err and "BrokenPipe" not in err, err
     proc.stdin.close()
+
+
+def test_prefix_reuse_reports_cached_tokens(daemon, ckpt):
+    daemon.send({"type": "load", "id": "p", "model": ckpt, "params": {"prefill_piece": 16, "max_seq_len": 512}})
+    assert daemon.recv()["type"] == "loaded"
+    msgs = [{"role": "user", "content": "Write a Python function that adds two numbers, with a docstring."}]
+    texts, cached = [], []
+    for i in range(2):
+        daemon.send({"type": "generate", "id": i, "attempt_id": i, "messages": msgs, "max_tokens": 6})
+        evs = daemon.until("done")
+        texts.append("".join(e["text"] for e in evs if e["type"] == "token"))
+        cached.append(evs[-1]["cached_tokens"])
+        n = evs[0]["prompt_tokens"]
+    assert texts[0] == texts[1] and cached == [0, ((n - 1) // 16) * 16] and cached[1] > 0
+    daemon.send({"type": "load", "id": "p0", "model": ckpt, "params": {"prefix_cache_mb": 0, "prefill_piece": 16}})
+    assert daemon.recv()["type"] == "loaded"
+    for i in range(2):
+        daemon.send({"type": "generate", "id": i, "attempt_id": i, "messages": msgs, "max_tokens": 6})
+        assert daemon.until("done")[-1]["cached_tokens"] == 0
+    _bad(daemon, {"type": "load", "id": "b", "model": ckpt, "params": {"prefix_cache_mb": -1}}, "invalid_request",
+         "prefix_cache_mb", "b")

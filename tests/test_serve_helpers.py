@@ -3,6 +3,7 @@ schema, in process."""
 import time
 
 import pytest
+import torch
 
 from specfire import LLM, SamplingParams, SpecPolicy
 from specfire.errors import PromptError, SpecfireError
@@ -121,3 +122,78 @@ def test_seed_range():
     assert e.value.param == "seed"
     b = schema.validate(schema.CompletionBody, {"prompt": "x", "seed": 2 ** 63 - 1})
     assert schema.sampling_params(b, 4).seed == 2 ** 63 - 1
+
+
+# ---- multi-turn prefix reuse ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """The same checkpoint twice, both prefilling in 16-row pieces: one reusing prefixes, one cold."""
+    path = make_tok_checkpoint(str(tmp_path_factory.mktemp("prefix") / "ckpt"), seed=7)
+    with LLM(path, device="cpu", max_seq_len=512, progress=False) as warm, \
+            LLM(path, device="cpu", max_seq_len=512, progress=False) as cold:
+        warm.enable_prefix_cache(64 << 20, piece=16)
+        cold.enable_prefix_cache(0, piece=16)
+        cold.engine.trunk.piece = 16        # same forwards as the warm one, no reuse
+        yield path, warm, cold
+
+
+def test_multi_turn_reuses_the_prefix_with_identical_output(pair):
+    path, warm, cold = pair
+    msgs = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    prev = 0                                       # the boundary of the previous turn's prompt
+    for turn in range(3):
+        for i, (mode, sp) in enumerate( (("off", SamplingParams(max_tokens=10)), ("mtp", SamplingParams(max_tokens=10)),
+                         ("ngram", SamplingParams(max_tokens=10)),
+                         ("mtp", SamplingParams(max_tokens=10, temperature=0.8, seed=5)))):
+            a, b = cold.chat(msgs, sp, mode), warm.chat(msgs, sp, mode)
+            assert a.token_ids == b.token_ids, (turn, mode)
+            own = ((len(b.prompt_token_ids) - 1) // 16) * 16
+            assert a.stats["cached_tokens"] == 0
+            # a turn's first request resumes from the previous turn's prompt, the others from its own
+            assert b.stats["cached_tokens"] == (prev if i == 0 else own), (turn, mode, b.stats["cached_tokens"])
+        assert own > prev
+        prev = own
+        msgs = msgs + [{"role": "assistant", "content": a.text}, {"role": "user", "content": f"Turn {turn}: again."}]
+    # the logits of a resumed prefill are the bits of a cold one
+    ids = warm.prompt_ids(warm.render_chat(msgs))
+    ids = ids[:((len(ids) - 1) // 16) * 16 + 5]
+    rows, cached = warm.engine.prefix.prefill(ids, torch.tensor(ids))
+    cold.engine.trunk.begin()
+    ref = cold.engine.trunk.prefill(torch.tensor(ids))
+    assert cached > 0 and torch.equal(rows.logits, ref.logits) and torch.equal(rows.hidden, ref.hidden)
+
+
+def test_prefix_cache_memory_is_bounded_and_can_be_off(pair):
+    path, warm, cold = pair
+    with LLM(path, device="cpu", max_seq_len=512, progress=False) as m:
+        m.enable_prefix_cache(64 << 20, piece=16)
+        one = m.generate(list(range(3, 40)), SamplingParams(max_tokens=2))
+        size = m.engine.prefix.nbytes
+        assert size > 0 and len(m.engine.prefix.entries) == 1 and one.stats["cached_tokens"] == 0
+        m.enable_prefix_cache(int(2.5 * size), piece=16)      # room for two snapshots of this size
+        for start in (3, 4, 5, 6):
+            m.generate(list(range(start, start + 37)), SamplingParams(max_tokens=2))
+            assert m.engine.prefix.nbytes <= 2.5 * size
+        assert len(m.engine.prefix.entries) == 2
+        assert m.generate(list(range(6, 60)), SamplingParams(max_tokens=2)).stats["cached_tokens"] == 32
+        m.enable_prefix_cache(0)
+        assert m.generate(list(range(6, 60)), SamplingParams(max_tokens=2)).stats["cached_tokens"] == 0
+
+
+def test_http_reports_cached_tokens(pair):
+    from fastapi.testclient import TestClient
+
+    from specfire.serve.http import build_app
+
+    path, warm, cold = pair
+    msgs = [{"role": "user", "content": "Tell me about the lighthouse keeper and the bottle, in detail."}]
+    with TestClient(build_app(warm, "w")) as tc:
+        first = tc.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0}).json()
+        msgs2 = msgs + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                        {"role": "user", "content": "And then?"}]
+        second = tc.post("/v1/chat/completions", json={"messages": msgs2, "max_tokens": 6, "temperature": 0}).json()
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 16 and cached % 16 == 0 and cached < second["usage"]["prompt_tokens"]
+    assert second["timings"]["cached_tokens"] == cached
+    assert second["choices"][0]["message"]["content"] == cold.chat(msgs2, SamplingParams(max_tokens=6)).text

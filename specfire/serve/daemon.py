@@ -27,7 +27,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("specfire")
 
-LOAD_PARAMS = ("tp", "device", "dtype", "kv_dtype", "max_seq_len", "spec", "mtp_path")
+LOAD_PARAMS = ("tp", "device", "dtype", "kv_dtype", "max_seq_len", "spec", "mtp_path", "prefix_cache_mb",
+               "prefill_piece")
+PREFIX_CACHE_MB = 1024
 DEFAULT_MAX_TOKENS = 256
 EOF = None
 
@@ -198,10 +200,19 @@ class Daemon:
         if unknown:
             raise DaemonError(f"'params' has unknown field(s) {unknown}; allowed: {', '.join(LOAD_PARAMS)}",
                               "invalid_request")
+        params = dict(params)
+        cache_mb = params.pop("prefix_cache_mb", PREFIX_CACHE_MB)
+        piece = params.pop("prefill_piece", None)
+        if not is_int(cache_mb) or cache_mb < 0:
+            raise DaemonError(f"'params.prefix_cache_mb' must be an integer >= 0, got {cache_mb!r}", "invalid_request")
+        if piece is not None and (not is_int(piece) or piece < 1):
+            raise DaemonError(f"'params.prefill_piece' must be a positive integer, got {piece!r}", "invalid_request")
         self._unload()
         t0 = time.perf_counter()
         try:
             self.llm = LLM(model, progress=False, **params)
+            if cache_mb and self.llm.tp == 1:
+                self.llm.enable_prefix_cache(cache_mb << 20, piece)
         except (CheckpointError, FileNotFoundError) as e:
             raise DaemonError(str(e), "load_error") from None
         except TypeError as e:

@@ -33,7 +33,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model id clients send and /v1/models lists (default: the checkpoint's folder name)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="refuse larger request bodies with 413")
+    add_prefix_args(p)
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
+
+
+def add_prefix_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefix-cache-mb", type=int, default=1024,
+                   help="memory for snapshots of recent prompts, so a chat's next turn prefills only what is new "
+                        "(0 turns prefix reuse off)")
+    p.add_argument("--prefill-piece", type=int, default=1024,
+                   help="prompt rows per prefill forward, the granularity of prefix reuse")
+
+
+def enable_prefix(llm: "LLM", args: argparse.Namespace) -> None:
+    if args.prefix_cache_mb < 0:
+        raise ValueError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
+    if args.prefill_piece < 1:
+        raise ValueError(f"--prefill-piece must be >= 1, got {args.prefill_piece}")
+    if args.prefix_cache_mb and llm.tp == 1:
+        llm.enable_prefix_cache(args.prefix_cache_mb << 20, args.prefill_piece)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -68,6 +86,12 @@ def main(args: argparse.Namespace) -> int:
     try:
         llm = load_model(args)
     except BaseException:
+        sock.close()
+        raise
+    try:
+        enable_prefix(llm, args)
+    except BaseException:
+        llm.close()
         sock.close()
         raise
     name = args.served_model_name or default_model_name(llm)
