@@ -53,7 +53,7 @@ class ModelConfig:
         for name in ("rms_norm_eps", "rope_theta", "partial_rotary_factor"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0.0):
-                raise ConfigError(f"config field '{name}' must be a finite number > 0, got {v!r}")
+                raise ConfigError(f"config field '{name}' must be > 0 and finite, got {v!r}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(f"config field 'layer_types' has {len(self.layer_types)} entries but "
                               f"num_hidden_layers is {self.num_hidden_layers}")

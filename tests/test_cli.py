@@ -262,7 +262,7 @@ def test_nan_config_is_refused_naming_the_field(model, tmp_path):
     for args in (["run", path, "--prompt", "x", "-n", "2"], ["info", path]):
         p = specfire(*args)
         assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
-        assert "'rope_theta' must be a finite number" in p.stderr and "nan" in p.stderr
+        assert "'rope_theta' must be > 0 and finite" in p.stderr and "nan" in p.stderr
 
 
 def test_nan_weight_is_refused_naming_the_tensor(model, tmp_path):
