@@ -1,6 +1,7 @@
 """The public Python API: LLM, SamplingParams, SpecPolicy, GenerationResult."""
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from typing import Any, Iterator, Sequence
@@ -8,11 +9,14 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .config import ModelConfig, SamplingParams, SpecPolicy
-from .errors import CheckpointError, SpecfireError
+from .errors import CheckpointError, PromptError, SpecfireError
 from .ops.attention import Q8_KV
+from .report import RequestFigures
 from .runtime.build import EngineOptions, build_engine
 from .runtime.engine import GenerationResult, StreamChunk
+from .runtime.prefix import PrefixCache
 from .runtime.spec import OnCycle
+from .runtime.trunk import LocalTrunk
 from .tokenizer import Tokenizer
 
 BUNDLED_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bundled")
@@ -165,3 +169,78 @@ class LLM:
         ids = self._ids(ids)
         self.engine.check_prompt(ids)
         return self.engine.trunk.score(torch.tensor(ids, device=self.engine.trunk.device))
+
+    # ==== serving helpers ========================================================================
+    # What the servers and the CLI need (specfire/serve, cli.py), so they never reach into the
+    # engine or the trunk: the context length, a route preview, prompt validation, one stats
+    # projection.
+
+    @property
+    def max_model_len(self) -> int:
+        """The context in tokens (prompt + generated) this model was loaded with."""
+        self._check_open()
+        return self.engine.max_seq
+
+    def preview_route(self, params: SamplingParams, spec: SpecPolicy | dict | str | None = None) -> tuple[str, str]:
+        """(route, reason) that generate() would take for these params, from the one route
+        selector; raises SpecfireError for a mode this model cannot serve (servers refuse before
+        queueing)."""
+        self._check_open()
+        policy = SpecPolicy.coerce(spec, self.spec)
+        return self.engine.route(policy, params)
+
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of `prompt`, checked as generate() checks them (Engine.check_prompt); a bad
+        prompt raises PromptError (`too_long` when it leaves no room to generate)."""
+        self._check_open()
+        if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise PromptError(f"prompt has a lone surrogate {prompt[e.start]!r} at character {e.start}; "
+                                  f"text must be valid Unicode") from None
+            limit = 4 * self._max_token_chars * self.max_model_len
+            if self.tokenizer is not None and len(prompt) > limit:
+                # a token stands for at most _max_token_chars characters (x4 for what Unicode
+                # normalization may compose), so this is too long without tokenizing it
+                raise PromptError(f"prompt has {len(prompt)} characters, more than {limit} could fit in "
+                                  f"max_seq_len {self.max_model_len} tokens", too_long=True)
+        try:
+            ids = self._ids(prompt)
+        except (ValueError, TypeError) as e:
+            raise PromptError(str(e)) from None
+        try:
+            self.engine.check_prompt(ids)
+        except ValueError as e:
+            raise PromptError(str(e), too_long=len(ids) >= self.max_model_len) from None
+        return ids
+
+    def enable_prefix_cache(self, max_bytes: int, piece: int | None = None) -> None:
+        """Keep snapshots of recent prompts (at most `max_bytes`; 0 turns reuse off) so that a prompt
+        starting with one (a chat's next turn) prefills only the rest; greedy output stays that of
+        a cold run. `piece`: prompt rows per prefill forward, the granularity of reuse (default
+        1024; it sets the cold prefill too). Single device only."""
+        self._check_open()
+        if max_bytes == 0:
+            self.engine.prefix = None
+            return
+        if self.tp != 1:
+            raise SpecfireError(f"the prefix cache serves one device; this model runs with tp={self.tp}")
+        if piece is not None and (not isinstance(piece, int) or piece < 1):
+            raise ValueError(f"prefill piece must be a positive integer, got {piece!r}")
+        trunk = self.engine.trunk
+        assert isinstance(trunk, LocalTrunk)
+        if piece is not None:
+            trunk.piece = piece
+        self.engine.prefix = PrefixCache(trunk, max_bytes)
+
+    @functools.cached_property
+    def _max_token_chars(self) -> int:
+        """The most characters of text one token can stand for (its longest vocabulary entry)."""
+        assert self.tokenizer is not None
+        return max(1, max(map(len, self.tokenizer.tok.get_vocab(with_added_tokens=True))))
+
+    @staticmethod
+    def figures(result: GenerationResult, params: SamplingParams) -> RequestFigures:
+        """The one projection of a result's stats that every front end prints."""
+        return RequestFigures.of(result.stats, result.finish_reason, params.max_tokens)

@@ -15,64 +15,95 @@ from .config import SamplingParams, SpecPolicy, SPEC_MODES
 from .errors import SpecfireError
 
 
-def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> None:
+def add_model_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
+    """The flags that load a model (run, serve): the checkpoint positionally or with --model."""
     if positional:
         p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the bundled model)")
-    else:
-        p.add_argument("--model", "-m", default=None, help="checkpoint directory (default: the bundled model)")
+    p.add_argument("--model", "-m", dest="model_flag", default=None, metavar="PATH",
+                   help="the checkpoint, as a flag" + (" (same as the positional MODEL)" if positional else ""))
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--kv-dtype", default="auto", help="auto | bf16 | fp32 | q8")
-    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="context in tokens (default: the model's, at most 32768 on GPU and 8192 on CPU)")
     p.add_argument("--spec", default="auto", choices=SPEC_MODES, help="speculation mode")
     p.add_argument("--spec-k", type=int, default=3, help="draft length k (1..10)")
     p.add_argument("--mtp-path", default=None, help="MTP head sidecar safetensors (default: in or beside the checkpoint)")
     p.add_argument("--eager", action="store_true", help="launch kernels eagerly (no CUDA graphs)")
-    p.add_argument("--ngram-n", default="1:4", metavar="MIN:MAX",
-                   help="suffix lengths the n-gram drafter looks up (default 1:4)")
+    p.add_argument("--ngram-n", default="1:4", metavar="MIN:MAX", help="suffix lengths the n-gram drafter looks up")
 
 
-def _load(args: argparse.Namespace):
+# the flag behind each field a ValueError names first, so CLI errors speak of flags
+FLAGS = {"max_tokens": "-n/--max-tokens", "temperature": "-t/--temperature", "top_p": "--top-p",
+         "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed", "stop": "--stop", "spec.k": "--spec-k",
+         "spec.mode": "--spec", "tp": "--tp", "device": "--device", "dtype": "--dtype", "kv_dtype": "--kv-dtype",
+         "max_seq_len": "--max-seq-len", "ngram": "--ngram-n"}
+
+
+def flagged(e: ValueError) -> ValueError:
+    """The same error with its leading field name replaced by the flag that sets it."""
+    msg = str(e)
+    field, sep, rest = msg.partition(" ")
+    return ValueError(f"{FLAGS[field]} {rest}") if sep and field in FLAGS else e
+
+
+def model_path(args: argparse.Namespace) -> str | None:
+    pos, flag = getattr(args, "model", None), getattr(args, "model_flag", None)
+    if pos is not None and flag is not None and pos != flag:
+        raise ValueError(f"two models given ({pos!r} and --model {flag!r}); give one")
+    return pos if pos is not None else flag
+
+
+def load_model(args: argparse.Namespace):
     from .api import LLM
 
-    return LLM(args.model, tp=args.tp, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
-               max_seq_len=args.max_seq_len, spec=SpecPolicy(mode=args.spec, k=args.spec_k),
-               mtp_path=args.mtp_path, progress=sys.stderr.isatty(), cuda_graphs=False if args.eager else None,
-               ngram=_ngram_range(args.ngram_n))
+    try:
+        spec = SpecPolicy(mode=args.spec, k=args.spec_k)
+        ngram = _ngram_range(args.ngram_n)
+        return LLM(model_path(args), tp=args.tp, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
+                   max_seq_len=args.max_seq_len, spec=spec, mtp_path=args.mtp_path, progress=sys.stderr.isatty(),
+                   cuda_graphs=False if args.eager else None, ngram=ngram)
+    except SpecfireError:
+        raise
+    except ValueError as e:
+        raise flagged(e) from None
 
 
 def _ngram_range(text: str) -> tuple[int, int]:
     try:
         lo, hi = (int(x) for x in text.split(":"))
     except ValueError:
-        raise ValueError(f"--ngram-n must be MIN:MAX (two integers), got {text!r}") from None
+        raise SpecfireError(f"--ngram-n must be MIN:MAX (two integers), got {text!r}") from None
     return lo, hi
 
 
 # ---- run ----------------------------------------------------------------------------------------
 
 def _run_args(p: argparse.ArgumentParser) -> None:
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--prompt", "-p", default=None, help="prompt text (default: read stdin)")
-    p.add_argument("-n", "--max-tokens", type=int, default=128)
-    p.add_argument("-t", "--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens to generate at most")
+    p.add_argument("-t", "--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: all)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p times the likeliest")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
 
 
 def _run(args: argparse.Namespace) -> int:
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                        top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop)
+    try:
+        sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop)
+    except ValueError as e:
+        raise flagged(e) from None
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt:
         raise SpecfireError("empty prompt: pass --prompt TEXT or pipe text on stdin")
-    with _load(args) as llm:
+    with load_model(args) as llm:
         if args.chat:
             prompt = llm.render_chat([{"role": "user", "content": prompt}])
         res = None
@@ -82,21 +113,13 @@ def _run(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
             res = chunk.result
         assert res is not None
-        st = res.stats
+        fig = llm.figures(res, sp)
         if args.json:
             print(json.dumps({"text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason,
-                              "stats": st}))
+                              "context_limited": fig.context_limited, "stats": res.stats}))
         else:
             sys.stdout.write("\n")
-        spec = ""
-        if st["route"] != "ar":
-            per_pos = "/".join(f"{a:.2f}" for a in st["accept_per_pos"])
-            spec = (f", k={st['k']} mean_accept_len {st['mean_accept_len']:.2f} "
-                    f"({st['accepted']}/{st['drafted']} drafts accepted in {st['cycles']} cycles, "
-                    f"per position {per_pos or '-'})")
-        print(f"[specfire] {st['prompt_tokens']} prompt + {st['generated_tokens']} generated tokens, "
-              f"prefill {st['prefill_tok_s']:.1f} tok/s, decode {st['decode_tok_s']:.1f} tok/s, "
-              f"route {st['route']}{spec} ({st['route_reason']})", file=sys.stderr)
+        print(fig.summary(), file=sys.stderr)
     return 0
 
 
@@ -151,6 +174,16 @@ register("quantize", "turn an HF checkpoint into a specfire 4-bit checkpoint", "
 register("train", "train the bundled model (needs a GPU)", ".train.cli")
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default where it has a meaningful one (not None, not a bare switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        d = action.default
+        if d is None or d is False or d == [] or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with a one-line usage error (the default prints the whole usage block first)."""
 
@@ -159,13 +192,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="specfire", description="Qwen3.5 inference with lossless MTP speculation")
+    ap = _Parser(prog="specfire", description="Qwen3.5 inference with lossless MTP speculation", formatter_class=_Help)
     ap.add_argument("-v", "--verbose", action="store_true", help="log to stderr; tracebacks on errors")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads for torch (default: $OMP_NUM_THREADS if set, else 1)")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_, add, _) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_)
+        p = sub.add_parser(name, help=help_, formatter_class=_Help)
         try:
             add(p)
         except ImportError as e:  # a subcommand whose module this build lacks

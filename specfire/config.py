@@ -50,8 +50,10 @@ class ModelConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(f"config field '{name}' must be a positive integer, got {v!r}")
-        if not self.rms_norm_eps > 0.0:
-            raise ConfigError(f"config field 'rms_norm_eps' must be > 0, got {self.rms_norm_eps!r}")
+        for name in ("rms_norm_eps", "rope_theta", "partial_rotary_factor"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0.0):
+                raise ConfigError(f"config field '{name}' must be > 0 and finite, got {v!r}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(f"config field 'layer_types' has {len(self.layer_types)} entries but "
                               f"num_hidden_layers is {self.num_hidden_layers}")
@@ -260,6 +262,9 @@ def _check_number(name: str, v: Any, lo: float | None = None, hi: float | None =
         raise ValueError(f"{name} must be <= {hi}, got {v!r}")
 
 
+MAX_SEED = 2 ** 63 - 1   # torch generators take a signed 64-bit seed
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. temperature 0 means greedy; top_k 0 means no top-k truncation."""
@@ -280,7 +285,7 @@ class SamplingParams:
         _check_number("top_k", self.top_k, lo=0, integer=True)
         _check_number("min_p", self.min_p, lo=0.0, hi=1.0)
         if self.seed is not None:
-            _check_number("seed", self.seed, lo=0, integer=True)
+            _check_number("seed", self.seed, lo=0, hi=MAX_SEED, integer=True)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         stop = self.stop

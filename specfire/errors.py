@@ -15,3 +15,12 @@ class ConfigError(CheckpointError):
 
 class MeshError(SpecfireError):
     """A tensor-parallel rank died, hung past the timeout, or failed to start; the mesh is closed."""
+
+
+class PromptError(SpecfireError, ValueError):
+    """A prompt the engine cannot take (empty, not text, a token outside the vocabulary, too long);
+    `too_long` marks the context-length case, which servers report with their own code."""
+
+    def __init__(self, message: str, too_long: bool = False):
+        super().__init__(message)
+        self.too_long = too_long

@@ -43,7 +43,9 @@ def describe(path: str | None) -> dict[str, Any]:
     else:
         quant = None
     kv_per_token = cfg.n_full * 2 * cfg.num_key_value_heads * cfg.head_dim   # elements, K and V
-    degrees = valid_tp_degrees(cfg)
+    # the engine refuses tp > 1 for a checkpoint with any 4-bit tensor (the mesh loads dense weights)
+    packed = any(src.is_quantized(n) for n in src.names())
+    degrees = [1] if packed else valid_tp_degrees(cfg)
     return {
         "path": path, "model_type": cfg.model_type, "layers": cfg.num_hidden_layers,
         "gated_deltanet_layers": cfg.n_linear, "full_attention_layers": cfg.n_full,
@@ -63,7 +65,7 @@ def describe(path: str | None) -> dict[str, Any]:
         "recurrent_state_bytes": 4 * cfg.n_linear * (
             cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
             + (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim),
-        "tp_degrees": degrees,
+        "tp_degrees": degrees, "tp_note": "4-bit checkpoints load with tp=1 only" if packed else None,
     }
 
 
@@ -133,6 +135,6 @@ def format_info(d: dict[str, Any]) -> str:
     lines += [
         "kv cache     " + ", ".join(f"{k} {_size(v)}" for k, v in d["kv_bytes_per_token"].items()) +
         f" per token; Gated DeltaNet state {_size(d['recurrent_state_bytes'])} per sequence (float32)",
-        f"tp degrees   {', '.join(map(str, d['tp_degrees']))}",
+        f"tp degrees   {', '.join(map(str, d['tp_degrees']))}" + (f" ({d['tp_note']})" if d.get("tp_note") else ""),
     ]
     return "\n".join(lines)

@@ -148,27 +148,30 @@ def test_bad_path_and_bad_parameter_through_a_process(model, tmp_path):
 
 
 BAD_ARGS = [
-    (["-t", "-1"], r"temperature must be >= 0\.0, got -1\.0"),
-    (["--top-p", "2"], r"top_p must be <= 1\.0, got 2\.0"),
-    (["--top-p", "0"], r"top_p must be > 0\.0"),
-    (["--top-k", "-2"], r"top_k must be >= 0, got -2"),
+    (["-t", "-1"], r"-t/--temperature must be >= 0\.0, got -1\.0"),
+    (["--top-p", "2"], r"--top-p must be <= 1\.0, got 2\.0"),
+    (["--top-p", "0"], r"--top-p must be > 0\.0"),
+    (["--top-k", "-2"], r"--top-k must be >= 0, got -2"),
     (["--top-k", "abc"], r"argument --top-k: invalid int value: 'abc'"),
-    (["--min-p", "1.5"], r"min_p must be <= 1\.0"),
-    (["--seed", "-3"], r"seed must be >= 0, got -3"),
-    (["-n", "0"], r"max_tokens must be >= 1, got 0"),
+    (["--min-p", "1.5"], r"--min-p must be <= 1\.0"),
+    (["--seed", "-3"], r"--seed must be >= 0, got -3"),
+    (["--seed", str(2 ** 64)], r"--seed must be <= 9223372036854775807"),
+    (["-n", "0"], r"-n/--max-tokens must be >= 1, got 0"),
     (["-n", "ten"], r"argument -n/--max-tokens: invalid int value"),
     (["--spec", "turbo"], r"argument --spec: invalid choice: 'turbo'"),
-    (["--spec-k", "0"], r"spec\.k must be >= 1, got 0"),
-    (["--spec-k", "11"], r"spec\.k must be <= 10, got 11"),
-    (["--dtype", "int8"], r"dtype must be one of .* got 'int8'"),
-    (["--device", "tpu:x"], r"device 'tpu:x'"),
-    (["--kv-dtype", "fp8"], r"kv_dtype must be one of auto, bf16, fp32, q8, got 'fp8'"),
-    (["--tp", "0"], r"tp must be a positive integer, got 0"),
-    (["--max-seq-len", "1"], r"max_seq_len must be an integer >= 2, got 1"),
-    (["--max-seq-len", "5000"], r"max_seq_len 5000 exceeds the model's max_position_embeddings 4096"),
+    (["--spec-k", "0"], r"--spec-k must be >= 1, got 0"),
+    (["--spec-k", "11"], r"--spec-k must be <= 10, got 11"),
+    (["--dtype", "int8"], r"--dtype must be one of .* got 'int8'"),
+    (["--device", "tpu:x"], r"--device 'tpu:x'"),
+    (["--kv-dtype", "fp8"], r"--kv-dtype must be one of auto, bf16, fp32, q8, got 'fp8'"),
+    (["--tp", "0"], r"--tp must be a positive integer, got 0"),
+    (["--max-seq-len", "1"], r"--max-seq-len must be an integer >= 2, got 1"),
+    (["--max-seq-len", "5000"], r"--max-seq-len 5000 exceeds the model's max_position_embeddings 4096"),
     (["--max-seq-len", "3"], r"prompt has \d+ tokens; max_seq_len is 3"),
     (["--mtp-path", "/nonexistent/mtp.safetensors", "--spec", "mtp"], r"/nonexistent/mtp\.safetensors not found"),
-    (["--stop", ""], r"stop must be"),
+    (["--stop", ""], r"--stop must be"),
+    (["--ngram-n", "4"], r"--ngram-n must be MIN:MAX"),
+    (["--ngram-n", "3:1"], r"--ngram-n must be"),
     (["--bogus"], r"unrecognized arguments: --bogus"),
 ]
 
@@ -204,3 +207,112 @@ def test_other_bad_invocations_are_one_line(model, capsys, monkeypatch):
             assert rc != 0 and out == "" and err.count("\n") == 1 and "error:" in err, (argv, err)
     finally:
         cli.COMMANDS.pop("notbuilt")
+
+
+# ---- issue 16: flags, help, positional model, context cut, NaN, 4-bit tp, install extras ---------------
+
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    out = capsys.readouterr().out
+    opts = " ".join(out[out.index("options:"):].split())
+    for flag, default in (("--max-tokens", "128"), ("--temperature", "0.0"), ("--spec-k", "3"),
+                          ("--spec", "auto"), ("--top-p", "1.0"), ("--ngram-n", "1:4"), ("--kv-dtype", "auto")):
+        entry = opts[opts.index(flag + " "):]
+        entry = entry[:entry.find(" --", len(flag))]          # up to the next flag
+        assert f"(default: {default})" in entry, (flag, entry)
+
+
+def test_run_takes_the_model_positionally(model, llm):
+    p = specfire("run", model, "--prompt", "def f(x):", "-n", "5", "--spec", "off", "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["token_ids"] == llm.generate("def f(x):", SamplingParams(max_tokens=5)).token_ids
+    p = specfire("run", model, "--model", model + "x", "--prompt", "x")
+    assert p.returncode == 2 and "two models given" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_run_cut_short_by_the_context_says_so(model):
+    p = specfire("run", model, "--prompt", "def f(x):", "-n", "50", "--max-seq-len", "12", "--spec", "off",
+                 "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["finish_reason"] == "length" and out["context_limited"] is True and len(out["token_ids"]) < 50
+    assert "cut short: the context is full" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    p = specfire("run", model, "--prompt", "def f(x):", "-n", "3", "--spec", "off", "--json")
+    assert json.loads(p.stdout)["context_limited"] is False and "cut short" not in p.stderr
+
+
+def _copy(src: str, dst) -> str:
+    import shutil
+
+    shutil.copytree(src, str(dst))
+    return str(dst)
+
+
+def test_nan_config_is_refused_naming_the_field(model, tmp_path):
+    path = _copy(model, tmp_path / "nan")
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        text = f.read()
+    cfg = json.loads(text)
+    where = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else cfg
+    where["rope_theta"] = float("nan")
+    with open(cfg_path, "w") as f:
+        f.write(json.dumps(cfg))                  # Python writes NaN, as a careless exporter would
+    for args in (["run", path, "--prompt", "x", "-n", "2"], ["info", path]):
+        p = specfire(*args)
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+        assert "'rope_theta' must be > 0 and finite" in p.stderr and "nan" in p.stderr
+
+
+def test_nan_weight_is_refused_naming_the_tensor(model, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from specfire.errors import CheckpointError
+
+    path = _copy(model, tmp_path / "nanw")
+    f = os.path.join(path, "model.safetensors")
+    tensors = load_file(f)
+    name = next(n for n in tensors if n.endswith("mlp.up_proj.weight"))
+    tensors[name][3, 5] = float("nan")
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"tensor '.*mlp\.up_proj\.weight' has 1 NaN or infinite"):
+        LLM(path, device="cpu", progress=False)
+
+
+def test_info_lists_only_tp_degrees_the_engine_accepts(tmp_path, capsys):
+    from tinymodels import make_checkpoint
+
+    src = make_checkpoint(str(tmp_path / "src"), "base", seed=3)
+    assert cli.main(["info", src, "--json"]) == 0
+    assert 2 in json.loads(capsys.readouterr().out)["tp_degrees"]        # the dense model splits in two
+    dst = str(tmp_path / "q4")
+    assert cli.main(["quantize", src, dst, "--group-size", "64", "--device", "cpu"]) == 0
+    capsys.readouterr()
+    assert cli.main(["info", dst, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["tp_degrees"] == [1] and "4-bit" in d["tp_note"]
+    for tp in d["tp_degrees"]:                  # every degree listed loads (the others are refused)
+        with LLM(dst, tp=tp, device="cpu", progress=False):
+            pass
+    with pytest.raises(Exception, match="4-bit"):
+        LLM(dst, tp=2, device="cpu", progress=False)
+
+
+def test_test_extra_does_not_pull_triton():
+    """`pip install -e ".[test]"` installs no triton (286 MB) on a CPU machine; the README's test
+    command and CI add the `kernels` extra, which the kernel tests (Triton's CPU interpreter) need."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:                 # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    assert not any(r.startswith("triton") for r in extras["test"]), extras["test"]
+    assert any(r.startswith("triton") for r in extras["kernels"])
+    with open(os.path.join(REPO, "README.md")) as f:
+        readme = f.read()
+    with open(os.path.join(REPO, ".ci", "run")) as f:
+        ci = f.read()
+    cmd = 'pip install torch==2.13.0 -e ".[test,kernels]" && pytest'
+    assert cmd in readme and cmd in ci

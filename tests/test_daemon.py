@@ -16,10 +16,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class Pipe:
     """A running daemon: send one message, read the events it answers with."""
 
-    def __init__(self):
+    def __init__(self, *args: str):
         env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "specfire.cli", "daemon"], env=env, text=True,
+        self.proc = subprocess.Popen([sys.executable, "-m", "specfire.cli", "daemon", *args], env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.lines: queue.Queue = queue.Queue()
         self.raw: list[str] = []
@@ -32,7 +32,10 @@ class Pipe:
         self.lines.put(None)
 
     def send(self, msg) -> None:
-        self.proc.stdin.write((msg if isinstance(msg, str) else json.dumps(msg)) + "\n")
+        if isinstance(msg, bytes):
+            self.proc.stdin.buffer.write(msg + b"\n")
+        else:
+            self.proc.stdin.write((msg if isinstance(msg, str) else json.dumps(msg)) + "\n")
         self.proc.stdin.flush()
 
     def recv(self, timeout=60) -> dict:
@@ -48,6 +51,11 @@ class Pipe:
             if ev["type"] in (kind, "error"):
                 return evs
 
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
@@ -58,9 +66,16 @@ def ckpt(tmp_path_factory):
 def daemon():
     d = Pipe()
     yield d
-    if d.proc.poll() is None:
-        d.proc.kill()
-        d.proc.wait()
+    d.close()
+
+
+@pytest.fixture
+def loaded(daemon, ckpt):
+    """The module's daemon with the tiny model loaded (whatever ran before)."""
+    daemon.send({"type": "load", "id": "fx", "model": ckpt, "params": {"spec": {"mode": "auto", "k": 2},
+                                                                       "max_seq_len": 2048}})
+    assert daemon.recv()["type"] == "loaded"
+    return daemon
 
 
 def _bad(d: Pipe, line, cls: str, word: str, mid=None):
@@ -72,10 +87,12 @@ def _bad(d: Pipe, line, cls: str, word: str, mid=None):
     assert d.recv() == {"type": "pong", "id": "alive"}
 
 
-def test_ping_and_generate_before_load(daemon):
+def test_ping_and_generate_before_load():
+    daemon = Pipe()
     daemon.send({"type": "ping", "id": 1})
     assert daemon.recv() == {"type": "pong", "id": 1}
     _bad(daemon, {"type": "generate", "id": "g0", "attempt_id": 0, "prompt": "hi"}, "not_loaded", "load", "g0")
+    daemon.close()
 
 
 def test_load(daemon, ckpt):
@@ -88,7 +105,8 @@ def test_load(daemon, ckpt):
     assert ev["mtp"] is True and ev["tp"] == 1
 
 
-def test_generate_events_match_in_process(daemon, ckpt):
+def test_generate_events_match_in_process(loaded, ckpt):
+    daemon = loaded
     from specfire import LLM, SamplingParams
 
     daemon.send({"type": "generate", "id": "g1", "attempt_id": 3, "prompt": "def add(a, b):", "max_tokens": 12,
@@ -115,7 +133,8 @@ def test_generate_events_match_in_process(daemon, ckpt):
     assert "".join(e["text"] for e in evs if e["type"] == "token") == text and evs[-1]["route"] == "ar"
 
 
-def test_generate_messages(daemon):
+def test_generate_messages(loaded):
+    daemon = loaded
     daemon.send({"type": "generate", "id": "c", "attempt_id": 0, "messages": [{"role": "user", "content": "Hi"}],
                  "max_tokens": 5, "temperature": 0})
     evs = daemon.until("done")
@@ -143,12 +162,15 @@ def test_attempt_id_rules(daemon, attempt):
     ('{"type": "generate", "attempt_id": 0, "prompt": "x", "speculation": {"k": 0}}', "invalid_request", "k"),
     ('{"type": "generate", "attempt_id": 0, "prompt": "x", "messages": []}', "invalid_request", "prompt"),
 ])
-def test_bad_lines(daemon, line, cls, word):
+def test_bad_lines(loaded, line, cls, word):
+    daemon = loaded
     mid = json.loads(line).get("id") if line.startswith("{") else None
     _bad(daemon, line, cls, word, mid)
 
 
-def test_unload_then_exit(daemon):
+def test_unload_then_exit(ckpt):
+    daemon = Pipe("--model", ckpt)
+    assert daemon.recv()["type"] == "loaded"
     daemon.send({"type": "unload", "id": "u"})
     assert daemon.recv() == {"type": "unloaded", "id": "u", "was_loaded": True}
     _bad(daemon, {"type": "generate", "id": "z", "attempt_id": 1, "prompt": "hi"}, "not_loaded", "load", "z")
@@ -156,3 +178,121 @@ def test_unload_then_exit(daemon):
     assert daemon.proc.wait(timeout=30) == 0
     for line in daemon.raw:  # stdout carried protocol JSON only
         assert isinstance(json.loads(line), dict)
+
+
+# ---- issue 16: bad bytes, cancellation, end of input, a reader that leaves -------------------------
+
+def test_lone_surrogate_and_bad_utf8_do_not_kill_it(loaded):
+    d = loaded
+    d.send('{"type":"ping","id":"\\ud800"}')                # a lone surrogate in the id: echoed as null
+    ev = d.recv()
+    assert ev["type"] == "error" and ev["class"] == "invalid_request" and ev["id"] is None and "surrogate" in ev["message"]
+    d.send({"type": "ping", "id": 2})
+    assert d.recv() == {"type": "pong", "id": 2}
+    d.send(b'{"type": "ping", "id": "\xff\xfe"}')          # raw invalid UTF-8 inside a JSON string
+    ev = d.recv()
+    assert ev["type"] == "error" and ev["class"] == "parse_error" and "UTF-8" in ev["message"]
+    d.send('{"type": "generate", "id": "s", "attempt_id": 5, "prompt": "a \\udfff b"}')
+    ev = d.recv()
+    assert ev["class"] == "invalid_request" and ev["attempt_id"] == 5 and "prompt" in ev["message"]
+    d.send("[" * 100_000)
+    assert d.recv()["class"] == "parse_error"
+    d.send({"type": "ping", "id": 3})
+    assert d.recv() == {"type": "pong", "id": 3}
+
+
+def test_errors_carry_attempt_id_and_bad_seed_is_refused_before_gen_start(loaded):
+    d = loaded
+    d.send({"type": "generate", "id": "e", "attempt_id": 7, "prompt": "hi", "seed": 2 ** 64})
+    ev = d.recv()      # the very next event: no gen_start was sent for a request that cannot run
+    assert ev["type"] == "error" and ev["attempt_id"] == 7 and ev["id"] == "e" and "seed" in ev["message"]
+    assert ev["class"] == "invalid_request" and ev["retryable"] is False
+    d.send({"type": "generate", "id": "e2", "attempt_id": 8, "prompt": "hi", "temperature": -1})
+    ev = d.recv()
+    assert ev["type"] == "error" and ev["attempt_id"] == 8
+
+
+LONG = {"type": "generate", "prompt": "hello", "max_tokens": 2000, "ignore_eos": True}
+
+
+def test_cancel_by_attempt_id(loaded):
+    d = loaded
+    d.send({**LONG, "id": "g", "attempt_id": 11})
+    d.send({**LONG, "id": "q", "attempt_id": 12})          # waits behind attempt 11
+    assert d.recv()["type"] == "gen_start"
+    assert d.recv()["type"] == "token"
+    d.send({"type": "cancel", "id": "c0", "attempt_id": 12})   # the queued one: dropped, never started
+    d.send({"type": "ping", "id": "p"})                     # answered while 11 runs
+    d.send({"type": "cancel", "id": "c1", "attempt_id": 11})
+    d.send({"type": "cancel", "id": "c2", "attempt_id": 99})
+    evs = []
+    while not (evs and evs[-1]["type"] == "cancelled" and evs[-1]["id"] == "c2"):
+        ev = d.recv()
+        if ev["type"] != "token":
+            evs.append(ev)
+    assert evs == [{"type": "aborted", "id": "q", "attempt_id": 12, "tokens": 0, "reason": "cancel"},
+                   {"type": "cancelled", "id": "c0", "attempt_id": 12, "found": True},
+                   {"type": "pong", "id": "p"},
+                   {**evs[3], "type": "aborted", "id": "g", "attempt_id": 11, "reason": "cancel"},
+                   {"type": "cancelled", "id": "c1", "attempt_id": 11, "found": True},
+                   {"type": "cancelled", "id": "c2", "attempt_id": 99, "found": False}], evs
+    assert 0 < evs[3]["tokens"] < 2000
+    d.send({"type": "generate", "id": "after", "attempt_id": 13, "prompt": "hi", "max_tokens": 3})
+    assert d.until("done")[-1]["type"] == "done"
+
+
+def test_end_of_input_stops_the_generation(ckpt):
+    d = Pipe("--model", ckpt)
+    assert d.recv()["type"] == "loaded"
+    d.send({**LONG, "id": "g", "attempt_id": 1, "max_tokens": 3000})
+    assert d.recv()["type"] == "gen_start"
+    assert d.recv()["type"] == "token"
+    d.proc.stdin.close()
+    evs = []
+    while (ev := d.lines.get(timeout=60)) is not None:
+        evs.append(json.loads(ev))
+    last = evs[-1]
+    assert last["type"] == "aborted" and last["reason"] == "eof" and last["tokens"] < 3000
+    assert d.proc.wait(timeout=30) == 0
+
+
+def test_reader_that_leaves_ends_it_quietly(ckpt):
+    """`specfire daemon | head -1`: no BrokenPipeError traceback, exit status 0."""
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "specfire.cli", "daemon", "--model", ckpt], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert json.loads(proc.stdout.readline())["type"] == "loaded"
+    proc.stdout.close()                         # the reader leaves, as `head -1` does
+    try:
+        for i in range(5):
+            proc.stdin.write(json.dumps({"type": "ping", "id": i}).encode() + b"\n")
+            proc.stdin.flush()
+        proc.stdin.write(json.dumps({**LONG, "id": "g", "attempt_id": 1}).encode() + b"\n")
+        proc.stdin.flush()
+    except BrokenPipeError:                     # the daemon already left
+        pass
+    assert proc.wait(timeout=60) == 0           # it left without waiting for the end of its input
+    err = proc.stderr.read().decode()
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    proc.stdin.close()
+
+
+def test_prefix_reuse_reports_cached_tokens(daemon, ckpt):
+    daemon.send({"type": "load", "id": "p", "model": ckpt, "params": {"prefill_piece": 16, "max_seq_len": 512}})
+    assert daemon.recv()["type"] == "loaded"
+    msgs = [{"role": "user", "content": "Write a Python function that adds two numbers, with a docstring."}]
+    texts, cached = [], []
+    for i in range(2):
+        daemon.send({"type": "generate", "id": i, "attempt_id": i, "messages": msgs, "max_tokens": 6})
+        evs = daemon.until("done")
+        texts.append("".join(e["text"] for e in evs if e["type"] == "token"))
+        cached.append(evs[-1]["cached_tokens"])
+        n = evs[0]["prompt_tokens"]
+    assert texts[0] == texts[1] and cached == [0, ((n - 1) // 16) * 16] and cached[1] > 0
+    daemon.send({"type": "load", "id": "p0", "model": ckpt, "params": {"prefix_cache_mb": 0, "prefill_piece": 16}})
+    assert daemon.recv()["type"] == "loaded"
+    for i in range(2):
+        daemon.send({"type": "generate", "id": i, "attempt_id": i, "messages": msgs, "max_tokens": 6})
+        assert daemon.until("done")[-1]["cached_tokens"] == 0
+    _bad(daemon, {"type": "load", "id": "b", "model": ckpt, "params": {"prefix_cache_mb": -1}}, "invalid_request",
+         "prefix_cache_mb", "b")

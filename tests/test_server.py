@@ -257,9 +257,13 @@ def test_battery_against_server(server, capsys):
     assert {r["tau"] >= 1.0 for r in rows if r["spec"] == "mtp"} == {True}
 
 
-def test_sigterm_is_clean(server):
-    """SIGTERM with a long stream in flight: the process ends promptly with status 0."""
-    proc = server["proc"]
+def test_sigterm_is_clean(tmp_path):
+    """SIGTERM with a long stream in flight: the process ends promptly with status 0 (its own server:
+    the module's stays up for the other tests, whatever order they run in)."""
+    path = make_tok_checkpoint(str(tmp_path / "ckpt"), seed=3)
+    log = str(tmp_path / "server.log")
+    proc, base = start_server([path, "--api-key", KEY, "--max-seq-len", str(MAX_SEQ)], log)
+    server = {"base": base, "proc": proc, "log": log}
     body = {"prompt": "hello", "max_tokens": MAX_SEQ - 10, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server["base"] + "/v1/completions", json=body,
                       headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as r:
@@ -269,7 +273,10 @@ def test_sigterm_is_clean(server):
         rest = [ln for ln in lines if ln]
     # the stream was ended by the server (not cut off after the grace period) and said why
     assert rest[-1] == "data: [DONE]" and "shutting down" in rest[-2]
-    assert proc.wait(timeout=30) == 0
+    try:
+        assert proc.wait(timeout=30) == 0
+    finally:
+        stop(proc)
     with open(server["log"]) as f:
         assert "server stopped" in f.read()
 

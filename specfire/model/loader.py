@@ -222,6 +222,13 @@ def full_fetch(src: TensorSource, name: str, param: torch.nn.Parameter) -> torch
     return src.get(name)
 
 
+def check_finite(name: str, t: torch.Tensor) -> None:
+    """Refuse a floating tensor holding NaN or inf: it would load and then print garbage."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise CheckpointError(f"tensor '{name}' has {bad} NaN or infinite value(s); the checkpoint is corrupt")
+
+
 def load_module(module: torch.nn.Module, src: TensorSource, prefix: str, *, dtype: torch.dtype,
                 device: torch.device, fetch: Fetch = full_fetch, strict_unexpected: bool = True,
                 progress: bool = False, what: str = "weights") -> None:
@@ -261,7 +268,9 @@ def load_module(module: torch.nn.Module, src: TensorSource, prefix: str, *, dtyp
             delattr(sub, attr)
             setattr(sub, attr, t.to(device=device, dtype=dtype))
         else:
-            setattr(sub, attr, torch.nn.Parameter(t.to(device=device, dtype=dtype).contiguous(), requires_grad=False))
+            t = t.to(device=device, dtype=dtype).contiguous()
+            check_finite(n, t)
+            setattr(sub, attr, torch.nn.Parameter(t, requires_grad=False))
         if bar is not None:
             bar.update(1)
     if bar is not None:

@@ -11,6 +11,7 @@ from ..config import SamplingParams, SpecPolicy
 from ..tokenizer import Tokenizer
 from .drafters import Drafter
 from .output import OutputBuilder
+from .prefix import PrefixCache
 from .route import select_route
 from .sampling import pick
 from .spec import OnCycle, SpecStats, spec_step
@@ -45,6 +46,7 @@ class Engine:
         self.eos_ids = eos_ids
         self.topology = topology                # a label in route reasons; every topology serves every drafter
         self.drafters = drafters                # route name -> drafter ("mtp", "ngram")
+        self.prefix: PrefixCache | None = None  # multi-turn prefix reuse (single device; off by default)
 
     @property
     def mtp_loaded(self) -> bool:
@@ -94,8 +96,12 @@ class Engine:
 
         t0 = time.perf_counter()
         prompt = torch.tensor(ids, device=dev)
-        self.trunk.begin()
-        rows = self.trunk.prefill(prompt)
+        cached = 0
+        if self.prefix is not None:
+            rows, cached = self.prefix.prefill(ids, prompt)
+        else:
+            self.trunk.begin()
+            rows = self.trunk.prefill(prompt)
         if drafter is not None:
             drafter.begin(prompt, rows.hidden)
         last = int(pick(rows.logits[-1:], sp, gen))
@@ -119,7 +125,8 @@ class Engine:
         n_gen = len(out.token_ids)
         prefill_s, decode_s = t1 - t0, t2 - t1
         st = {
-            "prompt_tokens": len(ids), "generated_tokens": n_gen, "route": route, "route_reason": reason,
+            "prompt_tokens": len(ids), "cached_tokens": cached, "generated_tokens": n_gen, "route": route,
+            "route_reason": reason,
             "k": k, "cycles": stats.cycles, "drafted": stats.drafted, "accepted": stats.accepted,
             "mean_accept_len": stats.mean_accept_len, "accept_per_pos": stats.accept_per_pos,
             "accepted_per_pos": list(stats.accepted_per_pos),

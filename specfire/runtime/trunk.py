@@ -59,6 +59,7 @@ class LocalTrunk:
         self.cfg = model.cfg
         self.max_seq = max_seq
         self.device = model.embed_tokens.weight.device
+        self.piece = PREFILL_PIECE                # prompt rows per prefill forward
         self.state: SequenceState = model.new_state(max_seq, kv_dtype)
         if cuda_graphs is None:  # graphs need the attention kernel (it reads the position on the device)
             from ..ops.attention import KERNEL_HEAD_DIMS
@@ -76,12 +77,14 @@ class LocalTrunk:
         return self.graphs is not None
 
     @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor, logits: str = "last") -> Rows:
+    def prefill(self, ids: torch.Tensor, logits: str = "last", start: int = 0) -> Rows:
+        """Rows at positions start.. (0 after begin(); a prefix cache resumes later, on a piece
+        boundary, so the forwards are those of a prefill from 0)."""
         hs, lg = [], []
-        for s in range(0, ids.shape[0], PREFILL_PIECE):
-            piece = ids[s:s + PREFILL_PIECE]
-            last = s + PREFILL_PIECE >= ids.shape[0]
-            h, l = self.model(piece, s, self.state, rows=False,
+        for s in range(0, ids.shape[0], self.piece):
+            piece = ids[s:s + self.piece]
+            last = s + self.piece >= ids.shape[0]
+            h, l = self.model(piece, start + s, self.state, rows=False,
                               logits="all" if logits == "all" else ("last" if last else "none"))
             hs.append(h)
             if l is not None:

@@ -12,7 +12,10 @@ import json
 import re
 import urllib.parse
 from collections import Counter
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
+
+if TYPE_CHECKING:
+    from ..api import LLM
 
 PROMPTS: list[tuple[str, str]] = [
     ("code", "Write a Python function `is_prime(n)` that returns True when n is a prime number and False "
@@ -150,21 +153,17 @@ def run_server(url: str, prompt_name: str, prompt: str, max_tokens: int, spec: d
 
 # ---- running in process ---------------------------------------------------------------------------
 
-def run_local(llm: Any, prompt_name: str, prompt: str, max_tokens: int, spec: dict[str, Any] | None) -> dict[str, Any]:
+def run_local(llm: "LLM", prompt_name: str, prompt: str, max_tokens: int, spec: dict[str, Any] | None) -> dict[str, Any]:
     """One battery row from an LLM in this process (the same request, without HTTP)."""
     from ..config import SamplingParams
 
     body = request_body(prompt, max_tokens, spec)
-    ids = llm.tokenizer.encode(llm.render_chat(body["messages"]))
+    ids = llm.prompt_ids(llm.render_chat(body["messages"]))
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    res = None
-    for chunk in llm.stream(ids, sp, spec):
-        res = chunk.result
-    saw_done = res is not None
-    st = res.stats if res is not None else {}
-    text = res.text if res is not None else ""
-    finish = res.finish_reason if res is not None else None
-    return make_row(prompt_name, prompt, body, text, finish, st.get("generated_tokens", 0), len(ids), 0, st, saw_done)
+    res = llm.generate(ids, sp, spec)
+    fig = llm.figures(res, sp)
+    return make_row(prompt_name, prompt, body, res.text, res.finish_reason, fig.generated_tokens, fig.prompt_tokens,
+                    fig.cached_tokens, fig.timings(0.0), True)
 
 
 def run_battery(runner: Any, max_tokens: int, spec: dict[str, Any] | None) -> list[dict[str, Any]]:

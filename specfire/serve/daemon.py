@@ -1,25 +1,37 @@
 """`specfire daemon`: JSON lines on stdin/stdout, for tools that drive the engine as a child process.
 
 One message per line in, one event per line out, in order; the protocol is in docs/PROTOCOL.md.
-stdout carries only protocol JSON: while the daemon runs, `sys.stdout` points at stderr so a stray
-print or progress bar from any library cannot corrupt the stream."""
+A reader thread feeds stdin lines to a queue, so a running generation sees `cancel`, `ping` and
+the end of input between engine steps. stdout carries only protocol JSON: while the daemon runs,
+`sys.stdout` points at stderr so a stray print from any library cannot corrupt the stream; a
+reader that goes away (`specfire daemon | head`) ends the daemon quietly."""
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import os
+import queue
 import sys
+import threading
 import time
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any, Iterable
 
 from ..errors import CheckpointError, SpecfireError
-from .schema import (RequestError, check_route, encode_checked, is_int, messages_of, prompt_of, sampling_params,
-                     spec_policy)
+from .schema import (GenerateMessage, RequestError, check_route, check_tree, encode, sampling_params,
+                     spec_policy, validate)
+
+if TYPE_CHECKING:
+    from ..api import LLM
 
 log = logging.getLogger("specfire")
 
-LOAD_PARAMS = ("tp", "device", "dtype", "kv_dtype", "max_seq_len", "spec", "mtp_path")
+LOAD_PARAMS = ("tp", "device", "dtype", "kv_dtype", "max_seq_len", "spec", "mtp_path", "prefix_cache_mb",
+               "prefill_piece")
+PREFIX_CACHE_MB = 1024
+DEFAULT_MAX_TOKENS = 256
+EOF = None
 
 
 class DaemonError(Exception):
@@ -31,59 +43,149 @@ class DaemonError(Exception):
         self.message, self.cls, self.retryable = message, cls, retryable
 
 
+class Stop(Exception):
+    """The running generation ends early: `reason` is "cancel" (with the cancel message's id) or "eof"."""
+
+    def __init__(self, reason: str, cancel_id: Any = None):
+        super().__init__(reason)
+        self.reason, self.cancel_id = reason, cancel_id
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None,
                    help="load this checkpoint at start (as if a load message came first); 'bundled' for the "
                         "bundled model")
 
 
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 class Daemon:
-    def __init__(self, out: IO[str]):
+    def __init__(self, out: IO[bytes]):
         self.out = out
-        self.llm: Any = None
+        self.llm: "LLM | None" = None
+        self.lines: queue.Queue[bytes | None] = queue.Queue()
+        self.pending: collections.deque[bytes] = collections.deque()  # read during a generation, not yet handled
+        self.closed = False                    # stdout's reader has gone
+        self.eof = False                       # stdin has ended
 
     # ---- output ---------------------------------------------------------------------------------
     def emit(self, obj: dict[str, Any]) -> None:
-        self.out.write(json.dumps(obj, ensure_ascii=False) + "\n")
-        self.out.flush()
+        if self.closed:
+            return
+        try:
+            line = json.dumps(obj, ensure_ascii=False) + "\n"
+            data = line.encode("utf-8")
+        except UnicodeEncodeError:             # a lone surrogate: the escaped form is still valid JSON
+            data = (json.dumps(obj) + "\n").encode("ascii")
+        try:
+            self.out.write(data)
+            self.out.flush()
+        except (BrokenPipeError, ConnectionResetError, ValueError):
+            self.closed = True
 
-    def error(self, mid: Any, e: DaemonError) -> None:
-        self.emit({"type": "error", "id": mid, "message": e.message, "class": e.cls, "retryable": e.retryable})
+    def error(self, mid: Any, e: DaemonError, attempt: int | None = None) -> None:
+        ev: dict[str, Any] = {"type": "error", "id": mid}
+        if attempt is not None:
+            ev["attempt_id"] = attempt
+        self.emit({**ev, "message": e.message, "class": e.cls, "retryable": e.retryable})
 
     # ---- input ----------------------------------------------------------------------------------
-    def handle_line(self, line: str) -> None:
-        line = line.strip()
-        if not line:
-            return
-        mid = None
-        try:
+    def run(self, inp: Iterable[bytes]) -> None:
+        """Handle every line of `inp` (read on a thread) until it ends or stdout's reader leaves."""
+        def read() -> None:
             try:
-                msg = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DaemonError(f"line is not valid JSON: {e}", "parse_error") from None
-            if not isinstance(msg, dict):
-                raise DaemonError("a message must be a JSON object", "parse_error")
+                for raw in inp:
+                    self.lines.put(raw)
+            finally:
+                self.lines.put(EOF)
+
+        threading.Thread(target=read, name="specfire-stdin", daemon=True).start()
+        try:
+            while not (self.eof or self.closed):
+                raw = self.pending.popleft() if self.pending else self.lines.get()
+                if raw is EOF:
+                    self.eof = True
+                    break
+                self.handle_line(raw)
+        finally:
+            self._unload()
+
+    def handle_line(self, raw: bytes) -> None:
+        if not raw.strip():
+            return
+        mid: Any = None
+        attempt: int | None = None
+        try:
+            msg = self.parse(raw)
             mid = msg.get("id")
+            try:
+                check_tree(mid)
+            except RequestError:
+                mid = None                       # an id that cannot be echoed faithfully
             kind = msg.get("type")
-            handler = {"ping": self.ping, "load": self.load, "generate": self.generate,
-                       "unload": self.unload}.get(kind) if isinstance(kind, str) else None
+            if kind == "generate" and is_int(msg.get("attempt_id")) and msg["attempt_id"] >= 0:
+                attempt = msg["attempt_id"]
+            check_tree(msg)
+            handler = {"ping": self.ping, "load": self.load, "generate": self.generate, "unload": self.unload,
+                       "cancel": self.cancel}.get(kind) if isinstance(kind, str) else None
             if handler is None:
-                raise DaemonError(f"unknown message type {kind!r}; expected ping, load, generate or unload",
-                                  "invalid_request")
+                raise DaemonError(f"unknown message type {kind!r}; expected ping, load, generate, cancel or "
+                                  f"unload", "invalid_request")
             handler(msg)
         except DaemonError as e:
-            self.error(mid, e)
-        except RequestError as e:
-            self.error(mid, DaemonError(e.message, "invalid_request"))
-        except (SpecfireError, ValueError) as e:
-            self.error(mid, DaemonError(str(e), "invalid_request"))
+            self.error(mid, e, attempt)
+        except (RequestError, SpecfireError, ValueError) as e:
+            self.error(mid, DaemonError(e.message if isinstance(e, RequestError) else str(e), "invalid_request"),
+                       attempt)
         except Exception as e:  # the daemon outlives any one message
             log.exception("message failed")
             oom = "out of memory" in str(e).lower()
-            self.error(mid, DaemonError(f"{type(e).__name__}: {e}", "oom" if oom else "internal_error", True))
+            self.error(mid, DaemonError(f"{type(e).__name__}: {e}", "oom" if oom else "internal_error", True),
+                       attempt)
 
+    @staticmethod
+    def parse(raw: bytes) -> dict[str, Any]:
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DaemonError(f"line is not valid UTF-8 (byte {e.start})", "parse_error") from None
+        try:
+            msg = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DaemonError(f"line is not valid JSON: {e}", "parse_error") from None
+        except RecursionError:
+            raise DaemonError("line is nested too deeply", "parse_error") from None
+        if not isinstance(msg, dict):
+            raise DaemonError("a message must be a JSON object", "parse_error")
+        return msg
+
+    # ---- messages -------------------------------------------------------------------------------
     def ping(self, msg: dict[str, Any]) -> None:
         self.emit({"type": "pong", "id": msg.get("id")})
+
+    def cancel(self, msg: dict[str, Any], running: int | None = None) -> bool:
+        """Cancel attempt `attempt_id`: one waiting in line is dropped here (its generate ends with
+        `aborted`); returns whether it is the running one, which the caller stops."""
+        attempt = msg.get("attempt_id")
+        if not is_int(attempt) or attempt < 0:
+            raise DaemonError(f"'attempt_id' must be a non-negative integer, got {attempt!r}", "invalid_request")
+        found = attempt == running
+        if not found:
+            for raw in list(self.pending):
+                try:
+                    m = self.parse(raw)
+                except DaemonError:
+                    continue
+                if m.get("type") == "generate" and m.get("attempt_id") == attempt:
+                    self.pending.remove(raw)
+                    self.emit({"type": "aborted", "id": m.get("id"), "attempt_id": attempt, "tokens": 0,
+                               "reason": "cancel"})
+                    found = True
+                    break
+            self.emit({"type": "cancelled", "id": msg.get("id"), "attempt_id": attempt, "found": found})
+        return attempt == running
 
     def load(self, msg: dict[str, Any]) -> None:
         from ..api import LLM
@@ -98,10 +200,19 @@ class Daemon:
         if unknown:
             raise DaemonError(f"'params' has unknown field(s) {unknown}; allowed: {', '.join(LOAD_PARAMS)}",
                               "invalid_request")
+        params = dict(params)
+        cache_mb = params.pop("prefix_cache_mb", PREFIX_CACHE_MB)
+        piece = params.pop("prefill_piece", None)
+        if not is_int(cache_mb) or cache_mb < 0:
+            raise DaemonError(f"'params.prefix_cache_mb' must be an integer >= 0, got {cache_mb!r}", "invalid_request")
+        if piece is not None and (not is_int(piece) or piece < 1):
+            raise DaemonError(f"'params.prefill_piece' must be a positive integer, got {piece!r}", "invalid_request")
         self._unload()
         t0 = time.perf_counter()
         try:
             self.llm = LLM(model, progress=False, **params)
+            if cache_mb and self.llm.tp == 1:
+                self.llm.enable_prefix_cache(cache_mb << 20, piece)
         except (CheckpointError, FileNotFoundError) as e:
             raise DaemonError(str(e), "load_error") from None
         except TypeError as e:
@@ -110,7 +221,7 @@ class Daemon:
         cfg = llm.cfg
         self.emit({"type": "loaded", "id": msg.get("id"), "model": llm.path, "arch": cfg.model_type,
                    "layers": cfg.num_hidden_layers, "vocab": cfg.vocab_size, "mtp": bool(llm.mtp_loaded),
-                   "tp": llm.tp, "max_seq_len": llm.engine.trunk.max_seq, "device": str(llm.device),
+                   "tp": llm.tp, "max_seq_len": llm.max_model_len, "device": str(llm.device),
                    "dtype": str(llm.dtype).replace("torch.", ""), "chat": llm.tokenizer is not None,
                    "load_ms": 1000.0 * (time.perf_counter() - t0)})
 
@@ -137,55 +248,97 @@ class Daemon:
         llm = self.llm
         if ("prompt" in msg) == ("messages" in msg):
             raise DaemonError("give exactly one of 'prompt' or 'messages'", "invalid_request")
-        if "messages" in msg:
-            msgs = messages_of(msg)
+        b: GenerateMessage = validate(GenerateMessage, msg)
+        if b.messages is not None:
             if llm.tokenizer is None:
                 raise DaemonError("this model has no tokenizer, so it cannot take messages", "invalid_request")
-            ids = encode_checked(llm, llm.tokenizer.render_chat(msgs), "messages")
+            ids = encode(llm, llm.render_chat(b.messages), "messages")
         else:
-            ids = encode_checked(llm, prompt_of(msg), "prompt")
-        sp = sampling_params(msg, default_max_tokens=min(256, llm.engine.trunk.max_seq - len(ids)),
+            ids = encode(llm, b.prompt, "prompt")
+        sp = sampling_params(b, default_max_tokens=min(DEFAULT_MAX_TOKENS, llm.max_model_len - len(ids)),
                              default_temperature=0.0)
-        policy = spec_policy(msg, llm.spec)
-        check_route(llm, policy, sp)
+        policy = spec_policy(b.speculation, llm.spec)
+        check_route(llm, sp, policy)
 
         t0 = time.perf_counter()
         self.emit({"type": "gen_start", "id": mid, "attempt_id": attempt, "prompt_tokens": len(ids)})
         ttft = None
         res = None
-        for chunk in llm.stream(ids, sp, policy):
-            if ttft is None and chunk.token_ids:
-                ttft = time.perf_counter() - t0
-            if chunk.text:
-                self.emit({"type": "token", "id": mid, "attempt_id": attempt, "text": chunk.text,
-                           "ids": chunk.token_ids})
-            res = chunk.result
+        n = 0
+        stream = llm.stream(ids, sp, policy)
+        try:
+            for chunk in stream:
+                if ttft is None and chunk.token_ids:
+                    ttft = time.perf_counter() - t0
+                n += len(chunk.token_ids)
+                if chunk.text:
+                    self.emit({"type": "token", "id": mid, "attempt_id": attempt, "text": chunk.text,
+                               "ids": chunk.token_ids})
+                res = chunk.result
+                if res is None:
+                    self.poll(attempt)
+        except Stop as s:
+            self.emit({"type": "aborted", "id": mid, "attempt_id": attempt, "tokens": n, "reason": s.reason})
+            if s.reason == "cancel":
+                self.emit({"type": "cancelled", "id": s.cancel_id, "attempt_id": attempt, "found": True})
+            return
+        finally:
+            stream.close()
         assert res is not None
-        st = res.stats
-        self.emit({"type": "done", "id": mid, "attempt_id": attempt, "tokens": st["generated_tokens"],
-                   "prefill_tokens": st["prompt_tokens"], "prefill_ms": 1000.0 * st["prefill_s"],
-                   "prefill_tok_s": st["prefill_tok_s"], "decode_tok_s": st["decode_tok_s"],
-                   "ttft_ms": 1000.0 * (ttft or 0.0), "finish_reason": res.finish_reason,
-                   "mean_accept_len": st["mean_accept_len"], "tau": st["mean_accept_len"],
-                   "cycles": st["cycles"], "route": st["route"], "k": st["k"]})
+        fig = llm.figures(res, sp)
+        self.emit({"type": "done", "id": mid, "attempt_id": attempt, "tokens": fig.generated_tokens,
+                   "prefill_tokens": fig.prompt_tokens, **fig.timings(1000.0 * (ttft or 0.0)),
+                   "finish_reason": res.finish_reason, "context_limited": fig.context_limited,
+                   "tau": fig.mean_accept_len})
 
-    def run(self, inp: IO[str]) -> None:
-        for line in inp:
-            self.handle_line(line)
-        self._unload()
+    def poll(self, attempt: int) -> None:
+        """Between engine steps: answer pings, act on cancels and the end of input, keep the rest."""
+        if self.closed:
+            raise Stop("eof")
+        while True:
+            try:
+                raw = self.lines.get_nowait()
+            except queue.Empty:
+                return
+            if raw is EOF:
+                self.eof = True
+                raise Stop("eof")
+            try:
+                msg = self.parse(raw)
+            except DaemonError:
+                self.pending.append(raw)       # reported in its turn
+                continue
+            if msg.get("type") == "ping":
+                self.handle_line(raw)
+            elif msg.get("type") == "cancel":
+                try:
+                    running = self.cancel(msg, running=attempt)
+                except DaemonError as e:
+                    self.error(msg.get("id"), e)
+                    continue
+                if running:
+                    raise Stop("cancel", msg.get("id"))
+            else:
+                self.pending.append(raw)
 
 
 def main(args: argparse.Namespace) -> int:
     sys.stdout.flush()
-    out = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
+    out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)                      # fd 1 (C libraries) and sys.stdout now write to stderr
     real_stdout, sys.stdout = sys.stdout, sys.stderr
+    d = Daemon(out)
     try:
-        d = Daemon(out)
         if args.model is not None:
-            d.handle_line(json.dumps({"type": "load", "model": None if args.model == "bundled" else args.model}))
-        d.run(sys.stdin)
+            d.handle_line(json.dumps({"type": "load", "model": None if args.model == "bundled" else args.model})
+                          .encode())
+        # the reader thread gets its own file on a copy of fd 0: it may still be blocked in a read
+        # at exit, and the interpreter aborts if that lock is sys.stdin's
+        d.run(os.fdopen(os.dup(0), "rb"))
     finally:
         sys.stdout = real_stdout
-        out.close()
+        try:
+            out.close()
+        except OSError:                # the reader has gone: nothing left to flush to
+            pass
     return 0

@@ -1,12 +1,23 @@
-"""Request parsing shared by the HTTP server and the daemon: JSON bodies in, typed SamplingParams
-and SpecPolicy out, or a RequestError that names the offending field (`param`)."""
+"""Request bodies shared by the HTTP server and the daemon: JSON in, pydantic models for the shape,
+SamplingParams / SpecPolicy for the ranges, or a RequestError naming the offending field (`param`).
+
+Parsing walks the decoded JSON once (iteratively) before anything else touches it, so a deeply
+nested body or a lone surrogate is a 400 naming where it is, not a RecursionError or a tokenizer
+TypeError later."""
 from __future__ import annotations
 
-import math
-from typing import Any
+import json
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..config import SamplingParams, SpecPolicy
-from ..errors import SpecfireError
+from ..errors import PromptError, SpecfireError
+
+if TYPE_CHECKING:
+    from ..api import LLM
+
+MAX_DEPTH = 32          # nesting levels a request may use (real bodies need about 5)
 
 
 class RequestError(Exception):
@@ -15,105 +26,299 @@ class RequestError(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400,
                  type_: str = "invalid_request_error", code: str | None = None):
         super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-        self.type = type_
-        self.code = code
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type_, code
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def _type_name(v: Any) -> str:
+def type_name(v: Any) -> str:
     return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null",
             int: "integer", float: "number"}.get(type(v), type(v).__name__)
 
 
-def is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
 
 
-def is_number(v: Any) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)
-            and (not isinstance(v, float) or math.isfinite(v)))
+# ---- raw JSON -------------------------------------------------------------------------------------
+
+def check_tree(value: Any, max_depth: int = MAX_DEPTH) -> None:
+    """Refuse nesting deeper than `max_depth` and strings that are not valid Unicode (lone
+    surrogates from `\\ud800` escapes), naming the path of the first offender."""
+    stack: list[tuple[Any, str, int]] = [(value, "", 0)]
+    while stack:
+        v, path, depth = stack.pop()
+        if isinstance(v, str):
+            _check_text(v, path)
+        elif isinstance(v, (dict, list)):
+            if depth >= max_depth:
+                raise RequestError(f"'{path or 'body'}' is nested more than {max_depth} levels deep", path or None)
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            for k, x in items:
+                if isinstance(k, str):
+                    _check_text(k, path or "body")
+                stack.append((x, _join(path, k), depth + 1))
 
 
-def optional(body: dict[str, Any], name: str, kind: str) -> Any:
-    """body[name] or None; a present value of the wrong JSON type is a RequestError naming `name`."""
-    v = body.get(name)
+def _join(path: str, key: Any) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else str(key)
+
+
+def _check_text(s: str, path: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"'{path}' has a lone surrogate {s[e.start]!r} at character {e.start}; strings must "
+                           f"be valid Unicode", path or None) from None
+
+
+def parse_json(raw: bytes | str, what: str = "request body") -> Any:
+    """Decode and parse one JSON document, with every failure a 400 (param null)."""
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RequestError(f"{what} is not valid UTF-8 (byte {e.start})") from None
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"{what} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise RequestError(f"{what} is nested more than {MAX_DEPTH} levels deep") from None
+    check_tree(value)
+    return value
+
+
+def parse_object(raw: bytes | str, what: str = "request body") -> dict[str, Any]:
+    value = parse_json(raw, what)
+    if not isinstance(value, dict):
+        raise RequestError(f"{what} must be a JSON object, got {type_name(value)}")
+    return value
+
+
+# ---- shapes ---------------------------------------------------------------------------------------
+
+class _Strict(BaseModel):
+    """JSON types as written (no "5" for 5, no true for 1); unknown fields are kept and ignored."""
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+def parse_messages(v: Any) -> list[dict[str, Any]]:
+    """Chat messages; content a string or an array of text parts (joined)."""
+    if not isinstance(v, list) or not v:
+        raise ValueError(f"must be a non-empty array of messages, got {type_name(v)}")
+    out = []
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ValueError(f"'{where}' must be an object with 'role' and 'content', got {type_name(m)}")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"'{where}.role' must be a non-empty string, got {_short(role)}")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise ValueError(f"'{where}.content[{j}]' must be a text part {{\"type\": \"text\", \"text\": "
+                                     f"...}}; only text is supported")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif not isinstance(content, str):
+            raise ValueError(f"'{where}.content' must be a string or an array of text parts, got "
+                             f"{type_name(content)}")
+        out.append({**m, "content": content})
+    return out
+
+
+def parse_prompt(p: Any) -> str | list[int]:
+    """A completions prompt: a string, an array of token ids, or an array holding one of those."""
+    def ids(x: Any) -> bool:
+        return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if isinstance(p, str):
+        return p
+    if ids(p):
+        return list(p)
+    if isinstance(p, list) and len(p) == 1 and (isinstance(p[0], str) or ids(p[0])):
+        return p[0] if isinstance(p[0], str) else list(p[0])
+    raise ValueError(f"must be a string, an array of token ids, or an array with one of those (one prompt per "
+                     f"request), got {type_name(p)}")
+
+
+class SamplingBody(_Strict):
+    """The OpenAI sampling fields (and `speculation`), shared by chat, completions and the daemon."""
+
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: Any = None
+    ignore_eos: bool | None = None
+    n: Any = None
+    best_of: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logprobs: Any = None
+    echo: Any = None
+    speculation: Any = None
+
+    @field_validator("stop")
+    @classmethod
+    def check_stop(cls, v: Any) -> list[str]:
+        if v is None:
+            return []
+        if isinstance(v, str):
+            return [v] if v else []
+        if isinstance(v, list) and all(isinstance(s, str) for s in v):
+            return [s for s in v if s]
+        raise ValueError(f"must be a string or an array of strings, got {_short(v)}")
+
+    @field_validator("n", "best_of")
+    @classmethod
+    def check_one(cls, v: Any) -> Any:
+        if v is not None and (type(v) is not int or v != 1):
+            raise ValueError(f"must be 1 (one completion per request), got {_short(v)}")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def check_zero(cls, v: Any) -> Any:
+        if v is not None and (type(v) not in (int, float) or v != 0):
+            raise ValueError(f"is not supported; it must be 0 or absent, got {_short(v)}")
+        return v
+
+    @field_validator("logprobs", "echo")
+    @classmethod
+    def check_unsupported(cls, v: Any) -> Any:
+        if v not in (None, False, 0):
+            raise ValueError("is not supported")
+        return v
+
+    @field_validator("speculation")
+    @classmethod
+    def check_speculation(cls, v: Any) -> Any:
+        if v is not None and not isinstance(v, (dict, str)):
+            raise ValueError(f"must be an object {{\"mode\", \"k\"}} or a mode string, got {type_name(v)} {_short(v)}")
+        return v
+
+
+class HttpBody(SamplingBody):
+    model: str | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+
+
+class ChatBody(HttpBody):
+    messages: Any = Field(default=None, validate_default=True)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def check_messages(cls, v: Any) -> list[dict[str, Any]]:
+        return _required(v, parse_messages)
+
+
+class CompletionBody(HttpBody):
+    prompt: Any = Field(default=None, validate_default=True)
+
+    @field_validator("prompt")
+    @classmethod
+    def check_prompt(cls, v: Any) -> str | list[int]:
+        return _required(v, parse_prompt)
+
+
+class GenerateMessage(SamplingBody):
+    """The daemon's `generate`: exactly one of prompt / messages (checked by the daemon)."""
+
+    prompt: Any = None
+    messages: Any = None
+
+    @field_validator("messages")
+    @classmethod
+    def check_messages(cls, v: Any) -> list[dict[str, Any]] | None:
+        return None if v is None else parse_messages(v)
+
+    @field_validator("prompt")
+    @classmethod
+    def check_prompt(cls, v: Any) -> str | list[int] | None:
+        return None if v is None else parse_prompt(v)
+
+
+def _required(v: Any, check: Any) -> Any:
     if v is None:
-        return None
-    ok = {"integer": is_int, "number": is_number, "string": lambda x: isinstance(x, str),
-          "boolean": lambda x: isinstance(x, bool), "object": lambda x: isinstance(x, dict),
-          "array": lambda x: isinstance(x, list)}[kind](v)
-    if not ok:
-        raise RequestError(f"'{name}' must be {'an' if kind[0] in 'aeio' else 'a'} {kind}, got {_type_name(v)} "
-                           f"{v!r}", name)
-    return v
+        raise ValueError("is required")
+    return check(v)
 
 
-SAMPLING_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-                   "stop", "ignore_eos")
+KINDS = {"int_type": "an integer", "float_type": "a number", "string_type": "a string", "bool_type": "a boolean",
+         "dict_type": "an object", "model_type": "an object", "list_type": "an array",
+         "finite_number": "a finite number", "int_from_float": "an integer"}
 
 
-def sampling_params(body: dict[str, Any], default_max_tokens: int, default_temperature: float = 1.0) -> SamplingParams:
-    """The OpenAI sampling fields of `body` as SamplingParams; missing ones take the defaults.
+def validate(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    """`model` over `body`, or a RequestError naming the first bad field (`param`)."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        param = ""
+        for part in err["loc"]:
+            param += f"[{part}]" if isinstance(part, int) else (f".{part}" if param else str(part))
+        param = param or None
+        if err["type"] == "value_error":
+            msg = str(err["ctx"]["error"])
+            if msg.startswith("'"):        # the message names a nested field itself
+                raise RequestError(msg, msg[1:msg.index("'", 1)]) from None
+            raise RequestError(f"'{param}' {msg}", param) from None
+        kind = KINDS.get(err["type"])
+        got = err.get("input")
+        if kind is not None:
+            raise RequestError(f"'{param}' must be {kind}, got {type_name(got)} {_short(got)}", param) from None
+        raise RequestError(f"'{param}': {err['msg']}", param) from None
 
-    `max_completion_tokens` (the newer name) wins over `max_tokens`; top_k -1 means no top-k (vLLM)."""
-    mt_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = optional(body, mt_name, "integer")
-    temperature = optional(body, "temperature", "number")
-    top_p = optional(body, "top_p", "number")
-    top_k = optional(body, "top_k", "integer")
-    min_p = optional(body, "min_p", "number")
-    seed = optional(body, "seed", "integer")
-    ignore_eos = optional(body, "ignore_eos", "boolean")
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise RequestError(f"'stop' must be a string or an array of strings, got {stop!r}", "stop")
-    if top_k == -1:
-        top_k = 0
-    for name in ("n", "best_of"):
-        n = body.get(name)
-        if n is not None and (not is_int(n) or n != 1):
-            raise RequestError(f"'{name}' must be 1 (one completion per request), got {n!r}", name)
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = body.get(name)
-        if v is not None and (not is_number(v) or v != 0):
-            raise RequestError(f"'{name}' is not supported; it must be 0 or absent, got {v!r}", name)
-    if body.get("logprobs") not in (None, False, 0):
-        raise RequestError("'logprobs' is not supported", "logprobs")
-    if body.get("echo"):
-        raise RequestError("'echo' is not supported", "echo")
+
+# ---- typed values ---------------------------------------------------------------------------------
+
+def sampling_params(b: SamplingBody, default_max_tokens: int, default_temperature: float = 1.0) -> SamplingParams:
+    """SamplingParams from a validated body; `max_completion_tokens` (the newer name) wins over
+    `max_tokens`; top_k -1 means no top-k (vLLM). Range errors name the field as the client wrote it."""
+    mt_name = "max_completion_tokens" if b.max_completion_tokens is not None else "max_tokens"
+    max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
     kw: dict[str, Any] = dict(
         max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-        temperature=default_temperature if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p, top_k=0 if top_k is None else top_k,
-        min_p=0.0 if min_p is None else min_p, seed=seed, stop=[s for s in stop if s],
-        ignore_eos=bool(ignore_eos))
+        temperature=default_temperature if b.temperature is None else b.temperature,
+        top_p=1.0 if b.top_p is None else b.top_p,
+        top_k=0 if b.top_k in (None, -1) else b.top_k,
+        min_p=0.0 if b.min_p is None else b.min_p, seed=b.seed, stop=b.stop or [], ignore_eos=bool(b.ignore_eos))
     try:
         return SamplingParams(**kw)
     except ValueError as e:
         msg = str(e)
         field = msg.split(" ", 1)[0]
         if field == "max_tokens":
-            field = mt_name
-            msg = mt_name + msg[len("max_tokens"):]
+            field, msg = mt_name, mt_name + msg[len("max_tokens"):]
         raise RequestError(msg, field) from None
 
 
-def spec_policy(body: dict[str, Any], default: SpecPolicy, name: str = "speculation") -> SpecPolicy:
+def spec_policy(v: Any, default: SpecPolicy, name: str = "speculation") -> SpecPolicy:
     """`"speculation": {"mode": ..., "k": ...}` (or a bare mode string) over the server's default."""
-    v = body.get(name)
     if v is None:
         return default
-    if not isinstance(v, (dict, str)):
-        raise RequestError(f"'{name}' must be an object {{\"mode\", \"k\"}}, got {_type_name(v)} {v!r}", name)
     try:
         return SpecPolicy.coerce(v, default)
     except ValueError as e:
@@ -122,80 +327,17 @@ def spec_policy(body: dict[str, Any], default: SpecPolicy, name: str = "speculat
         raise RequestError(msg, field if field.startswith(name) else name) from None
 
 
-def check_route(llm: Any, policy: SpecPolicy, sp: SamplingParams, name: str = "speculation") -> None:
+def encode(llm: "LLM", prompt: str | list[int], name: str) -> list[int]:
+    """Token ids of a prompt through the LLM's one prompt check; a refusal names `name`."""
+    try:
+        return llm.prompt_ids(prompt)
+    except PromptError as e:
+        raise RequestError(f"'{name}': {e}", name, code="context_length_exceeded" if e.too_long else None) from None
+
+
+def check_route(llm: "LLM", sp: SamplingParams, policy: SpecPolicy, name: str = "speculation") -> None:
     """Refuse, before queueing, a speculation mode the loaded model cannot serve."""
     try:
-        llm.engine.route(policy, sp)
+        llm.preview_route(sp, policy)
     except SpecfireError as e:
         raise RequestError(str(e), f"{name}.mode") from None
-
-
-def messages_of(body: dict[str, Any], name: str = "messages") -> list[dict[str, Any]]:
-    """Validated chat messages; content may be a string or an array of text parts."""
-    msgs = body.get(name)
-    if msgs is None:
-        raise RequestError(f"'{name}' is required", name)
-    if not isinstance(msgs, list) or not msgs:
-        raise RequestError(f"'{name}' must be a non-empty array of messages, got {_type_name(msgs)}", name)
-    out = []
-    for i, m in enumerate(msgs):
-        where = f"{name}[{i}]"
-        if not isinstance(m, dict):
-            raise RequestError(f"'{where}' must be an object with 'role' and 'content', got {_type_name(m)}", where)
-        role = m.get("role")
-        if not isinstance(role, str) or not role:
-            raise RequestError(f"'{where}.role' must be a non-empty string, got {role!r}", f"{where}.role")
-        content = m.get("content")
-        if content is None:
-            content = ""
-        elif isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise RequestError(f"'{where}.content[{j}]' must be a text part {{\"type\": \"text\", \"text\": "
-                                       f"...}}; only text is supported", f"{where}.content")
-                parts.append(part["text"])
-            content = "".join(parts)
-        elif not isinstance(content, str):
-            raise RequestError(f"'{where}.content' must be a string or an array of text parts, got "
-                               f"{_type_name(content)}", f"{where}.content")
-        out.append({**m, "content": content})
-    return out
-
-
-def prompt_of(body: dict[str, Any], name: str = "prompt") -> str | list[int]:
-    """A completions prompt: a string, an array of token ids, or an array holding one string."""
-    p = body.get(name)
-    if p is None:
-        raise RequestError(f"'{name}' is required", name)
-    if isinstance(p, str):
-        return p
-    if isinstance(p, list) and p and all(is_int(t) for t in p):
-        return list(p)
-    if isinstance(p, list) and len(p) == 1 and (isinstance(p[0], str) or
-                                                (isinstance(p[0], list) and p[0] and all(is_int(t) for t in p[0]))):
-        return p[0] if isinstance(p[0], str) else list(p[0])
-    raise RequestError(f"'{name}' must be a string, an array of token ids, or an array with one of those "
-                       f"(one prompt per request), got {_type_name(p)}", name)
-
-
-def encode_checked(llm: Any, prompt: str | list[int], name: str) -> list[int]:
-    """Token ids of the prompt, refused (naming `name`) when empty, out of vocab or too long."""
-    if isinstance(prompt, str):
-        if llm.tokenizer is None:
-            raise RequestError("this model has no tokenizer; send token ids", name)
-        ids = llm.tokenizer.encode(prompt)
-    else:
-        ids = prompt
-    if not ids:
-        raise RequestError(f"'{name}' is empty", name)
-    vocab = llm.cfg.vocab_size
-    bad = [t for t in ids if not (0 <= t < vocab)]
-    if bad:
-        raise RequestError(f"'{name}' has token id {bad[0]} outside the vocabulary [0, {vocab})", name)
-    max_seq = llm.engine.trunk.max_seq
-    if len(ids) >= max_seq:
-        raise RequestError(f"'{name}' is {len(ids)} tokens; this server's context is {max_seq} tokens "
-                           f"(the prompt must leave room for at least one generated token)", name,
-                           code="context_length_exceeded")
-    return ids

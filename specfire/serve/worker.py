@@ -2,8 +2,8 @@
 
 The engine keeps a single sequence state and is not re-entrant, so every generation goes through
 this worker's FIFO queue; callers get events through a callback and cancel by setting an Event,
-which is checked between streamed chunks (a cancelled request's state is simply reset by the next
-request's prefill)."""
+which the worker checks before a job starts and after every engine step (a cancelled request's
+state is simply reset by the next request's prefill)."""
 from __future__ import annotations
 
 import logging
@@ -11,15 +11,29 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..config import SamplingParams, SpecPolicy
+from ..report import RequestFigures
 from .metrics import Metrics
+
+if TYPE_CHECKING:
+    from ..api import LLM, GenerationResult
 
 log = logging.getLogger("specfire")
 
 # event kinds passed to Job.on_event(kind, payload)
 CHUNK, DONE, ERROR, CANCELLED = "chunk", "done", "error", "cancelled"
+
+
+@dataclass
+class Finished:
+    """The DONE payload: the last chunk's text, the result and its figures."""
+
+    text: str
+    result: "GenerationResult"
+    figures: RequestFigures
+    ttft_s: float
 
 
 @dataclass
@@ -34,7 +48,7 @@ class Job:
 
 
 class EngineWorker:
-    def __init__(self, llm: Any, metrics: Metrics | None = None):
+    def __init__(self, llm: "LLM", metrics: Metrics | None = None):
         self.llm = llm
         self.metrics = metrics
         self.q: queue.Queue[Job | None] = queue.Queue()
@@ -56,38 +70,26 @@ class EngineWorker:
         """Cancel the running request and every queued one (they end with a CANCELLED event)."""
         with self.q.mutex:
             queued = [j for j in self.q.queue if j is not None]
-        for job in queued + ([self.current] if self.current is not None else []):
+        cur = self.current
+        for job in queued + ([cur] if cur is not None else []):
             job.cancel.set()
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Cancel the running request and every queued one, then stop the thread."""
-        cur = self.current
-        if cur is not None:
-            cur.cancel.set()
-        while True:
-            try:
-                job = self.q.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.cancel.set()
-                self._finish_unstarted(job)
+        self.cancel_all()
         self.q.put(None)
         self.thread.join(timeout)
 
     # ---- the loop -------------------------------------------------------------------------------
-    def _finish_unstarted(self, job: Job) -> None:
-        if self.metrics:
-            self.metrics.finished("abort", time.perf_counter() - job.arrived, None, started=False)
-        job.on_event(CANCELLED, None)
-
     def _loop(self) -> None:
         while True:
             job = self.q.get()
             if job is None:
                 return
             if job.cancel.is_set():
-                self._finish_unstarted(job)
+                if self.metrics:
+                    self.metrics.finished("abort", time.perf_counter() - job.arrived, None, started=False)
+                job.on_event(CANCELLED, None)
                 continue
             if self.metrics:
                 self.metrics.started()
@@ -110,20 +112,20 @@ class EngineWorker:
             for chunk in stream:
                 now = time.perf_counter()
                 n = len(chunk.token_ids)
+                n_gap = n
                 if job.ttft_s is None and n:
                     job.ttft_s = now - job.arrived
                     if m:
                         m.first_token(job.ttft_s)
                     n_gap = 0
-                else:
-                    n_gap = n
                 if m and last_t is not None and n_gap > 0:
                     m.tokens_arrived(now - last_t, n_gap)
                 last_t = now
                 if chunk.result is not None:
+                    fig = self.llm.figures(chunk.result, job.params)
                     if m:
-                        m.finished(chunk.result.finish_reason, now - job.arrived, chunk.result.stats)
-                    job.on_event(DONE, (chunk, job.ttft_s or 0.0))
+                        m.finished(chunk.result.finish_reason, now - job.arrived, fig)
+                    job.on_event(DONE, Finished(chunk.text, chunk.result, fig, job.ttft_s or 0.0))
                     return
                 job.on_event(CHUNK, chunk)
                 if job.cancel.is_set():
@@ -132,6 +134,4 @@ class EngineWorker:
                     job.on_event(CANCELLED, None)
                     return
         finally:
-            close = getattr(stream, "close", None)
-            if close is not None:
-                close()
+            stream.close()

@@ -1,0 +1,138 @@
+"""Multi-turn prefix reuse: snapshots of a single-device trunk's state at prefill piece boundaries.
+
+A chat's next turn re-sends the whole conversation. The Gated DeltaNet state cannot be sliced per
+position, so the state is snapshotted whole (recurrent state and conv window of every GDN layer,
+KV rows [0, p) of every attention layer, the post-norm hidden rows [0, p) the MTP drafter starts
+from) at p = the last multiple of the prefill piece inside the prompt. A later prompt that starts
+with those p tokens restores it and prefills only the rest.
+
+Snapshots sit only where the cold prefill also ends a forward (multiples of the piece, counted
+from 0), so the resumed prefill runs exactly the forwards a cold one would, on the same bits:
+greedy output is identical to a cold run, not merely close. Memory is bounded by `max_bytes`
+(least recently used snapshots go first)."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..model.qwen35 import SequenceState
+
+if TYPE_CHECKING:
+    from .trunk import LocalTrunk, Rows
+
+
+@dataclass
+class Snapshot:
+    ids: tuple[int, ...]                    # the p tokens this state has seen
+    kv: list[tuple[torch.Tensor, ...]]      # per attention layer: k, v (and scales) rows [0, p)
+    rec: list[tuple[torch.Tensor, torch.Tensor]]  # per GDN layer: recurrent state, conv window
+    hidden: torch.Tensor                    # post-norm hidden rows [p, H]
+
+    @property
+    def nbytes(self) -> int:
+        ts = [t for group in self.kv + self.rec for t in group] + [self.hidden]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+def take(state: SequenceState, ids: list[int], hidden: torch.Tensor) -> Snapshot:
+    """Copy of the state after the len(ids) tokens `ids` (hidden: their post-norm rows)."""
+    p = len(ids)
+    kv, rec = [], []
+    for lc in state.layers:
+        if lc.rec is not None:
+            rec.append((lc.rec.clone(), lc.conv.clone()))
+        else:
+            kv.append(tuple(t[:p].clone() for t in (lc.k, lc.v, lc.k_scale, lc.v_scale) if t is not None))
+    return Snapshot(tuple(ids), kv, rec, hidden[:p].clone())
+
+
+def restore(state: SequenceState, snap: Snapshot) -> None:
+    """Make `state` the state after snap.ids (rows past them are left as they are: reads are
+    bounded by position)."""
+    p = len(snap.ids)
+    ikv, irec = iter(snap.kv), iter(snap.rec)
+    for lc in state.layers:
+        if lc.rec is not None:
+            r, c = next(irec)
+            lc.rec.copy_(r)
+            lc.conv.copy_(c)
+            lc.cap_conv = lc.cap_rec = None
+        else:
+            live = [t for t in (lc.k, lc.v, lc.k_scale, lc.v_scale) if t is not None]
+            for dst, src in zip(live, next(ikv)):
+                dst[:p].copy_(src)
+
+
+class PrefixCache:
+    """Snapshots of the last prompts on one single-device trunk, at most `max_bytes` in all; the
+    trunk's prefill piece is the granularity of reuse."""
+
+    def __init__(self, trunk: "LocalTrunk", max_bytes: int):
+        if max_bytes < 0:
+            raise ValueError(f"the prefix cache size must be >= 0 bytes, got {max_bytes}")
+        self.trunk, self.max_bytes, self.piece = trunk, max_bytes, trunk.piece
+        self.entries: OrderedDict[tuple[int, ...], Snapshot] = OrderedDict()
+        self.hits = self.lookups = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.entries.values())
+
+    def boundary(self, n_prompt: int) -> int:
+        """Where a prompt of n tokens is snapshotted: the last piece boundary that leaves at least
+        one prompt token to prefill (its logits pick the first generated token)."""
+        return ((n_prompt - 1) // self.piece) * self.piece
+
+    def lookup(self, ids: list[int]) -> Snapshot | None:
+        """The longest snapshot whose tokens start `ids` and leave at least one to prefill."""
+        self.lookups += 1
+        best = None
+        for key, snap in self.entries.items():
+            p = len(key)
+            if p < len(ids) and (best is None or p > len(best.ids)) and tuple(ids[:p]) == key:
+                best = snap
+        if best is not None:
+            self.hits += 1
+            self.entries.move_to_end(best.ids)
+        return best
+
+    def wants(self, ids: list[int]) -> int:
+        """The boundary to snapshot this prompt at, or 0 when there is nothing new to keep."""
+        p = self.boundary(len(ids))
+        return 0 if p == 0 or tuple(ids[:p]) in self.entries else p
+
+    def add(self, snap: Snapshot) -> None:
+        if snap.nbytes > self.max_bytes:
+            return
+        self.entries[snap.ids] = snap
+        while self.nbytes > self.max_bytes:
+            self.entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int], prompt: torch.Tensor) -> tuple["Rows", int]:
+        """The trunk's prefill of `prompt` (= ids) from the longest cached prefix, keeping a
+        snapshot at this prompt's boundary. Returns (rows: last logits, hidden of every prompt
+        row; cached prompt tokens)."""
+        from .trunk import Rows
+
+        t = self.trunk
+        snap = self.lookup(ids)
+        start = len(snap.ids) if snap is not None else 0
+        t.begin()
+        hs = [] if snap is None else [snap.hidden]
+        if snap is not None:
+            restore(t.state, snap)
+        cut = self.wants(ids)
+        if cut > start:                       # prefill up to the boundary, snapshot, then the rest
+            head = t.prefill(prompt[start:cut], start=start)
+            hs.append(head.hidden)
+            self.add(take(t.state, ids[:cut], torch.cat(hs)))
+            start = cut
+        rows = t.prefill(prompt[start:], start=start)
+        return Rows(rows.logits, torch.cat(hs + [rows.hidden])), (len(snap.ids) if snap is not None else 0)

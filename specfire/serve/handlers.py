@@ -1,0 +1,141 @@
+"""The HTTP endpoints as plain functions. A generation request is read (size-limited), then parsed,
+validated, rendered and tokenized in a worker thread (the event loop stays free for /health and
+every other client), then handed to relay.respond, which queues it on the engine worker."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from ..config import SamplingParams, SpecPolicy
+from . import relay
+from .app import ServeState, state_of
+from .metrics import CONTENT_TYPE
+from .schema import (ChatBody, CompletionBody, HttpBody, RequestError, check_route, encode, parse_object,
+                     sampling_params, spec_policy, validate)
+
+if TYPE_CHECKING:
+    from ..api import LLM
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
+
+
+@dataclass
+class Prepared:
+    """A request ready for the engine."""
+
+    ids: list[int]
+    params: SamplingParams
+    spec: SpecPolicy
+    chat: bool
+    stream: bool
+    include_usage: bool
+
+
+# ---- endpoints ------------------------------------------------------------------------------------
+
+async def health(request: Request) -> JSONResponse:
+    w = state_of(request).worker
+    if w is None or not w.alive:
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    return Response(state_of(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def models(request: Request) -> JSONResponse:
+    st = state_of(request)
+    authorize(st, request)
+    return JSONResponse({"object": "list", "data": [{
+        "id": st.model_name, "object": "model", "created": st.created, "owned_by": "specfire",
+        "root": st.llm.path, "max_model_len": st.llm.max_model_len}]})
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, chat=True)
+
+
+async def completions(request: Request) -> Response:
+    return await _generate(request, chat=False)
+
+
+async def _generate(request: Request, chat: bool) -> Response:
+    st = state_of(request)
+    authorize(st, request)
+    raw = await read_body(request, st.max_request_bytes)
+    prep = await asyncio.to_thread(prepare, st, raw, chat)
+    return await relay.respond(request, st, prep)
+
+
+# ---- steps ----------------------------------------------------------------------------------------
+
+def authorize(st: ServeState, request: Request) -> None:
+    if st.api_key is None:
+        return
+    auth = request.headers.get("authorization", "")
+    given = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+    if not hmac.compare_digest(given.encode(), st.api_key.encode()):
+        raise RequestError("invalid API key: send 'Authorization: Bearer <key>'", None, 401,
+                           "authentication_error", "invalid_api_key")
+
+
+def too_large(size: int | str, limit: int) -> RequestError:
+    return RequestError(f"request body is {size} bytes; this server accepts at most {limit} "
+                        f"(--max-request-bytes)", None, 413, code="request_too_large")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(declared, limit)
+    parts: list[bytes] = []
+    n = 0
+    async for piece in request.stream():
+        n += len(piece)
+        if n > limit:
+            raise too_large(f"more than {limit}", limit)
+        parts.append(piece)
+    return b"".join(parts)
+
+
+def prepare(st: ServeState, raw: bytes, chat: bool) -> Prepared:
+    """Parse, validate, render and tokenize one request (runs in a worker thread)."""
+    llm = st.llm
+    body = parse_object(raw)
+    b: HttpBody = validate(ChatBody if chat else CompletionBody, body)
+    if b.model is not None and b.model != st.model_name:
+        raise RequestError(f"model {b.model!r} does not exist; this server serves {st.model_name!r}", "model", 404,
+                           "not_found_error", "model_not_found")
+    if chat:
+        assert isinstance(b, ChatBody)
+        ids = encode(llm, render(llm, b.messages, b.chat_template_kwargs or {}), "messages")
+        default_max = llm.max_model_len
+    else:
+        assert isinstance(b, CompletionBody)
+        ids = encode(llm, b.prompt, "prompt")
+        default_max = COMPLETIONS_DEFAULT_MAX_TOKENS
+    sp = sampling_params(b, default_max_tokens=min(default_max, llm.max_model_len - len(ids)))
+    policy = spec_policy(b.speculation, llm.spec)
+    check_route(llm, sp, policy)
+    so = b.stream_options
+    return Prepared(ids, sp, policy, chat, bool(b.stream), bool(so is not None and so.include_usage))
+
+
+def render(llm: "LLM", messages: list[dict[str, Any]], kw: dict[str, Any]) -> str:
+    from jinja2 import TemplateError
+
+    if llm.tokenizer is None:
+        raise RequestError("this model has no tokenizer, so it cannot serve chat; use /v1/completions with token "
+                           "ids", "messages")
+    try:
+        return llm.tokenizer.render_chat(messages, add_generation_prompt=True, **kw)
+    except (ValueError, TypeError, TemplateError, RecursionError) as e:
+        raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
+                           "messages") from None

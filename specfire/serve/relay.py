@@ -1,0 +1,176 @@
+"""Run one prepared request on the engine worker and relay its events as an OpenAI response: a JSON
+object, or server-sent events.
+
+A watcher task waits on the connection for the whole life of the job: when the client goes away
+(streaming or not, queued or running) it sets the job's cancel flag, which the worker checks after
+every engine step, so an abandoned request stops within one step and counts as `abort`."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..errors import SpecfireError
+from .schema import RequestError
+from .worker import CANCELLED, CHUNK, DONE, ERROR, Finished, Job
+
+if TYPE_CHECKING:
+    from .app import ServeState
+    from .handlers import Prepared
+
+Event = tuple[str, Any]
+SHUTTING_DOWN = "the request was cancelled: the server is shutting down"
+
+
+def usage(fin: Finished) -> dict[str, Any]:
+    f = fin.figures
+    return {"prompt_tokens": f.prompt_tokens, "completion_tokens": f.generated_tokens,
+            "total_tokens": f.prompt_tokens + f.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": f.cached_tokens}}
+
+
+def timings(fin: Finished) -> dict[str, Any]:
+    """Per-request timings and speculation figures (not an OpenAI field; clients keep extra keys)."""
+    return fin.figures.timings(1000.0 * fin.ttft_s)
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def engine_error(e: BaseException) -> RequestError:
+    if isinstance(e, (ValueError, SpecfireError)):
+        return RequestError(str(e), None)
+    return RequestError(f"internal error: {type(e).__name__}: {e}", None, 500, "server_error")
+
+
+async def watch(request: Request, job: Job) -> None:
+    """Cancel `job` when the client disconnects (the ASGI server reports it on receive)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            job.cancel.set()
+            return
+
+
+class Relay:
+    """One request's job and its event queue."""
+
+    def __init__(self, request: Request, st: "ServeState", prep: "Prepared"):
+        self.request, self.st, self.prep = request, st, prep
+        loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def on_event(kind: str, payload: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+            except RuntimeError:  # the loop is gone (shutdown): nobody is listening
+                pass
+
+        assert st.worker is not None
+        self.job = st.worker.submit(Job(prep.ids, prep.params, prep.spec, on_event))
+        self.watcher = asyncio.create_task(watch(request, self.job))
+        self.rid = ("chatcmpl-" if prep.chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+    async def next(self) -> Event:
+        return await self.events.get()
+
+    def end(self) -> None:
+        """The job is over or abandoned: stop it (a no-op once done) and the watcher."""
+        self.job.cancel.set()
+        self.watcher.cancel()
+
+    def gone(self) -> bool:
+        return self.watcher.done() and self.job.cancel.is_set()
+
+
+async def respond(request: Request, st: "ServeState", prep: "Prepared") -> Response:
+    r = Relay(request, st, prep)
+    try:
+        first = await r.next()
+        if first[0] == ERROR:
+            raise engine_error(first[1])
+        if first[0] == CANCELLED:
+            if r.gone():
+                return Response(status_code=499)
+            raise RequestError(SHUTTING_DOWN, None, 503, "server_error")
+    except BaseException:
+        r.end()
+        raise
+    if prep.stream:
+        return StreamingResponse(stream(r, first), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        ev = first
+        while ev[0] == CHUNK:
+            ev = await r.next()
+    finally:
+        r.end()
+    if ev[0] == ERROR:
+        raise engine_error(ev[1])
+    if ev[0] == CANCELLED:
+        if r.gone():
+            return Response(status_code=499)
+        raise RequestError(SHUTTING_DOWN, None, 503, "server_error")
+    fin: Finished = ev[1]
+    res = fin.result
+    choice: dict[str, Any] = {"index": 0, "finish_reason": res.finish_reason, "logprobs": None}
+    if prep.chat:
+        choice["message"] = {"role": "assistant", "content": res.text}
+    else:
+        choice["text"] = res.text
+    return JSONResponse({"id": r.rid, "object": "chat.completion" if prep.chat else "text_completion",
+                         "created": int(time.time()), "model": st.model_name, "choices": [choice],
+                         "usage": usage(fin), "timings": timings(fin)})
+
+
+async def stream(r: Relay, first: Event) -> AsyncIterator[str]:
+    chat, name = r.prep.chat, r.st.model_name
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def piece(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+        c: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            c["delta"] = delta
+        else:
+            c["text"] = text or ""
+        return {"id": r.rid, "object": obj, "created": int(time.time()), "model": name, "choices": [c]}
+
+    ev = first
+    try:
+        if chat:
+            yield sse(piece("", None, role=True))
+        while True:
+            kind, payload = ev
+            if kind == CHUNK:
+                if payload.text:
+                    yield sse(piece(payload.text, None))
+            elif kind == DONE:
+                fin: Finished = payload
+                if fin.text:
+                    yield sse(piece(fin.text, None))
+                last = piece(None if chat else "", fin.result.finish_reason)
+                last["timings"] = timings(fin)
+                yield sse(last)
+                if r.prep.include_usage:
+                    yield sse({"id": r.rid, "object": obj, "created": int(time.time()), "model": name,
+                               "choices": [], "usage": usage(fin), "timings": timings(fin)})
+                yield "data: [DONE]\n\n"
+                return
+            else:  # ERROR, or CANCELLED: the server is shutting down (or the client already left)
+                err = engine_error(payload) if kind == ERROR else RequestError(SHUTTING_DOWN, None, 503,
+                                                                               "server_error")
+                yield sse(err.body())
+                yield "data: [DONE]\n\n"
+                return
+            ev = await r.next()
+    finally:
+        r.end()  # the client left or the stream ended: stop generating

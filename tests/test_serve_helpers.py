@@ -1,0 +1,199 @@
+"""The serving helpers of LLM (what the servers use instead of engine internals) and the request
+schema, in process."""
+import time
+
+import pytest
+import torch
+
+from specfire import LLM, SamplingParams, SpecPolicy
+from specfire.errors import PromptError, SpecfireError
+from specfire.report import RequestFigures
+from specfire.serve import schema
+from specfire.serve.schema import RequestError
+from tinytok import make_tok_checkpoint
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = make_tok_checkpoint(str(tmp_path_factory.mktemp("helpers") / "ckpt"), seed=4)
+    with LLM(path, device="cpu", max_seq_len=96, progress=False) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def nomtp(tmp_path_factory):
+    path = make_tok_checkpoint(str(tmp_path_factory.mktemp("helpers") / "nomtp"), seed=4, mtp=False)
+    with LLM(path, device="cpu", max_seq_len=96, progress=False) as m:
+        yield m
+
+
+def test_max_model_len(llm):
+    assert llm.max_model_len == 96
+
+
+@pytest.mark.parametrize("mode,max_tokens", [("off", 4), ("auto", 4), ("auto", 1), ("mtp", 4), ("ngram", 4)])
+def test_preview_route_is_the_route_taken(llm, nomtp, mode, max_tokens):
+    sp = SamplingParams(max_tokens=max_tokens)
+    for m in (llm, nomtp):
+        if mode == "mtp" and m is nomtp:
+            with pytest.raises(SpecfireError, match="MTP head"):
+                m.preview_route(sp, mode)
+            with pytest.raises(SpecfireError, match="MTP head"):
+                m.generate("hi", sp, mode)
+            continue
+        route, reason = m.preview_route(sp, SpecPolicy(mode=mode, k=2))
+        st = m.generate("hi", sp, SpecPolicy(mode=mode, k=2)).stats
+        assert (route, reason) == (st["route"], st["route_reason"])
+
+
+def test_prompt_ids_one_check(llm):
+    assert llm.prompt_ids("def f(x):") == llm.tokenizer.encode("def f(x):")
+    assert llm.prompt_ids([1, 2, 3]) == [1, 2, 3]
+    cases = [("", "empty", False), ([], "empty", False), ([1, 10 ** 6], "out of range", False),
+             ([1, True], "not an integer", False), ("a \ud800 b", "lone surrogate", False),
+             ([5] * 96, "max_seq_len is 96", True), ("word " * 200, "max_seq_len is 96", True)]
+    for prompt, word, too_long in cases:
+        with pytest.raises(PromptError, match=word) as e:
+            llm.prompt_ids(prompt)
+        assert e.value.too_long is too_long, prompt
+
+
+def test_an_absurdly_long_prompt_is_refused_without_tokenizing(llm):
+    text = "x" * 20_000_000                     # tokenizing this would take tens of seconds
+    t0 = time.perf_counter()
+    with pytest.raises(PromptError, match="characters") as e:
+        llm.prompt_ids(text)
+    assert e.value.too_long and time.perf_counter() - t0 < 2.0
+
+
+def test_figures_is_the_one_projection(llm):
+    sp = SamplingParams(max_tokens=200, ignore_eos=True)
+    res = llm.generate("def f(x):", sp, "mtp")
+    fig = llm.figures(res, sp)
+    assert isinstance(fig, RequestFigures)
+    st = res.stats
+    assert (fig.prompt_tokens, fig.generated_tokens, fig.route, fig.cycles) == \
+        (st["prompt_tokens"], st["generated_tokens"], "mtp", st["cycles"])
+    assert fig.context_limited and fig.finish_reason == "length" and fig.generated_tokens < 200
+    t = fig.timings(12.5)
+    assert t["ttft_ms"] == 12.5 and t["prefill_ms"] == pytest.approx(1000 * st["prefill_s"])
+    assert "cut short" in fig.summary() and f"{fig.prompt_tokens} prompt" in fig.summary()
+    short = llm.figures(llm.generate("def f(x):", SamplingParams(max_tokens=3, ignore_eos=True)),
+                        SamplingParams(max_tokens=3))
+    assert not short.context_limited and "cut short" not in short.summary()
+
+
+# ---- the request schema ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body,param,word", [
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "", "content": "y"}]}, "messages[1].role", "non-empty"),
+    ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "messages[0].content[0]", "text part"),
+    ({"messages": []}, "messages", "non-empty"),
+    ({}, "messages", "required"),
+    ({"messages": [{"role": "user"}], "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage",
+     "boolean"),
+    ({"messages": [{"role": "user"}], "max_tokens": True}, "max_tokens", "integer"),
+    ({"messages": [{"role": "user"}], "temperature": "0.5"}, "temperature", "number"),
+    ({"messages": [{"role": "user"}], "stop": ["a", 3]}, "stop", "strings"),
+    ({"messages": [{"role": "user"}], "n": 2}, "n", "must be 1"),
+])
+def test_schema_errors_name_the_field(body, param, word):
+    with pytest.raises(RequestError) as e:
+        schema.validate(schema.ChatBody, body)
+    assert e.value.param == param and word in e.value.message and param.split("[")[0] in e.value.message
+
+
+def test_check_tree_depth_and_surrogates():
+    schema.check_tree({"a": [[[1]]]}, max_depth=4)
+    with pytest.raises(RequestError) as e:
+        schema.check_tree({"a": [[[[1]]]]}, max_depth=4)
+    assert e.value.param == "a[0][0][0]"
+    with pytest.raises(RequestError) as e:
+        schema.check_tree({"messages": [{"content": "ok"}, {"content": "\udc00"}]})
+    assert e.value.param == "messages[1].content" and "surrogate" in e.value.message
+    with pytest.raises(RequestError):
+        schema.parse_json("[" * 100_000)
+
+
+def test_seed_range():
+    b = schema.validate(schema.CompletionBody, {"prompt": "x", "seed": 2 ** 63})
+    with pytest.raises(RequestError) as e:
+        schema.sampling_params(b, 4)
+    assert e.value.param == "seed"
+    b = schema.validate(schema.CompletionBody, {"prompt": "x", "seed": 2 ** 63 - 1})
+    assert schema.sampling_params(b, 4).seed == 2 ** 63 - 1
+
+
+# ---- multi-turn prefix reuse ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """The same checkpoint twice, both prefilling in 16-row pieces: one reusing prefixes, one cold."""
+    path = make_tok_checkpoint(str(tmp_path_factory.mktemp("prefix") / "ckpt"), seed=7)
+    with LLM(path, device="cpu", max_seq_len=512, progress=False) as warm, \
+            LLM(path, device="cpu", max_seq_len=512, progress=False) as cold:
+        warm.enable_prefix_cache(64 << 20, piece=16)
+        cold.enable_prefix_cache(0, piece=16)
+        cold.engine.trunk.piece = 16        # same forwards as the warm one, no reuse
+        yield path, warm, cold
+
+
+def test_multi_turn_reuses_the_prefix_with_identical_output(pair):
+    path, warm, cold = pair
+    msgs = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    prev = 0                                       # the boundary of the previous turn's prompt
+    for turn in range(3):
+        for i, (mode, sp) in enumerate( (("off", SamplingParams(max_tokens=10)), ("mtp", SamplingParams(max_tokens=10)),
+                         ("ngram", SamplingParams(max_tokens=10)),
+                         ("mtp", SamplingParams(max_tokens=10, temperature=0.8, seed=5)))):
+            a, b = cold.chat(msgs, sp, mode), warm.chat(msgs, sp, mode)
+            assert a.token_ids == b.token_ids, (turn, mode)
+            own = ((len(b.prompt_token_ids) - 1) // 16) * 16
+            assert a.stats["cached_tokens"] == 0
+            # a turn's first request resumes from the previous turn's prompt, the others from its own
+            assert b.stats["cached_tokens"] == (prev if i == 0 else own), (turn, mode, b.stats["cached_tokens"])
+        assert own > prev
+        prev = own
+        msgs = msgs + [{"role": "assistant", "content": a.text}, {"role": "user", "content": f"Turn {turn}: again."}]
+    # the logits of a resumed prefill are the bits of a cold one
+    ids = warm.prompt_ids(warm.render_chat(msgs))
+    ids = ids[:((len(ids) - 1) // 16) * 16 + 5]
+    rows, cached = warm.engine.prefix.prefill(ids, torch.tensor(ids))
+    cold.engine.trunk.begin()
+    ref = cold.engine.trunk.prefill(torch.tensor(ids))
+    assert cached > 0 and torch.equal(rows.logits, ref.logits) and torch.equal(rows.hidden, ref.hidden)
+
+
+def test_prefix_cache_memory_is_bounded_and_can_be_off(pair):
+    path, warm, cold = pair
+    with LLM(path, device="cpu", max_seq_len=512, progress=False) as m:
+        m.enable_prefix_cache(64 << 20, piece=16)
+        one = m.generate(list(range(3, 40)), SamplingParams(max_tokens=2))
+        size = m.engine.prefix.nbytes
+        assert size > 0 and len(m.engine.prefix.entries) == 1 and one.stats["cached_tokens"] == 0
+        m.enable_prefix_cache(int(2.5 * size), piece=16)      # room for two snapshots of this size
+        for start in (3, 4, 5, 6):
+            m.generate(list(range(start, start + 37)), SamplingParams(max_tokens=2))
+            assert m.engine.prefix.nbytes <= 2.5 * size
+        assert len(m.engine.prefix.entries) == 2
+        assert m.generate(list(range(6, 60)), SamplingParams(max_tokens=2)).stats["cached_tokens"] == 32
+        m.enable_prefix_cache(0)
+        assert m.generate(list(range(6, 60)), SamplingParams(max_tokens=2)).stats["cached_tokens"] == 0
+
+
+def test_http_reports_cached_tokens(pair):
+    from fastapi.testclient import TestClient
+
+    from specfire.serve.http import build_app
+
+    path, warm, cold = pair
+    msgs = [{"role": "user", "content": "Tell me about the lighthouse keeper and the bottle, in detail."}]
+    with TestClient(build_app(warm, "w")) as tc:
+        first = tc.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0}).json()
+        msgs2 = msgs + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                        {"role": "user", "content": "And then?"}]
+        second = tc.post("/v1/chat/completions", json={"messages": msgs2, "max_tokens": 6, "temperature": 0}).json()
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 16 and cached % 16 == 0 and cached < second["usage"]["prompt_tokens"]
+    assert second["timings"]["cached_tokens"] == cached
+    assert second["choices"][0]["message"]["content"] == cold.chat(msgs2, SamplingParams(max_tokens=6)).text
