@@ -43,6 +43,18 @@ class Comm:
             out += p
         return out.to(x.dtype)
 
+    def tree_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 sum of every rank's float32 subtree `x`, added in the canonical pairwise tree
+        (ops/splitk.py: rank r's subtree is leaf r), so a tp-rank mesh adds exactly as one device
+        does; identical on every rank. An all-gather then the tree (a ring all-reduce's order would
+        depend on the degree)."""
+        from ..ops.splitk import tree_sum
+
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x, group=self.group)
+        return tree_sum(parts)
+
     def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
         """Concatenation of every rank's `x` along `dim` on rank 0; None elsewhere."""
         x = x.contiguous()

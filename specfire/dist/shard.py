@@ -15,6 +15,7 @@ import torch
 
 from ..config import ModelConfig
 from ..model.loader import TensorSource
+from ..ops.splitk import degree_problem as split_problem
 
 MAX_DEGREE = 64
 
@@ -29,7 +30,7 @@ def degree_problem(cfg: ModelConfig, tp: int) -> str | None:
     nkv = cfg.num_key_value_heads
     if nkv % tp and tp % nkv:
         return f"tp={tp} neither divides nor is a multiple of num_key_value_heads={nkv}"
-    return None
+    return split_problem(tp)
 
 
 def valid_tp_degrees(cfg: ModelConfig, upto: int = MAX_DEGREE) -> list[int]:

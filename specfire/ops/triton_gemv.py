@@ -47,8 +47,9 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, 
                  PARTIAL: tl.constexpr, IEEE: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, ROWS_)
+    offs_m = pid_m * ROWS_ + tl.arange(0, ROWS_)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
@@ -85,24 +86,24 @@ def _splitk_sum(p_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig | None = None) -> torch.Tensor:
-    """x [M, K] (M <= 16) @ w [N, K]^T -> [M, N] in x's dtype; row-invariant (see module doc)."""
+def gemv(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig | None = None, launch_n: int | None = None) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T -> [M, N] in x's dtype; row-invariant (see module doc): rows run in
+    tiles of 16 over grid axis 2. `launch_n`: pick the launch settings of a matrix with that many
+    rows (a column shard passes the whole matrix's N, so its elements are computed as the whole's)."""
     m, k = x.shape
     n = w.shape[0]
-    if m > ROWS:
-        raise ValueError(f"gemv serves at most {ROWS} rows, got M={m}")
     if w.shape[1] != k:
         raise ValueError(f"gemv: x has K={k} but w is {list(w.shape)}")
     x = x.contiguous()
     if w.stride(1) != 1:
         w = w.contiguous()
-    cfg = cfg or gemv_config(n, k)
+    cfg = cfg or gemv_config(launch_n or n, k)
     split = cfg.split_k
     k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)  # never launch an empty split
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     ieee = x.dtype == torch.float32
-    grid = (triton.cdiv(n, cfg.block_n), split)
+    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, ROWS))
     if split == 1:
         _gemv_kernel[grid](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), k_per_split,
                            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=ROWS, PARTIAL=False, IEEE=ieee,
@@ -115,3 +116,103 @@ def gemv(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig | None = None) -> tor
     blk = 1024
     _splitk_sum[(triton.cdiv(m * n, blk),)](part, y, m * n, SPLIT=split, BLOCK=blk)
     return y
+
+
+# ---- the canonical split-K product of a row-parallel projection (ops/splitk.py) ----------------
+
+def chunk_config(n: int, k_chunk: int) -> GemvConfig:
+    """Launch settings of one canonical chunk; a function of the chunk's shape only, which is the
+    same on every tensor-parallel degree (N is the full hidden size, k_chunk = K / 8)."""
+    return GemvConfig(block_n=64, block_k=128 if k_chunk >= 128 else 64, num_warps=4, num_stages=4)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _chunk_kernel(x_ptr, w_ptr, p_ptr, b_ptr, M, N, stride_xm, stride_wn,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_: tl.constexpr, IEEE: tl.constexpr):
+    """Partial [c, M, N] float32 of chunk c = program_id(1): columns [b[c], b[c+1])."""
+    pid_n = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * ROWS_ + tl.arange(0, ROWS_)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    k_lo = tl.load(b_ptr + pid_c)
+    k_hi = tl.load(b_ptr + pid_c + 1)
+    acc = tl.zeros((BLOCK_N, ROWS_), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < k_hi
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :],
+                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
+    base = p_ptr + pid_c * M * N
+    tl.store(base + offs_m[None, :] * N + offs_n[:, None], acc, mask=n_mask[:, None] & m_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["MN"])
+def _tree_kernel(p_ptr, y_ptr, MN, C: tl.constexpr, BLOCK: tl.constexpr):
+    """y = the canonical pairwise tree over C partials (C = 1, 2, 4, 8), cast to y's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    p0 = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    if C == 1:
+        acc = p0
+    else:
+        p1 = tl.load(p_ptr + MN + offs, mask=mask, other=0.0)
+        if C == 2:
+            acc = p0 + p1
+        else:
+            p2 = tl.load(p_ptr + 2 * MN + offs, mask=mask, other=0.0)
+            p3 = tl.load(p_ptr + 3 * MN + offs, mask=mask, other=0.0)
+            if C == 4:
+                acc = (p0 + p1) + (p2 + p3)
+            else:
+                p4 = tl.load(p_ptr + 4 * MN + offs, mask=mask, other=0.0)
+                p5 = tl.load(p_ptr + 5 * MN + offs, mask=mask, other=0.0)
+                p6 = tl.load(p_ptr + 6 * MN + offs, mask=mask, other=0.0)
+                p7 = tl.load(p_ptr + 7 * MN + offs, mask=mask, other=0.0)
+                acc = ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def tree_combine(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """parts [C, M, N] float32 -> [M, N] `dtype`, added in the canonical tree (C in 1, 2, 4, 8)."""
+    c, m, n = parts.shape
+    if c not in (1, 2, 4, 8):
+        raise ValueError(f"tree_combine takes 1, 2, 4 or 8 partials, got {c}")
+    y = torch.empty(m, n, device=parts.device, dtype=dtype)
+    blk = 1024
+    _tree_kernel[(triton.cdiv(m * n, blk),)](parts, y, m * n, C=c, BLOCK=blk)
+    return y
+
+
+def chunk_partials(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """float32 partials [C, M, N] of x [M, K] @ w [N, K]^T over the column chunks [bounds[c],
+    bounds[c+1]) (int32 device tensor, C + 1 entries), one launch; row-invariant (16-row tiles)."""
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k:
+        raise ValueError(f"chunk_partials: x has K={k} but w is {list(w.shape)}")
+    c = bounds.shape[0] - 1
+    x = x.contiguous()
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    cfg = chunk_config(n, k // c)
+    part = torch.empty(c, m, n, device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(n, cfg.block_n), c, triton.cdiv(m, ROWS))
+    _chunk_kernel[grid](x, w, part, bounds, m, n, x.stride(0), w.stride(0),
+                        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=ROWS, IEEE=x.dtype == torch.float32,
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return part
+
+
+def gemv_chunks(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """float32 [M, N]: the canonical tree over the chunks' partials (a rank's subtree)."""
+    return tree_combine(chunk_partials(x, w, bounds), torch.float32)
