@@ -173,3 +173,23 @@ def test_mesh_bits_equal_one_device(ckpt_cache, name, degrees):
             r = mesh.generate(ids, sp, spec=SpecPolicy("ngram", k=4))
             assert r.stats["route"] == "ngram" and r.token_ids == ar
             assert mesh.generate(ids, samp, spec="off").token_ids == sampled
+
+
+def test_four_bit_mesh_bits_equal_one_device(ckpt_cache, tmp_path):
+    """A 4-bit checkpoint (Hadamard-rotated groups of 32) whose row-parallel inputs split on group
+    bounds at tp = 2: same logits and greedy tokens as one device. (A shard off the groups is
+    refused before any process starts: tests/test_tp.py.)"""
+    from specfire.cli import main
+
+    src = make_checkpoint(str(tmp_path / "src"), "tp4", seed=5, intermediate_size=128, linear_value_head_dim=16)
+    dst = str(tmp_path / "q4")
+    assert main(["quantize", src, dst, "--group-size", "32", "--hadamard", "--device", "cpu"]) == 0
+    sp = SamplingParams(max_tokens=16)
+    with LLM(dst, tp=1, progress=False) as one:
+        ids = _prompt(one.cfg.vocab_size, 30, seed=4)
+        ref = one.score(ids)
+        ar = one.generate(ids, sp, spec="off").token_ids
+    with LLM(dst, tp=2, progress=False) as mesh:
+        assert torch.equal(mesh.score(ids), ref)
+        assert mesh.generate(ids, sp, spec="off").token_ids == ar
+        assert mesh.generate(ids, sp, spec=SpecPolicy("mtp", k=2)).token_ids == ar

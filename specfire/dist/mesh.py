@@ -41,7 +41,7 @@ from ..runtime.trunk import LocalTrunk, Rows
 from . import comm as comm_mod
 from .comm import Comm
 from .model import ShardedQwen35
-from .shard import ShardPlan, check_degree
+from .shard import ShardPlan, check_degree, quant_problem, valid_tp_degrees
 
 log = logging.getLogger("specfire")
 
@@ -488,10 +488,10 @@ def build_mesh_engine(llm, want_mtp: str, mtp_path: str | None = None) -> Engine
         raise SpecfireError("a tensor-parallel LLM is already open in this process; close it first")
     timeout_s = mesh_timeout()
     src = loader.open_checkpoint(llm.path)
-    packed = next((n for n in src.names() if src.is_quantized(n)), None)
-    if packed is not None:
-        raise CheckpointError(f"{llm.path} is a 4-bit checkpoint (e.g. '{packed}'); 4-bit checkpoints load "
-                              f"with tp=1 only (sharding packed weights is not implemented)")
+    why = quant_problem(llm.cfg, tp, src)   # 4-bit: column shards must fall on quantization groups
+    if why is not None:
+        ok = [d for d in valid_tp_degrees(llm.cfg) if quant_problem(llm.cfg, d, src) is None]
+        raise CheckpointError(f"{llm.path}: {why}; tp degrees this 4-bit checkpoint allows: {', '.join(map(str, ok))}")
     cfg = follow_tied(src, llm.cfg)
     llm.cfg = cfg
     joined = _launched_by_torchrun()
