@@ -193,3 +193,49 @@ def test_four_bit_mesh_bits_equal_one_device(ckpt_cache, tmp_path):
         assert torch.equal(mesh.score(ids), ref)
         assert mesh.generate(ids, sp, spec="off").token_ids == ar
         assert mesh.generate(ids, sp, spec=SpecPolicy("mtp", k=2)).token_ids == ar
+
+
+# ---- one command starts the mesh ----------------------------------------------------------------
+
+def test_cli_run_and_serve_start_the_mesh(tmp_path, capsys):
+    """`specfire run --tp 2` and `specfire serve --tp 2` (bundled model, CPU) each start the
+    2-rank mesh themselves and answer exactly as one device."""
+    import json
+
+    import httpx
+    from serving import start_server, stop
+
+    from specfire.cli import main
+
+    outs = {}
+    for tp in (1, 2):
+        assert main(["run", "--tp", str(tp), "--device", "cpu", "--spec", "off", "--prompt", "def fibonacci(n):",
+                     "-n", "12", "--json"]) == 0
+        outs[tp] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert outs[2]["token_ids"] == outs[1]["token_ids"] and len(outs[1]["token_ids"]) == 12
+    proc, base = start_server(["--tp", "2", "--device", "cpu"], str(tmp_path / "serve.log"))
+    try:
+        r = httpx.post(base + "/v1/completions", json={"prompt": "def fibonacci(n):", "max_tokens": 12,
+                                                        "temperature": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == outs[1]["text"]
+        assert len(_worker_children(proc.pid)) == 1           # the server started rank 1 itself
+    finally:
+        stop(proc)
+
+
+def _worker_children(pid: int) -> list[int]:
+    """Child processes of `pid` that run a mesh worker module."""
+    kids = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            kids += [int(x) for x in f.read().split()]
+    out = []
+    for k in kids:
+        try:
+            with open(f"/proc/{k}/cmdline", "rb") as f:
+                if b".worker" in f.read():
+                    out.append(k)
+        except FileNotFoundError:
+            pass
+    return out
