@@ -11,6 +11,7 @@ so a row's result never depends on how many rows travel with it (verify rows == 
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 
@@ -29,10 +30,32 @@ class Comm:
         self.rank, self.world = rank, world
         self.group, self.cmd_group, self.start_group = group, cmd_group, start_group
         self.device = device
+        self.symm = None                  # SymmCollectives once CUDA graphs are enabled (enable_graphs)
+        self.in_graph = False             # route the forward's collectives through self.symm
+
+    def enable_graphs(self, capacity_bytes: int) -> None:
+        """Make the rows forward capturable: its collectives go through symmetric memory whenever
+        `captured()` is active (the rows forward's warm-up, capture and any eager rows call)."""
+        from .symm import SymmCollectives
+
+        self.symm = SymmCollectives(self.group, self.rank, self.world, self.device, capacity_bytes)
+
+    @contextlib.contextmanager
+    def captured(self, on: bool = True):
+        """While active (and graphs enabled), collectives are the capturable symmetric-memory ones:
+        the same results bit for bit, only the transport differs."""
+        before = self.in_graph
+        self.in_graph = on and self.symm is not None
+        try:
+            yield
+        finally:
+            self.in_graph = before
 
     # ---- forward collectives (on the device) ---------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of `x` over ranks, added in rank order in float32; identical on every rank."""
+        if self.in_graph:
+            return self.symm.sum(x)         # exact where it is used: one rank's rows plus zeros
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x, group=self.group)
@@ -50,13 +73,18 @@ class Comm:
         depend on the degree)."""
         from ..ops.splitk import tree_sum
 
+        if self.in_graph:
+            return self.symm.tree(x)
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x, group=self.group)
         return tree_sum(parts)
 
     def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
-        """Concatenation of every rank's `x` along `dim` on rank 0; None elsewhere."""
+        """Concatenation of every rank's `x` along `dim` on rank 0; None elsewhere (on every rank
+        inside a captured forward, where a gather to one rank is an all-gather)."""
+        if self.in_graph:
+            return torch.cat(list(self.symm.all_gather(x).unbind(0)), dim=dim)
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world)] if self.rank == 0 else None
         dist.gather(x, parts, dst=0, group=self.group)

@@ -27,6 +27,7 @@ from ..ops import norm as norm_ops
 from ..ops.act import silu_mul
 from ..ops.linear import linear
 from ..ops.splitk import ChunkCache, KSplit, subtree
+from ..ops.splitk import enabled as splitk_enabled
 from ..ops.rope import apply_rope, rope_cos_sin
 from ..ops.rowwise import rowwise
 
@@ -55,7 +56,7 @@ class Linear(nn.Module):
         self._chunks = ChunkCache()
 
     def forward(self, x: torch.Tensor, rows: bool) -> torch.Tensor:
-        if self.ksplit is None:
+        if self.ksplit is None or (self.combine is None and not splitk_enabled()):
             return linear(x, self.weight, rows, self.launch_n)
         if self.combine is None:
             return subtree(x, self.weight, self.ksplit, rows, self._chunks, x.dtype)

@@ -22,6 +22,19 @@ import torch.nn.functional as F
 
 CHUNKS = 8
 ALIGN = 16          # elements; chunk bounds that are multiples of this compute in place on the CPU
+_enabled = True
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def set_enabled(on: bool) -> None:
+    """One device only (bench/tp.py measures what the canonical split costs): off, a row-parallel
+    projection is one plain product. A mesh always splits canonically. Read when a forward runs,
+    so set it before loading (a captured CUDA graph keeps what it captured)."""
+    global _enabled
+    _enabled = bool(on)
 
 
 def chunk_bounds(k_total: int) -> list[int]:
