@@ -109,7 +109,7 @@ def test_transcendentals_do_not_depend_on_position(fn):
 def test_chunk_kernel_partials_tree_and_shards():
     """chunk_partials: each chunk's float32 partial (close to the reference), row-invariant, and the
     same bits in a shard as in the whole; tree_combine adds them exactly as tree_sum does."""
-    from specfire.ops.triton_gemv import chunk_partials, gemv, tree_combine
+    from specfire.ops.triton_gemv import chunk_partials, gemv, gemv_chunks_fused, tree_combine
 
     g = torch.Generator().manual_seed(5)
     n, k = 37, 200                                          # odd N; chunks of 25 (masked K tails)
@@ -132,6 +132,15 @@ def test_chunk_kernel_partials_tree_and_shards():
             assert torch.equal(sh, parts[s.c0:s.c1])
     for c in (1, 2, 4, 8):
         assert torch.equal(tree_combine(parts[:c], torch.float32), tree_sum(list(parts[:c])))
+    # the fused kernel (partials, then the last chunk program of a tile adds the tree) is the same
+    for c in (8, 4, 1):
+        bc = torch.tensor([k * j // c for j in range(c + 1)], dtype=torch.int32)
+        for xx in (x, x[1:2]):
+            assert torch.equal(gemv_chunks_fused(xx, w, bc, torch.float32),
+                               tree_combine(chunk_partials(xx, w, bc), torch.float32))
+    xb = torch.randn(20, k, generator=g)                   # two row tiles
+    assert torch.equal(gemv_chunks_fused(xb, w, torch.tensor(b, dtype=torch.int32), torch.float32),
+                       tree_combine(chunk_partials(xb, w, torch.tensor(b, dtype=torch.int32)), torch.float32))
     # a column shard with the whole matrix's launch settings gives the whole's bits. Interpreted,
     # tl.dot is numpy's matmul, whose result depends on an element's position in the tile, so the
     # shard starts on a tile bound here; on the GPU an MMA computes every element alike and

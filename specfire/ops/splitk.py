@@ -23,6 +23,7 @@ import torch.nn.functional as F
 CHUNKS = 8
 ALIGN = 16          # elements; chunk bounds that are multiples of this compute in place on the CPU
 _enabled = True
+FUSED = True        # CUDA: partials and tree in one launch (ops/triton_gemv.py gemv_chunks_fused)
 
 
 def enabled() -> bool:
@@ -144,10 +145,12 @@ def subtree(x: torch.Tensor, w, split: KSplit, rows: bool, cache: ChunkCache,
     """[M, N] `out_dtype`: the canonical tree over this weight's chunks, summed in float32 (the
     whole sum when the weight holds every chunk; a rank's subtree otherwise)."""
     if x.is_cuda and isinstance(w, torch.Tensor):
-        from .triton_gemv import chunk_partials, tree_combine
+        from .triton_gemv import chunk_partials, gemv_chunks_fused, tree_combine
         cache.get(w, split, x.dtype)
         if cache.bounds_dev is None:
             cache.bounds_dev = torch.tensor(split.bounds, dtype=torch.int32, device=x.device)
+        if FUSED:
+            return gemv_chunks_fused(x, w, cache.bounds_dev, out_dtype)
         return tree_combine(chunk_partials(x, w, cache.bounds_dev), out_dtype)
     parts = q4_partials_cuda(x, w, split, cache) if x.is_cuda else partials_cpu(x, w, split, rows, cache)
     return tree_sum(parts).to(out_dtype)

@@ -216,3 +216,102 @@ def chunk_partials(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor) -> to
 def gemv_chunks(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     """float32 [M, N]: the canonical tree over the chunks' partials (a rank's subtree)."""
     return tree_combine(chunk_partials(x, w, bounds), torch.float32)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _chunk_tree_kernel(x_ptr, w_ptr, p_ptr, y_ptr, b_ptr, cnt_ptr, M, N, stride_xm, stride_wn,
+                       C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_: tl.constexpr,
+                       IEEE: tl.constexpr):
+    """_chunk_kernel, then the last of the C chunk programs of a (row tile, column tile) to finish
+    adds the C partials in the canonical tree and writes y: one launch, the same bits as
+    chunk_partials + tree_combine (the order of the adds is fixed, not who does them)."""
+    pid_n = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * ROWS_ + tl.arange(0, ROWS_)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    k_lo = tl.load(b_ptr + pid_c)
+    k_hi = tl.load(b_ptr + pid_c + 1)
+    acc = tl.zeros((BLOCK_N, ROWS_), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < k_hi
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :],
+                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
+    mask = n_mask[:, None] & m_mask[None, :]
+    off = offs_m[None, :] * N + offs_n[:, None]
+    tl.store(p_ptr + pid_c * M * N + off, acc, mask=mask)
+    tile = pid_m * tl.num_programs(0) + pid_n
+    tl.debug_barrier()                                          # every thread's partial stored first
+    done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")     # releases this partial, acquires the others'
+    if done == C - 1:
+        MN = M * N
+        p0 = tl.load(p_ptr + off, mask=mask, other=0.0, cache_modifier=".cg")
+        if C == 1:
+            out = p0
+        else:
+            p1 = tl.load(p_ptr + MN + off, mask=mask, other=0.0, cache_modifier=".cg")
+            if C == 2:
+                out = p0 + p1
+            else:
+                p2 = tl.load(p_ptr + 2 * MN + off, mask=mask, other=0.0, cache_modifier=".cg")
+                p3 = tl.load(p_ptr + 3 * MN + off, mask=mask, other=0.0, cache_modifier=".cg")
+                if C == 4:
+                    out = (p0 + p1) + (p2 + p3)
+                else:
+                    p4 = tl.load(p_ptr + 4 * MN + off, mask=mask, other=0.0, cache_modifier=".cg")
+                    p5 = tl.load(p_ptr + 5 * MN + off, mask=mask, other=0.0, cache_modifier=".cg")
+                    p6 = tl.load(p_ptr + 6 * MN + off, mask=mask, other=0.0, cache_modifier=".cg")
+                    p7 = tl.load(p_ptr + 7 * MN + off, mask=mask, other=0.0, cache_modifier=".cg")
+                    out = ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))
+        tl.store(y_ptr + off, out.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(cnt_ptr + tile, 0)                       # ready for the next launch
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+COUNTER_SLOTS = 1 << 16
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed tile counters shared by every fused launch on a device (launches on one stream run
+    one after another, and each leaves its counters at zero). Allocated by the first (eager) call,
+    never inside a CUDA-graph capture (the rows forward is run eagerly before it is captured)."""
+    c = _COUNTERS.get(device)
+    if c is None:
+        c = _COUNTERS[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+    if n > c.numel():
+        raise ValueError(f"gemv_chunks_fused needs {n} tile counters, more than {c.numel()}")
+    return c
+
+
+def gemv_chunks_fused(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """[M, N] `out_dtype`: the canonical tree over the chunk partials of x @ w^T, in one launch
+    (the same bits as tree_combine(chunk_partials(...)))."""
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k:
+        raise ValueError(f"gemv_chunks_fused: x has K={k} but w is {list(w.shape)}")
+    c = bounds.shape[0] - 1
+    if c not in (1, 2, 4, 8):
+        raise ValueError(f"gemv_chunks_fused takes 1, 2, 4 or 8 chunks, got {c}")
+    x = x.contiguous()
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    cfg = chunk_config(n, k // c)
+    grid = (triton.cdiv(n, cfg.block_n), c, triton.cdiv(m, ROWS))
+    part = torch.empty(c, m, n, device=x.device, dtype=torch.float32)
+    y = torch.empty(m, n, device=x.device, dtype=out_dtype)
+    cnt = _counters(x.device, grid[0] * grid[2])
+    _chunk_tree_kernel[grid](x, w, part, y, bounds, cnt, m, n, x.stride(0), w.stride(0),
+                             C=c, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=ROWS,
+                             IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y
