@@ -138,9 +138,12 @@ def test_chunk_kernel_partials_tree_and_shards():
         for xx in (x, x[1:2]):
             assert torch.equal(gemv_chunks_fused(xx, w, bc, torch.float32),
                                tree_combine(chunk_partials(xx, w, bc), torch.float32))
-    xb = torch.randn(20, k, generator=g)                   # two row tiles
-    assert torch.equal(gemv_chunks_fused(xb, w, torch.tensor(b, dtype=torch.int32), torch.float32),
-                       tree_combine(chunk_partials(xb, w, torch.tensor(b, dtype=torch.int32)), torch.float32))
+    bt = torch.tensor(b, dtype=torch.int32)
+    xb = torch.randn(70, k, generator=g)                   # a prefill: 5 tiles of 16, or 2 of 64 (masked)
+    for tile in (16, 64):
+        y = gemv_chunks_fused(xb, w, bt, torch.float32, tile)
+        assert torch.equal(y, tree_combine(chunk_partials(xb, w, bt, tile), torch.float32))
+        torch.testing.assert_close(y, xb @ w.t(), rtol=1e-4, atol=1e-3)
     # a column shard with the whole matrix's launch settings gives the whole's bits. Interpreted,
     # tl.dot is numpy's matmul, whose result depends on an element's position in the tile, so the
     # shard starts on a tile bound here; on the GPU an MMA computes every element alike and

@@ -45,11 +45,12 @@ def _paneled(fn, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return tail if body == 0 else torch.cat([fn(x, w[:body]), tail], dim=-1)
 
 
-def linear_rows(x: torch.Tensor, w: torch.Tensor, launch_n: int | None = None) -> torch.Tensor:
-    """The row-invariant path: Triton on CUDA (16-row tiles), the batched reference elsewhere."""
+def linear_rows(x: torch.Tensor, w: torch.Tensor, launch_n: int | None = None, rows: bool = True) -> torch.Tensor:
+    """The row-invariant path: Triton on CUDA (16-row tiles; a prefill, rows=False, 64-row tiles),
+    the batched reference elsewhere."""
     if x.is_cuda:
-        from .triton_gemv import gemv
-        return gemv(x, w, launch_n=launch_n)
+        from .triton_gemv import gemv, row_tile
+        return gemv(x, w, launch_n=launch_n, tile=row_tile(x.shape[0], rows))
     return _paneled(linear_rows_ref, x, w)
 
 
@@ -62,7 +63,7 @@ def linear(x: torch.Tensor, w, rows: bool, launch_n: int | None = None) -> torch
             return w.linear(x, rows)
         return _paneled(linear_rows_ref if rows else F.linear, w.prepare_input(x), q4_dense(w, x.dtype))
     if rows or x.is_cuda:
-        return linear_rows(x, w, launch_n)
+        return linear_rows(x, w, launch_n, rows)
     return _paneled(F.linear, x, w)
 
 

@@ -145,13 +145,14 @@ def subtree(x: torch.Tensor, w, split: KSplit, rows: bool, cache: ChunkCache,
     """[M, N] `out_dtype`: the canonical tree over this weight's chunks, summed in float32 (the
     whole sum when the weight holds every chunk; a rank's subtree otherwise)."""
     if x.is_cuda and isinstance(w, torch.Tensor):
-        from .triton_gemv import chunk_partials, gemv_chunks_fused, tree_combine
+        from .triton_gemv import chunk_partials, gemv_chunks_fused, row_tile, tree_combine
         cache.get(w, split, x.dtype)
         if cache.bounds_dev is None:
             cache.bounds_dev = torch.tensor(split.bounds, dtype=torch.int32, device=x.device)
+        tile = row_tile(x.shape[0], rows)
         if FUSED:
-            return gemv_chunks_fused(x, w, cache.bounds_dev, out_dtype)
-        return tree_combine(chunk_partials(x, w, cache.bounds_dev), out_dtype)
+            return gemv_chunks_fused(x, w, cache.bounds_dev, out_dtype, tile)
+        return tree_combine(chunk_partials(x, w, cache.bounds_dev, tile), out_dtype)
     parts = q4_partials_cuda(x, w, split, cache) if x.is_cuda else partials_cpu(x, w, split, rows, cache)
     return tree_sum(parts).to(out_dtype)
 

@@ -1,4 +1,4 @@
-"""Row-invariant skinny matmul (GEMV) for 1..16 rows on CUDA, in Triton.
+"""Row-invariant skinny matmul (GEMV) on CUDA, in Triton: decode and verify rows, and prefill.
 
 y[M, N] = x[M, K] @ w[N, K]^T with fp32 accumulation. Row invariance by construction: the row
 tile is always 16 wide (rows past M are masked), the launch configuration is a function of
@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-ROWS = 16  # the fixed row tile; the path serves M = 1..ROWS
+ROWS = 16          # the row tile of decode / verify
+PREFILL_ROWS = 64  # the row tile of a prefill (more than ROWS rows, not rows mode)
 
 
 @dataclass(frozen=True)
@@ -45,9 +46,9 @@ def gemv_config(n: int, k: int) -> GemvConfig:
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_: tl.constexpr,
                  PARTIAL: tl.constexpr, IEEE: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    pid_m = tl.program_id(2)
+    pid_m = tl.program_id(0)        # row tiles innermost: the tiles that read one weight tile run together
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * ROWS_ + tl.arange(0, ROWS_)
     offs_k = tl.arange(0, BLOCK_K)
@@ -86,9 +87,10 @@ def _splitk_sum(p_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig | None = None, launch_n: int | None = None) -> torch.Tensor:
-    """x [M, K] @ w [N, K]^T -> [M, N] in x's dtype; row-invariant (see module doc): rows run in
-    tiles of 16 over grid axis 2. `launch_n`: pick the launch settings of a matrix with that many
+def gemv(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig | None = None, launch_n: int | None = None,
+         tile: int = ROWS) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T -> [M, N] in x's dtype; rows run in tiles of `tile` over grid axis 0
+    (16: row-invariant, see the module doc; row_tile picks 64 for a prefill). `launch_n`: pick the launch settings of a matrix with that many
     rows (a column shard passes the whole matrix's N, so its elements are computed as the whole's)."""
     m, k = x.shape
     n = w.shape[0]
@@ -103,15 +105,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig | None = None, launch
     split = triton.cdiv(k, k_per_split)  # never launch an empty split
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     ieee = x.dtype == torch.float32
-    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, ROWS))
+    grid = (triton.cdiv(m, tile), triton.cdiv(n, cfg.block_n), split)
     if split == 1:
         _gemv_kernel[grid](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), k_per_split,
-                           BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=ROWS, PARTIAL=False, IEEE=ieee,
+                           BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=tile, PARTIAL=False, IEEE=ieee,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return y
     part = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     _gemv_kernel[grid](x, w, part, m, n, k, x.stride(0), w.stride(0), n, k_per_split,
-                       BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=ROWS, PARTIAL=True, IEEE=ieee,
+                       BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=tile, PARTIAL=True, IEEE=ieee,
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     blk = 1024
     _splitk_sum[(triton.cdiv(m * n, blk),)](part, y, m * n, SPLIT=split, BLOCK=blk)
@@ -130,9 +132,9 @@ def chunk_config(n: int, k_chunk: int) -> GemvConfig:
 def _chunk_kernel(x_ptr, w_ptr, p_ptr, b_ptr, M, N, stride_xm, stride_wn,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_: tl.constexpr, IEEE: tl.constexpr):
     """Partial [c, M, N] float32 of chunk c = program_id(1): columns [b[c], b[c+1])."""
-    pid_n = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    pid_m = tl.program_id(2)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_c = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * ROWS_ + tl.arange(0, ROWS_)
     offs_k = tl.arange(0, BLOCK_K)
@@ -193,7 +195,7 @@ def tree_combine(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return y
 
 
-def chunk_partials(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+def chunk_partials(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor, tile: int = ROWS) -> torch.Tensor:
     """float32 partials [C, M, N] of x [M, K] @ w [N, K]^T over the column chunks [bounds[c],
     bounds[c+1]) (int32 device tensor, C + 1 entries), one launch; row-invariant (16-row tiles)."""
     m, k = x.shape
@@ -206,16 +208,18 @@ def chunk_partials(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor) -> to
         w = w.contiguous()
     cfg = chunk_config(n, k // c)
     part = torch.empty(c, m, n, device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(n, cfg.block_n), c, triton.cdiv(m, ROWS))
+    grid = (triton.cdiv(m, tile), triton.cdiv(n, cfg.block_n), c)
     _chunk_kernel[grid](x, w, part, bounds, m, n, x.stride(0), w.stride(0),
-                        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=ROWS, IEEE=x.dtype == torch.float32,
+                        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=tile, IEEE=x.dtype == torch.float32,
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return part
 
 
-def gemv_chunks(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
-    """float32 [M, N]: the canonical tree over the chunks' partials (a rank's subtree)."""
-    return tree_combine(chunk_partials(x, w, bounds), torch.float32)
+def row_tile(m: int, rows: bool) -> int:
+    """Rows per program: 16 in rows mode (decode / verify: the same code for every row count), 64
+    for a prefill of more than 16 rows (4x fewer passes over the weight; prefill rows need only
+    be computed alike on every tensor-parallel degree, which a tile chosen by M gives)."""
+    return ROWS if rows or m <= ROWS else PREFILL_ROWS
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -225,9 +229,9 @@ def _chunk_tree_kernel(x_ptr, w_ptr, p_ptr, y_ptr, b_ptr, cnt_ptr, M, N, stride_
     """_chunk_kernel, then the last of the C chunk programs of a (row tile, column tile) to finish
     adds the C partials in the canonical tree and writes y: one launch, the same bits as
     chunk_partials + tree_combine (the order of the adds is fixed, not who does them)."""
-    pid_n = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    pid_m = tl.program_id(2)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_c = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * ROWS_ + tl.arange(0, ROWS_)
     offs_k = tl.arange(0, BLOCK_K)
@@ -250,7 +254,7 @@ def _chunk_tree_kernel(x_ptr, w_ptr, p_ptr, y_ptr, b_ptr, cnt_ptr, M, N, stride_
     mask = n_mask[:, None] & m_mask[None, :]
     off = offs_m[None, :] * N + offs_n[:, None]
     tl.store(p_ptr + pid_c * M * N + off, acc, mask=mask)
-    tile = pid_m * tl.num_programs(0) + pid_n
+    tile = pid_n * tl.num_programs(0) + pid_m
     tl.debug_barrier()                                          # every thread's partial stored first
     done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")     # releases this partial, acquires the others'
     if done == C - 1:
@@ -293,7 +297,8 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return c
 
 
-def gemv_chunks_fused(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def gemv_chunks_fused(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor, out_dtype: torch.dtype,
+                      tile: int = ROWS) -> torch.Tensor:
     """[M, N] `out_dtype`: the canonical tree over the chunk partials of x @ w^T, in one launch
     (the same bits as tree_combine(chunk_partials(...)))."""
     m, k = x.shape
@@ -307,11 +312,11 @@ def gemv_chunks_fused(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor, ou
     if w.stride(1) != 1:
         w = w.contiguous()
     cfg = chunk_config(n, k // c)
-    grid = (triton.cdiv(n, cfg.block_n), c, triton.cdiv(m, ROWS))
+    grid = (triton.cdiv(m, tile), triton.cdiv(n, cfg.block_n), c)
     part = torch.empty(c, m, n, device=x.device, dtype=torch.float32)
     y = torch.empty(m, n, device=x.device, dtype=out_dtype)
-    cnt = _counters(x.device, grid[0] * grid[2])
+    cnt = _counters(x.device, grid[0] * grid[1])
     _chunk_tree_kernel[grid](x, w, part, y, bounds, cnt, m, n, x.stride(0), w.stride(0),
-                             C=c, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=ROWS,
+                             C=c, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=tile,
                              IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
