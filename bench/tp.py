@@ -84,6 +84,19 @@ def stage_kernels(cfg, log: Log) -> None:
                 plain_us=t_plain * 1e6, fused_us=t_fused * 1e6, two_launch_us=t_two * 1e6,
                 plain_bw=nbytes / t_plain / CEILING, fused_bw=nbytes / t_fused / CEILING)
         del ws
+    # prefill: the Triton kernel in 64-row tiles (what every degree runs) vs cuBLAS (tp1 before)
+    import torch.nn.functional as F
+
+    for name, (n, k) in {"gate_proj": (cfg.intermediate_size, h), "down_proj": (h, cfg.intermediate_size)}.items():
+        w = torch.randn(n, k, device=dev, dtype=dt) * k ** -0.5
+        x = torch.randn(512, k, device=dev, dtype=dt)
+        t_cublas = graph_time([lambda: F.linear(x, w)], iters=5)
+        t_triton = graph_time([lambda: gemv(x, w, tile=64)], iters=5)
+        whole = F.linear(x, w)
+        cub_shard = torch.equal(torch.cat([F.linear(x, w[:n // 2]), F.linear(x, w[n // 2:])], -1), whole)
+        log("kernels", prefill_rows=512, proj=name, n=n, k=k, cublas_us=t_cublas * 1e6, triton64_us=t_triton * 1e6,
+            cublas_tflops=2 * 512 * n * k / t_cublas / 1e12, triton64_tflops=2 * 512 * n * k / t_triton / 1e12,
+            cublas_column_shards_equal_whole=bool(cub_shard))
     # column shards with the whole matrix's launch settings (GDN a/b: 24 of 48 rows, one tile)
     for n, lo in ((cfg.linear_num_value_heads, cfg.linear_num_value_heads // 2), (2 * cfg.intermediate_size,
                                                                                cfg.intermediate_size)):
