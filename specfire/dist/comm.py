@@ -34,11 +34,14 @@ class Comm:
         self.in_graph = False             # route the forward's collectives through self.symm
 
     def enable_graphs(self, capacity_bytes: int) -> None:
-        """Make the rows forward capturable: its collectives go through symmetric memory whenever
-        `captured()` is active (the rows forward's warm-up, capture and any eager rows call)."""
-        from .symm import SymmCollectives
+        """Route the rows forward's collectives through `captured()`: symmetric memory on CUDA
+        (capturable), plain all-gathers on the CPU (the same code, another transport)."""
+        from .symm import GlooCollectives, SymmCollectives
 
-        self.symm = SymmCollectives(self.group, self.rank, self.world, self.device, capacity_bytes)
+        if self.device.type == "cuda":
+            self.symm = SymmCollectives(self.group, self.rank, self.world, self.device, capacity_bytes)
+        else:
+            self.symm = GlooCollectives(self.group, self.rank, self.world)
 
     @contextlib.contextmanager
     def captured(self, on: bool = True):

@@ -75,3 +75,33 @@ class SymmCollectives:
             return self.sum(x)
         parts = self.all_gather(x)
         return tree_sum(list(parts.unbind(0)))
+
+
+class GlooCollectives:
+    """The same three collectives over the forward group with plain all-gathers (CPU, gloo): the
+    CPU mesh runs its rows forward through this, so CI exercises the code the GPU's captured
+    forward runs, with only the transport different."""
+
+    def __init__(self, group, rank: int, world: int):
+        self.group, self.rank, self.world = group, rank, world
+
+    def _parts(self, x: torch.Tensor) -> list[torch.Tensor]:
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x, group=self.group)
+        return parts
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        parts = self._parts(x)
+        out = parts[0].clone()
+        for p in parts[1:]:
+            out += p
+        return out
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack(self._parts(x))
+
+    def tree(self, x: torch.Tensor) -> torch.Tensor:
+        return tree_sum(self._parts(x))
