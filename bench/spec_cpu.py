@@ -25,7 +25,6 @@ import specfit  # noqa: E402
 from tinymodels import make_checkpoint  # noqa: E402
 
 from specfire import LLM, SamplingParams  # noqa: E402
-from specfire.runtime import spec as spec_mod  # noqa: E402
 
 MID = dict(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
            num_attention_heads=8, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
@@ -38,22 +37,16 @@ def spec_run(llm: LLM, prompts: list[list[int]], n: int, spec, rounds: int = 1, 
     With `beside` (another policy, e.g. "off"), that policy runs right after each repeat, so both
     see the same load; its figures come back under "beside"."""
     cycles: list[tuple[int, int]] = []
-    orig = spec_mod.SpecStats.record
 
-    def record(self, k, acc):
+    def record(k, acc, out):
         if k:
             cycles.append((k, acc))
-        orig(self, k, acc)
     sp = SamplingParams(max_tokens=n, ignore_eos=True)
     tokens, decode_s, outs, b_s, b_outs = 0, 0.0, [], 0.0, []
     for p in prompts:
         best = b_best = None
         for r in range(rounds):
-            spec_mod.SpecStats.record = record if r == 0 else orig
-            try:
-                res = llm.generate(p, sp, spec=spec)
-            finally:
-                spec_mod.SpecStats.record = orig
+            res = llm.generate(p, sp, spec=spec, on_cycle=record if r == 0 else None)
             best = res.stats["decode_s"] if best is None else min(best, res.stats["decode_s"])
             if beside is not None:
                 other = llm.generate(p, sp, spec=beside)

@@ -160,7 +160,7 @@ def _collect_rank(rank: int, world: int, port: int, cfg_d: dict, q) -> None:
     import torch.distributed as dist
 
     from specfire.config import ModelConfig
-    from specfire.dist.symm import SymmCollectives
+    from specfire.parallel.symm import SymmCollectives
 
     from timing import graph_time
 

@@ -1,7 +1,6 @@
 """The public Python API: LLM, SamplingParams, SpecPolicy, GenerationResult."""
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from typing import Any, Iterator, Sequence
@@ -10,14 +9,11 @@ import torch
 
 from .config import ModelConfig, SamplingParams, SpecPolicy
 from .errors import CheckpointError, SpecfireError
-from .model import loader
-from .model.qwen35 import MtpHead, Qwen35Trunk
 from .ops.attention import Q8_KV
-from .runtime.engine import Engine, GenerationResult, StreamChunk
-from .runtime.trunk import LocalTrunk
+from .runtime.build import EngineOptions, build_engine
+from .runtime.engine import GenerationResult, StreamChunk
+from .runtime.spec import OnCycle
 from .tokenizer import Tokenizer
-
-log = logging.getLogger("specfire")
 
 BUNDLED_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bundled")
 KV_DTYPES = ("auto", "bf16", "fp32", "q8")
@@ -51,46 +47,6 @@ def resolve_device(device: Any) -> torch.device:
     return dev
 
 
-def follow_tied(src: loader.TensorSource, cfg: ModelConfig) -> ModelConfig:
-    """The checkpoint, not config.json, decides whether lm_head is tied to the embedding."""
-    tied = "lm_head.weight" not in src
-    if tied == cfg.tie_word_embeddings:
-        return cfg
-    log.info("config says tie_word_embeddings=%s but the checkpoint %s lm_head.weight; following the "
-             "checkpoint", cfg.tie_word_embeddings, "lacks" if tied else "has")
-    from dataclasses import replace
-    return replace(cfg, tie_word_embeddings=tied)
-
-
-def load_mtp_head(path: str, src: loader.TensorSource, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                  want_mtp: str, mtp_path: str | None = None) -> MtpHead | None:
-    """The MTP head by `want_mtp`: 'never' | 'must' | 'if_present' (whole, on one device)."""
-    if want_mtp == "never":
-        return None
-    msrc = loader.mtp_source(path, src, mtp_path)
-    if msrc is None:
-        if want_mtp == "must":
-            raise CheckpointError(f"spec mode 'mtp' needs an MTP head, but {path} has no mtp.* tensors "
-                                  f"and no {loader.MTP_SIDECAR} beside it")
-        return None
-    with torch.device("meta"):
-        head = MtpHead(cfg)
-    loader.load_module(head, msrc, "mtp.", dtype=dtype, device=device, what="MTP head")
-    log.info("MTP head loaded from %s", msrc.file_of("mtp.fc.weight"))
-    return head
-
-
-def load_local(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, want_mtp: str,
-               mtp_path: str | None = None, progress: bool = True) -> tuple[Qwen35Trunk, MtpHead | None]:
-    """Build the trunk (and the MTP head, by `want_mtp`: 'never' | 'must' | 'if_present') on one device."""
-    src = loader.open_checkpoint(path)
-    cfg = follow_tied(src, cfg)
-    with torch.device("meta"):
-        trunk = Qwen35Trunk(cfg)
-    loader.load_module(trunk, src, "", dtype=dtype, device=device, progress=progress, what="trunk")
-    return trunk, load_mtp_head(path, src, cfg, dtype, device, want_mtp, mtp_path)
-
-
 class LLM:
     """A loaded model ready to generate. Use as a context manager or call close()."""
 
@@ -98,6 +54,7 @@ class LLM:
                  kv_dtype: str = "auto", max_seq_len: int | None = None, spec: SpecPolicy | dict | str | None = None,
                  mtp_path: str | None = None, progress: bool | None = None, cuda_graphs: bool | None = None,
                  ngram: tuple[int, int] = (1, 4)):
+        self._closed = True                   # until the engine is built
         if progress is None:  # a loading bar only where someone watches a terminal
             progress = sys.stderr.isatty()
         self.spec = SpecPolicy.coerce(spec)
@@ -121,7 +78,6 @@ class LLM:
         self.dtype = resolve_dtype(dtype, self.device)
         self.cfg = ModelConfig.from_dir(self.path)
         self.tp = tp
-        want_mtp = {"off": "never", "mtp": "must"}.get(self.spec.mode, "if_present")
         if max_seq_len is not None and max_seq_len > self.cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
                              f"{self.cfg.max_position_embeddings}")
@@ -134,25 +90,16 @@ class LLM:
         if self.tokenizer is not None:
             eos.update(self.tokenizer.eos_ids)
         self.eos_ids = eos
-        if tp == 1:
-            model_, head = load_local(self.path, self.cfg, self.dtype, self.device, want_mtp, mtp_path, progress)
-            self.cfg = model_.cfg
-            trunk = LocalTrunk(model_, self.max_seq_len, kvd, cuda_graphs)
-            self.engine = Engine(trunk, self.tokenizer, eos, head, kvd, ngram=self.ngram)
-        else:
-            try:
-                from .dist import build_mesh_engine  # the tensor-parallel mesh
-            except ModuleNotFoundError as e:
-                if e.name != f"{__package__}.dist":
-                    raise
-                raise SpecfireError(f"tp={tp} needs the tensor-parallel mesh (specfire.dist), which this build "
-                                    f"does not have; use tp=1") from None
-            self.engine = build_mesh_engine(self, want_mtp=want_mtp, mtp_path=mtp_path)
+        opts = EngineOptions(path=self.path, cfg=self.cfg, tp=tp, device=self.device, dtype=self.dtype,
+                             kv_dtype=kvd, max_seq_len=self.max_seq_len, spec=self.spec, mtp_path=mtp_path,
+                             cuda_graphs=cuda_graphs, ngram=self.ngram, progress=progress)
+        self.engine = build_engine(opts, self.tokenizer, eos)
+        self.cfg = self.engine.trunk.cfg      # the checkpoint decides whether lm_head is tied
         self._closed = False
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:
-        if getattr(self, "_closed", True):
+        if self._closed:
             return
         self._closed = True
         self.engine.trunk.close()
@@ -165,7 +112,7 @@ class LLM:
         self.close()
 
     def _check_open(self) -> None:
-        if getattr(self, "_closed", True):
+        if self._closed:
             raise SpecfireError("this LLM has been closed")
 
     @property
@@ -185,19 +132,20 @@ class LLM:
         return list(prompt)
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-               spec: SpecPolicy | dict | str | None = None) -> Iterator[StreamChunk]:
-        """Yield StreamChunk(text, token_ids); the last chunk carries `result`."""
+               spec: SpecPolicy | dict | str | None = None, *, on_cycle: OnCycle | None = None) -> Iterator[StreamChunk]:
+        """Yield StreamChunk(text, token_ids); the last chunk carries `result`. `on_cycle(k, n,
+        emitted)` is called after every decoding step (k drafted, n accepted; k = 0 for AR)."""
         self._check_open()
         sp = params if params is not None else SamplingParams()
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(sp).__name__}")
         policy = SpecPolicy.coerce(spec, self.spec)
-        return self.engine.stream(self._ids(prompt), sp, policy)
+        return self.engine.stream(self._ids(prompt), sp, policy, on_cycle=on_cycle)
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                 spec: SpecPolicy | dict | str | None = None) -> GenerationResult:
+                 spec: SpecPolicy | dict | str | None = None, *, on_cycle: OnCycle | None = None) -> GenerationResult:
         res = None
-        for chunk in self.stream(prompt, params, spec):
+        for chunk in self.stream(prompt, params, spec, on_cycle=on_cycle):
             res = chunk.result
         assert res is not None
         return res
@@ -216,5 +164,4 @@ class LLM:
         self._check_open()
         ids = self._ids(ids)
         self.engine.check_prompt(ids)
-        dev = getattr(self.engine.trunk, "device", torch.device("cpu"))
-        return self.engine.trunk.score(torch.tensor(ids, device=dev))
+        return self.engine.trunk.score(torch.tensor(ids, device=self.engine.trunk.device))

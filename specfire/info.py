@@ -5,7 +5,7 @@ import os
 from typing import Any
 
 from .config import FULL, ModelConfig
-from .dist.shard import valid_tp_degrees
+from .parallel.shard import valid_tp_degrees
 from .errors import CheckpointError
 from .model import loader
 

@@ -12,9 +12,7 @@ import pytest
 import torch
 
 import specfit
-from specfire import LLM, SamplingParams
-from specfire.runtime import engine as engine_mod
-from specfire.runtime import spec as spec_mod
+from specfire import LLM, SamplingParams, SpecPolicy
 from ckpts import tiny
 from tinymodels import CONFIGS
 
@@ -43,7 +41,7 @@ class Scripted:
     """A drafter that proposes the known AR continuation `ref` (token i at position plen + i),
     right for the first `right` drafts of every cycle and wrong after that."""
 
-    name = "ngram"
+    name = "scripted"
 
     def __init__(self, plen: int, ref: list[int], right: int, vocab: int):
         self.plen, self.ref, self.right, self.vocab = plen, ref, right, vocab
@@ -57,38 +55,37 @@ class Scripted:
             i = pos + 1 + j - self.plen
             t = self.ref[i] if i < len(self.ref) else 0
             out.append(t if j < self.right else (t + 1) % self.vocab)
-        return out, None
+        return torch.tensor(out, dtype=torch.long), None
 
     def commit(self, out, hidden) -> None:
         pass
 
 
-@pytest.fixture
-def cycles(monkeypatch):
-    """Every speculative cycle as (drafted, accepted)."""
-    log: list[tuple[int, int]] = []
-    orig = spec_mod.SpecStats.record
+class Steps:
+    """An `on_cycle` hook: every step's (drafted, accepted) and emitted tokens, in order."""
 
-    def record(self, k, n):
-        if k:
-            log.append((k, n))
-        orig(self, k, n)
-    monkeypatch.setattr(spec_mod.SpecStats, "record", record)
-    return log
+    def __init__(self):
+        self.steps: list[tuple[int, int, list[int]]] = []
+
+    def __call__(self, k: int, n: int, out: list[int]) -> None:
+        self.steps.append((k, n, list(out)))
+
+    def clear(self) -> None:
+        self.steps.clear()
+
+    @property
+    def cycles(self) -> list[tuple[int, int]]:
+        """The speculative cycles (steps that drafted something) as (drafted, accepted)."""
+        return [(k, n) for k, n, _ in self.steps if k]
+
+    @property
+    def emitted(self) -> list[list[int]]:
+        return [out for _, _, out in self.steps]
 
 
-@pytest.fixture
-def emitted(monkeypatch):
-    """The tokens each step emitted (the first entry of a request is its first cycle)."""
-    log: list[list[int]] = []
-    orig = engine_mod.spec_step
-
-    def step(*a, **kw):
-        out = orig(*a, **kw)
-        log.append(list(out))
-        return out
-    monkeypatch.setattr(engine_mod, "spec_step", step)
-    return log
+def scripted(llm: LLM, p: list[int], sp: SamplingParams, k: int, drafter: Scripted, on_cycle=None):
+    """The stream chunks of a request served by `drafter` (given to the engine, not routed)."""
+    return list(llm.engine.stream(list(p), sp, SpecPolicy("auto", k), on_cycle=on_cycle, drafter=drafter))
 
 
 # ---- equality on random models --------------------------------------------------------------
@@ -114,7 +111,7 @@ def test_greedy_mtp_and_ngram_equal_ar(ckpt_cache, name):
 
 
 @pytest.mark.parametrize("name", ["base", "mix", "gqa4"])
-def test_scripted_accept_patterns(ckpt_cache, name, cycles):
+def test_scripted_accept_patterns(ckpt_cache, name):
     """Zero, partial and all-accepted cycles, for every count of right drafts per cycle."""
     path = ckpt(ckpt_cache, name)
     with LLM(path, spec="off", progress=False) as llm:
@@ -123,10 +120,10 @@ def test_scripted_accept_patterns(ckpt_cache, name, cycles):
         ref = llm.generate(p, greedy(24)).token_ids
         for k in (1, 3, 6):
             for right in range(0, k + 1):
-                llm.engine.drafters["ngram"] = Scripted(len(p), ref, right, v)
-                cycles.clear()
-                r = llm.generate(p, greedy(24), spec={"mode": "ngram", "k": k})
-                assert r.token_ids == ref, (k, right)
+                watch = Steps()
+                r = scripted(llm, p, greedy(24), k, Scripted(len(p), ref, right, v), watch)[-1].result
+                cycles = watch.cycles
+                assert r.stats["route"] == "scripted" and r.token_ids == ref, (k, right)
                 assert cycles and all(n == min(right, d) for d, n in cycles), (k, right, cycles)
                 assert r.stats["accepted"] == sum(n for _, n in cycles)
                 assert r.stats["cycles"] == len(cycles)
@@ -134,19 +131,20 @@ def test_scripted_accept_patterns(ckpt_cache, name, cycles):
 
 # ---- the fitted model: drafts really get accepted ----------------------------------------------
 
-def test_fitted_mtp_accepts_and_equals_ar(fitted, cycles):
+def test_fitted_mtp_accepts_and_equals_ar(fitted):
     with LLM(fitted, progress=False) as llm:
         assert llm.spec.mode == "auto" and llm.mtp_loaded
         for k in range(1, 7):
-            cycles.clear()
+            watch = Steps()
             acc = 0
             for p in specfit.prompts(4, seed=7):
                 ref = llm.generate(p, greedy(32), spec="off")
-                r = llm.generate(p, greedy(32), spec={"mode": "mtp", "k": k})
+                r = llm.generate(p, greedy(32), spec={"mode": "mtp", "k": k}, on_cycle=watch)
                 assert r.token_ids == ref.token_ids, (k, p)
                 assert r.stats["route"] == "mtp"
                 acc += r.stats["accepted"]
             assert acc > 0, k
+            cycles = watch.cycles
             full = sum(n == d == k for d, n in cycles)
             if k <= 2:  # the head is fitted for step 1 only, so long all-right chains are rare (a few
                 # % at k=3); all-accepted cycles at larger k come from n-gram and the scripted drafter
@@ -155,16 +153,16 @@ def test_fitted_mtp_accepts_and_equals_ar(fitted, cycles):
                 assert any(n < d for d, n in cycles), f"no rejection at k={k}"
 
 
-def test_fitted_ngram_accepts_and_equals_ar(fitted, cycles):
+def test_fitted_ngram_accepts_and_equals_ar(fitted):
     with LLM(fitted, spec="off", progress=False) as llm:
         for k in (1, 3, 6):
-            cycles.clear()
+            watch = Steps()
             for p in specfit.prompts(4, length=16, seed=9):
                 ref = llm.generate(p, greedy(40))
-                r = llm.generate(p, greedy(40), spec={"mode": "ngram", "k": k})
+                r = llm.generate(p, greedy(40), spec={"mode": "ngram", "k": k}, on_cycle=watch)
                 assert r.token_ids == ref.token_ids
                 assert r.stats["route"] == "ngram" and r.stats["mean_accept_len"] > 1.5
-            assert any(n == d == k for d, n in cycles)
+            assert any(n == d == k for d, n in watch.cycles)
 
 
 def test_requests_do_not_leak_state(fitted):
@@ -191,7 +189,7 @@ def test_requests_do_not_leak_state(fitted):
 
 # ---- where the output ends ------------------------------------------------------------------
 
-def test_eos_inside_accepted_drafts(ckpt_cache, tmp_path, emitted):
+def test_eos_inside_accepted_drafts(ckpt_cache, tmp_path):
     base = ckpt(ckpt_cache, "base")
     with LLM(base, progress=False) as llm:
         v = llm.cfg.vocab_size
@@ -205,17 +203,16 @@ def test_eos_inside_accepted_drafts(ckpt_cache, tmp_path, emitted):
         with LLM(path, progress=False) as llm:
             a = llm.generate(p, SamplingParams(max_tokens=30), spec="off")
             assert a.token_ids == ref[:i + 1] and a.finish_reason == "stop"
-            llm.engine.drafters["ngram"] = Scripted(len(p), ref, 6, v)
-            emitted.clear()
-            s = llm.generate(p, SamplingParams(max_tokens=30), spec={"mode": "ngram", "k": 6})
+            watch = Steps()
+            s = scripted(llm, p, SamplingParams(max_tokens=30), 6, Scripted(len(p), ref, 6, v), watch)[-1].result
             assert s.token_ids == a.token_ids and s.finish_reason == "stop"
-            last = emitted[-1]
+            last = watch.emitted[-1]
             assert ref[i] in last[:-1], "the EOS should sit inside the accepted drafts, not be the bonus"
             m = llm.generate(p, SamplingParams(max_tokens=30), spec={"mode": "mtp", "k": 6})
             assert m.token_ids == a.token_ids and m.finish_reason == "stop"
 
 
-def test_eos_inside_mtp_drafts_fitted(fitted, tmp_path, emitted):
+def test_eos_inside_mtp_drafts_fitted(fitted, tmp_path):
     with LLM(fitted, progress=False) as llm:
         p = specfit.prompts(1, seed=13)[0]
         ref = llm.generate(p, greedy(40), spec="off").token_ids
@@ -224,15 +221,15 @@ def test_eos_inside_mtp_drafts_fitted(fitted, tmp_path, emitted):
         path = specfit.variant(fitted, str(tmp_path / f"eos{i}"), eos=ref[i])
         with LLM(path, progress=False) as llm:
             a = llm.generate(p, SamplingParams(max_tokens=40), spec="off")
-            emitted.clear()
-            m = llm.generate(p, SamplingParams(max_tokens=40), spec={"mode": "mtp", "k": 4})
+            watch = Steps()
+            m = llm.generate(p, SamplingParams(max_tokens=40), spec={"mode": "mtp", "k": 4}, on_cycle=watch)
             assert a.token_ids == ref[:i + 1] and a.finish_reason == "stop"
             assert m.token_ids == a.token_ids and m.finish_reason == "stop"
-            hit += ref[i] in emitted[-1][:-1]
+            hit += ref[i] in watch.emitted[-1][:-1]
     assert hit > 0, "no EOS fell inside accepted MTP drafts"
 
 
-def test_stop_string_inside_accepted_drafts(ckpt_cache, tmp_path, emitted):
+def test_stop_string_inside_accepted_drafts(ckpt_cache, tmp_path):
     base = ckpt(ckpt_cache, "base")
     path = specfit.variant(base, str(tmp_path / "tok"), tokenizer=True)
     with LLM(path, progress=False) as llm:
@@ -249,20 +246,19 @@ def test_stop_string_inside_accepted_drafts(ckpt_cache, tmp_path, emitted):
             sp = SamplingParams(max_tokens=30, stop=[stop], ignore_eos=True)
             a = llm.generate(p, sp, spec="off")
             assert a.text == text[:i] and a.finish_reason == "stop"
-            llm.engine.drafters["ngram"] = Scripted(len(p), ref.token_ids, 6, v)
-            emitted.clear()
-            chunks = list(llm.stream(p, sp, spec={"mode": "ngram", "k": 6}))
+            watch = Steps()
+            chunks = scripted(llm, p, sp, 6, Scripted(len(p), ref.token_ids, 6, v), watch)
             s = chunks[-1].result
             assert (s.text, s.token_ids, s.finish_reason) == (a.text, a.token_ids, a.finish_reason)
             assert "".join(c.text for c in chunks) == a.text
-            assert len(emitted[-1]) == 7 and a.token_ids[-1] in emitted[-1][:-1]
+            assert len(watch.emitted[-1]) == 7 and a.token_ids[-1] in watch.emitted[-1][:-1]
             m = llm.generate(p, sp, spec={"mode": "mtp", "k": 5})
             assert (m.text, m.token_ids, m.finish_reason) == (a.text, a.token_ids, a.finish_reason)
             done += 1
         assert done >= 2
 
 
-def test_max_tokens_mid_cycle_and_k_clamped(ckpt_cache, monkeypatch):
+def test_max_tokens_mid_cycle_and_k_clamped(ckpt_cache):
     """With every draft right, a cycle would emit k+1 tokens; k is clamped to what is left, so the
     rows verified add up to exactly max_tokens - 1 (the first token comes from the prefill)."""
     base = ckpt(ckpt_cache, "base")
@@ -270,14 +266,11 @@ def test_max_tokens_mid_cycle_and_k_clamped(ckpt_cache, monkeypatch):
         v = llm.cfg.vocab_size
         p = random_prompts(v, 3, seed=6)[1]
         ref = llm.generate(p, greedy(16), spec="off").token_ids
-        rows: list[int] = []
-        orig = llm.engine.trunk.verify
-        monkeypatch.setattr(llm.engine.trunk, "verify", lambda ids, pos: (rows.append(ids.shape[0]), orig(ids, pos))[1])
         for k in (3, 6, 10):
             for m in range(1, 17):
-                llm.engine.drafters["ngram"] = Scripted(len(p), ref, k, v)
-                rows.clear()
-                r = llm.generate(p, greedy(m), spec={"mode": "ngram", "k": k})
+                watch = Steps()
+                r = scripted(llm, p, greedy(m), k, Scripted(len(p), ref, k, v), watch)[-1].result
+                rows = [d + 1 for d, _, _ in watch.steps]       # each step verifies its drafts + 1 row
                 assert r.token_ids == ref[:m] and r.finish_reason == "length"
                 assert sum(rows) == m - 1 and all(x <= k + 1 for x in rows), (k, m, rows)
                 r = llm.generate(p, greedy(m), spec={"mode": "mtp", "k": k})
@@ -347,7 +340,8 @@ def test_ngram_index_matches_scan(n_min, n_max):
         for _ in range(15):
             k = int(torch.randint(0, 7, (), generator=g))
             draft, q = d.propose(last, len(ctx), k, sp, None)
-            assert q is None
+            assert q is None and draft.dtype == torch.long
+            draft = draft.tolist()
             assert draft == (scan_reference(ctx + [last], k, n_min, n_max) if k > 0 else [])
             n = int(torch.randint(0, len(draft) + 1, (), generator=g))
             out = draft[:n] + [int(torch.randint(0, vocab, (), generator=g))]
@@ -397,7 +391,7 @@ def test_mtp_feed_variants_are_exact_and_differ(fitted):
 
         def propose(*a):
             out = orig(*a)
-            drafts[drafter.feed].append(out[0])
+            drafts[drafter.feed].append(out[0].tolist())
             return out
         drafter.propose = propose
         for feed in ("post", "pre"):
@@ -409,7 +403,7 @@ def test_mtp_feed_variants_are_exact_and_differ(fitted):
                 assert r.token_ids == ref.token_ids, feed
         assert drafts["pre"] != drafts["post"]
         with pytest.raises(ValueError, match="feed"):
-            MtpDrafter(drafter.head, llm.engine.trunk, 16, torch.float32, feed="mid")
+            MtpDrafter(drafter.head, llm.engine.trunk, torch.float32, feed="mid")
 
 
 def test_ngram_sizes_reach_the_drafter_and_are_validated(ckpt_cache):

@@ -18,8 +18,8 @@ from tinymodels import make_checkpoint
 
 from specfire import LLM, SamplingParams, SpecPolicy
 from specfire.config import ModelConfig
-from specfire.dist import valid_tp_degrees
-from specfire.dist.shard import ShardPlan
+from specfire.parallel import valid_tp_degrees
+from specfire.parallel.shard import ShardPlan
 from specfire.errors import MeshError, SpecfireError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -242,10 +242,10 @@ class TestMeshOfTwo:
             return res, d[0]
 
         res, d = delta("off")
-        assert res.stats["route"] == "ar" and d["verify_rows"] == d["verifies"] == res.stats["generated_tokens"] - 1
+        assert res.stats["route"] == "ar" and d["verify_rows"] == d["verify"] == res.stats["generated_tokens"] - 1
         assert d["lm_logits"] == 0
         res, d = delta(SpecPolicy("mtp", k=4))
-        assert res.stats["route"] == "mtp" and d["verify_rows"] == d["verifies"] + res.stats["drafted"]
+        assert res.stats["route"] == "mtp" and d["verify_rows"] == d["verify"] + res.stats["drafted"]
         assert d["lm_logits"] == 0                           # on the CPU the drafter scores on rank 0
         res, d = delta(SpecPolicy("auto", k=2))
         assert res.stats["route"] == "mtp"

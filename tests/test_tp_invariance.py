@@ -66,7 +66,7 @@ def _shards_vs_whole(x, w, rows):
     return whole, out
 
 
-@pytest.mark.parametrize("n,k", [(64, 98), (64, 48), (32, 64), (40, 1000)])
+@pytest.mark.parametrize("n,k", [(64, 98), (64, 48), (32, 64), (40, 1000), (64, 256), (48, 768)])
 def test_row_parallel_subtrees_equal_whole_bitwise(n, k):
     g = torch.Generator().manual_seed(k)
     w = torch.randn(n, k, generator=g)
@@ -76,6 +76,10 @@ def test_row_parallel_subtrees_equal_whole_bitwise(n, k):
         torch.testing.assert_close(whole, x @ w.t(), rtol=1e-5, atol=1e-4)
         for tp, got in per.items():
             assert torch.equal(got, whole), (m, tp)
+        if k in (256, 768):                    # the one-call batched form equals the chunk-by-chunk one
+            from specfire.ops.splitk import partials_cpu
+            ref = tree_sum(partials_cpu(x, w, KSplit(k), rows, ChunkCache()))
+            assert torch.equal(whole, ref)
     # row invariance of the rows path
     x = torch.randn(5, k, generator=g)
     y = subtree(x, w, KSplit(k), True, ChunkCache())

@@ -9,13 +9,19 @@ line naming the file, the tensor and what was expected.
 from __future__ import annotations
 
 import json
+import logging
 import os
+from dataclasses import replace
 from typing import Callable, Iterable
 
 import torch
 from safetensors import safe_open
 
+from ..config import ModelConfig
 from ..errors import CheckpointError
+from .qwen35 import MtpHead, Qwen35Trunk
+
+log = logging.getLogger("specfire")
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "U8": 1, "I8": 1,
                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -285,3 +291,44 @@ def load_module(module: torch.nn.Module, src: TensorSource, prefix: str, *, dtyp
             bar.update(1)
     if bar is not None:
         bar.close()
+
+
+# ---- building the model from a checkpoint (one path for every topology) ------------------------
+
+def follow_tied(src: TensorSource, cfg: ModelConfig) -> ModelConfig:
+    """The checkpoint, not config.json, decides whether lm_head is tied to the embedding."""
+    tied = "lm_head.weight" not in src
+    if tied == cfg.tie_word_embeddings:
+        return cfg
+    log.info("config says tie_word_embeddings=%s but the checkpoint %s lm_head.weight; following the "
+             "checkpoint", cfg.tie_word_embeddings, "lacks" if tied else "has")
+    return replace(cfg, tie_word_embeddings=tied)
+
+
+def load_trunk(src: TensorSource, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
+               build: Callable[[ModelConfig], torch.nn.Module] = Qwen35Trunk, fetch: Fetch = full_fetch,
+               progress: bool = False, what: str = "trunk") -> torch.nn.Module:
+    """`build(cfg)` on the meta device, then filled from `src`. A mesh rank passes its sharded
+    model as `build` and its slicing `fetch`; one device takes the defaults."""
+    with torch.device("meta"):
+        model = build(cfg)
+    load_module(model, src, "", dtype=dtype, device=device, fetch=fetch, progress=progress, what=what)
+    return model
+
+
+def load_mtp_head(path: str, src: TensorSource, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                  want_mtp: str, mtp_path: str | None = None) -> MtpHead | None:
+    """The MTP head by `want_mtp`: 'never' | 'must' | 'if_present' (whole, on one device)."""
+    if want_mtp == "never":
+        return None
+    msrc = mtp_source(path, src, mtp_path)
+    if msrc is None:
+        if want_mtp == "must":
+            raise CheckpointError(f"spec mode 'mtp' needs an MTP head, but {path} has no mtp.* tensors "
+                                  f"and no {MTP_SIDECAR} beside it")
+        return None
+    with torch.device("meta"):
+        head = MtpHead(cfg)
+    load_module(head, msrc, "mtp.", dtype=dtype, device=device, what="MTP head")
+    log.info("MTP head loaded from %s", msrc.file_of("mtp.fc.weight"))
+    return head

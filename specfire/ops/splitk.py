@@ -120,6 +120,31 @@ def _dense(w, cache: ChunkCache) -> torch.Tensor:
     return cache.dense
 
 
+def tree_stack(p: torch.Tensor) -> torch.Tensor:
+    """tree_sum over dim 0 of a stacked [C, ...] tensor, one add per level (the same adds)."""
+    while p.shape[0] > 1:
+        p = p[0::2] + p[1::2]
+    return p[0]
+
+
+def _stacked_cpu(x: torch.Tensor, w: torch.Tensor, split: KSplit, rows: bool) -> torch.Tensor | None:
+    """[C, M, N] float32 partials in one batched product per row (rows) or one for all (prefill),
+    for a float32 weight whose chunks are equal and aligned; None otherwise. A batch entry is
+    computed alike whatever the batch count (the property the rows path rests on), so a rank's
+    4 chunks give the bits of the same 4 chunks among 8."""
+    b = split.bounds
+    c = len(b) - 1
+    if not (split.aligned and isinstance(w, torch.Tensor) and w.dtype == torch.float32 and x.dtype == torch.float32
+            and w.is_contiguous() and all(b[i + 1] - b[i] == b[1] for i in range(c))):
+        return None
+    n, kc, m = w.shape[0], b[1], x.shape[0]
+    wv = w.view(n, c, kc).permute(1, 2, 0)                                  # [C, kc, N]
+    x = x.contiguous()
+    if rows:
+        return torch.cat([torch.bmm(x[i].view(c, 1, kc), wv) for i in range(m)], dim=1)
+    return torch.bmm(x.view(m, c, kc).transpose(0, 1), wv)
+
+
 def partials_cpu(x: torch.Tensor, w, split: KSplit, rows: bool, cache: ChunkCache) -> list[torch.Tensor]:
     """float32 [M, N] partial sum of every held chunk (CPU reference; also any non-CUDA device)."""
     cache.get(w, split, x.dtype)
@@ -153,6 +178,10 @@ def subtree(x: torch.Tensor, w, split: KSplit, rows: bool, cache: ChunkCache,
         if FUSED:
             return gemv_chunks_fused(x, w, cache.bounds_dev, out_dtype, tile)
         return tree_combine(chunk_partials(x, w, cache.bounds_dev, tile), out_dtype)
+    if not x.is_cuda:
+        st = _stacked_cpu(x, w, split, rows)
+        if st is not None:
+            return tree_stack(st).to(out_dtype)
     parts = q4_partials_cuda(x, w, split, cache) if x.is_cuda else partials_cpu(x, w, split, rows, cache)
     return tree_sum(parts).to(out_dtype)
 

@@ -6,12 +6,12 @@ hidden)` after accept, with the emitted tokens and the trunk's hidden rows for t
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
 from ..config import SamplingParams
-from ..model.qwen35 import MtpHead
+from ..model.qwen35 import MtpHead, SequenceState
 from .sampling import probs, sample
 from .trunk import Trunk
 
@@ -21,17 +21,49 @@ class Drafter(Protocol):
 
     def begin(self, prompt: torch.Tensor, hidden: torch.Tensor) -> None: ...
     def propose(self, last: int, pos: int, k: int, sp: SamplingParams,
-                gen: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]: ...
+                gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]: ...
     def commit(self, out: list[int], hidden: torch.Tensor) -> None: ...
 
 
+NO_DRAFT = torch.empty(0, dtype=torch.long)
+
+
+def draft_chain(head: MtpHead, embed: Callable[[torch.Tensor], torch.Tensor],
+                lm_logits: Callable[[torch.Tensor], torch.Tensor], state: SequenceState, toks: torch.Tensor,
+                hidden: torch.Tensor, pos: int | torch.Tensor, k: int, feed: str,
+                choose: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The MTP draft chain, written once: run eagerly, and captured into a CUDA graph (greedy)
+    by runtime/graphs.py. Catch-up over the pending rows (hidden [m, H] at positions pos.., toks
+    [m] the tokens after them), then k steps of `choose(logits [1, V]) -> [1]` each feeding the
+    head its own output (`feed`) and its own draft. `pos` is an int, or a one-element device
+    tensor under capture. Returns the drafts [k], int64, on the device: no host read."""
+    pre, post = head(embed(toks), hidden, pos, state, rows=True)
+    h_pre, h_post = pre[-1:], post[-1:]
+    p = pos + (toks.shape[0] - 1)                                             # position of the last row
+    drafts = []
+    for step in range(k):
+        tok = choose(lm_logits(h_post))                                       # [1]
+        drafts.append(tok)
+        if step + 1 == k:
+            break
+        p = p + 1
+        fed = h_post if feed == "post" else h_pre
+        h_pre, h_post = head(embed(tok), fed, p, state, rows=True)
+    return torch.cat(drafts)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(-1)
+
+
 class MtpDrafter:
-    """The model's own MTP head, chained k times.
+    """The model's own MTP head, chained k times (`draft_chain`).
 
     Step 1 at position pos-1 takes the trunk's post-norm hidden there and the newest token; later
     steps feed the head its own output (`feed`: "post" = after mtp.norm, "pre" = before) and its
     previous draft, one position further. Before step 1 it catches its KV cache up with the rows
     the trunk committed last cycle (their true hidden states and tokens), in the same forward.
+    Where the trunk replays CUDA graphs, the greedy chain is replayed too.
 
     The default feed is "pre", the better of the two measured (bench/spec_cpu.py and
     bench/bundled_accept.py, greedy, mean_accept_len at k = 2/3/4): on a head fitted for one step
@@ -41,16 +73,16 @@ class MtpDrafter:
 
     name = "mtp"
 
-    def __init__(self, head: MtpHead, trunk: Trunk, max_seq: int, kv_dtype: torch.dtype, feed: str = "pre"):
+    def __init__(self, head: MtpHead, trunk: Trunk, kv_dtype: torch.dtype, feed: str = "pre"):
         self.graphs = None  # set before `feed`, whose setter resets captured graphs
         self.head, self.trunk, self.feed = head, trunk, feed
-        self.state = head.new_state(max_seq, kv_dtype)
+        self.state = head.new_state(trunk.max_seq, kv_dtype)
         self._hidden: torch.Tensor | None = None   # trunk hidden rows not yet fed to the head
         self._tokens: list[int] = []               # tokens following those rows (all but the last)
         self._pos0 = 0
-        if getattr(trunk, "graphs", None) is not None:  # the trunk replays CUDA graphs: so does the chain
-            from .graphs import MtpGraphs
-            self.graphs = MtpGraphs(head, trunk.embed, trunk.lm_logits, self.state, feed)
+        if trunk.graphs_enabled:
+            from .graphs import DraftGraphs
+            self.graphs = DraftGraphs(self._chain_greedy, head.fc.weight.device)
 
     @property
     def feed(self) -> str:
@@ -64,8 +96,14 @@ class MtpDrafter:
             raise ValueError(f"feed must be 'post' or 'pre', got {feed!r}")
         self._feed = feed
         if self.graphs is not None:
-            self.graphs.feed = feed
-            self.graphs.graphs.clear()
+            self.graphs.clear()
+
+    def _chain(self, toks, hidden, pos, k, choose) -> torch.Tensor:
+        return draft_chain(self.head, self.trunk.embed, self.trunk.lm_logits, self.state, toks, hidden, pos,
+                           k, self.feed, choose)
+
+    def _chain_greedy(self, toks, hidden, pos, k) -> torch.Tensor:
+        return self._chain(toks, hidden, pos, k, argmax)
 
     @torch.inference_mode()
     def begin(self, prompt: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -77,33 +115,22 @@ class MtpDrafter:
 
     @torch.inference_mode()
     def propose(self, last: int, pos: int, k: int, sp: SamplingParams,
-                gen: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
+                gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if k <= 0:
-            return [], None
-        dev = self._hidden.device
-        toks = torch.tensor(self._tokens + [last], device=dev)
-        if sp.greedy and self.graphs is not None:
-            return self.graphs.draft(toks, self._hidden, self._pos0, k), None
-        pre, post = self.head(self.trunk.embed(toks), self._hidden, self._pos0, self.state, rows=True)
-        p = self._pos0 + toks.shape[0] - 1                                   # position of the last row
-        h_pre, h_post = pre[-1:], post[-1:]
-        drafts: list[int] = []
-        qs = []
-        for step in range(k):
-            logits = self.trunk.lm_logits(h_post)
-            if sp.greedy:
-                tok = int(logits.argmax(-1))
-            else:
-                q = probs(logits, sp)
-                tok = int(sample(q, gen))
-                qs.append(q[0])
-            drafts.append(tok)
-            if step + 1 == k:
-                break
-            p += 1
-            fed = h_post if self.feed == "post" else h_pre
-            h_pre, h_post = self.head(self.trunk.embed(torch.tensor([tok], device=dev)), fed, p, self.state, rows=True)
-        return drafts, (torch.stack(qs) if qs else None)
+            return NO_DRAFT, None
+        toks = torch.tensor(self._tokens + [last], device=self._hidden.device)
+        if sp.greedy:
+            if self.graphs is not None:
+                return self.graphs.draft(toks, self._hidden, self._pos0, k), None
+            return self._chain(toks, self._hidden, self._pos0, k, argmax), None
+        qs: list[torch.Tensor] = []
+
+        def choose(logits: torch.Tensor) -> torch.Tensor:
+            q = probs(logits, sp)
+            qs.append(q[0])
+            return sample(q, gen)
+        drafts = self._chain(toks, self._hidden, self._pos0, k, choose)
+        return drafts, torch.stack(qs)
 
     def commit(self, out: list[int], hidden: torch.Tensor) -> None:
         # rows of the trunk at positions pos..pos+n, followed by tokens out[0..n]
@@ -146,17 +173,17 @@ class NgramDrafter:
                     idx[tuple(ctx[end - n:end])] = end - n
 
     def propose(self, last: int, pos: int, k: int, sp: SamplingParams,
-                gen: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
+                gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._extend([last])
         if k <= 0:
-            return [], None
+            return NO_DRAFT, None
         ctx = self.tokens
         L = len(ctx)
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
             i = self._index[n].get(tuple(ctx[L - n:]))
             if i is not None:
-                return ctx[i + n:i + n + k], None
-        return [], None
+                return torch.tensor(ctx[i + n:i + n + k], dtype=torch.long), None
+        return NO_DRAFT, None
 
     def commit(self, out: list[int], hidden: torch.Tensor | None) -> None:
         self._extend(out[:-1])                      # the last one comes back as `last`

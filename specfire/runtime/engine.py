@@ -8,13 +8,12 @@ from typing import Any, Iterator
 import torch
 
 from ..config import SamplingParams, SpecPolicy
-from ..model.qwen35 import MtpHead
 from ..tokenizer import Tokenizer
-from .drafters import Drafter, MtpDrafter, NgramDrafter
+from .drafters import Drafter
 from .output import OutputBuilder
 from .route import select_route
 from .sampling import pick
-from .spec import SpecStats, spec_step
+from .spec import OnCycle, SpecStats, spec_step
 from .trunk import Trunk
 
 
@@ -40,21 +39,25 @@ class Engine:
     """Token ids in, token ids (and text) out, over one trunk and optional drafters."""
 
     def __init__(self, trunk: Trunk, tokenizer: Tokenizer | None, eos_ids: set[int],
-                 mtp_head: MtpHead | None, kv_dtype: torch.dtype, topology: str = "single",
-                 refused: frozenset[str] = frozenset(), mtp_feed: str = "pre",
-                 ngram: tuple[int, int] = (1, 4)):
+                 drafters: dict[str, Drafter], topology: str = "single"):
         self.trunk = trunk
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
-        self.topology = topology
-        self.refused = refused
-        self.drafters: dict[str, Drafter] = {"ngram": NgramDrafter(*ngram)}
-        if mtp_head is not None:
-            self.drafters["mtp"] = MtpDrafter(mtp_head, trunk, trunk.max_seq, kv_dtype, feed=mtp_feed)
+        self.topology = topology                # a label in route reasons; every topology serves every drafter
+        self.drafters = drafters                # route name -> drafter ("mtp", "ngram")
 
     @property
     def mtp_loaded(self) -> bool:
         return "mtp" in self.drafters
+
+    @property
+    def max_seq(self) -> int:
+        """Prompt plus generated tokens must fit in this many positions."""
+        return self.trunk.max_seq
+
+    def route(self, policy: SpecPolicy, sp: SamplingParams) -> tuple[str, str]:
+        """(route, reason) a request would take; raises SpecfireError for a mode it cannot serve."""
+        return select_route(policy, self.mtp_loaded, sp, self.topology)
 
     def check_prompt(self, ids: list[int]) -> None:
         vocab = self.trunk.cfg.vocab_size
@@ -69,19 +72,25 @@ class Engine:
             raise ValueError(f"prompt has {len(ids)} tokens; max_seq_len is {self.trunk.max_seq} "
                              f"(room for at least one generated token is needed)")
 
-    def stream(self, ids: list[int], sp: SamplingParams, policy: SpecPolicy) -> Iterator[StreamChunk]:
+    def stream(self, ids: list[int], sp: SamplingParams, policy: SpecPolicy, on_cycle: OnCycle | None = None,
+               drafter: Drafter | None = None) -> Iterator[StreamChunk]:
+        """Generate from `ids`. `on_cycle(k, n, emitted)` is called after every step; `drafter`,
+        when given, serves the request instead of the routed one (tests script drafts with it)."""
         self.check_prompt(ids)
-        route, reason = select_route(policy, self.mtp_loaded, sp, self.topology, self.refused)
-        drafter = None if route == "ar" else self.drafters[route]
+        if drafter is not None:
+            route, reason = drafter.name, f"drafter {drafter.name!r} given by the caller (k={policy.k})"
+        else:
+            route, reason = self.route(policy, sp)
+            drafter = None if route == "ar" else self.drafters[route]
         k = policy.k if drafter is not None else 0
-        dev = getattr(self.trunk, "device", torch.device("cpu"))
+        dev = self.trunk.device
         gen = None
         if sp.seed is not None:
             gen = torch.Generator(device=dev)
             gen.manual_seed(sp.seed)
         max_new = min(sp.max_tokens, self.trunk.max_seq - len(ids))
         out = OutputBuilder(sp, self.eos_ids, self.tokenizer, max_new)
-        stats = SpecStats()
+        stats = SpecStats(on_cycle=on_cycle)
 
         t0 = time.perf_counter()
         prompt = torch.tensor(ids, device=dev)
@@ -120,10 +129,3 @@ class Engine:
         }
         res = GenerationResult(out.text, list(out.token_ids), out.finish_reason or "length", list(ids), st)
         yield StreamChunk(text, out.token_ids[n_before:], res)
-
-    def generate(self, ids: list[int], sp: SamplingParams, policy: SpecPolicy) -> GenerationResult:
-        res = None
-        for chunk in self.stream(ids, sp, policy):
-            res = chunk.result
-        assert res is not None
-        return res

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -83,35 +84,25 @@ class _DraftGraph:
     drafts: torch.Tensor                    # [k] greedy drafts
 
 
-class MtpGraphs:
-    """The greedy MTP draft chain as one CUDA graph per (pending rows m, draft length k): the
-    catch-up forward over the m rows the trunk committed, then k argmax steps feeding the head
-    its own output. The position is a device tensor, as in RowsGraphs; sampled drafting stays
-    eager (it needs the per-step distributions and a host generator)."""
+Chain = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
-    def __init__(self, head, embed, lm_logits, state: SequenceState, feed: str):
-        self.head, self.embed, self.lm_logits, self.state, self.feed = head, embed, lm_logits, state, feed
-        dev = head.fc.weight.device
-        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+
+class DraftGraphs:
+    """The greedy MTP draft chain (`drafters.draft_chain`, the same function the eager path runs)
+    as one CUDA graph per (pending rows m, draft length k). The position is a device tensor, as in
+    RowsGraphs; sampled drafting stays eager (it needs a host generator)."""
+
+    def __init__(self, chain: Chain, device: torch.device):
+        self.chain = chain                  # (toks, hidden, pos tensor, k) -> drafts [k]
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], _DraftGraph] = {}
 
-    def _chain(self, toks: torch.Tensor, hidden: torch.Tensor, k: int) -> torch.Tensor:
-        pre, post = self.head(self.embed(toks), hidden, self.pos, self.state, rows=True)
-        h_pre, h_post = pre[-1:], post[-1:]
-        p = self.pos + (toks.shape[0] - 1)
-        drafts = []
-        for step in range(k):
-            tok = self.lm_logits(h_post).argmax(-1)                         # [1], stays on the device
-            drafts.append(tok)
-            if step + 1 == k:
-                break
-            p = p + 1
-            fed = h_post if self.feed == "post" else h_pre
-            h_pre, h_post = self.head(self.embed(tok), fed, p, self.state, rows=True)
-        return torch.cat(drafts)
+    def clear(self) -> None:
+        self.graphs.clear()
 
-    def draft(self, toks: torch.Tensor, hidden: torch.Tensor, pos0: int, k: int) -> list[int]:
+    def draft(self, toks: torch.Tensor, hidden: torch.Tensor, pos0: int, k: int) -> torch.Tensor:
+        """The drafts [k] on the device (a copy: the next replay overwrites the graph's output)."""
         key = (toks.shape[0], k)
         self.pos.fill_(pos0)
         g = self.graphs.get(key)
@@ -121,7 +112,7 @@ class MtpGraphs:
         g.toks.copy_(toks)
         g.hidden.copy_(hidden)
         g.graph.replay()
-        return g.drafts.tolist()
+        return g.drafts.clone()
 
     def _capture(self, toks: torch.Tensor, hidden: torch.Tensor, k: int) -> _DraftGraph:
         tb, hb = toks.clone(), hidden.clone()
@@ -129,10 +120,10 @@ class MtpGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up outside the capture (kernel compilation)
             for _ in range(2):
-                self._chain(tb, hb, k)
+                self.chain(tb, hb, self.pos, k)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self._chain(tb, hb, k)
+            out = self.chain(tb, hb, self.pos, k)
         log.info("captured an MTP draft graph for %d pending row(s), k=%d", toks.shape[0], k)
         return _DraftGraph(graph, tb, hb, out)

@@ -5,16 +5,16 @@ from ..config import SamplingParams, SpecPolicy
 from ..errors import SpecfireError
 
 
-def select_route(policy: SpecPolicy, mtp_loaded: bool, sp: SamplingParams, topology: str = "single",
-                 refused: frozenset[str] = frozenset()) -> tuple[str, str]:
+def select_route(policy: SpecPolicy, mtp_loaded: bool, sp: SamplingParams,
+                 topology: str = "single") -> tuple[str, str]:
     """Return (route, reason) with route in {"ar", "mtp", "ngram"}.
 
-    `refused` names drafters the topology cannot serve. `auto` falls back to AR with a reason; an
-    explicit `mtp` or `ngram` that cannot be served raises SpecfireError (never a silent fallback)."""
+    Every topology serves both drafters (the mesh runs them on rank 0), so the route depends on the
+    policy, whether the MTP head is loaded and the request; `topology` only labels the reason.
+    `auto` falls back to AR with a reason; an explicit `mtp` that cannot be served raises
+    SpecfireError (never a silent fallback)."""
     if policy.mode == "off":
         return "ar", "speculation off by policy"
-    if policy.mode in ("mtp", "ngram") and policy.mode in refused:
-        raise SpecfireError(f"spec mode {policy.mode!r} cannot be served on topology {topology!r}")
     if policy.mode == "mtp":
         if not mtp_loaded:
             raise SpecfireError("spec mode 'mtp' requested but no MTP head is loaded (the checkpoint has no "
@@ -25,8 +25,6 @@ def select_route(policy: SpecPolicy, mtp_loaded: bool, sp: SamplingParams, topol
     # auto
     if sp.max_tokens == 1:
         return "ar", "auto: a single token leaves nothing to speculate"
-    if mtp_loaded and "mtp" not in refused:
-        return "mtp", f"auto: MTP head loaded (k={policy.k}, {topology})"
     if mtp_loaded:
-        return "ar", f"auto: the MTP drafter cannot be served on topology {topology!r}"
+        return "mtp", f"auto: MTP head loaded (k={policy.k}, {topology})"
     return "ar", "auto: no MTP head loaded"

@@ -30,19 +30,25 @@ class Rows:
 
 
 class Trunk(Protocol):
-    """What the speculative step needs from the target model, whatever the topology."""
+    """What the speculative step, the engine and the drafters use of the target model, whatever
+    the topology (nothing else is read from a trunk)."""
 
     cfg: ModelConfig
     max_seq: int
+    device: torch.device          # where ids go in and logits / hidden rows come out
+    graphs_enabled: bool          # verify replays CUDA graphs, so the MTP draft chain may too
 
     def begin(self) -> None: ...                                   # new sequence: reset state
-    def prefill(self, ids: torch.Tensor) -> Rows: ...              # logits of the last row, hidden of all
+    def prefill(self, ids: torch.Tensor, logits: str = "last") -> Rows: ...  # logits "last" | "all"; hidden of all
     def verify(self, ids: torch.Tensor, pos: int) -> Rows: ...     # R rows at pos.., per-row capture
     def commit(self, n: int) -> None: ...                          # state := after row n of verify
     def score(self, ids: torch.Tensor) -> torch.Tensor: ...        # float32 logits [T, V]
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...        # for the MTP drafter
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor: ...      # for the MTP drafter
     def close(self) -> None: ...
+
+
+TRUNK_METHODS: tuple[str, ...] = tuple(n for n, v in vars(Trunk).items() if callable(v) and not n.startswith("_"))
 
 
 class LocalTrunk:
@@ -64,6 +70,10 @@ class LocalTrunk:
 
     def begin(self) -> None:
         self.state.reset()
+
+    @property
+    def graphs_enabled(self) -> bool:
+        return self.graphs is not None
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, logits: str = "last") -> Rows:

@@ -124,12 +124,8 @@ def spec_policy(body: dict[str, Any], default: SpecPolicy, name: str = "speculat
 
 def check_route(llm: Any, policy: SpecPolicy, sp: SamplingParams, name: str = "speculation") -> None:
     """Refuse, before queueing, a speculation mode the loaded model cannot serve."""
-    from ..runtime.route import select_route
-
-    eng = llm.engine
     try:
-        select_route(policy, llm.mtp_loaded, sp, getattr(eng, "topology", "single"),
-                     getattr(eng, "refused", frozenset()))
+        llm.engine.route(policy, sp)
     except SpecfireError as e:
         raise RequestError(str(e), f"{name}.mode") from None
 

@@ -18,7 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
-CMD_LEN = 4
+CMD_BYTES = 512                   # one command header (length-prefixed), parallel/control.py
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -99,14 +99,19 @@ class Comm:
         return x
 
     # ---- commands (CPU, gloo) ------------------------------------------------------------------
-    def send_command(self, op: int, a: int = 0, b: int = 0, c: int = 0) -> None:
-        dist.broadcast(torch.tensor([op, a, b, c], dtype=torch.int64), src=0, group=self.cmd_group)
+    def send_command(self, header: bytes) -> None:
+        if len(header) > CMD_BYTES - 2:
+            raise ValueError(f"mesh command header of {len(header)} bytes exceeds {CMD_BYTES - 2}")
+        buf = torch.zeros(CMD_BYTES, dtype=torch.uint8)
+        buf[0], buf[1] = len(header) & 0xFF, len(header) >> 8
+        buf[2:2 + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        dist.broadcast(buf, src=0, group=self.cmd_group)
 
-    def recv_command(self) -> tuple[int, int, int, int]:
-        t = torch.empty(CMD_LEN, dtype=torch.int64)
-        dist.broadcast(t, src=0, group=self.cmd_group)
-        op, a, b, c = t.tolist()
-        return op, a, b, c
+    def recv_command(self) -> bytes:
+        buf = torch.empty(CMD_BYTES, dtype=torch.uint8)
+        dist.broadcast(buf, src=0, group=self.cmd_group)
+        n = int(buf[0]) | int(buf[1]) << 8
+        return bytes(buf[2:2 + n].tolist())
 
     def exchange_flags(self, flag: int) -> list[int]:
         """Every rank's small integer flag (e.g. load succeeded), on every rank."""

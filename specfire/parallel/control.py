@@ -1,0 +1,95 @@
+"""The mesh's control plane: rank 0 calls a Trunk method by name, and every rank runs that same
+method on its own shard.
+
+A call is a small header (the method name and its arguments, tensors replaced by their shape and
+dtype) broadcast on the command group, then each tensor argument broadcast on the forward group.
+The methods a call may name are the Trunk protocol's own (`runtime/trunk.py`), so they are listed
+once; `rank_stats` and `close` are the only control-plane words of their own.
+"""
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import MeshError
+from ..runtime.trunk import TRUNK_METHODS, LocalTrunk
+from .comm import Comm
+
+CALLS = tuple(m for m in TRUNK_METHODS if m != "close")   # every rank runs these on its shard
+RANK_STATS, CLOSE = "rank_stats", "close"
+STAT_NAMES = CALLS + ("verify_rows", "max_verify_rows")
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    """Stands for a tensor argument in a call header; the tensor itself follows on the forward group."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Call:
+    name: str
+    args: tuple[Any, ...]
+
+    def header(self) -> bytes:
+        return pickle.dumps((self.name, self.args), protocol=pickle.HIGHEST_PROTOCOL)
+
+    @staticmethod
+    def of(name: str, *args: Any) -> tuple["Call", list[torch.Tensor]]:
+        """The call and its tensor arguments (rank 0)."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        plain = tuple(TensorArg(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+        return Call(name, plain), tensors
+
+    @staticmethod
+    def parse(header: bytes) -> "Call":
+        name, args = pickle.loads(header)
+        return Call(name, args)
+
+
+class RankExecutor:
+    """Runs one call on this rank's shard. Rank 0 passes the tensors; the other ranks receive them
+    through the broadcast here, so the same code path runs everywhere."""
+
+    def __init__(self, comm: Comm, trunk: LocalTrunk):
+        self.comm, self.trunk = comm, trunk
+        self.counts = dict.fromkeys(STAT_NAMES, 0)
+
+    def _arg(self, a: Any, given: list[torch.Tensor] | None) -> Any:
+        if not isinstance(a, TensorArg):
+            return a
+        t = given.pop(0).contiguous() if given is not None else torch.empty(a.shape, dtype=a.dtype,
+                                                                             device=self.comm.device)
+        return self.comm.broadcast(t)
+
+    @torch.inference_mode()
+    def run(self, call: Call, tensors: list[torch.Tensor] | None = None) -> Any:
+        given = list(tensors) if tensors is not None else None
+        args = [self._arg(a, given) for a in call.args]
+        if call.name == RANK_STATS:
+            mine = torch.tensor([[self.counts[k] for k in STAT_NAMES]], dtype=torch.int64, device=self.comm.device)
+            return self.comm.gather(mine, dim=0)
+        if call.name not in CALLS:
+            raise MeshError(f"unknown mesh call {call.name!r}")
+        n = self.counts
+        n[call.name] += 1
+        if call.name == "verify":
+            rows = args[0].shape[0]
+            n["verify_rows"] += rows
+            n["max_verify_rows"] = max(n["max_verify_rows"], rows)
+        return getattr(self.trunk, call.name)(*args)
+
+
+def serve(comm: Comm, trunk: LocalTrunk) -> None:
+    """A worker's loop: run rank 0's calls until it says close."""
+    ex = RankExecutor(comm, trunk)
+    while True:
+        call = Call.parse(comm.recv_command())
+        if call.name == CLOSE:
+            return
+        ex.run(call)

@@ -1,0 +1,111 @@
+"""MeshTrunk: the Trunk interface over the mesh, on rank 0.
+
+Rank 0 is the caller's process, the driver: it owns requests, the tokenizer, sampling, the route
+selector and the drafters (the MTP head lives whole on rank 0), and it runs the same Engine and
+`spec_step` as one device, over a MeshTrunk. Every Trunk call on rank 0 is sent to every rank
+(parallel/control.py), so every rank executes the same forward, the same per-row capture and the
+same `commit(n)`.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from ..errors import MeshError
+from ..ops.linear import linear
+from ..runtime.trunk import LocalTrunk, Rows
+from .control import RANK_STATS, STAT_NAMES, Call, RankExecutor
+from .lifecycle import Mesh
+
+
+class MeshTrunk:
+    """Same results as LocalTrunk: hidden rows are replicated on every rank, logits are gathered
+    to rank 0. Eager on every rank: the forward holds collectives, and capturing NCCL into a CUDA
+    graph hung on our GPU machine; a capturable all-reduce comes first (docs/TENSOR_PARALLEL.md)."""
+
+    graphs_enabled = False
+
+    def __init__(self, mesh: Mesh, trunk: LocalTrunk, tp: int, dtype: torch.dtype,
+                 drafter_vocab: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.cfg: ModelConfig = trunk.cfg
+        self.max_seq = trunk.max_seq
+        self.device = trunk.device
+        self.tp = tp
+        self._mesh = mesh
+        self._local: LocalTrunk | None = trunk
+        self._ex = RankExecutor(mesh.comm, trunk)
+        self._dtype = dtype
+        self._drafter_vocab = drafter_vocab     # whole (embedding, lm_head) on rank 0, or None
+        self._finalizer = weakref.finalize(self, mesh.shutdown)
+
+    def _call(self, name: str, *args: Any) -> Any:
+        self._mesh.check()
+        call, tensors = Call.of(name, *args)
+        try:
+            self._mesh.comm.send_command(call.header())
+            return self._ex.run(call, tensors)
+        except MeshError:
+            raise
+        except Exception as e:
+            raise self._mesh.fail(e) from None
+        except BaseException as e:  # e.g. KeyboardInterrupt mid-collective: the ranks are out of step
+            self._mesh.fail(e)
+            raise
+
+    # ---- Trunk ---------------------------------------------------------------------------------
+    def begin(self) -> None:
+        self._call("begin")
+
+    def prefill(self, ids: torch.Tensor, logits: str = "last") -> Rows:
+        return self._call("prefill", ids, logits)
+
+    def verify(self, ids: torch.Tensor, pos: int) -> Rows:
+        return self._call("verify", ids, pos)
+
+    def commit(self, n: int) -> None:
+        self._call("commit", n)
+
+    def score(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._call("score", ids)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._drafter_vocab is not None:
+            return F.embedding(ids, self._drafter_vocab[0])
+        return self.mesh_embed(ids)
+
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        if self._drafter_vocab is not None:
+            return linear(h, self._drafter_vocab[1], rows=True).float()
+        return self.mesh_lm_logits(h)
+
+    def mesh_embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The vocab-parallel embedding across the mesh (masked lookup + all-reduce)."""
+        return self._call("embed", ids)
+
+    def mesh_lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The vocab-parallel lm_head across the mesh (each rank 1/tp of the rows, gathered)."""
+        return self._call("lm_logits", h.to(self._dtype))
+
+    def close(self) -> None:
+        if self._local is not None:
+            self._local.close()
+        self._local = self._ex = self._drafter_vocab = None  # type: ignore[assignment]
+        self._finalizer()
+
+    # ---- inspection ----------------------------------------------------------------------------
+    def rank_stats(self) -> list[dict[str, int]]:
+        """Per-rank call counters (every rank must have run exactly what rank 0 ran)."""
+        table = self._call(RANK_STATS)
+        return [dict(zip(STAT_NAMES, row)) for row in table.tolist()]
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [w.pid for w in self._mesh.workers]
+
+    @property
+    def closed(self) -> bool:
+        return self._mesh.closed
