@@ -181,6 +181,10 @@ def test_mesh_bits_equal_one_device(ckpt_cache, name, degrees):
         sampled = one.generate(ids, samp, spec="off").token_ids
     for tp in degrees:
         with LLM(path, tp=tp, progress=False) as mesh:
+            symm = mesh.engine.trunk._mesh.comm.symm         # the captured forward's collectives
+            calls = []
+            real_tree = symm.tree
+            symm.tree = lambda x: calls.append(x.shape) or real_tree(x)
             got = mesh.score(ids)
             assert torch.equal(got, ref), f"tp={tp}: max diff {(got - ref).abs().max().item()}"
             assert mesh.generate(ids, sp, spec="off").token_ids == ar
@@ -189,6 +193,9 @@ def test_mesh_bits_equal_one_device(ckpt_cache, name, degrees):
             r = mesh.generate(ids, sp, spec=SpecPolicy("ngram", k=4))
             assert r.stats["route"] == "ngram" and r.token_ids == ar
             assert mesh.generate(ids, samp, spec="off").token_ids == sampled
+            # rows forwards (decode, verify) went through the GPU graph path's collectives, prefill not
+            n_rows = 2 * mesh.cfg.num_hidden_layers
+            assert len(calls) >= n_rows and len(calls) % n_rows == 0 and all(c[0] <= 4 for c in calls)
 
 
 def test_four_bit_mesh_bits_equal_one_device(ckpt_cache, tmp_path):
