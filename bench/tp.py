@@ -110,7 +110,7 @@ def stage_kernels(cfg, log: Log) -> None:
 
 # ---- stage: bundled -------------------------------------------------------------------------------
 
-def stage_bundled(device: str, dtype: str, log: Log, tokens: int) -> None:
+def stage_bundled(device: str, dtype: str, log: Log, tokens: int, graphs: bool | None = None) -> None:
     from specfire import LLM, SamplingParams, SpecPolicy
 
     text = "def fibonacci(n):\n    if n < 2:\n        return n\n"
@@ -118,7 +118,8 @@ def stage_bundled(device: str, dtype: str, log: Log, tokens: int) -> None:
     res = {}
     for tp in (1, 2):
         t0 = time.perf_counter()
-        with LLM(None, tp=tp, device=device, dtype=dtype, progress=False) as llm:
+        with LLM(None, tp=tp, device=device, dtype=dtype, progress=False, cuda_graphs=graphs,
+                 max_seq_len=512) as llm:
             load_s = time.perf_counter() - t0
             ids = llm.tokenizer.encode(text)
             lg = llm.score(ids).cpu()
@@ -126,7 +127,7 @@ def stage_bundled(device: str, dtype: str, log: Log, tokens: int) -> None:
             ar = llm.generate(ids, sp, spec="off")
             mtp = llm.generate(ids, sp, spec=SpecPolicy("mtp", k=3))
             res[tp] = (lg, ar.token_ids, mtp.token_ids, rows)
-            log("bundled", tp=tp, load_s=load_s, ar_tok_s=ar.stats["decode_tok_s"],
+            log("bundled", tp=tp, graphs=llm.engine.trunk.graphs_enabled, load_s=load_s, ar_tok_s=ar.stats["decode_tok_s"],
                 mtp_tok_s=mtp.stats["decode_tok_s"], mtp_equals_ar=mtp.token_ids == ar.token_ids,
                 mean_accept_len=mtp.stats.get("mean_accept_len"))
     lg1, ar1, _, rows1 = res[1]
@@ -261,7 +262,7 @@ def rank0_model(llm):
 
 
 def stage_speed(shape: str, path: str, device: str, log: Log, prompt: int, tokens: int, tps: list[int],
-                plain_tp1: bool) -> None:
+                plain_tp1: bool, graphs: bool | None = None) -> None:
     from specfire import LLM, SamplingParams, SpecPolicy
     from specfire.ops import splitk
 
@@ -272,7 +273,8 @@ def stage_speed(shape: str, path: str, device: str, log: Log, prompt: int, token
     for tp, canonical in runs:
         splitk.set_enabled(canonical)
         t0 = time.perf_counter()
-        with LLM(path, tp=tp, device=device, progress=False) as llm:
+        with LLM(path, tp=tp, device=device, progress=False, cuda_graphs=graphs,
+                 max_seq_len=prompt + 2 * tokens + 64) as llm:
             load_s = time.perf_counter() - t0
             ids = torch.randint(0, llm.cfg.vocab_size - 1, (prompt,), generator=g).tolist() if ref_h is None else ids
             caught = []       # the last layer's output over the prompt (eager prefill on every degree)
@@ -284,7 +286,8 @@ def stage_speed(shape: str, path: str, device: str, log: Log, prompt: int, token
             ar = llm.generate(ids, sp, spec="off")
             llm.generate(ids, sp, spec=SpecPolicy("mtp", k=3))
             mtp = llm.generate(ids, sp, spec=SpecPolicy("mtp", k=3))
-            row = dict(shape=shape, tp=tp, canonical_split=canonical, load_s=load_s,
+            row = dict(shape=shape, tp=tp, canonical_split=canonical, graphs=llm.engine.trunk.graphs_enabled,
+                       load_s=load_s,
                        prefill_tok_s=ar.stats["prefill_tok_s"], ar_tok_s=ar.stats["decode_tok_s"],
                        mtp3_tok_s=mtp.stats["decode_tok_s"], mtp3_mean_accept_len=mtp.stats.get("mean_accept_len"),
                        generated=len(ar.token_ids), mtp_equals_ar=mtp.token_ids == ar.token_ids)
@@ -302,7 +305,7 @@ def main() -> None:
     ap.add_argument("--shape", default="9B")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--stages", default="kernels,bundled,collect,speed")
+    ap.add_argument("--stages", default="kernels,bundled,speed,collect")
     ap.add_argument("--ckpt-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     ap.add_argument("--no-plain", action="store_true", help="skip tp1 with the canonical split off")
     ap.add_argument("--out", default=os.environ.get("OUT"))
@@ -330,18 +333,39 @@ def main() -> None:
     from decode import make_cfg
     cfg = make_cfg(args.shape)
     t_all = time.perf_counter()
+    def guarded(name, fn, *a, retry_eager=False):
+        """Run a stage; on failure log the error and, where asked, run it again without CUDA graphs
+        on the mesh (the eager NCCL path), so one failure does not cost the rest of the run."""
+        t0 = time.perf_counter()
+        try:
+            fn(*a)
+        except Exception as e:  # noqa: BLE001 - a benchmark reports and goes on
+            import traceback
+            log("error", where=name, error=f"{type(e).__name__}: {e}"[:2000],
+                trace=traceback.format_exc()[-3000:])
+            if retry_eager:
+                try:
+                    fn(*a, False)
+                except Exception as e2:  # noqa: BLE001
+                    log("error", where=name + " (eager)", error=f"{type(e2).__name__}: {e2}"[:2000])
+        log("stage_time", name=name, seconds=time.perf_counter() - t0)
+
     if "kernels" in stages and device == "cuda":
-        stage_kernels(cfg, log)
+        guarded("kernels", stage_kernels, cfg, log)
     if "bundled" in stages:
-        stage_bundled(device, "bfloat16" if device == "cuda" else "float32", log, 200 if device == "cuda" else 16)
-    if "collect" in stages and device == "cuda":
-        stage_collect(cfg, log)
+        guarded("bundled", stage_bundled, device, "bfloat16" if device == "cuda" else "float32", log,
+                200 if device == "cuda" else 16, retry_eager=True)
     if "speed" in stages:
         with tempfile.TemporaryDirectory(dir=args.ckpt_dir) as d:
             t0 = time.perf_counter()
             path = write_checkpoint(args.shape, os.path.join(d, args.shape), device, tie_norms=True)
+            if device == "cuda":
+                torch.cuda.empty_cache()
             log("checkpoint", shape=args.shape, write_s=time.perf_counter() - t0)
-            stage_speed(args.shape, path, device, log, args.prompt, args.tokens, [1, 2], not args.no_plain)
+            guarded("speed", stage_speed, args.shape, path, device, log, args.prompt, args.tokens, [1, 2],
+                    not args.no_plain, retry_eager=True)
+    if "collect" in stages and device == "cuda":
+        guarded("collect", stage_collect, cfg, log)
     log("done", total_s=time.perf_counter() - t_all)
 
 

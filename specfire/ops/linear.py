@@ -34,13 +34,19 @@ def linear_rows_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _paneled(fn, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """fn(x, w) with N cut into whole panels plus one zero-padded panel for the tail."""
+    """fn(x, w) with N cut into whole panels plus one zero-padded panel for the tail (a weight's
+    padded tail is kept on it until the weight changes)."""
     n = w.shape[0]
     body = n - n % PANEL
     if body == n:
         return fn(x, w)
-    pad = torch.zeros(PANEL, w.shape[1], dtype=w.dtype, device=w.device)
-    pad[:n - body] = w[body:]
+    hit = getattr(w, "_specfire_tail", None)
+    if hit is not None and hit[0] == w._version:
+        pad = hit[1]
+    else:
+        pad = torch.zeros(PANEL, w.shape[1], dtype=w.dtype, device=w.device)
+        pad[:n - body] = w[body:]
+        w._specfire_tail = (w._version, pad)
     tail = fn(x, pad)[:, :n - body]
     return tail if body == 0 else torch.cat([fn(x, w[:body]), tail], dim=-1)
 

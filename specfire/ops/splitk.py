@@ -141,6 +141,8 @@ def _stacked_cpu(x: torch.Tensor, w: torch.Tensor, split: KSplit, rows: bool) ->
     wv = w.view(n, c, kc).permute(1, 2, 0)                                  # [C, kc, N]
     x = x.contiguous()
     if rows:
+        if m == 1:
+            return torch.bmm(x.view(c, 1, kc), wv)
         return torch.cat([torch.bmm(x[i].view(c, 1, kc), wv) for i in range(m)], dim=1)
     return torch.bmm(x.view(m, c, kc).transpose(0, 1), wv)
 

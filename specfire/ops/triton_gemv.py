@@ -30,6 +30,18 @@ class GemvConfig:
     num_stages: int = 4
 
 
+SMEM_BUDGET = 200 * 1024   # bytes of shared memory a program may stage (the H200 has 227 KB)
+
+
+def fit_stages(cfg: GemvConfig, tile: int, elt: int) -> int:
+    """The pipeline depth that keeps (weight tile + x tile) x stages within SMEM_BUDGET; depth
+    changes only how loads overlap, never the arithmetic."""
+    stages = cfg.num_stages
+    while stages > 1 and stages * (cfg.block_n + tile) * cfg.block_k * elt > SMEM_BUDGET:
+        stages -= 1
+    return stages
+
+
 def gemv_config(n: int, k: int) -> GemvConfig:
     """The launch configuration for a weight [n, k]; depends on the shape only (never on M).
     Picked by the sweep in bench/linear.py on the H200 (27B shapes, K = 5120..17408)."""
@@ -106,15 +118,16 @@ def gemv(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig | None = None, launch
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     ieee = x.dtype == torch.float32
     grid = (triton.cdiv(m, tile), triton.cdiv(n, cfg.block_n), split)
+    stages = fit_stages(cfg, tile, x.element_size())
     if split == 1:
         _gemv_kernel[grid](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), k_per_split,
                            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=tile, PARTIAL=False, IEEE=ieee,
-                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                           num_warps=cfg.num_warps, num_stages=stages)
         return y
     part = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     _gemv_kernel[grid](x, w, part, m, n, k, x.stride(0), w.stride(0), n, k_per_split,
                        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=tile, PARTIAL=True, IEEE=ieee,
-                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                       num_warps=cfg.num_warps, num_stages=stages)
     blk = 1024
     _splitk_sum[(triton.cdiv(m * n, blk),)](part, y, m * n, SPLIT=split, BLOCK=blk)
     return y
@@ -211,7 +224,7 @@ def chunk_partials(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor, tile:
     grid = (triton.cdiv(m, tile), triton.cdiv(n, cfg.block_n), c)
     _chunk_kernel[grid](x, w, part, bounds, m, n, x.stride(0), w.stride(0),
                         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=tile, IEEE=x.dtype == torch.float32,
-                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                        num_warps=cfg.num_warps, num_stages=fit_stages(cfg, tile, x.element_size()))
     return part
 
 
@@ -318,5 +331,6 @@ def gemv_chunks_fused(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor, ou
     cnt = _counters(x.device, grid[0] * grid[1])
     _chunk_tree_kernel[grid](x, w, part, y, bounds, cnt, m, n, x.stride(0), w.stride(0),
                              C=c, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=tile,
-                             IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                             IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps,
+                             num_stages=fit_stages(cfg, tile, x.element_size()))
     return y
