@@ -309,6 +309,7 @@ def main() -> None:
     ap.add_argument("--ckpt-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     ap.add_argument("--no-plain", action="store_true", help="skip tp1 with the canonical split off")
     ap.add_argument("--out", default=os.environ.get("OUT"))
+    ap.add_argument("--commit", default=None, help="recorded in the log (the GPU copy has no .git)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: check the flow, no timings worth keeping")
     args = ap.parse_args()
     log = Log(args.out)
@@ -328,7 +329,7 @@ def main() -> None:
         decode.make_cfg = small
         args.shape, args.prompt, args.tokens = "tiny", 24, 8
         torch.set_num_threads(1)
-    log("start", shape=args.shape, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+    log("start", commit=args.commit, shape=args.shape, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
         gpus=torch.cuda.device_count() if device == "cuda" else 0, torch=torch.__version__, stages=stages)
     from decode import make_cfg
     cfg = make_cfg(args.shape)
