@@ -58,7 +58,7 @@ def stage_kernels(cfg, log: Log) -> None:
     from timing import graph_time
 
     from specfire.ops.splitk import chunk_bounds
-    from specfire.ops.triton_gemv import chunk_partials, gemv, gemv_chunks_fused, tree_combine
+    from specfire.ops.triton_gemv import chunk_partials, gemv, gemv_chunks_fused, gemv_tree_loop, tree_combine
 
     dev, dt = "cuda", torch.bfloat16
     h = cfg.hidden_size
@@ -78,9 +78,16 @@ def stage_kernels(cfg, log: Log) -> None:
             t_plain = graph_time([lambda w=w: gemv(x, w) for w in ws])
             t_fused = graph_time([lambda w=w: gemv_chunks_fused(x, w, b, dt) for w in ws])
             t_two = graph_time([lambda w=w: tree_combine(chunk_partials(x, w, b), dt) for w in ws])
+            loop_ok, t_loop = None, None
+            try:
+                loop = gemv_tree_loop(x, ws[0], 8, dt)
+                loop_ok = bool(torch.equal(loop, two))
+                t_loop = graph_time([lambda w=w: gemv_tree_loop(x, w, 8, dt) for w in ws]) * 1e6
+            except Exception as e:  # noqa: BLE001 - report and go on
+                log("error", where="gemv_tree_loop", error=f"{type(e).__name__}: {e}"[:1500])
             nbytes = n * k * 2
             log("kernels", proj=name, n=n, k=k, m=m, fused_equals_two_launch=bool(torch.equal(fused, two)),
-                fused_row_invariant=rows_ok, max_abs_err_vs_fp32=err,
+                fused_row_invariant=rows_ok, max_abs_err_vs_fp32=err, loop_equals_two_launch=loop_ok, loop_us=t_loop,
                 plain_us=t_plain * 1e6, fused_us=t_fused * 1e6, two_launch_us=t_two * 1e6,
                 plain_bw=nbytes / t_plain / CEILING, fused_bw=nbytes / t_fused / CEILING)
         del ws
@@ -124,6 +131,8 @@ def stage_bundled(device: str, dtype: str, log: Log, tokens: int, graphs: bool |
             ids = llm.tokenizer.encode(text)
             lg = llm.score(ids).cpu()
             rows = _rows_logits(llm, ids, device)
+            llm.generate(ids, SamplingParams(max_tokens=16), spec="off")                  # warm-up: compile,
+            llm.generate(ids, SamplingParams(max_tokens=16), spec=SpecPolicy("mtp", k=3))  # capture
             ar = llm.generate(ids, sp, spec="off")
             mtp = llm.generate(ids, sp, spec=SpecPolicy("mtp", k=3))
             res[tp] = (lg, ar.token_ids, mtp.token_ids, rows)
@@ -276,15 +285,19 @@ def stage_speed(shape: str, path: str, device: str, log: Log, prompt: int, token
         with LLM(path, tp=tp, device=device, progress=False, cuda_graphs=graphs,
                  max_seq_len=prompt + 2 * tokens + 64) as llm:
             load_s = time.perf_counter() - t0
+            log("progress", tp=tp, canonical=canonical, done="load", t=time.perf_counter() - t0)
             ids = torch.randint(0, llm.cfg.vocab_size - 1, (prompt,), generator=g).tolist() if ref_h is None else ids
             caught = []       # the last layer's output over the prompt (eager prefill on every degree)
             hook = rank0_model(llm).layers[-1].register_forward_hook(lambda m, i, o: caught.append(o.detach().float().cpu()))
             llm.score(ids)
             hook.remove()
             hs = torch.cat(caught)
+            log("progress", tp=tp, done="score", t=time.perf_counter() - t0)
             llm.generate(ids, sp, spec="off")                                   # warm-up: graphs captured
+            log("progress", tp=tp, done="ar warm-up", t=time.perf_counter() - t0)
             ar = llm.generate(ids, sp, spec="off")
             llm.generate(ids, sp, spec=SpecPolicy("mtp", k=3))
+            log("progress", tp=tp, done="mtp warm-up", t=time.perf_counter() - t0)
             mtp = llm.generate(ids, sp, spec=SpecPolicy("mtp", k=3))
             row = dict(shape=shape, tp=tp, canonical_split=canonical, graphs=llm.engine.trunk.graphs_enabled,
                        load_s=load_s,
@@ -327,7 +340,7 @@ def main() -> None:
             import dataclasses
             return dataclasses.replace(c, vocab_size=512, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16)
         decode.make_cfg = small
-        args.shape, args.prompt, args.tokens = "tiny", 24, 8
+        args.shape, args.prompt, args.tokens = "tiny", min(args.prompt, 100), 8
         torch.set_num_threads(1)
     log("start", commit=args.commit, shape=args.shape, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
         gpus=torch.cuda.device_count() if device == "cuda" else 0, torch=torch.__version__, stages=stages)

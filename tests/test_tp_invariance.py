@@ -142,6 +142,12 @@ def test_chunk_kernel_partials_tree_and_shards():
         for xx in (x, x[1:2]):
             assert torch.equal(gemv_chunks_fused(xx, w, bc, torch.float32),
                                tree_combine(chunk_partials(xx, w, bc), torch.float32))
+    # the one-loop kernel (tree folded in registers): the same bits for equal 128-multiple chunks
+    from specfire.ops.triton_gemv import gemv_tree_loop
+    wl, xl = torch.randn(37, 1024, generator=g), torch.randn(5, 1024, generator=g)
+    for c in (8, 4, 1):
+        bc = torch.tensor([1024 * j // c for j in range(c + 1)], dtype=torch.int32)
+        assert torch.equal(gemv_tree_loop(xl, wl, c, torch.float32), tree_combine(chunk_partials(xl, wl, bc), torch.float32))
     bt = torch.tensor(b, dtype=torch.int32)
     xb = torch.randn(70, k, generator=g)                   # a prefill: 5 tiles of 16, or 2 of 64 (masked)
     for tile in (16, 64):

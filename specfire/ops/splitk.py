@@ -15,6 +15,7 @@ a multiple of ALIGN elements the chunk's x and weight are made contiguous (weigh
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,11 @@ CHUNKS = 8
 ALIGN = 16          # elements; chunk bounds that are multiples of this compute in place on the CPU
 _enabled = True
 FUSED = True        # CUDA: partials and tree in one launch (ops/triton_gemv.py gemv_chunks_fused)
+# CUDA kernel of the canonical product: "fused" (split-K programs, the last one of a tile adds the
+# tree; run on the H200: bitwise equal to the two-launch form, 1.65x the plain GEMV's time) or
+# "loop" (one K loop like the plain GEMV, the tree folded in registers; bitwise equal under
+# TRITON_INTERPRET, not yet run on a GPU). Read at import.
+KERNEL = os.environ.get("SPECFIRE_SPLITK_KERNEL", "fused")
 
 
 def enabled() -> bool:
@@ -172,11 +178,15 @@ def subtree(x: torch.Tensor, w, split: KSplit, rows: bool, cache: ChunkCache,
     """[M, N] `out_dtype`: the canonical tree over this weight's chunks, summed in float32 (the
     whole sum when the weight holds every chunk; a rank's subtree otherwise)."""
     if x.is_cuda and isinstance(w, torch.Tensor):
-        from .triton_gemv import chunk_partials, gemv_chunks_fused, row_tile, tree_combine
+        from .triton_gemv import (chunk_partials, gemv_chunks_fused, gemv_tree_loop, row_tile, tree_combine,
+                                  tree_loop_fits)
         cache.get(w, split, x.dtype)
         if cache.bounds_dev is None:
             cache.bounds_dev = torch.tensor(split.bounds, dtype=torch.int32, device=x.device)
         tile = row_tile(x.shape[0], rows)
+        c = split.c1 - split.c0
+        if KERNEL == "loop" and tree_loop_fits(split.k_local, c):
+            return gemv_tree_loop(x, w, c, out_dtype, tile)
         if FUSED:
             return gemv_chunks_fused(x, w, cache.bounds_dev, out_dtype, tile)
         return tree_combine(chunk_partials(x, w, cache.bounds_dev, tile), out_dtype)

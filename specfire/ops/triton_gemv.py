@@ -334,3 +334,92 @@ def gemv_chunks_fused(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor, ou
                              IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps,
                              num_stages=fit_stages(cfg, tile, x.element_size()))
     return y
+
+
+@triton.jit(do_not_specialize=["M"])
+def _tree_loop_kernel(x_ptr, w_ptr, y_ptr, M, N, K, KC, stride_xm, stride_wn,
+                      C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_: tl.constexpr,
+                      IEEE: tl.constexpr):
+    """The canonical tree in one K loop, as the plain GEMV walks K: the accumulator restarts at
+    every chunk bound (KC columns, a multiple of BLOCK_K) and each finished chunk is folded into
+    the tree like a binary counter (chunk c merges with the held subtrees for every trailing 1
+    bit of c). Each chunk's sum and every add are those of chunk_partials + tree_combine."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * ROWS_ + tl.arange(0, ROWS_)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    zero = tl.zeros((BLOCK_N, ROWS_), dtype=tl.float32)
+    acc = zero
+    s0 = zero
+    s1 = zero
+    s2 = zero
+    s3 = zero
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :], mask=n_mask[:, None], other=0.0)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_mask[:, None], other=0.0)
+        if IEEE:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
+        if (k0 + BLOCK_K) % KC == 0:
+            c = k0 // KC
+            v = acc
+            if c % 2 == 1:
+                v = s0 + v
+                if c % 4 == 3:
+                    v = s1 + v
+                    if c % 8 == 7:
+                        s3 = s2 + v
+                    else:
+                        s2 = v
+                else:
+                    s1 = v
+            else:
+                s0 = v
+            acc = zero
+    if C == 1:
+        out = s0
+    elif C == 2:
+        out = s1
+    elif C == 4:
+        out = s2
+    else:
+        out = s3
+    tl.store(y_ptr + offs_m[None, :] * N + offs_n[:, None], out.to(y_ptr.dtype.element_ty),
+             mask=n_mask[:, None] & m_mask[None, :])
+
+
+def tree_loop_config(n: int, k: int) -> GemvConfig:
+    """The plain GEMV's settings for the shape, with BLOCK_K dividing the chunk width."""
+    cfg = gemv_config(n, k)
+    return GemvConfig(block_n=cfg.block_n, block_k=128, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def tree_loop_fits(k: int, c: int, block_k: int = 128) -> bool:
+    """Equal chunks whose width is a multiple of BLOCK_K (true of every real Qwen3.5 shape)."""
+    return c in (1, 2, 4, 8) and k % c == 0 and (k // c) % block_k == 0
+
+
+def gemv_tree_loop(x: torch.Tensor, w: torch.Tensor, c: int, out_dtype: torch.dtype, tile: int = ROWS,
+                   launch_n: int | None = None) -> torch.Tensor:
+    """[M, N] `out_dtype`: the canonical tree over c equal chunks of K, one launch, no partials in
+    memory (the same bits as tree_combine(chunk_partials(...)) for equal chunks)."""
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k or not tree_loop_fits(k, c):
+        raise ValueError(f"gemv_tree_loop: K={k} in {c} chunks needs chunk widths that are multiples of 128")
+    x = x.contiguous()
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    cfg = tree_loop_config(launch_n or n, k * (8 // c))
+    y = torch.empty(m, n, device=x.device, dtype=out_dtype)
+    grid = (triton.cdiv(m, tile), triton.cdiv(n, cfg.block_n))
+    _tree_loop_kernel[grid](x, w, y, m, n, k, k // c, x.stride(0), w.stride(0),
+                            C=c, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=tile,
+                            IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps,
+                            num_stages=fit_stages(cfg, tile, x.element_size()))
+    return y
