@@ -323,10 +323,26 @@ def main() -> None:
     ap.add_argument("--no-plain", action="store_true", help="skip tp1 with the canonical split off")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--commit", default=None, help="recorded in the log (the GPU copy has no .git)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run every stage in this process (default: one child process per stage, so each "
+                         "process opens at most one mesh; a second mesh in one process did not finish on the GPU)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: check the flow, no timings worth keeping")
     args = ap.parse_args()
     log = Log(args.out)
     stages = args.stages.split(",")
+    if not args.in_process and len(stages) > 1:
+        import subprocess
+        for st in stages:
+            cmd = [sys.executable, os.path.abspath(__file__), "--in-process", "--stages", st, "--shape", args.shape,
+                   "--prompt", str(args.prompt), "--tokens", str(args.tokens)]
+            cmd += [x for x, on in (("--smoke", args.smoke), ("--no-plain", args.no_plain)) if on]
+            cmd += ["--out", args.out] if args.out else []
+            cmd += ["--commit", args.commit] if args.commit else []
+            cmd += ["--ckpt-dir", args.ckpt_dir] if args.ckpt_dir else []
+            rc = subprocess.call(cmd)
+            if rc != 0:
+                log("error", where=f"stage {st}", error=f"child exited with {rc}")
+        return
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
         import decode

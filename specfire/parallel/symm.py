@@ -14,6 +14,8 @@ orders a call after every rank's previous call). NVLink multicast stays off (com
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..errors import MeshError
@@ -30,8 +32,10 @@ class SymmCollectives:
         self.name = group.group_name
         self.rank, self.world, self.device = rank, world, device
         self.capacity_bytes = capacity_bytes
-        try:  # required by older torch releases, a no-op or absent in newer ones
-            symm_mem.enable_symm_mem_for_group(self.name)
+        try:  # required by older torch releases, deprecated (a warning) in 2.11
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(self.name)
         except Exception:  # noqa: BLE001 - the rendezvous below reports a real problem
             pass
         self._bufs: dict[torch.dtype, list[torch.Tensor]] = {}
