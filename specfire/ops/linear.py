@@ -40,13 +40,15 @@ def _paneled(fn, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     body = n - n % PANEL
     if body == n:
         return fn(x, w)
-    hit = getattr(w, "_specfire_tail", None)
+    keep = not w.is_inference()          # an inference tensor has no version counter: no cache
+    hit = getattr(w, "_specfire_tail", None) if keep else None
     if hit is not None and hit[0] == w._version:
         pad = hit[1]
     else:
         pad = torch.zeros(PANEL, w.shape[1], dtype=w.dtype, device=w.device)
         pad[:n - body] = w[body:]
-        w._specfire_tail = (w._version, pad)
+        if keep:
+            w._specfire_tail = (w._version, pad)
     tail = fn(x, pad)[:, :n - body]
     return tail if body == 0 else torch.cat([fn(x, w[:body]), tail], dim=-1)
 
