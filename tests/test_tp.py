@@ -163,7 +163,9 @@ def test_four_bit_checkpoint_refused_before_any_process(ckpt_cache, tmp_path, ca
     dst = str(tmp_path / "q4")
     assert main(["quantize", ckpt(ckpt_cache, "base"), dst, "--group-size", "32", "--device", "cpu"]) == 0
     before = children()
-    with pytest.raises(CheckpointError, match=r"is a 4-bit checkpoint .*load with tp=1 only"):
+    with pytest.raises(CheckpointError, match=r"tp=2 splits the 96 input columns of 4-bit 'layers.0.mlp.down_proj.weight' "
+                                              r"at 0..48, not on its 32-column quantization groups; tp degrees this "
+                                              r"4-bit checkpoint allows: 1$"):
         LLM(dst, tp=2, device="cpu", progress=False)
     assert children() == before
 

@@ -116,18 +116,43 @@ class TensorSource:
         from ..ops.quant import QuantWeight
 
         base, hadamard = self._quant[name]
-        if index is not None:
-            raise CheckpointError(f"tensor '{name}' is 4-bit; 4-bit checkpoints load with tp=1 only")
         f = self._where[name]
         raw = self._raw[name][:-len("qweight")]
+        parts = self._quant_index(name, index)
         try:
-            q, s, z = (self._open(f).get_tensor(raw + p) for p in QUANT_PARTS)
+            if parts is None:
+                q, s, z = (self._open(f).get_tensor(raw + p) for p in QUANT_PARTS)
+            else:
+                q, s, z = (self._open(f).get_slice(raw + p)[ix] for p, ix in zip(QUANT_PARTS, parts))
             return QuantWeight.from_stored(q, s, z, hadamard)
         except (ValueError, RuntimeError) as e:
             raise CheckpointError(f"4-bit weight '{raw[:-1]}' in {f} is malformed: {e}") from None
         except Exception as e:
             raise CheckpointError(f"cannot read 4-bit weight '{raw[:-1]}' from {f}: the file is truncated "
                                   f"or corrupt ({e})") from None
+
+    def quant_group(self, name: str) -> int:
+        """Input columns per quantization group of 4-bit tensor `name` (from the stored shapes)."""
+        scales = self._open(self._where[name]).get_slice(self._raw[name][:-len("qweight")] + "scales")
+        return self.shape(name)[1] // scales.get_shape()[1]
+
+    def _quant_index(self, name: str, index: tuple[slice, ...] | None):
+        """Slices of (qweight, scales, zeros) for output rows `(rows,)` or input columns
+        `(slice(None), cols)` of a 4-bit weight (tensor parallelism); columns must fall on group
+        bounds. None = the whole tensor."""
+        if index is None:
+            return None
+        if len(index) == 1:
+            return index, index, index
+        k = self.shape(name)[1]
+        g = self.quant_group(name)
+        c = index[1]
+        lo, hi = c.start or 0, k if c.stop is None else c.stop
+        if lo % g or hi % g:
+            raise CheckpointError(f"tensor '{name}' is 4-bit with groups of {g} input columns; a shard of "
+                                  f"columns [{lo}, {hi}) does not fall on group bounds")
+        return (slice(None), slice(lo // 2, hi // 2)), (slice(None), slice(lo // g, hi // g)), \
+            (slice(None), slice(lo // g, hi // g))
 
     def get(self, name: str, index: tuple[slice, ...] | None = None):
         """The tensor (or a slice of it, reading only those bytes); a QuantWeight (CPU) for a

@@ -22,9 +22,12 @@ import torch.nn.functional as F
 from ..config import FULL, ModelConfig
 from ..ops import attention as attn_ops
 from ..ops import gdn as gdn_ops
+from ..ops import lanes
 from ..ops import norm as norm_ops
 from ..ops.act import silu_mul
 from ..ops.linear import linear
+from ..ops.splitk import ChunkCache, KSplit, subtree
+from ..ops.splitk import enabled as splitk_enabled
 from ..ops.rope import apply_rope, rope_cos_sin
 from ..ops.rowwise import rowwise
 
@@ -37,14 +40,27 @@ def positions(pos0, t: int, device: torch.device) -> torch.Tensor:
 
 
 class Linear(nn.Module):
-    """A bias-free projection holding `weight` [out, in]; the matmul goes through ops.linear."""
+    """A bias-free projection holding `weight` [out, in]; the matmul goes through ops.linear.
 
-    def __init__(self, in_features: int, out_features: int):
+    `row_parallel`: the reduction over `in` is one tensor parallelism splits (o_proj, out_proj,
+    down_proj), computed as the canonical float32 chunk tree of ops/splitk.py on every degree; a
+    mesh sets `ksplit` to this rank's chunks and `combine` to the cross-rank tree. `launch_n`: the
+    whole matrix's `out` when this is a column shard (CUDA launch settings, ops/linear.py)."""
+
+    def __init__(self, in_features: int, out_features: int, row_parallel: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.ksplit = KSplit(in_features) if row_parallel else None
+        self.combine = None
+        self.launch_n: int | None = None
+        self._chunks = ChunkCache()
 
     def forward(self, x: torch.Tensor, rows: bool) -> torch.Tensor:
-        return linear(x, self.weight, rows)
+        if self.ksplit is None or (self.combine is None and not splitk_enabled()):
+            return linear(x, self.weight, rows, self.launch_n)
+        if self.combine is None:
+            return subtree(x, self.weight, self.ksplit, rows, self._chunks, x.dtype)
+        return self.combine(subtree(x, self.weight, self.ksplit, rows, self._chunks)).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -74,7 +90,7 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, row_parallel=True)
 
     def forward(self, x: torch.Tensor, rows: bool) -> torch.Tensor:
         act = rowwise(silu_mul, rows, self.gate_proj(x, rows), self.up_proj(x, rows))
@@ -82,7 +98,7 @@ class MLP(nn.Module):
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+    return x * lanes.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
 
 
 def _rope(pos: torch.Tensor, cfg: ModelConfig, rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,7 +200,7 @@ class GatedAttention(nn.Module):
         self.q_proj = Linear(h, self.n_heads * self.head_dim * 2)
         self.k_proj = Linear(h, self.n_kv * self.head_dim)
         self.v_proj = Linear(h, self.n_kv * self.head_dim)
-        self.o_proj = Linear(self.n_heads * self.head_dim, h)
+        self.o_proj = Linear(self.n_heads * self.head_dim, h, row_parallel=True)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.scale = self.head_dim ** -0.5
@@ -204,7 +220,7 @@ class GatedAttention(nn.Module):
         attn_ops.kv_write(lc, pos0, k, v)
         fn = attn_ops.attention_rows if rows else attn_ops.attention_prefill
         o = fn(q, lc.k, lc.v, pos0, self.scale, lc.k_scale, lc.v_scale).to(x.dtype)  # [T, Hq, D]
-        o = o.reshape(t, -1) * rowwise(torch.sigmoid, rows, gate.reshape(t, -1))
+        o = o.reshape(t, -1) * rowwise(lanes.sigmoid, rows, gate.reshape(t, -1))
         return self.o_proj(o, rows)
 
 
@@ -228,10 +244,10 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.hv), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(self.hv), requires_grad=False)
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
-        self.out_proj = Linear(self.value_dim, h)
+        self.out_proj = Linear(self.value_dim, h, row_parallel=True)
 
     def _log_decay(self, a: torch.Tensor) -> torch.Tensor:
-        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return -lanes.exp(self.A_log.float()) * lanes.softplus(a.float() + self.dt_bias.float())
 
     def forward(self, x: torch.Tensor, lc: LayerCache, rows: bool) -> torch.Tensor:
         t = x.shape[0]
@@ -251,7 +267,7 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(t, self.hk, self.dk)
         k = k.reshape(t, self.hk, self.dk)
         v = v.reshape(t, self.hv, self.dv)
-        beta = rowwise(torch.sigmoid, rows, b.float())
+        beta = rowwise(lanes.sigmoid, rows, b.float())
         g = rowwise(self._log_decay, rows, a)
         q = rowwise(_l2norm, rows, q) * (self.dk ** -0.5)
         k = rowwise(_l2norm, rows, k)

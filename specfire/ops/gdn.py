@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import lanes
+
 
 def conv_window_ref(x: torch.Tensor, window: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal depthwise conv + SiLU. x [T, C] inputs, window [K-1, C] previous inputs, w [C, K].
@@ -31,7 +33,7 @@ def conv_window_ref(x: torch.Tensor, window: torch.Tensor, w: torch.Tensor) -> t
     acc = full[0:t].float() * wf[:, 0]
     for j in range(1, kk):
         acc = acc + full[j:j + t].float() * wf[:, j]
-    return torch.nn.functional.silu(acc), full
+    return lanes.silu(acc), full
 
 
 def gdn_rows_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -40,7 +42,7 @@ def gdn_rows_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     after each row) if `capture`, else the final state [Hv, dk, dv]. `state` is not modified."""
     s = state
     outs, caps = [], []
-    decay = torch.exp(g)
+    decay = lanes.exp(g)
     for t in range(q.shape[0]):
         s = s * decay[t][:, None, None]
         u = torch.bmm(k[t].unsqueeze(1), s).squeeze(1)             # [Hv, dv]
@@ -83,13 +85,13 @@ def chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     G = gb.cumsum(-1)
     idx = torch.arange(chunk, device=q.device)
     incl = idx[:, None] >= idx[None, :]                             # s <= t
-    D = (G[..., :, None] - G[..., None, :]).masked_fill(~incl, float("-inf")).exp()   # [H, N, C, C]
+    D = lanes.exp((G[..., :, None] - G[..., None, :]).masked_fill(~incl, float("-inf")))   # [H, N, C, C]
     A = (bb[..., :, None] * (kb @ kb.transpose(-1, -2)) * D).masked_fill(~(idx[:, None] > idx[None, :]), 0.0)
     L = A + torch.eye(chunk, device=q.device, dtype=torch.float32)  # unit lower triangular
     Wv = torch.linalg.solve_triangular(L, bb[..., None] * vb, upper=False, unitriangular=True)
-    Uk = torch.linalg.solve_triangular(L, (bb * G.exp())[..., None] * kb, upper=False, unitriangular=True)
+    Uk = torch.linalg.solve_triangular(L, (bb * lanes.exp(G))[..., None] * kb, upper=False, unitriangular=True)
     QK = (qb @ kb.transpose(-1, -2)) * D
-    kdec = kb * (G[..., -1:] - G).exp()[..., None]
+    kdec = kb * lanes.exp(G[..., -1:] - G)[..., None]
     return ChunkTerms(qb, kb, G, Wv, Uk, QK, kdec, n, t_len)
 
 
@@ -102,8 +104,8 @@ def gdn_chunked_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     outs = []
     for i in range(c.n):
         delta = c.Wv[:, i] - c.Uk[:, i] @ s                         # [H, C, dv]
-        outs.append(c.G[:, i].exp()[..., None] * (c.qb[:, i] @ s) + c.QK[:, i] @ delta)
-        s = c.G[:, i, -1].exp()[:, None, None] * s + c.kdec[:, i].transpose(-1, -2) @ delta
+        outs.append(lanes.exp(c.G[:, i])[..., None] * (c.qb[:, i] @ s) + c.QK[:, i] @ delta)
+        s = lanes.exp(c.G[:, i, -1])[:, None, None] * s + c.kdec[:, i].transpose(-1, -2) @ delta
     o = torch.stack(outs, dim=1).reshape(h, c.n * chunk, dv)[:, :c.t_len].transpose(0, 1)
     return o.contiguous(), s
 

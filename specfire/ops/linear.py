@@ -1,4 +1,5 @@
-"""Linear layers (y = x @ W^T) with a row-invariant path for decode and verify.
+"""Linear layers (y = x @ W^T) with a row-invariant path for decode and verify, whose output
+elements are computed the same way in a column shard as in the whole matrix.
 
 Row invariance: a row's result must not depend on how many rows are computed with it, so that a
 k+1-row verify reproduces k+1 one-row decodes bit for bit. A plain GEMM is not row-invariant on the
@@ -7,6 +8,14 @@ differed from the M = 1 result in the last bits). A batched GEMM with one row pe
 the same per-row kernel for every M; on the 2-core CPU it is also faster than GEMM for M <= 8
 (512x1536 fp32: 45/56/92 us at M = 1/2/4 vs 44/79/137 us for GEMM). On CUDA the row path is
 the Triton skinny matmul of ops/triton_gemv.py (row-invariant by construction, ~bandwidth-bound).
+
+Column-shard invariance (tensor parallelism): on the CPU an output element computed in the
+vector body and in the tail of the N dimension differ in the last bits (measured: N = 131, 98,
+151 shards differed), so the product runs in panels of PANEL output rows, the last one padded
+with zero rows: then every element comes out of the same code whatever shard it is in
+(measured equal for shards starting anywhere, M = 1..300, 1 and 2 threads). On CUDA every
+product, prefill included, goes through the Triton kernel with the launch settings of the whole
+matrix (`launch_n`), so a shard computes each element exactly as the whole does.
 A 4-bit `QuantWeight` (ops/quant.py) is accepted in place of a weight tensor.
 """
 from __future__ import annotations
@@ -15,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 ROW_PATH_MAX = 16  # up to this many rows use the row-invariant path (decode, verify)
+PANEL = 16         # CPU output-row panel (elements of one AVX-512 vector)
 
 
 def linear_rows_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -23,21 +33,50 @@ def linear_rows_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x.unsqueeze(1), w.t().unsqueeze(0).expand(m, -1, -1)).squeeze(1)
 
 
-def linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The row-invariant path: Triton on CUDA (16-row tiles), the batched reference elsewhere."""
+def _paneled(fn, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fn(x, w) with N cut into whole panels plus one zero-padded panel for the tail (a weight's
+    padded tail is kept on it until the weight changes)."""
+    n = w.shape[0]
+    body = n - n % PANEL
+    if body == n:
+        return fn(x, w)
+    keep = not w.is_inference()          # an inference tensor has no version counter: no cache
+    hit = getattr(w, "_specfire_tail", None) if keep else None
+    if hit is not None and hit[0] == w._version:
+        pad = hit[1]
+    else:
+        pad = torch.zeros(PANEL, w.shape[1], dtype=w.dtype, device=w.device)
+        pad[:n - body] = w[body:]
+        if keep:
+            w._specfire_tail = (w._version, pad)
+    tail = fn(x, pad)[:, :n - body]
+    return tail if body == 0 else torch.cat([fn(x, w[:body]), tail], dim=-1)
+
+
+def linear_rows(x: torch.Tensor, w: torch.Tensor, launch_n: int | None = None, rows: bool = True) -> torch.Tensor:
+    """The row-invariant path: Triton on CUDA (16-row tiles; a prefill, rows=False, 64-row tiles),
+    the batched reference elsewhere."""
     if x.is_cuda:
-        from .triton_gemv import gemv
-        if x.shape[0] <= ROW_PATH_MAX:
-            return gemv(x, w)
-        return torch.cat([gemv(x[i:i + ROW_PATH_MAX], w) for i in range(0, x.shape[0], ROW_PATH_MAX)])
-    return linear_rows_ref(x, w)
+        from .triton_gemv import gemv, row_tile
+        return gemv(x, w, launch_n=launch_n, tile=row_tile(x.shape[0], rows))
+    return _paneled(linear_rows_ref, x, w)
 
 
-def linear(x: torch.Tensor, w, rows: bool) -> torch.Tensor:
+def linear(x: torch.Tensor, w, rows: bool, launch_n: int | None = None) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T. `rows` selects the row-invariant path (decode / verify). `w` is a
-    tensor or a 4-bit QuantWeight."""
+    tensor or a 4-bit QuantWeight. `launch_n`: the N of the whole matrix when `w` is a column
+    shard of it (CUDA launch settings)."""
     if not isinstance(w, torch.Tensor):
-        return w.linear(x, rows)
-    if rows:
-        return linear_rows(x, w)
-    return F.linear(x, w)
+        if x.is_cuda:
+            return w.linear(x, rows)
+        return _paneled(linear_rows_ref if rows else F.linear, w.prepare_input(x), q4_dense(w, x.dtype))
+    if rows or x.is_cuda:
+        return linear_rows(x, w, launch_n, rows)
+    return _paneled(F.linear, x, w)
+
+
+def q4_dense(w, dtype: torch.dtype) -> torch.Tensor:
+    """The CPU reference's one dense copy of a 4-bit weight (rotated basis), kept on the weight."""
+    if w._dense is None or w._dense.dtype != dtype:
+        w._dense = w.dequantize().to(dtype)
+    return w._dense

@@ -4,11 +4,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import lanes
+
 
 def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """Zero-centred RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), in float32, cast back."""
     xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = xf * lanes.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y * (1.0 + w.float())).to(x.dtype)
 
 
@@ -16,8 +18,8 @@ def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: f
     """GDN output norm: plain w (not 1 + w), norm first, then the SiLU gate in float32."""
     dt = x.dtype
     xf = x.float()
-    n = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dt)
-    y = (w * n).float() * F.silu(z.float())
+    n = (xf * lanes.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dt)
+    y = (w * n).float() * lanes.silu(z.float())
     return y.to(dt)
 
 

@@ -21,7 +21,7 @@ from . import comm as comm_mod
 from .launch import (START_TIMEOUT_S, LocalWorker, MeshSpec, kill_workers, mesh_timeout, placement,
                      start_local_workers, worker_errors)
 from .lifecycle import Mesh
-from .shard import check_degree
+from .shard import check_degree, quant_problem, valid_tp_degrees
 from .trunk import MeshTrunk
 from .worker import load_shard, run_worker
 
@@ -31,12 +31,13 @@ _open_meshes: "weakref.WeakSet[MeshTrunk]" = weakref.WeakSet()
 
 
 def _drafter_vocab(src: loader.TensorSource, cfg, head, dtype: torch.dtype,
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+                   device: torch.device, graphs: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Where the MTP drafter's embedding and lm_head calls run. On the CPU a whole copy on rank 0
     (a gloo round trip costs milliseconds, the whole lm_head a tenth of one: docs/BENCHMARKS.md);
-    on the GPU through the mesh (each rank reads 1/tp of the largest matrix, for one small
-    collective, and rank 0 holds no extra copy). None without an MTP head."""
-    if head is None or device.type != "cpu":
+    on the GPU, where the trunk replays CUDA graphs, a whole copy too, so the draft chain is one
+    graph on rank 0; an eager GPU mesh goes through the mesh (each rank reads 1/tp of the largest
+    matrix, for one small collective, and rank 0 holds no extra copy). None without an MTP head."""
+    if head is None or (device.type != "cpu" and not graphs):
         return None
     emb = src.get("embed_tokens.weight").to(device=device, dtype=dtype)
     lm = emb if cfg.tie_word_embeddings else src.get("lm_head.weight").to(device=device, dtype=dtype)
@@ -52,10 +53,10 @@ def mesh_trunk(opts: EngineOptions) -> BuiltTrunk:
         raise SpecfireError("a tensor-parallel LLM is already open in this process; close it first")
     timeout_s = mesh_timeout()
     src = loader.open_checkpoint(opts.path)
-    packed = next((n for n in src.names() if src.is_quantized(n)), None)
-    if packed is not None:
-        raise CheckpointError(f"{opts.path} is a 4-bit checkpoint (e.g. '{packed}'); 4-bit checkpoints load "
-                              f"with tp=1 only (sharding packed weights is not implemented)")
+    why = quant_problem(opts.cfg, tp, src)   # 4-bit: column shards must fall on quantization groups
+    if why is not None:
+        ok = [d for d in valid_tp_degrees(opts.cfg) if quant_problem(opts.cfg, d, src) is None]
+        raise CheckpointError(f"{opts.path}: {why}; tp degrees this 4-bit checkpoint allows: {', '.join(map(str, ok))}")
     cfg = loader.follow_tied(src, opts.cfg)
     place = placement(tp)
     dev = opts.device
@@ -63,7 +64,7 @@ def mesh_trunk(opts: EngineOptions) -> BuiltTrunk:
     threads = None if place.joined or dev.type != "cpu" else max(1, (os.cpu_count() or 1) // tp)
     spec = MeshSpec(path=opts.path, cfg=cfg, tp=tp, dtype=opts.dtype, device_type=dev.type,
                     device_base=max(0, base), max_seq=opts.max_seq_len, kv_dtype=opts.kv_dtype,
-                    timeout_s=timeout_s, threads=threads)
+                    timeout_s=timeout_s, threads=threads, cuda_graphs=opts.cuda_graphs)
     my_device = spec.device(place.local_rank)
     if place.joined and place.rank != 0:
         comm, created = comm_mod.init(place.rank, tp, my_device, timeout_s, None, START_TIMEOUT_S)
@@ -105,7 +106,8 @@ def mesh_trunk(opts: EngineOptions) -> BuiltTrunk:
         bad = [r for r, f in enumerate(flags) if not f]
         name, msg = worker_errs[0] if worker_errs else ("", f"rank {bad[0]} failed to load its shard (see its log)")
         raise (CheckpointError if name in ("CheckpointError", "ConfigError") else MeshError)(msg)
-    mt = MeshTrunk(mesh, trunk, tp, opts.dtype, _drafter_vocab(src, cfg, head, opts.dtype, my_device))
+    mt = MeshTrunk(mesh, trunk, tp, opts.dtype,
+                   _drafter_vocab(src, cfg, head, opts.dtype, my_device, trunk.graphs_enabled))
     _open_meshes.add(mt)
     log.info("tensor-parallel mesh of %d ranks ready (%s)", tp, "joined" if place.joined else "local workers")
     return BuiltTrunk(mt, head, topology=f"tp{tp}")

@@ -11,6 +11,7 @@ so a row's result never depends on how many rows travel with it (verify rows == 
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 
@@ -29,10 +30,35 @@ class Comm:
         self.rank, self.world = rank, world
         self.group, self.cmd_group, self.start_group = group, cmd_group, start_group
         self.device = device
+        self.symm = None                  # SymmCollectives once CUDA graphs are enabled (enable_graphs)
+        self.in_graph = False             # route the forward's collectives through self.symm
+
+    def enable_graphs(self, capacity_bytes: int) -> None:
+        """Route the rows forward's collectives through `captured()`: symmetric memory on CUDA
+        (capturable), plain all-gathers on the CPU (the same code, another transport)."""
+        from .symm import GlooCollectives, SymmCollectives
+
+        if self.device.type == "cuda":
+            self.symm = SymmCollectives(self.group, self.rank, self.world, self.device, capacity_bytes)
+        else:
+            self.symm = GlooCollectives(self.group, self.rank, self.world)
+
+    @contextlib.contextmanager
+    def captured(self, on: bool = True):
+        """While active (and graphs enabled), collectives are the capturable symmetric-memory ones:
+        the same results bit for bit, only the transport differs."""
+        before = self.in_graph
+        self.in_graph = on and self.symm is not None
+        try:
+            yield
+        finally:
+            self.in_graph = before
 
     # ---- forward collectives (on the device) ---------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of `x` over ranks, added in rank order in float32; identical on every rank."""
+        if self.in_graph:
+            return self.symm.sum(x)         # exact where it is used: one rank's rows plus zeros
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x, group=self.group)
@@ -43,8 +69,25 @@ class Comm:
             out += p
         return out.to(x.dtype)
 
+    def tree_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 sum of every rank's float32 subtree `x`, added in the canonical pairwise tree
+        (ops/splitk.py: rank r's subtree is leaf r), so a tp-rank mesh adds exactly as one device
+        does; identical on every rank. An all-gather then the tree (a ring all-reduce's order would
+        depend on the degree)."""
+        from ..ops.splitk import tree_sum
+
+        if self.in_graph:
+            return self.symm.tree(x)
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x, group=self.group)
+        return tree_sum(parts)
+
     def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
-        """Concatenation of every rank's `x` along `dim` on rank 0; None elsewhere."""
+        """Concatenation of every rank's `x` along `dim` on rank 0; None elsewhere (on every rank
+        inside a captured forward, where a gather to one rank is an all-gather)."""
+        if self.in_graph:
+            return torch.cat(list(self.symm.all_gather(x).unbind(0)), dim=dim)
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world)] if self.rank == 0 else None
         dist.gather(x, parts, dst=0, group=self.group)

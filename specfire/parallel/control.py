@@ -2,7 +2,8 @@
 method on its own shard.
 
 A call is a small header (the method name and its arguments, tensors replaced by their shape and
-dtype) broadcast on the command group, then each tensor argument broadcast on the forward group.
+dtype) broadcast on the command group, then each tensor argument broadcast on the forward group;
+a decode / verify step's few token ids ride in the header (IdsArg): one broadcast per step.
 The methods a call may name are the Trunk protocol's own (`runtime/trunk.py`), so they are listed
 once; `rank_stats` and `close` are the only control-plane words of their own.
 """
@@ -32,6 +33,25 @@ class TensorArg:
 
 
 @dataclass(frozen=True)
+class IdsArg:
+    """A few token ids (a decode or verify step) carried in the header itself, so a step costs one
+    small broadcast on the command group and no collective on the forward group."""
+
+    ids: tuple[int, ...]
+
+
+INLINE_IDS = 32
+
+
+def _plain(a: Any) -> Any:
+    if not isinstance(a, torch.Tensor):
+        return a
+    if a.dtype == torch.int64 and a.dim() == 1 and a.numel() <= INLINE_IDS:
+        return IdsArg(tuple(a.tolist()))
+    return TensorArg(tuple(a.shape), a.dtype)
+
+
+@dataclass(frozen=True)
 class Call:
     name: str
     args: tuple[Any, ...]
@@ -42,8 +62,8 @@ class Call:
     @staticmethod
     def of(name: str, *args: Any) -> tuple["Call", list[torch.Tensor]]:
         """The call and its tensor arguments (rank 0)."""
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        plain = tuple(TensorArg(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+        plain = tuple(_plain(a) for a in args)
+        tensors = [a for a, p in zip(args, plain) if isinstance(p, TensorArg)]
         return Call(name, plain), tensors
 
     @staticmethod
@@ -61,6 +81,8 @@ class RankExecutor:
         self.counts = dict.fromkeys(STAT_NAMES, 0)
 
     def _arg(self, a: Any, given: list[torch.Tensor] | None) -> Any:
+        if isinstance(a, IdsArg):           # every rank, rank 0 included, builds the same tensor
+            return torch.tensor(a.ids, dtype=torch.int64, device=self.comm.device)
         if not isinstance(a, TensorArg):
             return a
         t = given.pop(0).contiguous() if given is not None else torch.empty(a.shape, dtype=a.dtype,
@@ -82,7 +104,8 @@ class RankExecutor:
             rows = args[0].shape[0]
             n["verify_rows"] += rows
             n["max_verify_rows"] = max(n["max_verify_rows"], rows)
-        return getattr(self.trunk, call.name)(*args)
+        with self.comm.captured(call.name == "verify"):   # the rows forward: capturable collectives
+            return getattr(self.trunk, call.name)(*args)
 
 
 def serve(comm: Comm, trunk: LocalTrunk) -> None:

@@ -54,6 +54,7 @@ class MeshSpec:
     kv_dtype: torch.dtype
     timeout_s: float
     threads: int | None           # CPU threads per rank; None = leave as is
+    cuda_graphs: bool | None = None   # the rows forward in CUDA graphs (None: where the kernels serve)
 
     def device(self, local_rank: int) -> torch.device:
         if self.device_type == "cuda":

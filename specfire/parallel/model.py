@@ -1,7 +1,8 @@
 """The trunk of one rank: the single-device Qwen35Trunk with its projections swapped for their
 sharded forms (tensor parallelism applied to an already-built model, module by module). The
-forward is Qwen35Trunk.forward itself; only the embedding, the row-parallel projections (which
-all-reduce) and the logits (which gather to rank 0) differ."""
+forward is Qwen35Trunk.forward itself; only the embedding, the row-parallel projections (this
+rank's canonical chunks of K, ops/splitk.py, then the cross-rank tree) and the logits (gathered
+to rank 0) differ. Column shards carry the whole matrix's N (`launch_n`) for the CUDA kernel."""
 from __future__ import annotations
 
 import torch
@@ -10,19 +11,24 @@ import torch.nn as nn
 from ..config import FULL, ModelConfig
 from ..model.qwen35 import DecoderLayer, Linear, Qwen35Trunk, SequenceState
 from ..ops.linear import linear
+from ..ops.splitk import KSplit
 from .comm import Comm
 from .shard import ShardPlan
 
 
-class RowParallelLinear(Linear):
-    """Holds the input columns of this rank; the partial products are all-reduced."""
+def row_parallel(k_total: int, out_features: int, plan: ShardPlan, comm: Comm) -> Linear:
+    """This rank's input columns of a row-parallel projection: its canonical chunks of the
+    k_total-wide reduction, their subtree summed here, the ranks' subtrees by comm.tree_all_reduce."""
+    split = KSplit.for_rank(k_total, plan.rank, plan.tp)
+    lin = Linear(split.k_local, out_features, row_parallel=True)
+    lin.ksplit, lin.combine = split, comm.tree_all_reduce
+    return lin
 
-    def __init__(self, in_features: int, out_features: int, comm: Comm):
-        super().__init__(in_features, out_features)
-        self.comm = comm
 
-    def forward(self, x: torch.Tensor, rows: bool) -> torch.Tensor:
-        return self.comm.all_reduce(linear(x, self.weight, rows))
+def column_parallel(in_features: int, out_shard: int, out_total: int) -> Linear:
+    lin = Linear(in_features, out_shard)
+    lin.launch_n = out_total
+    return lin
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -52,21 +58,29 @@ class ShardedQwen35(Qwen35Trunk):
         self.embed_tokens = VocabParallelEmbedding(plan.vocab_shard, h, plan.vocab[0], comm)
         self.layers = nn.ModuleList(self._layer(kind) for kind in cfg.layer_types)
         if self.lm_head is not None:
-            self.lm_head = Linear(h, plan.vocab_shard)
+            self.lm_head = column_parallel(h, plan.vocab_shard, cfg.vocab_size)
 
     def _layer(self, kind: str) -> DecoderLayer:
         cfg, p = self.cfg, self.plan
         h = cfg.hidden_size
         layer = DecoderLayer(cfg, kind, n_heads=p.n_heads, n_kv=p.n_kv,
                              n_k_heads=p.n_k_heads, n_v_heads=p.n_v_heads)
+        d = cfg.head_dim
         if kind == FULL:
-            layer.self_attn.o_proj = RowParallelLinear(p.n_heads * cfg.head_dim, h, self.comm)
+            a = layer.self_attn
+            a.o_proj = row_parallel(cfg.num_attention_heads * d, h, p, self.comm)
+            a.q_proj.launch_n = 2 * cfg.num_attention_heads * d
+            a.k_proj.launch_n = a.v_proj.launch_n = cfg.num_key_value_heads * d
         else:
-            layer.linear_attn.out_proj = RowParallelLinear(layer.linear_attn.value_dim, h, self.comm)
+            g = layer.linear_attn
+            g.out_proj = row_parallel(cfg.linear_num_value_heads * cfg.linear_value_head_dim, h, p, self.comm)
+            g.in_proj_qkv.launch_n = cfg.conv_dim
+            g.in_proj_z.launch_n = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+            g.in_proj_a.launch_n = g.in_proj_b.launch_n = cfg.linear_num_value_heads
         i0, i1 = p.inter
-        layer.mlp.gate_proj = Linear(h, i1 - i0)
-        layer.mlp.up_proj = Linear(h, i1 - i0)
-        layer.mlp.down_proj = RowParallelLinear(i1 - i0, h, self.comm)
+        layer.mlp.gate_proj = column_parallel(h, i1 - i0, cfg.intermediate_size)
+        layer.mlp.up_proj = column_parallel(h, i1 - i0, cfg.intermediate_size)
+        layer.mlp.down_proj = row_parallel(cfg.intermediate_size, h, p, self.comm)
         return layer
 
     def new_state(self, max_seq: int, kv_dtype: torch.dtype) -> SequenceState:
@@ -76,6 +90,6 @@ class ShardedQwen35(Qwen35Trunk):
 
     def logits(self, h: torch.Tensor, rows: bool) -> torch.Tensor:
         """h [T, H] -> float32 logits [T, V] on rank 0 (this rank's [T, V/tp] slice elsewhere)."""
-        local = linear(h, self.lm_weight, rows).float()                      # [T, vocab_shard]
+        local = linear(h, self.lm_weight, rows, self.cfg.vocab_size).float()   # [T, vocab_shard]
         full = self.comm.gather(local, dim=-1)                               # [T, tp * vocab_shard]
         return local if full is None else full[:, :self.cfg.vocab_size]

@@ -15,6 +15,7 @@ import torch
 
 from ..config import ModelConfig
 from ..model.loader import TensorSource
+from ..ops.splitk import degree_problem as split_problem
 
 MAX_DEGREE = 64
 
@@ -29,7 +30,7 @@ def degree_problem(cfg: ModelConfig, tp: int) -> str | None:
     nkv = cfg.num_key_value_heads
     if nkv % tp and tp % nkv:
         return f"tp={tp} neither divides nor is a multiple of num_key_value_heads={nkv}"
-    return None
+    return split_problem(tp)
 
 
 def valid_tp_degrees(cfg: ModelConfig, upto: int = MAX_DEGREE) -> list[int]:
@@ -149,15 +150,59 @@ class ShardPlan:
                 return [cols(i0, i1 - i0)]
         return None
 
-    def fetch(self, src: TensorSource, name: str, param: torch.nn.Parameter) -> torch.Tensor:
-        """loader.load_module hook: read only this rank's slices (zero-padded vocabulary rows)."""
+    def fetch(self, src: TensorSource, name: str, param: torch.nn.Parameter):
+        """loader.load_module hook: read only this rank's slices (zero-padded vocabulary rows). A
+        4-bit weight comes back as a QuantWeight of this rank's rows or (group-aligned) columns."""
         pieces = self.slices(name)
         if pieces is None:
             return src.get(name)
         dim = 1 if len(pieces[0]) == 2 and pieces[0][0] == slice(None) else 0
-        t = torch.cat([src.get(name, index=p) for p in pieces], dim=dim) if len(pieces) > 1 \
-            else src.get(name, index=pieces[0])
-        if name in ("embed_tokens.weight", "lm_head.weight") and t.shape[0] < self.vocab_shard:
-            pad = torch.zeros(self.vocab_shard - t.shape[0], *t.shape[1:], dtype=t.dtype)
-            t = torch.cat([t, pad])
+        parts = [src.get(name, index=p) for p in pieces]
+        pad = self.vocab_shard - parts[0].shape[0] if name in ("embed_tokens.weight", "lm_head.weight") else 0
+        if not isinstance(parts[0], torch.Tensor):
+            return quant_rows(parts, pad)
+        t = torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]
+        if pad > 0:
+            t = torch.cat([t, torch.zeros(pad, *t.shape[1:], dtype=t.dtype)])
         return t
+
+    def quant_problem(self, src: TensorSource) -> str | None:
+        """Why this rank's shard of a 4-bit checkpoint cannot be read (a column shard off the
+        quantization groups), or None. Checked for every rank before any process starts."""
+        for name in src.names():
+            if not src.is_quantized(name) or name.startswith("mtp."):
+                continue
+            for p in self.slices(name) or []:
+                if len(p) == 2 and p[0] == slice(None):
+                    k = src.shape(name)[1]
+                    g = src.quant_group(name)
+                    if p[1].start % g or p[1].stop % g:
+                        return (f"tp={self.tp} splits the {k} input columns of 4-bit '{name}' at "
+                                f"{p[1].start}..{p[1].stop}, not on its {g}-column quantization groups")
+        return None
+
+
+def quant_problem(cfg: ModelConfig, tp: int, src: TensorSource) -> str | None:
+    """The first rank whose 4-bit column shards miss the quantization groups, or None."""
+    for r in range(tp):
+        why = ShardPlan(cfg, tp, r).quant_problem(src)
+        if why is not None:
+            return why
+    return None
+
+
+def quant_rows(parts: list, pad: int):
+    """Output-row pieces of a 4-bit weight as one QuantWeight, plus `pad` zero rows (a zero code,
+    scale and zero dequantise to 0). Column pieces are never concatenated (one piece per rank)."""
+    from ..ops.quant import QuantWeight
+
+    if len(parts) == 1 and pad <= 0:
+        return parts[0]
+    q = torch.cat([p.qweight for p in parts])
+    s = torch.cat([p.scales_t for p in parts], dim=1)
+    z = torch.cat([p.zeros_t for p in parts], dim=1)
+    if pad > 0:
+        q = torch.cat([q, torch.zeros(pad, q.shape[1], dtype=q.dtype)])
+        s = torch.cat([s, torch.zeros(s.shape[0], pad, dtype=s.dtype)], dim=1)
+        z = torch.cat([z, torch.zeros(z.shape[0], pad, dtype=z.dtype)], dim=1)
+    return QuantWeight(q, s, z, parts[0].hadamard, parts[0].dtype)

@@ -24,10 +24,10 @@ from .lifecycle import Mesh
 
 class MeshTrunk:
     """Same results as LocalTrunk: hidden rows are replicated on every rank, logits are gathered
-    to rank 0. Eager on every rank: the forward holds collectives, and capturing NCCL into a CUDA
-    graph hung on our GPU machine; a capturable all-reduce comes first (docs/TENSOR_PARALLEL.md)."""
+    to rank 0. On CUDA every rank replays its rows forward (decode, each verify row count) from
+    CUDA graphs in lockstep, the collectives inside them through torch symmetric memory
+    (parallel/symm.py; NCCL capture hung on our GPU machine); prefill runs eagerly over NCCL."""
 
-    graphs_enabled = False
 
     def __init__(self, mesh: Mesh, trunk: LocalTrunk, tp: int, dtype: torch.dtype,
                  drafter_vocab: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -41,6 +41,13 @@ class MeshTrunk:
         self._dtype = dtype
         self._drafter_vocab = drafter_vocab     # whole (embedding, lm_head) on rank 0, or None
         self._finalizer = weakref.finalize(self, mesh.shutdown)
+
+    @property
+    def graphs_enabled(self) -> bool:
+        """Every rank replays its rows forward from CUDA graphs (collectives through symmetric
+        memory); rank 0 then holds the vocabulary (build._drafter_vocab), so the MTP draft chain
+        is a graph too."""
+        return self._local is not None and self._local.graphs_enabled
 
     def _call(self, name: str, *args: Any) -> Any:
         self._mesh.check()

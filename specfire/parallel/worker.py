@@ -22,6 +22,8 @@ from .launch import START_TIMEOUT_S, MeshSpec
 from .model import ShardedQwen35
 from .shard import ShardPlan
 
+ROWS_MAX = 16     # rows of a verify the captured collectives are sized for (k + 1 <= 11)
+
 
 def load_shard(spec: MeshSpec, comm: Comm) -> LocalTrunk:
     """This rank's trunk: the one loading path (model/loader.py) with the sharded model and a fetch
@@ -31,7 +33,14 @@ def load_shard(spec: MeshSpec, comm: Comm) -> LocalTrunk:
     model = loader.load_trunk(src, spec.cfg, dtype=spec.dtype, device=comm.device,
                               build=lambda cfg: ShardedQwen35(cfg, plan, comm), fetch=plan.fetch,
                               what=f"trunk shard {comm.rank}/{spec.tp}")
-    return LocalTrunk(model, spec.max_seq, spec.kv_dtype, cuda_graphs=False)   # collectives: eager
+    graphs = spec.cuda_graphs if spec.device_type == "cuda" else False
+    trunk = LocalTrunk(model, spec.max_seq, spec.kv_dtype, cuda_graphs=graphs)
+    if trunk.graphs_enabled or spec.device_type == "cpu":
+        # the rows forward's collectives: symmetric memory (capturable) on CUDA, the same code over
+        # gloo on the CPU; sized for ROWS_MAX rows of logits or hidden per rank
+        h, vs = spec.cfg.hidden_size, plan.vocab_shard
+        comm.enable_graphs(4 * ROWS_MAX * spec.tp * max(vs, h))
+    return trunk
 
 
 def run_worker(comm: Comm, spec: MeshSpec, created: bool, report=None) -> int:

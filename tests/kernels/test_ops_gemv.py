@@ -45,12 +45,19 @@ def test_config_table(n, k, want):
     assert gemv_config(n, k) == want
 
 
-def test_gemv_rejects_too_many_rows():
-    with pytest.raises(ValueError, match="at most 16 rows"):
-        gemv(torch.zeros(17, 32), torch.zeros(8, 32))
+def test_gemv_many_rows_run_in_16_row_tiles():
+    """M > 16 (prefill on CUDA) runs in one launch of 16-row tiles: every row equals its one-row call."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(37, 40, generator=g), torch.randn(21, 40, generator=g)
+    y = gemv(x, w, GemvConfig(16, 32))
+    for i in (0, 15, 16, 36):
+        assert torch.equal(gemv(x[i:i + 1], w, GemvConfig(16, 32))[0], y[i]), f"row {i}"
+    torch.testing.assert_close(y, linear_rows_ref(x, w), rtol=1e-5, atol=1e-4)
 
 
 def test_linear_cpu_rows_path_is_reference():
     g = torch.Generator().manual_seed(20)
-    x, w = torch.randn(3, 20, generator=g), torch.randn(9, 20, generator=g)
+    x, w = torch.randn(3, 20, generator=g), torch.randn(32, 20, generator=g)  # whole panels: the reference itself
     assert torch.equal(linear(x, w, rows=True), linear_rows_ref(x, w))
+    w9 = torch.randn(9, 20)                                 # a padded tail panel
+    torch.testing.assert_close(linear(x, w9, rows=True), linear_rows_ref(x, w9), rtol=1e-6, atol=1e-6)

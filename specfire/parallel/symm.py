@@ -1,0 +1,111 @@
+"""Collectives that can live inside a CUDA graph: torch symmetric memory, one-shot kernels.
+
+NCCL collectives could not be captured into a CUDA graph on our 2 x H200 machine (capture hung);
+torch's `symm_mem.one_shot_all_reduce` captured 64 times in one graph replayed correctly at
+6.2 us per call (docs/BENCHMARKS.md). The mesh's graph-captured rows forward therefore routes its
+three collectives here: the cross-rank tree of row-parallel partials, the vocab-parallel
+embedding's sum, the logits gather. All three are exact: two float32 partials are added once
+(a + b is the tree at tp = 2, whatever the order), and a gather is a sum of one rank's values
+with zeros; for tp > 2 the partials are gathered that way and added in the canonical tree here.
+
+Buffers: per dtype, two symmetric buffers used alternately, so a rank never overwrites the buffer
+a slower peer may still be reading for the previous call (the one-shot kernel's entry barrier
+orders a call after every rank's previous call). NVLink multicast stays off (comm.NO_MULTICAST).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ..errors import MeshError
+from ..ops.splitk import tree_sum
+
+
+class SymmCollectives:
+    """Symmetric-memory collectives of one rank over the forward group."""
+
+    def __init__(self, group, rank: int, world: int, device: torch.device, capacity_bytes: int):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self._symm = symm_mem
+        self.name = group.group_name
+        self.rank, self.world, self.device = rank, world, device
+        self.capacity_bytes = capacity_bytes
+        try:  # required by older torch releases, deprecated (a warning) in 2.11
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(self.name)
+        except Exception:  # noqa: BLE001 - the rendezvous below reports a real problem
+            pass
+        self._bufs: dict[torch.dtype, list[torch.Tensor]] = {}
+        self._turn: dict[torch.dtype, int] = {}
+
+    def _slot(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The next buffer of `dtype` (allocated and rendezvoused on first use: every rank reaches
+        it in the same order, outside any capture, since warm-up runs each forward first)."""
+        bufs = self._bufs.get(dtype)
+        if bufs is None:
+            n = self.capacity_bytes // torch.empty((), dtype=dtype).element_size()
+            bufs = []
+            for _ in range(2):
+                b = self._symm.empty(n, dtype=dtype, device=self.device)
+                self._symm.rendezvous(b, self.name)
+                bufs.append(b)
+            self._bufs[dtype], self._turn[dtype] = bufs, 0
+        if numel > bufs[0].numel():
+            raise MeshError(f"a symmetric-memory collective of {numel} elements exceeds the "
+                            f"{bufs[0].numel()}-element buffer")
+        i = self._turn[dtype]
+        self._turn[dtype] = 1 - i
+        return bufs[i][:numel]
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise sum over ranks (one one-shot kernel: every rank reads every peer's buffer)."""
+        x = x.contiguous()
+        view = self._slot(x.dtype, x.numel()).view_as(x)
+        view.copy_(x)
+        return torch.ops.symm_mem.one_shot_all_reduce(view, "sum", self.name)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[world, *x.shape]: every rank's x, exactly (each slot is one rank's values plus zeros)."""
+        z = torch.zeros((self.world,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+        z[self.rank] = x
+        return self.sum(z)
+
+    def tree(self, x: torch.Tensor) -> torch.Tensor:
+        """The canonical tree over the ranks' float32 subtrees (ops/splitk.py)."""
+        if self.world == 2:
+            return self.sum(x)
+        parts = self.all_gather(x)
+        return tree_sum(list(parts.unbind(0)))
+
+
+class GlooCollectives:
+    """The same three collectives over the forward group with plain all-gathers (CPU, gloo): the
+    CPU mesh runs its rows forward through this, so CI exercises the code the GPU's captured
+    forward runs, with only the transport different."""
+
+    def __init__(self, group, rank: int, world: int):
+        self.group, self.rank, self.world = group, rank, world
+
+    def _parts(self, x: torch.Tensor) -> list[torch.Tensor]:
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x, group=self.group)
+        return parts
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        parts = self._parts(x)
+        out = parts[0].clone()
+        for p in parts[1:]:
+            out += p
+        return out
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack(self._parts(x))
+
+    def tree(self, x: torch.Tensor) -> torch.Tensor:
+        return tree_sum(self._parts(x))

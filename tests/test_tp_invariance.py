@@ -1,0 +1,270 @@
+"""Tensor-parallel invariance: tp = 1, 2, 4 compute the same bits (CPU, gloo), and the pieces that
+make it so: the canonical 8-chunk split of row-parallel reductions (ops/splitk.py), column shards
+computed as the whole matrix (ops/linear.py), lane-independent transcendentals (ops/lanes.py),
+and the CUDA kernels of the same scheme under TRITON_INTERPRET=1."""
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton kernels are imported
+
+import pytest
+import torch
+
+from tinymodels import make_checkpoint
+
+from specfire import LLM, SamplingParams, SpecPolicy
+from specfire.ops import lanes
+from specfire.ops.linear import linear
+from specfire.ops.splitk import CHUNKS, ChunkCache, KSplit, chunk_bounds, subtree, tree_sum
+
+
+def _prompt(vocab: int, n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    body = torch.randint(0, vocab - 1, (n,), generator=g).tolist()
+    return body + body[: n // 2]           # a repeat, so n-gram lookup finds drafts
+
+
+# ---- the canonical split, in one process --------------------------------------------------------
+
+def test_chunks_align_with_every_shard_bound():
+    """Rank r of tp holds chunks [r*8/tp, (r+1)*8/tp): their columns are exactly its shard, for even
+    splits (heads) and the floor(I*r/tp) split of an uneven MLP."""
+    for k in (64, 96, 98, 17408, 6144, 13):
+        b = chunk_bounds(k)
+        for tp in (1, 2, 4, 8):
+            for r in range(tp):
+                s = KSplit.for_rank(k, r, tp)
+                assert b[s.c0] == k * r // tp and b[s.c1] == k * (r + 1) // tp
+                assert s.k_local == k * (r + 1) // tp - k * r // tp
+    with pytest.raises(ValueError, match="tp=3 does not divide 8"):
+        KSplit.for_rank(96, 0, 3)
+
+
+def test_tree_sum_is_the_pairwise_tree():
+    p = [torch.tensor([v], dtype=torch.float32) for v in (1e8, 1.0, -1e8, 1.0, 3.0, 5.0, 7.0, 11.0)]
+    want = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]))
+    assert torch.equal(tree_sum(p), want)
+    # a rank's subtree then the ranks' tree is the same tree (tp = 2 and 4)
+    assert torch.equal(tree_sum([tree_sum(p[:4]), tree_sum(p[4:])]), want)
+    assert torch.equal(tree_sum([tree_sum(p[i:i + 2]) for i in range(0, 8, 2)]), want)
+
+
+def _shards_vs_whole(x, w, rows):
+    """The whole product (tp = 1) and, per degree, the ranks' subtrees combined by the tree."""
+    k = w.shape[1]
+    whole = subtree(x, w, KSplit(k), rows, ChunkCache())
+    out = {}
+    for tp in (2, 4, 8):
+        subs = []
+        for r in range(tp):
+            s = KSplit.for_rank(k, r, tp)
+            lo = chunk_bounds(k)[s.c0]
+            subs.append(subtree(x[:, lo:lo + s.k_local].contiguous(), w[:, lo:lo + s.k_local].contiguous(),
+                                s, rows, ChunkCache()))
+        out[tp] = tree_sum(subs)
+    return whole, out
+
+
+@pytest.mark.parametrize("n,k", [(64, 98), (64, 48), (32, 64), (40, 1000), (64, 256), (48, 768)])
+def test_row_parallel_subtrees_equal_whole_bitwise(n, k):
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(n, k, generator=g)
+    for m, rows in ((1, True), (5, True), (40, False)):
+        x = torch.randn(m, k, generator=g)
+        whole, per = _shards_vs_whole(x, w, rows)
+        torch.testing.assert_close(whole, x @ w.t(), rtol=1e-5, atol=1e-4)
+        for tp, got in per.items():
+            assert torch.equal(got, whole), (m, tp)
+        if k in (256, 768):                    # the one-call batched form equals the chunk-by-chunk one
+            from specfire.ops.splitk import partials_cpu
+            ref = tree_sum(partials_cpu(x, w, KSplit(k), rows, ChunkCache()))
+            assert torch.equal(whole, ref)
+    # row invariance of the rows path
+    x = torch.randn(5, k, generator=g)
+    y = subtree(x, w, KSplit(k), True, ChunkCache())
+    assert all(torch.equal(subtree(x[i:i + 1], w, KSplit(k), True, ChunkCache())[0], y[i]) for i in range(5))
+
+
+@pytest.mark.parametrize("n", [131, 98, 151, 24])
+def test_column_shards_equal_whole_bitwise(n):
+    g = torch.Generator().manual_seed(n)
+    w = torch.randn(n, 64, generator=g)
+    for m, rows in ((1, True), (6, True), (40, False)):
+        x = torch.randn(m, 64, generator=g)
+        whole = linear(x, w, rows)
+        for tp in (2, 4):
+            parts = [linear(x, w[n * r // tp:n * (r + 1) // tp].contiguous(), rows) for r in range(tp)]
+            assert torch.equal(torch.cat(parts, dim=-1), whole), (m, tp)
+
+
+@pytest.mark.parametrize("fn", [lanes.exp, lanes.sigmoid, lanes.silu, lanes.softplus, lanes.rsqrt])
+def test_transcendentals_do_not_depend_on_position(fn):
+    g = torch.Generator().manual_seed(1)
+    x = torch.rand(7, 98, generator=g) * 4 + 0.1
+    whole = fn(x)
+    for lo, hi in ((0, 49), (49, 98), (24, 73), (1, 2)):
+        assert torch.equal(fn(x[:, lo:hi].contiguous()), whole[:, lo:hi])
+    assert torch.equal(fn(x[3:4]), whole[3:4])
+
+
+# ---- the CUDA kernels of the scheme, interpreted -------------------------------------------------
+
+def test_chunk_kernel_partials_tree_and_shards():
+    """chunk_partials: each chunk's float32 partial (close to the reference), row-invariant, and the
+    same bits in a shard as in the whole; tree_combine adds them exactly as tree_sum does."""
+    from specfire.ops.triton_gemv import chunk_partials, gemv, gemv_chunks_fused, tree_combine
+
+    g = torch.Generator().manual_seed(5)
+    n, k = 37, 200                                          # odd N; chunks of 25 (masked K tails)
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(5, k, generator=g)
+    b = chunk_bounds(k)
+    parts = chunk_partials(x, w, torch.tensor(b, dtype=torch.int32))
+    assert parts.shape == (CHUNKS, 5, n) and parts.dtype == torch.float32
+    for c in range(CHUNKS):
+        ref = x[:, b[c]:b[c + 1]] @ w[:, b[c]:b[c + 1]].t()
+        torch.testing.assert_close(parts[c], ref, rtol=1e-5, atol=1e-5)
+    one = chunk_partials(x[2:3], w, torch.tensor(b, dtype=torch.int32))
+    assert torch.equal(one[:, 0], parts[:, 2])
+    for tp in (2, 4):
+        for r in range(tp):
+            s = KSplit.for_rank(k, r, tp)
+            lo = b[s.c0]
+            sh = chunk_partials(x[:, lo:lo + s.k_local].contiguous(), w[:, lo:lo + s.k_local].contiguous(),
+                                torch.tensor(s.bounds, dtype=torch.int32))
+            assert torch.equal(sh, parts[s.c0:s.c1])
+    for c in (1, 2, 4, 8):
+        assert torch.equal(tree_combine(parts[:c], torch.float32), tree_sum(list(parts[:c])))
+    # the fused kernel (partials, then the last chunk program of a tile adds the tree) is the same
+    for c in (8, 4, 1):
+        bc = torch.tensor([k * j // c for j in range(c + 1)], dtype=torch.int32)
+        for xx in (x, x[1:2]):
+            assert torch.equal(gemv_chunks_fused(xx, w, bc, torch.float32),
+                               tree_combine(chunk_partials(xx, w, bc), torch.float32))
+    # the one-loop kernel (tree folded in registers): the same bits for equal 128-multiple chunks
+    from specfire.ops.triton_gemv import gemv_tree_loop
+    wl, xl = torch.randn(37, 1024, generator=g), torch.randn(5, 1024, generator=g)
+    for c in (8, 4, 1):
+        bc = torch.tensor([1024 * j // c for j in range(c + 1)], dtype=torch.int32)
+        assert torch.equal(gemv_tree_loop(xl, wl, c, torch.float32), tree_combine(chunk_partials(xl, wl, bc), torch.float32))
+    bt = torch.tensor(b, dtype=torch.int32)
+    xb = torch.randn(70, k, generator=g)                   # a prefill: 5 tiles of 16, or 2 of 64 (masked)
+    for tile in (16, 64):
+        y = gemv_chunks_fused(xb, w, bt, torch.float32, tile)
+        assert torch.equal(y, tree_combine(chunk_partials(xb, w, bt, tile), torch.float32))
+        torch.testing.assert_close(y, xb @ w.t(), rtol=1e-4, atol=1e-3)
+    # a column shard with the whole matrix's launch settings gives the whole's bits. Interpreted,
+    # tl.dot is numpy's matmul, whose result depends on an element's position in the tile, so the
+    # shard starts on a tile bound here; on the GPU an MMA computes every element alike and
+    # bench/tp.py checks real shards (e.g. 24 of 48 GDN heads, within one tile).
+    w2 = torch.randn(200, k, generator=g)
+    whole = gemv(x, w2)
+    cfg_n = gemv(x, w2[128:].contiguous(), launch_n=200)
+    assert torch.equal(cfg_n, whole[:, 128:])
+
+
+# ---- the mesh: logits and greedy tokens identical on every degree ----------------------------------
+
+CASES = [  # (config, degrees): KV heads replicated (2 on 4 ranks), odd vocabulary 151, MLP 98 rows
+    ("tp4", (2, 4)),   # split 49/49 and 24/25/24/25; a single KV head, tied embeddings, vocabulary 127
+    ("kv1", (2,)),
+]
+
+
+@pytest.mark.parametrize("name,degrees", CASES)
+def test_mesh_bits_equal_one_device(ckpt_cache, name, degrees):
+    path = str(ckpt_cache["root"] / f"tpinv-{name}")
+    if path not in ckpt_cache["made"].values():
+        ckpt_cache["made"][f"tpinv-{name}"] = make_checkpoint(path, name, seed=11)
+    sp = SamplingParams(max_tokens=32)
+    samp = SamplingParams(max_tokens=12, temperature=0.9, top_k=30, seed=5)
+    with LLM(path, tp=1, progress=False) as one:
+        ids = _prompt(one.cfg.vocab_size, 36, seed=3)
+        ref = one.score(ids)
+        ar = one.generate(ids, sp, spec="off").token_ids
+        assert one.generate(ids, sp, spec=SpecPolicy("mtp", k=3)).token_ids == ar
+        sampled = one.generate(ids, samp, spec="off").token_ids
+    for tp in degrees:
+        with LLM(path, tp=tp, progress=False) as mesh:
+            symm = mesh.engine.trunk._mesh.comm.symm         # the captured forward's collectives
+            calls = []
+            real_tree = symm.tree
+            symm.tree = lambda x: calls.append(x.shape) or real_tree(x)
+            got = mesh.score(ids)
+            assert torch.equal(got, ref), f"tp={tp}: max diff {(got - ref).abs().max().item()}"
+            assert mesh.generate(ids, sp, spec="off").token_ids == ar
+            r = mesh.generate(ids, sp, spec=SpecPolicy("mtp", k=3))
+            assert r.stats["drafted"] > 0 and r.token_ids == ar
+            r = mesh.generate(ids, sp, spec=SpecPolicy("ngram", k=4))
+            assert r.stats["route"] == "ngram" and r.token_ids == ar
+            assert mesh.generate(ids, samp, spec="off").token_ids == sampled
+            # rows forwards (decode, verify) went through the GPU graph path's collectives, prefill not
+            n_rows = 2 * mesh.cfg.num_hidden_layers
+            assert len(calls) >= n_rows and len(calls) % n_rows == 0 and all(c[0] <= 5 for c in calls)
+
+
+def test_four_bit_mesh_bits_equal_one_device(ckpt_cache, tmp_path):
+    """A 4-bit checkpoint (Hadamard-rotated groups of 32) whose row-parallel inputs split on group
+    bounds at tp = 2: same logits and greedy tokens as one device. (A shard off the groups is
+    refused before any process starts: tests/test_tp.py.)"""
+    from specfire.cli import main
+
+    src = make_checkpoint(str(tmp_path / "src"), "tp4", seed=5, intermediate_size=128, linear_value_head_dim=16)
+    dst = str(tmp_path / "q4")
+    assert main(["quantize", src, dst, "--group-size", "32", "--hadamard", "--device", "cpu"]) == 0
+    sp = SamplingParams(max_tokens=16)
+    with LLM(dst, tp=1, progress=False) as one:
+        ids = _prompt(one.cfg.vocab_size, 30, seed=4)
+        ref = one.score(ids)
+        ar = one.generate(ids, sp, spec="off").token_ids
+    with LLM(dst, tp=2, progress=False) as mesh:
+        assert torch.equal(mesh.score(ids), ref)
+        assert mesh.generate(ids, sp, spec="off").token_ids == ar
+        assert mesh.generate(ids, sp, spec=SpecPolicy("mtp", k=2)).token_ids == ar
+
+
+# ---- one command starts the mesh ----------------------------------------------------------------
+
+def test_cli_run_and_serve_start_the_mesh(tmp_path, capsys):
+    """`specfire run --tp 2` and `specfire serve --tp 2` (bundled model, CPU) each start the
+    2-rank mesh themselves and answer exactly as one device."""
+    import json
+
+    import httpx
+    from serving import start_server, stop
+
+    from specfire.cli import main
+
+    outs = {}
+    for tp in (1, 2):
+        assert main(["run", "--tp", str(tp), "--device", "cpu", "--spec", "off", "--prompt", "def fibonacci(n):",
+                     "-n", "12", "--json"]) == 0
+        outs[tp] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert outs[2]["token_ids"] == outs[1]["token_ids"] and len(outs[1]["token_ids"]) == 12
+    proc, base = start_server(["--tp", "2", "--device", "cpu"], str(tmp_path / "serve.log"))
+    try:
+        r = httpx.post(base + "/v1/completions", json={"prompt": "def fibonacci(n):", "max_tokens": 12,
+                                                        "temperature": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == outs[1]["text"]
+        assert len(_worker_children(proc.pid)) == 1           # the server started rank 1 itself
+    finally:
+        stop(proc)
+
+
+def _worker_children(pid: int) -> list[int]:
+    """Child processes of `pid` that run a mesh worker module."""
+    kids = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            kids += [int(x) for x in f.read().split()]
+    out = []
+    for k in kids:
+        try:
+            with open(f"/proc/{k}/cmdline", "rb") as f:
+                if b".worker" in f.read():
+                    out.append(k)
+        except FileNotFoundError:
+            pass
+    return out
