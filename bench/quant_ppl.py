@@ -7,8 +7,9 @@ runs greedy MTP decoding (k = --k) on N held-out prompts with the unquantized an
 variant and reports mean_accept_len (tokens committed per verify cycle) beside the perplexity.
 
 Sources of text:
-  --bundled      the bundled model on its held-out standard-library files (never trained on;
-                 specfire/train/corpus.py HELD_OUT), prompts as in bench/bundled_accept.py
+  --bundled      the bundled model on its held-out text (never trained on: --source packages,
+                 the held-out site-packages distributions, or stdlib, the held-out stdlib
+                 modules; specfire/train/corpus.py), prompts as in bench/bundled_accept.py
   --model/--text any checkpoint and text file
   (neither)      a tiny random checkpoint (tests/tinymodels.py) on a sequence it sampled itself
 
@@ -65,6 +66,8 @@ def accept(llm: LLM, prompts: list[str], max_tokens: int, k: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bundled", action="store_true", help="the bundled model on its held-out text")
+    ap.add_argument("--source", default="packages", choices=("packages", "stdlib"),
+                    help="held-out text of the bundled model")
     ap.add_argument("--model", default=None)
     ap.add_argument("--text", default=None)
     ap.add_argument("--tokens", type=int, default=16384, help="tokens scored per variant (in windows)")
@@ -81,13 +84,13 @@ def main() -> int:
     prompts: list[str] = []
     if args.bundled:
         from specfire.api import BUNDLED_MODEL
-        from specfire.train.corpus import build_corpus
+        from specfire.train.corpus import held_out_sources
         src = BUNDLED_MODEL
-        texts = [t for _, t in build_corpus().held_out]
+        texts = [t for _, t in held_out_sources()[args.source]]
         if args.accept_prompts:
             from bundled_accept import held_out_prompts
-            prompts = [p for _, p in held_out_prompts(args.accept_prompts, 24)]
-        name = "bundled (held-out stdlib files)"
+            prompts = [p for _, p in held_out_prompts(args.accept_prompts, 24, args.source)]
+        name = f"bundled (held-out {args.source} files)"
     elif args.model is None:
         from tinymodels import make_checkpoint
         src = make_checkpoint(os.path.join(root, "src"), "base", seed=5, hidden_size=128, intermediate_size=256,
