@@ -58,4 +58,4 @@ def rsqrt(x: torch.Tensor) -> torch.Tensor:
     own rsqrt differs between the two)."""
     if x.device.type != "cpu":
         return torch.rsqrt(x)
-    return torch.sqrt(x).reciprocal_()
+    return torch.sqrt(x).reciprocal()
