@@ -144,7 +144,7 @@ class Engine:
                 break
             if cur is None:
                 cur = start(ctl.decide(), last, last_dev, pos, out.remaining)
-            if ahead is None and cur.k == 0 and out.remaining >= 2:
+            if ahead is None and cur.k == 0 and out.remaining >= 2 and bufs.pinned:   # (a CPU runs at launch)
                 d = ctl.decide()
                 if d.k == 0 or d.route == "ar":      # its input is cur's token, already on the device
                     ahead = start(d, -1, cur.targets[:1], cur.pos + 1, out.remaining - 1)
