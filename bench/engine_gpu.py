@@ -159,9 +159,12 @@ def stage_bundled(rep: Report, dev: str, tokens: int, steps: int) -> None:
         for r in res.values():
             r.pop("token_ids")
         bare = bare_trunk(llm, 256, steps)
+        ar = res["ar"]["tok_s"]
         rep.put("bundled", {"step_bytes": nbytes, "graphs": llm.engine.trunk.graphs_enabled, **bare,
                             "bare_graph_tok_s": 1e3 / bare["graph_ms"] if "graph_ms" in bare else None,
-                            "loop_tok_s": 1e3 / bare["loop_ms"], "modes": res})
+                            "generate_vs_bare_graph": ar * bare["graph_ms"] / 1e3 if "graph_ms" in bare else None,
+                            "loop_tok_s": 1e3 / bare["loop_ms"], "generate_vs_loop": ar * bare["loop_ms"] / 1e3,
+                            "modes": res})
 
 
 def stage_big(rep: Report, dev: str, shape: str, ckpt_dir: str, prompt: int, tokens: int, steps: int) -> None:

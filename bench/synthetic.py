@@ -11,6 +11,8 @@ count per cycle follows the profile exactly, in the convention of `SpecStats.acc
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from specfire.runtime.drafters import MtpDrafter
@@ -37,11 +39,35 @@ def write_tied_checkpoint(cfg, path: str, device: str, dtype: torch.dtype = torc
             p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=dtype) * scale)
         trunk.norm.weight.fill_(-1.0)
         head.norm.weight.fill_(-1.0)
-    export_checkpoint(trunk, head, path, eos_ids=[cfg.vocab_size - 1], dtype=dtype, max_shard_bytes=max_shard_bytes)
+    with shard_by_shard():
+        export_checkpoint(trunk, head, path, eos_ids=[cfg.vocab_size - 1], dtype=dtype, max_shard_bytes=max_shard_bytes)
     del trunk, head
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return path
+
+
+@contextlib.contextmanager
+def shard_by_shard():
+    """Make `export_checkpoint` copy weights to host memory one shard at a time (it copies them
+    all first): a 27B-shape checkpoint in /dev/shm plus a whole host copy would not fit in the
+    1-GPU machine's 128 GB."""
+    from specfire.train import export
+
+    ct, sf = export.checkpoint_tensors, export.save_file
+
+    def tensors(trunk, head, dtype):
+        out = {(n if n == "lm_head.weight" else "model." + n): p.detach().to(dtype) for n, p in trunk.named_parameters()}
+        out.update({"mtp." + n: p.detach().to(dtype) for n, p in head.named_parameters()})
+        return out
+
+    def save(shard, fn, metadata=None):
+        sf({k: v.to("cpu").contiguous() for k, v in shard.items()}, fn, metadata=metadata)
+    export.checkpoint_tensors, export.save_file = tensors, save
+    try:
+        yield
+    finally:
+        export.checkpoint_tensors, export.save_file = ct, sf
 
 
 class ProfileDrafter:
