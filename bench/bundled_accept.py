@@ -1,13 +1,15 @@
-"""MTP acceptance and CPU speed of the bundled model on held-out standard-library code.
+"""MTP acceptance and CPU speed of the bundled model on held-out code.
 
-Prompts: code from the held-out modules (specfire/train/corpus.py HELD_OUT) of this interpreter's
-standard library, each cut at a `def` line so the model continues a function. For k = 1..5 it runs
+Prompts: code the bundled model never trained on, each cut at a `def` line so the model continues
+a function: `--source packages` (default) takes the held-out distributions installed here
+(specfire/train/corpus.py HELD_OUT_PACKAGES, one file per package in turn), `--source stdlib` the
+held-out standard-library modules (HELD_OUT). For k = 1..5 it runs
 greedy MTP decoding, checks the output equals plain AR greedy output token for token, and reports
 mean_accept_len (tokens per verify cycle) and per-position acceptance. Then it times AR and MTP
 decode on the CPU (alternating prompt by prompt) with the default drafter; `--feeds` picks the
 MTP self-feed variants whose acceptance is measured.
 
-    PYTHONPATH=. python bench/bundled_accept.py [--model DIR] [--threads 2] [--max-tokens 128]
+    PYTHONPATH=. python bench/bundled_accept.py [--model DIR] [--source packages|stdlib] [--threads 2] [--max-tokens 128]
 Prints a table and one JSON line last.
 """
 from __future__ import annotations
@@ -24,14 +26,28 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from specfire.api import LLM                               # noqa: E402
 from specfire.config import SamplingParams, SpecPolicy     # noqa: E402
-from specfire.train.corpus import build_corpus             # noqa: E402
+from specfire.train.corpus import held_out_sources        # noqa: E402
 
 
-def held_out_prompts(n: int, lines: int) -> list[tuple[str, str]]:
+def _round_robin(docs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Files ordered one per package in turn (package = first path component), largest files first."""
+    by: dict[str, list] = {}
+    for rel, text in sorted(docs, key=lambda d: -len(d[1])):
+        by.setdefault(rel.split("/")[0], []).append((rel, text))
+    out, queues = [], [by[k] for k in sorted(by)]
+    while any(queues):
+        for q in queues:
+            if q:
+                out.append(q.pop(0))
+    return out
+
+
+def held_out_prompts(n: int, lines: int, source: str = "packages") -> list[tuple[str, str]]:
     """Up to n prompts: in each held-out file, the `lines` lines ending at the first top-level or
     method `def` past the file's middle (the def line included)."""
     out = []
-    for rel, text in build_corpus().held_out:
+    docs = held_out_sources()[source]
+    for rel, text in (_round_robin(docs) if source == "packages" else docs):
         ls = text.splitlines(keepends=True)
         for i in range(len(ls) // 2, len(ls)):
             if ls[i].lstrip().startswith("def ") and ls[i].rstrip().endswith(":"):
@@ -50,6 +66,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="checkpoint (default: the bundled model)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--source", default="packages", choices=("packages", "stdlib"), help="held-out code for the prompts")
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--lines", type=int, default=24, help="prompt length in source lines")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -59,7 +76,7 @@ def main() -> int:
     ap.add_argument("--feeds", default="post,pre", help="MTP self-feed variants to measure")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    prompts = held_out_prompts(args.prompts, args.lines)
+    prompts = held_out_prompts(args.prompts, args.lines, args.source)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     llm = LLM(args.model, device="cpu", dtype="float32", spec="auto", progress=False)
     if not llm.mtp_loaded:
@@ -86,7 +103,7 @@ def main() -> int:
             rows.append({"feed": feed, "k": k, "mean_accept_len": 1 + accepted / cycles, "cycles": cycles,
                          "accept_per_pos": [p / cycles for p in per_pos], "identical_to_ar": identical})
     drafter.feed = default_feed                  # the speed test runs the default drafter
-    print(f"{len(prompts)} held-out prompts ({', '.join(r for r, _ in prompts)}), {args.max_tokens} new tokens, greedy")
+    print(f"{len(prompts)} held-out {args.source} prompts ({', '.join(r for r, _ in prompts)}), {args.max_tokens} new tokens, greedy")
     print(f"{'feed':>5} {'k':>2} {'mean_accept_len':>16} {'identical':>9}  per-position acceptance")
     for r in rows:
         print(f"{r['feed']:>5} {r['k']:>2} {r['mean_accept_len']:>16.3f} {str(r['identical_to_ar']):>9}  "
@@ -125,7 +142,7 @@ def main() -> int:
     print("\nsample (AR greedy, first prompt's last lines + completion):")
     print("".join(prompts[0][1].splitlines(keepends=True)[-4:]) + "\u2502" + sample)
     llm.close()
-    print(json.dumps({"bench": "bundled_accept", "threads": args.threads, "max_tokens": args.max_tokens,
+    print(json.dumps({"bench": "bundled_accept", "source": args.source, "threads": args.threads, "max_tokens": args.max_tokens,
                       "prompts": len(prompts), "accept": rows, "speed_k": speed_k, "speed_feed": default_feed, "ar_tok_s": ar_med,
                       "mtp_tok_s": mtp_med, "speedup_best": mtp_med / ar_med, "speedup_median_ratio": ratio,
                       "speed_identical": same}))

@@ -9,6 +9,9 @@ larger than L2; (4) 4-bit quality (layer-output relative error) by group size an
 line last.
 
     python bench/linear.py [--quick] [--out results.json]
+
+The 4-bit kernel's own sweep (versions 1 and 2 side by side with torch's int4 mm), the Q8 KV
+attention modes and 4-bit decode end to end are in bench/quant_gpu.py.
 """
 from __future__ import annotations
 

@@ -1,12 +1,19 @@
-"""Perplexity change from 4-bit quantization, on the CPU.
+"""Quality cost of 4-bit quantization, on the CPU: perplexity and MTP acceptance.
 
 Quantizes a checkpoint with `specfire quantize` for several group sizes (with and without the
-Hadamard rotation) and scores one token sequence with every variant. Without --model it uses a
-tiny random checkpoint from tests/tinymodels.py and a sequence sampled from that model itself (so
-the unquantized perplexity is the model's own, not that of random tokens). With --model and
---text, the text is tokenized with the checkpoint's tokenizer. Prints a table and one JSON line.
+Hadamard rotation) and scores the same token windows with every variant (teacher forcing,
+windows of --window tokens, each scored from an empty context). With --accept-prompts N it also
+runs greedy MTP decoding (k = --k) on N held-out prompts with the unquantized and every 4-bit
+variant and reports mean_accept_len (tokens committed per verify cycle) beside the perplexity.
 
-    python bench/quant_ppl.py [--model DIR --text FILE] [--tokens 256]
+Sources of text:
+  --bundled      the bundled model on its held-out standard-library files (never trained on;
+                 specfire/train/corpus.py HELD_OUT), prompts as in bench/bundled_accept.py
+  --model/--text any checkpoint and text file
+  (neither)      a tiny random checkpoint (tests/tinymodels.py) on a sequence it sampled itself
+
+    python bench/quant_ppl.py --bundled [--tokens 16384] [--accept-prompts 10]
+Prints a table and one JSON line last.
 """
 from __future__ import annotations
 
@@ -16,58 +23,124 @@ import math
 import os
 import sys
 import tempfile
+import time
 
 import torch
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from specfire import LLM, SamplingParams  # noqa: E402
+from specfire.config import SpecPolicy  # noqa: E402
 from specfire.quantize import quantize_checkpoint  # noqa: E402
 
 
-def ppl(llm: LLM, ids: list[int]) -> float:
-    logits = llm.score(ids)
-    lp = torch.log_softmax(logits[:-1].float(), -1)
-    nll = -lp.gather(-1, torch.tensor(ids[1:])[:, None]).mean()
-    return math.exp(float(nll))
+def nll_windows(llm: LLM, windows: list[list[int]]) -> tuple[float, int]:
+    """Summed negative log-likelihood of every next token in every window, and the count."""
+    total, count = 0.0, 0
+    for ids in windows:
+        logits = llm.score(ids)
+        lp = torch.log_softmax(logits[:-1].float(), -1)
+        total += float(-lp.gather(-1, torch.tensor(ids[1:])[:, None]).sum())
+        count += len(ids) - 1
+    return total, count
+
+
+def accept(llm: LLM, prompts: list[str], max_tokens: int, k: int) -> dict:
+    """Greedy MTP vs AR on the prompts: mean_accept_len and whether MTP output == AR output."""
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    cycles = accepted = 0
+    same = True
+    for p in prompts:
+        ar = llm.generate(p, sp, spec="off")
+        r = llm.generate(p, sp, spec=SpecPolicy(mode="mtp", k=k))
+        same &= ar.token_ids == r.token_ids
+        cycles += r.stats["cycles"]
+        accepted += r.stats["accepted"]
+    return {"mean_accept_len": 1 + accepted / max(cycles, 1), "cycles": cycles, "mtp_equals_ar": same}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--bundled", action="store_true", help="the bundled model on its held-out text")
     ap.add_argument("--model", default=None)
     ap.add_argument("--text", default=None)
-    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--tokens", type=int, default=16384, help="tokens scored per variant (in windows)")
+    ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--groups", default="32,64,128")
+    ap.add_argument("--no-hadamard", action="store_true", help="skip the rotated variants")
+    ap.add_argument("--accept-prompts", type=int, default=0, help="held-out prompts for MTP acceptance")
+    ap.add_argument("--accept-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     root = tempfile.mkdtemp()
-    if args.model is None:
+    prompts: list[str] = []
+    if args.bundled:
+        from specfire.api import BUNDLED_MODEL
+        from specfire.train.corpus import build_corpus
+        src = BUNDLED_MODEL
+        texts = [t for _, t in build_corpus().held_out]
+        if args.accept_prompts:
+            from bundled_accept import held_out_prompts
+            prompts = [p for _, p in held_out_prompts(args.accept_prompts, 24)]
+        name = "bundled (held-out stdlib files)"
+    elif args.model is None:
         from tinymodels import make_checkpoint
         src = make_checkpoint(os.path.join(root, "src"), "base", seed=5, hidden_size=128, intermediate_size=256,
                               vocab_size=512)
+        texts = None
+        name = "tiny-random(h128,i256,v512)"
     else:
         src = args.model
-    with LLM(src, device="cpu", spec="off", progress=False) as llm:
-        if args.text:
-            ids = llm.tokenizer.encode(open(args.text, encoding="utf-8").read())[: args.tokens]
+        texts = [open(args.text, encoding="utf-8").read()] if args.text else None
+        name = args.model
+    with LLM(src, device="cpu", dtype="float32", spec="auto", progress=False) as llm:
+        if texts is not None:
+            ids: list[int] = []
+            for t in texts:  # files concatenated in corpus order, cut into windows
+                ids += llm.tokenizer.encode(t)
+                if len(ids) >= args.tokens:
+                    break
+            ids = ids[:args.tokens]
         else:
             ids = llm.generate([1, 2, 3], SamplingParams(max_tokens=args.tokens, temperature=1.0, seed=0)).token_ids
             ids = [1, 2, 3] + ids
-        base = ppl(llm, ids)
-    rows = [{"variant": "unquantized", "ppl": base}]
-    print(f"{'variant':<24} {'ppl':>9} {'change':>8}")
-    print(f"{'unquantized':<24} {base:9.3f}")
+        windows = [ids[i:i + args.window] for i in range(0, len(ids), args.window) if len(ids[i:i + args.window]) > 1]
+        t0 = time.time()
+        nll, cnt = nll_windows(llm, windows)
+        base = math.exp(nll / cnt)
+        acc0 = accept(llm, prompts, args.accept_tokens, args.k) if prompts and llm.mtp_loaded else None
+        print(f"# unquantized scored in {time.time() - t0:.0f} s", file=sys.stderr)
+    rows = [{"variant": "unquantized (bf16 weights)", "ppl": base, "change": 0.0, "bits_per_weight": 16.0,
+             **({"accept": acc0} if acc0 else {})}]
+    print(f"{'variant':<28} {'bits/w':>6} {'ppl':>9} {'change':>8} {'accept_len':>10} {'mtp==ar':>7}")
+
+    def show(r):
+        a = r.get("accept")
+        print(f"{r['variant']:<28} {r['bits_per_weight']:6.3f} {r['ppl']:9.4f} {r['change']:+8.2%} "
+              f"{(a['mean_accept_len'] if a else float('nan')):10.3f} {str(a['mtp_equals_ar']) if a else '-':>7}")
+
+    show(rows[0])
     for g in (int(x) for x in args.groups.split(",")):
-        for had in (False, True):
+        for had in ((False,) if args.no_hadamard else (False, True)):
             dst = os.path.join(root, f"q{g}{'h' if had else ''}")
-            quantize_checkpoint(src, dst, group=g, hadamard=had, device="cpu")
-            with LLM(dst, device="cpu", spec="off", progress=False) as llm:
-                p = ppl(llm, ids)
-            name = f"q4 g{g}{' hadamard' if had else ''}"
-            print(f"{name:<24} {p:9.3f} {p / base - 1:+8.2%}")
-            rows.append({"variant": name, "ppl": p, "change": p / base - 1})
-    print(json.dumps({"model": args.model or "tiny-random(h128,i256,v512)", "tokens": len(ids), "rows": rows}))
+            summary = quantize_checkpoint(src, dst, group=g, hadamard=had, device="cpu")
+            with LLM(dst, device="cpu", dtype="float32", spec="auto", progress=False) as llm:
+                nll, cnt = nll_windows(llm, windows)
+                p = math.exp(nll / cnt)
+                acc = accept(llm, prompts, args.accept_tokens, args.k) if prompts and llm.mtp_loaded else None
+            r = {"variant": f"q4 g{g}{' hadamard' if had else ''}", "ppl": p, "change": p / base - 1,
+                 "bits_per_weight": 4 + 32 / g, "mean_weight_rel_error": summary["mean_weight_rel_error"],
+                 "tensors_quantized": summary["tensors_quantized"], **({"accept": acc} if acc else {})}
+            rows.append(r)
+            show(r)
+    print(json.dumps({"model": name, "tokens": cnt, "windows": len(windows), "window": args.window,
+                      "accept_prompts": len(prompts), "accept_tokens": args.accept_tokens, "k": args.k,
+                      "rows": rows}))
     return 0
 
 

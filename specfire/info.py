@@ -39,6 +39,9 @@ def describe(path: str | None) -> dict[str, Any]:
     if os.path.exists(os.path.join(path, "config.json")) and _quantized(path):
         # a 4-bit checkpoint loads as stored: packed codes, scales and zeros, bf16 for the rest
         memory = {"as stored (4-bit)": src.stored_bytes() + (msrc.stored_bytes() if msrc not in (None, src) else 0)}
+        quant = _quant_summary(path, src, msrc, memory["as stored (4-bit)"], n_params + mtp_params)
+    else:
+        quant = None
     kv_per_token = cfg.n_full * 2 * cfg.num_key_value_heads * cfg.head_dim   # elements, K and V
     degrees = valid_tp_degrees(cfg)
     return {
@@ -54,6 +57,7 @@ def describe(path: str | None) -> dict[str, Any]:
         "tied_embeddings": "lm_head.weight" not in src,
         "parameters": n_params, "mtp_head": msrc is not None, "mtp_parameters": mtp_params,
         "memory_bytes": memory,
+        "quantization": quant,
         # per sequence: attention KV rows grow with the context, the GDN state does not
         "kv_bytes_per_token": {"float32": 4 * kv_per_token, "bfloat16": 2 * kv_per_token},
         "recurrent_state_bytes": 4 * cfg.n_linear * (
@@ -68,6 +72,33 @@ def _quantized(path: str) -> bool:
 
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         return "quantization_config" in json.load(f)
+
+
+def _quant_summary(path: str, src, msrc, stored: int, params: int) -> dict[str, Any]:
+    """Bits per weight of a 4-bit checkpoint: over its quantized tensors (4-bit codes plus a bf16
+    scale and zero per group) and over every parameter as stored; the MTP head's share apart."""
+    import json
+
+    from .ops.quant import pick_group
+
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        qc = json.load(f)["quantization_config"]
+    tot = {"trunk": [0, 0], "mtp": [0, 0]}  # weights, bits
+    for s in {id(x): x for x in (src, msrc) if x is not None}.values():
+        for n in s.names():
+            if not s.is_quantized(n):
+                continue
+            rows, k = s.shape(n)
+            g = pick_group(k, qc["group_size"]) or k
+            part = tot["mtp" if n.startswith("mtp.") else "trunk"]
+            part[0] += rows * k
+            part[1] += rows * k * 4 + rows * (k // g) * 32
+    w = tot["trunk"][0] + tot["mtp"][0]
+    return {"method": qc.get("quant_method"), "group_size": qc["group_size"], "hadamard": qc.get("hadamard", False),
+            "quantized_weights": w, "bits_per_weight": (tot["trunk"][1] + tot["mtp"][1]) / max(w, 1),
+            "mtp_quantized_weights": tot["mtp"][0],
+            "mtp_bits_per_weight": tot["mtp"][1] / tot["mtp"][0] if tot["mtp"][0] else None,
+            "bits_per_parameter": 8 * stored / max(params, 1)}
 
 
 def _size(n: float) -> str:
@@ -92,6 +123,14 @@ def format_info(d: dict[str, Any]) -> str:
         f"parameters   {d['parameters'] / 1e6:.2f} M trunk" +
         (f" + {d['mtp_parameters'] / 1e6:.2f} M MTP head" if d["mtp_head"] else " (no MTP head)"),
         "weights      " + ", ".join(f"{k} {_size(v)}" for k, v in d["memory_bytes"].items()),
+    ]
+    q = d.get("quantization")
+    if q:  # 4-bit checkpoints: bits per weight (quantized tensors) and per parameter (everything stored)
+        lines.append(f"quantized    {q['method']} group {q['group_size']}{' + Hadamard' if q['hadamard'] else ''}: "
+                     f"{q['bits_per_weight']:.3f} bits/weight on {q['quantized_weights'] / 1e6:.2f} M weights"
+                     + (f" (MTP head {q['mtp_bits_per_weight']:.3f})" if q["mtp_bits_per_weight"] else " (MTP head dense)")
+                     + f"; {q['bits_per_parameter']:.2f} bits/parameter as stored")
+    lines += [
         "kv cache     " + ", ".join(f"{k} {_size(v)}" for k, v in d["kv_bytes_per_token"].items()) +
         f" per token; Gated DeltaNet state {_size(d['recurrent_state_bytes'])} per sequence (float32)",
         f"tp degrees   {', '.join(map(str, d['tp_degrees']))}",

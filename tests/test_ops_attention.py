@@ -128,3 +128,33 @@ def test_llm_q8_greedy_mtp_equals_ar(tmp_path, ckpt_cache):
         lf = llm.score(prompt + ar.token_ids)
     rel = ((lq - lf).norm() / lf.norm()).item()
     assert 0 < rel < 0.05, rel          # the cache really is quantized, and only slightly perturbs logits
+
+
+def test_q8_asm_conversion_model():
+    """The inline-PTX int8 -> fp16 conversion (modelled bit for bit): element i of the word becomes
+    fp16 1024 + 128 + v_i exactly, for every int8 v the cache holds (-127..127)."""
+    from specfire.ops.attention_kernels import asm_q8_emulate
+
+    vals = list(range(-127, 128))
+    for i in range(0, len(vals), 4):
+        quad = (vals[i:i + 4] + [0, 0, 0])[:4]
+        word = sum((v & 255) << (8 * j) for j, v in enumerate(quad))
+        bits = asm_q8_emulate(word)
+        got = torch.tensor(bits, dtype=torch.int32).to(torch.int16).view(torch.float16).float() - 1152.0
+        assert got.tolist() == [float(v) for v in quad]
+
+
+@pytest.mark.parametrize("kw", [SMALL, MANY], ids=["small", "many"])
+def test_q8_fp16_path(kw):
+    """16-bit queries on a Q8 cache take the fp16 path (codes by the magic-number trick, fp16 MMAs):
+    near the float32 reference, and row-invariant bit for bit (one row per tile, as above)."""
+    gen = torch.Generator().manual_seed(3)
+    hq, hkv, d, pos0, rows = 16, 1, 64, 45, 4
+    kc, vc, ks, vs = _cache(pos0 + rows + 5, hkv, d, True, gen)
+    q = (torch.randn(rows, hq, d, generator=gen) * 2).half()
+    out = attention_rows_triton(q, kc, vc, pos0, d ** -0.5, ks, vs, q8_mode=1, **kw)
+    ref = A.attention_rows_q8_ref(q.float(), kc, vc, pos0, d ** -0.5, ks, vs)
+    assert float((out - ref).norm() / ref.norm()) < 2e-3
+    for r in range(rows):
+        one = attention_rows_triton(q[r:r + 1], kc, vc, pos0 + r, d ** -0.5, ks, vs, q8_mode=1, **kw)
+        assert torch.equal(one[0], out[r]), r

@@ -94,3 +94,93 @@ def test_tiny_recipe_end_to_end(tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     assert ((ref - ours).abs().max() / ref.abs().max()).item() < 1e-4
+
+
+# ---- the site corpus: licences, deduplication, held-out packages, transfer packing ---------------
+
+def _meta(**fields):
+    from email.message import Message
+
+    m = Message()
+    for k, v in fields.items():
+        for item in (v if isinstance(v, list) else [v]):
+            m[k.replace("_", "-")] = item
+    return m
+
+
+def test_spdx_expressions():
+    from specfire.train.licences import spdx_permissive
+
+    assert spdx_permissive("MIT") and spdx_permissive("Apache-2.0 OR BSD-2-Clause")
+    assert spdx_permissive("Apache-2.0 AND Apache-2.0 WITH LLVM-exception AND BSD-3-Clause")
+    assert spdx_permissive("(MIT OR GPL-3.0-only) AND BSD-3-Clause")
+    assert not spdx_permissive("MPL-2.0 AND MIT") and not spdx_permissive("GPL-2.0-or-later")
+    assert not spdx_permissive("LicenseRef-NVIDIA-Proprietary") and not spdx_permissive("MIT AND (")
+    assert not spdx_permissive("GPL-2.0 WITH Classpath-exception-2.0")
+
+
+def test_licence_classification_reads_every_metadata_source():
+    from specfire.train.licences import classify
+
+    assert classify(_meta(License_Expression="BSD-3-Clause")).permissive
+    assert not classify(_meta(License_Expression="MPL-2.0")).permissive
+    assert classify(_meta(License="Apache 2.0 License")).name == "Apache-2.0"
+    assert classify(_meta(License="BSD 3-Clause License\n\nCopyright (c) someone\nRedistribution ...")).permissive
+    bsd = "License :: OSI Approved :: BSD License"
+    gpl = "License :: OSI Approved :: GNU General Public License v3 (GPLv3)"
+    assert classify(_meta(Classifier=[bsd])).permissive
+    assert not classify(_meta(Classifier=[bsd, gpl])).permissive          # which one applies is unknown
+    assert not classify(_meta(License="MIT", Classifier=[gpl])).permissive
+    assert not classify(_meta(License="LGPL")).permissive
+    assert not classify(_meta()).permissive                                # nothing known: refused
+    mit_text = "Permission is hereby granted, free of charge, to any person obtaining a copy"
+    assert classify(_meta(), [mit_text]).name == "MIT"
+
+
+def test_deduper_drops_exact_and_near_copies():
+    from specfire.train.sources import Deduper
+
+    body = "".join(f"    value_{i} = compute_something(argument_{i}, {i})\n" for i in range(30))
+    d = Deduper()
+    assert d.seen("def a():\n" + body) == ""
+    assert d.seen("def a():\n" + body + "\n\n") == "exact_dup"
+    renamed = "def b():\n" + body.replace("value_3 ", "other_3 ").replace("value_7 ", "other_7 ")
+    assert d.seen(renamed) == "near_dup"
+    fresh = "".join(f"    total_{i} += weights[{i}] * inputs[{i}]\n" for i in range(30))
+    assert d.seen("def c():\n" + fresh) == ""
+
+
+def test_site_corpus_holds_out_whole_packages_and_refuses_unknown_licences():
+    from specfire.train.corpus import build_site_corpus
+    from specfire.train.sources import distributions
+
+    held = ("jinja2", "packaging")
+    c = build_site_corpus(held, max_files=3)
+    by_name = {p.name: p for p in c.packages}
+    train_pkgs = {r.split("/")[0] for r, _ in c.train if "/" in r}
+    for name in held:
+        if name in by_name:
+            assert by_name[name].role == "held_out" and name not in train_pkgs
+            assert any(r.startswith(name + "/") for r, _ in c.held_out)
+    refused = {p.name for p, _ in distributions() if not p.permissive}
+    assert not (train_pkgs & refused)
+    assert c.held_out_stdlib and all(by_name[p].permissive for p in train_pkgs if p in by_name)
+    assert by_name["python-stdlib"].licence == "PSF-2.0" and by_name["python-stdlib"].files > 0
+
+
+def test_pack_splits_and_rejoins(tmp_path):
+    import tarfile
+
+    from specfire.train.evaluate import pack
+
+    src = tmp_path / "ck"
+    src.mkdir()
+    (src / "a.bin").write_bytes(os.urandom(2500))
+    (src / "b.txt").write_text("hello")
+    parts = pack(str(src), str(tmp_path / "out"), part_bytes=1000)
+    assert len(parts) >= 3 and all(os.path.getsize(p) <= 1000 for p in parts)
+    joined = tmp_path / "j.tar"
+    joined.write_bytes(b"".join(open(p, "rb").read() for p in parts))
+    with tarfile.open(joined) as tf:
+        tf.extractall(tmp_path / "x", filter="data")
+    assert (tmp_path / "x" / "a.bin").read_bytes() == (src / "a.bin").read_bytes()

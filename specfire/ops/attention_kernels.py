@@ -13,9 +13,13 @@ of SPLIT, BLOCK_M, BLOCK_N depends on R or pos0.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX in the interpreter
 
 # Chosen by bench/flash_rows.py on the H200 (docs/BENCHMARKS.md). None may depend on R or pos0.
 SPLIT = 512      # keys per span (fixed: part of the reduction order)
@@ -23,6 +27,16 @@ BLOCK_M = 32     # (row, query-head) pairs per tile: up to 5 rows of a 6-head gr
 BLOCK_N = 64     # keys per inner step
 CHUNK = 16       # spans merged per step of the combine (fixed: part of the reduction order)
 PREFETCH = True  # Q8: load the next int8 block into registers before dequantizing this one
+# Q8 with 16-bit queries: 0 = int8 -> float32 (I2F converts) x scale -> the query dtype;
+# 1 = int8 -> fp16 exactly by the magic-number trick (bits 0x6400 | (v + 128) are 1024 + v + 128),
+#     x fp16 scale, fp16 MMAs (q converted to fp16: exact for |q| in [6.1e-5, 65504]);
+# 2 = as 1 with the conversion done on whole 32-bit words by inline PTX (xor, prmt, sub.f16x2)
+Q8_MODE = 2
+# the Q8 fp16 path's own tile: 32 keys a step, 3 stages (bench/quant_gpu.py, H200: 60.9 us at 33k
+# positions, R = 1, against 67.6 us for mode 0 at the shared 64-key default; prefetch with 64-key
+# steps and the PTX conversion measured 281 us, so the Q8 path never takes those together)
+Q8_BLOCK_N = 32
+Q8_STAGES = 3
 
 
 @triton.jit
@@ -47,12 +61,48 @@ def _dequant(xq, sc, BLOCK_N: tl.constexpr, D: tl.constexpr, G: tl.constexpr, dt
 
 
 @triton.jit
+def _dequant16(xq, sc, BLOCK_N: tl.constexpr, D: tl.constexpr, G: tl.constexpr, ASM: tl.constexpr):
+    """int8 [BLOCK_N, D] x fp16 scales [BLOCK_N, D/G] -> fp16: the codes convert exactly (no I2F),
+    one fp16 rounding in the scale product."""
+    if ASM:
+        c = tl.inline_asm_elementwise(_ASM_Q8_TL, "=r,=r,r", [xq], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        c = (((xq.to(tl.int16) + 128) | 0x6400).to(tl.float16, bitcast=True) - 1152.0).to(tl.float16)
+    x = tl.reshape(c, (BLOCK_N, D // G, G)) * sc.to(tl.float16)[:, :, None]
+    return tl.reshape(x, (BLOCK_N, D))
+
+
+# inline PTX, 4 packed int8 in ($2) -> 4 fp16 ($0 = elements 0, 1; $1 = elements 2, 3), exact:
+# v + 128 (xor 0x80) is placed under the fp16 exponent of 1024 (0x64), then 1024 + 128 subtracted
+_ASM_Q8 = """{
+.reg .b32 t, c;
+xor.b32 t, $2, 0x80808080;
+prmt.b32 $0, t, 0x64646464, 0x5140;
+prmt.b32 $1, t, 0x64646464, 0x7362;
+mov.b32 c, 0x64806480;
+sub.f16x2 $0, $0, c;
+sub.f16x2 $1, $1, c;
+}"""
+_ASM_Q8_TL = tl.constexpr(_ASM_Q8)
+
+
+def asm_q8_emulate(word: int) -> list[int]:
+    """Python model of _ASM_Q8 on one 32-bit word -> the 4 fp16 bit patterns before the subtraction
+    (element order 0..3); the CPU tests check 1024 + 128 + v for every int8 v."""
+    t = word ^ 0x80808080
+    src = [(t >> (8 * i)) & 255 for i in range(4)] + [0x64] * 4
+    regs = [sum(src[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4)) for sel in (0x5140, 0x7362)]
+    return [regs[0] & 0xFFFF, regs[0] >> 16, regs[1] & 0xFFFF, regs[1] >> 16]
+
+
+@triton.jit
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
                        pos0, pos_ptr, n_rows, n_split, qk_scale,
                        sq_r, sq_h, sk_n, sk_h, sv_n, sv_h, sks_n, sks_h, svs_n, svs_h,
                        REP: tl.constexpr, D: tl.constexpr, G: tl.constexpr, Q8: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                       PREC: tl.constexpr, PREFETCH: tl.constexpr, POS_PTR: tl.constexpr):
+                       PREC: tl.constexpr, PREFETCH: tl.constexpr, POS_PTR: tl.constexpr,
+                       QMODE: tl.constexpr):
     if POS_PTR:  # position read on the device (CUDA-graph replay with a new position)
         pos0 = tl.load(pos_ptr).to(tl.int32)
     mt = tl.program_id(0)        # tiles of one span run side by side, so later tiles read the span from L2
@@ -71,6 +121,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
                 mask=m_ok[:, None], other=0.0)
     if PREC == "ieee":
         q = q.to(tl.float32)
+    if Q8 and QMODE > 0:
+        q = q.to(tl.float16)
     start = sid * SPLIT
     hi = tl.minimum(start + SPLIT, pos0 + n_rows)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -90,8 +142,12 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
         vsc = tl.load(vs_base + nxt[:, None] * svs_n, mask=ok, other=0.0)
         for n0 in range(start, hi, BLOCK_N):
             offs_n = n0 + offs_b
-            k = _dequant(kq, ksc, BLOCK_N, D, G, q.dtype)
-            v = _dequant(vq, vsc, BLOCK_N, D, G, q.dtype)
+            if QMODE > 0:
+                k = _dequant16(kq, ksc, BLOCK_N, D, G, QMODE == 2)
+                v = _dequant16(vq, vsc, BLOCK_N, D, G, QMODE == 2)
+            else:
+                k = _dequant(kq, ksc, BLOCK_N, D, G, q.dtype)
+                v = _dequant(vq, vsc, BLOCK_N, D, G, q.dtype)
             nxt = offs_n + BLOCK_N
             ok = (nxt < hi)[:, None]
             kq = tl.load(k_base + nxt[:, None] * sk_n, mask=ok, other=0)
@@ -103,7 +159,14 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
         for n0 in range(start, hi, BLOCK_N):
             offs_n = n0 + offs_b
             ok = (offs_n < hi)[:, None]
-            if Q8:
+            if Q8 and QMODE > 0:
+                k = _dequant16(tl.load(k_base + offs_n[:, None] * sk_n, mask=ok, other=0),
+                               tl.load(ks_base + offs_n[:, None] * sks_n, mask=ok, other=0.0), BLOCK_N, D, G,
+                               QMODE == 2)
+                v = _dequant16(tl.load(v_base + offs_n[:, None] * sv_n, mask=ok, other=0),
+                               tl.load(vs_base + offs_n[:, None] * svs_n, mask=ok, other=0.0), BLOCK_N, D, G,
+                               QMODE == 2)
+            elif Q8:
                 k = _dequant(tl.load(k_base + offs_n[:, None] * sk_n, mask=ok, other=0),
                              tl.load(ks_base + offs_n[:, None] * sks_n, mask=ok, other=0.0), BLOCK_N, D, G, q.dtype)
                 v = _dequant(tl.load(v_base + offs_n[:, None] * sv_n, mask=ok, other=0),
@@ -151,9 +214,9 @@ def _attn_combine_kernel(acc_ptr, ml_ptr, out_ptr, pos0, pos_ptr, n_split, hq,
 
 def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos0, scale: float,
                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                          block_m: int = BLOCK_M, split: int = SPLIT, block_n: int = BLOCK_N,
-                          num_warps: int = 4, num_stages: int = 2, prefetch: bool = PREFETCH,
-                          chunk: int = CHUNK) -> torch.Tensor:
+                          block_m: int = BLOCK_M, split: int = SPLIT, block_n: int | None = None,
+                          num_warps: int = 4, num_stages: int | None = None, prefetch: bool = PREFETCH,
+                          chunk: int = CHUNK, q8_mode: int | None = None) -> torch.Tensor:
     """Contract of attention_rows_ref (q [R, Hq, D] -> float32 [R, Hq, D]); Q8 when scales are given.
     `pos0` may be a one-element int tensor on the device: the kernels then read it there and the
     launch covers every span of the cache (spans past the rows' positions contribute nothing), so
@@ -176,12 +239,20 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     ks = k_scale if q8 else k_cache
     vs = v_scale if q8 else v_cache
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    qmode = 0  # float32 queries (the CPU tests' default) keep the float32 dequantisation
+    if q8 and q.dtype in (torch.float16, torch.bfloat16):
+        qmode = Q8_MODE if q8_mode is None else q8_mode
+        if qmode == 2 and INTERPRET:
+            qmode = 1
+    fp16_q8 = qmode > 0
+    block_n = block_n or (Q8_BLOCK_N if fp16_q8 else BLOCK_N)
+    num_stages = num_stages or (Q8_STAGES if fp16_q8 else 2)
     _attn_split_kernel[(n_mt, n_split, hkv)](
         q, k_cache, v_cache, ks, vs, acc, ml, pos_int, pos_arg, r_rows, n_split, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
         REP=rep, D=d, G=(d // k_scale.shape[-1]) if q8 else 1, Q8=q8, BLOCK_M=block_m, BLOCK_N=block_n,
-        SPLIT=split, PREC=prec, PREFETCH=prefetch, POS_PTR=pos_ptr is not None,
+        SPLIT=split, PREC=prec, PREFETCH=prefetch, POS_PTR=pos_ptr is not None, QMODE=qmode,
         num_warps=num_warps, num_stages=num_stages)
     _attn_combine_kernel[(r_rows * hq,)](acc, ml, out, pos_int, pos_arg, n_split, hq, D=d, SPLIT=split,
                                          CHUNK=chunk, POS_PTR=pos_ptr is not None, num_warps=4)

@@ -160,6 +160,9 @@ class QuantWeight:
         self.shape = torch.Size((qweight.shape[0], qweight.shape[1] * 2))
         self.group_size = self.shape[1] // scales_t.shape[0]
         self._dense: torch.Tensor | None = None
+        if qweight.is_cuda:  # the kernel's split-K counters exist before any CUDA-graph capture
+            from .triton_quant import _locks
+            _locks(qweight.device, 0)
 
     @classmethod
     def from_stored(cls, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, hadamard: bool,

@@ -1,4 +1,4 @@
-"""`specfire train`: train the bundled model from the interpreter's standard library (needs a GPU for
+"""`specfire train`: train the bundled model from this interpreter's Python sources (needs a GPU for
 the full preset; `--preset tiny --device cpu` runs the whole pipeline in seconds)."""
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ _OVERRIDABLE = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", 
                 "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
                 "linear_head_dim", "steps", "batch_size", "seq_len", "lr", "min_lr_frac", "warmup",
                 "weight_decay", "mtp_steps", "mtp_weight", "mtp_distill", "seed", "eval_windows",
-                "time_limit_s", "stop_after_steps", "max_files")
+                "time_limit_s", "stop_after_steps", "max_files", "deadline_s", "reserve_s", "probe_steps",
+                "checkpoint_every_s", "tokenizer_sample_bytes", "max_train_bytes")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,6 +23,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--extra-corpus-root", action="append", default=[],
                    help="another stdlib tree (e.g. a CPython Lib/ with its test suite); adds the files whose "
                         "relative path the main root lacks (repeatable)")
+    p.add_argument("--corpus", default=None, choices=("stdlib", "site"),
+                   help="stdlib: the standard library; site: it plus every permissively licensed package "
+                        "of site-packages (default: the preset's)")
+    p.add_argument("--held-out-packages", default=None,
+                   help="comma-separated distributions held out of a site corpus (default: corpus.HELD_OUT_PACKAGES)")
+    p.add_argument("--pack-dir", default=None,
+                   help="also write every exported checkpoint here as model.tar.partNN pieces of 15 MB")
     types = {f.name: f.type for f in fields(TrainConfig)}
     for name in _OVERRIDABLE:
         kind = float if "float" in str(types[name]) else int
@@ -36,11 +44,15 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         v = getattr(args, name, None)
         if v is not None:
             kw[name] = v
+    if args.corpus:
+        kw["corpus"] = args.corpus
+    if args.held_out_packages is not None:
+        kw["held_out_packages"] = tuple(x.strip() for x in args.held_out_packages.split(",") if x.strip())
     dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dev.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {dev} requested but CUDA is not available")
     return TrainConfig(out=args.out, preset=args.preset, device=dev, corpus_root=args.corpus_root,
-                       extra_corpus_roots=tuple(args.extra_corpus_root), **kw)
+                       extra_corpus_roots=tuple(args.extra_corpus_root), pack_dir=args.pack_dir, **kw)
 
 
 def main(args: argparse.Namespace) -> int:

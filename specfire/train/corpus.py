@@ -1,14 +1,16 @@
-"""The training corpus: the Python standard library sources of the interpreter that runs training.
+"""The training corpus: Python sources of the interpreter that runs training.
 
-Deterministic: files are read in sorted order; files that are not valid UTF-8 are skipped. A fixed
-set of modules (and their test files, so no test leaks their API usage) is held out for evaluation.
-The standard library is under the PSF licence (see README).
+Two kinds: `stdlib` (the standard library alone, the first bundled model's corpus) and `site`
+(the standard library plus every permissively licensed distribution in site-packages, by package,
+filtered and deduplicated: sources.py). Deterministic: files are read in sorted order. A fixed set
+of standard-library modules (and their test files, so no test leaks their API usage) and, for
+`site`, whole packages are held out for evaluation.
 """
 from __future__ import annotations
 
 import os
 import sysconfig
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 # Held out for evaluation: small, self-contained, idiomatic modules present in CPython 3.8 .. 3.13.
 # A path ending in "/" is a package (every .py file under it).
@@ -16,6 +18,9 @@ HELD_OUT: tuple[str, ...] = (
     "argparse.py", "csv.py", "difflib.py", "fractions.py", "heapq.py", "json/", "shlex.py",
     "statistics.py", "string.py", "textwrap.py",
 )
+# Whole distributions held out of the `site` corpus: small, modern, typed pure-Python packages that
+# torch / transformers / pytest depend on, so any environment that trains the model has them.
+HELD_OUT_PACKAGES: tuple[str, ...] = ("jinja2", "fsspec", "packaging", "pluggy", "iniconfig", "filelock")
 # Never used: third-party code and generated or data-like files.
 EXCLUDED_DIRS = ("site-packages", "dist-packages", "__pycache__", "config-")
 
@@ -27,13 +32,17 @@ class Corpus:
     train: list[tuple[str, str]] = field(default_factory=list)      # (relative path, text)
     held_out: list[tuple[str, str]] = field(default_factory=list)
     skipped_non_utf8: list[str] = field(default_factory=list)
+    held_out_stdlib: list[tuple[str, str]] = field(default_factory=list)   # `site`: the stdlib part
+    packages: list = field(default_factory=list)                           # `site`: sources.Package
 
     def summary(self) -> dict:
         return {"root": self.root, "extra_roots": self.extra_roots, "train_files": len(self.train),
                 "train_bytes": sum(len(t.encode()) for _, t in self.train),
                 "held_out_files": len(self.held_out),
                 "held_out_bytes": sum(len(t.encode()) for _, t in self.held_out),
-                "held_out_modules": list(HELD_OUT), "skipped_non_utf8": self.skipped_non_utf8}
+                "held_out_modules": list(HELD_OUT), "skipped_non_utf8": self.skipped_non_utf8,
+                "held_out_stdlib_files": len(self.held_out_stdlib),
+                "packages": [asdict(p) for p in self.packages]}
 
 
 def stdlib_root() -> str:
@@ -111,3 +120,124 @@ def build_corpus(root: str | None = None, max_files: int | None = None,
     if not c.train:
         raise FileNotFoundError(f"no Python sources found under {root}")
     return c
+
+
+def build_site_corpus(held_out_packages: tuple[str, ...] = HELD_OUT_PACKAGES, max_files: int | None = None,
+                      dirs: list[str] | None = None, log=None) -> Corpus:
+    """The standard library (its HELD_OUT modules held out) and every permissively licensed
+    distribution of site-packages (`held_out_packages` held out whole), filtered and deduplicated.
+    `held_out` holds the held-out packages' files, `held_out_stdlib` the held-out stdlib modules;
+    `max_files` caps the files read per package (a smoke test)."""
+    from . import sources
+
+    root = stdlib_root()
+    std = build_corpus(root)
+    c = Corpus(root=root, extra_roots=sources.site_dirs() if dirs is None else list(dirs))
+    c.skipped_non_utf8 = std.skipped_non_utf8
+    held = {sources._norm_name(n) for n in held_out_packages}
+    dists = sources.distributions(dirs)
+    stdpkg = sources.stdlib_package()
+    c.packages.append(stdpkg)
+    # held-out text first: its lines also keep copies of it out of training
+    held_dedup = sources.Deduper()
+    for pkg, files in dists:
+        if pkg.name not in held:
+            continue
+        pkg.role = "held_out" if pkg.permissive else "refused"
+        if not pkg.permissive:
+            continue
+        for rel, path in files[:max_files]:
+            text, why = sources.file_filter(rel, sources.read(path) or b"")
+            if text is None:
+                pkg.drop(why)
+                continue
+            held_dedup.seen(text)
+            c.held_out.append((f"{pkg.name}/{rel}", text))
+            pkg.files += 1
+            pkg.bytes += len(text.encode())
+    for rel, text in std.held_out:
+        held_dedup.seen(text)
+        c.held_out_stdlib.append((rel, text))
+    dedup = sources.Deduper()
+
+    def add(pkg, rel: str, text: str) -> None:
+        if held_dedup.overlap(text) >= sources.NEAR_DUP_FRAC:
+            pkg.drop("held_out_copy")
+            return
+        why = dedup.seen(text)
+        if why:
+            pkg.drop(why)
+            return
+        c.train.append((f"{pkg.name}/{rel}" if pkg is not stdpkg else rel, text))
+        pkg.files += 1
+        pkg.bytes += len(text.encode())
+
+    for rel, text in std.train[:max_files]:
+        add(stdpkg, rel, text)
+    for pkg, files in dists:
+        if pkg.name in held:
+            continue
+        c.packages.append(pkg)
+        if not pkg.permissive:
+            continue
+        for rel, path in files[:max_files]:
+            text, why = sources.file_filter(rel, sources.read(path) or b"")
+            if text is None:
+                pkg.drop(why)
+            else:
+                add(pkg, rel, text)
+        if log and pkg.files:
+            log(f"  {pkg.name} {pkg.version} ({pkg.licence}): {pkg.files} files, {pkg.bytes / 1e6:.1f} MB, dropped {pkg.dropped}")
+    c.packages += [p for p, _ in dists if p.name in held]
+    if not c.train:
+        raise FileNotFoundError("no permissively licensed Python sources found")
+    return c
+
+
+def held_out_sources(held_out_packages: tuple[str, ...] = HELD_OUT_PACKAGES,
+                     dirs: list[str] | None = None) -> dict[str, list[tuple[str, str]]]:
+    """Only the held-out text, read cheaply (for benchmarks): {"packages": files of the held-out
+    distributions that are installed here, "stdlib": the HELD_OUT stdlib modules}, each file
+    through the same filter as the corpus."""
+    import importlib.metadata as md
+
+    from . import sources
+
+    out: dict[str, list[tuple[str, str]]] = {"packages": [], "stdlib": []}
+    held = {sources._norm_name(n) for n in held_out_packages}
+    done: set[str] = set()
+    for d in (sources.site_dirs() if dirs is None else dirs):
+        for dist in sorted(md.distributions(path=[d]), key=lambda x: sources._norm_name(x.metadata["Name"] or "")):
+            name = sources._norm_name(dist.metadata["Name"] or "")
+            if name not in held or name in done:
+                continue
+            done.add(name)
+            for f in sorted(str(x).replace(os.sep, "/") for x in dist.files or []):
+                if f.endswith(".py") and not f.startswith(("../", "/")):
+                    text, _ = sources.file_filter(f, sources.read(os.path.join(d, f)) or b"")
+                    if text is not None:
+                        out["packages"].append((f"{name}/{f}", text))
+    root = stdlib_root()
+    for rel in _py_files(root):
+        if _held_out(rel):
+            try:
+                with open(os.path.join(root, rel), encoding="utf-8") as fh:
+                    text = fh.read()
+            except (OSError, UnicodeDecodeError):
+                continue
+            if text.strip():
+                out["stdlib"].append((rel, text))
+    return out
+
+
+def subsample(docs: list[tuple[str, str]], max_bytes: int) -> list[tuple[str, str]]:
+    """Docs whose stable path hash falls in the first max_bytes/total share: an even, deterministic
+    sample across packages when the corpus is larger than the training budget can see."""
+    import hashlib
+
+    total = sum(len(t.encode()) for _, t in docs)
+    if total <= max_bytes:
+        return docs
+    cut = int(2**32 * max_bytes / total)
+    return [(r, t) for r, t in docs
+            if int.from_bytes(hashlib.blake2b(r.encode(), digest_size=4).digest(), "little") < cut]

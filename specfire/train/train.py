@@ -14,25 +14,34 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 
 from ..config import FULL, LINEAR, ModelConfig
 from . import model as tm
-from .corpus import build_corpus
-from .export import export_checkpoint
+from .corpus import HELD_OUT_PACKAGES, build_corpus, build_site_corpus, subsample
+from .evaluate import evaluate, pack, windows
+from .export import export_checkpoint, write_attribution
 from .tok import ENDOFTEXT, IM_END, save_tokenizer, train_tokenizer
 
 PRESETS: dict[str, dict] = {
-    # the shipped model: 8 layers in the real 3:1 pattern, scaled-down real head geometry. Its run
-    # was planned for 2200 steps and stopped by a 360 s time limit after step 2107 (lr then 2.1e-4
-    # of the 2e-4 floor); stop_after_steps replays exactly that schedule.
-    "bundled": dict(vocab_size=8192, hidden_size=256, intermediate_size=640, num_layers=8,
+    # the shipped model: 12 layers in the real 3:1 pattern on a 4096-token vocabulary, trained on the
+    # `site` corpus (the stdlib + permissive site-packages) for a wall-clock budget: the cosine
+    # schedule's length is fixed from the step time measured after `probe_steps` steps so it ends
+    # when the budget does (`steps` caps it; the run's metrics record the length it chose).
+    "bundled": dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_layers=12,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                     linear_num_key_heads=2, linear_num_value_heads=4, linear_head_dim=64,
-                    steps=2200, stop_after_steps=2107, batch_size=64, seq_len=512, lr=2e-3, warmup=150),
+                    steps=20000, batch_size=128, seq_len=512, lr=2.5e-3, min_lr_frac=0.05, warmup=100,
+                    corpus="site", deadline_s=520.0, reserve_s=40.0, checkpoint_every_s=150.0),
+    # the first bundled model (stdlib only, 8 layers, vocab 8192): planned for 2200 steps, stopped by
+    # a 360 s limit after step 2107; stop_after_steps replays that schedule.
+    "stdlib-v1": dict(vocab_size=8192, hidden_size=256, intermediate_size=640, num_layers=8,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      linear_num_key_heads=2, linear_num_value_heads=4, linear_head_dim=64,
+                      steps=2200, stop_after_steps=2107, batch_size=64, seq_len=512, lr=2e-3, warmup=150),
     # a CPU smoke test of the whole pipeline
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4,
                  num_attention_heads=2, num_key_value_heads=1, head_dim=32,
@@ -45,10 +54,10 @@ PRESETS: dict[str, dict] = {
 class TrainConfig:
     out: str
     preset: str = "bundled"
-    vocab_size: int = 8192
+    vocab_size: int = 4096
     hidden_size: int = 256
-    intermediate_size: int = 640
-    num_layers: int = 8
+    intermediate_size: int = 512
+    num_layers: int = 12
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 64
@@ -72,6 +81,15 @@ class TrainConfig:
     eval_windows: int = 256
     time_limit_s: float = 0.0           # 0: none; otherwise stop training early (recorded in metrics)
     stop_after_steps: int = 0           # 0: none; otherwise stop after this many steps of the `steps` schedule
+    corpus: str = "stdlib"              # stdlib | site (stdlib + permissive site-packages, corpus.py)
+    held_out_packages: tuple[str, ...] = HELD_OUT_PACKAGES
+    deadline_s: float = 0.0             # 0: none; else the whole run ends by this many seconds after start:
+    reserve_s: float = 75.0             #   training stops reserve_s before it (eval + export), and the
+    probe_steps: int = 30               #   schedule length is fitted to the budget after probe_steps steps
+    checkpoint_every_s: float = 0.0     # 0: none; else export (and pack) an interim checkpoint this often
+    pack_dir: str | None = None         # also pack every export into tar parts here (pack())
+    tokenizer_sample_bytes: int = 48_000_000
+    max_train_bytes: int = 320_000_000  # a larger corpus is subsampled by file (corpus.subsample)
     corpus_root: str | None = None
     extra_corpus_roots: tuple[str, ...] = ()
     max_files: int | None = None
@@ -87,6 +105,8 @@ class TrainConfig:
             raise ValueError(f"train option num_layers must be a multiple of 4 (3:1 GDN:attention), got {self.num_layers}")
         if self.seq_len < self.mtp_steps + 3:
             raise ValueError(f"train option seq_len must be at least mtp_steps + 3, got {self.seq_len}")
+        if self.corpus not in ("stdlib", "site"):
+            raise ValueError(f"train option corpus must be 'stdlib' or 'site', got {self.corpus!r}")
         if not 0.0 <= self.mtp_distill <= 1.0:
             raise ValueError(f"train option mtp_distill must be in [0, 1], got {self.mtp_distill}")
 
@@ -149,11 +169,13 @@ def compute_losses(trunk, head, ids: torch.Tensor, mtp_steps: int, distill: floa
 # ---------------------------------------------------------------------------------------------
 
 def _tokenize(tok, docs: list[tuple[str, str]], eot: int) -> torch.Tensor:
-    ids: list[int] = []
-    for enc in tok.encode_batch([t for _, t in docs], add_special_tokens=False):
-        ids.extend(enc.ids)
-        ids.append(eot)
-    return torch.tensor(ids, dtype=torch.int64)
+    """One stream: each document's ids followed by the end-of-text id."""
+    import numpy as np
+
+    parts = []
+    for enc in getattr(tok, "encode_batch_fast", tok.encode_batch)([t for _, t in docs], add_special_tokens=False):
+        parts.append(np.asarray(enc.ids + [eot], dtype=np.int64))
+    return torch.from_numpy(np.concatenate(parts)) if parts else torch.zeros(0, dtype=torch.int64)
 
 
 def _lr(step: int, tc: TrainConfig) -> float:
@@ -163,34 +185,22 @@ def _lr(step: int, tc: TrainConfig) -> float:
     return tc.lr * (tc.min_lr_frac + (1 - tc.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
-@torch.no_grad()
-def evaluate(trunk, head, data: torch.Tensor, tc: TrainConfig, autocast: bool) -> dict:
-    """Held-out loss/perplexity and MTP accuracy over non-overlapping windows of seq_len tokens."""
-    t = tc.seq_len
-    n = min(tc.eval_windows, (data.numel() - 1) // t)
-    if n == 0:
-        raise ValueError(f"held-out set has {data.numel()} tokens, fewer than one window of {t}")
-    wins = data[: n * t].view(n, t)
-    sums: dict[str, float] = {}
-    bs = max(1, min(tc.batch_size, 32))
-    for i in range(0, n, bs):
-        ids = wins[i:i + bs].to(tc.device)
-        with torch.autocast(device_type=ids.device.type, dtype=torch.bfloat16, enabled=autocast):
-            lm, mls, met = compute_losses(trunk, head, ids, tc.mtp_steps, 0.0, want_metrics=True)
-        met["lm_loss"] = lm.item()
-        w = ids.shape[0]
-        for k, v in met.items():
-            sums[k] = sums.get(k, 0.0) + v * w
-    out = {k: v / n for k, v in sums.items()}
-    out["ppl"] = math.exp(out["lm_loss"])
-    out["windows"] = n
-    out["tokens"] = n * t
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 # The whole recipe
 # ---------------------------------------------------------------------------------------------
+
+def _tokenizer_sample(docs: list[tuple[str, str]], budget: int):
+    """Every file, or an even stride over the files when they exceed `budget` bytes."""
+    total = sum(len(t) for _, t in docs)
+    step = max(1, math.ceil(total / budget))
+    return (t for i, (_, t) in enumerate(docs) if i % step == 0)
+
+
+def _corpus(tc: TrainConfig, log):
+    if tc.corpus == "site":
+        return build_site_corpus(tuple(tc.held_out_packages), tc.max_files, log=log)
+    return build_corpus(tc.corpus_root, tc.max_files, tc.extra_corpus_roots)
+
 
 def run(tc: TrainConfig, log=print) -> dict:
     t_start = time.time()
@@ -202,18 +212,26 @@ def run(tc: TrainConfig, log=print) -> dict:
     os.makedirs(tc.out, exist_ok=True)
 
     # ---- corpus and tokenizer ------------------------------------------------------------------
-    corpus = build_corpus(tc.corpus_root, tc.max_files, tc.extra_corpus_roots)
+    corpus = _corpus(tc, log)
+    if sum(len(t) for _, t in corpus.train) > tc.max_train_bytes:
+        n = len(corpus.train)
+        corpus.train = subsample(corpus.train, tc.max_train_bytes)
+        log(f"corpus subsampled to {len(corpus.train)} of {n} files (max_train_bytes {tc.max_train_bytes})")
     csum = corpus.summary()
-    log(f"corpus: {csum['train_files']} train files ({csum['train_bytes'] / 1e6:.1f} MB), "
-        f"{csum['held_out_files']} held-out files ({csum['held_out_bytes'] / 1e6:.2f} MB) from "
-        f"{', '.join([corpus.root] + corpus.extra_roots)}")
-    tok = train_tokenizer((t for _, t in corpus.train), tc.vocab_size)
+    log(f"corpus ({tc.corpus}): {csum['train_files']} train files ({csum['train_bytes'] / 1e6:.1f} MB), "
+        f"{csum['held_out_files']} held-out files ({csum['held_out_bytes'] / 1e6:.2f} MB); "
+        f"{time.time() - t_start:.1f}s")
+    tok = train_tokenizer(_tokenizer_sample(corpus.train, tc.tokenizer_sample_bytes), tc.vocab_size)
     special = save_tokenizer(tok, tc.out, model_max_length=32768)
+    if corpus.packages:
+        write_attribution(corpus.packages, tc.out)
     eot = special[ENDOFTEXT]
     train_ids = _tokenize(tok, corpus.train, eot)
-    held_ids = _tokenize(tok, corpus.held_out, eot)
-    log(f"tokens: train {train_ids.numel():,}, held-out {held_ids.numel():,} "
-        f"({csum['train_bytes'] / train_ids.numel():.2f} bytes/token); prep {time.time() - t_start:.1f}s")
+    held = {"held_out": _tokenize(tok, corpus.held_out, eot)}
+    if corpus.held_out_stdlib:
+        held["held_out_stdlib"] = _tokenize(tok, corpus.held_out_stdlib, eot)
+    log(f"tokens: train {train_ids.numel():,}, " + ", ".join(f"{k} {v.numel():,}" for k, v in held.items())
+        + f" ({csum['train_bytes'] / train_ids.numel():.2f} bytes/token); prep {time.time() - t_start:.1f}s")
     train_ids = train_ids.to(dev)
 
     # ---- model -----------------------------------------------------------------------------------
@@ -230,17 +248,47 @@ def run(tc: TrainConfig, log=print) -> dict:
     autocast = dev.type == "cuda"
     gen = torch.Generator(device="cpu").manual_seed(tc.seed + 1)
     offs = torch.arange(tc.seq_len, device=dev)
+    base = {"train_config": asdict(tc), "params": counts, "corpus": csum,
+            "tokens": {"train": int(train_ids.numel()), **{k: int(v.numel()) for k, v in held.items()}},
+            "env": {"python": platform.python_version(), "torch": torch.__version__,
+                    "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}}
+
+    def save(tag: str, extra: dict) -> None:
+        files = export_checkpoint(trunk, head, tc.out, [eot, special[IM_END]])
+        with open(os.path.join(tc.out, "train_metrics.json"), "w") as f:
+            json.dump({**base, **extra, "checkpoint": tag, "files": files}, f, indent=2)
+        if tc.pack_dir:
+            pack(tc.out, tc.pack_dir)
+        log(f"checkpoint ({tag}) written at {time.time() - t_start:.1f}s")
 
     # ---- training --------------------------------------------------------------------------------
     from tqdm import tqdm
 
     t_train = time.time()
+    budget = tc.deadline_s - tc.reserve_s - (t_train - t_start) if tc.deadline_s else 0.0
+    if tc.deadline_s and budget <= 0:
+        raise RuntimeError(f"no training time left: prep took {t_train - t_start:.0f}s of deadline_s {tc.deadline_s}")
+    limit = min(x for x in (tc.time_limit_s, budget, float("inf")) if x > 0)
+    sched = tc.steps                  # cosine length; refitted to the time budget after probe_steps
     history = []
     stopped_at = None
+    last_ckpt = time.time()
+    t_probe = 0.0
     bar = tqdm(range(tc.steps), desc="train", mininterval=2.0 if sys.stderr.isatty() else 15.0,
                dynamic_ncols=True, file=sys.stderr)
     for step in bar:
-        lr = _lr(step, tc)
+        if budget and step == 5:
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t_probe = time.time()
+        if budget and step == tc.probe_steps + 5:
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            per_step = (time.time() - t_probe) / tc.probe_steps
+            sched = min(tc.steps, step + int((limit - (time.time() - t_train)) / per_step))
+            log(f"{per_step * 1e3:.0f} ms/step ({tc.batch_size * tc.seq_len / per_step / 1e3:.0f}k tok/s): "
+                f"schedule fitted to {sched} steps for the {limit:.0f}s budget")
+        lr = _lr(step, replace(tc, steps=sched))
         for g in opt.param_groups:
             g["lr"] = lr
         starts = torch.randint(0, train_ids.numel() - tc.seq_len, (tc.batch_size,), generator=gen).to(dev)
@@ -252,48 +300,58 @@ def run(tc: TrainConfig, log=print) -> dict:
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
         opt.step()
-        if step % 50 == 0 or step == tc.steps - 1:
+        if step % 50 == 0 or step == sched - 1:
             rec = {"step": step, "lr": lr, "loss": loss.item(), "lm": lm.item(),
                    "mtp": [m.item() for m in mls], "grad_norm": gn.item(), "t": time.time() - t_train}
             history.append(rec)
             bar.set_postfix(lm=f"{rec['lm']:.3f}", mtp1=f"{rec['mtp'][0]:.3f}", lr=f"{lr:.2e}")
-            if step % 500 == 0:
+            if step % 250 == 0:
                 log(json.dumps(rec))
-        if tc.time_limit_s and time.time() - t_train > tc.time_limit_s:
-            stopped_at = step + 1
-            log(f"time limit {tc.time_limit_s}s reached: stopping after {stopped_at} of {tc.steps} steps")
+        done = step + 1
+        if done >= sched:
+            stopped_at = done if sched < tc.steps else None
             break
-        if tc.stop_after_steps and step + 1 >= tc.stop_after_steps:
-            stopped_at = step + 1
-            log(f"stopping after {stopped_at} of {tc.steps} scheduled steps (stop_after_steps)")
+        if time.time() - t_train > limit:
+            stopped_at = done
+            log(f"time limit {limit:.0f}s reached: stopping after {done} of {sched} steps")
             break
+        if tc.stop_after_steps and done >= tc.stop_after_steps:
+            stopped_at = done
+            log(f"stopping after {done} of {tc.steps} scheduled steps (stop_after_steps)")
+            break
+        if tc.checkpoint_every_s and time.time() - last_ckpt > tc.checkpoint_every_s:
+            save(f"interim, step {done}", {"steps_done": done, "schedule_steps": sched, "history": history})
+            last_ckpt = time.time()
     bar.close()
     if dev.type == "cuda":
         torch.cuda.synchronize()
     train_s = time.time() - t_train
+    steps_done = stopped_at or sched
     peak_gb = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0
-    log(f"trained {stopped_at or tc.steps} steps in {train_s:.1f}s "
-        f"({train_s / (stopped_at or tc.steps) * 1e3:.0f} ms/step), peak GPU memory {peak_gb:.1f} GiB")
+    log(f"trained {steps_done} steps in {train_s:.1f}s ({train_s / steps_done * 1e3:.0f} ms/step), "
+        f"peak GPU memory {peak_gb:.1f} GiB")
 
     # ---- evaluation and export ------------------------------------------------------------------
     trunk.eval()
     head.eval()
     t_eval = time.time()
-    ev = evaluate(trunk, head, held_ids, tc, autocast)
+    evals = {}
+    for name, data in held.items():
+        if data.numel() > tc.seq_len:
+            evals[name] = evaluate(trunk, head, windows(data, tc.seq_len, tc.eval_windows), tc.mtp_steps, dev, autocast)
+            log(f"{name}: " + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in evals[name].items()}))
+    # the same measure on training text (windows spread over the stream) shows the train/held-out gap
+    evals["train_sample"] = evaluate(trunk, head, windows(train_ids, tc.seq_len, tc.eval_windows, spread=True),
+                                     tc.mtp_steps, dev, autocast)
+    log("train_sample: " + json.dumps({k: round(v, 4) if isinstance(v, float) else v
+                                       for k, v in evals["train_sample"].items()}))
     eval_s = time.time() - t_eval
-    log("held-out: " + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in ev.items()}))
-    files = export_checkpoint(trunk, head, tc.out, [eot, special[IM_END]])
     metrics = {
-        "train_config": asdict(tc), "params": counts, "corpus": {k: v for k, v in csum.items()},
-        "tokens": {"train": int(train_ids.numel()), "held_out": int(held_ids.numel())},
-        "held_out": ev, "train_seconds": train_s, "eval_seconds": eval_s,
-        "total_seconds": time.time() - t_start, "peak_gpu_gib": peak_gb, "steps_done": stopped_at or tc.steps,
-        "tokens_seen": (stopped_at or tc.steps) * tc.batch_size * tc.seq_len,
-        "history": history, "files": files,
-        "env": {"python": platform.python_version(), "torch": torch.__version__,
-                "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"},
+        **evals, "train_seconds": train_s, "eval_seconds": eval_s,
+        "total_seconds": time.time() - t_start, "peak_gpu_gib": peak_gb, "steps_done": steps_done,
+        "schedule_steps": sched, "tokens_seen": steps_done * tc.batch_size * tc.seq_len,
+        "epochs": steps_done * tc.batch_size * tc.seq_len / train_ids.numel(), "history": history,
     }
-    with open(os.path.join(tc.out, "train_metrics.json"), "w") as f:
-        json.dump(metrics, f, indent=2)
-    log(f"done: train {train_s:.1f}s, eval {eval_s:.1f}s, total {metrics['total_seconds']:.1f}s -> {tc.out}")
-    return metrics
+    save("final", metrics)
+    log(f"done: train {train_s:.1f}s, eval {eval_s:.1f}s, total {time.time() - t_start:.1f}s -> {tc.out}")
+    return {**base, **metrics}
