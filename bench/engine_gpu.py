@@ -25,6 +25,7 @@ import shutil
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 
@@ -192,22 +193,30 @@ def stage_big(rep: Report, dev: str, shape: str, ckpt_dir: str, prompt: int, tok
             base["generate_vs_loop"] = ar["tok_s"] * bare["loop_ms"] / 1e3
             ar_ids = ar.pop("token_ids")
             rep.put("big_ar", {**base, "ar": ar, "ar_all_zero": all(t == 0 for t in ar_ids[0])})
-            inner = llm.engine.drafters["mtp"]
-            drafters = {f"synthetic_{n}": (lambda p=p: ProfileDrafter(inner, p, seed=1)) for n, p in PROFILES.items()}
-            res = run_modes(llm, prompts, tokens, {"synthetic_code": None, "synthetic_prose": None}, nbytes, drafters)
-            for r in res.values():
-                r["equals_ar"] = r.pop("token_ids") == ar_ids
-                r["speedup_vs_ar"] = r["tok_s"] / ar["tok_s"]
-            res["profiles"] = PROFILES
-            rep.put("big_synthetic_mtp3", res)
-            res = run_modes(llm, prompts, tokens, {"mtp3_all_accepted": SpecPolicy("mtp", 3),
-                                                   "auto": SpecPolicy("auto", 3)}, nbytes)
-            for r in res.values():
-                r["equals_ar"] = r.pop("token_ids") == ar_ids
-                r["speedup_vs_ar"] = r["tok_s"] / ar["tok_s"]
-            rep.put("big_mtp_auto", res)
+            try:
+                big_spec(rep, llm, prompts, tokens, nbytes, ar, ar_ids)
+            except Exception:
+                rep.put("error_big_spec", traceback.format_exc())
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def big_spec(rep: Report, llm: LLM, prompts: list, tokens: int, nbytes: int, ar: dict, ar_ids: list) -> None:
+    """MTP k=3 on the big shape: synthetic-acceptance profiles, every draft accepted, auto."""
+    inner = llm.engine.drafters["mtp"]
+    drafters = {f"synthetic_{n}": (lambda p=p: ProfileDrafter(inner, p, seed=1)) for n, p in PROFILES.items()}
+    res = run_modes(llm, prompts, tokens, {"synthetic_code": None, "synthetic_prose": None}, nbytes, drafters)
+    for r in res.values():
+        r["equals_ar"] = r.pop("token_ids") == ar_ids
+        r["speedup_vs_ar"] = r["tok_s"] / ar["tok_s"]
+    res["profiles"] = PROFILES
+    rep.put("big_synthetic_mtp3", res)
+    res = run_modes(llm, prompts, tokens, {"mtp3_all_accepted": SpecPolicy("mtp", 3),
+                                           "auto": SpecPolicy("auto", 3)}, nbytes)
+    for r in res.values():
+        r["equals_ar"] = r.pop("token_ids") == ar_ids
+        r["speedup_vs_ar"] = r["tok_s"] / ar["tok_s"]
+    rep.put("big_mtp_auto", res)
 
 
 def table(d: dict) -> None:
@@ -257,9 +266,15 @@ def main() -> None:
     rep.put("machine", {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
                         "torch": torch.__version__, "shape": args.shape, "prompt": args.prompt,
                         "big_tokens": args.big_tokens, "bundled_tokens": args.bundled_tokens})
-    stage_bundled(rep, dev, args.bundled_tokens, args.steps)
+    stages = [("bundled", lambda: stage_bundled(rep, dev, args.bundled_tokens, args.steps))]
     if not args.skip_big:
-        stage_big(rep, dev, args.shape, args.ckpt_dir, args.prompt, args.big_tokens, args.steps)
+        stages.append(("big", lambda: stage_big(rep, dev, args.shape, args.ckpt_dir, args.prompt, args.big_tokens,
+                                                args.steps)))
+    for name, fn in stages:      # one stage failing must not cost the others their device time
+        try:
+            fn()
+        except Exception:
+            rep.put(f"error_{name}", traceback.format_exc())
     table(rep.data)
 
 
