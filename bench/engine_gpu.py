@@ -204,7 +204,8 @@ def stage_big(rep: Report, dev: str, shape: str, ckpt_dir: str, prompt: int, tok
 def big_spec(rep: Report, llm: LLM, prompts: list, tokens: int, nbytes: int, ar: dict, ar_ids: list) -> None:
     """MTP k=3 on the big shape: synthetic-acceptance profiles, every draft accepted, auto."""
     inner = llm.engine.drafters["mtp"]
-    drafters = {f"synthetic_{n}": (lambda p=p: ProfileDrafter(inner, p, seed=1)) for n, p in PROFILES.items()}
+    seeds = iter(range(1, 1_000_000))          # a fresh random sequence for every request, warm-up included
+    drafters = {f"synthetic_{n}": (lambda p=p: ProfileDrafter(inner, p, seed=next(seeds))) for n, p in PROFILES.items()}
     res = run_modes(llm, prompts, tokens, {"synthetic_code": None, "synthetic_prose": None}, nbytes, drafters)
     for r in res.values():
         r["equals_ar"] = r.pop("token_ids") == ar_ids
