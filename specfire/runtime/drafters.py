@@ -29,7 +29,6 @@ class Drafter(Protocol):
 
 
 NO_DRAFT = torch.empty(0, dtype=torch.long)
-MAX_PENDING = 11   # pending rows the draft graphs serve (k + 1 for k <= 10); more are caught up eagerly
 
 
 def draft_chain(head: MtpHead, embed: Callable[[torch.Tensor], torch.Tensor],
@@ -125,7 +124,8 @@ class MtpDrafter:
         hidden = self._hidden[0] if len(self._hidden) == 1 else torch.cat(self._hidden)
         toks = self._tokens[0] if len(self._tokens) == 1 else torch.cat(self._tokens)
         pos0, m = self._pos0, hidden.shape[0]
-        if m > MAX_PENDING:  # rows piled up while other routes ran: catch up in one prefill-mode forward
+        if m > k + 1:  # rows piled up while other routes ran: catch up all but the last in one prefill-mode
+            # forward, so the draft graphs only ever see the pending-row counts an MTP cycle leaves (1..k+1)
             self.head(self.trunk.embed(toks[:-1]), hidden[:-1], pos0, self.state, rows=False)
             pos0, hidden, toks = pos0 + m - 1, hidden[-1:], toks[-1:]
         self._hidden, self._tokens, self._pos0 = [], [], self._pos0 + m
