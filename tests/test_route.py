@@ -53,18 +53,18 @@ def test_policy_coerce():
 def test_select_route():
     g = SamplingParams()
     assert select_route(SpecPolicy("off"), True, g) == ("ar", "speculation off by policy")
-    r, why = select_route(SpecPolicy("auto", 4), True, g)
-    assert r == "mtp" and "k=4" in why
+    r, why = select_route(SpecPolicy("auto", 4), True, g)                # measured cycle by cycle
+    assert r == "auto" and "k<=4" in why and "MTP" in why
     r, why = select_route(SpecPolicy("auto"), False, g)
-    assert r == "ar" and "no MTP head" in why
+    assert r == "auto" and "no MTP head" in why
     r, why = select_route(SpecPolicy("auto"), True, SamplingParams(max_tokens=1))
     assert r == "ar" and "single token" in why
-    assert select_route(SpecPolicy("auto"), True, SamplingParams(temperature=0.8))[0] == "mtp"
+    assert select_route(SpecPolicy("auto"), True, SamplingParams(temperature=0.8))[0] == "auto"
     assert select_route(SpecPolicy("ngram"), False, g)[0] == "ngram"
     with pytest.raises(SpecfireError, match="no MTP head"):
         select_route(SpecPolicy("mtp"), False, g)
     r, why = select_route(SpecPolicy("auto"), True, g, "tp2")    # the topology labels the reason only
-    assert r == "mtp" and "tp2" in why
+    assert r == "auto" and "tp2" in why
 
 
 # ---- what LLM(spec=...) loads -------------------------------------------------------------------
@@ -80,7 +80,7 @@ def test_spec_off_never_loads_the_head(ckpt_cache, tmp_path):
             llm.generate([1, 2, 3], SP, spec="mtp")                       # an error, not a fallback
         with pytest.raises(SpecfireError, match="mtp"):
             llm.generate([1, 2, 3], SP, spec={"mode": "mtp", "k": 2})
-        assert llm.generate([1, 2, 3], SP, spec="auto").stats["route"] == "ar"
+        assert "mtp" not in llm.generate([1, 2, 3], SP, spec="auto").stats["routes"]
         assert llm.generate([1, 2, 3], SP, spec="ngram").stats["route"] == "ngram"
 
 
@@ -97,12 +97,12 @@ def test_spec_auto_loads_when_present_and_says_so(ckpt_cache, caplog):
         with LLM(ckpt(ckpt_cache, "base"), device="cpu", progress=False) as llm:
             assert llm.spec == SpecPolicy() and llm.mtp_loaded
             r = llm.generate([1, 2, 3], SP)
-            assert r.stats["route"] == "mtp" and r.stats["route_reason"].startswith("auto")
+            assert r.stats["route"] in ("ar", "mtp", "ngram") and r.stats["route_reason"].startswith("auto")
     assert any("MTP head loaded" in m for m in caplog.messages)
     with LLM(ckpt(ckpt_cache, "base", mtp=False), device="cpu", progress=False) as llm:
         assert not llm.mtp_loaded
         r = llm.generate([1, 2, 3], SP)
-        assert r.stats["route"] == "ar" and "no MTP head" in r.stats["route_reason"]
+        assert r.stats["route"] in ("ar", "ngram") and "mtp" not in r.stats["routes"]
         with pytest.raises(SpecfireError, match="no MTP head"):
             llm.generate([1, 2, 3], SP, spec="mtp")
 

@@ -57,7 +57,7 @@ class Scripted:
             out.append(t if j < self.right else (t + 1) % self.vocab)
         return torch.tensor(out, dtype=torch.long), None
 
-    def commit(self, out, hidden) -> None:
+    def commit(self, out, hidden, out_dev=None) -> None:
         pass
 
 
@@ -337,6 +337,7 @@ def test_ngram_index_matches_scan(n_min, n_max):
         d.begin(prompt, None)
         ctx = prompt.tolist()
         last = int(torch.randint(0, vocab, (), generator=g))
+        d.commit([last], None)                            # every token reaches the drafter through commit
         for _ in range(15):
             k = int(torch.randint(0, 7, (), generator=g))
             draft, q = d.propose(last, len(ctx), k, sp, None)
@@ -348,7 +349,7 @@ def test_ngram_index_matches_scan(n_min, n_max):
             d.commit(out, None)
             ctx += [last] + out[:-1]
             last = out[-1]
-        assert d.tokens == ctx
+        assert d.tokens == ctx + [last]
 
 
 def test_ngram_sizes_validated():

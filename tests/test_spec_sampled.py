@@ -40,11 +40,13 @@ def chi2(counts: torch.Tensor, expected: torch.Tensor) -> float:
 # ---- wrong rules, to show the checks have teeth ------------------------------------------------
 
 def always_accept(logits, draft, q, sp, gen):
+    draft = [int(d) for d in draft]                     # the engine passes the drafts as a tensor
     return len(draft), list(draft) + [int(pick(logits[len(draft):], sp, gen))]
 
 
 def resample_from_p(logits, draft, q, sp, gen):
     """Rejection sampling with the classic bug: on rejection, sample from p, not max(0, p - q)."""
+    draft = [int(d) for d in draft]
     p = probs(logits, sp)
     for i, d in enumerate(draft):
         qd = 1.0 if q is None else float(q[i, d])

@@ -247,8 +247,8 @@ class TestMeshOfTwo:
         res, d = delta(SpecPolicy("mtp", k=4))
         assert res.stats["route"] == "mtp" and d["verify_rows"] == d["verify"] + res.stats["drafted"]
         assert d["lm_logits"] == 0                           # on the CPU the drafter scores on rank 0
-        res, d = delta(SpecPolicy("auto", k=2))
-        assert res.stats["route"] == "mtp"
+        res, d = delta(SpecPolicy("auto", k=2))                # measured per cycle: any route, same rows
+        assert res.stats["route"] in ("ar", "mtp", "ngram") and d["verify_rows"] == d["verify"] + res.stats["drafted"]
 
 
     def test_drafter_vocab_calls_through_the_mesh_match(self, base):

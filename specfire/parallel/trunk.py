@@ -2,7 +2,7 @@
 
 Rank 0 is the caller's process, the driver: it owns requests, the tokenizer, sampling, the route
 selector and the drafters (the MTP head lives whole on rank 0), and it runs the same Engine and
-`spec_step` as one device, over a MeshTrunk. Every Trunk call on rank 0 is sent to every rank
+speculative step as one device, over a MeshTrunk. Every Trunk call on rank 0 is sent to every rank
 (parallel/control.py), so every rank executes the same forward, the same per-row capture and the
 same `commit(n)`.
 """

@@ -1,8 +1,11 @@
 """Drafters: propose k tokens (and, when sampling, the distribution each was drawn from).
 
-Interface: `begin(prompt, hidden)` at the start of a sequence; `propose(last, pos, k, sp, gen)`
-where `last` is the newest token (at position `pos`, not yet seen by the trunk); `commit(out,
-hidden)` after accept, with the emitted tokens and the trunk's hidden rows for them.
+Interface: `begin(prompt, hidden)` at the start of a sequence (the prompt's tokens and trunk
+hidden rows); `commit(out, hidden, out_dev)` after every step, whichever route ran it: the tokens
+emitted (host list and the same on the device) and the trunk's hidden rows of the step's inputs
+(none for the first token, which comes from the prefill); `propose(last, pos, k, sp, gen)` where
+`last` is the newest token (at position `pos`, not yet seen by the trunk). A drafter sees every
+token once, through `begin` and `commit`, so the route may change between steps.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ class Drafter(Protocol):
     def begin(self, prompt: torch.Tensor, hidden: torch.Tensor) -> None: ...
     def propose(self, last: int, pos: int, k: int, sp: SamplingParams,
                 gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]: ...
-    def commit(self, out: list[int], hidden: torch.Tensor) -> None: ...
+    def commit(self, out: list[int], hidden: torch.Tensor, out_dev: torch.Tensor) -> None: ...
 
 
 NO_DRAFT = torch.empty(0, dtype=torch.long)
@@ -77,9 +80,9 @@ class MtpDrafter:
         self.graphs = None  # set before `feed`, whose setter resets captured graphs
         self.head, self.trunk, self.feed = head, trunk, feed
         self.state = head.new_state(trunk.max_seq, kv_dtype)
-        self._hidden: torch.Tensor | None = None   # trunk hidden rows not yet fed to the head
-        self._tokens: list[int] = []               # tokens following those rows (all but the last)
-        self._pos0 = 0
+        self._hidden: list[torch.Tensor] = []      # trunk hidden rows not yet fed to the head
+        self._tokens: list[torch.Tensor] = []      # the tokens following them, on the device
+        self._pos0 = 0                             # position of the first pending row
         if trunk.graphs_enabled:
             from .graphs import DraftGraphs
             self.graphs = DraftGraphs(self._chain_greedy, head.fc.weight.device)
@@ -111,31 +114,39 @@ class MtpDrafter:
         if t > 1:  # rows 0..t-2: (h_p, x_{p+1})
             emb = self.trunk.embed(prompt[1:])
             self.head(emb, hidden[:-1], 0, self.state, rows=False)
-        self._hidden, self._tokens, self._pos0 = hidden[-1:], [], t - 1
+        self._hidden, self._tokens, self._pos0 = [hidden[-1:]], [], t - 1
 
     @torch.inference_mode()
     def propose(self, last: int, pos: int, k: int, sp: SamplingParams,
                 gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if k <= 0:
             return NO_DRAFT, None
-        toks = torch.tensor(self._tokens + [last], device=self._hidden.device)
+        hidden = self._hidden[0] if len(self._hidden) == 1 else torch.cat(self._hidden)
+        toks = self._tokens[0] if len(self._tokens) == 1 else torch.cat(self._tokens)
+        pos0, m = self._pos0, hidden.shape[0]
+        if m > k + 1:  # rows piled up while other routes ran: catch up all but the last in one prefill-mode
+            # forward, so the draft graphs only ever see the pending-row counts an MTP cycle leaves (1..k+1)
+            self.head(self.trunk.embed(toks[:-1]), hidden[:-1], pos0, self.state, rows=False)
+            pos0, hidden, toks = pos0 + m - 1, hidden[-1:], toks[-1:]
+        self._hidden, self._tokens, self._pos0 = [], [], self._pos0 + m
         if sp.greedy:
             if self.graphs is not None:
-                return self.graphs.draft(toks, self._hidden, self._pos0, k), None
-            return self._chain(toks, self._hidden, self._pos0, k, argmax), None
+                return self.graphs.draft(toks, hidden, pos0, k), None
+            return self._chain(toks, hidden, pos0, k, argmax), None
         qs: list[torch.Tensor] = []
 
         def choose(logits: torch.Tensor) -> torch.Tensor:
             q = probs(logits, sp)
             qs.append(q[0])
             return sample(q, gen)
-        drafts = self._chain(toks, self._hidden, self._pos0, k, choose)
+        drafts = self._chain(toks, hidden, pos0, k, choose)
         return drafts, torch.stack(qs)
 
-    def commit(self, out: list[int], hidden: torch.Tensor) -> None:
-        # rows of the trunk at positions pos..pos+n, followed by tokens out[0..n]
-        self._pos0 = self._pos0 + self._hidden.shape[0]
-        self._hidden, self._tokens = hidden, list(out[:-1])
+    def commit(self, out: list[int], hidden: torch.Tensor, out_dev: torch.Tensor) -> None:
+        # rows of the trunk at the step's positions, followed by the emitted tokens
+        if hidden.shape[0]:
+            self._hidden.append(hidden)
+        self._tokens.append(out_dev)
 
 
 class NgramDrafter:
@@ -174,7 +185,6 @@ class NgramDrafter:
 
     def propose(self, last: int, pos: int, k: int, sp: SamplingParams,
                 gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        self._extend([last])
         if k <= 0:
             return NO_DRAFT, None
         ctx = self.tokens
@@ -185,5 +195,5 @@ class NgramDrafter:
                 return torch.tensor(ctx[i + n:i + n + k], dtype=torch.long), None
         return NO_DRAFT, None
 
-    def commit(self, out: list[int], hidden: torch.Tensor | None) -> None:
-        self._extend(out[:-1])                      # the last one comes back as `last`
+    def commit(self, out: list[int], hidden: torch.Tensor | None, out_dev: torch.Tensor | None = None) -> None:
+        self._extend(out)

@@ -12,9 +12,9 @@ from ..tokenizer import Tokenizer
 from .drafters import Drafter
 from .output import OutputBuilder
 from .prefix import PrefixCache
-from .route import select_route
+from .route import Acceptance, CostTable, Decision, RouteController, select_route
 from .sampling import pick
-from .spec import OnCycle, SpecStats, spec_step
+from .spec import Launched, OnCycle, SpecStats, StepBuffers, finish, launch
 from .trunk import Trunk
 
 
@@ -47,6 +47,9 @@ class Engine:
         self.topology = topology                # a label in route reasons; every topology serves every drafter
         self.drafters = drafters                # route name -> drafter ("mtp", "ngram")
         self.prefix: PrefixCache | None = None  # multi-turn prefix reuse (single device; off by default)
+        self.bufs = StepBuffers(trunk.device)   # static step buffers, reused by every request
+        self.costs = CostTable()                # measured cycle times on this engine, for `auto`
+        self.accept_prior: dict[str, Acceptance] = {}   # acceptance seen by earlier requests
 
     @property
     def mtp_loaded(self) -> bool:
@@ -60,6 +63,14 @@ class Engine:
     def route(self, policy: SpecPolicy, sp: SamplingParams) -> tuple[str, str]:
         """(route, reason) a request would take; raises SpecfireError for a mode it cannot serve."""
         return select_route(policy, self.mtp_loaded, sp, self.topology)
+
+    def controller(self, route: str, policy: SpecPolicy) -> RouteController:
+        """`auto`: measured choices among AR and the loaded drafters; otherwise the route as asked."""
+        if route == "auto":
+            return RouteController(policy.k, tuple(r for r in ("mtp", "ngram") if r in self.drafters), self.costs,
+                                   prior=self.accept_prior)
+        fixed = (route, 0 if route == "ar" else policy.k)
+        return RouteController(policy.k, () if route == "ar" else (route,), self.costs, fixed=fixed)
 
     def check_prompt(self, ids: list[int]) -> None:
         vocab = self.trunk.cfg.vocab_size
@@ -75,24 +86,39 @@ class Engine:
                              f"(room for at least one generated token is needed)")
 
     def stream(self, ids: list[int], sp: SamplingParams, policy: SpecPolicy, on_cycle: OnCycle | None = None,
-               drafter: Drafter | None = None) -> Iterator[StreamChunk]:
+               drafter: Drafter | None = None, controller: RouteController | None = None) -> Iterator[StreamChunk]:
         """Generate from `ids`. `on_cycle(k, n, emitted)` is called after every step; `drafter`,
-        when given, serves the request instead of the routed one (tests script drafts with it)."""
+        when given, serves the request instead of the routed one (tests script drafts with it);
+        `controller` (decide / observe / candidates / reason), when given, replaces the route's.
+
+        The device stays busy: the next step is queued before the host turns this step's tokens
+        into text, and an AR step is queued before the one before it is read (its input token
+        is already on the device). Queued work a finished output does not need is dropped."""
         self.check_prompt(ids)
+        drafters = dict(self.drafters)
         if drafter is not None:
+            drafters = {drafter.name: drafter}
             route, reason = drafter.name, f"drafter {drafter.name!r} given by the caller (k={policy.k})"
         else:
             route, reason = self.route(policy, sp)
-            drafter = None if route == "ar" else self.drafters[route]
-        k = policy.k if drafter is not None else 0
-        dev = self.trunk.device
+        ctl = controller or self.controller(route, policy)
+        fed = [drafters[r] for r in ctl.candidates if r in drafters]   # drafters that see every token
+        trunk, bufs, dev = self.trunk, self.bufs, self.trunk.device
         gen = None
         if sp.seed is not None:
             gen = torch.Generator(device=dev)
             gen.manual_seed(sp.seed)
-        max_new = min(sp.max_tokens, self.trunk.max_seq - len(ids))
+        max_new = min(sp.max_tokens, trunk.max_seq - len(ids))
         out = OutputBuilder(sp, self.eos_ids, self.tokenizer, max_new)
         stats = SpecStats(on_cycle=on_cycle)
+        by_route: dict[str, int] = {}
+        log: list[dict[str, Any]] = []
+
+        def start(d: Decision, last: int, last_dev: torch.Tensor, pos: int, room: int) -> Launched:
+            k = max(0, min(d.k, room - 1, trunk.max_seq - pos - 1))
+            step = launch(trunk, drafters.get(d.route), d.route, last, last_dev, pos, k, sp, gen, bufs)
+            step.decision = d
+            return step
 
         t0 = time.perf_counter()
         prompt = torch.tensor(ids, device=dev)
@@ -100,34 +126,60 @@ class Engine:
         if self.prefix is not None:
             rows, cached = self.prefix.prefill(ids, prompt)
         else:
-            self.trunk.begin()
-            rows = self.trunk.prefill(prompt)
-        if drafter is not None:
-            drafter.begin(prompt, rows.hidden)
-        last = int(pick(rows.logits[-1:], sp, gen))
-        t1 = time.perf_counter()
-        pos = len(ids)
-        emitted = [last]
+            trunk.begin()
+            rows = trunk.prefill(prompt)
+        first = pick(rows.logits[-1:], sp, gen)
+        for d in fed:
+            d.begin(prompt, rows.hidden)
+        last = int(first)
+        for d in fed:
+            d.commit([last], rows.hidden[:0], first)
+        t1 = t_prev = time.perf_counter()
+        pos, last_dev, toks = len(ids), first, [last]
+        cur: Launched | None = None
+        ahead: Launched | None = None
+        suspended = 0.0
         while True:
             n_before = len(out.token_ids)
-            text = "".join(out.add(t) for t in emitted if not out.done)
-            if text or len(out.token_ids) > n_before:
-                chunk = StreamChunk(text, out.token_ids[n_before:])
-                if not out.done:
-                    yield chunk
+            text = "".join(out.add(t) for t in toks if not out.done)
+            if not out.done and (text or len(out.token_ids) > n_before):
+                ts = time.perf_counter()
+                yield StreamChunk(text, out.token_ids[n_before:])
+                suspended += time.perf_counter() - ts
             if out.done:
                 break
-            k_eff = max(0, min(k, out.remaining - 1, self.trunk.max_seq - pos - 1))
-            emitted = spec_step(self.trunk, drafter, last, pos, k_eff, sp, gen, stats)
-            pos += len(emitted)
-            last = emitted[-1]
+            if cur is None:
+                cur = start(ctl.decide(), last, last_dev, pos, out.remaining)
+            if ahead is None and cur.k == 0 and out.remaining >= 2 and bufs.pinned:   # (a CPU runs at launch)
+                d = ctl.decide()
+                if d.k == 0 or d.route == "ar":      # its input is cur's token, already on the device
+                    ahead = start(d, -1, cur.targets[:1], cur.pos + 1, out.remaining - 1)
+            n, toks = finish(cur, trunk, fed)
+            now = time.perf_counter()
+            stats.record(cur.k, n, toks)
+            ctl.observe(cur.decision, cur.k, n, now - t_prev - suspended)
+            t_prev, suspended = now, 0.0
+            if not log or (log[-1]["route"], log[-1]["k"]) != (cur.route, cur.k):
+                log.append({"at": len(out.token_ids), "route": cur.route, "k": cur.k})
+            by_route[cur.route] = by_route.get(cur.route, 0) + len(toks)
+            pos, last, last_dev = pos + n + 1, toks[-1], cur.targets[n:n + 1]
+            cur, ahead = ahead, None
+            # queue the next step before the text work when these tokens cannot end the output
+            if cur is None and out.remaining > len(toks) and not any(t in out.eos for t in toks):
+                cur = start(ctl.decide(), last, last_dev, pos, out.remaining - len(toks))
         t2 = time.perf_counter()
         n_gen = len(out.token_ids)
         prefill_s, decode_s = t1 - t0, t2 - t1
+        k = policy.k if route != "ar" else 0
+        if route == "auto":           # the choice auto settled on (AR while still measuring); `routes` has all
+            (route, k), reason = ctl.current, ctl.reason or reason
+        for r, a in getattr(ctl, "acc", {}).items():
+            if a.cycles:
+                self.accept_prior[r] = a
         st = {
             "prompt_tokens": len(ids), "cached_tokens": cached, "generated_tokens": n_gen, "route": route,
-            "route_reason": reason,
-            "k": k, "cycles": stats.cycles, "drafted": stats.drafted, "accepted": stats.accepted,
+            "route_reason": reason, "k": k, "routes": by_route, "route_log": log,
+            "cycles": stats.cycles, "drafted": stats.drafted, "accepted": stats.accepted,
             "mean_accept_len": stats.mean_accept_len, "accept_per_pos": stats.accept_per_pos,
             "accepted_per_pos": list(stats.accepted_per_pos),
             "prefill_s": prefill_s, "decode_s": decode_s,

@@ -42,6 +42,8 @@ class RowsGraphs:
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, _Graph] = {}
+        self.commits: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._rows = 0                      # row count of the last replay (whose captures commit reads)
 
     def run(self, ids: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         r = ids.shape[0]
@@ -51,10 +53,34 @@ class RowsGraphs:
             g = self.graphs[r] = self._capture(ids)
         g.ids.copy_(ids)
         g.graph.replay()
+        self._attach(g)
+        self._rows = r
+        return g.hidden.clone(), g.logits.clone()
+
+    def _attach(self, g: _Graph) -> None:
         for lc, (cap_rec, cap_conv) in zip(self.state.layers, g.caps):
             if lc.rec is not None:
                 lc.cap_rec, lc.cap_conv = cap_rec, cap_conv
-        return g.hidden.clone(), g.logits.clone()
+
+    def attached(self, state: SequenceState) -> bool:
+        """Whether the state holds the captures of a replay not yet committed."""
+        return self._rows > 0 and any(lc.cap_rec is not None for lc in state.layers)
+
+    def commit(self, n: int) -> None:
+        """`SequenceState.commit(n)` after a replay, as one graph per (rows, n): the captures are
+        the rows graph's fixed outputs and the live state is allocated once, so the copies of
+        every Gated DeltaNet layer replay with one launch instead of two per layer."""
+        key = (self._rows, n)
+        g = self.commits.get(key)
+        if g is None:
+            with torch.cuda.device(self.pos.device):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    self.state.commit(n)           # recorded, not run; it detaches the captures
+        g.replay()
+        self.commits[key] = g
+        for lc in self.state.layers:
+            lc.cap_rec = lc.cap_conv = None
 
     def _capture(self, ids: torch.Tensor) -> _Graph:
         with torch.cuda.device(ids.device):  # streams and the capture belong to the model's device

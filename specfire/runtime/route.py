@@ -1,18 +1,27 @@
-"""The route selector: which decoding route serves a request, and why."""
+"""Which decoding route serves each cycle of a request, and why.
+
+Explicit modes (`off`, `mtp`, `ngram` with the given k) are served exactly as asked. `auto` is
+measured: a `RouteController` that the engine consults between cycles picks AR, MTP or n-gram and
+k by expected tokens per second, from cycle times measured on this engine (`CostTable`, kept
+across requests) and the running acceptance per draft position of this request. Greedy output
+does not depend on the choice (every route emits exactly the AR tokens), so it may change at any
+cycle; sampled output keeps AR's distribution on every route.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from ..config import SamplingParams, SpecPolicy
 from ..errors import SpecfireError
 
+DRAFTING = ("mtp", "ngram")
+
 
 def select_route(policy: SpecPolicy, mtp_loaded: bool, sp: SamplingParams,
                  topology: str = "single") -> tuple[str, str]:
-    """Return (route, reason) with route in {"ar", "mtp", "ngram"}.
-
-    Every topology serves both drafters (the mesh runs them on rank 0), so the route depends on the
-    policy, whether the MTP head is loaded and the request; `topology` only labels the reason.
-    `auto` falls back to AR with a reason; an explicit `mtp` that cannot be served raises
-    SpecfireError (never a silent fallback)."""
+    """Return (route, reason) with route in {"ar", "mtp", "ngram", "auto"}; "auto" means the
+    RouteController decides cycle by cycle. An explicit `mtp` that cannot be served raises
+    SpecfireError (never a silent fallback); `topology` only labels the reason."""
     if policy.mode == "off":
         return "ar", "speculation off by policy"
     if policy.mode == "mtp":
@@ -22,9 +31,199 @@ def select_route(policy: SpecPolicy, mtp_loaded: bool, sp: SamplingParams,
         return "mtp", f"MTP head requested (k={policy.k}, {topology})"
     if policy.mode == "ngram":
         return "ngram", f"n-gram prompt lookup requested (k={policy.k}, {topology})"
-    # auto
     if sp.max_tokens == 1:
         return "ar", "auto: a single token leaves nothing to speculate"
-    if mtp_loaded:
-        return "mtp", f"auto: MTP head loaded (k={policy.k}, {topology})"
-    return "ar", "auto: no MTP head loaded"
+    drafters = "MTP and n-gram" if mtp_loaded else "n-gram (no MTP head loaded)"
+    return "auto", f"auto: AR or {drafters} measured per cycle (k<={policy.k}, {topology})"
+
+
+class CostTable:
+    """Seconds per cycle by (route, k) on one engine (this machine, this model), shared by its
+    requests. The lower quartile of the last `window` samples (a CUDA graph capture or a busy host
+    only ever slows a cycle), and the first sample of each key is dropped (it pays the captures)."""
+
+    def __init__(self, window: int = 9):
+        self.window = window
+        self.samples: dict[tuple[str, int], list[float]] = {}
+        self.firsts: set[tuple[str, int]] = set()
+
+    def add(self, route: str, k: int, seconds: float) -> None:
+        key = (route, k)
+        if key not in self.firsts:
+            self.firsts.add(key)
+            return
+        s = self.samples.setdefault(key, [])
+        s.append(seconds)
+        del s[:-self.window]
+
+    def get(self, route: str, k: int) -> float | None:
+        s = self.samples.get((route, k))
+        if not s:
+            return None
+        return sorted(s)[(len(s) - 1) // 4]
+
+    def measured_ks(self, route: str) -> list[int]:
+        return sorted(k for (r, k), s in self.samples.items() if r == route and s and k > 0)
+
+
+@dataclass(frozen=True)
+class RouteTuning:
+    probe: int = 4           # cycles of each drafting route at the policy's k before choosing
+    reprobe: int = 16        # cycles between checks of a route not chosen (doubles while the choice holds)
+    alpha: float = 0.25      # weight of the newest cycle in the running acceptance per position
+    margin: float = 0.03     # a new choice must promise this much more speed to replace the current one
+
+
+@dataclass
+class Acceptance:
+    """Running acceptance of one drafting route: per draft position, the chance a draft is
+    accepted given that the drafts before it were (an EWMA), and how often it proposes at all."""
+
+    per_pos: list[float | None]
+    hit: float | None = None
+    cycles: int = 0
+
+    def update(self, k: int, n: int, alpha: float) -> None:
+        self.cycles += 1
+        proposed = 1.0 if k > 0 else 0.0
+        self.hit = proposed if self.hit is None else (1 - alpha) * self.hit + alpha * proposed
+        for i in range(min(n + 1, k)):             # position i is tested when the i before it passed
+            x = 1.0 if n > i else 0.0
+            a = self.per_pos[i]
+            self.per_pos[i] = x if a is None else (1 - alpha) * a + alpha * x
+
+    def rates(self, k: int) -> list[float]:
+        out, prev = [], 0.5
+        for i in range(k):
+            a = self.per_pos[i]
+            prev = a if a is not None else prev
+            out.append(prev)
+        return out
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a cycle of k drafts emits on average: 1 + sum over j of P(first j accepted)."""
+        e, reach = 1.0, 1.0
+        for a in self.rates(k):
+            reach *= a
+            e += reach
+        return e
+
+
+@dataclass(frozen=True)
+class Decision:
+    route: str
+    k: int
+    check: bool = False      # a measurement of a route that is not the current choice
+
+
+@dataclass
+class RouteController:
+    """Chooses (route, k) before every cycle and learns from every cycle (`observe`). With `fixed`
+    it always answers that (the explicit modes) and only records costs and acceptance."""
+
+    kmax: int
+    candidates: tuple[str, ...]                  # drafting routes available: "mtp", "ngram"
+    costs: CostTable
+    fixed: tuple[str, int] | None = None
+    tuning: RouteTuning = field(default_factory=RouteTuning)
+    prior: dict[str, Acceptance] | None = None   # acceptance carried over from earlier requests
+
+    def __post_init__(self) -> None:
+        self.acc = {r: Acceptance([None] * self.kmax) for r in self.candidates}
+        for r, a in (self.prior or {}).items():
+            if r in self.acc and a.cycles >= self.tuning.probe:
+                self.acc[r] = Acceptance(list(a.per_pos[:self.kmax]) + [None] * max(0, self.kmax - len(a.per_pos)),
+                                         a.hit, self.tuning.probe)
+        self.current = self.fixed or ("ar", 0)
+        self.reason = "" if self.fixed is None else f"{self.fixed[0]} k={self.fixed[1]} as requested"
+        self.since = 0                       # exploiting cycles since the last check of another route
+        self.interval = self.tuning.reprobe
+
+    # ---- the model -------------------------------------------------------------------------------
+    def cost(self, route: str, k: int) -> float | None:
+        """Seconds per cycle of `route` at k: measured, else linear in k between measured points
+        (k = 0 is the AR step)."""
+        ar = self.costs.get("ar", 0)
+        if route == "ar" or k == 0:
+            c0 = self.costs.get(route, 0) if route != "ar" else None
+            return c0 if c0 is not None else ar
+        c = self.costs.get(route, k)
+        if c is not None or ar is None:
+            return c
+        pts = [(0, ar)] + [(kk, self.costs.get(route, kk)) for kk in self.costs.measured_ks(route)]
+        lo = max((p for p in pts if p[0] < k), key=lambda p: p[0])
+        hi = [p for p in pts if p[0] > k]
+        if hi:
+            h = min(hi, key=lambda p: p[0])
+        elif len(pts) >= 2 and lo[0] > 0:
+            h, lo = lo, max((p for p in pts if p[0] < lo[0]), key=lambda p: p[0])
+        else:
+            return None
+        return lo[1] + (h[1] - lo[1]) * (k - lo[0]) / (h[0] - lo[0])
+
+    def rate(self, route: str, k: int) -> float | None:
+        """Expected tokens per second of `route` at k (None while unmeasured)."""
+        if route == "ar" or k == 0:
+            c = self.cost("ar", 0)
+            return None if c is None else 1.0 / c
+        a = self.acc[route]
+        c, c0 = self.cost(route, k), self.cost(route, 0)
+        if c is None or c0 is None:
+            return None
+        h = 1.0 if a.hit is None else a.hit
+        return (h * a.expected_tokens(k) + (1 - h)) / (h * c + (1 - h) * c0)
+
+    # ---- decisions -------------------------------------------------------------------------------
+    def decide(self) -> Decision:
+        """The next cycle's route and k; the same answer until the next `observe`."""
+        if self.fixed is not None:
+            return Decision(*self.fixed)
+        if self.cost("ar", 0) is None:
+            self.reason = "auto: measuring the AR step"
+            return Decision("ar", 0, True)
+        for r in self.candidates:
+            if self.acc[r].cycles < self.tuning.probe or self.cost(r, self.kmax) is None:
+                self.reason = f"auto: measuring {r} at k={self.kmax}"
+                return Decision(r, self.kmax, True)
+        options = [("ar", 0)] + [(r, k) for r in self.candidates for k in range(1, self.kmax + 1)]
+        rated = {o: self.rate(*o) or 0.0 for o in options}
+        best = max(options, key=lambda o: rated[o])
+        cur = self.current
+        if best != cur and rated.get(cur, 0.0) >= rated[best] * (1 - self.tuning.margin):
+            best = cur                                           # not worth a switch
+        if best != cur:
+            self.interval = self.tuning.reprobe
+        self.current = best
+        self.reason = self._explain(best, rated)
+        if self.since >= self.interval:                          # check what is not being measured
+            stale = [r for r in self.candidates if best != (r, self.kmax)]
+            if stale:
+                r = min(stale, key=lambda r: self.acc[r].cycles)
+                self.reason += f"; checking {r} at k={self.kmax}"
+                return Decision(r, self.kmax, True)
+        return Decision(*best)
+
+    def _explain(self, best: tuple[str, int], rated: dict[tuple[str, int], float]) -> str:
+        ar = rated[("ar", 0)]
+        parts = []
+        for r in self.candidates:
+            k = max(range(1, self.kmax + 1), key=lambda k: rated[(r, k)])
+            a = self.acc[r]
+            acc = "/".join(f"{x:.2f}" for x in a.rates(k))
+            parts.append(f"{r} k={k} {rated[(r, k)] / ar:.2f}x AR (accept {acc}, {a.expected_tokens(k):.2f} tok "
+                         f"per {self.cost(r, k) / self.cost('ar', 0):.2f}x-AR cycle)")
+        what = "ar" if best[0] == "ar" else f"{best[0]} k={best[1]}"
+        return f"auto: {what}; AR step {1e3 * self.cost('ar', 0):.3f} ms; " + "; ".join(parts)
+
+    def observe(self, d: Decision, k: int, n: int, seconds: float) -> None:
+        """A cycle decided as `d` verified k drafts (k <= d.k), accepted n, took `seconds`."""
+        self.costs.add(d.route, k, seconds)
+        if d.route in self.acc:
+            self.acc[d.route].update(k, n, self.tuning.alpha)
+        if self.fixed is not None:
+            return
+        if not d.check:
+            self.since += 1
+        elif self.since >= self.interval:          # a check of a route not chosen: back off
+            self.since = 0
+            self.interval = min(self.interval * 2, 256)

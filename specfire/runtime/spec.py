@@ -1,63 +1,172 @@
-"""The one speculative step and its accept rule, shared by every drafter and every topology.
+"""The one speculative step and its accept rules, shared by every drafter and every topology.
 
     draft  = drafter.propose(last, pos, k)          # k tokens (+ their distributions if sampling)
     rows   = trunk.verify([last] + draft, pos)      # k+1 logits and hidden rows, one forward
     n, out = accept(rows.logits, draft, q, ...)     # greedy prefix match or rejection sampling
     trunk.commit(n)                                 # recurrent state := state after row n
-    drafter.commit(out, rows.hidden[:n+1])          # drafter catches up
+    drafter.commit(out, hidden[:n+1], out_dev)      # drafters catch up
 
 Plain AR decoding is this step with no drafter (k = 0): one row, n = 0, out = [the target's pick].
-Greedy: the drafts stay on the device, the accept runs there (ops/greedy.py), and the step's one
-host read is n and the target tokens together.
+The step is split in two so the engine can keep the device busy: `launch` queues the device work
+and one asynchronous copy of (n, tokens) into pinned memory; `Launched.finish` waits for that
+copy (the step's one host read), then commits. Greedy accept and AR sampling run on the device;
+sampled accept with drafts is rejection sampling over all positions at once, one read. The ids
+fed to verify live in static buffers (`StepBuffers`): no tensor is built from host data per step.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
-from ..config import SamplingParams
+from ..config import MAX_SPEC_K, SamplingParams
 from ..ops.greedy import greedy_accept
 from .drafters import NO_DRAFT, Drafter
 from .sampling import pick, probs
 from .trunk import Trunk
 
 
-def accept(logits: torch.Tensor, draft: list[int], q: torch.Tensor | None, sp: SamplingParams,
+def accept(logits: torch.Tensor, draft: torch.Tensor | Sequence[int], q: torch.Tensor | None, sp: SamplingParams,
            gen: torch.Generator | None) -> tuple[int, list[int]]:
-    """logits [k+1, V] of the verify rows; draft [k]; q [k, V] the drafter's distributions (None
-    for a deterministic proposal such as n-gram or greedy MTP). Returns (n accepted, emitted
-    tokens = n drafts + one token from the target)."""
-    k = len(draft)
-    if sp.greedy:
-        return accept_greedy(logits, torch.tensor(draft, dtype=torch.long))
+    """Rejection sampling. logits [k+1, V] of the verify rows; draft [k]; q [k, V] the drafter's
+    distributions (None for a deterministic proposal such as n-gram). Draft i is kept with
+    probability min(1, p_i(d) / q_i(d)); at the first rejection the token comes from
+    max(0, p_i - q_i) (p_i without d when q is None), after k acceptances from p_k. All k
+    uniforms are drawn at once (they are independent), so one host read ends it.
+    Returns (n accepted, emitted tokens = n drafts + one token from the target)."""
+    dev = logits.device
+    d = torch.as_tensor(draft, dtype=torch.long).to(dev)
+    k = d.shape[0]
     p = probs(logits, sp)                                              # [k+1, V]
-    for i, d in enumerate(draft):
-        qd = 1.0 if q is None else float(q[i, d])
-        pd = float(p[i, d])
-        u = float(torch.rand((), generator=gen, device=gen.device if gen is not None else "cpu"))
-        if qd > 0 and u < pd / qd:
-            continue
-        if q is None:
-            resid = p[i].clone()
-            resid[d] = 0.0
-        else:
-            resid = (p[i] - q[i]).clamp_min(0.0)
-        if float(resid.sum()) <= 0.0:
-            resid = p[i]
-        tok = int(torch.multinomial(resid / resid.sum(), 1, generator=gen))
-        return i, draft[:i] + [tok]
-    tok = int(pick(logits[k:], sp, gen))
-    return k, draft + [tok]
+    if k == 0:
+        return 0, pick(logits[:1], sp, gen).tolist()
+    rows = torch.arange(k, device=dev)
+    pd = p[rows, d]
+    qd = torch.ones_like(pd) if q is None else q[rows, d].to(pd.dtype)
+    u = torch.rand(k, generator=gen, device=gen.device if gen is not None else dev)
+    ok = (qd > 0) & (u.to(dev) * qd < pd)
+    n = ok.to(torch.long).cumprod(0).sum()
+    if q is None:
+        resid = p[:k].clone()
+        resid[rows, d] = 0.0
+    else:
+        resid = (p[:k] - q).clamp_min(0.0)
+    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p[:k])
+    dist = torch.cat([resid, p[k:k + 1]]).index_select(0, n.view(1))  # [1, V]: the row after n accepts
+    tok = torch.multinomial(dist, 1, generator=gen).view(1)
+    got = torch.cat([n.view(1), d, tok]).tolist()
+    n_ = got[0]
+    return n_, got[1:1 + n_] + [got[-1]]
 
 
 def accept_greedy(logits: torch.Tensor, draft: torch.Tensor) -> tuple[int, list[int]]:
-    """The greedy rule on the device: n = the leading drafts equal to their row's argmax; emitted =
-    targets[0..n] (the n drafts, then the target's own token). One host read: n and the targets."""
+    """The greedy rule on the device, read back: n = the leading drafts equal to their row's
+    argmax; emitted = targets[0..n]."""
     targets, n = greedy_accept(logits, draft)
     got = torch.cat([n.view(1), targets]).tolist()
     return got[0], got[1:got[0] + 2]
+
+
+class StepBuffers:
+    """Static buffers reused by every step of every request: the verify ids on the device, pinned
+    staging for host-made drafts and sampled tokens, pinned slots for the per-step read."""
+
+    SLOTS = 3      # the engine has at most two steps in flight
+
+    def __init__(self, device: torch.device, kmax: int = MAX_SPEC_K):
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self.ids = torch.zeros(kmax + 1, dtype=torch.long, device=device)
+        self.toks = torch.zeros(kmax + 1, dtype=torch.long, device=device)     # sampled tokens, uploaded
+        self.zero = torch.zeros(1, dtype=torch.long, device=device)
+        if self.pinned:
+            self.stage = torch.zeros(2, kmax + 2, dtype=torch.long, pin_memory=True)
+            self.slots = [torch.zeros(kmax + 2, dtype=torch.long, pin_memory=True) for _ in range(self.SLOTS)]
+        self._slot = 0
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor | list[int], row: int) -> None:
+        """dst (device) := src (host), through pinned row `row` of the staging buffer."""
+        if not self.pinned:
+            dst.copy_(torch.as_tensor(src, dtype=torch.long))
+            return
+        st = self.stage[row, :dst.shape[0]]
+        st.copy_(torch.as_tensor(src, dtype=torch.long))
+        dst.copy_(st, non_blocking=True)
+
+    def send(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Queue the copy of `packed` to the host; returns (where it lands, event to wait on)."""
+        if not self.pinned:
+            return packed, None
+        slot = self.slots[self._slot][:packed.shape[0]]
+        self._slot = (self._slot + 1) % self.SLOTS
+        slot.copy_(packed, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return slot, ev
+
+
+@dataclass
+class Launched:
+    """A step whose device work is queued. `finish` performs its one host read and commits."""
+
+    route: str
+    k: int                               # drafts verified
+    pos: int
+    hidden: torch.Tensor                 # trunk hidden rows [k+1, H]
+    targets: torch.Tensor                # [k+1] on the device: the tokens the step may emit
+    result: torch.Tensor | None = None   # host copy of (n, targets...) once the copy is done
+    event: torch.cuda.Event | None = None
+    got: tuple[int, list[int]] | None = None   # set at launch when the accept already read
+    decision: Any = None                 # what the route controller asked for (the engine's note)
+
+    def read(self) -> tuple[int, list[int]]:
+        if self.got is None:
+            if self.event is not None:
+                self.event.synchronize()
+            v = self.result.tolist()
+            self.got = (v[0], v[1:v[0] + 2])
+        return self.got
+
+
+def launch(trunk: Trunk, drafter: Drafter | None, route: str, last: int, last_dev: torch.Tensor, pos: int, k: int,
+           sp: SamplingParams, gen: torch.Generator | None, bufs: StepBuffers) -> Launched:
+    """Queue one draft -> verify -> accept. `last` (host) and `last_dev` ([1], device) are the
+    newest token, at `pos`. An AR step (no drafter or k = 0) also commits here: n = 0."""
+    draft, q = drafter.propose(last, pos, k, sp, gen) if drafter is not None and k > 0 else (NO_DRAFT, None)
+    kk = draft.shape[0]
+    ids = bufs.ids[:kk + 1]
+    ids[:1].copy_(last_dev)
+    if kk:
+        if draft.device == ids.device:
+            ids[1:].copy_(draft)
+        else:
+            bufs.upload(ids[1:], draft, 0)
+    rows = trunk.verify(ids, pos)
+    if kk == 0:
+        trunk.commit(0)
+    if sp.greedy:
+        targets, n = greedy_accept(rows.logits, ids[1:])
+        res, ev = bufs.send(torch.cat([n.view(1), targets]))
+        return Launched(route, kk, pos, rows.hidden, targets, res, ev)
+    if kk == 0:
+        tok = pick(rows.logits, sp, gen)
+        res, ev = bufs.send(torch.cat([bufs.zero, tok]))
+        return Launched(route, 0, pos, rows.hidden, tok, res, ev)
+    n, out = accept(rows.logits, ids[1:], q, sp, gen)
+    targets = bufs.toks[:n + 1]
+    bufs.upload(targets, out, 1)
+    return Launched(route, kk, pos, rows.hidden, targets, got=(n, out))
+
+
+def finish(step: Launched, trunk: Trunk, drafters: Sequence[Drafter]) -> tuple[int, list[int]]:
+    """Read the step's result (the one host read), commit the trunk and feed the drafters."""
+    n, out = step.read()
+    if step.k:
+        trunk.commit(n)
+    for d in drafters:
+        d.commit(out, step.hidden[:n + 1], step.targets[:n + 1])
+    return n, out
 
 
 OnCycle = Callable[[int, int, list[int]], None]
@@ -98,22 +207,3 @@ class SpecStats:
     @property
     def accept_per_pos(self) -> list[float]:
         return [a / d for a, d in zip(self.accepted_per_pos, self.drafted_per_pos)]
-
-
-def spec_step(trunk: Trunk, drafter: Drafter | None, last: int, pos: int, k: int, sp: SamplingParams,
-              gen: torch.Generator | None, stats: SpecStats) -> list[int]:
-    """One draft -> verify -> accept -> commit cycle. Returns the emitted tokens (1..k+1)."""
-    draft, q = drafter.propose(last, pos, k, sp, gen) if drafter is not None else (NO_DRAFT, None)
-    ids = torch.empty(draft.shape[0] + 1, dtype=torch.long, device=trunk.device)
-    ids[:1] = last                  # a fill and a copy: no host read of drafts made on the device
-    ids[1:] = draft
-    rows = trunk.verify(ids, pos)
-    if sp.greedy:
-        n, out = accept_greedy(rows.logits, ids[1:])
-    else:
-        n, out = accept(rows.logits, draft.tolist(), q, sp, gen)
-    trunk.commit(n)
-    if drafter is not None:
-        drafter.commit(out, rows.hidden[:n + 1])
-    stats.record(draft.shape[0], n, out)
-    return out

@@ -100,7 +100,10 @@ class LocalTrunk:
         return Rows(l, h)
 
     def commit(self, n: int) -> None:
-        self.state.commit(n)
+        if self.graphs is not None and self.graphs.attached(self.state):
+            self.graphs.commit(n)
+        else:
+            self.state.commit(n)
 
     @torch.inference_mode()
     def score(self, ids: torch.Tensor) -> torch.Tensor:
