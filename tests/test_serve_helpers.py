@@ -43,7 +43,14 @@ def test_preview_route_is_the_route_taken(llm, nomtp, mode, max_tokens):
             continue
         route, reason = m.preview_route(sp, SpecPolicy(mode=mode, k=2))
         st = m.generate("hi", sp, SpecPolicy(mode=mode, k=2)).stats
-        assert (route, reason) == (st["route"], st["route_reason"])
+        if route != "auto":
+            assert (route, reason) == (st["route"], st["route_reason"])
+            continue
+        # a measured `auto` settles its route while it runs: the preview says so, and the request
+        # only ever ran routes this model can serve
+        assert mode == "auto" and max_tokens > 1 and reason.startswith("auto")
+        allowed = {"ar", "ngram"} | ({"mtp"} if m.mtp_loaded else set())
+        assert st["route"] in allowed and set(st["routes"]) <= allowed
 
 
 def test_prompt_ids_one_check(llm):
