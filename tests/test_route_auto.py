@@ -161,7 +161,7 @@ SCHEDULES = [
 
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=["mixed", "long_ar_gap"])
 def test_forced_route_changes_equal_ar(fitted, schedule):
-    with LLM(fitted, progress=False) as llm:
+    with LLM(fitted, device="cpu", progress=False) as llm:
         for p in specfit.prompts(3, seed=5):
             ref = llm.generate(p, SamplingParams(max_tokens=48, ignore_eos=True), spec="off")
             chunks = list(llm.engine.stream(list(p), SamplingParams(max_tokens=48, ignore_eos=True),
@@ -174,7 +174,7 @@ def test_forced_route_changes_equal_ar(fitted, schedule):
 
 
 def test_auto_equals_ar_and_says_why(fitted):
-    with LLM(fitted, progress=False) as llm:
+    with LLM(fitted, device="cpu", progress=False) as llm:
         for p in specfit.prompts(3, seed=8):
             ref = llm.generate(p, SamplingParams(max_tokens=64, ignore_eos=True), spec="off")
             r = llm.generate(p, SamplingParams(max_tokens=64, ignore_eos=True), spec={"mode": "auto", "k": 3})
@@ -186,7 +186,7 @@ def test_auto_equals_ar_and_says_why(fitted):
 
 def test_sampled_forced_changes_run(fitted):
     """Sampled requests under route changes: valid tokens, as many as asked, seeded reproducible."""
-    with LLM(fitted, progress=False) as llm:
+    with LLM(fitted, device="cpu", progress=False) as llm:
         sp = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=4, ignore_eos=True)
         p = specfit.prompts(1, seed=2)[0]
         runs = [list(llm.engine.stream(list(p), sp, SpecPolicy("auto", 3), controller=Forced(SCHEDULES[0])))[-1].result

@@ -28,7 +28,7 @@ def tied(tmp_path_factory) -> str:
 def test_profile_drafter_follows_the_profile_and_equals_ar(tied):
     profile = (0.9, 0.5, 0.2)
     sp = SamplingParams(max_tokens=400, ignore_eos=True)
-    with LLM(tied, progress=False) as llm:
+    with LLM(tied, device="cpu", progress=False) as llm:
         ref = llm.generate([5, 6, 7], sp, spec="off")
         assert set(ref.token_ids) == {0}                         # every logit ties: greedy picks 0
         d = ProfileDrafter(llm.engine.drafters["mtp"], profile, seed=3)
