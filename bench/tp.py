@@ -118,6 +118,8 @@ def stage_kernels(cfg, log: Log) -> None:
 # ---- stage: bundled -------------------------------------------------------------------------------
 
 def stage_bundled(device: str, dtype: str, log: Log, tokens: int, graphs: bool | None = None) -> None:
+    from specfire.ops import splitk
+    splitk.set_enabled(True)   # one GPU bit-equal to the mesh (off by default on one GPU)
     from specfire import LLM, SamplingParams, SpecPolicy
 
     text = "def fibonacci(n):\n    if n < 2:\n        return n\n"
@@ -310,7 +312,7 @@ def stage_speed(shape: str, path: str, device: str, log: Log, prompt: int, token
                 row["last_layer_equal_tp1"] = bool(torch.equal(hs, ref_h))
                 row["last_layer_max_diff"] = float((hs - ref_h).abs().max())
             log("speed", **row)
-    splitk.set_enabled(True)
+    splitk.set_enabled(None)
 
 
 def main() -> None:

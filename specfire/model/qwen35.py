@@ -56,7 +56,7 @@ class Linear(nn.Module):
         self._chunks = ChunkCache()
 
     def forward(self, x: torch.Tensor, rows: bool) -> torch.Tensor:
-        if self.ksplit is None or (self.combine is None and not splitk_enabled()):
+        if self.ksplit is None or (self.combine is None and not splitk_enabled(x)):
             return linear(x, self.weight, rows, self.launch_n)
         if self.combine is None:
             return subtree(x, self.weight, self.ksplit, rows, self._chunks, x.dtype)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 CHUNKS = 8
 ALIGN = 16          # elements; chunk bounds that are multiples of this compute in place on the CPU
-_enabled = True
+_enabled: bool | None = None   # None: by device, see enabled()
 FUSED = True        # CUDA: partials and tree in one launch (ops/triton_gemv.py gemv_chunks_fused)
 # CUDA kernel of the canonical product: "fused" (split-K programs, the last one of a tile adds the
 # tree; run on the H200: bitwise equal to the two-launch form, 1.65x the plain GEMV's time) or
@@ -32,16 +32,22 @@ FUSED = True        # CUDA: partials and tree in one launch (ops/triton_gemv.py 
 KERNEL = os.environ.get("SPECFIRE_SPLITK_KERNEL", "fused")
 
 
-def enabled() -> bool:
-    return _enabled
+def enabled(x: torch.Tensor | None = None) -> bool:
+    """Whether a single device computes row-parallel projections as the canonical split. Default
+    (None): on the CPU yes (tp 1/2/4 equal bits, guarded by the tests); on one GPU no: measured on
+    an H200 (bench/tp.py, 4B shape) it cost 13% of AR decode (172.9 vs 198.8 tok/s) with the fused
+    kernel, far over a 2% budget, so one GPU keeps the plain product until a cheaper kernel lands.
+    `set_enabled(True)` makes one GPU bit-equal to a mesh. A mesh always splits canonically."""
+    if _enabled is not None:
+        return _enabled
+    return x is None or not x.is_cuda
 
 
-def set_enabled(on: bool) -> None:
-    """One device only (bench/tp.py measures what the canonical split costs): off, a row-parallel
-    projection is one plain product. A mesh always splits canonically. Read when a forward runs,
-    so set it before loading (a captured CUDA graph keeps what it captured)."""
+def set_enabled(on: bool | None) -> None:
+    """Force the canonical split on or off on a single device (None: the default above). Read
+    when a forward runs, so set it before loading (a captured CUDA graph keeps what it captured)."""
     global _enabled
-    _enabled = bool(on)
+    _enabled = None if on is None else bool(on)
 
 
 def chunk_bounds(k_total: int) -> list[int]:
