@@ -59,7 +59,7 @@ class RequestFigures:
     def summary(self) -> str:
         """The one-line human summary `specfire run` prints to stderr."""
         spec = ""
-        if self.route != "ar":
+        if self.cycles:
             per_pos = "/".join(f"{a:.2f}" for a in self.accept_per_pos)
             spec = (f", k={self.k} mean_accept_len {self.mean_accept_len:.2f} ({self.accepted}/{self.drafted} "
                     f"drafts accepted in {self.cycles} cycles, per position {per_pos or '-'})")

@@ -82,7 +82,7 @@ class Metrics:
         self.prompt_tokens.inc(fig.prompt_tokens)
         self.cached_tokens.inc(fig.cached_tokens)
         self.generation_tokens.inc(fig.generated_tokens)
-        if fig.route != "ar":
+        if fig.cycles:                     # any drafting cycle, whatever route `auto` settled on
             self.drafts.inc(fig.cycles)
             self.draft_tokens.inc(fig.drafted)
             self.accepted_tokens.inc(fig.accepted)
