@@ -1,6 +1,6 @@
 """How a Qwen3.5 trunk is split over `tp` ranks, and the fetch hook that reads one rank's slices.
 
-Split (reference/qwen35.md, 'Tensor-parallel sharding'): attention by query head (q_proj keeps its
+Split (the usual Megatron-style plan for this architecture): attention by query head (q_proj keeps its
 per-head interleaved gate), KV heads split when tp divides them and replicated when tp is a
 multiple of them; Gated DeltaNet q/k/v/z/a/b, conv channels, A_log and dt_bias by head, segment by
 segment; MLP gate/up by output row, down by input column; embedding and lm_head by vocabulary row,
