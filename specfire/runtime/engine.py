@@ -64,8 +64,12 @@ class Engine:
         """(route, reason) a request would take; raises SpecfireError for a mode it cannot serve."""
         return select_route(policy, self.mtp_loaded, sp, self.topology)
 
-    def controller(self, route: str, policy: SpecPolicy) -> RouteController:
-        """`auto`: measured choices among AR and the loaded drafters; otherwise the route as asked."""
+    def controller(self, route: str, policy: SpecPolicy, sp: SamplingParams) -> RouteController:
+        """`auto`: measured choices among AR and the loaded drafters; otherwise the route as asked.
+        A seeded sampled request gets a fixed route (MTP when loaded, else AR): which route draws the
+        random numbers changes the samples, and a seed must reproduce its output."""
+        if route == "auto" and not sp.greedy and sp.seed is not None:
+            route = "mtp" if "mtp" in self.drafters else "ar"
         if route == "auto":
             return RouteController(policy.k, tuple(r for r in ("mtp", "ngram") if r in self.drafters), self.costs,
                                    prior=self.accept_prior)
@@ -101,7 +105,7 @@ class Engine:
             route, reason = drafter.name, f"drafter {drafter.name!r} given by the caller (k={policy.k})"
         else:
             route, reason = self.route(policy, sp)
-        ctl = controller or self.controller(route, policy)
+        ctl = controller or self.controller(route, policy, sp)
         fed = [drafters[r] for r in ctl.candidates if r in drafters]   # drafters that see every token
         trunk, bufs, dev = self.trunk, self.bufs, self.trunk.device
         gen = None
