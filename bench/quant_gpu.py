@@ -50,35 +50,15 @@ def elapsed() -> float:
 
 
 def graph_time(fns, iters: int = 20) -> float:
-    """Seconds per call of fns[i % len(fns)], replayed from one CUDA graph (median of 5 replays)."""
+    """Seconds per call of fns[i % len(fns)]: bench/timing.py's CUDA-graph replay on the GPU, a plain
+    loop under BENCH_SMOKE=1 on the CPU."""
     if SMOKE:
         t = time.perf_counter()
         for f in fns:
             f()
         return (time.perf_counter() - t) / len(fns)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(iters):
-            fns[i % len(fns)]()
-    g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(5):
-        e0.record()
-        g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) / 1e3 / iters)
-    del g
-    return sorted(ts)[2]
+    from timing import graph_time as replayed  # bench/timing.py: run as a script, this folder is on sys.path
+    return replayed(fns, iters)
 
 
 def rel(a, b) -> float:
