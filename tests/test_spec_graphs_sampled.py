@@ -90,9 +90,8 @@ def _run(llm: LLM, graphs: bool, sp: SamplingParams, mode: str = "mtp") -> tuple
         eng.bufs, d.graphs = StepBuffers(eng.trunk.device), None
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_seeded_sampled_mtp_is_identical_eager_and_graphed(bundled, seed):
-    sp = SamplingParams(max_tokens=28, temperature=0.8, top_k=40, seed=seed, ignore_eos=True)
+def test_seeded_sampled_mtp_is_identical_eager_and_graphed(bundled):
+    sp = SamplingParams(max_tokens=28, temperature=0.8, top_k=40, seed=1, ignore_eos=True)
     eager, st, _ = _run(bundled, False, sp)
     graphed, _, n_graphs = _run(bundled, True, sp)
     assert n_graphs >= 2                                    # draft chain and accept both went through graphs

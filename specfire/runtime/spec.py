@@ -93,7 +93,6 @@ class StepBuffers:
             self.graphs = FnGraphs(device, emulate=emulate)
         self.pinned = device.type == "cuda"
         self.ids = torch.zeros(kmax + 1, dtype=torch.long, device=device)
-        self.zero = torch.zeros(1, dtype=torch.long, device=device)
         if self.pinned:
             self.stage = torch.zeros(2, kmax + 2, dtype=torch.long, pin_memory=True)
             self.slots = [torch.zeros(kmax + 2, dtype=torch.long, pin_memory=True) for _ in range(self.SLOTS)]
