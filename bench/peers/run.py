@@ -48,6 +48,7 @@ class Driver:
         self.log_path = os.path.join(self.out, "run.log")
         self.build: dict = {}
         self.build_proc = None
+        self.exl3_env: dict | None = None
         self.site: dict[str, str | None] = {"fla": None, "exl3": None}
         self.results: dict = {
             "command": "python bench/peers/" + " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
@@ -122,20 +123,25 @@ class Driver:
             if not whl:
                 continue
             target = os.path.join(self.work, "site_" + sub)
-            r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                                "--no-compile", "--no-cache-dir", "--target", target, *whl],
-                               capture_output=True, text=True)
-            self.note("install", what_=sub, rc=r.returncode, err=r.stderr.strip()[-300:])
-            if r.returncode == 0:
+            pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-compile",
+                   "--no-cache-dir", "--target", target]
+            r = subprocess.run(pip + whl, capture_output=True, text=True)
+            failed = []
+            if r.returncode != 0:      # one wheel this platform refuses must not cost the others
+                for w in whl:
+                    if subprocess.run(pip + [w], capture_output=True, text=True).returncode != 0:
+                        failed.append(os.path.basename(w))
+            self.note("install", what_=sub, rc=r.returncode, err=r.stderr.strip()[-300:], failed=failed)
+            if len(failed) < len(whl):
                 self.site[sub] = target
 
     def start_build(self) -> None:
         if "exllamav3" not in self.args.engines or common.device() != "cuda" or self.site["exl3"] is None:
             return
-        env = self.env(self.site["exl3"])
+        env = self.exl3_env = self.env(self.site["exl3"])
         env.setdefault("MAX_JOBS", str(os.cpu_count() or 8))
         arch = cuda_arch()
-        if arch:
+        if arch:   # the runner gets the same value: other nvcc flags would make ninja rebuild it all
             env.setdefault("TORCH_CUDA_ARCH_LIST", arch)
         self.build_log = open(os.path.join(self.out, "exl3_build.log"), "w")
         self.build = {"started_t": round(self.now(), 1), "max_jobs": env["MAX_JOBS"],
@@ -208,7 +214,8 @@ class Driver:
                "--tied", sh["ckpt"]["tied"], "--prompts", sh["prompts_file"], "--tokens", str(tokens),
                "--modes", ",".join(modes), "--out", res_path]
         t = min(timeout, self.left())
-        r = self.call(f"{engine}_{shape}", cmd, t, self.env(site))
+        env = self.exl3_env if engine == "exllamav3" and self.exl3_env else self.env(site)
+        r = self.call(f"{engine}_{shape}", cmd, t, env)
         data = {}
         if os.path.exists(res_path):
             with open(res_path) as f:
@@ -262,8 +269,11 @@ class Driver:
                     pending_exl3.append(shape)
                 for eng, modes, tmo, toks in tasks:
                     self.drain(pending_exl3)
-                    if self.left() < a.min_task:
-                        self.skip(eng, shape, modes, f"budget spent ({a.budget:.0f} s)")
+                    # a later shape's task must leave time for ExLlamaV3 runs still waiting on the build
+                    reserve = a.exl3_reserve if big and pending_exl3 and self.build_state() == "running" else 0
+                    if self.left() < a.min_task + reserve:
+                        self.skip(eng, shape, modes, f"budget spent ({a.budget:.0f} s"
+                                  + (f", {reserve:.0f} s kept for ExLlamaV3)" if reserve else ")"))
                         continue
                     self.runner(eng, shape, modes, tmo, toks)
             self.drain(pending_exl3, wait=True)
@@ -353,7 +363,10 @@ def main() -> None:
     ap.add_argument("--exl3-timeout", type=float, default=150)
     ap.add_argument("--ckpt-timeout", type=float, default=150)
     ap.add_argument("--min-task", type=float, default=25, help="no task starts with less time left")
-    ap.add_argument("--big-min", type=float, default=150, help="a later shape starts only with this much left")
+    ap.add_argument("--big-min", type=float, default=260,
+                    help="a later shape starts only with this much left (checkpoint + one runner + ExLlamaV3)")
+    ap.add_argument("--exl3-reserve", type=float, default=100,
+                    help="seconds a later shape's task leaves for ExLlamaV3 runs waiting on the build")
     ap.add_argument("--ckpt-root", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     ap.add_argument("--wheels", help="folder with fla/ and exl3/ wheel folders, installed per runner")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "peers_out"))
