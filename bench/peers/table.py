@@ -14,7 +14,7 @@ from common import CEILING, equal_prefix
 
 ENGINES = ("specfire", "transformers", "exllamav3")
 MODE_TEXT = {
-    ("specfire", "ar"): "AR, CUDA graphs",
+    ("specfire", "ar"): "AR",
     ("specfire", "mtp1"): "MTP k=1, every draft accepted",
     ("specfire", "mtp3"): "MTP k=3, every draft accepted",
     ("transformers", "eager"): "generate, dynamic cache",
@@ -84,6 +84,8 @@ def rows(results: dict) -> list[dict]:
                            check=output_check(eng, md, ref))
                 if eng == "transformers" and m == "static_compile" and not md.get("compiled"):
                     row["mode"] += " (not compiled: CPU)"
+                if eng == "specfire":
+                    row["mode"] += ", CUDA graphs" if md.get("graphs") else ", eager (no CUDA graphs)"
                 if md.get("mean_accept_len"):
                     row["mode"] += f", tau {md['mean_accept_len']:.2f}"
                 if md.get("draft_accept_rate") is not None:
