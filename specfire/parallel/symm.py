@@ -22,6 +22,16 @@ from ..errors import MeshError
 from ..ops.splitk import tree_sum
 
 
+IDS_EXACT = 1 << 24     # token ids below this are exact in float32
+
+
+def share_ids(coll, ids: torch.Tensor) -> torch.Tensor:
+    """Rank 0's int64 ids on every rank: a float32 sum of rank 0's ids and the others' zeros (exact
+    below IDS_EXACT), so the ids of a step travel inside the graph with no host in the way."""
+    v = ids.to(torch.float32) if coll.rank == 0 else torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+    return coll.sum(v).to(torch.int64)
+
+
 class SymmCollectives:
     """Symmetric-memory collectives of one rank over the forward group."""
 
@@ -67,6 +77,9 @@ class SymmCollectives:
         view.copy_(x)
         return torch.ops.symm_mem.one_shot_all_reduce(view, "sum", self.name)
 
+    def share_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return share_ids(self, ids)
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[world, *x.shape]: every rank's x, exactly (each slot is one rank's values plus zeros)."""
         z = torch.zeros((self.world,) + tuple(x.shape), dtype=x.dtype, device=x.device)
@@ -103,6 +116,9 @@ class GlooCollectives:
         for p in parts[1:]:
             out += p
         return out
+
+    def share_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return share_ids(self, ids)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         return torch.stack(self._parts(x))
