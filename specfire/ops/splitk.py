@@ -180,18 +180,23 @@ def partials_cpu(x: torch.Tensor, w, split: KSplit, rows: bool, cache: ChunkCach
 
 
 def subtree(x: torch.Tensor, w, split: KSplit, rows: bool, cache: ChunkCache,
-            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            out_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
     """[M, N] `out_dtype`: the canonical tree over this weight's chunks, summed in float32 (the
-    whole sum when the weight holds every chunk; a rank's subtree otherwise)."""
+    whole sum when the weight holds every chunk; a rank's subtree otherwise). `out`: a
+    contiguous [M, N] float32 tensor to hold it (a collective's buffer: no copy before sending)."""
+    if out is not None:
+        if x.is_cuda and isinstance(w, torch.Tensor) and KERNEL == "loop" and tree_loop_ok(split):
+            from .triton_gemv import gemv_tree_loop, row_tile
+            return gemv_tree_loop(x, w, split.c1 - split.c0, torch.float32, row_tile(x.shape[0], rows), out=out)
+        return out.copy_(subtree(x, w, split, rows, cache))
     if x.is_cuda and isinstance(w, torch.Tensor):
-        from .triton_gemv import (chunk_partials, gemv_chunks_fused, gemv_tree_loop, row_tile, tree_combine,
-                                  tree_loop_fits)
+        from .triton_gemv import chunk_partials, gemv_chunks_fused, gemv_tree_loop, row_tile, tree_combine
         cache.get(w, split, x.dtype)
         if cache.bounds_dev is None:
             cache.bounds_dev = torch.tensor(split.bounds, dtype=torch.int32, device=x.device)
         tile = row_tile(x.shape[0], rows)
         c = split.c1 - split.c0
-        if KERNEL == "loop" and tree_loop_fits(split.k_local, c):
+        if KERNEL == "loop" and tree_loop_ok(split):
             return gemv_tree_loop(x, w, c, out_dtype, tile)
         if FUSED:
             return gemv_chunks_fused(x, w, cache.bounds_dev, out_dtype, tile)
@@ -202,6 +207,13 @@ def subtree(x: torch.Tensor, w, split: KSplit, rows: bool, cache: ChunkCache,
             return tree_stack(st).to(out_dtype)
     parts = q4_partials_cuda(x, w, split, cache) if x.is_cuda else partials_cpu(x, w, split, rows, cache)
     return tree_sum(parts).to(out_dtype)
+
+
+def tree_loop_ok(split: KSplit) -> bool:
+    """The one-loop kernel serves equal chunks whose width is a multiple of its BLOCK_K."""
+    from .triton_gemv import tree_loop_fits
+    b = chunk_bounds(split.k_total)
+    return b[1] * CHUNKS == split.k_total and tree_loop_fits(split.k_local, split.c1 - split.c0)
 
 
 def q4_partials_cuda(x: torch.Tensor, w, split: KSplit, cache: ChunkCache) -> list[torch.Tensor]:

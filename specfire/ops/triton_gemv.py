@@ -11,6 +11,7 @@ operand, so one weight tile is read once for all rows: the kernel moves the weig
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -339,11 +340,14 @@ def gemv_chunks_fused(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor, ou
 @triton.jit(do_not_specialize=["M"])
 def _tree_loop_kernel(x_ptr, w_ptr, y_ptr, M, N, K, KC, stride_xm, stride_wn,
                       C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_: tl.constexpr,
-                      IEEE: tl.constexpr):
+                      IEEE: tl.constexpr, SELECT: tl.constexpr):
     """The canonical tree in one K loop, as the plain GEMV walks K: the accumulator restarts at
     every chunk bound (KC columns, a multiple of BLOCK_K) and each finished chunk is folded into
     the tree like a binary counter (chunk c merges with the held subtrees for every trailing 1
-    bit of c). Each chunk's sum and every add are those of chunk_partials + tree_combine."""
+    bit of c). Each chunk's sum and every add are those of chunk_partials + tree_combine.
+    SELECT: the fold without branches (every candidate sum computed, the right one selected), so
+    the loop body has no control flow for the compiler's software pipelining to trip on; the
+    same adds of the same values, so the same bits."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -365,7 +369,18 @@ def _tree_loop_kernel(x_ptr, w_ptr, y_ptr, M, N, K, KC, stride_xm, stride_wn,
             acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
         else:
             acc = tl.dot(w, tl.trans(x), acc)
-        if (k0 + BLOCK_K) % KC == 0:
+        if SELECT:
+            end = (k0 + BLOCK_K) % KC == 0
+            c = k0 // KC
+            v1 = s0 + acc                       # the subtree chunk c closes, at each tree level
+            v2 = s1 + v1
+            v3 = s2 + v2
+            s0 = tl.where(end & (c % 2 == 0), acc, s0)
+            s1 = tl.where(end & (c % 4 == 1), v1, s1)
+            s2 = tl.where(end & (c % 8 == 3), v2, s2)
+            s3 = tl.where(end & (c % 8 == 7), v3, s3)
+            acc = tl.where(end, zero, acc)
+        elif (k0 + BLOCK_K) % KC == 0:
             c = k0 // KC
             v = acc
             if c % 2 == 1:
@@ -393,8 +408,27 @@ def _tree_loop_kernel(x_ptr, w_ptr, y_ptr, M, N, K, KC, stride_xm, stride_wn,
              mask=n_mask[:, None] & m_mask[None, :])
 
 
+def _loop_override() -> tuple[GemvConfig | None, bool]:
+    """SPECFIRE_SPLITK_LOOP="block_n,num_warps,num_stages,select" (bench/tp.py's sweep): launch
+    settings of the tree loop for every shape. They change no bits: BLOCK_K (the order of the
+    adds) stays 128, and the sweep checks each setting bitwise against the two-launch form."""
+    raw = os.environ.get("SPECFIRE_SPLITK_LOOP")
+    if not raw:
+        return None, True
+    try:
+        bn, nw, ns, sel = (int(v) for v in raw.split(","))
+    except ValueError:
+        raise ValueError(f"SPECFIRE_SPLITK_LOOP must be 'block_n,num_warps,num_stages,select' integers, got {raw!r}") from None
+    return GemvConfig(block_n=bn, block_k=128, num_warps=nw, num_stages=ns), bool(sel)
+
+
+LOOP_CONFIG, LOOP_SELECT = _loop_override()
+
+
 def tree_loop_config(n: int, k: int) -> GemvConfig:
     """The plain GEMV's settings for the shape, with BLOCK_K dividing the chunk width."""
+    if LOOP_CONFIG is not None:
+        return LOOP_CONFIG
     cfg = gemv_config(n, k)
     return GemvConfig(block_n=cfg.block_n, block_k=128, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -405,9 +439,11 @@ def tree_loop_fits(k: int, c: int, block_k: int = 128) -> bool:
 
 
 def gemv_tree_loop(x: torch.Tensor, w: torch.Tensor, c: int, out_dtype: torch.dtype, tile: int = ROWS,
-                   launch_n: int | None = None) -> torch.Tensor:
+                   launch_n: int | None = None, cfg: GemvConfig | None = None, select: bool | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """[M, N] `out_dtype`: the canonical tree over c equal chunks of K, one launch, no partials in
-    memory (the same bits as tree_combine(chunk_partials(...)) for equal chunks)."""
+    memory (the same bits as tree_combine(chunk_partials(...)) for equal chunks). `out`: a
+    contiguous [M, N] tensor to write (e.g. a collective's buffer), instead of a new one."""
     m, k = x.shape
     n = w.shape[0]
     if w.shape[1] != k or not tree_loop_fits(k, c):
@@ -415,11 +451,13 @@ def gemv_tree_loop(x: torch.Tensor, w: torch.Tensor, c: int, out_dtype: torch.dt
     x = x.contiguous()
     if w.stride(1) != 1:
         w = w.contiguous()
-    cfg = tree_loop_config(launch_n or n, k * (8 // c))
-    y = torch.empty(m, n, device=x.device, dtype=out_dtype)
+    cfg = cfg or tree_loop_config(launch_n or n, k * (8 // c))
+    if cfg.block_k != 128:
+        raise ValueError("gemv_tree_loop: BLOCK_K is the canonical 128 (it orders the adds)")
+    y = out if out is not None else torch.empty(m, n, device=x.device, dtype=out_dtype)
     grid = (triton.cdiv(m, tile), triton.cdiv(n, cfg.block_n))
     _tree_loop_kernel[grid](x, w, y, m, n, k, k // c, x.stride(0), w.stride(0),
                             C=c, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=tile,
-                            IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps,
-                            num_stages=fit_stages(cfg, tile, x.element_size()))
+                            IEEE=x.dtype == torch.float32, SELECT=LOOP_SELECT if select is None else select,
+                            num_warps=cfg.num_warps, num_stages=fit_stages(cfg, tile, x.element_size()))
     return y

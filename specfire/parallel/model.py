@@ -23,7 +23,7 @@ def row_parallel(k_total: int, out_features: int, plan: ShardPlan, comm: Comm) -
     k_total-wide reduction, their subtree summed here, the ranks' subtrees by comm.tree_all_reduce."""
     split = KSplit.for_rank(k_total, plan.rank, plan.tp)
     lin = Linear(split.k_local, out_features, row_parallel=True)
-    lin.ksplit, lin.combine = split, comm.tree_all_reduce
+    lin.ksplit, lin.combine, lin.reserve = split, comm.tree_all_reduce, comm.tree_buffer
     return lin
 
 

@@ -145,7 +145,9 @@ def test_chunk_kernel_partials_tree_and_shards():
     wl, xl = torch.randn(37, 1024, generator=g), torch.randn(5, 1024, generator=g)
     for c in (8, 4, 1):
         bc = torch.tensor([1024 * j // c for j in range(c + 1)], dtype=torch.int32)
-        assert torch.equal(gemv_tree_loop(xl, wl, c, torch.float32), tree_combine(chunk_partials(xl, wl, bc), torch.float32))
+        ref = tree_combine(chunk_partials(xl, wl, bc), torch.float32)
+        for select in (False, True):         # the fold with branches, and without (selects)
+            assert torch.equal(gemv_tree_loop(xl, wl, c, torch.float32, select=select), ref)
     bt = torch.tensor(b, dtype=torch.int32)
     xb = torch.randn(70, k, generator=g)                   # a prefill: 5 tiles of 16, or 2 of 64 (masked)
     for tile in (16, 64):
@@ -200,6 +202,7 @@ def test_mesh_bits_equal_one_device(ckpt_cache, name, degrees):
             # rows forwards (decode, verify) went through the GPU graph path's collectives, prefill not
             n_rows = 2 * mesh.cfg.num_hidden_layers
             assert len(calls) >= n_rows and len(calls) % n_rows == 0 and all(c[0] <= 5 for c in calls)
+            assert symm.reserved == len(calls)       # each subtree written straight into the send buffer
 
 
 def test_four_bit_mesh_bits_equal_one_device(ckpt_cache, tmp_path):
