@@ -198,10 +198,12 @@ def job_speed(cfg, path: str, tp: int, device: str, log: Log, prompt: int, token
                     with open(f) as fh:
                         body = json.load(fh)
                     log("profile", shape=shape, tp=tp, rows=rows, rank=r, families=body["families_per_replay"],
-                        top=body["top_kernels_per_replay"][:12])
-                elif f and os.path.exists(f[:-5] + ".error"):
+                        top=body["top_kernels_per_replay"][:16])
+                    os.unlink(f)                     # logged: keep OUT to a few files
+                if f and os.path.exists(f[:-5] + ".error"):
                     with open(f[:-5] + ".error") as fh:
                         log("error", where=f"profile tp{tp} r{rows} rank{r}", error=fh.read()[:500])
+                    os.unlink(f[:-5] + ".error")
 
 
 # ---- identity ---------------------------------------------------------------------------------------
@@ -292,7 +294,7 @@ def run_job(job: str, args) -> None:
     deadline = time.monotonic() + args.job_limit_s - 15
     if job == "kernels":
         from tp_kernels import stage_kernels
-        stage_kernels(cfg, log)
+        stage_kernels(cfg, log, os.path.join(d, "best_loop.json"))
     elif job == "collect":
         from tp_kernels import stage_collect
         stage_collect(cfg, log)
@@ -321,6 +323,7 @@ def main() -> None:
     ap.add_argument("--ckpt-dir", default=None, help="where the checkpoints go (default: a fresh dir in /dev/shm)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--commit", default=None, help="recorded in the log (the GPU copy has no .git)")
+    ap.add_argument("--keep-kernel", action="store_true", help="do not apply the kernels job's best tree-loop setting")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: check the flow, no timings worth keeping")
     ap.add_argument("--job", default=None, help=argparse.SUPPRESS)            # a child: run this one job
     ap.add_argument("--job-limit-s", type=float, default=600, help=argparse.SUPPRESS)
@@ -366,6 +369,12 @@ def main() -> None:
                 rc = "killed at its time limit"
             if rc != 0:
                 log("error", where=f"job {job}", error=f"exited with {rc}", seconds=time.perf_counter() - t0)
+            best = os.path.join(args.ckpt_dir, "best_loop.json")
+            if job == "kernels" and os.path.exists(best) and not args.keep_kernel:
+                with open(best) as f:
+                    env = json.load(f)
+                os.environ.update(env)          # the later jobs run the fastest bit-equal tree loop
+                log("kernel_choice", env=env)
     finally:
         if own_dir:
             shutil.rmtree(args.ckpt_dir, ignore_errors=True)

@@ -22,7 +22,7 @@ def row_parallel_shapes(cfg) -> dict[str, tuple[int, int]]:
             "down_proj": (h, cfg.intermediate_size)}
 
 
-def stage_kernels(cfg, log, smoke: bool = False) -> None:
+def stage_kernels(cfg, log, best_path: str | None = None, smoke: bool = False, dev: str = "cuda") -> None:
     """Per row-parallel projection and degree (tp1: K whole in 8 chunks; tp2: a rank's K/2 in 4),
     M = 1: plain GEMV, the fused split-K kernel, the tree loop in each swept setting (bits vs the
     two-launch form, time). Then M = 4 for the default and the best setting. Column shards: the
@@ -34,8 +34,10 @@ def stage_kernels(cfg, log, smoke: bool = False) -> None:
     from specfire.ops.triton_gemv import (GemvConfig, chunk_partials, gemv, gemv_chunks_fused, gemv_config,
                                           gemv_tree_loop, tree_combine)
 
-    dev, dt = "cuda", torch.bfloat16
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
     best: dict[tuple, tuple[float, tuple]] = {}
+    times: dict[tuple, dict[tuple, float]] = {}          # setting -> (proj, tp) -> seconds at M = 1 (inf: bits differ)
+    fused_total = 0.0
     sweep = LOOP_SWEEP[:3] if smoke else LOOP_SWEEP
     for name, (n, k_all) in row_parallel_shapes(cfg).items():
         for tp in (1, 2):
@@ -52,6 +54,8 @@ def stage_kernels(cfg, log, smoke: bool = False) -> None:
                 row["plain_us"], row["plain_bw"] = t * 1e6, nbytes / t / CEILING
                 t = graph_time([lambda w=w: gemv_chunks_fused(x, w, b, dt) for w in ws])
                 row["fused_us"], row["fused_equal"] = t * 1e6, bool(torch.equal(gemv_chunks_fused(x, ws[0], b, dt), ref))
+                if m == 1:
+                    fused_total += t
                 for s in (sweep if m == 1 else [LOOP_SWEEP[0]] + ([best[(name, tp)][1]] if (name, tp) in best else [])):
                     g = GemvConfig(block_n=s[0], block_k=128, num_warps=s[1], num_stages=s[2])
                     try:
@@ -63,6 +67,8 @@ def stage_kernels(cfg, log, smoke: bool = False) -> None:
                         continue
                     key = "loop_" + "_".join(map(str, s))
                     row[key + "_us"], row[key + "_equal"] = t * 1e6, eq
+                    if m == 1:
+                        times.setdefault(s, {})[(name, tp)] = t if eq else float("inf")
                     if m == 1 and eq and ((name, tp) not in best or t < best[(name, tp)][0]):
                         best[(name, tp)] = (t, s)
                 if m == 1 and (name, tp) in best:
@@ -71,6 +77,20 @@ def stage_kernels(cfg, log, smoke: bool = False) -> None:
                 log("kernels", **row)
             del ws
     log("kernels", best_per_shape={f"{a}/tp{b}": list(s) for (a, b), (_, s) in best.items()})
+    # one setting for every shape: the least total M = 1 time, bits equal everywhere
+    n_shapes = len(row_parallel_shapes(cfg)) * 2
+    totals = {s: sum(v.values()) for s, v in times.items() if len(v) == n_shapes}
+    if totals:
+        s, t = min(totals.items(), key=lambda kv: kv[1])
+        pick = dict(setting=list(s), loop_total_us=t * 1e6, fused_total_us=fused_total * 1e6,
+                    default_loop_total_us=totals.get(LOOP_SWEEP[0], float("inf")) * 1e6, use_loop=t < fused_total)
+        log("kernels", global_best=pick)
+        if best_path and t < float("inf"):
+            import json
+            env = ({"SPECFIRE_SPLITK_KERNEL": "loop", "SPECFIRE_SPLITK_LOOP": ",".join(map(str, s))} if pick["use_loop"]
+                   else {"SPECFIRE_SPLITK_KERNEL": "fused"})
+            with open(best_path, "w") as f:
+                json.dump(env, f)
     # column shards: a smaller BLOCK_N, the same bits? (then a shard may use more programs)
     h = cfg.hidden_size
     for n in (cfg.linear_num_value_heads * cfg.linear_value_head_dim, cfg.intermediate_size):

@@ -25,11 +25,11 @@ CHUNKS = 8
 ALIGN = 16          # elements; chunk bounds that are multiples of this compute in place on the CPU
 _enabled: bool | None = None   # None: by device, see enabled()
 FUSED = True        # CUDA: partials and tree in one launch (ops/triton_gemv.py gemv_chunks_fused)
-# CUDA kernel of the canonical product: "fused" (split-K programs, the last one of a tile adds the
-# tree; run on the H200: bitwise equal to the two-launch form, 1.65x the plain GEMV's time) or
-# "loop" (one K loop like the plain GEMV, the tree folded in registers; bitwise equal under
-# TRITON_INTERPRET, not yet run on a GPU). Read at import.
-KERNEL = os.environ.get("SPECFIRE_SPLITK_KERNEL", "fused")
+# CUDA kernel of the canonical product: "loop" (one K loop like the plain GEMV, the tree folded in
+# registers; measured on the H200, 4B shapes: bitwise equal to the two-launch form, 1.38-1.48x the
+# plain GEMV's time) where the chunks are equal multiples of 128 columns (every real Qwen3.5
+# shape), else "fused" (split-K programs, the last one of a tile adds the tree: 1.8x). Read at import.
+KERNEL = os.environ.get("SPECFIRE_SPLITK_KERNEL", "loop")
 
 
 def enabled(x: torch.Tensor | None = None) -> bool:

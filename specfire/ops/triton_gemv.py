@@ -414,7 +414,7 @@ def _loop_override() -> tuple[GemvConfig | None, bool]:
     adds) stays 128, and the sweep checks each setting bitwise against the two-launch form."""
     raw = os.environ.get("SPECFIRE_SPLITK_LOOP")
     if not raw:
-        return None, True
+        return None, False
     try:
         bn, nw, ns, sel = (int(v) for v in raw.split(","))
     except ValueError:

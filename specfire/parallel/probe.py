@@ -45,22 +45,40 @@ def time_rows(trunk: LocalTrunk, rows: int, n: int, profile: str | None = None, 
     e1.synchronize()
     sec = e0.elapsed_time(e1) / 1e3 / n
     if profile:
-        try:
-            _profile(g.graph, min(n, 8), f"{profile}.rank{rank}")
-        except Exception as e:  # noqa: BLE001 - a probe reports and goes on
-            with open(f"{profile}.rank{rank}.error", "w") as f:
-                f.write(f"{type(e).__name__}: {e}\n")
+        _profile(g.graph, min(n, 8), f"{profile}.rank{rank}")
     return sec
 
 
 def _profile(graph: torch.cuda.CUDAGraph, n: int, path: str) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            graph.replay()
+    """Replays exactly n times whatever the profiler does (on a mesh the peers replay as many:
+    a rank that stopped short would leave them waiting inside a collective)."""
+    prof = None
+    try:
+        from torch.profiler import ProfilerActivity, profile
         torch.cuda.synchronize()
+        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        prof.__enter__()
+    except Exception as e:  # noqa: BLE001 - a probe reports and goes on
+        prof = None
+        _error(path, e)
+    for _ in range(n):
+        graph.replay()
+    torch.cuda.synchronize()
+    if prof is None:
+        return
+    try:
+        prof.__exit__(None, None, None)
+        _summary(prof, n, path)
+    except Exception as e:  # noqa: BLE001
+        _error(path, e)
+
+
+def _error(path: str, e: BaseException) -> None:
+    with open(path + ".error", "w") as f:
+        f.write(f"{type(e).__name__}: {e}\n")
+
+
+def _summary(prof, n: int, path: str) -> None:
     kernels: dict[str, list[float]] = {}
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
