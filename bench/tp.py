@@ -25,6 +25,7 @@ JSON line appended to OUT/tp.jsonl as it is measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -43,8 +44,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 CEILING = 4.17e12     # measured device-to-device copy bandwidth of the H200 (bytes/s)
 # job -> (estimated seconds, time limit seconds) on the GPU at the 27B shape
-JOBS = {"kernels": (45, 120), "bundled": (30, 120), "ckpt": (60, 200), "speed1": (60, 200), "speed2": (60, 200),
-        "ident1": (50, 240), "ident2": (50, 240), "collect": (20, 90)}
+JOBS = {"kernels": (15, 120), "bundled": (35, 120), "ckpt": (30, 100), "speed1": (60, 120), "speed2": (60, 200),
+        "ident1": (50, 120), "ident2": (40, 120), "collect": (12, 90)}
 
 
 class Log:
@@ -69,9 +70,10 @@ def md5(ids: list[int]) -> str:
 def job_ckpt(cfg, d: str, device: str, log: Log) -> None:
     """d/normal: random weights + MTP head; d/tied: hard links to it plus one small file, sorted
     last (the loader's later file wins a name), holding the two final norms at -1."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from safetensors.torch import save_file
     from decode import build
-    from synthetic import shard_by_shard
 
     from specfire.model.qwen35 import MtpHead
     from specfire.train.export import export_checkpoint
@@ -87,8 +89,10 @@ def job_ckpt(cfg, d: str, device: str, log: Log) -> None:
     with torch.no_grad():
         for _, p in head.named_parameters():
             p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=dt) * (0.1 if p.dim() == 1 else p.shape[-1] ** -0.5))
-    with shard_by_shard():
-        export_checkpoint(trunk, head, normal, eos_ids=[cfg.vocab_size - 1], dtype=dt, max_shard_bytes=4 << 30)
+    with ThreadPoolExecutor(8) as pool, parallel_export(pool) as pending:
+        export_checkpoint(trunk, head, normal, eos_ids=[cfg.vocab_size - 1], dtype=dt, max_shard_bytes=2 << 30)
+        for f in pending:
+            f.result()
     del trunk, head
     os.makedirs(tied, exist_ok=True)
     for f in os.listdir(normal):
@@ -115,6 +119,57 @@ def job_ckpt(cfg, d: str, device: str, log: Log) -> None:
     if device == "cuda":
         torch.cuda.empty_cache()
     log("ckpt", shape=cfg.hidden_size, write_s=time.perf_counter() - t0)
+
+
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict | None = None) -> None:
+    """The safetensors layout (8-byte header length, JSON header, raw bytes in header order),
+    written tensor by tensor from the device: no whole-shard host copy, and the file writes
+    release the GIL, so several shards are written at once."""
+    import struct
+
+    names = sorted(tensors)
+    header, off = {}, 0
+    for k in names:
+        t = tensors[k]
+        nb = t.numel() * t.element_size()
+        header[k] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + nb]}
+        off += nb
+    if metadata:
+        header["__metadata__"] = metadata
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(hb)))
+        f.write(hb)
+        for k in names:
+            t = tensors[k].detach().contiguous().reshape(-1).to("cpu")
+            f.write(t.view(torch.uint8).numpy().data)
+
+
+@contextlib.contextmanager
+def parallel_export(pool):
+    """export_checkpoint with its shards written by `pool` straight from the device (the 27B shape's
+    54 GB took 75 s through safetensors' writer one shard after another). Yields the futures."""
+    from specfire.train import export
+
+    ct, sf = export.checkpoint_tensors, export.save_file
+    pending: list = []
+
+    def tensors(trunk, head, dtype):
+        out = {(n if n == "lm_head.weight" else "model." + n): p.detach().to(dtype) for n, p in trunk.named_parameters()}
+        out.update({"mtp." + n: p.detach().to(dtype) for n, p in head.named_parameters()})
+        return out
+
+    def save(shard, fn, metadata=None):
+        pending.append(pool.submit(write_safetensors, dict(shard), fn, metadata))
+    export.checkpoint_tensors, export.save_file = tensors, save
+    try:
+        yield pending
+    finally:
+        export.checkpoint_tensors, export.save_file = ct, sf
 
 
 def step_bytes(cfg, tp: int, ctx: int) -> float:
@@ -346,29 +401,37 @@ def main() -> None:
         env={k: v for k, v in os.environ.items() if k.startswith("SPECFIRE_")})
     t_end = time.monotonic() + args.budget_s
     try:
-        for job in args.jobs.split(","):
-            est, limit = JOBS[job]
+        for group in args.jobs.split(","):
+            jobs = group.split("+")          # a+b: run together, job i on GPU i (single-GPU jobs)
+            est = max(JOBS[j][0] for j in jobs)
             left = t_end - time.monotonic()
             if left < est:
-                log("skipped", job=job, why=f"{left:.0f} s left, estimate {est} s")
+                log("skipped", job=group, why=f"{left:.0f} s left, estimate {est} s")
                 continue
-            limit = min(limit, left)
-            cmd = [sys.executable, os.path.abspath(__file__), "--job", job, "--job-limit-s", str(limit),
-                   "--shape", args.shape, "--prompt", str(args.prompt), "--tokens", str(args.tokens),
-                   "--long", str(args.long), "--ckpt-dir", args.ckpt_dir]
-            cmd += ["--smoke"] if args.smoke else []
-            cmd += ["--out", args.out] if args.out else []
             t0 = time.perf_counter()
-            p = subprocess.Popen(cmd, start_new_session=True)
-            try:
-                rc = p.wait(timeout=limit)
-            except subprocess.TimeoutExpired:
-                import signal
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-                rc = "killed at its time limit"
-            if rc != 0:
-                log("error", where=f"job {job}", error=f"exited with {rc}", seconds=time.perf_counter() - t0)
+            procs = []
+            for i, job in enumerate(jobs):
+                limit = min(JOBS[job][1], left)
+                cmd = [sys.executable, os.path.abspath(__file__), "--job", job, "--job-limit-s", str(limit),
+                       "--shape", args.shape, "--prompt", str(args.prompt), "--tokens", str(args.tokens),
+                       "--long", str(args.long), "--ckpt-dir", args.ckpt_dir]
+                cmd += ["--smoke"] if args.smoke else []
+                cmd += ["--out", args.out] if args.out else []
+                env = dict(os.environ)
+                if len(jobs) > 1 and not args.smoke:
+                    env["CUDA_VISIBLE_DEVICES"] = str(i)
+                procs.append((job, subprocess.Popen(cmd, start_new_session=True, env=env), time.monotonic() + limit))
+            for job, p, until in procs:
+                try:
+                    rc = p.wait(timeout=max(1.0, until - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    import signal
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+                    rc = "killed at its time limit"
+                if rc != 0:
+                    log("error", where=f"job {job}", error=f"exited with {rc}", seconds=time.perf_counter() - t0)
+            job = group
             best = os.path.join(args.ckpt_dir, "best_loop.json")
             if job == "kernels" and os.path.exists(best) and not args.keep_kernel:
                 with open(best) as f:
