@@ -31,8 +31,8 @@ def stage_kernels(cfg, log, best_path: str | None = None, smoke: bool = False, d
     from timing import graph_time
 
     from specfire.ops.splitk import chunk_bounds
-    from specfire.ops.triton_gemv import (GemvConfig, chunk_partials, gemv, gemv_chunks_fused, gemv_config,
-                                          gemv_tree_loop, tree_combine)
+    from specfire.ops.triton_gemv import GemvConfig, gemv, gemv_config
+    from specfire.ops.triton_splitk import chunk_partials, gemv_chunks_fused, gemv_tree_loop, tree_combine
 
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
     best: dict[tuple, tuple[float, tuple]] = {}

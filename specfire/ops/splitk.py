@@ -24,7 +24,7 @@ import torch.nn.functional as F
 CHUNKS = 8
 ALIGN = 16          # elements; chunk bounds that are multiples of this compute in place on the CPU
 _enabled: bool | None = None   # None: by device, see enabled()
-FUSED = True        # CUDA: partials and tree in one launch (ops/triton_gemv.py gemv_chunks_fused)
+FUSED = True        # CUDA: partials and tree in one launch (ops/triton_splitk.py gemv_chunks_fused)
 # CUDA kernel of the canonical product: "loop" (one K loop like the plain GEMV, the tree folded in
 # registers; measured on the H200, 4B shapes: bitwise equal to the two-launch form, 1.38-1.48x the
 # plain GEMV's time) where the chunks are equal multiples of 128 columns (every real Qwen3.5
@@ -186,11 +186,13 @@ def subtree(x: torch.Tensor, w, split: KSplit, rows: bool, cache: ChunkCache,
     contiguous [M, N] float32 tensor to hold it (a collective's buffer: no copy before sending)."""
     if out is not None:
         if x.is_cuda and isinstance(w, torch.Tensor) and KERNEL == "loop" and tree_loop_ok(split):
-            from .triton_gemv import gemv_tree_loop, row_tile
+            from .triton_gemv import row_tile
+            from .triton_splitk import gemv_tree_loop
             return gemv_tree_loop(x, w, split.c1 - split.c0, torch.float32, row_tile(x.shape[0], rows), out=out)
         return out.copy_(subtree(x, w, split, rows, cache))
     if x.is_cuda and isinstance(w, torch.Tensor):
-        from .triton_gemv import chunk_partials, gemv_chunks_fused, gemv_tree_loop, row_tile, tree_combine
+        from .triton_gemv import row_tile
+        from .triton_splitk import chunk_partials, gemv_chunks_fused, gemv_tree_loop, tree_combine
         cache.get(w, split, x.dtype)
         if cache.bounds_dev is None:
             cache.bounds_dev = torch.tensor(split.bounds, dtype=torch.int32, device=x.device)
@@ -211,7 +213,7 @@ def subtree(x: torch.Tensor, w, split: KSplit, rows: bool, cache: ChunkCache,
 
 def tree_loop_ok(split: KSplit) -> bool:
     """The one-loop kernel serves equal chunks whose width is a multiple of its BLOCK_K."""
-    from .triton_gemv import tree_loop_fits
+    from .triton_splitk import tree_loop_fits
     b = chunk_bounds(split.k_total)
     return b[1] * CHUNKS == split.k_total and tree_loop_fits(split.k_local, split.c1 - split.c0)
 
