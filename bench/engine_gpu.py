@@ -8,11 +8,14 @@
             final norms -1 (every draft of the real head accepted): AR decode vs the bare trunk
             step, MTP k=3, and SYNTHETIC-acceptance MTP k=3 at the code / prose profiles
             (bench/synthetic.py: the head's cost is real, its acceptance is drawn), and auto.
+4. sampled: sampled MTP k=3 with the draft chain and accept replayed from CUDA graphs vs the same
+            seeded request run eagerly (identical tokens) and vs greedy MTP (cycle cost).
 Bandwidth: tok/s x bytes of one AR step (bench/decode.py `step_bytes`) / 4.17 TB/s; for
 speculative routes that is the AR-equivalent fraction. A stage's results are written to
 $OUT/engine_gpu.json as soon as it ends, so a timeout keeps what finished.
 
     python bench/engine_gpu.py [--shape 27B] [--big-tokens 128] [--bundled-tokens 256]
+    python bench/engine_gpu.py --stages sampled --big-tokens 64
     python bench/engine_gpu.py --smoke      # CPU: bundled + a tiny shape, few tokens
 """
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from decode import CEILING, SHAPES, make_cfg, step_bytes  # noqa: E402
+from decode import CEILING, SHAPES, build, make_cfg, step_bytes  # noqa: E402
 from synthetic import PROFILES, ProfileDrafter, write_tied_checkpoint  # noqa: E402
 
 from specfire import LLM, SamplingParams, SpecPolicy  # noqa: E402
@@ -220,6 +223,60 @@ def big_spec(rep: Report, llm: LLM, prompts: list, tokens: int, nbytes: int, ar:
     rep.put("big_mtp_auto", res)
 
 
+def stage_sampled(rep: Report, dev: str, shape: str, prompt: int, tokens: int) -> None:
+    """Sampled MTP k=3 (temperature 0.8, top-p 0.95, seeded) with the draft chain and the accept
+    replayed from CUDA graphs, against the same request run eagerly (same tokens expected: the
+    random stream is device-side) and against greedy MTP: the cost of a cycle. Random weights of
+    `shape` built on the device with a random head (drafts rarely accepted, greedy or sampled, so
+    the comparison is at equal acceptance)."""
+    from prefill import random_head
+
+    from specfire.runtime.drafters import MtpDrafter
+    from specfire.runtime.engine import Engine
+    from specfire.runtime.trunk import LocalTrunk
+
+    cfg = make_cfg(shape)
+    if shape == "tiny":
+        cfg = dataclasses.replace(cfg, vocab_size=1024)
+    dtype = torch.bfloat16 if dev.startswith("cuda") else torch.float32
+    model = build(cfg, dev, dtype)
+    trunk = LocalTrunk(model, prompt + tokens + 64, dtype)
+    eng = Engine(trunk, None, set(), {"mtp": MtpDrafter(random_head(cfg, dev, dtype), trunk, dtype)})
+    ids = torch.randint(0, cfg.vocab_size, (prompt,), generator=torch.Generator().manual_seed(4)).tolist()
+    drafter = eng.drafters["mtp"]
+
+    def go(sp: SamplingParams, policy: SpecPolicy, graphs: bool = True) -> dict:
+        saved = drafter.graphs, eng.bufs.graphs
+        if not graphs:
+            drafter.graphs = eng.bufs.graphs = None
+        try:
+            r = list(eng.stream(ids, sp, policy))[-1].result
+        finally:
+            drafter.graphs, eng.bufs.graphs = saved
+        st = r.stats
+        steps = max(1, st["cycles"] if policy.mode != "off" else st["generated_tokens"] - 1)
+        return {"tok_s": st["decode_tok_s"], "step_ms": st["decode_s"] / steps * 1e3, "tau": st["mean_accept_len"],
+                "cycles": st["cycles"], "ids": r.token_ids}
+
+    greedy = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.8, top_p=0.95, seed=5)
+    mtp, off = SpecPolicy("mtp", 3), SpecPolicy("off")
+    for sp in (greedy, sampled):                     # warm-up: kernel compilation and graph captures
+        go(sp, mtp)
+        go(sp, off)
+    res = {"greedy_mtp": go(greedy, mtp), "sampled_mtp_graphs": go(sampled, mtp),
+           "sampled_mtp_eager": go(sampled, mtp, graphs=False), "greedy_ar": go(greedy, off),
+           "sampled_ar_graphs": go(sampled, off)}
+    out = {"shape": shape, "graphs": trunk.graphs_enabled,
+           "sampled_graphs_equal_eager": res["sampled_mtp_graphs"]["ids"] == res["sampled_mtp_eager"]["ids"],
+           "sampled_vs_greedy_cycle": res["greedy_mtp"]["step_ms"] / res["sampled_mtp_graphs"]["step_ms"],
+           "eager_vs_graphs_cycle": res["sampled_mtp_graphs"]["step_ms"] / res["sampled_mtp_eager"]["step_ms"],
+           "sampled_ar_vs_greedy_ar": res["greedy_ar"]["step_ms"] / res["sampled_ar_graphs"]["step_ms"]}
+    for r in res.values():
+        r.pop("ids")
+    rep.put("sampled", {**out, "runs": res})
+
+
 def table(d: dict) -> None:
     print("\n| model | route | tok/s | of 4.17 TB/s | tau | note |\n|---|---|---|---|---|---|")
     b = d.get("bundled")
@@ -257,6 +314,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--ckpt-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     ap.add_argument("--skip-big", action="store_true")
+    ap.add_argument("--stages", default="bundled,big", help="comma list of bundled, big, sampled")
     ap.add_argument("--smoke", action="store_true", help="CPU check: tiny shape, few tokens")
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -267,10 +325,13 @@ def main() -> None:
     rep.put("machine", {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
                         "torch": torch.__version__, "shape": args.shape, "prompt": args.prompt,
                         "big_tokens": args.big_tokens, "bundled_tokens": args.bundled_tokens})
-    stages = [("bundled", lambda: stage_bundled(rep, dev, args.bundled_tokens, args.steps))]
-    if not args.skip_big:
+    want = set(args.stages.split(","))
+    stages = [("bundled", lambda: stage_bundled(rep, dev, args.bundled_tokens, args.steps))] if "bundled" in want else []
+    if not args.skip_big and "big" in want:
         stages.append(("big", lambda: stage_big(rep, dev, args.shape, args.ckpt_dir, args.prompt, args.big_tokens,
                                                 args.steps)))
+    if "sampled" in want:
+        stages.append(("sampled", lambda: stage_sampled(rep, dev, args.shape, args.prompt, args.big_tokens)))
     for name, fn in stages:      # one stage failing must not cost the others their device time
         try:
             fn()

@@ -9,6 +9,7 @@ import torch
 
 from ckpts import tiny
 from specfire import LLM, SamplingParams, SpecPolicy
+from specfire.runtime.rng import DeviceRng
 from specfire.runtime.sampling import pick, probs, sample
 
 
@@ -86,7 +87,7 @@ def test_empirical_frequencies():
     sp = SamplingParams(temperature=0.9, top_k=6, top_p=0.9, min_p=0.05)
     p = probs(torch.tensor([LOGITS]), sp)
     n = 20_000
-    draws = sample(p.expand(n, -1).contiguous(), torch.Generator().manual_seed(1234))
+    draws = sample(p.expand(n, -1).contiguous(), DeviceRng().seed(1234))
     freq = torch.bincount(draws, minlength=len(LOGITS)).double() / n
     for i, q in enumerate(p[0].double().tolist()):
         if q == 0.0:

@@ -19,6 +19,7 @@ import torch
 
 from specfire import LLM, SamplingParams
 from specfire.runtime import spec as spec_mod
+from specfire.runtime.rng import DeviceRng
 from specfire.runtime.sampling import pick, probs
 from tinymodels import make_checkpoint
 
@@ -39,15 +40,25 @@ def chi2(counts: torch.Tensor, expected: torch.Tensor) -> float:
 
 # ---- wrong rules, to show the checks have teeth ------------------------------------------------
 
-def always_accept(logits, draft, q, sp, gen):
+def always_accept(logits, draft, q, sp, rng):
     draft = [int(d) for d in draft]                     # the engine passes the drafts as a tensor
-    return len(draft), list(draft) + [int(pick(logits[len(draft):], sp, gen))]
+    return len(draft), list(draft) + [int(pick(logits[len(draft):], sp, rng))]
 
 
-def resample_from_p(logits, draft, q, sp, gen):
+def always_accept_device(logits, draft, q, sp, rng):
+    """The same wrong rule in the engine's device form (spec.accept_device)."""
+    k = draft.shape[0]
+    return torch.tensor(k), torch.cat([draft, pick(logits[k:k + 1], sp, rng)])
+
+
+WRONG_GEN = torch.Generator().manual_seed(5)
+
+
+def resample_from_p(logits, draft, q, sp, rng):
     """Rejection sampling with the classic bug: on rejection, sample from p, not max(0, p - q)."""
     draft = [int(d) for d in draft]
     p = probs(logits, sp)
+    gen = WRONG_GEN
     for i, d in enumerate(draft):
         qd = 1.0 if q is None else float(q[i, d])
         if float(torch.rand((), generator=gen)) < float(p[i, d]) / qd:
@@ -71,12 +82,13 @@ def accept_stats(rule, with_q: bool, sp: SamplingParams, trials: int = 4000) -> 
     first = torch.zeros(v)
     second = torch.zeros(v)
     gen = torch.Generator().manual_seed(1)
+    rng = DeviceRng().seed(1)                                      # the engine's random stream
     for _ in range(trials):
         if with_q:
             draft = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(k)]
         else:
             draft = [int(p[0].argmin()), int(p[1].argmax())]      # a fixed (deterministic) proposal
-        n, out = rule(logits, draft, q, sp, gen)
+        n, out = rule(logits, draft, q, sp, rng)
         assert len(out) == n + 1 and out[:n] == draft[:n]
         first[out[0]] += 1
         if len(out) > 1:
@@ -151,7 +163,7 @@ def test_wrong_rule_fails_end_to_end(tiny_vocab, monkeypatch, mode):
     """Always accepting fails the end-to-end check. (The subtler resample-from-p bug is caught by
     the accept-rule check above; end to end at this sample size it is not.)"""
     rule = "always"
-    monkeypatch.setattr(spec_mod, "accept", RULES[rule])
+    monkeypatch.setattr(spec_mod, "accept_device", always_accept_device)
     with LLM(tiny_vocab, device="cpu", progress=False) as llm:
         c, _ = pit_chi2(llm, mode, dict(temperature=0.6))
     assert c > chi2_critical(BINS - 1), (rule, mode, c)

@@ -276,14 +276,14 @@ class GatedDeltaNet(nn.Module):
         g = rowwise(self._log_decay, rows, a)
         q = rowwise(_l2norm, rows, q) * (self.dk ** -0.5)
         k = rowwise(_l2norm, rows, k)
-        rep = self.hv // self.hk
-        if rep > 1:  # value head j reads key head j // rep
-            q = q.repeat_interleave(rep, dim=1)
-            k = k.repeat_interleave(rep, dim=1)
         if rows:
+            rep = self.hv // self.hk
+            if rep > 1:  # value head j reads key head j // rep
+                q = q.repeat_interleave(rep, dim=1)
+                k = k.repeat_interleave(rep, dim=1)
             o, caps = gdn_ops.gdn_rows(q, k, v, g, beta, lc.rec, capture=True)
             lc.cap_rec, lc.cap_conv = caps, full
-        else:
+        else:   # key heads grouped: the chunked form maps them (or its GPU library reads them in place)
             o, s = gdn_ops.gdn_chunked(q, k, v, g, beta, lc.rec)
             lc.rec.copy_(s)
             lc.conv.copy_(full[-lc.conv.shape[0]:])

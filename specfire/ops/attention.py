@@ -127,9 +127,40 @@ def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return attention_rows_ref(q, k_cache, v_cache, pos0, scale)
 
 
+def attention_prefill_fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            pos0: int, scale: float) -> torch.Tensor:
+    """Contract of attention_prefill_ref in the cache's dtype through one fused SDPA call: causal
+    aligned to the bottom right (query row t sees keys 0..pos0+t) and grouped KV heads read in
+    place, so no mask or repeated KV is built (on CUDA in bf16: the flash kernel, tensor cores).
+    Prefill numerics may differ from the rows path: decode and verify do not use it."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    t, n = q.shape[0], pos0 + q.shape[0]
+    qh = q.to(k_cache.dtype).transpose(0, 1).unsqueeze(0)               # [1, Hq, T, D]
+    kh = k_cache[:n].transpose(0, 1).unsqueeze(0)                      # [1, Hkv, n, D]
+    vh = v_cache[:n].transpose(0, 1).unsqueeze(0)
+    gqa = kh.shape[1] != qh.shape[1]
+    if gqa and q.is_cuda and not _flash_takes(qh, kh, vh):    # no grouped heads in this flash build
+        rep = qh.shape[1] // kh.shape[1]
+        kh, vh, gqa = kh.repeat_interleave(rep, 1), vh.repeat_interleave(rep, 1), False
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(t, n), scale=scale,
+                                         enable_gqa=gqa)
+    return out[0].transpose(0, 1).float()
+
+
+def _flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the CUDA flash kernel accepts these grouped-head inputs as they are."""
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+    return can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, True, True))
+
+
 def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int, scale: float,
                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Prefill rows (contract of attention_prefill_ref); a Q8 cache is dequantized for the rows read."""
+    """Prefill rows (contract of attention_prefill_ref); a Q8 cache is dequantized for the rows read.
+    A 16-bit cache on CUDA takes the fused path (the float32 reference at 33k positions would run
+    without tensor cores)."""
     n = pos0 + q.shape[0]
+    if q.is_cuda and k_scale is None and k_cache.dtype in (torch.bfloat16, torch.float16):
+        return attention_prefill_fused(q, k_cache, v_cache, pos0, scale)
     return attention_prefill_ref(q, _dequant_prefix(k_cache, k_scale, n), _dequant_prefix(v_cache, v_scale, n),
                                  pos0, scale)

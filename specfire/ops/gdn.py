@@ -133,7 +133,15 @@ def _pow2_at_least_16(n: int) -> bool:
 
 def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 state: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prefill (contract of gdn_chunked_ref); on CUDA the chunk-to-chunk scan runs in a Triton kernel."""
+    """Prefill (contract of gdn_chunked_ref, except that q, k may hold H key heads for Hv = r H
+    value heads: value head j reads key head j // r). On CUDA flash-linear-attention's kernel when
+    installed (ops/gdn_fla.py), else the chunk-to-chunk scan runs in our Triton kernel."""
+    from . import gdn_fla
+    if gdn_fla.use_for(q):
+        return gdn_fla.gdn_chunked_fla(q, k, v, g, beta, state)
+    rep = v.shape[1] // k.shape[1]
+    if rep > 1:
+        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
     if q.is_cuda and _pow2_at_least_16(k.shape[-1]) and _pow2_at_least_16(v.shape[-1]):
         from .gdn_kernels import gdn_chunked_triton
         return gdn_chunked_triton(q, k, v, g, beta, state, chunk)

@@ -13,15 +13,20 @@ Column-shard invariance (tensor parallelism): on the CPU an output element compu
 vector body and in the tail of the N dimension differ in the last bits (measured: N = 131, 98,
 151 shards differed), so the product runs in panels of PANEL output rows, the last one padded
 with zero rows: then every element comes out of the same code whatever shard it is in
-(measured equal for shards starting anywhere, M = 1..300, 1 and 2 threads). On CUDA every
-product, prefill included, goes through the Triton kernel with the launch settings of the whole
-matrix (`launch_n`), so a shard computes each element exactly as the whole does.
+(measured equal for shards starting anywhere, M = 1..300, 1 and 2 threads). On a CUDA mesh (and
+one GPU with the canonical split on) every product, prefill included, goes through the Triton
+kernel with the launch settings of the whole matrix (`launch_n`), so a shard computes each element
+exactly as the whole does. One GPU without the canonical split (ops/splitk.py, the default) has no
+shard to match: its prefill uses cuBLAS (~2.3x the Triton kernel's GEMM rate); decode and verify
+keep the row-invariant kernel, so greedy speculation still equals AR.
 A 4-bit `QuantWeight` (ops/quant.py) is accepted in place of a weight tensor.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .splitk import enabled as splitk_enabled
 
 ROW_PATH_MAX = 16  # up to this many rows use the row-invariant path (decode, verify)
 PANEL = 16         # CPU output-row panel (elements of one AVX-512 vector)
@@ -70,9 +75,9 @@ def linear(x: torch.Tensor, w, rows: bool, launch_n: int | None = None) -> torch
         if x.is_cuda:
             return w.linear(x, rows)
         return _paneled(linear_rows_ref if rows else F.linear, w.prepare_input(x), q4_dense(w, x.dtype))
-    if rows or x.is_cuda:
+    if rows or (x.is_cuda and (launch_n is not None or splitk_enabled(x))):   # a mesh, or one GPU made mesh-equal
         return linear_rows(x, w, launch_n, rows)
-    return _paneled(F.linear, x, w)
+    return F.linear(x, w) if x.is_cuda else _paneled(F.linear, x, w)          # one GPU's prefill: cuBLAS
 
 
 def q4_dense(w, dtype: torch.dtype) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 
 from ..config import SamplingParams
 from ..model.qwen35 import MtpHead, SequenceState
+from .rng import DeviceRng
 from .sampling import probs, sample
 from .trunk import Trunk
 
@@ -24,7 +25,7 @@ class Drafter(Protocol):
 
     def begin(self, prompt: torch.Tensor, hidden: torch.Tensor) -> None: ...
     def propose(self, last: int, pos: int, k: int, sp: SamplingParams,
-                gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+                gen: DeviceRng | None) -> tuple[torch.Tensor, torch.Tensor | None]: ...
     def commit(self, out: list[int], hidden: torch.Tensor, out_dev: torch.Tensor) -> None: ...
 
 
@@ -66,7 +67,8 @@ class MtpDrafter:
     steps feed the head its own output (`feed`: "post" = after mtp.norm, "pre" = before) and its
     previous draft, one position further. Before step 1 it catches its KV cache up with the rows
     the trunk committed last cycle (their true hidden states and tokens), in the same forward.
-    Where the trunk replays CUDA graphs, the greedy chain is replayed too.
+    Where the trunk replays CUDA graphs, the chain is replayed too, greedy or sampled (one graph
+    per sampling configuration; the random stream is device-side, runtime/rng.py).
 
     The default feed is "pre", the better of the two measured (bench/spec_cpu.py and
     bench/bundled_accept.py, greedy, mean_accept_len at k = 2/3/4): on a head fitted for one step
@@ -85,7 +87,7 @@ class MtpDrafter:
         self._pos0 = 0                             # position of the first pending row
         if trunk.graphs_enabled:
             from .graphs import DraftGraphs
-            self.graphs = DraftGraphs(self._chain_greedy, head.fc.weight.device)
+            self.graphs = DraftGraphs(self._chain_for, head.fc.weight.device)
 
     @property
     def feed(self) -> str:
@@ -105,8 +107,19 @@ class MtpDrafter:
         return draft_chain(self.head, self.trunk.embed, self.trunk.lm_logits, self.state, toks, hidden, pos,
                            k, self.feed, choose)
 
-    def _chain_greedy(self, toks, hidden, pos, k) -> torch.Tensor:
-        return self._chain(toks, hidden, pos, k, argmax)
+    def _chain_for(self, toks, hidden, pos, k, sp: SamplingParams | None,
+                   rng: DeviceRng | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The chain greedy (sp None or greedy), or sampled from `rng` with the distributions kept."""
+        if sp is None or sp.greedy:
+            return self._chain(toks, hidden, pos, k, argmax), None
+        qs: list[torch.Tensor] = []
+
+        def choose(logits: torch.Tensor) -> torch.Tensor:
+            q = probs(logits, sp)
+            qs.append(q[0])
+            return sample(q, rng)
+        drafts = self._chain(toks, hidden, pos, k, choose)
+        return drafts, torch.stack(qs)
 
     @torch.inference_mode()
     def begin(self, prompt: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -118,7 +131,7 @@ class MtpDrafter:
 
     @torch.inference_mode()
     def propose(self, last: int, pos: int, k: int, sp: SamplingParams,
-                gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                gen: DeviceRng | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if k <= 0:
             return NO_DRAFT, None
         hidden = self._hidden[0] if len(self._hidden) == 1 else torch.cat(self._hidden)
@@ -129,18 +142,9 @@ class MtpDrafter:
             self.head(self.trunk.embed(toks[:-1]), hidden[:-1], pos0, self.state, rows=False)
             pos0, hidden, toks = pos0 + m - 1, hidden[-1:], toks[-1:]
         self._hidden, self._tokens, self._pos0 = [], [], self._pos0 + m
-        if sp.greedy:
-            if self.graphs is not None:
-                return self.graphs.draft(toks, hidden, pos0, k), None
-            return self._chain(toks, hidden, pos0, k, argmax), None
-        qs: list[torch.Tensor] = []
-
-        def choose(logits: torch.Tensor) -> torch.Tensor:
-            q = probs(logits, sp)
-            qs.append(q[0])
-            return sample(q, gen)
-        drafts = self._chain(toks, hidden, pos0, k, choose)
-        return drafts, torch.stack(qs)
+        if self.graphs is not None and (sp.greedy or gen is not None):
+            return self.graphs.draft(toks, hidden, pos0, k, None if sp.greedy else sp, gen)
+        return self._chain_for(toks, hidden, pos0, k, sp, gen)
 
     def commit(self, out: list[int], hidden: torch.Tensor, out_dev: torch.Tensor) -> None:
         # rows of the trunk at the step's positions, followed by the emitted tokens
@@ -184,7 +188,7 @@ class NgramDrafter:
                     idx[tuple(ctx[end - n:end])] = end - n
 
     def propose(self, last: int, pos: int, k: int, sp: SamplingParams,
-                gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                gen: DeviceRng | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if k <= 0:
             return NO_DRAFT, None
         ctx = self.tokens

@@ -47,7 +47,7 @@ class Engine:
         self.topology = topology                # a label in route reasons; every topology serves every drafter
         self.drafters = drafters                # route name -> drafter ("mtp", "ngram")
         self.prefix: PrefixCache | None = None  # multi-turn prefix reuse (single device; off by default)
-        self.bufs = StepBuffers(trunk.device)   # static step buffers, reused by every request
+        self.bufs = StepBuffers(trunk.device, graphs=trunk.graphs_enabled)   # reused by every request
         self.costs = CostTable()                # measured cycle times on this engine, for `auto`
         self.accept_prior: dict[str, Acceptance] = {}   # acceptance seen by earlier requests
 
@@ -108,10 +108,7 @@ class Engine:
         ctl = controller or self.controller(route, policy, sp)
         fed = [drafters[r] for r in ctl.candidates if r in drafters]   # drafters that see every token
         trunk, bufs, dev = self.trunk, self.bufs, self.trunk.device
-        gen = None
-        if sp.seed is not None:
-            gen = torch.Generator(device=dev)
-            gen.manual_seed(sp.seed)
+        gen = None if sp.greedy else bufs.rng.seed(sp.seed)   # device-side stream: graphs replay fresh draws
         max_new = min(sp.max_tokens, trunk.max_seq - len(ids))
         out = OutputBuilder(sp, self.eos_ids, self.tokenizer, max_new)
         stats = SpecStats(on_cycle=on_cycle)

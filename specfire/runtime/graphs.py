@@ -103,53 +103,98 @@ class RowsGraphs:
 
 
 @dataclass
-class _DraftGraph:
-    graph: torch.cuda.CUDAGraph
-    toks: torch.Tensor                      # [m] tokens following the pending hidden rows
-    hidden: torch.Tensor                    # [m, H] pending trunk hidden rows
-    drafts: torch.Tensor                    # [k] greedy drafts
+class _FnGraph:
+    replay: Callable[[], None]
+    inputs: tuple[torch.Tensor, ...]        # static copies the replay reads
+    outputs: tuple[torch.Tensor, ...]       # what the replay writes
 
 
-Chain = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+class FnGraphs:
+    """One CUDA graph per key for a function of tensors returning a tuple of tensors: static copies
+    of the inputs feed it, its outputs are fixed buffers (returned as clones: a replay overwrites
+    them). `keep`: tensors the capture's warm-up must leave as they were (a device random stream's
+    state: otherwise the warm-up would consume numbers the eager path does not). `emulate` (CPU,
+    tests): the same protocol run eagerly, so a CPU test can compare it with the eager path."""
 
-
-class DraftGraphs:
-    """The greedy MTP draft chain (`drafters.draft_chain`, the same function the eager path runs)
-    as one CUDA graph per (pending rows m, draft length k). The position is a device tensor, as in
-    RowsGraphs; sampled drafting stays eager (it needs a host generator)."""
-
-    def __init__(self, chain: Chain, device: torch.device):
-        self.chain = chain                  # (toks, hidden, pos tensor, k) -> drafts [k]
-        self.pos = torch.zeros(1, dtype=torch.long, device=device)
-        self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, int], _DraftGraph] = {}
+    def __init__(self, device: torch.device, emulate: bool = False):
+        self.device, self.emulate = torch.device(device), emulate
+        self.pool = None if emulate else torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple, _FnGraph] = {}
 
     def clear(self) -> None:
         self.graphs.clear()
 
-    def draft(self, toks: torch.Tensor, hidden: torch.Tensor, pos0: int, k: int) -> torch.Tensor:
-        """The drafts [k] on the device (a copy: the next replay overwrites the graph's output)."""
-        key = (toks.shape[0], k)
-        self.pos.fill_(pos0)
+    def run(self, key: tuple, fn: Callable[..., tuple[torch.Tensor, ...]], inputs: tuple[torch.Tensor, ...],
+            keep: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, ...]:
         g = self.graphs.get(key)
         if g is None:
-            with torch.cuda.device(toks.device):
-                g = self.graphs[key] = self._capture(toks, hidden, k)
-        g.toks.copy_(toks)
-        g.hidden.copy_(hidden)
-        g.graph.replay()
-        return g.drafts.clone()
+            g = self.graphs[key] = self._capture(fn, inputs, keep)
+            log.info("captured a graph for %s", key)
+        for dst, src in zip(g.inputs, inputs):
+            dst.copy_(src)
+        g.replay()
+        return tuple(o.clone() for o in g.outputs)
 
-    def _capture(self, toks: torch.Tensor, hidden: torch.Tensor, k: int) -> _DraftGraph:
-        tb, hb = toks.clone(), hidden.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the capture (kernel compilation)
-            for _ in range(2):
-                self.chain(tb, hb, self.pos, k)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.chain(tb, hb, self.pos, k)
-        log.info("captured an MTP draft graph for %d pending row(s), k=%d", toks.shape[0], k)
-        return _DraftGraph(graph, tb, hb, out)
+    def _capture(self, fn, inputs, keep) -> _FnGraph:
+        ins = tuple(x.clone() for x in inputs)
+        saved = [t.clone() for t in keep]
+        if self.emulate:
+            outs = tuple(o.clone() for o in fn(*ins))
+            for t, v in zip(keep, saved):
+                t.copy_(v)
+
+            def replay() -> None:
+                for o, r in zip(outs, fn(*ins)):
+                    o.copy_(r)
+            return _FnGraph(replay, ins, outs)
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside the capture (kernel compilation)
+                for _ in range(2):
+                    fn(*ins)
+            torch.cuda.current_stream().wait_stream(side)
+            for t, v in zip(keep, saved):
+                t.copy_(v)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                outs = tuple(fn(*ins))
+        return _FnGraph(graph.replay, ins, outs)
+
+
+Chain = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+
+class DraftGraphs:
+    """The MTP draft chain (`drafters.draft_chain`, the same function the eager path runs) as one
+    CUDA graph per (pending rows m, draft length k, sampling params): greedy, or sampled from a
+    device random stream (runtime/rng.py) whose counter the replay advances. The position is a
+    device tensor, as in RowsGraphs."""
+
+    def __init__(self, chain: Chain, device: torch.device, emulate: bool = False):
+        self.chain = chain                  # (toks, hidden, pos tensor, k, sp, rng) -> (drafts [k], q [k, V] | None)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.fns = FnGraphs(device, emulate)
+
+    @property
+    def graphs(self) -> dict:
+        return self.fns.graphs
+
+    def clear(self) -> None:
+        self.fns.clear()
+
+    def draft(self, toks: torch.Tensor, hidden: torch.Tensor, pos0: int, k: int, sp=None,
+              rng=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(drafts [k], the distributions they were drawn from [k, V] or None when greedy) on the device."""
+        from .sampling import sampling_key
+
+        skey = None if sp is None else sampling_key(sp)
+        self.pos.fill_(pos0)
+        if skey is None:
+            key = (toks.shape[0], k, None)
+            out = self.fns.run(key, lambda t, h, p: (self.chain(t, h, p, k, None, None)[0],), (toks, hidden, self.pos))
+            return out[0], None
+        key = (toks.shape[0], k, skey, rng.state.data_ptr())
+        out = self.fns.run(key, lambda t, h, p: self.chain(t, h, p, k, sp, rng), (toks, hidden, self.pos),
+                           keep=(rng.state,))
+        return out[0], out[1]

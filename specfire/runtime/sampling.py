@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..config import SamplingParams
+from .rng import DeviceRng, race_sample
 
 
 def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
@@ -29,13 +30,21 @@ def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     return p / p.sum(-1, keepdim=True)
 
 
-def sample(p: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
-    """One token per row from probabilities [R, V] -> [R] int64."""
-    return torch.multinomial(p, 1, generator=gen).squeeze(-1)
+def sample(p: torch.Tensor, rng: DeviceRng | None) -> torch.Tensor:
+    """One token per row from probabilities [R, V] -> [R] int64, drawn from `rng` (runtime/rng.py:
+    device-side state, graph-capturable); None draws from a fresh unseeded stream."""
+    if rng is None:
+        rng = DeviceRng(p.device).seed(None)
+    return race_sample(p, rng)
 
 
-def pick(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:
+def pick(logits: torch.Tensor, sp: SamplingParams, rng: DeviceRng | None) -> torch.Tensor:
     """The AR choice per row: argmax when greedy, else a sample of `probs`."""
     if sp.greedy:
         return logits.argmax(-1)
-    return sample(probs(logits, sp), gen)
+    return sample(probs(logits, sp), rng)
+
+
+def sampling_key(sp: SamplingParams) -> tuple | None:
+    """What a captured sampling graph bakes in (None for greedy)."""
+    return None if sp.greedy else (float(sp.temperature), int(sp.top_k), float(sp.top_p), float(sp.min_p))

@@ -9,9 +9,11 @@
 Plain AR decoding is this step with no drafter (k = 0): one row, n = 0, out = [the target's pick].
 The step is split in two so the engine can keep the device busy: `launch` queues the device work
 and one asynchronous copy of (n, tokens) into pinned memory; `Launched.finish` waits for that
-copy (the step's one host read), then commits. Greedy accept and AR sampling run on the device;
-sampled accept with drafts is rejection sampling over all positions at once, one read. The ids
-fed to verify live in static buffers (`StepBuffers`): no tensor is built from host data per step.
+copy (the step's one host read), then commits. Every accept runs on the device: greedy prefix
+match, or rejection sampling over all positions at once drawing from a device-side random stream
+(runtime/rng.py), replayed from a CUDA graph per (k, sampling params) where the trunk uses graphs.
+The ids fed to verify live in static buffers (`StepBuffers`): no tensor is built from host data
+per step.
 """
 from __future__ import annotations
 
@@ -23,41 +25,48 @@ import torch
 from ..config import MAX_SPEC_K, SamplingParams
 from ..ops.greedy import greedy_accept
 from .drafters import NO_DRAFT, Drafter
-from .sampling import pick, probs
+from .rng import DeviceRng
+from .sampling import probs, sample, sampling_key
 from .trunk import Trunk
 
 
-def accept(logits: torch.Tensor, draft: torch.Tensor | Sequence[int], q: torch.Tensor | None, sp: SamplingParams,
-           gen: torch.Generator | None) -> tuple[int, list[int]]:
-    """Rejection sampling. logits [k+1, V] of the verify rows; draft [k]; q [k, V] the drafter's
-    distributions (None for a deterministic proposal such as n-gram). Draft i is kept with
-    probability min(1, p_i(d) / q_i(d)); at the first rejection the token comes from
-    max(0, p_i - q_i) (p_i without d when q is None), after k acceptances from p_k. All k
-    uniforms are drawn at once (they are independent), so one host read ends it.
-    Returns (n accepted, emitted tokens = n drafts + one token from the target)."""
-    dev = logits.device
-    d = torch.as_tensor(draft, dtype=torch.long).to(dev)
-    k = d.shape[0]
+def accept_device(logits: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None, sp: SamplingParams,
+                  rng: DeviceRng | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling on the device, fixed shapes and no host read (graph-capturable).
+    logits [k+1, V] of the verify rows; draft [k] int64; q [k, V] the drafter's distributions
+    (None for a deterministic proposal such as n-gram). Draft i is kept with probability
+    min(1, p_i(d) / q_i(d)); at the first rejection the token comes from max(0, p_i - q_i) (p_i
+    without d when q is None), after k acceptances from p_k. Draws k uniforms and one row of V
+    whatever happens, so the random stream advances alike every step. Returns (n accepted, 0-d
+    int64; targets [k+1] whose first n + 1 entries are the emitted tokens)."""
+    k = draft.shape[0]
     p = probs(logits, sp)                                              # [k+1, V]
     if k == 0:
-        return 0, pick(logits[:1], sp, gen).tolist()
-    rows = torch.arange(k, device=dev)
-    pd = p[rows, d]
-    qd = torch.ones_like(pd) if q is None else q[rows, d].to(pd.dtype)
-    u = torch.rand(k, generator=gen, device=gen.device if gen is not None else dev)
-    ok = (qd > 0) & (u.to(dev) * qd < pd)
+        return torch.zeros((), dtype=torch.long, device=logits.device), sample(p[:1], rng)
+    rows = torch.arange(k, device=logits.device)
+    pd = p[rows, draft].double()
+    qd = torch.ones_like(pd) if q is None else q[rows, draft].double()
+    u = rng.uniform((k,)) if rng is not None else torch.rand(k, dtype=torch.float64, device=logits.device)
+    ok = (qd > 0) & (u * qd < pd)
     n = ok.to(torch.long).cumprod(0).sum()
     if q is None:
         resid = p[:k].clone()
-        resid[rows, d] = 0.0
+        resid[rows, draft] = 0.0
     else:
         resid = (p[:k] - q).clamp_min(0.0)
     resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p[:k])
     dist = torch.cat([resid, p[k:k + 1]]).index_select(0, n.view(1))  # [1, V]: the row after n accepts
-    tok = torch.multinomial(dist, 1, generator=gen).view(1)
-    got = torch.cat([n.view(1), d, tok]).tolist()
-    n_ = got[0]
-    return n_, got[1:1 + n_] + [got[-1]]
+    tok = sample(dist, rng)                                            # [1]
+    return n, torch.cat([draft, tok]).scatter(0, n.view(1), tok)
+
+
+def accept(logits: torch.Tensor, draft: torch.Tensor | Sequence[int], q: torch.Tensor | None, sp: SamplingParams,
+           rng: DeviceRng | None) -> tuple[int, list[int]]:
+    """`accept_device`, read back: (n accepted, emitted tokens = n drafts + one from the target)."""
+    d = torch.as_tensor(draft, dtype=torch.long).to(logits.device)
+    n, targets = accept_device(logits, d, q, sp, rng)
+    got = torch.cat([n.view(1), targets]).tolist()
+    return got[0], got[1:got[0] + 2]
 
 
 def accept_greedy(logits: torch.Tensor, draft: torch.Tensor) -> tuple[int, list[int]]:
@@ -70,20 +79,35 @@ def accept_greedy(logits: torch.Tensor, draft: torch.Tensor) -> tuple[int, list[
 
 class StepBuffers:
     """Static buffers reused by every step of every request: the verify ids on the device, pinned
-    staging for host-made drafts and sampled tokens, pinned slots for the per-step read."""
+    staging for host-made drafts, pinned slots for the per-step read, the random stream of a sampled
+    request and its accept graphs."""
 
     SLOTS = 3      # the engine has at most two steps in flight
 
-    def __init__(self, device: torch.device, kmax: int = MAX_SPEC_K):
+    def __init__(self, device: torch.device, kmax: int = MAX_SPEC_K, graphs: bool = False, emulate: bool = False):
         self.device = device
+        self.rng = DeviceRng(device)            # the sampled request's random stream (seeded per request)
+        self.graphs = None                      # sampled accept, one CUDA graph per (k, sampling params)
+        if graphs or emulate:
+            from .graphs import FnGraphs
+            self.graphs = FnGraphs(device, emulate=emulate)
         self.pinned = device.type == "cuda"
         self.ids = torch.zeros(kmax + 1, dtype=torch.long, device=device)
-        self.toks = torch.zeros(kmax + 1, dtype=torch.long, device=device)     # sampled tokens, uploaded
         self.zero = torch.zeros(1, dtype=torch.long, device=device)
         if self.pinned:
             self.stage = torch.zeros(2, kmax + 2, dtype=torch.long, pin_memory=True)
             self.slots = [torch.zeros(kmax + 2, dtype=torch.long, pin_memory=True) for _ in range(self.SLOTS)]
         self._slot = 0
+
+    def accept(self, logits: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None, sp: SamplingParams,
+               rng: DeviceRng | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`accept_device`, replayed from a graph when this engine captures them."""
+        if self.graphs is None or rng is None:
+            return accept_device(logits, draft, q, sp, rng)
+        key = ("accept", draft.shape[0], q is not None, sampling_key(sp), rng.state.data_ptr())
+        ins = (logits, draft) if q is None else (logits, draft, q)
+        return self.graphs.run(key, lambda lg, d, *qq: accept_device(lg, d, qq[0] if qq else None, sp, rng), ins,
+                               keep=(rng.state,))
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor | list[int], row: int) -> None:
         """dst (device) := src (host), through pinned row `row` of the staging buffer."""
@@ -130,7 +154,7 @@ class Launched:
 
 
 def launch(trunk: Trunk, drafter: Drafter | None, route: str, last: int, last_dev: torch.Tensor, pos: int, k: int,
-           sp: SamplingParams, gen: torch.Generator | None, bufs: StepBuffers) -> Launched:
+           sp: SamplingParams, gen: DeviceRng | None, bufs: StepBuffers) -> Launched:
     """Queue one draft -> verify -> accept. `last` (host) and `last_dev` ([1], device) are the
     newest token, at `pos`. An AR step (no drafter or k = 0) also commits here: n = 0."""
     draft, q = drafter.propose(last, pos, k, sp, gen) if drafter is not None and k > 0 else (NO_DRAFT, None)
@@ -149,14 +173,10 @@ def launch(trunk: Trunk, drafter: Drafter | None, route: str, last: int, last_de
         targets, n = greedy_accept(rows.logits, ids[1:])
         res, ev = bufs.send(torch.cat([n.view(1), targets]))
         return Launched(route, kk, pos, rows.hidden, targets, res, ev)
-    if kk == 0:
-        tok = pick(rows.logits, sp, gen)
-        res, ev = bufs.send(torch.cat([bufs.zero, tok]))
-        return Launched(route, 0, pos, rows.hidden, tok, res, ev)
-    n, out = accept(rows.logits, ids[1:], q, sp, gen)
-    targets = bufs.toks[:n + 1]
-    bufs.upload(targets, out, 1)
-    return Launched(route, kk, pos, rows.hidden, targets, got=(n, out))
+    with torch.inference_mode():
+        n, targets = bufs.accept(rows.logits, ids[1:], q, sp, gen)
+    res, ev = bufs.send(torch.cat([n.view(1), targets]))
+    return Launched(route, kk, pos, rows.hidden, targets, res, ev)
 
 
 def finish(step: Launched, trunk: Trunk, drafters: Sequence[Drafter]) -> tuple[int, list[int]]:
