@@ -59,6 +59,7 @@ SMS = 132
 BASES = {(64, 1, 4, 0): 8, (64, 1, 3, 0): 8, (64, 1, 5, 0): 6, (128, 2, 4, 0): 4, (32, 1, 4, 0): 11,
          (64, 1, 4, 1): 8, (64, 1, 4, 2): 8, (64, 2, 4, 0): 6}
 T0 = time.time()
+WARM_LOG = "/tmp/quant_gpu_warm.log"
 
 
 def elapsed() -> float:
@@ -189,9 +190,12 @@ def start_warmup(args) -> list:
     procs = []
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     n = args.warm_procs
+    log = open(WARM_LOG, "w")   # workers' output kept apart from the tables (tail in the JSON)
     for i in range(n):
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm", f"{i}/{n}"], env=env))
-    procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm-e2e"], env=env))
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm", f"{i}/{n}"], env=env,
+                                      stdout=log, stderr=subprocess.STDOUT))
+    procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm-e2e"], env=env, stdout=log,
+                                  stderr=subprocess.STDOUT))
     return procs
 
 
@@ -204,8 +208,10 @@ def wait_warmup(procs: list, limit: float) -> dict:
         except subprocess.TimeoutExpired:
             p.kill()
             rcs.append("killed")
-    print(f"[warm-up done: {time.time() - t:.0f} s, return codes {rcs}]", flush=True)
-    return {"warm_s": time.time() - t, "rcs": rcs}
+    print(f"[warm-up done at {elapsed():.0f} s: waited {time.time() - t:.0f} s, return codes {rcs}]", flush=True)
+    with open(WARM_LOG) as f:
+        tail = f.read()[-3000:]
+    return {"warm_s": time.time() - t, "rcs": rcs, "log_tail": tail}
 
 
 # ---- 1. GEMV sweep --------------------------------------------------------------------------
@@ -444,8 +450,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--warm", default=None, help="worker: compile share i/n of the candidates")
     ap.add_argument("--warm-e2e", action="store_true", help="worker: a 4-layer 27B-dims model end to end")
-    ap.add_argument("--warm-procs", type=int, default=12)
-    ap.add_argument("--sweep-until", type=float, default=0.55, help="fraction of the budget for the sweep")
+    ap.add_argument("--warm-procs", type=int, default=13)
+    ap.add_argument("--sweep-until", type=float, default=0.6, help="fraction of the budget for the sweep")
     ap.add_argument("--skip", default="")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -471,7 +477,7 @@ def main() -> int:
         with open(path, "w") as f:
             json.dump(res, f, indent=1, default=str)
 
-    res["warmup"] = wait_warmup(procs, 0.25 * b) if procs else None
+    res["warmup"] = wait_warmup(procs, 0.3 * b) if procs else None
     adopted = {}
     if "q4" not in skip:
         adopted = bench_q4(res, args.sweep_until * b)
