@@ -40,7 +40,7 @@ sys.path.insert(0, HERE)
 
 import quant_legacy as legacy  # noqa: E402
 from specfire.ops import triton_quant as tq  # noqa: E402
-from specfire.ops.quant import QuantWeight  # noqa: E402
+from specfire.ops.quant import TILE, QuantWeight  # noqa: E402
 from specfire.ops.triton_quant import Q4Config, q4_gemv  # noqa: E402
 
 PEAK = 4.17e12
@@ -55,9 +55,12 @@ if SMOKE:
 GROUP = 128 if not SMOKE else 64
 SMS = 132
 # (block_n, num_warps, num_stages, xs) -> CTAs resident per SM (registers / shared memory of the
-# sm_90 build, triton 3.6); sets the split-K that fills the machine in one wave
-BASES = {(64, 1, 4, 0): 8, (64, 1, 3, 0): 8, (64, 1, 5, 0): 6, (128, 2, 4, 0): 4, (32, 1, 4, 0): 11,
-         (64, 1, 4, 1): 8, (64, 1, 4, 2): 8, (64, 2, 4, 0): 6}
+# sm_90 build, triton 3.6); sets the split-K that fills the machine in one wave. First run
+# (docs/BENCHMARKS.md): one or two warps of 32-64 columns each won, the in-loop sum(x) (xs 1)
+# and the second-launch combine lost everywhere; this run adds more warps per SM and the tiled layout.
+BASES = {(64, 2, 4, 0): 6, (64, 1, 3, 0): 8, (32, 1, 4, 0): 11, (64, 2, 3, 0): 6, (32, 1, 3, 0): 12,
+         (128, 2, 4, 0): 4, (128, 4, 3, 0): 4, (128, 4, 4, 0): 4, (64, 4, 3, 0): 5, (64, 4, 4, 0): 5,
+         (32, 2, 4, 0): 10, (16, 1, 4, 0): 14, (64, 2, 4, 2): 6}
 T0 = time.time()
 WARM_LOG = "/tmp/quant_gpu_warm.log"
 
@@ -82,12 +85,13 @@ def rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def random_q4(n: int, k: int, g: int = GROUP) -> QuantWeight:
-    """Random codes, scales and zeros (speed does not depend on the values)."""
+def random_q4(n: int, k: int, g: int = GROUP, tile: int = TILE) -> QuantWeight:
+    """Random codes, scales and zeros (speed does not depend on the values); codes stored in tiles
+    of `tile` rows (0: rows as they are, the earlier kernels' layout)."""
     q = torch.randint(0, 256, (n, k // 2), device=DEV, dtype=torch.uint8)
-    s = (torch.rand(n, k // g, device=DEV) * 0.01 + 1e-3).to(torch.bfloat16)
+    s = (torch.rand(k // g, n, device=DEV) * 0.01 + 1e-3).to(torch.bfloat16)
     z = (-8 * s.float()).to(torch.bfloat16)
-    return QuantWeight.from_stored(q, s, z, False, BF, DEV)
+    return QuantWeight(q, s, z, False, BF, tile)
 
 
 def row_invariant(fn, x) -> bool:
@@ -112,13 +116,16 @@ def cfg_of(base: tuple, split: int, sem: bool = True) -> Q4Config:
     return Q4Config(block_n=bn, split_k=split, num_warps=nw, num_stages=ns, xs=xs, sem=sem)
 
 
-def candidates(n: int, k: int) -> list[Q4Config]:
-    """New-kernel configs, most promising first (later ones may be cut by the time budget)."""
-    a = (64, 1, 4, 0)
-    s1 = wave_split(n, k, a)
-    c = [cfg_of(a, s) for s in sorted({1, s1, wave_split(n, k, a, 2), max(1, s1 // 3)})]
-    c += [cfg_of(b, wave_split(n, k, b)) for b in BASES if b != a]
-    c += [cfg_of((128, 2, 4, 0), 1), cfg_of(a, max(2, wave_split(n, k, a)), sem=False)]
+def candidates(n: int, k: int) -> list[tuple]:
+    """(config, tile of the stored codes) for the current kernel, most promising first: every base
+    at the split that fills the machine in one wave on the tiled layout, the best two bases of the
+    first run also at a third of that split and on the row layout (the layout's own effect)."""
+    c = []
+    for b in BASES:
+        s1 = wave_split(n, k, b)
+        c.append((cfg_of(b, s1), TILE))
+        if b in ((64, 2, 4, 0), (32, 1, 4, 0)):
+            c += [(cfg_of(b, s1), 0), (cfg_of(b, max(1, s1 // 3)), TILE)]
     out = []
     for x in c:
         if x not in out:
@@ -127,21 +134,14 @@ def candidates(n: int, k: int) -> list[Q4Config]:
 
 
 def legacy_candidates(n: int, k: int) -> list:
-    """The previous default, then the earlier kernel's forms never measured on the GPU before:
-    register prefetch of the next group's codes, split-K 4 in the factorised form, and the
-    dequantising form (w = q s + z by bf16x2 FMAs)."""
-    c = [legacy.q4_config(n, k, GROUP),
-         legacy.Q4Config(32, num_warps=2, num_stages=3, gps=2, deq=True),
-         legacy.Q4Config(32, num_warps=2, num_stages=3, gps=1, prefetch=True)]
-    if n < 65536:
-        c.append(legacy.Q4Config(32, split_k=4, num_warps=2, num_stages=3, gps=2))
-    return c
+    """The previous default (the forms the first run measured are not repeated)."""
+    return [legacy.q4_config(n, k, GROUP)]
 
 
-def tag(cfg) -> str:
+def tag(cfg, tile: int = TILE) -> str:
     if isinstance(cfg, Q4Config):
         return (f"new bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} split{cfg.split_k} xs{cfg.xs}"
-                f"{'' if cfg.sem or cfg.split_k == 1 else ' 2launch'}")
+                f"{'' if cfg.sem or cfg.split_k == 1 else ' 2launch'}{' rows' if not tile else ''}")
     d = cfg.__dict__
     return (f"old v{d['version']} bn{d['block_n']} w{d['num_warps']} s{d['num_stages']} split{d['split_k']} "
             f"gps{d['gps']}{' deq' if d['deq'] else ''}{' pf' if d.get('prefetch') else ''}")
@@ -151,35 +151,39 @@ def run_cfg(x, qw, cfg):
     return q4_gemv(x, qw, cfg) if isinstance(cfg, Q4Config) else legacy.q4_gemv(x, qw, cfg)
 
 
+def rows_layout(qw: QuantWeight) -> QuantWeight:
+    """The same weight with its codes stored as rows (tile 0)."""
+    return QuantWeight(qw.qweight, qw.scales_t, qw.zeros_t, qw.hadamard, qw.dtype, 0)
+
+
 # ---- 0. warm-up -----------------------------------------------------------------------------
 
 def warm_kernels(part: int, parts: int) -> None:
     """Compile this worker's share of every candidate on a tiny weight (split 1 and split 2)."""
     jobs = []
     for b in BASES:
-        for sem in (True, False):
-            jobs += [cfg_of(b, 1, sem), cfg_of(b, 2, sem)] if sem else [cfg_of(b, 2, sem)]
+        for tile in ((TILE, 0) if b in ((64, 2, 4, 0), (32, 1, 4, 0)) else (TILE,)):
+            jobs += [(cfg_of(b, 1), 2048, tile), (cfg_of(b, 2), 2048, tile)]
     seen = set()
     for n, k, _ in SHAPES:
         for c in legacy_candidates(n, k):
             key = (repr(c), k)
             if key not in seen:
                 seen.add(key)
-                jobs.append((c, k))
+                jobs.append((c, k, 0))
     qws = {}
-    for i, job in enumerate(jobs):
+    for i, (cfg, k, tile) in enumerate(jobs):
         if i % parts != part:
             continue
         # the new kernel specialises on none of the sizes; the earlier one needs the real K (its splits)
-        cfg, k = (job, 2048) if isinstance(job, Q4Config) else job
-        if k not in qws:
-            qws[k] = random_q4(256, k)
+        if (k, tile) not in qws:
+            qws[(k, tile)] = random_q4(256, k, tile=tile)
         x = torch.randn(16, k, device=DEV, dtype=BF)
         try:
-            run_cfg(x, qws[k], cfg)
-            run_cfg(x[:1], qws[k], cfg)
+            run_cfg(x, qws[(k, tile)], cfg)
+            run_cfg(x[:1], qws[(k, tile)], cfg)
         except Exception as e:
-            print(f"warm {tag(cfg)}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            print(f"warm {tag(cfg, tile)}: {type(e).__name__}: {str(e)[:200]}", flush=True)
     if not SMOKE:
         torch.cuda.synchronize()
 
@@ -237,36 +241,39 @@ def bench_q4(res: dict, budget: float) -> dict:
         qw0 = random_q4(n, k)
         nbytes = qw0.nbytes()
         copies = max(1, min(8, math.ceil(400e6 / nbytes)))
-        qws = [qw0] + [random_q4(n, k) for _ in range(copies - 1)]
+        sets = {TILE: [qw0] + [random_q4(n, k) for _ in range(copies - 1)]}
+        sets[0] = [rows_layout(w) for w in sets[TILE]]       # the same weights, codes as rows
         x16 = torch.randn(16, k, device=DEV, dtype=BF)
         ref = x16.float() @ qw0.dequantize().t()
-        new, old = candidates(n, k), legacy_candidates(n, k)
+        new, old = candidates(n, k), [(c, 0) for c in legacy_candidates(n, k)]
         cands = new[:1] + old[:1] + new[1:] + old[1:]
         share = elapsed() + (budget - elapsed()) / (len(SHAPES) - si)   # this shape's share of the budget
         rows = []
-        for ci, cfg in enumerate(cands):
+        for ci, (cfg, tile) in enumerate(cands):
             if ci >= 2 and elapsed() > share:
-                rows.append({"cfg": tag(cfg), "skipped": "time budget"})
+                rows.append({"cfg": tag(cfg, tile), "skipped": "time budget"})
                 continue
-            rec = {"cfg": tag(cfg), "new": isinstance(cfg, Q4Config), "params": cfg.__dict__}
+            qws = sets[tile]
+            w0 = qws[0]
+            rec = {"cfg": tag(cfg, tile), "new": isinstance(cfg, Q4Config), "tile": tile, "params": cfg.__dict__}
             try:
-                y = run_cfg(x16, qw0, cfg)
+                y = run_cfg(x16, w0, cfg)
                 rec["rel_err"] = rel(y, ref)
-                rec["row_invariant"] = row_invariant(lambda t: run_cfg(t, qw0, cfg), x16)
-                rec["repeat_equal"] = torch.equal(run_cfg(x16, qw0, cfg), y)
-                for m in ((1, 4, 16) if rec["new"] or ci < 2 else (1, 16)):
+                rec["row_invariant"] = row_invariant(lambda t: run_cfg(t, w0, cfg), x16)
+                rec["repeat_equal"] = torch.equal(run_cfg(x16, w0, cfg), y)
+                for m in (1, 4, 16):
                     t = graph_time([lambda w=w: run_cfg(x16[:m], w, cfg) for w in qws])
                     rec[f"us_M{m}"] = t * 1e6
                     rec[f"frac_M{m}"] = nbytes / t / PEAK
             except Exception as e:  # a config the compiler refuses is reported, not fatal
                 rec["error"] = f"{type(e).__name__}: {str(e)[:160]}"
             rows.append(rec)
-        ok = [r for r in rows if r.get("new") and "us_M16" in r and r["row_invariant"] and r["repeat_equal"]
-              and r["rel_err"] < 1e-2]
+        ok = [r for r in rows if r.get("new") and r["tile"] == TILE and "us_M16" in r and r["row_invariant"]
+              and r["repeat_equal"] and r["rel_err"] < 1e-2]
         best = min(ok, key=lambda r: r["us_M1"] + r["us_M4"] + r["us_M16"]) if ok else None
         if best is not None:
             adopted[(n, k)] = Q4Config(**best["params"])
-            t = graph_time([lambda w=w: q4_gemv(x16[:8], w, adopted[(n, k)]) for w in qws])
+            t = graph_time([lambda w=w: q4_gemv(x16[:8], w, adopted[(n, k)]) for w in sets[TILE]])
             best["us_M8"], best["frac_M8"] = t * 1e6, nbytes / t / PEAK
         i4 = {}
         ti4 = torch_int4(n, k, GROUP) if not SMOKE else None
@@ -289,7 +296,7 @@ def bench_q4(res: dict, budget: float) -> dict:
         if i4:
             print(f"  {n:>6}x{k:<6} {'torch _weight_int4pack_mm':<44} M1 {i4['us_M1']:7.1f} us {i4['frac_M1']:6.1%} "
                   f"{' ' * 10}M16 {i4['us_M16']:7.1f} us {i4['frac_M16']:6.1%}")
-        del qws, qw0
+        del sets, qws, w0, qw0
         if not SMOKE:
             torch.cuda.empty_cache()
         print(f"  [{elapsed():.0f} s]", flush=True)
@@ -386,11 +393,26 @@ def bench_e2e(res: dict, shape: str, layers: int | None, steps: int, cycles: int
     st = start(None)
     _, st = run(None, 0, 3, st)                       # capture / warm
     ar_s, st = run(None, 0, steps, st)
+    prof = {}
+    if not SMOKE:   # where an AR step's device time goes (kernels by name, 4 steps, per step)
+        try:
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CUDA]) as p:
+                _, st = run(None, 0, 4, st)
+                sync()
+            for e in p.key_averages():
+                us = getattr(e, "self_device_time_total", None)
+                us = getattr(e, "self_cuda_time_total", 0) if us is None else us
+                if us > 0:
+                    prof[e.key] = prof.get(e.key, 0.0) + us / 4
+        except Exception as e:
+            prof = {"error": f"{type(e).__name__}: {e}"}
     pos = st[2]
     kv = cfg.n_full * 2 * pos * cfg.num_key_value_heads * cfg.head_dim * 2
     gdn = cfg.n_linear * 2 * 4 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
     step = q_bytes + dense + kv + gdn
     rec = {"shape": shape, "layers": cfg.num_hidden_layers, "build_s": build_s, "weights_4bit_bytes": q_bytes,
+           "ar_step_kernels_us": prof,
            "dense_bytes": dense, "step_bytes": step, "ar_ms": ar_s * 1e3, "ar_tok_s": 1 / ar_s,
            "ceiling_tok_s": PEAK / step, "bw_frac": step / ar_s / PEAK}
     for rr in (1, 4):
@@ -411,6 +433,14 @@ def bench_e2e(res: dict, shape: str, layers: int | None, steps: int, cycles: int
     rec.update({"mtp3_cycle_ms": cyc_s * 1e3, "mtp3_cycle_over_ar": cyc_s / ar_s, "head_4bit_bytes": hq,
                 "mtp3_tok_s_all_accepted": 4 / cyc_s})
     res.setdefault("e2e", []).append(rec)
+    if prof and "error" not in prof:
+        tot = sum(prof.values())
+        q4 = sum(v for k, v in prof.items() if "q4" in k or "xsum" in k or "splitk" in k)
+        print(f"  AR step device time {tot:.0f} us: 4-bit GEMV kernels {q4:.0f} us ({q4 / tot:.0%}); top kernels:")
+        for k_, v in sorted(prof.items(), key=lambda kv: -kv[1])[:14]:
+            print(f"    {v:8.1f} us  {k_[:90]}")
+    elif prof:
+        print(f"  profile: {prof}")
     print(f"  {shape} ({cfg.num_hidden_layers} layers): build {build_s:.0f} s, step {step / 1e9:.2f} GB, AR "
           f"{rec['ar_tok_s']:.1f} tok/s ({rec['bw_frac']:.1%} of 4.17 TB/s; ceiling {rec['ceiling_tok_s']:.0f}); "
           f"verify 1 / 4 rows {rec['verify1_ms']:.2f} / {rec['verify4_ms']:.2f} ms; MTP k=3 cycle "

@@ -8,7 +8,8 @@ decode GEMV must keep HBM busy, so every load of the loop is in flight ahead of 
 x through the software pipeline, the next group's scales, zeros and sum(x) prefetched into
 registers one group ahead), code rows load 16 bytes at a time, and the per-code instruction count
 stays low (x is the A operand, so a warp's x fragment serves all its columns, and the epilogue is
-two FMAs per output). sum(x) per group comes from a small kernel launched first (XS=0), from the
+two FMAs per output). the codes are stored in tiles of 64 output rows so that one group of a tile is one contiguous
+block (ops/quant.py), sum(x) per group comes from a small kernel launched first (XS=0), from the
 x tile in the loop (XS=1), or from an MMA of x against a tile of ones (XS=2). Split-K partials
 are combined in a fixed order by the last CTA of each N tile to arrive (a counter per tile, reset
 by that CTA), or by a second launch.
@@ -123,9 +124,10 @@ def _group_terms(s_ptr, z_ptr, xs_ptr, g, g_hi, N, n_groups, offs_n, n_mask, off
 @triton.jit(do_not_specialize=["M", "n_groups", "groups_per_split", "split"])
 def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M, N, KH, stride_xm, stride_ym,
                n_groups, groups_per_split, split, BLOCK_N: tl.constexpr, G: tl.constexpr, ROWS_: tl.constexpr,
-               SEM: tl.constexpr, XS: tl.constexpr, ASM: tl.constexpr, IEEE: tl.constexpr):
+               TILE: tl.constexpr, SEM: tl.constexpr, XS: tl.constexpr, ASM: tl.constexpr, IEEE: tl.constexpr):
     # Kernel packing (ops/quant.py): in group g, byte j of a row holds codes g*G + j (low nibble)
-    # and g*G + G/2 + j (high nibble); scales / zeros are [K/G, N]; KH = K / 2 bytes per row.
+    # and g*G + G/2 + j (high nibble), rows stored in tiles [N/TILE, K/G, TILE, G/2] (TILE = 0: rows
+    # [N, K/2]); scales / zeros are [K/G, N]; KH = K / 2 bytes per row.
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     HALF: tl.constexpr = G // 2
@@ -138,7 +140,12 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
     g_hi = tl.minimum(g_lo + groups_per_split, n_groups)
     dt = x_ptr.dtype.element_ty
     acc = tl.zeros((ROWS_, BLOCK_N), dtype=tl.float32)                      # [ROWS, BLOCK_N] = x W^T tile
-    q_rows = q_ptr + offs_n[:, None] * KH + offs_c[None, :]
+    if TILE == 0:
+        q_rows = q_ptr + offs_n[:, None] * KH + offs_c[None, :]
+        q_step = HALF                                                        # bytes from one group to the next
+    else:
+        q_rows = q_ptr + ((offs_n // TILE) * (KH * TILE) + (offs_n % TILE) * HALF)[:, None] + offs_c[None, :]
+        q_step = TILE * HALF
     x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_c[None, :]
     if XS == 2:  # bf16 128 from zero bytes through the codes' own path (same MMA operand layout as the codes)
         z8 = tl.load(q_ptr + tl.arange(0, 16)[:, None] * 0 + offs_c[None, :], mask=offs_c[None, :] < 0, other=0)
@@ -148,7 +155,7 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
     for g in range(g_lo, g_hi):
         s1, z1, xs1 = _group_terms(s_ptr, z_ptr, xs_ptr, g + 1, g_hi, N, n_groups, offs_n, n_mask, offs_m, m_mask,
                                    XS, ROWS_)
-        qb = tl.load(q_rows + g * HALF, mask=n_mask[:, None], other=0)                # [BLOCK_N, HALF] bytes
+        qb = tl.load(q_rows + g * q_step, mask=n_mask[:, None], other=0)              # [BLOCK_N, HALF] bytes
         xe = tl.load(x_rows + g * G, mask=m_mask[:, None], other=0.0)                # [ROWS, HALF] low-nibble k
         xo = tl.load(x_rows + g * G + HALF, mask=m_mask[:, None], other=0.0)         # [ROWS, HALF] high-nibble k
         if IEEE:
@@ -235,8 +242,8 @@ def q4_gemv(x: torch.Tensor, qw, cfg: Q4Config | None = None) -> torch.Tensor:
         gb = 16
         _xsum_kernel[(m, triton.cdiv(n_groups, gb))](x, xs, k, x.stride(0), G=g, GB=gb)
     _q4_kernel[(n_tiles, split)](
-        x, xs, qw.qweight, qw.scales_t, qw.zeros_t, y, part, locks, m, n, k // 2, x.stride(0), y.stride(0),
-        n_groups, per, split, BLOCK_N=cfg.block_n, G=g, ROWS_=ROWS, SEM=sem, XS=cfg.xs,
+        x, xs, qw.qtiled, qw.scales_t, qw.zeros_t, y, part, locks, m, n, k // 2, x.stride(0), y.stride(0),
+        n_groups, per, split, BLOCK_N=cfg.block_n, G=g, ROWS_=ROWS, TILE=qw.tile, SEM=sem, XS=cfg.xs,
         ASM=x.dtype == torch.bfloat16 and not INTERPRET, IEEE=x.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1 and not sem:

@@ -156,6 +156,22 @@ def test_q4_kernel_prefixes_are_row_invariant():
             assert torch.equal(q4_gemv(x[:m], qw, cfg), full[:m]), (cfg, m)
 
 
+def test_tiled_storage_round_trip_and_both_layouts_agree():
+    """Codes stored in tiles of 64 rows (N padded) give back the same kernel packing, row slices
+    included, and the kernel reads either layout to the same bits."""
+    from specfire.ops.quant import tile_rows, untile_rows
+
+    qw = QuantWeight.quantize(torch.randn(70, 384, generator=_g(24)), 64)
+    assert qw.tile == 64 and qw.qtiled.shape == (2, 6, 64, 32) and qw.shape == (70, 384)
+    rows = QuantWeight(qw.qweight, qw.scales_t, qw.zeros_t, False, torch.float32, 0)
+    assert torch.equal(untile_rows(tile_rows(rows.qtiled, 64, 16), slice(3, 61), 70), rows.qtiled[3:61])
+    assert torch.equal(qw.dequantize(slice(5, 67)), rows.dequantize()[5:67])
+    assert qw.nbytes() == rows.nbytes() == 70 * 192 + 2 * 70 * 6 * 2
+    x = torch.randn(3, 384, generator=_g(25))
+    for cfg in (Q4Config(16, split_k=2), Q4Config(32, split_k=3, xs=2)):
+        assert torch.equal(q4_gemv(x, qw, cfg), q4_gemv(x, rows, cfg))
+
+
 def test_q4_rejects_bad_shapes():
     qw = QuantWeight.quantize(torch.randn(8, 128, generator=_g(23)), 64)
     with pytest.raises(ValueError, match="at most 16 rows"):
