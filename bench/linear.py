@@ -10,7 +10,7 @@ line last.
 
     python bench/linear.py [--quick] [--out results.json]
 
-The 4-bit kernel's own sweep (beside the earlier kernels and torch's int4 mm), the Q8 KV
+The 4-bit kernel's own sweep (with torch's int4 mm beside it), the Q8 KV
 attention modes and 4-bit decode end to end are in bench/quant_gpu.py.
 """
 from __future__ import annotations
@@ -156,11 +156,10 @@ def bench_gemv(res: dict, quick: bool) -> None:
 # ---- 4-bit ----------------------------------------------------------------------------------
 
 def q4_sweep(n: int, g: int) -> list[Q4Config]:
-    """Tile widths, pipeline depths, split-K and the three sum(x) sources (bench/quant_gpu.py has
-    the full per-shape sweep)."""
+    """Tile widths, warps, pipeline depths and split-K (bench/quant_gpu.py has the full per-shape
+    sweep)."""
     splits = (1, 2, 4) if n >= 10240 else (1, 2, 4, 8)
-    c = [Q4Config(bn, sk, nw, ns) for bn, nw in ((64, 1), (128, 2)) for sk in splits for ns in (3, 4)]
-    return c + [Q4Config(64, sk, 1, 4, xs=xs) for xs in (1, 2) for sk in splits[:2]]
+    return [Q4Config(bn, sk, nw, ns) for bn, nw in ((64, 1), (64, 2), (32, 1)) for sk in splits for ns in (3, 4)]
 
 
 def random_q4(n: int, k: int, g: int, dev: str) -> QuantWeight:

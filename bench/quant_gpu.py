@@ -1,20 +1,22 @@
 """4-bit GEMV sweep, adoption and 4-bit decode end to end on the GPU, in one call.
 
 0. Warm-up: every candidate kernel is compiled in parallel worker processes on tiny shapes (the
-   same specialisations as the real calls), and one more worker runs a 4-layer model of the 27B
-   dimensions end to end, so the Triton cache is full before anything is timed.
+   kernel specialises on no size, so these are the real calls' binaries), and one more worker
+   runs a 4-layer model of the 27B dimensions end to end, so the Triton cache is full before
+   anything is timed.
 1. 4-bit GEMV (ops/triton_quant.py), group 128, the 27B layer shapes and the lm_head: for every
-   candidate (tile width, warps, pipeline depth, split-K, source of sum(x), split combine),
-   parity against the float32 product of the dequantised weight and bitwise row invariance
-   (every prefix M = 1..16 and every single row equal the 16-row result), then the time at
-   M = 1, 4, 16 (CUDA-graph replay over rotating weight copies > L2), beside the previous
-   kernels (bench/quant_legacy.py: their default and the forms never measured before) and
-   torch's `_weight_int4pack_mm`. Bandwidth = bytes the call must read (codes + bf16 scales +
-   zeros) / time, as a fraction of 4.17 TB/s. The fastest row-invariant candidate per shape
-   (least t1 + t4 + t16) is adopted for the rest of the run.
+   candidate (tile width, warps, pipeline depth, split-K, codes stored as rows or in 64-row
+   tiles), parity against the float32 product of the dequantised weight and bitwise row
+   invariance (every prefix M = 1..16 and every single row equal the 16-row result), then the
+   time at M = 1, 4, 16 (CUDA-graph replay over rotating weight copies > L2), beside torch's
+   `_weight_int4pack_mm`. Bandwidth = bytes the call must read (codes + bf16 scales + zeros) /
+   time, as a fraction of 4.17 TB/s. The fastest row-invariant candidate per shape and layout
+   (least t1 + t4 + t16) is printed; the one on the package's layout (ops/quant.py TILE) is
+   adopted for the rest of the run.
 2. End to end with the adopted configs: a random-weight 27B-shape trunk with 4-bit projections
-   and a 4-bit MTP head built on the GPU, CUDA graphs: AR decode tok/s, verify 1 / 4 rows, and
-   the cost of an MTP k=3 cycle (draft 3 + verify 4 + accept) against an AR step.
+   and a 4-bit MTP head built on the GPU, CUDA graphs: AR decode tok/s, verify 1 / 4 rows, the
+   cost of an MTP k=3 cycle (draft 3 + verify 4 + accept) against an AR step, and where an AR
+   step's device time goes (profiler, kernels by name).
 3. Q8 KV attention vs bf16 at 33k positions (the defaults), if time is left.
 Everything also goes to $OUT/quant_gpu.json (written after every section).
 
@@ -38,9 +40,10 @@ ROOT = os.path.join(HERE, "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-import quant_legacy as legacy  # noqa: E402
 from specfire.ops import triton_quant as tq  # noqa: E402
 from specfire.ops.quant import TILE, QuantWeight  # noqa: E402
+
+TILED = 64   # the tiled layout the sweep measures beside rows
 from specfire.ops.triton_quant import Q4Config, q4_gemv  # noqa: E402
 
 PEAK = 4.17e12
@@ -54,13 +57,13 @@ if SMOKE:
     SHAPES = [(48, 512, "tiny"), (20, 256, "tiny2")]
 GROUP = 128 if not SMOKE else 64
 SMS = 132
-# (block_n, num_warps, num_stages, xs) -> CTAs resident per SM (registers / shared memory of the
-# sm_90 build, triton 3.6); sets the split-K that fills the machine in one wave. First run
-# (docs/BENCHMARKS.md): one or two warps of 32-64 columns each won, the in-loop sum(x) (xs 1)
-# and the second-launch combine lost everywhere; this run adds more warps per SM and the tiled layout.
-BASES = {(64, 2, 4, 0): 6, (64, 1, 3, 0): 8, (32, 1, 4, 0): 11, (64, 2, 3, 0): 6, (32, 1, 3, 0): 12,
-         (128, 2, 4, 0): 4, (128, 4, 3, 0): 4, (128, 4, 4, 0): 4, (64, 4, 3, 0): 5, (64, 4, 4, 0): 5,
-         (32, 2, 4, 0): 10, (16, 1, 4, 0): 14, (64, 2, 4, 2): 6}
+# (block_n, num_warps, num_stages) -> CTAs resident per SM (registers / shared memory of the sm_90
+# build, triton 3.6); sets the split-K that fills the machine in one wave. The first run
+# (docs/BENCHMARKS.md) measured 64 w1 s3/s4/s5, 128 w2 s4, 32 w1 s4, 64 w2 s4 (and dropped the
+# in-loop and MMA sums of x and the second-launch combine, slower everywhere); this list adds
+# more warps per SM, and every base runs on both code layouts.
+BASES = {(64, 2, 4): 6, (64, 1, 3): 8, (32, 1, 4): 11, (64, 2, 3): 6, (32, 1, 3): 12, (128, 2, 4): 4,
+         (128, 4, 3): 4, (128, 4, 4): 4, (64, 4, 3): 5, (64, 4, 4): 5, (32, 2, 4): 10, (16, 1, 4): 14}
 T0 = time.time()
 WARM_LOG = "/tmp/quant_gpu_warm.log"
 
@@ -111,21 +114,21 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def cfg_of(base: tuple, split: int, sem: bool = True) -> Q4Config:
-    bn, nw, ns, xs = base
-    return Q4Config(block_n=bn, split_k=split, num_warps=nw, num_stages=ns, xs=xs, sem=sem)
+def cfg_of(base: tuple, split: int) -> Q4Config:
+    bn, nw, ns = base
+    return Q4Config(block_n=bn, split_k=split, num_warps=nw, num_stages=ns)
 
 
 def candidates(n: int, k: int) -> list[tuple]:
-    """(config, tile of the stored codes) for the current kernel, most promising first: every base
-    at the split that fills the machine in one wave on the tiled layout, the best two bases of the
-    first run also at a third of that split and on the row layout (the layout's own effect)."""
+    """(config, code layout) pairs, most promising first: every base at the split that fills the
+    machine in one wave, on rows and on 64-row tiles, and the two best bases of the first run also
+    at a third of that split."""
     c = []
     for b in BASES:
         s1 = wave_split(n, k, b)
-        c.append((cfg_of(b, s1), TILE))
-        if b in ((64, 2, 4, 0), (32, 1, 4, 0)):
-            c += [(cfg_of(b, s1), 0), (cfg_of(b, max(1, s1 // 3)), TILE)]
+        c += [(cfg_of(b, s1), 0), (cfg_of(b, s1), TILED)]
+        if b in ((64, 2, 4), (32, 1, 4)):
+            c += [(cfg_of(b, max(1, s1 // 3)), 0), (cfg_of(b, max(1, s1 // 3)), TILED)]
     out = []
     for x in c:
         if x not in out:
@@ -133,22 +136,8 @@ def candidates(n: int, k: int) -> list[tuple]:
     return out
 
 
-def legacy_candidates(n: int, k: int) -> list:
-    """The previous default (the forms the first run measured are not repeated)."""
-    return [legacy.q4_config(n, k, GROUP)]
-
-
-def tag(cfg, tile: int = TILE) -> str:
-    if isinstance(cfg, Q4Config):
-        return (f"new bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} split{cfg.split_k} xs{cfg.xs}"
-                f"{'' if cfg.sem or cfg.split_k == 1 else ' 2launch'}{' rows' if not tile else ''}")
-    d = cfg.__dict__
-    return (f"old v{d['version']} bn{d['block_n']} w{d['num_warps']} s{d['num_stages']} split{d['split_k']} "
-            f"gps{d['gps']}{' deq' if d['deq'] else ''}{' pf' if d.get('prefetch') else ''}")
-
-
-def run_cfg(x, qw, cfg):
-    return q4_gemv(x, qw, cfg) if isinstance(cfg, Q4Config) else legacy.q4_gemv(x, qw, cfg)
+def tag(cfg: Q4Config, tile: int) -> str:
+    return f"bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} split{cfg.split_k} {'tiled' if tile else 'rows'}"
 
 
 def rows_layout(qw: QuantWeight) -> QuantWeight:
@@ -160,30 +149,16 @@ def rows_layout(qw: QuantWeight) -> QuantWeight:
 
 def warm_kernels(part: int, parts: int) -> None:
     """Compile this worker's share of every candidate on a tiny weight (split 1 and split 2)."""
-    jobs = []
-    for b in BASES:
-        for tile in ((TILE, 0) if b in ((64, 2, 4, 0), (32, 1, 4, 0)) else (TILE,)):
-            jobs += [(cfg_of(b, 1), 2048, tile), (cfg_of(b, 2), 2048, tile)]
-    seen = set()
-    for n, k, _ in SHAPES:
-        for c in legacy_candidates(n, k):
-            key = (repr(c), k)
-            if key not in seen:
-                seen.add(key)
-                jobs.append((c, k, 0))
-    qws = {}
-    for i, (cfg, k, tile) in enumerate(jobs):
-        if i % parts != part:
-            continue
-        # the new kernel specialises on none of the sizes; the earlier one needs the real K (its splits)
-        if (k, tile) not in qws:
-            qws[(k, tile)] = random_q4(256, k, tile=tile)
-        x = torch.randn(16, k, device=DEV, dtype=BF)
-        try:
-            run_cfg(x, qws[(k, tile)], cfg)
-            run_cfg(x[:1], qws[(k, tile)], cfg)
-        except Exception as e:
-            print(f"warm {tag(cfg, tile)}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    jobs = [(cfg_of(b, sp), tile) for b in BASES for tile in (0, TILED) for sp in (1, 2)]
+    qws = {tile: random_q4(256, 2048, tile=tile) for tile in (0, TILED)}   # the kernel specialises on no size
+    x = torch.randn(16, 2048, device=DEV, dtype=BF)
+    for i, (cfg, tile) in enumerate(jobs):
+        if i % parts == part:
+            try:
+                q4_gemv(x, qws[tile], cfg)
+                q4_gemv(x[:1], qws[tile], cfg)
+            except Exception as e:
+                print(f"warm {tag(cfg, tile)}: {type(e).__name__}: {str(e)[:200]}", flush=True)
     if not SMOKE:
         torch.cuda.synchronize()
 
@@ -238,15 +213,14 @@ def bench_q4(res: dict, budget: float) -> dict:
     print(f"\n== 4-bit GEMV, group {GROUP}: parity, bitwise row invariance, time (us, % of 4.17 TB/s) ==", flush=True)
     adopted = {}
     for si, (n, k, what) in enumerate(SHAPES):
-        qw0 = random_q4(n, k)
-        nbytes = qw0.nbytes()
+        nbytes = n * k // 2 + 2 * 2 * n * (k // GROUP)
         copies = max(1, min(8, math.ceil(400e6 / nbytes)))
-        sets = {TILE: [qw0] + [random_q4(n, k) for _ in range(copies - 1)]}
-        sets[0] = [rows_layout(w) for w in sets[TILE]]       # the same weights, codes as rows
+        sets = {0: [random_q4(n, k, tile=0) for _ in range(copies)]}
+        sets[TILED] = [QuantWeight(w.qtiled, w.scales_t, w.zeros_t, False, BF, TILED) for w in sets[0]]  # same codes
+        qw0 = sets[0][0]
         x16 = torch.randn(16, k, device=DEV, dtype=BF)
         ref = x16.float() @ qw0.dequantize().t()
-        new, old = candidates(n, k), [(c, 0) for c in legacy_candidates(n, k)]
-        cands = new[:1] + old[:1] + new[1:] + old[1:]
+        cands = candidates(n, k)
         share = elapsed() + (budget - elapsed()) / (len(SHAPES) - si)   # this shape's share of the budget
         rows = []
         for ci, (cfg, tile) in enumerate(cands):
@@ -255,26 +229,29 @@ def bench_q4(res: dict, budget: float) -> dict:
                 continue
             qws = sets[tile]
             w0 = qws[0]
-            rec = {"cfg": tag(cfg, tile), "new": isinstance(cfg, Q4Config), "tile": tile, "params": cfg.__dict__}
+            rec = {"cfg": tag(cfg, tile), "tile": tile, "params": cfg.__dict__}
             try:
-                y = run_cfg(x16, w0, cfg)
+                y = q4_gemv(x16, w0, cfg)
                 rec["rel_err"] = rel(y, ref)
-                rec["row_invariant"] = row_invariant(lambda t: run_cfg(t, w0, cfg), x16)
-                rec["repeat_equal"] = torch.equal(run_cfg(x16, w0, cfg), y)
+                rec["row_invariant"] = row_invariant(lambda t: q4_gemv(t, w0, cfg), x16)
+                rec["repeat_equal"] = torch.equal(q4_gemv(x16, w0, cfg), y)
                 for m in (1, 4, 16):
-                    t = graph_time([lambda w=w: run_cfg(x16[:m], w, cfg) for w in qws])
+                    t = graph_time([lambda w=w: q4_gemv(x16[:m], w, cfg) for w in qws])
                     rec[f"us_M{m}"] = t * 1e6
                     rec[f"frac_M{m}"] = nbytes / t / PEAK
             except Exception as e:  # a config the compiler refuses is reported, not fatal
                 rec["error"] = f"{type(e).__name__}: {str(e)[:160]}"
             rows.append(rec)
-        ok = [r for r in rows if r.get("new") and r["tile"] == TILE and "us_M16" in r and r["row_invariant"]
-              and r["repeat_equal"] and r["rel_err"] < 1e-2]
-        best = min(ok, key=lambda r: r["us_M1"] + r["us_M4"] + r["us_M16"]) if ok else None
-        if best is not None:
-            adopted[(n, k)] = Q4Config(**best["params"])
+        best = {}
+        for tile in (0, TILED):   # the fastest per layout; the package's layout (TILE) is adopted
+            ok = [r for r in rows if r.get("tile") == tile and "us_M16" in r and r["row_invariant"]
+                  and r["repeat_equal"] and r["rel_err"] < 1e-2]
+            if ok:
+                best[tile] = min(ok, key=lambda r: r["us_M1"] + r["us_M4"] + r["us_M16"])
+        if TILE in best:
+            adopted[(n, k)] = Q4Config(**best[TILE]["params"])
             t = graph_time([lambda w=w: q4_gemv(x16[:8], w, adopted[(n, k)]) for w in sets[TILE]])
-            best["us_M8"], best["frac_M8"] = t * 1e6, nbytes / t / PEAK
+            best[TILE]["us_M8"], best[TILE]["frac_M8"] = t * 1e6, nbytes / t / PEAK
         i4 = {}
         ti4 = torch_int4(n, k, GROUP) if not SMOKE else None
         if ti4 is not None:
@@ -284,13 +261,13 @@ def bench_q4(res: dict, budget: float) -> dict:
                 i4[f"us_M{m}"] = t * 1e6
                 i4[f"frac_M{m}"] = (n * k // 2 + n * k // GROUP * 4) / t / PEAK
         res["q4"].append({"shape": [n, k], "what": what, "bytes": nbytes, "copies": copies, "configs": rows,
-                          "adopted": best["params"] if best else None, "torch_int4": i4})
+                          "best_per_layout": {t: b["cfg"] for t, b in best.items()}, "torch_int4": i4})
         for r in rows:
             if "us_M1" not in r:
                 print(f"  {n:>6}x{k:<6} {r['cfg']:<44} {r.get('error') or r.get('skipped')}")
                 continue
             m4 = f"M4 {r['frac_M4']:6.1%} " if "frac_M4" in r else " " * 10
-            mark = " <- adopted" if r is best else ""
+            mark = " <- best of its layout" if r is best.get(r["tile"]) else ""
             print(f"  {n:>6}x{k:<6} {r['cfg']:<44} M1 {r['us_M1']:7.1f} us {r['frac_M1']:6.1%} {m4}M16 {r['us_M16']:7.1f} us "
                   f"{r['frac_M16']:6.1%} err {r['rel_err']:.1e} inv {r['row_invariant']}{mark}")
         if i4:

@@ -2,17 +2,16 @@
 
 Factorised form: per group, t = x @ (128 + q)^T on the tensor cores (codes exact in bf16, fp32
 accumulation; x is the MMA's 16-row A operand, the codes its B operand), then
-y += s t + (z - 128 s) sum(x) in fp32. Codes become bf16 128 + q by bit tricks on whole 32-bit
-words (inline PTX: prmt, shift, lop3). Why it is shaped this way (bench/quant_gpu.py, H200): a
-decode GEMV must keep HBM busy, so every load of the loop is in flight ahead of its use (codes and
-x through the software pipeline, the next group's scales, zeros and sum(x) prefetched into
-registers one group ahead), code rows load 16 bytes at a time, and the per-code instruction count
-stays low (x is the A operand, so a warp's x fragment serves all its columns, and the epilogue is
-two FMAs per output). the codes are stored in tiles of 64 output rows so that one group of a tile is one contiguous
-block (ops/quant.py), sum(x) per group comes from a small kernel launched first (XS=0), from the
-x tile in the loop (XS=1), or from an MMA of x against a tile of ones (XS=2). Split-K partials
-are combined in a fixed order by the last CTA of each N tile to arrive (a counter per tile, reset
-by that CTA), or by a second launch.
+y += s t + (z - 128 s) sum(x) in fp32, sum(x) per group from a small kernel launched first.
+Codes become bf16 128 + q by bit tricks on whole 32-bit words (inline PTX: prmt, shift, lop3).
+Why it is shaped this way (bench/quant_gpu.py, H200): a decode GEMV must keep HBM busy, so no
+load of the loop waits where it is issued (codes and x go through the software pipeline; the
+next group's scales, zeros and sum(x) are prefetched into registers one group ahead, where the
+previous kernel stalled on them every group), code rows load 16 bytes at a time, x as the A
+operand lets a warp's x fragment serve all its columns, and the epilogue is two FMAs per output.
+The codes may be stored in tiles of rows (one group of a tile = one contiguous block, TILE) or as
+rows (TILE = 0, the measured default). Split-K partials are combined in a fixed order by the last
+CTA of each N tile to arrive (a counter per tile, reset by that CTA).
 
 Row invariance: a fixed 16-row tile, a launch configuration chosen from (N, K, G) only, M never
 specialised, group terms and split partials added in a fixed order, so every M runs the same
@@ -27,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_gemv import ROWS, _splitk_sum
+from .triton_gemv import ROWS
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX in the interpreter
 
@@ -36,20 +35,31 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX in the in
 class Q4Config:
     block_n: int = 64
     split_k: int = 1
-    num_warps: int = 1
+    num_warps: int = 2
     num_stages: int = 4
-    xs: int = 0           # sum(x) per group: 0 = small kernel first, 1 = summed in the loop, 2 = MMA with ones
-    sem: bool = True      # split_k > 1: combine in the kernel (last CTA per tile) instead of a second launch
+
+
+# (N, K) at group 128 -> the fastest row-invariant config of the sweep (least t(M=1) + t(M=4) +
+# t(M=16)) in bench/quant_gpu.py on the H200, codes stored as rows (docs/BENCHMARKS.md)
+_MEASURED = {
+    (17408, 5120): Q4Config(64, split_k=3, num_warps=1, num_stages=3),    # MLP gate, up
+    (5120, 17408): Q4Config(64, split_k=9, num_warps=2, num_stages=4),    # MLP down
+    (12288, 5120): Q4Config(64, split_k=4, num_warps=2, num_stages=4),    # attention q + gate
+    (10240, 5120): Q4Config(32, split_k=4, num_warps=1, num_stages=4),    # GDN qkv
+    (6144, 5120): Q4Config(64, split_k=8, num_warps=2, num_stages=4),     # GDN z
+    (5120, 6144): Q4Config(64, split_k=9, num_warps=2, num_stages=4),     # attention o, GDN out
+    (1024, 5120): Q4Config(64, split_k=13, num_warps=1, num_stages=4),    # attention k, v
+    (248320, 5120): Q4Config(64, split_k=1, num_warps=2, num_stages=4),   # lm_head
+}
 
 
 def q4_config(n: int, k: int, group: int) -> Q4Config:
-    """Launch configuration from the weight's shape only (never from M). Provisional: single-wave
-    grids of 64-column, one-warp CTAs (about 7 resident per SM on an H200), split-K where N alone
-    gives too few CTAs; the measured choice per 27B shape is in docs/BENCHMARKS.md."""
-    n_groups = k // group
-    tiles = triton.cdiv(n, 64)
-    split = max(1, min(max(1, n_groups // 2), 924 // tiles))
-    return Q4Config(block_n=64, split_k=split)
+    """Launch configuration from the weight's shape only (never from M): the measured one for the
+    27B shapes, else what won most of them, 64 columns on two warps with the split-K that fills
+    an H200 in one wave (about 6 such CTAs per SM)."""
+    if group == 128 and (n, k) in _MEASURED:
+        return _MEASURED[(n, k)]
+    return Q4Config(64, split_k=max(1, min(k // group, 792 // triton.cdiv(n, 64))))
 
 
 # inline PTX, 4 packed bytes in ($4) -> low nibbles as bf16 128+q ($0, $1) and high nibbles ($2, $3);
@@ -107,24 +117,20 @@ def _mmt(a, bt, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _group_terms(s_ptr, z_ptr, xs_ptr, g, g_hi, N, n_groups, offs_n, n_mask, offs_m, m_mask, XS: tl.constexpr,
-                 ROWS_: tl.constexpr):
-    """Scale and zero of group g for the tile's columns, and (XS=0) sum(x) of group g per row;
-    zeros past the split's last group (these are the prefetches one group ahead)."""
+def _group_terms(s_ptr, z_ptr, xs_ptr, g, g_hi, N, n_groups, offs_n, n_mask, offs_m, m_mask):
+    """Scale and zero of group g for the tile's columns and sum(x) of group g per row; zeros past
+    the split's last group (these are the prefetches one group ahead)."""
     ok = (g + offs_n * 0) < g_hi
     s = tl.load(s_ptr + g * N + offs_n, mask=n_mask & ok, other=0.0)
     z = tl.load(z_ptr + g * N + offs_n, mask=n_mask & ok, other=0.0)
-    if XS == 0:
-        xs = tl.load(xs_ptr + offs_m * n_groups + g, mask=m_mask & ((g + offs_m * 0) < g_hi), other=0.0)
-    else:
-        xs = tl.zeros((ROWS_,), dtype=tl.float32)
+    xs = tl.load(xs_ptr + offs_m * n_groups + g, mask=m_mask & ((g + offs_m * 0) < g_hi), other=0.0)
     return s, z, xs
 
 
 @triton.jit(do_not_specialize=["M", "n_groups", "groups_per_split", "split"])
 def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M, N, KH, stride_xm, stride_ym,
                n_groups, groups_per_split, split, BLOCK_N: tl.constexpr, G: tl.constexpr, ROWS_: tl.constexpr,
-               TILE: tl.constexpr, SEM: tl.constexpr, XS: tl.constexpr, ASM: tl.constexpr, IEEE: tl.constexpr):
+               TILE: tl.constexpr, ASM: tl.constexpr, IEEE: tl.constexpr):
     # Kernel packing (ops/quant.py): in group g, byte j of a row holds codes g*G + j (low nibble)
     # and g*G + G/2 + j (high nibble), rows stored in tiles [N/TILE, K/G, TILE, G/2] (TILE = 0: rows
     # [N, K/2]); scales / zeros are [K/G, N]; KH = K / 2 bytes per row.
@@ -138,7 +144,6 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
     m_mask = offs_m < M
     g_lo = pid_s * groups_per_split
     g_hi = tl.minimum(g_lo + groups_per_split, n_groups)
-    dt = x_ptr.dtype.element_ty
     acc = tl.zeros((ROWS_, BLOCK_N), dtype=tl.float32)                      # [ROWS, BLOCK_N] = x W^T tile
     if TILE == 0:
         q_rows = q_ptr + offs_n[:, None] * KH + offs_c[None, :]
@@ -147,14 +152,9 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
         q_rows = q_ptr + ((offs_n // TILE) * (KH * TILE) + (offs_n % TILE) * HALF)[:, None] + offs_c[None, :]
         q_step = TILE * HALF
     x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_c[None, :]
-    if XS == 2:  # bf16 128 from zero bytes through the codes' own path (same MMA operand layout as the codes)
-        z8 = tl.load(q_ptr + tl.arange(0, 16)[:, None] * 0 + offs_c[None, :], mask=offs_c[None, :] < 0, other=0)
-        ones, _unused = _codes(z8, dt, ASM)                                  # [16, HALF], all 128
-    s0, z0, xs0 = _group_terms(s_ptr, z_ptr, xs_ptr, g_lo, g_hi, N, n_groups, offs_n, n_mask, offs_m, m_mask, XS,
-                                  ROWS_)
+    s0, z0, xs0 = _group_terms(s_ptr, z_ptr, xs_ptr, g_lo, g_hi, N, n_groups, offs_n, n_mask, offs_m, m_mask)
     for g in range(g_lo, g_hi):
-        s1, z1, xs1 = _group_terms(s_ptr, z_ptr, xs_ptr, g + 1, g_hi, N, n_groups, offs_n, n_mask, offs_m, m_mask,
-                                   XS, ROWS_)
+        s1, z1, xs1 = _group_terms(s_ptr, z_ptr, xs_ptr, g + 1, g_hi, N, n_groups, offs_n, n_mask, offs_m, m_mask)
         qb = tl.load(q_rows + g * q_step, mask=n_mask[:, None], other=0)              # [BLOCK_N, HALF] bytes
         xe = tl.load(x_rows + g * G, mask=m_mask[:, None], other=0.0)                # [ROWS, HALF] low-nibble k
         xo = tl.load(x_rows + g * G + HALF, mask=m_mask[:, None], other=0.0)         # [ROWS, HALF] high-nibble k
@@ -163,11 +163,6 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
             xo = xo.to(tl.float32)
         lo, hi = _codes(qb, xe.dtype, ASM)
         t = _mmt(xo, hi, _mmt(xe, lo, tl.zeros((ROWS_, BLOCK_N), dtype=tl.float32), IEEE), IEEE)
-        if XS == 1:
-            xs0 = tl.sum(xe.to(tl.float32), axis=1) + tl.sum(xo.to(tl.float32), axis=1)
-        if XS == 2:  # every column of x @ ones is 128 sum(x); the max picks one exactly
-            u = _mmt(xo, ones, _mmt(xe, ones, tl.zeros((ROWS_, 16), dtype=tl.float32), IEEE), IEEE)
-            xs0 = tl.max(u, axis=1) * (1.0 / 128)
         s = s0.to(tl.float32)
         z = z0.to(tl.float32) - 128.0 * s      # t holds sum (128 + q) x: 128 s sum(x) comes out here
         acc = tl.fma(t, s[None, :], acc)
@@ -180,17 +175,16 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
     else:
         p_ptrs = part_ptr + offs_m[:, None] * N + offs_n[None, :]                   # partials [split, M, N]
         tl.store(p_ptrs + pid_s * M * N, acc, mask=out_mask)
-        if SEM:
-            # the last CTA of this N tile to arrive sums the partials in split order 0..split-1
-            # (the arrival order never enters the arithmetic), then resets the counter
-            tl.debug_barrier()
-            cnt = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-            if cnt == split - 1:
-                tot = tl.load(p_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
-                for sp in range(1, split):
-                    tot += tl.load(p_ptrs + sp * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-                tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=out_mask)
-                tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+        # the last CTA of this N tile to arrive sums the partials in split order 0..split-1 (the
+        # arrival order never enters the arithmetic), then resets the counter
+        tl.debug_barrier()
+        cnt = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if cnt == split - 1:
+            tot = tl.load(p_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
+            for sp in range(1, split):
+                tot += tl.load(p_ptrs + sp * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -234,19 +228,12 @@ def q4_gemv(x: torch.Tensor, qw, cfg: Q4Config | None = None) -> torch.Tensor:
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     n_tiles = triton.cdiv(n, cfg.block_n)
     part = y if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
-    sem = cfg.sem and split > 1
-    locks = _locks(x.device, n_tiles) if sem else y
-    xs = y
-    if cfg.xs == 0:
-        xs = torch.empty(m, n_groups, device=x.device, dtype=torch.float32)
-        gb = 16
-        _xsum_kernel[(m, triton.cdiv(n_groups, gb))](x, xs, k, x.stride(0), G=g, GB=gb)
+    locks = _locks(x.device, n_tiles) if split > 1 else y
+    xs = torch.empty(m, n_groups, device=x.device, dtype=torch.float32)
+    _xsum_kernel[(m, triton.cdiv(n_groups, 16))](x, xs, k, x.stride(0), G=g, GB=16)
     _q4_kernel[(n_tiles, split)](
         x, xs, qw.qtiled, qw.scales_t, qw.zeros_t, y, part, locks, m, n, k // 2, x.stride(0), y.stride(0),
-        n_groups, per, split, BLOCK_N=cfg.block_n, G=g, ROWS_=ROWS, TILE=qw.tile, SEM=sem, XS=cfg.xs,
+        n_groups, per, split, BLOCK_N=cfg.block_n, G=g, ROWS_=ROWS, TILE=qw.tile,
         ASM=x.dtype == torch.bfloat16 and not INTERPRET, IEEE=x.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if split > 1 and not sem:
-        blk = 1024
-        _splitk_sum[(triton.cdiv(m * n, blk),)](part, y, m * n, SPLIT=split, BLOCK=blk)
     return y

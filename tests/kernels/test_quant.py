@@ -119,23 +119,24 @@ def test_pick_group():
     assert pick_group(5120, 128) == 128 and pick_group(96, 128) == 32 and pick_group(48, 128) is None
 
 
-CASES = [  # odd N, masked group tails (a split's last group range shorter), every sum(x) source,
-    # split-K combined in the kernel (counters) or by a second launch, group sizes 32 / 64 / 128
-    (1, 37, 128, 32, False, Q4Config(16)),
-    (5, 100, 384, 64, True, Q4Config(32, split_k=2, xs=1)),
-    (3, 70, 640, 128, False, Q4Config(64, split_k=4)),
-    (7, 50, 160, 32, False, Q4Config(16, split_k=3, sem=False)),
-    (9, 33, 2304, 64, False, Q4Config(32, split_k=5, xs=2)),
-    (4, 48, 512, 128, False, Q4Config(16, split_k=3, xs=1, sem=False)),
-    (2, 20, 192, 32, True, Q4Config(16, split_k=4, xs=2)),
-    (16, 64, 256, 128, False, None),
+CASES = [  # odd N, masked group tails (a split's last group range shorter), split-K combined by
+    # the last CTA (counters), group sizes 32 / 64 / 128, codes as rows and in tiles (last field)
+    (1, 37, 128, 32, False, Q4Config(16), 0),
+    (5, 100, 384, 64, True, Q4Config(32, split_k=2), 64),
+    (3, 70, 640, 128, False, Q4Config(64, split_k=4), 0),
+    (7, 50, 160, 32, False, Q4Config(16, split_k=3), 16),
+    (9, 33, 2304, 64, False, Q4Config(32, split_k=5), 64),
+    (4, 48, 512, 128, False, Q4Config(16, split_k=3, num_warps=1), 32),
+    (16, 64, 256, 128, False, None, 0),
 ]
 
 
-@pytest.mark.parametrize("m,n,k,g,had,cfg", CASES)
-def test_q4_kernel_matches_reference_and_is_row_invariant(m, n, k, g, had, cfg):
+@pytest.mark.parametrize("m,n,k,g,had,cfg,tile", CASES)
+def test_q4_kernel_matches_reference_and_is_row_invariant(m, n, k, g, had, cfg, tile):
     w = torch.randn(n, k, generator=_g(m + n))
     qw = QuantWeight.quantize(w, g, had)
+    if tile:
+        qw = QuantWeight(qw.qweight, qw.scales_t, qw.zeros_t, had, qw.dtype, tile)
     x = qw.prepare_input(torch.randn(m, k, generator=_g(k)))
     y = q4_gemv(x, qw, cfg)
     ref = linear_rows_ref(x, qw.dequantize())
@@ -147,10 +148,10 @@ def test_q4_kernel_matches_reference_and_is_row_invariant(m, n, k, g, had, cfg):
 
 
 def test_q4_kernel_prefixes_are_row_invariant():
-    """Every prefix M = 1..16 of a 16-row call gives the same rows bit for bit (split-K, in-loop sum)."""
+    """Every prefix M = 1..16 of a 16-row call gives the same rows bit for bit (with and without split-K)."""
     qw = QuantWeight.quantize(torch.randn(24, 384, generator=_g(21)), 128)
     x = torch.randn(16, 384, generator=_g(22))
-    for cfg in (Q4Config(16, split_k=2), Q4Config(16, xs=2)):
+    for cfg in (Q4Config(16, split_k=2), Q4Config(32)):
         full = q4_gemv(x, qw, cfg)
         for m in range(1, 17):
             assert torch.equal(q4_gemv(x[:m], qw, cfg), full[:m]), (cfg, m)
@@ -161,14 +162,15 @@ def test_tiled_storage_round_trip_and_both_layouts_agree():
     included, and the kernel reads either layout to the same bits."""
     from specfire.ops.quant import tile_rows, untile_rows
 
-    qw = QuantWeight.quantize(torch.randn(70, 384, generator=_g(24)), 64)
-    assert qw.tile == 64 and qw.qtiled.shape == (2, 6, 64, 32) and qw.shape == (70, 384)
-    rows = QuantWeight(qw.qweight, qw.scales_t, qw.zeros_t, False, torch.float32, 0)
+    rows = QuantWeight.quantize(torch.randn(70, 384, generator=_g(24)), 64)
+    qw = QuantWeight(rows.qweight, rows.scales_t, rows.zeros_t, False, torch.float32, 64)
+    assert rows.tile == 0 and qw.qtiled.shape == (2, 6, 64, 32) and qw.shape == (70, 384)
+    assert torch.equal(qw.qweight, rows.qtiled) and torch.equal(qw.to("cpu").qtiled, qw.qtiled)
     assert torch.equal(untile_rows(tile_rows(rows.qtiled, 64, 16), slice(3, 61), 70), rows.qtiled[3:61])
     assert torch.equal(qw.dequantize(slice(5, 67)), rows.dequantize()[5:67])
     assert qw.nbytes() == rows.nbytes() == 70 * 192 + 2 * 70 * 6 * 2
     x = torch.randn(3, 384, generator=_g(25))
-    for cfg in (Q4Config(16, split_k=2), Q4Config(32, split_k=3, xs=2)):
+    for cfg in (Q4Config(16, split_k=2), Q4Config(32, split_k=3)):
         assert torch.equal(q4_gemv(x, qw, cfg), q4_gemv(x, rows, cfg))
 
 
