@@ -60,8 +60,8 @@ SMS = 132
 # (block_n, num_warps, num_stages) -> CTAs resident per SM (registers / shared memory of the sm_90
 # build, triton 3.6); sets the split-K that fills the machine in one wave. The first run
 # (docs/BENCHMARKS.md) measured 64 w1 s3/s4/s5, 128 w2 s4, 32 w1 s4, 64 w2 s4 (and dropped the
-# in-loop and MMA sums of x and the second-launch combine, slower everywhere); this list adds
-# more warps per SM, and every base runs on both code layouts.
+# in-loop and MMA sums of x, never faster than the adopted configs); this list adds more warps
+# per SM, and every base runs on both code layouts.
 BASES = {(64, 2, 4): 6, (64, 1, 3): 8, (32, 1, 4): 11, (64, 2, 3): 6, (32, 1, 3): 12, (128, 2, 4): 4,
          (128, 4, 3): 4, (128, 4, 4): 4, (64, 4, 3): 5, (64, 4, 4): 5, (32, 2, 4): 10, (16, 1, 4): 14}
 T0 = time.time()
@@ -114,9 +114,9 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def cfg_of(base: tuple, split: int) -> Q4Config:
+def cfg_of(base: tuple, split: int, sem: bool = True) -> Q4Config:
     bn, nw, ns = base
-    return Q4Config(block_n=bn, split_k=split, num_warps=nw, num_stages=ns)
+    return Q4Config(block_n=bn, split_k=split, num_warps=nw, num_stages=ns, sem=sem)
 
 
 def candidates(n: int, k: int) -> list[tuple]:
@@ -129,6 +129,8 @@ def candidates(n: int, k: int) -> list[tuple]:
         c += [(cfg_of(b, s1), 0), (cfg_of(b, s1), TILED)]
         if b in ((64, 2, 4), (32, 1, 4)):
             c += [(cfg_of(b, max(1, s1 // 3)), 0), (cfg_of(b, max(1, s1 // 3)), TILED)]
+            if s1 > 1:   # a second launch combined the splits faster at M = 16 on small-N shapes in the first run
+                c += [(cfg_of(b, s1, False), 0), (cfg_of(b, s1, False), TILED)]
     out = []
     for x in c:
         if x not in out:
@@ -137,7 +139,8 @@ def candidates(n: int, k: int) -> list[tuple]:
 
 
 def tag(cfg: Q4Config, tile: int) -> str:
-    return f"bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} split{cfg.split_k} {'tiled' if tile else 'rows'}"
+    return (f"bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} split{cfg.split_k} {'tiled' if tile else 'rows'}"
+            f"{'' if cfg.sem or cfg.split_k == 1 else ' 2launch'}")
 
 
 def rows_layout(qw: QuantWeight) -> QuantWeight:
@@ -150,6 +153,7 @@ def rows_layout(qw: QuantWeight) -> QuantWeight:
 def warm_kernels(part: int, parts: int) -> None:
     """Compile this worker's share of every candidate on a tiny weight (split 1 and split 2)."""
     jobs = [(cfg_of(b, sp), tile) for b in BASES for tile in (0, TILED) for sp in (1, 2)]
+    jobs += [(cfg_of(b, 2, False), tile) for b in ((64, 2, 4), (32, 1, 4)) for tile in (0, TILED)]
     qws = {tile: random_q4(256, 2048, tile=tile) for tile in (0, TILED)}   # the kernel specialises on no size
     x = torch.randn(16, 2048, device=DEV, dtype=BF)
     for i, (cfg, tile) in enumerate(jobs):

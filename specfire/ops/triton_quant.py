@@ -11,7 +11,7 @@ previous kernel stalled on them every group), code rows load 16 bytes at a time,
 operand lets a warp's x fragment serve all its columns, and the epilogue is two FMAs per output.
 The codes may be stored in tiles of rows (one group of a tile = one contiguous block, TILE) or as
 rows (TILE = 0, the measured default). Split-K partials are combined in a fixed order by the last
-CTA of each N tile to arrive (a counter per tile, reset by that CTA).
+CTA of each N tile to arrive (a counter per tile, reset by that CTA), or by a second launch.
 
 Row invariance: a fixed 16-row tile, a launch configuration chosen from (N, K, G) only, M never
 specialised, group terms and split partials added in a fixed order, so every M runs the same
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_gemv import ROWS
+from .triton_gemv import ROWS, _splitk_sum
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX in the interpreter
 
@@ -37,6 +37,7 @@ class Q4Config:
     split_k: int = 1
     num_warps: int = 2
     num_stages: int = 4
+    sem: bool = True      # split_k > 1: combine in the kernel (last CTA per tile) instead of a second launch
 
 
 # (N, K) at group 128 -> the fastest row-invariant config of the sweep (least t(M=1) + t(M=4) +
@@ -130,7 +131,7 @@ def _group_terms(s_ptr, z_ptr, xs_ptr, g, g_hi, N, n_groups, offs_n, n_mask, off
 @triton.jit(do_not_specialize=["M", "n_groups", "groups_per_split", "split"])
 def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M, N, KH, stride_xm, stride_ym,
                n_groups, groups_per_split, split, BLOCK_N: tl.constexpr, G: tl.constexpr, ROWS_: tl.constexpr,
-               TILE: tl.constexpr, ASM: tl.constexpr, IEEE: tl.constexpr):
+               TILE: tl.constexpr, SEM: tl.constexpr, ASM: tl.constexpr, IEEE: tl.constexpr):
     # Kernel packing (ops/quant.py): in group g, byte j of a row holds codes g*G + j (low nibble)
     # and g*G + G/2 + j (high nibble), rows stored in tiles [N/TILE, K/G, TILE, G/2] (TILE = 0: rows
     # [N, K/2]); scales / zeros are [K/G, N]; KH = K / 2 bytes per row.
@@ -175,16 +176,17 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
     else:
         p_ptrs = part_ptr + offs_m[:, None] * N + offs_n[None, :]                   # partials [split, M, N]
         tl.store(p_ptrs + pid_s * M * N, acc, mask=out_mask)
-        # the last CTA of this N tile to arrive sums the partials in split order 0..split-1 (the
-        # arrival order never enters the arithmetic), then resets the counter
-        tl.debug_barrier()
-        cnt = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if cnt == split - 1:
-            tot = tl.load(p_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
-            for sp in range(1, split):
-                tot += tl.load(p_ptrs + sp * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+        if SEM:
+            # the last CTA of this N tile to arrive sums the partials in split order 0..split-1
+            # (the arrival order never enters the arithmetic), then resets the counter
+            tl.debug_barrier()
+            cnt = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if cnt == split - 1:
+                tot = tl.load(p_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
+                for sp in range(1, split):
+                    tot += tl.load(p_ptrs + sp * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+                tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -228,12 +230,15 @@ def q4_gemv(x: torch.Tensor, qw, cfg: Q4Config | None = None) -> torch.Tensor:
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     n_tiles = triton.cdiv(n, cfg.block_n)
     part = y if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
-    locks = _locks(x.device, n_tiles) if split > 1 else y
+    sem = cfg.sem and split > 1
+    locks = _locks(x.device, n_tiles) if sem else y
     xs = torch.empty(m, n_groups, device=x.device, dtype=torch.float32)
     _xsum_kernel[(m, triton.cdiv(n_groups, 16))](x, xs, k, x.stride(0), G=g, GB=16)
     _q4_kernel[(n_tiles, split)](
         x, xs, qw.qtiled, qw.scales_t, qw.zeros_t, y, part, locks, m, n, k // 2, x.stride(0), y.stride(0),
-        n_groups, per, split, BLOCK_N=cfg.block_n, G=g, ROWS_=ROWS, TILE=qw.tile,
+        n_groups, per, split, BLOCK_N=cfg.block_n, G=g, ROWS_=ROWS, TILE=qw.tile, SEM=sem,
         ASM=x.dtype == torch.bfloat16 and not INTERPRET, IEEE=x.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1 and not sem:  # partials summed in split order by a second launch
+        _splitk_sum[(triton.cdiv(m * n, 1024),)](part, y, m * n, SPLIT=split, BLOCK=1024)
     return y

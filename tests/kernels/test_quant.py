@@ -120,13 +120,14 @@ def test_pick_group():
 
 
 CASES = [  # odd N, masked group tails (a split's last group range shorter), split-K combined by
-    # the last CTA (counters), group sizes 32 / 64 / 128, codes as rows and in tiles (last field)
+    # the last CTA (counters) or a second launch, group sizes 32 / 64 / 128, codes as rows and in
+    # tiles (last field)
     (1, 37, 128, 32, False, Q4Config(16), 0),
     (5, 100, 384, 64, True, Q4Config(32, split_k=2), 64),
     (3, 70, 640, 128, False, Q4Config(64, split_k=4), 0),
-    (7, 50, 160, 32, False, Q4Config(16, split_k=3), 16),
+    (7, 50, 160, 32, False, Q4Config(16, split_k=3, sem=False), 16),
     (9, 33, 2304, 64, False, Q4Config(32, split_k=5), 64),
-    (4, 48, 512, 128, False, Q4Config(16, split_k=3, num_warps=1), 32),
+    (4, 48, 512, 128, False, Q4Config(16, split_k=3, num_warps=1, sem=False), 0),
     (16, 64, 256, 128, False, None, 0),
 ]
 
