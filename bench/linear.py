@@ -10,7 +10,7 @@ line last.
 
     python bench/linear.py [--quick] [--out results.json]
 
-The 4-bit kernel's own sweep (versions 1 and 2 side by side with torch's int4 mm), the Q8 KV
+The 4-bit kernel's own sweep (with torch's int4 mm beside it), the Q8 KV
 attention modes and 4-bit decode end to end are in bench/quant_gpu.py.
 """
 from __future__ import annotations
@@ -156,15 +156,10 @@ def bench_gemv(res: dict, quick: bool) -> None:
 # ---- 4-bit ----------------------------------------------------------------------------------
 
 def q4_sweep(n: int, g: int) -> list[Q4Config]:
-    """The factorised form with bit-trick codes (main candidates), the dequantising form, and the
-    int->float-convert variants for comparison."""
+    """Tile widths, warps, pipeline depths and split-K (bench/quant_gpu.py has the full per-shape
+    sweep)."""
     splits = (1, 2, 4) if n >= 10240 else (1, 2, 4, 8)
-    if g >= 128:
-        fact = [Q4Config(bn, sk, nw, ns) for bn in (32, 64, 128) for sk in splits for nw, ns in ((4, 4), (8, 3))]
-        deq = [Q4Config(bn, sk, 4, 4, gps, True) for bn in (64, 128) for gps in (1, 2) for sk in splits[:3]]
-        plain = [Q4Config(64, sk, 4, 4, magic=False) for sk in (1, 4, 8)]
-        return fact + deq + plain
-    return [Q4Config(bn, sk, 4, 4) for bn in (64, 128) for sk in splits[:3]]
+    return [Q4Config(bn, sk, nw, ns) for bn, nw in ((64, 1), (64, 2), (32, 1)) for sk in splits for ns in (3, 4)]
 
 
 def random_q4(n: int, k: int, g: int, dev: str) -> QuantWeight:

@@ -1,29 +1,36 @@
-"""Tensor parallelism on 2 GPUs: bits equal to one GPU, then speed (tp1 vs tp2), the canonical
-split-K's cost on one GPU, and the collectives' share of a step.
+"""Tensor parallelism on 2 GPUs: speed of tp1 vs tp2 and where a step's time goes, MTP cycle
+cost, the collectives' share, and the identity table (greedy output hashes on every degree).
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-    PYTHONPATH=$PWD python bench/tp.py --shape 9B --out $OUT
-    PYTHONPATH=$PWD python bench/tp.py --smoke          # the same flow on the CPU, tiny shapes
+    PYTHONPATH=$PWD python bench/tp.py --shape 27B --jobs kernels,bundled,ckpt,speed1,speed2,collect --out $OUT
+    PYTHONPATH=$PWD python bench/tp.py --smoke          # every job on the CPU, tiny shapes
 
-Stages (each appends one JSON line to OUT/tp.jsonl as it finishes, so a cut-off run keeps what
-it measured):
-  kernels   the row-parallel projections of the shape, M = 1 and 4: the fused split-K-in-8 GEMV
-            vs the two-launch form (bitwise) vs the plain GEMV (time); column shards with the whole
-            matrix's launch settings vs the whole (bitwise)
-  bundled   the bundled model in bf16: tp2 logits == tp1 bitwise, greedy AR tokens (200) equal,
-            MTP k=3 == AR on both
-  collect   a decode step's collectives alone (2 processes, symmetric memory, one CUDA graph)
-  speed     random weights of the shape (final norms -1: every logit ties, every MTP draft is
-            accepted), 512-token prompt, 64 tokens: AR and MTP k=3 tok/s on tp1 (canonical split
-            and plain) and tp2; the last layer's output of tp2 vs tp1 bitwise (prefill and decode)
+Each job runs in its own process with a time limit (a hung mesh costs its limit, not the call),
+and is skipped when the remaining budget (--budget-s) is below its estimate. Every result is one
+JSON line appended to OUT/tp.jsonl as it is measured.
+
+  kernels   canonical split-K kernels vs the plain GEMV, tree-loop settings sweep (bench/tp_kernels.py)
+  bundled   the bundled model in bf16: tp2 logits == tp1 (canonical split on) bitwise, greedy AR
+            tokens equal, MTP k=3 == AR on both
+  ckpt      random weights of the shape with an MTP head, written once (--ckpt-dir); a second
+            directory of hard links whose final norms are -1 (every logit ties, so every MTP draft
+            is accepted: the best case for speed; identity there is meaningless)
+  speedN    tied checkpoint on N ranks: AR and MTP k=1,3 tok/s, cycle cost vs an AR step, the rows
+            graphs replayed back to back (the device time of a step with no host in between), the
+            MTP draft graph, and per-rank kernel time by family (torch.profiler, parallel/probe.py)
+  identN    normal checkpoint on N ranks (tp1 with the canonical split on): md5 of greedy output,
+            AR / MTP k=3 (/ n-gram on tp2) at a short context (--prompt) and a long one (--long)
+  collect   a decode step's collectives alone, replayed from one CUDA graph
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import os
+import subprocess
 import sys
-import tempfile
 import time
 
 for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
@@ -36,220 +43,44 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 CEILING = 4.17e12     # measured device-to-device copy bandwidth of the H200 (bytes/s)
+# job -> (estimated seconds, time limit seconds) on the GPU at the 27B shape
+JOBS = {"kernels": (15, 120), "bundled": (35, 120), "ckpt": (30, 100), "speed1": (60, 120), "speed2": (60, 200),
+        "ident1": (50, 120), "ident2": (40, 120), "collect": (12, 90)}
 
 
 class Log:
-    def __init__(self, out: str | None):
+    def __init__(self, out: str | None, job: str = ""):
         self.path = os.path.join(out, "tp.jsonl") if out else None
-        self.rows: list[dict] = []
+        self.job = job
 
     def __call__(self, stage: str, **kw) -> None:
         row = {"stage": stage, **kw}
-        self.rows.append(row)
         print(json.dumps(row), flush=True)
         if self.path:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
 
-# ---- stage: kernels -------------------------------------------------------------------------------
-
-def stage_kernels(cfg, log: Log) -> None:
-    from timing import graph_time
-
-    from specfire.ops.splitk import chunk_bounds
-    from specfire.ops.triton_gemv import chunk_partials, gemv, gemv_chunks_fused, gemv_tree_loop, tree_combine
-
-    dev, dt = "cuda", torch.bfloat16
-    h = cfg.hidden_size
-    shapes = {"o_proj": (h, cfg.num_attention_heads * cfg.head_dim),
-              "out_proj": (h, cfg.linear_num_value_heads * cfg.linear_value_head_dim),
-              "down_proj": (h, cfg.intermediate_size)}
-    for name, (n, k) in shapes.items():
-        reps = max(2, (120 << 20) // (n * k * 2))                 # rotate > L2
-        ws = [torch.randn(n, k, device=dev, dtype=dt) * k ** -0.5 for _ in range(reps)]
-        b = torch.tensor(chunk_bounds(k), dtype=torch.int32, device=dev)
-        for m in (1, 4):
-            x = torch.randn(m, k, device=dev, dtype=dt)
-            fused = gemv_chunks_fused(x, ws[0], b, dt)
-            two = tree_combine(chunk_partials(x, ws[0], b), dt)
-            rows_ok = all(torch.equal(gemv_chunks_fused(x[i:i + 1], ws[0], b, dt)[0], fused[i]) for i in range(m))
-            err = float((fused.float() - (x.float() @ ws[0].float().t())).abs().max())
-            t_plain = graph_time([lambda w=w: gemv(x, w) for w in ws])
-            t_fused = graph_time([lambda w=w: gemv_chunks_fused(x, w, b, dt) for w in ws])
-            t_two = graph_time([lambda w=w: tree_combine(chunk_partials(x, w, b), dt) for w in ws])
-            loop_ok, t_loop = None, None
-            try:
-                loop = gemv_tree_loop(x, ws[0], 8, dt)
-                loop_ok = bool(torch.equal(loop, two))
-                t_loop = graph_time([lambda w=w: gemv_tree_loop(x, w, 8, dt) for w in ws]) * 1e6
-            except Exception as e:  # noqa: BLE001 - report and go on
-                log("error", where="gemv_tree_loop", error=f"{type(e).__name__}: {e}"[:1500])
-            nbytes = n * k * 2
-            log("kernels", proj=name, n=n, k=k, m=m, fused_equals_two_launch=bool(torch.equal(fused, two)),
-                fused_row_invariant=rows_ok, max_abs_err_vs_fp32=err, loop_equals_two_launch=loop_ok, loop_us=t_loop,
-                plain_us=t_plain * 1e6, fused_us=t_fused * 1e6, two_launch_us=t_two * 1e6,
-                plain_bw=nbytes / t_plain / CEILING, fused_bw=nbytes / t_fused / CEILING)
-        del ws
-    # prefill: the Triton kernel in 64-row tiles (what every degree runs) vs cuBLAS (tp1 before)
-    import torch.nn.functional as F
-
-    for name, (n, k) in {"gate_proj": (cfg.intermediate_size, h), "down_proj": (h, cfg.intermediate_size)}.items():
-        w = torch.randn(n, k, device=dev, dtype=dt) * k ** -0.5
-        x = torch.randn(512, k, device=dev, dtype=dt)
-        t_cublas = graph_time([lambda: F.linear(x, w)], iters=5)
-        t_triton = graph_time([lambda: gemv(x, w, tile=64)], iters=5)
-        whole = F.linear(x, w)
-        cub_shard = torch.equal(torch.cat([F.linear(x, w[:n // 2]), F.linear(x, w[n // 2:])], -1), whole)
-        log("kernels", prefill_rows=512, proj=name, n=n, k=k, cublas_us=t_cublas * 1e6, triton64_us=t_triton * 1e6,
-            cublas_tflops=2 * 512 * n * k / t_cublas / 1e12, triton64_tflops=2 * 512 * n * k / t_triton / 1e12,
-            cublas_column_shards_equal_whole=bool(cub_shard))
-    # column shards with the whole matrix's launch settings (GDN a/b: 24 of 48 rows, one tile)
-    for n, lo in ((cfg.linear_num_value_heads, cfg.linear_num_value_heads // 2), (2 * cfg.intermediate_size,
-                                                                               cfg.intermediate_size)):
-        w = torch.randn(n, h, device=dev, dtype=dt)
-        for m in (1, 4):
-            x = torch.randn(m, h, device=dev, dtype=dt)
-            whole = gemv(x, w)
-            shard = torch.cat([gemv(x, w[:lo].contiguous(), launch_n=n), gemv(x, w[lo:].contiguous(), launch_n=n)], -1)
-            log("kernels", column_shard_n=n, split_at=lo, m=m, shards_equal_whole=bool(torch.equal(shard, whole)))
+def md5(ids: list[int]) -> str:
+    return hashlib.md5(json.dumps(ids).encode()).hexdigest()
 
 
-# ---- stage: bundled -------------------------------------------------------------------------------
+# ---- ckpt -------------------------------------------------------------------------------------------
 
-def stage_bundled(device: str, dtype: str, log: Log, tokens: int, graphs: bool | None = None) -> None:
-    from specfire.ops import splitk
-    splitk.set_enabled(True)   # one GPU bit-equal to the mesh (off by default on one GPU)
-    from specfire import LLM, SamplingParams, SpecPolicy
+def job_ckpt(cfg, d: str, device: str, log: Log) -> None:
+    """d/normal: random weights + MTP head; d/tied: hard links to it plus one small file, sorted
+    last (the loader's later file wins a name), holding the two final norms at -1."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    text = "def fibonacci(n):\n    if n < 2:\n        return n\n"
-    sp = SamplingParams(max_tokens=tokens)
-    res = {}
-    for tp in (1, 2):
-        t0 = time.perf_counter()
-        with LLM(None, tp=tp, device=device, dtype=dtype, progress=False, cuda_graphs=graphs,
-                 max_seq_len=512) as llm:
-            load_s = time.perf_counter() - t0
-            ids = llm.tokenizer.encode(text)
-            lg = llm.score(ids).cpu()
-            rows = _rows_logits(llm, ids, device)
-            llm.generate(ids, SamplingParams(max_tokens=16), spec="off")                  # warm-up: compile,
-            llm.generate(ids, SamplingParams(max_tokens=16), spec=SpecPolicy("mtp", k=3))  # capture
-            ar = llm.generate(ids, sp, spec="off")
-            mtp = llm.generate(ids, sp, spec=SpecPolicy("mtp", k=3))
-            res[tp] = (lg, ar.token_ids, mtp.token_ids, rows)
-            log("bundled", tp=tp, graphs=llm.engine.trunk.graphs_enabled, load_s=load_s, ar_tok_s=ar.stats["decode_tok_s"],
-                mtp_tok_s=mtp.stats["decode_tok_s"], mtp_equals_ar=mtp.token_ids == ar.token_ids,
-                mean_accept_len=mtp.stats.get("mean_accept_len"))
-    lg1, ar1, _, rows1 = res[1]
-    lg2, ar2, mtp2, rows2 = res[2]
-    log("bundled", logits_tp2_equal_tp1=bool(torch.equal(lg1, lg2)), max_logit_diff=float((lg1 - lg2).abs().max()),
-        rows_logits_tp2_equal_tp1={k: bool(torch.equal(rows1[k], rows2[k])) for k in rows1},
-        rows_invariant_tp1=bool(torch.equal(rows1[1][0], rows1[4][0])),
-        ar_tokens_equal=ar1 == ar2, mtp_tp2_equals_ar_tp1=mtp2 == ar1, tokens=len(ar1))
-
-
-def _rows_logits(llm, ids: list[int], device: str) -> dict[int, torch.Tensor]:
-    """Logits of a 4-row verify and a 1-row decode after the prompt (the rows forward: CUDA graphs
-    where enabled), straight from the trunk."""
-    t = llm.engine.trunk
-    x = torch.tensor(ids, device=device)
-    extra = torch.tensor(ids[:4], device=device)
-    out = {}
-    t.begin()
-    t.prefill(x)
-    for r in (4, 1):           # the live state moves only on commit: both verify the same position
-        out[r] = t.verify(extra[:r], len(ids)).logits.float().cpu()
-    t.commit(0)
-    return out
-
-
-# ---- stage: collectives alone ---------------------------------------------------------------------
-
-def _collect_rank(rank: int, world: int, port: int, cfg_d: dict, q) -> None:
-    import datetime
-
-    import torch.distributed as dist
-
-    from specfire.config import ModelConfig
-    from specfire.parallel.symm import SymmCollectives
-
-    from timing import graph_time
-
-    cfg = ModelConfig(**cfg_d)
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    group = dist.new_group(backend="nccl")
-    dev = torch.device("cuda", rank)
-    h = cfg.hidden_size
-    vs = -(-cfg.vocab_size // world)
-    sym = SymmCollectives(group, rank, world, dev, 4 * 16 * max(world * vs, world * h))
-    out = {}
-    for m in (1, 4):
-        part = torch.randn(m, h, device=dev)
-        emb = torch.randn(m, h, device=dev, dtype=torch.bfloat16)
-        lg = torch.randn(m, vs, device=dev)
-
-        def step():
-            sym.sum(emb)
-            for _ in range(2 * cfg.num_hidden_layers):
-                sym.tree(part)
-            sym.all_gather(lg)
-
-        t = graph_time([step], iters=5)
-        one = graph_time([lambda: sym.tree(part)], iters=50)
-        ok = torch.equal(sym.tree(part), _peer_sum(part, group, world))
-        out[m] = dict(step_collectives_us=t * 1e6, tree_us=one * 1e6, n_calls=2 * cfg.num_hidden_layers + 2,
-                      tree_equals_nccl_sum=bool(ok))
-    dist.barrier(group)
-    if rank == 0:
-        q.put(out)
-    dist.destroy_process_group()
-
-
-def _peer_sum(x: torch.Tensor, group, world: int) -> torch.Tensor:
-    import torch.distributed as dist
-
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x, group=group)
-    return parts[0] + parts[1] if world == 2 else parts[0]
-
-
-def stage_collect(cfg, log: Log) -> None:
-    import dataclasses
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = 29600 + os.getpid() % 300
-    cfg_d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    procs = [ctx.Process(target=_collect_rank, args=(r, 2, port, cfg_d, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        out = q.get(timeout=180)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    for m, r in out.items():
-        log("collect", rows=m, **r)
-
-
-# ---- stage: speed on a random checkpoint of a real shape --------------------------------------------
-
-def write_checkpoint(shape: str, path: str, device: str, tie_norms: bool) -> str:
-    """Random weights of `shape` (bench/decode.py's configs) with an MTP head; with `tie_norms` the
-    trunk's and the head's final norms are -1, so every logit is 0 and every draft is accepted."""
-    from decode import build, make_cfg
+    from safetensors.torch import save_file
+    from decode import build
 
     from specfire.model.qwen35 import MtpHead
     from specfire.train.export import export_checkpoint
 
-    cfg = make_cfg(shape)
+    t0 = time.perf_counter()
     dt = torch.bfloat16
+    normal, tied = os.path.join(d, "normal"), os.path.join(d, "tied")
     trunk = build(cfg, device, dt)
     with torch.device("meta"):
         head = MtpHead(cfg)
@@ -258,147 +89,359 @@ def write_checkpoint(shape: str, path: str, device: str, tie_norms: bool) -> str
     with torch.no_grad():
         for _, p in head.named_parameters():
             p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=dt) * (0.1 if p.dim() == 1 else p.shape[-1] ** -0.5))
-        if tie_norms:
-            trunk.norm.weight.fill_(-1.0)
-            head.norm.weight.fill_(-1.0)
-    export_checkpoint(trunk, head, path, eos_ids=[cfg.vocab_size - 1], dtype=dt, max_shard_bytes=4 << 30)
+    with ThreadPoolExecutor(8) as pool, parallel_export(pool) as pending:
+        export_checkpoint(trunk, head, normal, eos_ids=[cfg.vocab_size - 1], dtype=dt, max_shard_bytes=2 << 30)
+        for f in pending:
+            f.result()
     del trunk, head
-    return path
+    os.makedirs(tied, exist_ok=True)
+    for f in os.listdir(normal):
+        if f.endswith(".safetensors"):
+            os.link(os.path.join(normal, f), os.path.join(tied, f))
+        elif f != "model.safetensors.index.json":
+            with open(os.path.join(normal, f), "rb") as a, open(os.path.join(tied, f), "wb") as b:
+                b.write(a.read())
+    tie = {"model.norm.weight": torch.full((cfg.hidden_size,), -1.0, dtype=dt),
+           "mtp.norm.weight": torch.full((cfg.hidden_size,), -1.0, dtype=dt)}
+    tie_file = "model.zzzzz-tied-norms.safetensors"        # sorts after every model shard name
+    save_file(tie, os.path.join(tied, tie_file), metadata={"format": "pt"})
+    idx = os.path.join(normal, "model.safetensors.index.json")
+    if os.path.exists(idx):
+        with open(idx) as f:
+            wm = json.load(f)["weight_map"]
+    else:                                                    # one file: an index naming both
+        from safetensors import safe_open
+        with safe_open(os.path.join(normal, "model.safetensors"), "pt") as h:
+            wm = {k: "model.safetensors" for k in h.keys()}
+    wm.update({k: tie_file for k in tie})
+    with open(os.path.join(tied, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": wm}, f)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    log("ckpt", shape=cfg.hidden_size, write_s=time.perf_counter() - t0)
 
 
-def rank0_model(llm):
-    t = llm.engine.trunk
-    local = getattr(t, "_local", None) or t
-    return local.model
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 
 
-def stage_speed(shape: str, path: str, device: str, log: Log, prompt: int, tokens: int, tps: list[int],
-                plain_tp1: bool, graphs: bool | None = None) -> None:
+def write_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict | None = None) -> None:
+    """The safetensors layout (8-byte header length, JSON header, raw bytes in header order),
+    written tensor by tensor from the device: no whole-shard host copy, and the file writes
+    release the GIL, so several shards are written at once."""
+    import struct
+
+    names = sorted(tensors)
+    header, off = {}, 0
+    for k in names:
+        t = tensors[k]
+        nb = t.numel() * t.element_size()
+        header[k] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + nb]}
+        off += nb
+    if metadata:
+        header["__metadata__"] = metadata
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(hb)))
+        f.write(hb)
+        for k in names:
+            t = tensors[k].detach().contiguous().reshape(-1).to("cpu")
+            f.write(t.view(torch.uint8).numpy().data)
+
+
+@contextlib.contextmanager
+def parallel_export(pool):
+    """export_checkpoint with its shards written by `pool` straight from the device (the 27B shape's
+    54 GB took 75 s through safetensors' writer one shard after another). Yields the futures."""
+    from specfire.train import export
+
+    ct, sf = export.checkpoint_tensors, export.save_file
+    pending: list = []
+
+    def tensors(trunk, head, dtype):
+        out = {(n if n == "lm_head.weight" else "model." + n): p.detach().to(dtype) for n, p in trunk.named_parameters()}
+        out.update({"mtp." + n: p.detach().to(dtype) for n, p in head.named_parameters()})
+        return out
+
+    def save(shard, fn, metadata=None):
+        pending.append(pool.submit(write_safetensors, dict(shard), fn, metadata))
+    export.checkpoint_tensors, export.save_file = tensors, save
+    try:
+        yield pending
+    finally:
+        export.checkpoint_tensors, export.save_file = ct, sf
+
+
+def step_bytes(cfg, tp: int, ctx: int) -> float:
+    """Bytes one decode step must move per rank: every trunk weight once (the embedding: one row),
+    KV up to ctx, GDN state read and written; a 1/tp share of each (norms are negligible)."""
+    from decode import step_bytes as whole
+
+    from specfire.model.qwen35 import Qwen35Trunk
+    with torch.device("meta"):
+        m = Qwen35Trunk(cfg).to(torch.bfloat16)
+    return whole(m, ctx, 2) / tp
+
+
+# ---- speed --------------------------------------------------------------------------------------------
+
+def _time_graph(graph, n: int) -> float:
+    graph.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(n):
+        graph.replay()
+    e1.record()
+    e1.synchronize()
+    return e0.elapsed_time(e1) / 1e3 / n
+
+
+def job_speed(cfg, path: str, tp: int, device: str, log: Log, prompt: int, tokens: int, out: str | None,
+              shape: str) -> None:
+    from specfire import LLM, SamplingParams, SpecPolicy
+    from specfire.parallel.probe import time_rows
+
+    t0 = time.perf_counter()
+    g = torch.Generator().manual_seed(0)
+    sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    warm = SamplingParams(max_tokens=8, ignore_eos=True)
+    with LLM(path, tp=tp, device=device, progress=False, max_seq_len=prompt + 2 * tokens + 64) as llm:
+        load_s = time.perf_counter() - t0
+        trunk = llm.engine.trunk
+        ids = torch.randint(0, llm.cfg.vocab_size - 1, (prompt,), generator=g).tolist()
+        llm.generate(ids, warm, spec="off")                                 # compile, capture
+        ar = llm.generate(ids, sp, spec="off")
+        row = dict(shape=shape, tp=tp, graphs=trunk.graphs_enabled, load_s=load_s,
+                   prefill_tok_s=ar.stats["prefill_tok_s"], ar_tok_s=ar.stats["decode_tok_s"],
+                   generated=len(ar.token_ids), ar_step_ms=1e3 / ar.stats["decode_tok_s"])
+        nb = step_bytes(llm.cfg, tp, prompt + tokens // 2)
+        row["step_bytes_per_rank"] = nb
+        row["ar_bw_frac"] = nb * ar.stats["decode_tok_s"] / CEILING
+        for k in (1, 3):
+            llm.generate(ids, warm, spec=SpecPolicy("mtp", k=k))
+            r = llm.generate(ids, sp, spec=SpecPolicy("mtp", k=k))
+            cyc = r.stats["decode_s"] / max(1, r.stats["cycles"])
+            row[f"mtp{k}_tok_s"] = r.stats["decode_tok_s"]
+            row[f"mtp{k}_tau"] = r.stats["mean_accept_len"]
+            row[f"mtp{k}_cycle_ms"] = cyc * 1e3
+            row[f"mtp{k}_cycle_vs_ar_step"] = cyc * ar.stats["decode_tok_s"]
+            row[f"mtp{k}_equals_ar"] = r.token_ids == ar.token_ids
+        log("speed", **row)
+        # the device alone (NaN on the CPU: no graphs): each rows graph replayed back to back, on every rank at once
+        probe = dict(shape=shape, tp=tp)
+        prof = os.path.join(out, f"prof_{shape}_tp{tp}") if out else None
+        for rows in (1, 2, 4):
+            p = prof + f"_r{rows}" if prof and rows in (1, 4) else None
+            if tp == 1:
+                t = [time_rows(trunk, rows, 20, p, rank=0)]
+            else:
+                t = trunk.rank_time(rows, 20, p)
+            probe[f"replay_r{rows}_ms"] = [v * 1e3 for v in t]
+        probe["ar_host_overhead_ms"] = row["ar_step_ms"] - max(probe["replay_r1_ms"])
+        probe["replay_r1_bw_frac"] = nb / (max(probe["replay_r1_ms"]) / 1e3) / CEILING
+        mtp = llm.engine.drafters.get("mtp")
+        dg = getattr(mtp, "graphs", None)
+        if dg is not None and device == "cuda":
+            for (m, k), gr in sorted(dg.graphs.items()):
+                probe[f"draft_graph_m{m}_k{k}_ms"] = _time_graph(gr.graph, 20) * 1e3
+        log("probe", **probe)
+        for rows in (1, 4):
+            for r in range(tp):
+                f = f"{prof}_r{rows}.rank{r}.json" if prof else None
+                if f and os.path.exists(f):
+                    with open(f) as fh:
+                        body = json.load(fh)
+                    log("profile", shape=shape, tp=tp, rows=rows, rank=r, families=body["families_per_replay"],
+                        top=body["top_kernels_per_replay"][:16])
+                    os.unlink(f)                     # logged: keep OUT to a few files
+                if f and os.path.exists(f[:-5] + ".error"):
+                    with open(f[:-5] + ".error") as fh:
+                        log("error", where=f"profile tp{tp} r{rows} rank{r}", error=fh.read()[:500])
+                    os.unlink(f[:-5] + ".error")
+
+
+# ---- identity ---------------------------------------------------------------------------------------
+
+def job_ident(path: str, tp: int, device: str, log: Log, contexts: list[int], tokens: int, shape: str,
+              deadline: float) -> None:
     from specfire import LLM, SamplingParams, SpecPolicy
     from specfire.ops import splitk
 
-    g = torch.Generator().manual_seed(0)
+    splitk.set_enabled(True)          # tp1 computes the mesh's canonical split (off by default on one GPU)
     sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    ref_h = None
-    runs = [(tp, True) for tp in tps] + ([(1, False)] if plain_tp1 else [])
-    for tp, canonical in runs:
-        splitk.set_enabled(canonical)
-        t0 = time.perf_counter()
-        with LLM(path, tp=tp, device=device, progress=False, cuda_graphs=graphs,
-                 max_seq_len=prompt + 2 * tokens + 64) as llm:
-            load_s = time.perf_counter() - t0
-            log("progress", tp=tp, canonical=canonical, done="load", t=time.perf_counter() - t0)
-            ids = torch.randint(0, llm.cfg.vocab_size - 1, (prompt,), generator=g).tolist() if ref_h is None else ids
-            caught = []       # the last layer's output over the prompt (eager prefill on every degree)
-            hook = rank0_model(llm).layers[-1].register_forward_hook(lambda m, i, o: caught.append(o.detach().float().cpu()))
-            llm.score(ids)
-            hook.remove()
-            hs = torch.cat(caught)
-            log("progress", tp=tp, done="score", t=time.perf_counter() - t0)
-            llm.generate(ids, sp, spec="off")                                   # warm-up: graphs captured
-            log("progress", tp=tp, done="ar warm-up", t=time.perf_counter() - t0)
-            ar = llm.generate(ids, sp, spec="off")
-            llm.generate(ids, sp, spec=SpecPolicy("mtp", k=3))
-            log("progress", tp=tp, done="mtp warm-up", t=time.perf_counter() - t0)
-            mtp = llm.generate(ids, sp, spec=SpecPolicy("mtp", k=3))
-            row = dict(shape=shape, tp=tp, canonical_split=canonical, graphs=llm.engine.trunk.graphs_enabled,
-                       load_s=load_s,
-                       prefill_tok_s=ar.stats["prefill_tok_s"], ar_tok_s=ar.stats["decode_tok_s"],
-                       mtp3_tok_s=mtp.stats["decode_tok_s"], mtp3_mean_accept_len=mtp.stats.get("mean_accept_len"),
-                       generated=len(ar.token_ids), mtp_equals_ar=mtp.token_ids == ar.token_ids)
-            if ref_h is None:
-                ref_h = hs
-            elif canonical:
-                row["last_layer_equal_tp1"] = bool(torch.equal(hs, ref_h))
-                row["last_layer_max_diff"] = float((hs - ref_h).abs().max())
-            log("speed", **row)
+    t0 = time.perf_counter()
+    with LLM(path, tp=tp, device=device, progress=False, max_seq_len=max(contexts) + 2 * tokens + 64) as llm:
+        log("progress", job=f"ident{tp}", load_s=time.perf_counter() - t0)
+        for ctx in contexts:
+            if time.monotonic() > deadline:
+                log("skipped", job=f"ident{tp}", context=ctx, why="time budget")
+                continue
+            g = torch.Generator().manual_seed(ctx)
+            body = torch.randint(0, llm.cfg.vocab_size - 1, (ctx - ctx // 4,), generator=g).tolist()
+            ids = (body + body[: ctx // 4])[:ctx]                  # a repeat: n-gram lookup finds drafts
+            runs = [("ar", "off"), ("mtp3", SpecPolicy("mtp", k=3))] + ([("ngram4", SpecPolicy("ngram", k=4))] if tp > 1 else [])
+            row = dict(shape=shape, tp=tp, context=ctx, tokens=tokens)
+            for name, spec in runs:
+                t1 = time.perf_counter()
+                r = llm.generate(ids, sp, spec=spec)
+                row[name] = md5(r.token_ids)
+                row[name + "_s"] = time.perf_counter() - t1
+                row[name + "_distinct_tokens"] = len(set(r.token_ids))
+                if name != "ar":
+                    row[name + "_drafted"] = r.stats["drafted"]
+            log("identity", **row)
     splitk.set_enabled(None)
+
+
+# ---- bundled ------------------------------------------------------------------------------------------
+
+def job_bundled(device: str, log: Log, tokens: int) -> None:
+    from specfire import LLM, SamplingParams, SpecPolicy
+    from specfire.ops import splitk
+
+    splitk.set_enabled(True)
+    text = "def fibonacci(n):\n    if n < 2:\n        return n\n"
+    sp = SamplingParams(max_tokens=tokens)
+    res = {}
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    for tp in (1, 2):
+        with LLM(None, tp=tp, device=device, dtype=dtype, progress=False, max_seq_len=512) as llm:
+            ids = llm.tokenizer.encode(text)
+            lg = llm.score(ids).cpu()
+            llm.generate(ids, SamplingParams(max_tokens=16), spec="off")
+            llm.generate(ids, SamplingParams(max_tokens=16), spec=SpecPolicy("mtp", k=3))
+            ar = llm.generate(ids, sp, spec="off")
+            mtp = llm.generate(ids, sp, spec=SpecPolicy("mtp", k=3))
+            res[tp] = (lg, ar.token_ids, mtp.token_ids)
+            log("bundled", tp=tp, graphs=llm.engine.trunk.graphs_enabled, ar_tok_s=ar.stats["decode_tok_s"],
+                mtp_tok_s=mtp.stats["decode_tok_s"], mtp_equals_ar=mtp.token_ids == ar.token_ids,
+                mean_accept_len=mtp.stats.get("mean_accept_len"))
+    (lg1, ar1, _), (lg2, ar2, mtp2) = res[1], res[2]
+    log("bundled", logits_tp2_equal_tp1=bool(torch.equal(lg1, lg2)), ar_tokens_equal=ar1 == ar2,
+        mtp_tp2_equals_ar_tp1=mtp2 == ar1, tokens=len(ar1), ar_md5=md5(ar1))
+
+
+# ---- driver -------------------------------------------------------------------------------------------
+
+def smoke_shapes() -> None:
+    import dataclasses
+
+    import decode
+    decode.SHAPES["tiny"] = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=96, num_attention_heads=4,
+                                 num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                                 tie_word_embeddings=False)
+    make = decode.make_cfg
+    decode.make_cfg = lambda name: dataclasses.replace(make(name), vocab_size=512, head_dim=16, linear_key_head_dim=16,
+                                                       linear_value_head_dim=16)
+
+
+def run_job(job: str, args) -> None:
+    log = Log(args.out, job)
+    device = "cpu" if args.smoke else "cuda"
+    if args.smoke:
+        smoke_shapes()
+        torch.set_num_threads(1)
+    from decode import make_cfg
+    cfg = make_cfg(args.shape)
+    d = args.ckpt_dir
+    t0 = time.perf_counter()
+    deadline = time.monotonic() + args.job_limit_s - 15
+    if job == "kernels":
+        from tp_kernels import stage_kernels
+        stage_kernels(cfg, log, os.path.join(d, "best_loop.json"))
+    elif job == "collect":
+        from tp_kernels import stage_collect
+        stage_collect(cfg, log)
+    elif job == "bundled":
+        job_bundled(device, log, 200 if device == "cuda" else 16)
+    elif job == "ckpt":
+        job_ckpt(cfg, d, device, log)
+    elif job.startswith("speed"):
+        job_speed(cfg, os.path.join(d, "tied"), int(job[5:]), device, log, args.prompt, args.tokens, args.out, args.shape)
+    elif job.startswith("ident"):
+        ctxs = [args.prompt] + ([args.long] if args.long else [])
+        job_ident(os.path.join(d, "normal"), int(job[5:]), device, log, ctxs, args.tokens, args.shape, deadline)
+    else:
+        raise SystemExit(f"unknown job {job!r}; jobs: {', '.join(JOBS)}")
+    log("job_time", job=job, seconds=time.perf_counter() - t0)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="9B")
+    ap.add_argument("--shape", default="27B")
     ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--long", type=int, default=0, help="the long context of the identity table (0: none)")
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--stages", default="kernels,bundled,speed,collect")
-    ap.add_argument("--ckpt-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    ap.add_argument("--no-plain", action="store_true", help="skip tp1 with the canonical split off")
+    ap.add_argument("--jobs", default="kernels,bundled,ckpt,speed1,speed2,collect,ident1,ident2")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="skip jobs whose estimate exceeds what is left")
+    ap.add_argument("--ckpt-dir", default=None, help="where the checkpoints go (default: a fresh dir in /dev/shm)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--commit", default=None, help="recorded in the log (the GPU copy has no .git)")
-    ap.add_argument("--in-process", action="store_true",
-                    help="run every stage in this process (default: one child process per stage, so each "
-                         "process opens at most one mesh; a second mesh in one process did not finish on the GPU)")
+    ap.add_argument("--keep-kernel", action="store_true", help="do not apply the kernels job's best tree-loop setting")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: check the flow, no timings worth keeping")
+    ap.add_argument("--job", default=None, help=argparse.SUPPRESS)            # a child: run this one job
+    ap.add_argument("--job-limit-s", type=float, default=600, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    log = Log(args.out)
-    stages = args.stages.split(",")
-    if not args.in_process and len(stages) > 1:
-        import subprocess
-        for st in stages:
-            cmd = [sys.executable, os.path.abspath(__file__), "--in-process", "--stages", st, "--shape", args.shape,
-                   "--prompt", str(args.prompt), "--tokens", str(args.tokens)]
-            cmd += [x for x, on in (("--smoke", args.smoke), ("--no-plain", args.no_plain)) if on]
-            cmd += ["--out", args.out] if args.out else []
-            cmd += ["--commit", args.commit] if args.commit else []
-            cmd += ["--ckpt-dir", args.ckpt_dir] if args.ckpt_dir else []
-            rc = subprocess.call(cmd)
-            if rc != 0:
-                log("error", where=f"stage {st}", error=f"child exited with {rc}")
-        return
-    device = "cpu" if args.smoke else "cuda"
     if args.smoke:
-        import decode
-        decode.SHAPES["tiny"] = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=96, num_attention_heads=4,
-                                     num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4,
-                                     tie_word_embeddings=False)
-        decode_make = decode.make_cfg
-
-        def small(name):
-            c = decode_make(name)
-            import dataclasses
-            return dataclasses.replace(c, vocab_size=512, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16)
-        decode.make_cfg = small
-        args.shape, args.prompt, args.tokens = "tiny", min(args.prompt, 100), 8
-        torch.set_num_threads(1)
-    log("start", commit=args.commit, shape=args.shape, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        gpus=torch.cuda.device_count() if device == "cuda" else 0, torch=torch.__version__, stages=stages)
-    from decode import make_cfg
-    cfg = make_cfg(args.shape)
-    t_all = time.perf_counter()
-    def guarded(name, fn, *a, retry_eager=False):
-        """Run a stage; on failure log the error and, where asked, run it again without CUDA graphs
-        on the mesh (the eager NCCL path), so one failure does not cost the rest of the run."""
-        t0 = time.perf_counter()
-        try:
-            fn(*a)
-        except Exception as e:  # noqa: BLE001 - a benchmark reports and goes on
-            import traceback
-            log("error", where=name, error=f"{type(e).__name__}: {e}"[:2000],
-                trace=traceback.format_exc()[-3000:])
-            if retry_eager:
-                try:
-                    fn(*a, False)
-                except Exception as e2:  # noqa: BLE001
-                    log("error", where=name + " (eager)", error=f"{type(e2).__name__}: {e2}"[:2000])
-        log("stage_time", name=name, seconds=time.perf_counter() - t0)
-
-    if "kernels" in stages and device == "cuda":
-        guarded("kernels", stage_kernels, cfg, log)
-    if "bundled" in stages:
-        guarded("bundled", stage_bundled, device, "bfloat16" if device == "cuda" else "float32", log,
-                200 if device == "cuda" else 16, retry_eager=True)
-    if "speed" in stages:
-        with tempfile.TemporaryDirectory(dir=args.ckpt_dir) as d:
+        args.shape, args.prompt, args.tokens = "tiny", min(args.prompt, 60), 8
+        args.long = min(args.long, 120)
+    if args.job:
+        run_job(args.job, args)
+        return
+    import shutil
+    import tempfile
+    log = Log(args.out)
+    own_dir = args.ckpt_dir is None
+    if own_dir:
+        args.ckpt_dir = tempfile.mkdtemp(prefix="tp-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    log("start", commit=args.commit, shape=args.shape, jobs=args.jobs,
+        device=torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu",
+        gpus=torch.cuda.device_count(), torch=torch.__version__,
+        env={k: v for k, v in os.environ.items() if k.startswith("SPECFIRE_")})
+    t_end = time.monotonic() + args.budget_s
+    try:
+        for group in args.jobs.split(","):
+            jobs = group.split("+")          # a+b: run together, job i on GPU i (single-GPU jobs)
+            est = max(JOBS[j][0] for j in jobs)
+            left = t_end - time.monotonic()
+            if left < est:
+                log("skipped", job=group, why=f"{left:.0f} s left, estimate {est} s")
+                continue
             t0 = time.perf_counter()
-            path = write_checkpoint(args.shape, os.path.join(d, args.shape), device, tie_norms=True)
-            if device == "cuda":
-                torch.cuda.empty_cache()
-            log("checkpoint", shape=args.shape, write_s=time.perf_counter() - t0)
-            guarded("speed", stage_speed, args.shape, path, device, log, args.prompt, args.tokens, [1, 2],
-                    not args.no_plain, retry_eager=True)
-    if "collect" in stages and device == "cuda":
-        guarded("collect", stage_collect, cfg, log)
-    log("done", total_s=time.perf_counter() - t_all)
+            procs = []
+            for i, job in enumerate(jobs):
+                limit = min(JOBS[job][1], left)
+                cmd = [sys.executable, os.path.abspath(__file__), "--job", job, "--job-limit-s", str(limit),
+                       "--shape", args.shape, "--prompt", str(args.prompt), "--tokens", str(args.tokens),
+                       "--long", str(args.long), "--ckpt-dir", args.ckpt_dir]
+                cmd += ["--smoke"] if args.smoke else []
+                cmd += ["--out", args.out] if args.out else []
+                env = dict(os.environ)
+                if len(jobs) > 1 and not args.smoke:
+                    env["CUDA_VISIBLE_DEVICES"] = str(i)
+                procs.append((job, subprocess.Popen(cmd, start_new_session=True, env=env), time.monotonic() + limit))
+            for job, p, until in procs:
+                try:
+                    rc = p.wait(timeout=max(1.0, until - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    import signal
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+                    rc = "killed at its time limit"
+                if rc != 0:
+                    log("error", where=f"job {job}", error=f"exited with {rc}", seconds=time.perf_counter() - t0)
+            job = group
+            best = os.path.join(args.ckpt_dir, "best_loop.json")
+            if job == "kernels" and os.path.exists(best) and not args.keep_kernel:
+                with open(best) as f:
+                    env = json.load(f)
+                os.environ.update(env)          # the later jobs run the fastest bit-equal tree loop
+                log("kernel_choice", env=env)
+    finally:
+        if own_dir:
+            shutil.rmtree(args.ckpt_dir, ignore_errors=True)
+    log("done", total_s=args.budget_s - (t_end - time.monotonic()) if args.budget_s < 1e8 else None)
 
 
 if __name__ == "__main__":

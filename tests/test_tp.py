@@ -251,6 +251,36 @@ class TestMeshOfTwo:
         assert res.stats["route"] in ("ar", "mtp", "ngram") and d["verify_rows"] == d["verify"] + res.stats["drafted"]
 
 
+    def test_a_step_is_one_header_and_no_host_read(self, base):
+        """An AR step sends one command (its commit rides in the next header) and no token ids:
+        they stay on rank 0's device and reach the ranks inside the rows forward, so rank 0 never
+        waits on the device to send a step. Workers still commit every step (equal counters)."""
+        from specfire.parallel.control import Call, IdsArg, SharedIdsArg
+
+        one, mesh = base
+        trunk = mesh.engine.trunk
+        comm = trunk._mesh.comm
+        sent = []
+        real = comm.send_command
+        comm.send_command = lambda h: sent.append(Call.parse(h)) or real(h)
+        try:
+            ids = prompt(one.cfg.vocab_size, 20, seed=4)
+            s0 = trunk.rank_stats()
+            res = mesh.generate(ids, SamplingParams(max_tokens=10), spec="off")
+            s1 = trunk.rank_stats()
+        finally:
+            comm.send_command = real
+        assert res.token_ids == one.generate(ids, SamplingParams(max_tokens=10), spec="off").token_ids
+        names = [c.name for c in sent]
+        steps = res.stats["generated_tokens"] - 1
+        assert names == ["rank_stats", "begin", "prefill"] + ["verify"] * steps + ["rank_stats"]
+        verifies = [c for c in sent if c.name == "verify"]
+        assert all(isinstance(c.args[0], SharedIdsArg) and not any(isinstance(a, IdsArg) for a in c.args)
+                   for c in verifies)
+        assert [c.commits for c in verifies] == [()] + [(0,)] * (steps - 1) and sent[-1].commits == (0,)
+        d = [{k: b[k] - a[k] for k in a} for a, b in zip(s0, s1)]
+        assert d[0]["commit"] == d[1]["commit"] == steps
+
     def test_drafter_vocab_calls_through_the_mesh_match(self, base):
         """The mesh's vocab-parallel embedding and lm_head equal one device (the GPU's drafter path)."""
         one, mesh = base

@@ -51,16 +51,21 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.ksplit = KSplit(in_features) if row_parallel else None
-        self.combine = None
+        self.combine = None               # mesh: float32 subtree [M, N] -> the whole tree, float32
+        self.reserve = None               # mesh: (M, N) -> where the combine wants the subtree, or None
         self.launch_n: int | None = None
         self._chunks = ChunkCache()
 
     def forward(self, x: torch.Tensor, rows: bool) -> torch.Tensor:
+        """x's dtype, except on a mesh: there the combined sum stays float32, and the consumer
+        (add_rms_norm) rounds it to the model dtype as its first step (the same bits as a cast
+        here, one kernel less)."""
         if self.ksplit is None or (self.combine is None and not splitk_enabled(x)):
             return linear(x, self.weight, rows, self.launch_n)
         if self.combine is None:
             return subtree(x, self.weight, self.ksplit, rows, self._chunks, x.dtype)
-        return self.combine(subtree(x, self.weight, self.ksplit, rows, self._chunks)).to(x.dtype)
+        out = self.reserve(x.shape[0], self.weight.shape[0]) if self.reserve is not None else None
+        return self.combine(subtree(x, self.weight, self.ksplit, rows, self._chunks, out=out))
 
 
 class RMSNorm(nn.Module):
@@ -298,15 +303,29 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg, shard.get("n_k_heads"), shard.get("n_v_heads"))
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, pos0: int, cos_sin, lc: LayerCache, rows: bool) -> torch.Tensor:
-        h = rowwise(self.input_layernorm, rows, x)
+    def forward(self, x: torch.Tensor, pos0: int, cos_sin, lc: LayerCache, rows: bool,
+                pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream, `pending` the previous layer's MLP output not yet added to it
+        (None: none). Returns (x, this layer's MLP output): the layer's output is their sum, which
+        the next norm computes with its own add (add_rms_norm: one kernel, the same bits as
+        `x + mlp` then the norm)."""
+        h = _add_norm(self.input_layernorm, rows, x, pending)
+        if pending is not None:
+            x, h = h
         if self.kind == FULL:
             h = self.self_attn(h, pos0, cos_sin, lc, rows)
         else:
             h = self.linear_attn(h, lc, rows)
-        post = self.post_attention_layernorm
-        x, h = rowwise(lambda a, b: norm_ops.add_rms_norm(a, b, post.weight, post.eps), rows, x, h)
-        return x + self.mlp(h, rows)                                    # x += h; h = norm(x) above
+        x, h = _add_norm(self.post_attention_layernorm, rows, x, h)    # x += h; h = norm(x)
+        return x, self.mlp(h, rows)
+
+
+def _add_norm(norm: RMSNorm, rows: bool, x: torch.Tensor, h: torch.Tensor | None):
+    """norm(x) when h is None, else (x + h, norm(x + h)) in one fused op (h rounded to x's dtype
+    first: a mesh's row-parallel sums arrive in float32)."""
+    if h is None:
+        return rowwise(norm, rows, x)
+    return rowwise(lambda a, b: norm_ops.add_rms_norm(a, b, norm.weight, norm.eps), rows, x, h)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,9 +363,10 @@ class Qwen35Trunk(nn.Module):
         t = ids.shape[0]
         pos = positions(pos0, t, ids.device)
         cos_sin = _rope(pos, self.cfg, rows)
+        pending = None
         for layer, lc in zip(self.layers, state.layers):
-            x = layer(x, pos0, cos_sin, lc, rows)
-        h = rowwise(self.norm, rows, x)
+            x, pending = layer(x, pos0, cos_sin, lc, rows, pending)
+        _, h = _add_norm(self.norm, rows, x, pending)
         if logits == "none":
             return h, None
         hl = h if logits == "all" else h[-1:]
@@ -380,5 +400,5 @@ class MtpHead(nn.Module):
         t = x.shape[0]
         pos = positions(pos0, t, x.device)
         cos_sin = _rope(pos, self.cfg, rows)
-        x = self.layers[0](x, pos0, cos_sin, state.layers[0], rows)
-        return x, rowwise(self.norm, rows, x)
+        x, mlp = self.layers[0](x, pos0, cos_sin, state.layers[0], rows)
+        return _add_norm(self.norm, rows, x, mlp)

@@ -25,8 +25,9 @@ def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: f
 
 def add_rms_norm_ref(x: torch.Tensor, h: torch.Tensor, w: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add then the norm: (s = x + h in x's dtype, rms_norm(s))."""
-    s = x + h
+    """The residual add then the norm: (s = x + h in x's dtype, rms_norm(s)); h is rounded to x's
+    dtype first (a mesh's float32 row-parallel sum)."""
+    s = x + h.to(x.dtype)
     return s, rms_norm_ref(s, w, eps)
 
 

@@ -12,6 +12,9 @@ rotation spreads outliers across a group before rounding. G is implied per tenso
 At load the tensors are packed into kernel layout (ops/triton_quant.py): scales and zeros are
 transposed to [K/G, N] so a kernel reads them contiguously, and within each group byte j holds
 codes j (low nibble) and j + G/2 (high nibble), so each nibble plane meets a contiguous half of x.
+The codes can be stored in tiles of `tile` output rows, [N/tile, K/G, tile, G/2] (N padded with
+zero rows): one group of one tile is then one contiguous block, so the GEMV streams whole blocks
+instead of G/2 bytes per row (TILE, the default, is 0: rows).
 """
 from __future__ import annotations
 
@@ -21,6 +24,9 @@ import torch
 import torch.nn.functional as F
 
 FORMAT = "specfire-q4"
+# output rows per contiguous block of the stored codes; 0 keeps rows, the layout measured on the
+# H200 (the 64-row tiling is built and CPU-tested, not yet measured: bench/quant_gpu.py sweeps both)
+TILE = 0
 FORMAT_VERSION = 1
 DEFAULT_GROUP = 128
 CLIP_RATIOS = (1.0, 0.96, 0.92, 0.88, 0.84, 0.80)
@@ -142,27 +148,62 @@ def dequantize_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     return w.reshape(n, k)
 
 
+def tile_rows(kq: torch.Tensor, group: int, tile: int) -> torch.Tensor:
+    """Kernel packing [N, K/2] -> tiles [ceil(N/tile), K/G, tile, G/2] (zero rows pad N)."""
+    n, kh = kq.shape
+    half = group // 2
+    npad = -(-n // tile) * tile
+    if npad != n:
+        kq = torch.cat([kq, kq.new_zeros(npad - n, kh)])
+    return kq.view(npad // tile, tile, kh // half, half).permute(0, 2, 1, 3).contiguous()
+
+
+def untile_rows(qt: torch.Tensor, rows: slice, n: int) -> torch.Tensor:
+    """Tiles -> kernel packing [rows, K/2] for a row range of the N real rows (only those tiles)."""
+    a, b, _ = rows.indices(n)
+    if b <= a:
+        return qt.new_zeros(0, qt.shape[1] * qt.shape[3])
+    tile = qt.shape[2]
+    t0, t1 = a // tile, -(-b // tile)
+    part = qt[t0:t1].permute(0, 2, 1, 3).reshape((t1 - t0) * tile, qt.shape[1] * qt.shape[3])
+    return part[a - t0 * tile:b - t0 * tile]
+
+
 # ---- the weight object ops.linear accepts ---------------------------------------------------
 
 class QuantWeight:
     """A 4-bit weight in kernel layout, accepted by `ops.linear` in place of a weight tensor.
 
-    Holds qweight [N, K/2] uint8 in kernel packing and scales/zeros transposed to [K/G, N] (bf16).
-    `dtype` is the activation dtype the model computes in."""
+    Takes qweight [N, K/2] uint8 in kernel packing (or already tiled) and scales/zeros transposed
+    to [K/G, N] (bf16); keeps the codes tiled (`qtiled`, `tile` rows a block; tile 0 keeps rows).
+    `qweight` gives the untiled [N, K/2] back (a copy: for loading and sharding, not the hot
+    path). `dtype` is the activation dtype the model computes in."""
 
     def __init__(self, qweight: torch.Tensor, scales_t: torch.Tensor, zeros_t: torch.Tensor,
-                 hadamard: bool, dtype: torch.dtype):
-        self.qweight = qweight
+                 hadamard: bool, dtype: torch.dtype, tile: int = TILE):
+        n = scales_t.shape[1]
+        if qweight.dim() == 4:     # already tiled
+            self.qtiled, self.tile = qweight, qweight.shape[2]
+            kh = qweight.shape[1] * qweight.shape[3]
+        else:
+            kh = qweight.shape[1]
+            self.tile = tile
+            self.qtiled = tile_rows(qweight, 2 * kh // scales_t.shape[0], tile) if tile else qweight
         self.scales_t = scales_t
         self.zeros_t = zeros_t
         self.hadamard = hadamard
         self.dtype = dtype
-        self.shape = torch.Size((qweight.shape[0], qweight.shape[1] * 2))
+        self.shape = torch.Size((n, kh * 2))
         self.group_size = self.shape[1] // scales_t.shape[0]
         self._dense: torch.Tensor | None = None
-        if qweight.is_cuda:  # the kernel's split-K counters exist before any CUDA-graph capture
+        if self.qtiled.is_cuda:  # the kernel's split-K counters exist before any CUDA-graph capture
             from .triton_quant import _locks
-            _locks(qweight.device, 0)
+            _locks(self.qtiled.device, 0)
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        """The codes untiled, [N, K/2] in kernel packing."""
+        return untile_rows(self.qtiled, slice(None), self.shape[0]) if self.tile else self.qtiled
 
     @classmethod
     def from_stored(cls, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, hadamard: bool,
@@ -185,20 +226,21 @@ class QuantWeight:
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "QuantWeight":
         dev = torch.device(device) if device is not None else self.device
-        return QuantWeight(self.qweight.to(dev), self.scales_t.to(dev), self.zeros_t.to(dev), self.hadamard,
-                           dtype or self.dtype)
+        return QuantWeight(self.qtiled.to(dev), self.scales_t.to(dev), self.zeros_t.to(dev), self.hadamard,
+                           dtype or self.dtype, self.tile)
 
     @property
     def device(self) -> torch.device:
-        return self.qweight.device
+        return self.qtiled.device
 
     def nbytes(self) -> int:
-        """Bytes a matmul reads: codes + scales + zeros."""
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales_t, self.zeros_t))
+        """Bytes a matmul reads: codes (padding rows excluded) + scales + zeros."""
+        return self.shape[0] * self.shape[1] // 2 + sum(t.numel() * t.element_size() for t in (self.scales_t, self.zeros_t))
 
     def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
         """float32 [N, K] (or the given output rows) in the rotated basis (the reference's weight)."""
-        codes = from_kernel_layout(self.qweight[rows], self.group_size).float()
+        kq = untile_rows(self.qtiled, rows, self.shape[0]) if self.tile else self.qtiled[rows]
+        codes = from_kernel_layout(kq, self.group_size).float()
         n, k = codes.shape
         g = self.group_size
         s = self.scales_t[:, rows].t().float()[..., None]

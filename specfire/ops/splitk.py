@@ -24,12 +24,12 @@ import torch.nn.functional as F
 CHUNKS = 8
 ALIGN = 16          # elements; chunk bounds that are multiples of this compute in place on the CPU
 _enabled: bool | None = None   # None: by device, see enabled()
-FUSED = True        # CUDA: partials and tree in one launch (ops/triton_gemv.py gemv_chunks_fused)
-# CUDA kernel of the canonical product: "fused" (split-K programs, the last one of a tile adds the
-# tree; run on the H200: bitwise equal to the two-launch form, 1.65x the plain GEMV's time) or
-# "loop" (one K loop like the plain GEMV, the tree folded in registers; bitwise equal under
-# TRITON_INTERPRET, not yet run on a GPU). Read at import.
-KERNEL = os.environ.get("SPECFIRE_SPLITK_KERNEL", "fused")
+FUSED = True        # CUDA: partials and tree in one launch (ops/triton_splitk.py gemv_chunks_fused)
+# CUDA kernel of the canonical product: "loop" (one K loop like the plain GEMV, the tree folded in
+# registers; measured on the H200, 4B shapes: bitwise equal to the two-launch form, 1.38-1.48x the
+# plain GEMV's time) where the chunks are equal multiples of 128 columns (every real Qwen3.5
+# shape), else "fused" (split-K programs, the last one of a tile adds the tree: 1.8x). Read at import.
+KERNEL = os.environ.get("SPECFIRE_SPLITK_KERNEL", "loop")
 
 
 def enabled(x: torch.Tensor | None = None) -> bool:
@@ -180,18 +180,25 @@ def partials_cpu(x: torch.Tensor, w, split: KSplit, rows: bool, cache: ChunkCach
 
 
 def subtree(x: torch.Tensor, w, split: KSplit, rows: bool, cache: ChunkCache,
-            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            out_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
     """[M, N] `out_dtype`: the canonical tree over this weight's chunks, summed in float32 (the
-    whole sum when the weight holds every chunk; a rank's subtree otherwise)."""
+    whole sum when the weight holds every chunk; a rank's subtree otherwise). `out`: a
+    contiguous [M, N] float32 tensor to hold it (a collective's buffer: no copy before sending)."""
+    if out is not None:
+        if x.is_cuda and isinstance(w, torch.Tensor) and KERNEL == "loop" and tree_loop_ok(split):
+            from .triton_gemv import row_tile
+            from .triton_splitk import gemv_tree_loop
+            return gemv_tree_loop(x, w, split.c1 - split.c0, torch.float32, row_tile(x.shape[0], rows), out=out)
+        return out.copy_(subtree(x, w, split, rows, cache))
     if x.is_cuda and isinstance(w, torch.Tensor):
-        from .triton_gemv import (chunk_partials, gemv_chunks_fused, gemv_tree_loop, row_tile, tree_combine,
-                                  tree_loop_fits)
+        from .triton_gemv import row_tile
+        from .triton_splitk import chunk_partials, gemv_chunks_fused, gemv_tree_loop, tree_combine
         cache.get(w, split, x.dtype)
         if cache.bounds_dev is None:
             cache.bounds_dev = torch.tensor(split.bounds, dtype=torch.int32, device=x.device)
         tile = row_tile(x.shape[0], rows)
         c = split.c1 - split.c0
-        if KERNEL == "loop" and tree_loop_fits(split.k_local, c):
+        if KERNEL == "loop" and tree_loop_ok(split):
             return gemv_tree_loop(x, w, c, out_dtype, tile)
         if FUSED:
             return gemv_chunks_fused(x, w, cache.bounds_dev, out_dtype, tile)
@@ -202,6 +209,13 @@ def subtree(x: torch.Tensor, w, split: KSplit, rows: bool, cache: ChunkCache,
             return tree_stack(st).to(out_dtype)
     parts = q4_partials_cuda(x, w, split, cache) if x.is_cuda else partials_cpu(x, w, split, rows, cache)
     return tree_sum(parts).to(out_dtype)
+
+
+def tree_loop_ok(split: KSplit) -> bool:
+    """The one-loop kernel serves equal chunks whose width is a multiple of its BLOCK_K."""
+    from .triton_splitk import tree_loop_fits
+    b = chunk_bounds(split.k_total)
+    return b[1] * CHUNKS == split.k_total and tree_loop_fits(split.k_local, split.c1 - split.c0)
 
 
 def q4_partials_cuda(x: torch.Tensor, w, split: KSplit, cache: ChunkCache) -> list[torch.Tensor]:

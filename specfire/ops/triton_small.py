@@ -34,8 +34,8 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, D, stride_x, stride_r, e
     offs = tl.arange(0, BLOCK)
     mask = offs < D
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    if RESIDUAL:  # sum rounded to the model dtype first, exactly like `x = x + h`
-        r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
+    if RESIDUAL:  # sum rounded to the model dtype first, exactly like `x = x + h`; a float32 h
+        r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(x.dtype)  # is rounded first
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(s_ptr + row * D + offs, x, mask=mask)
     xf = x.to(tl.float32)

@@ -69,6 +69,20 @@ class Comm:
             out += p
         return out.to(x.dtype)
 
+    def shared_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rank 0's token ids on every rank, inside the captured rows forward (the other ranks hold
+        zeros there: control.SharedIdsArg); elsewhere every rank already has them."""
+        if not self.in_graph:
+            return ids
+        return self.symm.share_ids(ids)
+
+    def tree_buffer(self, m: int, n: int) -> torch.Tensor | None:
+        """Where the next tree_all_reduce wants its [m, n] float32 subtree written (the collective's
+        own buffer inside the captured forward, so no copy precedes it); None: anywhere."""
+        if not self.in_graph:
+            return None
+        return self.symm.reserve(torch.float32, (m, n))
+
     def tree_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """float32 sum of every rank's float32 subtree `x`, added in the canonical pairwise tree
         (ops/splitk.py: rank r's subtree is leaf r), so a tp-rank mesh adds exactly as one device

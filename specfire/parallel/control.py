@@ -2,10 +2,15 @@
 method on its own shard.
 
 A call is a small header (the method name and its arguments, tensors replaced by their shape and
-dtype) broadcast on the command group, then each tensor argument broadcast on the forward group;
-a decode / verify step's few token ids ride in the header (IdsArg): one broadcast per step.
-The methods a call may name are the Trunk protocol's own (`runtime/trunk.py`), so they are listed
-once; `rank_stats` and `close` are the only control-plane words of their own.
+dtype) broadcast on the command group, then each tensor argument broadcast on the forward group.
+
+A decode / verify step costs one header and no host read of the device: its token ids stay on
+rank 0's device (SharedIdsArg) and reach the other ranks inside the rows forward (the embedding's
+first collective, parallel/model.py), and a `commit(n)` rides in the next call's header
+(`commits`), so rank 0 can queue step t+1 before step t has finished on the device and every rank
+replays its graphs back to back. Without the captured forward (an eager GPU mesh) a step's few
+ids ride in the header (IdsArg). The methods a call may name are the Trunk protocol's own
+(`runtime/trunk.py`); `rank_stats`, `rank_time` and `close` are the control-plane words of their own.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from ..runtime.trunk import TRUNK_METHODS, LocalTrunk
 from .comm import Comm
 
 CALLS = tuple(m for m in TRUNK_METHODS if m != "close")   # every rank runs these on its shard
-RANK_STATS, CLOSE = "rank_stats", "close"
+RANK_STATS, RANK_TIME, CLOSE = "rank_stats", "rank_time", "close"
 STAT_NAMES = CALLS + ("verify_rows", "max_verify_rows")
 
 
@@ -40,10 +45,27 @@ class IdsArg:
     ids: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class SharedIdsArg:
+    """n token ids left on rank 0's device; the other ranks receive them inside the rows forward
+    (Comm.shared_ids), so sending the step never waits for the device."""
+
+    n: int
+
+
+class SharedIds:
+    """Rank 0 wraps a verify's device ids in this to send them as a SharedIdsArg."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids
+
+
 INLINE_IDS = 32
 
 
 def _plain(a: Any) -> Any:
+    if isinstance(a, SharedIds):
+        return SharedIdsArg(a.ids.shape[0])
     if not isinstance(a, torch.Tensor):
         return a
     if a.dtype == torch.int64 and a.dim() == 1 and a.numel() <= INLINE_IDS:
@@ -55,21 +77,23 @@ def _plain(a: Any) -> Any:
 class Call:
     name: str
     args: tuple[Any, ...]
+    commits: tuple[int, ...] = ()     # commit(n) calls rank 0 ran since the last call: run them first
 
     def header(self) -> bytes:
-        return pickle.dumps((self.name, self.args), protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps((self.name, self.args, self.commits), protocol=pickle.HIGHEST_PROTOCOL)
 
     @staticmethod
-    def of(name: str, *args: Any) -> tuple["Call", list[torch.Tensor]]:
+    def of(name: str, *args: Any, commits: tuple[int, ...] = ()) -> tuple["Call", list[torch.Tensor]]:
         """The call and its tensor arguments (rank 0)."""
         plain = tuple(_plain(a) for a in args)
-        tensors = [a for a, p in zip(args, plain) if isinstance(p, TensorArg)]
-        return Call(name, plain), tensors
+        tensors = [a.ids if isinstance(a, SharedIds) else a for a, p in zip(args, plain)
+                   if isinstance(p, (TensorArg, SharedIdsArg))]
+        return Call(name, plain, commits), tensors
 
     @staticmethod
     def parse(header: bytes) -> "Call":
-        name, args = pickle.loads(header)
-        return Call(name, args)
+        name, args, commits = pickle.loads(header)
+        return Call(name, args, commits)
 
 
 class RankExecutor:
@@ -79,8 +103,16 @@ class RankExecutor:
     def __init__(self, comm: Comm, trunk: LocalTrunk):
         self.comm, self.trunk = comm, trunk
         self.counts = dict.fromkeys(STAT_NAMES, 0)
+        self._no_ids: dict[int, torch.Tensor] = {}
 
     def _arg(self, a: Any, given: list[torch.Tensor] | None) -> Any:
+        if isinstance(a, SharedIdsArg):     # rank 0: its device ids; elsewhere zeros the forward replaces
+            if given is not None:
+                return given.pop(0)
+            z = self._no_ids.get(a.n)
+            if z is None:
+                z = self._no_ids[a.n] = torch.zeros(a.n, dtype=torch.int64, device=self.comm.device)
+            return z
         if isinstance(a, IdsArg):           # every rank, rank 0 included, builds the same tensor
             return torch.tensor(a.ids, dtype=torch.int64, device=self.comm.device)
         if not isinstance(a, TensorArg):
@@ -96,6 +128,11 @@ class RankExecutor:
         if call.name == RANK_STATS:
             mine = torch.tensor([[self.counts[k] for k in STAT_NAMES]], dtype=torch.int64, device=self.comm.device)
             return self.comm.gather(mine, dim=0)
+        if call.name == RANK_TIME:
+            from .probe import time_rows
+            mine = torch.tensor([time_rows(self.trunk, *args, rank=self.comm.rank)], dtype=torch.float64,
+                                device=self.comm.device)
+            return self.comm.gather(mine.view(1, -1), dim=0)
         if call.name not in CALLS:
             raise MeshError(f"unknown mesh call {call.name!r}")
         n = self.counts
@@ -115,4 +152,6 @@ def serve(comm: Comm, trunk: LocalTrunk) -> None:
         call = Call.parse(comm.recv_command())
         if call.name == CLOSE:
             return
+        for n in call.commits:
+            ex.run(Call("commit", (n,)))
         ex.run(call)

@@ -9,11 +9,13 @@ import torch
 import torch.nn as nn
 
 from ..config import FULL, ModelConfig
+from ..errors import ConfigError
 from ..model.qwen35 import DecoderLayer, Linear, Qwen35Trunk, SequenceState
 from ..ops.linear import linear
 from ..ops.splitk import KSplit
 from .comm import Comm
 from .shard import ShardPlan
+from .symm import IDS_EXACT
 
 
 def row_parallel(k_total: int, out_features: int, plan: ShardPlan, comm: Comm) -> Linear:
@@ -21,7 +23,7 @@ def row_parallel(k_total: int, out_features: int, plan: ShardPlan, comm: Comm) -
     k_total-wide reduction, their subtree summed here, the ranks' subtrees by comm.tree_all_reduce."""
     split = KSplit.for_rank(k_total, plan.rank, plan.tp)
     lin = Linear(split.k_local, out_features, row_parallel=True)
-    lin.ksplit, lin.combine = split, comm.tree_all_reduce
+    lin.ksplit, lin.combine, lin.reserve = split, comm.tree_all_reduce, comm.tree_buffer
     return lin
 
 
@@ -41,6 +43,7 @@ class VocabParallelEmbedding(nn.Module):
         self.v0, self.comm = v0, comm
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = self.comm.shared_ids(ids)          # in the captured rows forward: rank 0's ids
         local = ids - self.v0
         mine = (local >= 0) & (local < self.weight.shape[0])
         x = self.weight[local.clamp(0, self.weight.shape[0] - 1)]            # [T, H]
@@ -52,6 +55,9 @@ class ShardedQwen35(Qwen35Trunk):
     """Build under torch.device('meta'), then fill with loader.load_module(..., fetch=plan.fetch)."""
 
     def __init__(self, cfg: ModelConfig, plan: ShardPlan, comm: Comm):
+        if cfg.vocab_size > IDS_EXACT:
+            raise ConfigError(f"vocab_size {cfg.vocab_size} exceeds {IDS_EXACT}, the token ids a tensor-parallel "
+                              f"step can carry exactly")
         super().__init__(cfg)
         self.plan, self.comm = plan, comm
         h = cfg.hidden_size

@@ -22,6 +22,16 @@ from ..errors import MeshError
 from ..ops.splitk import tree_sum
 
 
+IDS_EXACT = 1 << 24     # token ids below this are exact in float32
+
+
+def share_ids(coll, ids: torch.Tensor) -> torch.Tensor:
+    """Rank 0's int64 ids on every rank: a float32 sum of rank 0's ids and the others' zeros (exact
+    below IDS_EXACT), so the ids of a step travel inside the graph with no host in the way."""
+    v = ids.to(torch.float32) if coll.rank == 0 else torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+    return coll.sum(v).to(torch.int64)
+
+
 class SymmCollectives:
     """Symmetric-memory collectives of one rank over the forward group."""
 
@@ -40,6 +50,7 @@ class SymmCollectives:
             pass
         self._bufs: dict[torch.dtype, list[torch.Tensor]] = {}
         self._turn: dict[torch.dtype, int] = {}
+        self._reserved: torch.Tensor | None = None
 
     def _slot(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """The next buffer of `dtype` (allocated and rendezvoused on first use: every rank reaches
@@ -60,12 +71,30 @@ class SymmCollectives:
         self._turn[dtype] = 1 - i
         return bufs[i][:numel]
 
+    def reserve(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The buffer the next `tree` of this shape will send, for its producer to write into
+        (tp = 2, where the tree is one sum); None where the tree gathers first."""
+        if self.world != 2:
+            return None
+        n = 1
+        for d in shape:
+            n *= d
+        self._reserved = self._slot(dtype, n).view(shape)
+        return self._reserved
+
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """Elementwise sum over ranks (one one-shot kernel: every rank reads every peer's buffer)."""
-        x = x.contiguous()
-        view = self._slot(x.dtype, x.numel()).view_as(x)
-        view.copy_(x)
+        r, self._reserved = self._reserved, None
+        if r is not None and x.data_ptr() == r.data_ptr() and x.shape == r.shape and x.dtype == r.dtype:
+            view = x                                   # written in place by its producer
+        else:
+            x = x.contiguous()
+            view = self._slot(x.dtype, x.numel()).view_as(x)
+            view.copy_(x)
         return torch.ops.symm_mem.one_shot_all_reduce(view, "sum", self.name)
+
+    def share_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return share_ids(self, ids)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[world, *x.shape]: every rank's x, exactly (each slot is one rank's values plus zeros)."""
@@ -88,6 +117,12 @@ class GlooCollectives:
 
     def __init__(self, group, rank: int, world: int):
         self.group, self.rank, self.world = group, rank, world
+        self.reserved = 0                  # subtrees written straight into a reserved buffer (tests)
+
+    def reserve(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """A buffer for the producer to write the next tree's input into (as on the GPU)."""
+        self.reserved += 1
+        return torch.empty(shape, dtype=dtype)
 
     def _parts(self, x: torch.Tensor) -> list[torch.Tensor]:
         import torch.distributed as dist
@@ -103,6 +138,9 @@ class GlooCollectives:
         for p in parts[1:]:
             out += p
         return out
+
+    def share_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return share_ids(self, ids)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         return torch.stack(self._parts(x))

@@ -18,7 +18,7 @@ from ..config import ModelConfig
 from ..errors import MeshError
 from ..ops.linear import linear
 from ..runtime.trunk import LocalTrunk, Rows
-from .control import RANK_STATS, STAT_NAMES, Call, RankExecutor
+from .control import RANK_STATS, RANK_TIME, STAT_NAMES, Call, RankExecutor, SharedIds
 from .lifecycle import Mesh
 
 
@@ -40,6 +40,7 @@ class MeshTrunk:
         self._ex = RankExecutor(mesh.comm, trunk)
         self._dtype = dtype
         self._drafter_vocab = drafter_vocab     # whole (embedding, lm_head) on rank 0, or None
+        self._commits: list[int] = []           # run on rank 0, sent with the next call
         self._finalizer = weakref.finalize(self, mesh.shutdown)
 
     @property
@@ -51,7 +52,8 @@ class MeshTrunk:
 
     def _call(self, name: str, *args: Any) -> Any:
         self._mesh.check()
-        call, tensors = Call.of(name, *args)
+        call, tensors = Call.of(name, *args, commits=tuple(self._commits))
+        self._commits.clear()
         try:
             self._mesh.comm.send_command(call.header())
             return self._ex.run(call, tensors)
@@ -71,10 +73,19 @@ class MeshTrunk:
         return self._call("prefill", ids, logits)
 
     def verify(self, ids: torch.Tensor, pos: int) -> Rows:
+        if self._mesh.comm.symm is not None:    # the ids stay on the device: no host read to send the step
+            return self._call("verify", SharedIds(ids), pos)
         return self._call("verify", ids, pos)
 
     def commit(self, n: int) -> None:
-        self._call("commit", n)
+        """Runs here now and on the other ranks before the next call (no message of its own: an AR
+        step is one header)."""
+        self._mesh.check()
+        try:
+            self._ex.run(Call("commit", (n,)))
+        except Exception as e:
+            raise self._mesh.fail(e) from None
+        self._commits.append(n)
 
     def score(self, ids: torch.Tensor) -> torch.Tensor:
         return self._call("score", ids)
@@ -108,6 +119,13 @@ class MeshTrunk:
         """Per-rank call counters (every rank must have run exactly what rank 0 ran)."""
         table = self._call(RANK_STATS)
         return [dict(zip(STAT_NAMES, row)) for row in table.tolist()]
+
+    def rank_time(self, rows: int, n: int, profile: str | None = None) -> list[float]:
+        """Every rank replays its captured `rows`-row forward `n` times back to back (in lockstep,
+        no host in between); per rank, seconds per replay (parallel/probe.py; `profile`: a path
+        prefix for each rank's kernel table). A bench probe; NaN where no such graph exists."""
+        table = self._call(RANK_TIME, rows, n, profile)
+        return [float(r[0]) for r in table.tolist()]
 
     @property
     def worker_pids(self) -> list[int]:

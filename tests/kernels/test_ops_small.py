@@ -37,6 +37,9 @@ def test_add_rms_norm():
     s_ref, y_ref = norm.add_rms_norm_ref(x, h, w, 1e-6)
     assert torch.equal(s, s_ref)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    h64 = torch.randn(5, 77, generator=g, dtype=torch.float64)   # a wider h is rounded to x's dtype first
+    s, _ = ts.add_rms_norm_triton(x, h64, w, 1e-6)
+    assert s.dtype == x.dtype and torch.equal(s, x + h64.to(x.dtype)) and torch.equal(s, norm.add_rms_norm_ref(x, h64, w, 1e-6)[0])
 
 
 def test_gated_rms_norm():

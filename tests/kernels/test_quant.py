@@ -119,39 +119,68 @@ def test_pick_group():
     assert pick_group(5120, 128) == 128 and pick_group(96, 128) == 32 and pick_group(48, 128) is None
 
 
-CASES = [  # v1: both kernel forms, split-K, several groups per step with a masked tail of groups
-    (1, 37, 128, 32, False, Q4Config(16, version=1)),
-    (5, 100, 384, 64, True, Q4Config(32, split_k=2, gps=4, deq=True, version=1)),
-    (3, 70, 640, 128, False, Q4Config(64, split_k=4, version=1)),
-    (7, 50, 160, 32, False, Q4Config(16, gps=2, deq=True, version=1)),
-    (16, 64, 256, 128, False, None),
-    # v2: group sums precomputed or in the kernel, split-K combined in the kernel (counters) or by a
-    # second launch, unrolled groups with a masked tail, odd N, the plain (no bit trick) codes
-    (1, 37, 128, 32, False, Q4Config(16, num_warps=1)),
-    (5, 100, 384, 64, True, Q4Config(32, split_k=2, gps=4, num_warps=2)),
-    (3, 70, 640, 128, False, Q4Config(64, split_k=4, xsum=False)),
-    (7, 50, 160, 32, False, Q4Config(16, split_k=3, gps=2, sem=False)),
-    (9, 33, 2304, 64, False, Q4Config(32, split_k=5, gps=3, num_warps=2)),
-    (4, 48, 512, 128, False, Q4Config(16, split_k=2, magic=False, xsum=False)),
-    (6, 45, 384, 128, False, Q4Config(32, split_k=2, gps=2, deq=True, num_warps=2)),
-    (2, 20, 192, 32, True, Q4Config(16, gps=3, deq=True, num_warps=1)),
-    (5, 40, 640, 64, False, Q4Config(32, split_k=3, gps=2, prefetch=True, num_warps=2)),
-    (3, 24, 384, 128, False, Q4Config(16, prefetch=True, deq=True, num_warps=1)),
+CASES = [  # odd N, masked group tails (a split's last group range shorter), split-K combined by
+    # the last CTA (counters) or a second launch, group sizes 32 / 64 / 128, codes as rows and in
+    # tiles (last field)
+    (1, 37, 128, 32, False, Q4Config(16), 0),
+    (5, 100, 384, 64, True, Q4Config(32, split_k=2), 64),
+    (3, 70, 640, 128, False, Q4Config(64, split_k=4), 0),
+    (7, 50, 160, 32, False, Q4Config(16, split_k=3, sem=False), 16),
+    (9, 33, 2304, 64, False, Q4Config(32, split_k=5), 64),
+    (4, 48, 512, 128, False, Q4Config(16, split_k=3, num_warps=1, sem=False), 0),
+    (16, 64, 256, 128, False, None, 0),
 ]
 
 
-@pytest.mark.parametrize("m,n,k,g,had,cfg", CASES)
-def test_q4_kernel_matches_reference_and_is_row_invariant(m, n, k, g, had, cfg):
+@pytest.mark.parametrize("m,n,k,g,had,cfg,tile", CASES)
+def test_q4_kernel_matches_reference_and_is_row_invariant(m, n, k, g, had, cfg, tile):
     w = torch.randn(n, k, generator=_g(m + n))
     qw = QuantWeight.quantize(w, g, had)
+    if tile:
+        qw = QuantWeight(qw.qweight, qw.scales_t, qw.zeros_t, had, qw.dtype, tile)
     x = qw.prepare_input(torch.randn(m, k, generator=_g(k)))
     y = q4_gemv(x, qw, cfg)
     ref = linear_rows_ref(x, qw.dequantize())
-    # v2's fp32 path also uses the 128 + q codes (as bf16 does on the GPU): sum (128 + q) x minus
+    # the fp32 path also uses the 128 + q codes (as bf16 does on the GPU): sum (128 + q) x minus
     # 128 sum(x) cancels a few more float32 bits than sum q x, hence the relative bound
     assert float((y - ref).norm() / ref.norm()) < 3e-5
     for i in range(m):
         assert torch.equal(q4_gemv(x[i:i + 1], qw, cfg)[0], y[i]), f"row {i}"
+
+
+def test_q4_kernel_prefixes_are_row_invariant():
+    """Every prefix M = 1..16 of a 16-row call gives the same rows bit for bit (with and without split-K)."""
+    qw = QuantWeight.quantize(torch.randn(24, 384, generator=_g(21)), 128)
+    x = torch.randn(16, 384, generator=_g(22))
+    for cfg in (Q4Config(16, split_k=2), Q4Config(32)):
+        full = q4_gemv(x, qw, cfg)
+        for m in range(1, 17):
+            assert torch.equal(q4_gemv(x[:m], qw, cfg), full[:m]), (cfg, m)
+
+
+def test_tiled_storage_round_trip_and_both_layouts_agree():
+    """Codes stored in tiles of 64 rows (N padded) give back the same kernel packing, row slices
+    included, and the kernel reads either layout to the same bits."""
+    from specfire.ops.quant import tile_rows, untile_rows
+
+    rows = QuantWeight.quantize(torch.randn(70, 384, generator=_g(24)), 64)
+    qw = QuantWeight(rows.qweight, rows.scales_t, rows.zeros_t, False, torch.float32, 64)
+    assert rows.tile == 0 and qw.qtiled.shape == (2, 6, 64, 32) and qw.shape == (70, 384)
+    assert torch.equal(qw.qweight, rows.qtiled) and torch.equal(qw.to("cpu").qtiled, qw.qtiled)
+    assert torch.equal(untile_rows(tile_rows(rows.qtiled, 64, 16), slice(3, 61), 70), rows.qtiled[3:61])
+    assert torch.equal(qw.dequantize(slice(5, 67)), rows.dequantize()[5:67])
+    assert qw.nbytes() == rows.nbytes() == 70 * 192 + 2 * 70 * 6 * 2
+    x = torch.randn(3, 384, generator=_g(25))
+    for cfg in (Q4Config(16, split_k=2), Q4Config(32, split_k=3)):
+        assert torch.equal(q4_gemv(x, qw, cfg), q4_gemv(x, rows, cfg))
+
+
+def test_q4_rejects_bad_shapes():
+    qw = QuantWeight.quantize(torch.randn(8, 128, generator=_g(23)), 64)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        q4_gemv(torch.randn(17, 128), qw)
+    with pytest.raises(ValueError, match="K=96"):
+        q4_gemv(torch.randn(2, 96), qw)
 
 
 # ---- the CLI round trip ----------------------------------------------------------------------

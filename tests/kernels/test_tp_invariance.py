@@ -111,7 +111,8 @@ def test_transcendentals_do_not_depend_on_position(fn):
 def test_chunk_kernel_partials_tree_and_shards():
     """chunk_partials: each chunk's float32 partial (close to the reference), row-invariant, and the
     same bits in a shard as in the whole; tree_combine adds them exactly as tree_sum does."""
-    from specfire.ops.triton_gemv import chunk_partials, gemv, gemv_chunks_fused, tree_combine
+    from specfire.ops.triton_gemv import gemv
+    from specfire.ops.triton_splitk import chunk_partials, gemv_chunks_fused, tree_combine
 
     g = torch.Generator().manual_seed(5)
     n, k = 37, 200                                          # odd N; chunks of 25 (masked K tails)
@@ -141,11 +142,13 @@ def test_chunk_kernel_partials_tree_and_shards():
             assert torch.equal(gemv_chunks_fused(xx, w, bc, torch.float32),
                                tree_combine(chunk_partials(xx, w, bc), torch.float32))
     # the one-loop kernel (tree folded in registers): the same bits for equal 128-multiple chunks
-    from specfire.ops.triton_gemv import gemv_tree_loop
+    from specfire.ops.triton_splitk import gemv_tree_loop
     wl, xl = torch.randn(37, 1024, generator=g), torch.randn(5, 1024, generator=g)
     for c in (8, 4, 1):
         bc = torch.tensor([1024 * j // c for j in range(c + 1)], dtype=torch.int32)
-        assert torch.equal(gemv_tree_loop(xl, wl, c, torch.float32), tree_combine(chunk_partials(xl, wl, bc), torch.float32))
+        ref = tree_combine(chunk_partials(xl, wl, bc), torch.float32)
+        for select in (False, True):         # the fold with branches, and without (selects)
+            assert torch.equal(gemv_tree_loop(xl, wl, c, torch.float32, select=select), ref)
     bt = torch.tensor(b, dtype=torch.int32)
     xb = torch.randn(70, k, generator=g)                   # a prefill: 5 tiles of 16, or 2 of 64 (masked)
     for tile in (16, 64):
@@ -200,6 +203,7 @@ def test_mesh_bits_equal_one_device(ckpt_cache, name, degrees):
             # rows forwards (decode, verify) went through the GPU graph path's collectives, prefill not
             n_rows = 2 * mesh.cfg.num_hidden_layers
             assert len(calls) >= n_rows and len(calls) % n_rows == 0 and all(c[0] <= 5 for c in calls)
+            assert symm.reserved == len(calls)       # each subtree written straight into the send buffer
 
 
 def test_four_bit_mesh_bits_equal_one_device(ckpt_cache, tmp_path):

@@ -1,0 +1,114 @@
+"""Hugging Face transformers `generate`, greedy, on the normal checkpoint: the reference
+implementation as its users run it, with flash-linear-attention's kernels for the Gated DeltaNet
+layers when `fla` is importable. Modes:
+  eager           the default dynamic cache
+  static_compile  `cache_implementation="static"`: generate then compiles the decode step with
+                  torch.compile (mode reduce-overhead: CUDA graphs) on a GPU; on a CPU it does not
+                  compile (transformers compiles on accelerators only), the row says so
+TTFT is a 1-token generate; decode tok/s = (N - 1) / (time of an N-token generate - TTFT).
+
+    python bench/peers/run_transformers.py --normal DIR --prompts P.json --tokens 64 --out R.json
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import time
+
+import common
+from common import Result, load_prompts, peak_gb, reset_peak, runner_args, sync
+
+MODES = ("eager", "static_compile")
+
+
+def gdn_kernel() -> str:
+    """Where transformers' chunked Gated DeltaNet resolves to: fla's kernel or the torch fallback."""
+    import transformers.models.qwen3_5.modeling_qwen3_5 as mq
+    fn = getattr(mq, "torch_chunk_gated_delta_rule", None)
+    impl = None
+    while fn is not None and impl is None:
+        try:
+            impl = inspect.getclosurevars(fn).nonlocals.get("implementation")
+        except (TypeError, ValueError):
+            break
+        fn = getattr(fn, "__wrapped__", None) if impl is None else None
+    if impl is None:
+        return "unknown"
+    return f"{getattr(impl, '__module__', '?')}.{getattr(impl, '__name__', '?')}"
+
+
+def gen(model, ids, n: int, static: bool):
+    import torch
+    kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, num_beams=1,
+              pad_token_id=model.generation_config.pad_token_id, eos_token_id=None)
+    if static:
+        kw.update(cache_implementation="static")
+    sync()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids], device=model.device), attention_mask=None, **kw)
+    toks = out[0, len(ids):].tolist()       # the host read waits for the device
+    return time.perf_counter() - t0, toks
+
+
+def main() -> None:
+    args = runner_args(__doc__.split("\n")[0]).parse_args()
+    import torch
+    import transformers
+    fla = importlib.util.find_spec("fla")
+    res = Result(args.out, "transformers", transformers.__version__, device=common.device(),
+                 fla=None if fla is None else _version("flash-linear-attention"))
+    prompts = load_prompts(args.prompts)
+    modes = [m for m in (args.modes.split(",") if args.modes else MODES) if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        res.fail(f"unknown modes {bad}; known: {', '.join(MODES)}")
+    from transformers import AutoModelForCausalLM
+    dev = common.device()
+    t0 = time.perf_counter()
+    reset_peak()
+    cfg_dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    # on a GPU the weights go straight to the device (device_map needs accelerate, which the GPU
+    # machine has); on a CPU a plain load
+    kw = {"device_map": dev} if dev == "cuda" else {}
+    model = AutoModelForCausalLM.from_pretrained(args.normal, dtype=cfg_dtype, **kw)
+    model.eval()
+    res.put("load_s", time.perf_counter() - t0)
+    res.put("load_peak_gb", peak_gb())
+    res.put("gdn_kernel", gdn_kernel())
+    res.put("model_class", type(model).__name__)
+    n = args.tokens
+    for m in modes:
+        static = m == "static_compile"
+        reset_peak()
+        t_warm = time.perf_counter()
+        # compiles (static) / autotunes; the full length first, so the static cache is sized once
+        # and the timed calls reuse it (a new cache would mean a new compiled graph mid-timing)
+        gen(model, prompts["warmup"], n, static)
+        gen(model, prompts["warmup"], 1, static)
+        warm_s = time.perf_counter() - t_warm
+        ttfts, dec_s, n_tok, ids = [], 0.0, 0, []
+        for p in prompts["prompts"]:
+            t1, _ = gen(model, p, 1, static)
+            tn, toks = gen(model, p, n, static)
+            ttfts.append(t1)
+            dec_s += max(tn - t1, 1e-9)
+            n_tok += len(toks) - 1
+            ids.append(toks)
+        compiled = static and dev == "cuda" and not model.generation_config.disable_compile
+        res.mode(m, {"tok_s": n_tok / dec_s, "ttft_s": sum(ttfts) / len(ttfts), "ttfts_s": ttfts,
+                     "peak_gb": peak_gb(), "checkpoint": "normal", "tokens": n, "warmup_s": warm_s,
+                     "static_cache": static, "compiled": compiled, "token_ids": ids})
+    res.put("finished", time.time())
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "installed (version unknown)"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,338 @@
+"""The canonical split-K product of a row-parallel projection on CUDA, in Triton (ops/splitk.py
+says why: tp = 1, 2, 4, 8 add the same float32 chunk partials in the same tree).
+
+Three forms, the same bits: `chunk_partials` + `tree_combine` (two launches, the reference form),
+`gemv_chunks_fused` (one launch: the last chunk program of an output tile adds the tree) and
+`gemv_tree_loop` (one K loop like the plain GEMV, the tree folded in registers; the default
+where chunks are equal multiples of 128 columns). All run the row-invariant 16-row tile of
+ops/triton_gemv.py.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_gemv import ROWS, GemvConfig, fit_stages, gemv_config
+
+
+def chunk_config(n: int, k_chunk: int) -> GemvConfig:
+    """Launch settings of one canonical chunk; a function of the chunk's shape only, which is the
+    same on every tensor-parallel degree (N is the full hidden size, k_chunk = K / 8)."""
+    return GemvConfig(block_n=64, block_k=128 if k_chunk >= 128 else 64, num_warps=4, num_stages=4)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _chunk_kernel(x_ptr, w_ptr, p_ptr, b_ptr, M, N, stride_xm, stride_wn,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_: tl.constexpr, IEEE: tl.constexpr):
+    """Partial [c, M, N] float32 of chunk c = program_id(1): columns [b[c], b[c+1])."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_c = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * ROWS_ + tl.arange(0, ROWS_)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    k_lo = tl.load(b_ptr + pid_c)
+    k_hi = tl.load(b_ptr + pid_c + 1)
+    acc = tl.zeros((BLOCK_N, ROWS_), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < k_hi
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :],
+                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
+    base = p_ptr + pid_c * M * N
+    tl.store(base + offs_m[None, :] * N + offs_n[:, None], acc, mask=n_mask[:, None] & m_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["MN"])
+def _tree_kernel(p_ptr, y_ptr, MN, C: tl.constexpr, BLOCK: tl.constexpr):
+    """y = the canonical pairwise tree over C partials (C = 1, 2, 4, 8), cast to y's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    p0 = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    if C == 1:
+        acc = p0
+    else:
+        p1 = tl.load(p_ptr + MN + offs, mask=mask, other=0.0)
+        if C == 2:
+            acc = p0 + p1
+        else:
+            p2 = tl.load(p_ptr + 2 * MN + offs, mask=mask, other=0.0)
+            p3 = tl.load(p_ptr + 3 * MN + offs, mask=mask, other=0.0)
+            if C == 4:
+                acc = (p0 + p1) + (p2 + p3)
+            else:
+                p4 = tl.load(p_ptr + 4 * MN + offs, mask=mask, other=0.0)
+                p5 = tl.load(p_ptr + 5 * MN + offs, mask=mask, other=0.0)
+                p6 = tl.load(p_ptr + 6 * MN + offs, mask=mask, other=0.0)
+                p7 = tl.load(p_ptr + 7 * MN + offs, mask=mask, other=0.0)
+                acc = ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def tree_combine(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """parts [C, M, N] float32 -> [M, N] `dtype`, added in the canonical tree (C in 1, 2, 4, 8)."""
+    c, m, n = parts.shape
+    if c not in (1, 2, 4, 8):
+        raise ValueError(f"tree_combine takes 1, 2, 4 or 8 partials, got {c}")
+    y = torch.empty(m, n, device=parts.device, dtype=dtype)
+    blk = 1024
+    _tree_kernel[(triton.cdiv(m * n, blk),)](parts, y, m * n, C=c, BLOCK=blk)
+    return y
+
+
+def chunk_partials(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor, tile: int = ROWS) -> torch.Tensor:
+    """float32 partials [C, M, N] of x [M, K] @ w [N, K]^T over the column chunks [bounds[c],
+    bounds[c+1]) (int32 device tensor, C + 1 entries), one launch; row-invariant (16-row tiles)."""
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k:
+        raise ValueError(f"chunk_partials: x has K={k} but w is {list(w.shape)}")
+    c = bounds.shape[0] - 1
+    x = x.contiguous()
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    cfg = chunk_config(n, k // c)
+    part = torch.empty(c, m, n, device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(m, tile), triton.cdiv(n, cfg.block_n), c)
+    _chunk_kernel[grid](x, w, part, bounds, m, n, x.stride(0), w.stride(0),
+                        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=tile, IEEE=x.dtype == torch.float32,
+                        num_warps=cfg.num_warps, num_stages=fit_stages(cfg, tile, x.element_size()))
+    return part
+
+
+@triton.jit(do_not_specialize=["M"])
+def _chunk_tree_kernel(x_ptr, w_ptr, p_ptr, y_ptr, b_ptr, cnt_ptr, M, N, stride_xm, stride_wn,
+                       C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_: tl.constexpr,
+                       IEEE: tl.constexpr):
+    """_chunk_kernel, then the last of the C chunk programs of a (row tile, column tile) to finish
+    adds the C partials in the canonical tree and writes y: one launch, the same bits as
+    chunk_partials + tree_combine (the order of the adds is fixed, not who does them)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_c = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * ROWS_ + tl.arange(0, ROWS_)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    k_lo = tl.load(b_ptr + pid_c)
+    k_hi = tl.load(b_ptr + pid_c + 1)
+    acc = tl.zeros((BLOCK_N, ROWS_), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < k_hi
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :],
+                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
+    mask = n_mask[:, None] & m_mask[None, :]
+    off = offs_m[None, :] * N + offs_n[:, None]
+    tl.store(p_ptr + pid_c * M * N + off, acc, mask=mask)
+    tile = pid_n * tl.num_programs(0) + pid_m
+    tl.debug_barrier()                                          # every thread's partial stored first
+    done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")     # releases this partial, acquires the others'
+    if done == C - 1:
+        MN = M * N
+        p0 = tl.load(p_ptr + off, mask=mask, other=0.0, cache_modifier=".cg")
+        if C == 1:
+            out = p0
+        else:
+            p1 = tl.load(p_ptr + MN + off, mask=mask, other=0.0, cache_modifier=".cg")
+            if C == 2:
+                out = p0 + p1
+            else:
+                p2 = tl.load(p_ptr + 2 * MN + off, mask=mask, other=0.0, cache_modifier=".cg")
+                p3 = tl.load(p_ptr + 3 * MN + off, mask=mask, other=0.0, cache_modifier=".cg")
+                if C == 4:
+                    out = (p0 + p1) + (p2 + p3)
+                else:
+                    p4 = tl.load(p_ptr + 4 * MN + off, mask=mask, other=0.0, cache_modifier=".cg")
+                    p5 = tl.load(p_ptr + 5 * MN + off, mask=mask, other=0.0, cache_modifier=".cg")
+                    p6 = tl.load(p_ptr + 6 * MN + off, mask=mask, other=0.0, cache_modifier=".cg")
+                    p7 = tl.load(p_ptr + 7 * MN + off, mask=mask, other=0.0, cache_modifier=".cg")
+                    out = ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))
+        tl.store(y_ptr + off, out.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(cnt_ptr + tile, 0)                       # ready for the next launch
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+COUNTER_SLOTS = 1 << 16
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed tile counters shared by every fused launch on a device (launches on one stream run
+    one after another, and each leaves its counters at zero). Allocated by the first (eager) call,
+    never inside a CUDA-graph capture (the rows forward is run eagerly before it is captured)."""
+    c = _COUNTERS.get(device)
+    if c is None:
+        c = _COUNTERS[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+    if n > c.numel():
+        raise ValueError(f"gemv_chunks_fused needs {n} tile counters, more than {c.numel()}")
+    return c
+
+
+def gemv_chunks_fused(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor, out_dtype: torch.dtype,
+                      tile: int = ROWS) -> torch.Tensor:
+    """[M, N] `out_dtype`: the canonical tree over the chunk partials of x @ w^T, in one launch
+    (the same bits as tree_combine(chunk_partials(...)))."""
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k:
+        raise ValueError(f"gemv_chunks_fused: x has K={k} but w is {list(w.shape)}")
+    c = bounds.shape[0] - 1
+    if c not in (1, 2, 4, 8):
+        raise ValueError(f"gemv_chunks_fused takes 1, 2, 4 or 8 chunks, got {c}")
+    x = x.contiguous()
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    cfg = chunk_config(n, k // c)
+    grid = (triton.cdiv(m, tile), triton.cdiv(n, cfg.block_n), c)
+    part = torch.empty(c, m, n, device=x.device, dtype=torch.float32)
+    y = torch.empty(m, n, device=x.device, dtype=out_dtype)
+    cnt = _counters(x.device, grid[0] * grid[1])
+    _chunk_tree_kernel[grid](x, w, part, y, bounds, cnt, m, n, x.stride(0), w.stride(0),
+                             C=c, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=tile,
+                             IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps,
+                             num_stages=fit_stages(cfg, tile, x.element_size()))
+    return y
+
+
+@triton.jit(do_not_specialize=["M"])
+def _tree_loop_kernel(x_ptr, w_ptr, y_ptr, M, N, K, KC, stride_xm, stride_wn,
+                      C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_: tl.constexpr,
+                      IEEE: tl.constexpr, SELECT: tl.constexpr):
+    """The canonical tree in one K loop, as the plain GEMV walks K: the accumulator restarts at
+    every chunk bound (KC columns, a multiple of BLOCK_K) and each finished chunk is folded into
+    the tree like a binary counter (chunk c merges with the held subtrees for every trailing 1
+    bit of c). Each chunk's sum and every add are those of chunk_partials + tree_combine.
+    SELECT: the fold without branches (every candidate sum computed, the right one selected), so
+    the loop body has no control flow for the compiler's software pipelining to trip on; the
+    same adds of the same values, so the same bits."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * ROWS_ + tl.arange(0, ROWS_)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    zero = tl.zeros((BLOCK_N, ROWS_), dtype=tl.float32)
+    acc = zero
+    s0 = zero
+    s1 = zero
+    s2 = zero
+    s3 = zero
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :], mask=n_mask[:, None], other=0.0)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_mask[:, None], other=0.0)
+        if IEEE:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
+        if SELECT:
+            end = (k0 + BLOCK_K) % KC == 0
+            c = k0 // KC
+            v1 = s0 + acc                       # the subtree chunk c closes, at each tree level
+            v2 = s1 + v1
+            v3 = s2 + v2
+            s0 = tl.where(end & (c % 2 == 0), acc, s0)
+            s1 = tl.where(end & (c % 4 == 1), v1, s1)
+            s2 = tl.where(end & (c % 8 == 3), v2, s2)
+            s3 = tl.where(end & (c % 8 == 7), v3, s3)
+            acc = tl.where(end, zero, acc)
+        elif (k0 + BLOCK_K) % KC == 0:
+            c = k0 // KC
+            v = acc
+            if c % 2 == 1:
+                v = s0 + v
+                if c % 4 == 3:
+                    v = s1 + v
+                    if c % 8 == 7:
+                        s3 = s2 + v
+                    else:
+                        s2 = v
+                else:
+                    s1 = v
+            else:
+                s0 = v
+            acc = zero
+    if C == 1:
+        out = s0
+    elif C == 2:
+        out = s1
+    elif C == 4:
+        out = s2
+    else:
+        out = s3
+    tl.store(y_ptr + offs_m[None, :] * N + offs_n[:, None], out.to(y_ptr.dtype.element_ty),
+             mask=n_mask[:, None] & m_mask[None, :])
+
+
+def _loop_override() -> tuple[GemvConfig | None, bool]:
+    """SPECFIRE_SPLITK_LOOP="block_n,num_warps,num_stages,select" (bench/tp.py's sweep): launch
+    settings of the tree loop for every shape. They change no bits: BLOCK_K (the order of the
+    adds) stays 128, and the sweep checks each setting bitwise against the two-launch form."""
+    raw = os.environ.get("SPECFIRE_SPLITK_LOOP")
+    if not raw:
+        return None, False
+    try:
+        bn, nw, ns, sel = (int(v) for v in raw.split(","))
+    except ValueError:
+        raise ValueError(f"SPECFIRE_SPLITK_LOOP must be 'block_n,num_warps,num_stages,select' integers, got {raw!r}") from None
+    return GemvConfig(block_n=bn, block_k=128, num_warps=nw, num_stages=ns), bool(sel)
+
+
+LOOP_CONFIG, LOOP_SELECT = _loop_override()
+
+
+def tree_loop_config(n: int, k: int) -> GemvConfig:
+    """The plain GEMV's settings for the shape, with BLOCK_K dividing the chunk width."""
+    if LOOP_CONFIG is not None:
+        return LOOP_CONFIG
+    cfg = gemv_config(n, k)
+    return GemvConfig(block_n=cfg.block_n, block_k=128, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def tree_loop_fits(k: int, c: int, block_k: int = 128) -> bool:
+    """Equal chunks whose width is a multiple of BLOCK_K (true of every real Qwen3.5 shape)."""
+    return c in (1, 2, 4, 8) and k % c == 0 and (k // c) % block_k == 0
+
+
+def gemv_tree_loop(x: torch.Tensor, w: torch.Tensor, c: int, out_dtype: torch.dtype, tile: int = ROWS,
+                   launch_n: int | None = None, cfg: GemvConfig | None = None, select: bool | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """[M, N] `out_dtype`: the canonical tree over c equal chunks of K, one launch, no partials in
+    memory (the same bits as tree_combine(chunk_partials(...)) for equal chunks). `out`: a
+    contiguous [M, N] tensor to write (e.g. a collective's buffer), instead of a new one."""
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k or not tree_loop_fits(k, c):
+        raise ValueError(f"gemv_tree_loop: K={k} in {c} chunks needs chunk widths that are multiples of 128")
+    x = x.contiguous()
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    cfg = cfg or tree_loop_config(launch_n or n, k * (8 // c))
+    if cfg.block_k != 128:
+        raise ValueError("gemv_tree_loop: BLOCK_K is the canonical 128 (it orders the adds)")
+    y = out if out is not None else torch.empty(m, n, device=x.device, dtype=out_dtype)
+    grid = (triton.cdiv(m, tile), triton.cdiv(n, cfg.block_n))
+    _tree_loop_kernel[grid](x, w, y, m, n, k, k // c, x.stride(0), w.stride(0),
+                            C=c, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=tile,
+                            IEEE=x.dtype == torch.float32, SELECT=LOOP_SELECT if select is None else select,
+                            num_warps=cfg.num_warps, num_stages=fit_stages(cfg, tile, x.element_size()))
+    return y

@@ -1,0 +1,86 @@
+"""bench/peers on the CPU: the checkpoint pair, the specfire runner, the table builder, and the
+ExLlamaV3 runner's one-line refusal without CUDA (the GPU run itself is bench/peers/run.py)."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+PEERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "peers")
+sys.path.insert(0, PEERS)
+
+import common  # noqa: E402
+import make_ckpt  # noqa: E402
+import table  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("peers")
+    ck = make_ckpt.make("tiny", str(root), "cpu", torch.float32, tokenizer=False)
+    prompts = common.make_prompts(common.TINY_VOCAB, 2, 8)
+    pf = root / "prompts.json"
+    pf.write_text(json.dumps(prompts))
+    return ck, str(pf)
+
+
+def run_main(module, argv, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [module.__file__, *argv])
+    module.main()
+
+
+def test_pair_shares_shards_and_ties_only_the_norms(pair):
+    ck, _ = pair
+    normal, tied = ck["normal"], ck["tied"]
+    shards = [f for f in os.listdir(tied) if f.endswith(".safetensors") and f != common.NORMS_FILE]
+    assert shards and all(os.path.islink(os.path.join(tied, f)) for f in shards)
+    from safetensors.torch import load_file
+    n, t = load_file(os.path.join(normal, common.NORMS_FILE)), load_file(os.path.join(tied, common.NORMS_FILE))
+    assert sorted(t) == sorted(common.NORM_KEYS)
+    assert all(bool((t[k] == -1).all()) and not bool((n[k] == -1).all()) for k in t)
+    with open(os.path.join(normal, "model.safetensors.index.json")) as f:
+        wm = json.load(f)["weight_map"]
+    assert wm["model.norm.weight"] == common.NORMS_FILE and any(k.startswith("mtp.") for k in wm)
+
+
+def test_specfire_runner_then_table(pair, tmp_path, monkeypatch):
+    import run_specfire
+    ck, pf = pair
+    out = tmp_path / "sf.json"
+    run_main(run_specfire, ["--normal", ck["normal"], "--tied", ck["tied"], "--prompts", pf, "--tokens", "5",
+                            "--modes", "ar,mtp3", "--out", str(out)], monkeypatch)
+    sf = json.loads(out.read_text())
+    ar, mtp = sf["modes"]["ar"], sf["modes"]["mtp3"]
+    assert [len(x) for x in ar["token_ids"]] == [5, 5] and ar["tok_s"] > 0 and ar["ttft_s"] > 0
+    assert any(t != 0 for x in ar["token_ids"] for t in x)          # normal weights: logits do not tie
+    assert mtp["token_ids"] == [[0] * 5] * 2 and mtp["mean_accept_len"] > 3   # tied: every draft accepted
+    # the table: transformers' tokens as the reference, one prompt diverging at token 2
+    ref = [list(ar["token_ids"][0]), list(ar["token_ids"][1])]
+    ref[1][2] = ref[1][2] + 1
+    results = {"shapes": {"tiny": {"step_bytes": 4.17e9, "runners": {
+        "specfire": {**sf, "wanted": ["ar", "mtp3"]},
+        "transformers": {"version": "x", "wanted": ["eager"], "modes": {
+            "eager": {"tok_s": 2.0, "ttft_s": 0.5, "checkpoint": "normal", "token_ids": ref}}},
+        "exllamav3": {"wanted": ["ar"], "status_line": "needs CUDA", "modes": {}}}}}}
+    rows = {(r["engine"], r["mode"].split(",")[0]): r for r in table.rows(results)}
+    assert rows[("specfire", "AR")]["check"] == "5/5, 2/5"
+    assert rows[("specfire", "AR")]["bw"] == pytest.approx(ar["tok_s"] / 1000)
+    assert rows[("specfire", "MTP k=3")]["check"].startswith("n/a")
+    assert rows[("transformers", "generate")]["check"] == "reference"
+    assert rows[("exllamav3", "AR")]["reason"] == "needs CUDA"
+    md = table.markdown(results)
+    assert "| tiny | exllamav3 |" in md and "not run: needs CUDA" in md and "published, not measured" in md
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_exllamav3_runner_refuses_in_one_line_without_cuda(pair, tmp_path, monkeypatch, capsys):
+    import run_exllamav3
+    ck, pf = pair
+    out = tmp_path / "exl3.json"
+    with pytest.raises(SystemExit) as e:
+        run_main(run_exllamav3, ["--normal", ck["normal"], "--prompts", pf, "--out", str(out)], monkeypatch)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "needs CUDA" in err
+    assert "needs CUDA" in json.loads(out.read_text())["error"]
