@@ -167,6 +167,29 @@ def test_unlikelihood_losses_match_their_definitions():
     assert torch.allclose(sequence_unlikelihood(logits, ids, mask, alive), want, rtol=1e-5)
 
 
+def test_anchored_unlikelihood_is_unlikelihood_with_an_anchor():
+    """At the teacher's own distribution the anchored loss has the plain loss's gradient; elsewhere
+    its unmasked rows pull towards the teacher (the plain loss ignores them)."""
+    from specfire.train.unlikelihood import anchored_unlikelihood, sequence_unlikelihood
+
+    g = torch.Generator().manual_seed(4)
+    b, t, v = 2, 7, 13
+    seq = torch.randint(0, v, (b, t), generator=g)
+    teacher = torch.randn(b, t - 1, v, generator=g)
+    mask = torch.rand(b, t, generator=g) < 0.5
+    alive = torch.ones(b, t, dtype=torch.bool)
+    grads = []
+    for fn in (lambda x: anchored_unlikelihood(x, teacher, seq, mask, alive),
+               lambda x: sequence_unlikelihood(x, seq, mask, alive)):
+        x = teacher.clone().requires_grad_(True)
+        fn(x).backward()
+        grads.append(x.grad)
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+    x = (teacher + torch.randn(b, t - 1, v, generator=g)).requires_grad_(True)
+    anchored_unlikelihood(x, teacher, seq, torch.zeros_like(mask), alive).backward()
+    assert x.grad.abs().sum() > 0                                            # pulled back to the teacher
+
+
 def test_unlikelihood_phase_from_a_checkpoint(tiny_trained, tmp_path):
     """`init` + a UL phase: the checkpoint's tokenizer and shape are kept, snapshots are packed, the
     metrics hold the before/after evaluations and repetition logs, and greedy MTP == AR on it."""

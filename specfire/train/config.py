@@ -95,6 +95,8 @@ class TrainConfig:
     ul_probe_steps: int = 8
     ul_token_weight: float = 0.25       # token-level UL on corpus batches
     ul_seq_weight: float = 1.0          # sequence-level UL on the model's greedy continuations
+    ul_seq_anchor: bool = True          # anchored to the phase's starting model (unlikelihood.py); False:
+                                        #   the plain -log(1 - p) loss, which degenerated (MODEL_CARD.md)
     ul_ngram: int = 6                   # a continuation token inside a repeated n-gram is penalised (code
                                         #   BPE: 6 tokens ~ half a line; real code has 9% of tokens in repeated
                                         #   6-grams within 160 tokens, 15% in 4-grams)
@@ -105,7 +107,7 @@ class TrainConfig:
     ul_batch: int = 128                 # rollouts per step
     ul_data_batch: int = 64             # corpus windows per step
     ul_snapshots: int = 2               # interim exports (packed as ul-N.tar) at even fractions of the phase
-    ul_eval_prompts: int = 128          # held-out prompts for the repetition log
+    ul_eval_prompts: int = 128          # held-out prompts for the repetition log (0: no log)
     ul_eval_prompt_tokens: int = 24
 
     def __post_init__(self) -> None:
@@ -122,13 +124,13 @@ class TrainConfig:
             raise ValueError(f"train option corpus must be 'stdlib' or 'site', got {self.corpus!r}")
         if not 0.0 <= self.mtp_distill <= 1.0:
             raise ValueError(f"train option mtp_distill must be in [0, 1], got {self.mtp_distill}")
-        for name in ("ul_steps", "ul_warmup", "ul_snapshots"):
+        for name in ("ul_steps", "ul_warmup", "ul_snapshots", "ul_eval_prompts"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"train option {name} must be a non-negative integer, got {v!r}")
         if self.ul_steps:
             for name in ("ul_ngram", "ul_prompt_min", "ul_new_tokens", "ul_pool", "ul_batch", "ul_data_batch",
-                         "ul_eval_prompts", "ul_eval_prompt_tokens", "ul_probe_steps"):
+                         "ul_eval_prompt_tokens", "ul_probe_steps"):
                 v = getattr(self, name)
                 if not isinstance(v, int) or v <= 0:
                     raise ValueError(f"train option {name} must be a positive integer, got {v!r}")

@@ -9,6 +9,7 @@ prompts (the model card's line measure) is logged before, at each snapshot and a
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
@@ -92,8 +93,19 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, t
     gen = torch.Generator(device="cpu").manual_seed(tc.seed + 7)
     offs = torch.arange(tc.seq_len, device=dev)
     sampler = Prompts(tok, train_docs, tc.seed)
-    held_prompts = Prompts(tok, held_docs, tc.seed + 1).batch(tc.ul_eval_prompts, tc.ul_eval_prompt_tokens, dev)
-    rep_eval = lambda: repetition(trunk, tok, held_prompts, tc.ul_new_tokens, eos_ids, tc.ul_ngram, autocast)  # noqa: E731
+    held_prompts = (Prompts(tok, held_docs, tc.seed + 1).batch(tc.ul_eval_prompts, tc.ul_eval_prompt_tokens, dev)
+                    if tc.ul_eval_prompts else None)
+
+    def rep_eval() -> dict | None:
+        if held_prompts is None:
+            return None
+        return repetition(trunk, tok, held_prompts, tc.ul_new_tokens, eos_ids, tc.ul_ngram, False)
+
+    teacher = None
+    if tc.ul_seq_anchor:     # the phase's starting trunk, frozen: the anchor of the sequence-level loss
+        teacher = copy.deepcopy(trunk).eval()
+        for p in teacher.parameters():
+            p.requires_grad_(False)
     out = {"repetition_before": rep_eval(), "history": [], "snapshots": []}
     log("UL phase, held-out greedy repetition before: " + json.dumps(out["repetition_before"]))
     pool, used, p_len = None, 0, 0
@@ -112,7 +124,7 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, t
         if pool is None or used + tc.ul_batch > pool[0].shape[0]:
             p_len = random.Random(tc.seed * 1000 + step).randint(tc.ul_prompt_min, tc.ul_prompt_max)
             trunk.eval()
-            seq = greedy_rollout(trunk, sampler.batch(tc.ul_pool, p_len, dev), tc.ul_new_tokens, autocast)
+            seq = greedy_rollout(trunk, sampler.batch(tc.ul_pool, p_len, dev), tc.ul_new_tokens)
             trunk.train()
             pool = (seq, ul.ngram_repeat_mask(seq, p_len, tc.ul_ngram), ul.alive_mask(seq, p_len, eos_ids))
             used = 0
@@ -129,7 +141,12 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, t
             mls, _ = mtp_losses(trunk, head, ids, h, logits, tc.mtp_steps, tc.mtp_distill)
             tok_ul = ul.token_unlikelihood(logits[:, :-1], ids) if tc.ul_token_weight else lm.new_zeros(())
             rh, rlogits = trunk_forward(trunk, seq)
-            seq_ul = ul.sequence_unlikelihood(rlogits[:, :-1], seq, mask, alive)
+            if teacher is not None:
+                with torch.no_grad():
+                    _, tlogits = trunk_forward(teacher, seq)
+                seq_ul = ul.anchored_unlikelihood(rlogits[:, :-1], tlogits[:, :-1], seq, mask, alive)
+            else:
+                seq_ul = ul.sequence_unlikelihood(rlogits[:, :-1], seq, mask, alive)
             rmls, _ = mtp_losses(trunk, head, seq, rh, rlogits, tc.mtp_steps, 1.0)
             loss = (lm + tc.mtp_weight * (sum(mls) + sum(rmls)) + tc.ul_token_weight * tok_ul
                     + tc.ul_seq_weight * seq_ul)
@@ -138,7 +155,11 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, t
         gn = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
         opt.step()
         if step % 25 == 0 or step == sched - 1:
+            with torch.no_grad():     # the mean probability of the repeating tokens, which the loss pushes down
+                m = (mask & alive)[:, 1:]
+                p_rep = rlogits[:, :-1].float().softmax(-1).gather(-1, seq[:, 1:, None])[..., 0][m].mean()
             rec = {"step": step, "lr": lr, "loss": loss.item(), "lm": lm.item(), "token_ul": tok_ul.item(),
+                   "p_repeat": p_rep.item(),
                    "seq_ul": seq_ul.item(), "mtp": [m.item() for m in mls], "mtp_rollout": [m.item() for m in rmls],
                    "rollout_repeat_frac": float((mask & alive).sum() / alive.sum().clamp_min(1)),
                    "prompt_tokens": p_len, "grad_norm": gn.item(), "t": time.time() - t0}

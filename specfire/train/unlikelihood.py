@@ -64,6 +64,23 @@ def sequence_unlikelihood(logits: torch.Tensor, seq: torch.Tensor, mask: torch.T
     return -(one_minus.log() * m).sum() / alive[:, 1:].sum().clamp_min(1)
 
 
+def anchored_unlikelihood(logits: torch.Tensor, teacher_logits: torch.Tensor, seq: torch.Tensor,
+                          mask: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+    """Sequence-level unlikelihood anchored to a frozen teacher (the model before the phase):
+    cross-entropy to the teacher's distribution, from which each masked (repeating) token's
+    probability is removed and the rest renormalised; unmasked positions keep the teacher's.
+    At the teacher's own distribution its gradient is the plain loss's, -log(1 - p(token)); the
+    anchor keeps every other position where it was, which the plain loss does not (measured: it
+    drove the distributions on the model's own text towards uniform, see MODEL_CARD.md)."""
+    q = teacher_logits.float().softmax(-1)
+    q_rm = q.scatter(-1, seq[:, 1:, None], 0.0)
+    q_rm = q_rm / q_rm.sum(-1, keepdim=True).clamp_min(_EPS)
+    target = torch.where(mask[:, 1:, None], q_rm, q)
+    ce = -(target * logits.float().log_softmax(-1)).sum(-1)
+    a = alive[:, 1:]
+    return (ce * a).sum() / a.sum().clamp_min(1)
+
+
 def alive_mask(seq: torch.Tensor, start: int, eos_ids: tuple[int, ...]) -> torch.Tensor:
     """bool [B, L]: continuation positions up to and including the first end-of-text token."""
     cont = torch.zeros_like(seq, dtype=torch.bool)
