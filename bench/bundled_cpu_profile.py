@@ -1,6 +1,6 @@
 """Where a CPU decode step of the bundled model spends its time, and what the exactness layers cost.
 
-1. CPU time per token (process time, 1 thread, so other jobs on a shared machine matter less than
+1. CPU time per token (least process time over --reps rounds, variants interleaved; 1 thread, so other jobs on a shared machine matter less than
    for wall-clock rates) of greedy AR and MTP k=3 decoding, with the CPU invariance layers as they
    ship and with each switched off in this process: `lanes` (elementwise math padded to whole
    vectors, ops/lanes.py) and the canonical split-K of row-parallel projections (ops/splitk.py).
@@ -67,15 +67,20 @@ def main() -> int:
     torch.set_num_threads(1)
     llm = LLM(args.model, device="cpu", dtype="float32", progress=False)
     llm.generate(PROMPT, SamplingParams(max_tokens=8), spec="off")
-    rows = []
-    ref = None
-    for name in ("shipped", "no-lanes", "no-splitk", "no-lanes,no-splitk", "shipped"):
-        variant(name)
-        for mode, spec in (("ar", "off"), ("mtp3", SpecPolicy(mode="mtp", k=3))):
-            per, ids, acc = cpu_per_token(llm, spec, args.n, args.reps)
-            ref = ref or ids
-            rows.append({"variant": name, "mode": mode, "cpu_ms_per_token": per * 1e3, "tok_per_cpu_s": 1 / per,
-                         "mean_accept_len": acc, "same_as_shipped_ar": ids == ref})
+    names = ("shipped", "no-lanes", "no-splitk", "no-lanes,no-splitk")
+    modes = (("ar", "off"), ("mtp3", SpecPolicy(mode="mtp", k=3)))
+    best: dict[tuple[str, str], tuple[float, list[int], float]] = {}
+    for _ in range(args.reps):          # variants interleaved: load changes hit all of them alike
+        for name in names:
+            variant(name)
+            for mode, spec in modes:
+                per, ids, acc = cpu_per_token(llm, spec, args.n, 1)
+                if (name, mode) not in best or per < best[(name, mode)][0]:
+                    best[(name, mode)] = (per, ids, acc)
+    ref = best[("shipped", "ar")][1]
+    rows = [{"variant": name, "mode": mode, "cpu_ms_per_token": best[(name, mode)][0] * 1e3,
+             "tok_per_cpu_s": 1 / best[(name, mode)][0], "mean_accept_len": best[(name, mode)][2],
+             "same_as_shipped_ar": best[(name, mode)][1] == ref} for name in names for mode, _ in modes]
     variant("shipped")
     base = {r["mode"]: r["cpu_ms_per_token"] for r in rows[:2]}
     print(f"{'variant':<20} {'mode':<5} {'ms/token':>9} {'tok/CPU-s':>10} {'vs shipped':>10} {'accept':>7}  same tokens")

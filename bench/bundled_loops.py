@@ -9,6 +9,9 @@ the end-of-text token, as `specfire run` does, unless --ignore-eos); the figures
 - distinct 4-grams: distinct token 4-grams / all token 4-grams of the completion;
 - long lines only: the repeated share among lines of at least 8 non-blank characters (so `else:`,
   `pass`, `return`, closing quotes or `)` never count), beside the main figure.
+A low figure alone does not mean good code: a model that ends the text at once, or writes long
+lines of junk, repeats nothing (measured on a degenerate fine-tune, MODEL_CARD.md), so the lines
+written, the prompts with no complete line and those ended early are printed beside it.
 `--natural N` applies the same measure to real code instead of the model's completions: N
 definitions (`def` / `class` lines) of the held-out packages and stdlib modules, each followed by
 the next --max-tokens tokens of its file (what repetition real code has: the measure's floor).
@@ -142,12 +145,15 @@ def main() -> int:
                "repeated_line_frac_with_prompt": tot["rep_all"] / max(1, tot["lines"]),
                "repeated_long_line_frac": tot["rep_long"] / max(1, tot["long"]),
                "distinct_4gram_frac": tot["g_distinct"] / max(1, tot["g_all"]), "lines": tot["lines"],
-               "long_lines": tot["long"]}
+               "long_lines": tot["long"], "prompts_without_a_line": sum(r["lines"] == 0 for r in rows),
+               "stopped_early": sum(r["finish"] == "stop" for r in rows)}
     what = f"{len(samples)} real held-out definitions" if args.natural else f"{len(PROMPTS)} completions"
     print(f"\nrepeated lines {100 * summary['repeated_line_frac']:.1f}% (counting prompt lines "
           f"{100 * summary['repeated_line_frac_with_prompt']:.1f}%; lines of >= 8 characters only "
           f"{100 * summary['repeated_long_line_frac']:.1f}% of {tot['long']}), distinct 4-grams "
-          f"{100 * summary['distinct_4gram_frac']:.1f}%, over {tot['lines']} lines of {what}")
+          f"{100 * summary['distinct_4gram_frac']:.1f}%, over {tot['lines']} lines of {what}; "
+          f"{summary['prompts_without_a_line']} wrote no complete line, {summary['stopped_early']} ended "
+          f"(end-of-text) before --max-tokens")
     for smp in samples[:args.show]:
         print("\n" + "-" * 60 + "\n" + smp["prompt"] + "\u2502" + smp["text"])
     print(json.dumps({"bench": "bundled_loops", "model": args.model or "bundled", "natural": args.natural,
