@@ -7,6 +7,9 @@
 #   3. bench/bundled_cpu.py: `specfire run` decode speed on this host's CPU, pinned to 2 cores
 #      (2 threads, AR) and to 1 core (1 thread: AR, MTP k=3, auto), new model then the shipped one.
 # Everything printed goes to $OUT/log.txt. DRY=1 runs the same steps tiny on the CPU (a smoke test).
+# Run once, at commit 2883089 (253.5 s on an H200), when the sequence-level loss was the plain
+# -log(1 - p) one: the result degenerated (MODEL_CARD.md). The trainer now defaults to the anchored
+# loss (ul_seq_anchor), which this script would use as it stands; that has not been run on a GPU.
 #   OUT=/tmp/out OLD1=old1 bash bench/bundled_ul_gpu.sh
 set -u
 cd "$(dirname "$0")/.."

@@ -5,6 +5,8 @@ are deterministic functions of the interpreter's standard library. Loss = trunk 
 x (sum over MTP steps of the step's loss), where a step's loss mixes cross-entropy on the true
 token p+2 with cross-entropy against the trunk's own (detached) distribution for that token
 (`mtp_distill`): acceptance is agreement with the trunk, so the trunk is the better teacher.
+An optional unlikelihood phase against repetition follows pretraining, or runs alone from an
+`init` checkpoint (finetune.py).
 """
 from __future__ import annotations
 
