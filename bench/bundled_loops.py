@@ -6,9 +6,18 @@ the end-of-text token, as `specfire run` does, unless --ignore-eos); the figures
 - repeated lines: the share of the completion's complete, non-blank lines whose stripped text
   equals an earlier non-blank line of the completion (the loop symptom); `with prompt` also counts
   a repeat of a prompt line;
-- distinct 4-grams: distinct token 4-grams / all token 4-grams of the completion.
+- distinct 4-grams: distinct token 4-grams / all token 4-grams of the completion;
+- long lines only: the repeated share among lines of at least 8 non-blank characters (so `else:`,
+  `pass`, `return`, closing quotes or `)` never count), beside the main figure.
+A low figure alone does not mean good code: a model that ends the text at once, or writes long
+lines of junk, repeats nothing (measured on a degenerate fine-tune, MODEL_CARD.md), so the lines
+written, the prompts with no complete line and those ended early are printed beside it.
+`--natural N` applies the same measure to real code instead of the model's completions: N
+definitions (`def` / `class` lines) of the held-out packages and stdlib modules, each followed by
+the next --max-tokens tokens of its file (what repetition real code has: the measure's floor).
 
     PYTHONPATH=. python bench/bundled_loops.py [--model DIR] [--max-tokens 160] [--show 3] [--temperature T]
+    PYTHONPATH=. python bench/bundled_loops.py --natural 400
 Prints a per-prompt table, sample completions, and one JSON line last.
 """
 from __future__ import annotations
@@ -24,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from specfire.api import LLM                         # noqa: E402
 from specfire.config import SamplingParams           # noqa: E402
+from specfire.train.unlikelihood import line_stats   # noqa: E402  (the measure)
 
 PROMPTS = (
     'def moving_average(values, window):\n    """Return the moving averages of `values` over `window` items."""\n',
@@ -41,30 +51,57 @@ PROMPTS = (
 )
 
 
-def line_stats(prompt: str, text: str, cut: bool = True) -> tuple[int, int, int]:
-    """(complete non-blank lines, repeats of an earlier completion line, repeats of an earlier
-    prompt-or-completion line). `cut`: the text ended at the token limit, so its last piece is a
-    partial line and does not count."""
-    lines = text.split("\n")
-    if cut:
-        lines = lines[:-1]
-    seen, seen_all = set(), {ln.strip() for ln in prompt.split("\n") if ln.strip()}
-    n = rep = rep_all = 0
-    for ln in lines:
-        s = ln.strip()
-        if not s:
-            continue
-        n += 1
-        rep += s in seen
-        rep_all += s in seen_all
-        seen.add(s)
-        seen_all.add(s)
-    return n, rep, rep_all
-
-
 def distinct_4grams(ids: list[int]) -> tuple[int, int]:
     grams = [tuple(ids[i:i + 4]) for i in range(len(ids) - 3)]
     return len(set(grams)), len(grams)
+
+
+def long_line_stats(text: str, cut: bool, min_chars: int = 8) -> tuple[int, int]:
+    """(complete lines of >= min_chars non-blank characters, those repeating an earlier such line)."""
+    lines = text.split("\n")[:-1] if cut else text.split("\n")
+    seen: set[str] = set()
+    n = rep = 0
+    for ln in lines:
+        s = ln.strip()
+        if len(s) < min_chars:
+            continue
+        n += 1
+        rep += s in seen
+        seen.add(s)
+    return n, rep
+
+
+def model_samples(args) -> list[dict]:
+    llm = LLM(args.model, device="cpu", dtype="float32", progress=False)
+    out = []
+    for i, p in enumerate(PROMPTS):
+        sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed + i, ignore_eos=args.ignore_eos)
+        r = llm.generate(p, sp, spec="off")
+        out.append({"prompt": p, "text": r.text, "ids": r.token_ids, "finish": r.finish_reason})
+    llm.close()
+    return out
+
+
+def natural_samples(args) -> list[dict]:
+    """Real code: held-out definitions, each followed by the next max_tokens tokens of its file."""
+    import random
+
+    from tokenizers import Tokenizer
+
+    from specfire.api import BUNDLED_MODEL
+    from specfire.train.corpus import held_out_sources
+    from specfire.train.unlikelihood import definition_starts
+
+    tok = Tokenizer.from_file(os.path.join(args.model or BUNDLED_MODEL, "tokenizer.json"))
+    src = held_out_sources()
+    starts = definition_starts(src["packages"] + src["stdlib"])
+    random.Random(args.seed).shuffle(starts)
+    out = []
+    for text, a, b in starts[:args.natural]:
+        ids = tok.encode(text[b:b + 40 * args.max_tokens], add_special_tokens=False).ids[:args.max_tokens]
+        out.append({"prompt": text[a:b], "text": tok.decode(ids), "ids": ids, "finish": "length"})
+    return out
 
 
 def main() -> int:
@@ -79,38 +116,51 @@ def main() -> int:
     ap.add_argument("--ignore-eos", action="store_true",
                     help="write all --max-tokens tokens even past the end-of-text token (default: stop there, "
                          "as `specfire run` does)")
+    ap.add_argument("--natural", type=int, default=0,
+                    help="measure N real held-out definitions + their next tokens instead of the model (0: off)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model, device="cpu", dtype="float32", progress=False)
+    samples = natural_samples(args) if args.natural else model_samples(args)
     rows = []
-    tot = {"lines": 0, "rep": 0, "rep_all": 0, "g_distinct": 0, "g_all": 0}
-    for i, p in enumerate(PROMPTS):
-        sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.seed + i, ignore_eos=args.ignore_eos)
-        r = llm.generate(p, sp, spec="off")
-        n, rep, rep_all = line_stats(p, r.text, cut=r.finish_reason == "length")
-        gd, ga = distinct_4grams(r.token_ids)
-        for k, v in zip(tot, (n, rep, rep_all, gd, ga)):
+    tot = {"lines": 0, "rep": 0, "rep_all": 0, "g_distinct": 0, "g_all": 0, "long": 0, "rep_long": 0}
+    for smp in samples:
+        cut = smp["finish"] == "length"
+        n, rep, rep_all = line_stats(smp["prompt"], smp["text"], cut=cut)
+        gd, ga = distinct_4grams(smp["ids"])
+        nl, rl = long_line_stats(smp["text"], cut)
+        for k, v in zip(tot, (n, rep, rep_all, gd, ga, nl, rl)):
             tot[k] += v
-        rows.append({"prompt": p.split("\n")[0], "lines": n, "repeated": rep, "repeated_with_prompt": rep_all,
-                     "distinct_4grams": gd / max(1, ga), "tokens": len(r.token_ids),
-                     "finish": r.finish_reason, "text": r.text})
-    llm.close()
-    print(f"{'prompt':<44} {'tokens':>6} {'finish':>6} {'lines':>5} {'rep':>4} {'rep+p':>5} {'4gram':>6}")
-    for r in rows:
-        print(f"{r['prompt'][:44]:<44} {r['tokens']:>6} {r['finish']:>6} {r['lines']:>5} {r['repeated']:>4} "
-              f"{r['repeated_with_prompt']:>5} {r['distinct_4grams']:>6.2f}")
+        rows.append({"prompt": smp["prompt"].split("\n")[0].strip(), "lines": n, "repeated": rep,
+                     "repeated_with_prompt": rep_all, "long_lines": nl, "long_repeated": rl,
+                     "distinct_4grams": gd / max(1, ga), "tokens": len(smp["ids"]), "finish": smp["finish"],
+                     "text": smp["text"]})
+    if not args.natural:
+        print(f"{'prompt':<44} {'tokens':>6} {'finish':>6} {'lines':>5} {'rep':>4} {'rep+p':>5} {'long':>4} "
+              f"{'rep':>4} {'4gram':>6}")
+        for r in rows:
+            print(f"{r['prompt'][:44]:<44} {r['tokens']:>6} {r['finish']:>6} {r['lines']:>5} {r['repeated']:>4} "
+                  f"{r['repeated_with_prompt']:>5} {r['long_lines']:>4} {r['long_repeated']:>4} "
+                  f"{r['distinct_4grams']:>6.2f}")
     summary = {"repeated_line_frac": tot["rep"] / max(1, tot["lines"]),
                "repeated_line_frac_with_prompt": tot["rep_all"] / max(1, tot["lines"]),
-               "distinct_4gram_frac": tot["g_distinct"] / max(1, tot["g_all"]), "lines": tot["lines"]}
+               "repeated_long_line_frac": tot["rep_long"] / max(1, tot["long"]),
+               "distinct_4gram_frac": tot["g_distinct"] / max(1, tot["g_all"]), "lines": tot["lines"],
+               "long_lines": tot["long"], "prompts_without_a_line": sum(r["lines"] == 0 for r in rows),
+               "stopped_early": sum(r["finish"] == "stop" for r in rows)}
+    what = f"{len(samples)} real held-out definitions" if args.natural else f"{len(PROMPTS)} completions"
     print(f"\nrepeated lines {100 * summary['repeated_line_frac']:.1f}% (counting prompt lines "
-          f"{100 * summary['repeated_line_frac_with_prompt']:.1f}%), distinct 4-grams "
-          f"{100 * summary['distinct_4gram_frac']:.1f}%, over {tot['lines']} lines of {len(PROMPTS)} completions")
-    for r in rows[:args.show]:
-        print("\n" + "-" * 60 + "\n" + PROMPTS[rows.index(r)] + "\u2502" + r["text"])
-    print(json.dumps({"bench": "bundled_loops", "model": args.model or "bundled", "max_tokens": args.max_tokens,
-                      "temperature": args.temperature, "top_p": args.top_p, "ignore_eos": args.ignore_eos, "prompts": len(PROMPTS), **summary,
-                      "per_prompt": [{k: v for k, v in r.items() if k != "text"} for r in rows]}))
+          f"{100 * summary['repeated_line_frac_with_prompt']:.1f}%; lines of >= 8 characters only "
+          f"{100 * summary['repeated_long_line_frac']:.1f}% of {tot['long']}), distinct 4-grams "
+          f"{100 * summary['distinct_4gram_frac']:.1f}%, over {tot['lines']} lines of {what}; "
+          f"{summary['prompts_without_a_line']} wrote no complete line, {summary['stopped_early']} ended "
+          f"(end-of-text) before --max-tokens")
+    for smp in samples[:args.show]:
+        print("\n" + "-" * 60 + "\n" + smp["prompt"] + "\u2502" + smp["text"])
+    print(json.dumps({"bench": "bundled_loops", "model": args.model or "bundled", "natural": args.natural,
+                      "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+                      "ignore_eos": args.ignore_eos, "prompts": len(samples), **summary,
+                      "per_prompt": [] if args.natural else [{k: v for k, v in r.items() if k != "text"}
+                                                            for r in rows]}))
     return 0
 
 

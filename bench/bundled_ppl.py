@@ -25,18 +25,17 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from specfire.api import BUNDLED_MODEL, load_local      # noqa: E402
-from specfire.config import ModelConfig                  # noqa: E402
+from specfire.api import BUNDLED_MODEL                   # noqa: E402
 from specfire.train import model as tm                   # noqa: E402
 from specfire.train.corpus import held_out_sources       # noqa: E402
 from specfire.train.evaluate import evaluate, windows    # noqa: E402
+from specfire.train.export import load_checkpoint        # noqa: E402
 
 
 def load(path: str, device: torch.device):
     from tokenizers import Tokenizer
 
-    cfg = ModelConfig.from_dir(path)
-    trunk, head = load_local(path, cfg, torch.float32, device, "must", progress=False)
+    _, trunk, head = load_checkpoint(path, device)
     tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
     eot = tok.token_to_id("<|endoftext|>")
     return trunk.eval(), head.eval(), tok, eot

@@ -68,11 +68,17 @@ def test_corpus_holds_out_the_documented_modules():
     assert not any(r.endswith(("test_json/__init__.py", "test_csv.py", "test_argparse.py")) for r in train)
 
 
-def test_tiny_recipe_end_to_end(tmp_path):
-    out = str(tmp_path / "ckpt")
+@pytest.fixture(scope="module")
+def tiny_trained(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("tiny-recipe") / "ckpt")
     kw = dict(PRESETS["tiny"])
     kw.update(steps=3, max_files=25, eval_windows=2, seq_len=64)
     m = run(TrainConfig(out=out, device="cpu", **kw), log=lambda *_: None)
+    return out, kw, m
+
+
+def test_tiny_recipe_end_to_end(tiny_trained):
+    out, kw, m = tiny_trained
     assert m["steps_done"] == 3
     with open(os.path.join(out, "config.json")) as f:
         cfg = json.load(f)
@@ -108,6 +114,121 @@ def test_tiny_recipe_end_to_end(tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     assert ((ref - ours).abs().max() / ref.abs().max()).item() < 1e-4
+
+
+# ---- unlikelihood training: rollouts, losses, the fine-tune phase ---------------------------------
+
+def test_rollout_steps_match_the_batched_forward(tiny_llm):
+    """The rollout's one-token steps with recurrent state give the batched forward's logits, and a
+    greedy rollout is the argmax of the forward over its own output."""
+    from specfire.train.rollout import _State, greedy_rollout, step_logits
+
+    trunk = tiny_llm.engine.trunk.model
+    ids = torch.randint(0, trunk.cfg.vocab_size, (3, 71), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = tm.lm_logits(trunk, tm.trunk_hidden(trunk, ids))
+        st = _State(trunk, 3, 71, ids.device)
+        got = torch.stack([step_logits(trunk, ids[:, p], p, st) for p in range(71)], 1)
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-4
+    seq = greedy_rollout(trunk, ids[:, :9], 20)
+    assert torch.equal(seq[:, :9], ids[:, :9]) and seq.shape == (3, 29)
+    with torch.no_grad():
+        again = tm.lm_logits(trunk, tm.trunk_hidden(trunk, seq))
+    assert torch.equal(again[:, 8:-1].argmax(-1), seq[:, 9:])
+
+
+def test_ngram_repeat_mask_and_alive_mask():
+    from specfire.train.unlikelihood import alive_mask, ngram_repeat_mask
+
+    s = torch.tensor([[1, 2, 3, 4, 5, 1, 2, 3, 4, 9, 9, 9, 9, 9, 9]])
+    assert ngram_repeat_mask(s, 0, 4)[0].int().tolist() == [0, 0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1]
+    # from position 6 on; the prompt's n-grams count unless with_prompt=False
+    assert ngram_repeat_mask(s, 6, 3)[0].int().tolist() == [0] * 6 + [1, 1, 1, 0, 1, 1, 1, 1, 1]
+    assert ngram_repeat_mask(s, 6, 3, with_prompt=False)[0].int().tolist() == [0] * 10 + [1] * 5
+    assert alive_mask(torch.tensor([[5, 5, 1, 2, 0, 3, 0]]), 2, (0,))[0].int().tolist() == [0, 0, 1, 1, 1, 0, 0]
+
+
+def test_unlikelihood_losses_match_their_definitions():
+    from specfire.train.unlikelihood import sequence_unlikelihood, token_unlikelihood
+
+    g = torch.Generator().manual_seed(3)
+    b, t, v = 2, 9, 11
+    ids = torch.randint(0, v, (b, t), generator=g)
+    logits = torch.randn(b, t - 1, v, generator=g)
+    p = logits.softmax(-1)
+    want = sum(-torch.log(1 - p[i, j, c]) for i in range(b) for j in range(t - 1)
+               for c in set(ids[i, :j + 1].tolist()) - {ids[i, j + 1].item()}) / (b * (t - 1))
+    assert torch.allclose(token_unlikelihood(logits, ids), want, rtol=1e-5)
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    mask[0, 4] = mask[1, 7] = True
+    alive = torch.ones(b, t, dtype=torch.bool)
+    alive[:, :3] = False
+    want = (-torch.log(1 - p[0, 3, ids[0, 4]]) - torch.log(1 - p[1, 6, ids[1, 7]])) / (2 * (t - 3))
+    assert torch.allclose(sequence_unlikelihood(logits, ids, mask, alive), want, rtol=1e-5)
+
+
+def test_anchored_unlikelihood_is_unlikelihood_with_an_anchor():
+    """At the teacher's own distribution the anchored loss has the plain loss's gradient; elsewhere
+    its unmasked rows pull towards the teacher (the plain loss ignores them)."""
+    from specfire.train.unlikelihood import anchored_unlikelihood, sequence_unlikelihood
+
+    g = torch.Generator().manual_seed(4)
+    b, t, v = 2, 7, 13
+    seq = torch.randint(0, v, (b, t), generator=g)
+    teacher = torch.randn(b, t - 1, v, generator=g)
+    mask = torch.rand(b, t, generator=g) < 0.5
+    alive = torch.ones(b, t, dtype=torch.bool)
+    grads = []
+    for fn in (lambda x: anchored_unlikelihood(x, teacher, seq, mask, alive),
+               lambda x: sequence_unlikelihood(x, seq, mask, alive)):
+        x = teacher.clone().requires_grad_(True)
+        fn(x).backward()
+        grads.append(x.grad)
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+    x = (teacher + torch.randn(b, t - 1, v, generator=g)).requires_grad_(True)
+    anchored_unlikelihood(x, teacher, seq, torch.zeros_like(mask), alive).backward()
+    assert x.grad.abs().sum() > 0                                            # pulled back to the teacher
+
+
+def test_unlikelihood_phase_from_a_checkpoint(tiny_trained, tmp_path):
+    """`init` + a UL phase: the checkpoint's tokenizer and shape are kept, snapshots are packed, the
+    metrics hold the before/after evaluations and repetition logs, and greedy MTP == AR on it."""
+    src, kw, _ = tiny_trained
+    kw = dict(kw, ul_steps=3, ul_pool=4, ul_batch=2, ul_data_batch=2, ul_new_tokens=16, ul_prompt_min=6,
+              ul_prompt_max=8, ul_eval_prompts=2, ul_eval_prompt_tokens=6, ul_snapshots=1, ul_probe_steps=1,
+              hidden_size=32)                                             # the checkpoint's shape wins
+    out = str(tmp_path / "ul")
+    m = run(TrainConfig(out=out, device="cpu", init=src, pack_dir=str(tmp_path / "pack"), **kw),
+            log=lambda *_: None)
+    assert m["train_config"]["hidden_size"] == 64 and m["ul"]["steps_done"] == 3
+    assert {"held_out", "before_ul", "ul"} <= set(m) and "held_out" in m["before_ul"]
+    assert set(m["ul"]["repetition_before"]) >= {"repeated_line_frac", "distinct_4gram_frac", "lines"}
+    assert [s["step"] for s in m["ul"]["snapshots"]] == [2]
+    assert sorted(os.listdir(tmp_path / "pack")) == ["model.tar.part00", "ul-1.tar.part00"]
+    with open(os.path.join(src, "tokenizer.json")) as a, open(os.path.join(out, "tokenizer.json")) as b:
+        assert a.read() == b.read()
+    with LLM(out, device="cpu", progress=False) as llm:
+        sp = SamplingParams(max_tokens=10, ignore_eos=True)
+        assert (llm.generate("def f(x):", sp, spec="off").token_ids
+                == llm.generate("def f(x):", sp, spec={"mode": "mtp", "k": 3}).token_ids)
+
+
+def test_train_cli_rejects_bad_init(tmp_path):
+    import argparse
+
+    from specfire.train.cli import add_arguments, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    with pytest.raises(ValueError, match="not a checkpoint directory"):
+        config_from_args(p.parse_args(["--out", str(tmp_path), "--init", str(tmp_path), "--device", "cpu"]))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="unlikelihood phase"):
+        config_from_args(p.parse_args(["--out", str(tmp_path), "--init", str(tmp_path), "--device", "cpu",
+                                       "--preset", "bundled"]))
+    tc = config_from_args(p.parse_args(["--out", str(tmp_path), "--init", str(tmp_path), "--device", "cpu",
+                                        "--preset", "bundled-ul", "--ul-time-s", "30"]))
+    assert tc.init == str(tmp_path) and tc.ul_steps > 0 and tc.ul_time_s == 30.0
 
 
 # ---- the site corpus: licences, deduplication, held-out packages, transfer packing ---------------

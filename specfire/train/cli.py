@@ -3,16 +3,20 @@ the full preset; `--preset tiny --device cpu` runs the whole pipeline in seconds
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import fields
 
-from .train import PRESETS, TrainConfig
+from .config import PRESETS, TrainConfig
 
 _OVERRIDABLE = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
                 "linear_head_dim", "steps", "batch_size", "seq_len", "lr", "min_lr_frac", "warmup",
                 "weight_decay", "mtp_steps", "mtp_weight", "mtp_distill", "seed", "eval_windows",
                 "time_limit_s", "stop_after_steps", "max_files", "deadline_s", "reserve_s", "probe_steps",
-                "checkpoint_every_s", "tokenizer_sample_bytes", "max_train_bytes")
+                "checkpoint_every_s", "tokenizer_sample_bytes", "max_train_bytes",
+                "ul_steps", "ul_time_s", "ul_lr", "ul_warmup", "ul_token_weight", "ul_seq_weight", "ul_ngram",
+                "ul_prompt_min", "ul_prompt_max", "ul_new_tokens", "ul_pool", "ul_batch", "ul_data_batch",
+                "ul_snapshots", "ul_eval_prompts")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "of site-packages (default: the preset's)")
     p.add_argument("--held-out-packages", default=None,
                    help="comma-separated distributions held out of a site corpus (default: corpus.HELD_OUT_PACKAGES)")
+    p.add_argument("--init", default=None, metavar="DIR",
+                   help="start from this checkpoint (its weights and tokenizer) and run only the unlikelihood "
+                        "phase (preset bundled-ul; e.g. --init specfire/bundled)")
     p.add_argument("--pack-dir", default=None,
                    help="also write every exported checkpoint here as model.tar.partNN pieces of 15 MB")
     types = {f.name: f.type for f in fields(TrainConfig)}
@@ -48,6 +55,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         kw["corpus"] = args.corpus
     if args.held_out_packages is not None:
         kw["held_out_packages"] = tuple(x.strip() for x in args.held_out_packages.split(",") if x.strip())
+    if args.init is not None:
+        if not os.path.isfile(os.path.join(args.init, "config.json")):
+            raise ValueError(f"--init {args.init!r} is not a checkpoint directory (no config.json)")
+        if not kw.get("ul_steps"):
+            raise ValueError(f"--init needs a preset with an unlikelihood phase (bundled-ul) or --ul-steps N; "
+                             f"preset {args.preset!r} has none")
+        kw["init"] = args.init
     dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dev.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {dev} requested but CUDA is not available")

@@ -1,4 +1,5 @@
-"""Write a trained trunk + MTP head as an HF-layout Qwen3.5 text checkpoint.
+"""Write a trained trunk + MTP head as an HF-layout Qwen3.5 text checkpoint (and read one back for
+further training or evaluation: `load_checkpoint`).
 
 config.json (qwen3_5_text, mtp_num_hidden_layers=1), model.safetensors with the trunk under
 `model.` and the head under `mtp.` (sharded with model.safetensors.index.json when larger than
@@ -75,6 +76,21 @@ def export_checkpoint(trunk: Qwen35Trunk, head: MtpHead, out_dir: str, eos_ids: 
         json.dump({"eos_token_id": list(eos_ids), "pad_token_id": eos_ids[0] if eos_ids else None,
                    "do_sample": False}, f, indent=2)
     return written + ["config.json", "generation_config.json"]
+
+
+def load_checkpoint(path: str, device: torch.device | str, trainable: bool = False):
+    """(ModelConfig, trunk, MTP head) of a checkpoint in float32, through the inference loader."""
+    from ..model import loader
+
+    device = torch.device(device)
+    src = loader.open_checkpoint(path)
+    cfg = loader.follow_tied(src, ModelConfig.from_dir(path))
+    trunk = loader.load_trunk(src, cfg, dtype=torch.float32, device=device)
+    head = loader.load_mtp_head(path, src, cfg, torch.float32, device, "must")
+    for m in (trunk, head):
+        for p in m.parameters():
+            p.requires_grad_(trainable)
+    return cfg, trunk, head
 
 
 def _interval(cfg: ModelConfig) -> int:

@@ -1,0 +1,179 @@
+"""The unlikelihood fine-tune phase: likelihood + MTP on corpus batches, token-level unlikelihood on
+the same batches, sequence-level unlikelihood on the model's own greedy continuations of prompts cut
+at `def` / `class` lines of the corpus, and the MTP head distilled on those continuations too (it
+must keep agreeing with the trunk on exactly the text greedy decoding now writes).
+
+Continuations come from pools of `ul_pool` rollouts regenerated whenever the steps have used a
+pool up, so the penalised repeats are always the current model's. Greedy repetition on held-out
+prompts (the model card's line measure) is logged before, at each snapshot and after.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+import time
+
+import torch
+import torch.nn.functional as F
+
+from . import unlikelihood as ul
+from .rollout import greedy_rollout
+
+
+class Prompts:
+    """Token prompts cut at the start of `def` / `class` lines of some documents."""
+
+    def __init__(self, tok, docs: list[tuple[str, str]], seed: int, limit: int = 40000, chars: int = 600):
+        starts = ul.definition_starts(docs)
+        rng = random.Random(seed)
+        rng.shuffle(starts)
+        self.snippets = [text[a:a + chars] for text, a, _ in starts[:limit]]
+        self.tok, self.rng = tok, rng
+
+    def batch(self, n: int, length: int, device) -> torch.Tensor:
+        """[n, length] prompts of exactly `length` tokens (snippets too short are skipped)."""
+        rows: list[list[int]] = []
+        while len(rows) < n:
+            pick = [self.snippets[self.rng.randrange(len(self.snippets))] for _ in range(2 * (n - len(rows)))]
+            for enc in self.tok.encode_batch(pick, add_special_tokens=False):
+                if len(enc.ids) >= length and len(rows) < n:
+                    rows.append(enc.ids[:length])
+        return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+@torch.no_grad()
+def repetition(trunk, tok, prompts: torch.Tensor, new_tokens: int, eos_ids: tuple[int, ...], ngram: int,
+               autocast: bool) -> dict:
+    """Greedy continuations of `prompts`: the repeated-line share (ul.line_stats, the model card's
+    measure, stopping at end-of-text), distinct 4-grams and the share of tokens in a repeated n-gram."""
+    was = trunk.training
+    trunk.eval()
+    seq = greedy_rollout(trunk, prompts, new_tokens, autocast)
+    trunk.train(was)
+    p = prompts.shape[1]
+    alive = ul.alive_mask(seq, p, eos_ids)
+    mask = ul.ngram_repeat_mask(seq, p, ngram)
+    lines = rep = rep_all = g_distinct = g_all = 0
+    for i in range(seq.shape[0]):
+        cont = seq[i, p:][alive[i, p:]].tolist()
+        ended = bool(cont) and cont[-1] in eos_ids
+        if ended:
+            cont = cont[:-1]
+        n, r, ra = ul.line_stats(tok.decode(seq[i, :p].tolist()), tok.decode(cont), cut=not ended)
+        lines, rep, rep_all = lines + n, rep + r, rep_all + ra
+        grams = {tuple(cont[j:j + 4]) for j in range(len(cont) - 3)}
+        g_distinct, g_all = g_distinct + len(grams), g_all + max(0, len(cont) - 3)
+    return {"repeated_line_frac": rep / max(1, lines), "repeated_line_frac_with_prompt": rep_all / max(1, lines),
+            "distinct_4gram_frac": g_distinct / max(1, g_all),
+            f"repeated_{ngram}gram_token_frac": float((mask & alive).sum() / alive.sum().clamp_min(1)),
+            "lines": lines, "prompts": int(seq.shape[0])}
+
+
+def _lr(step: int, sched: int, tc) -> float:
+    if step < tc.ul_warmup:
+        return tc.ul_lr * (step + 1) / tc.ul_warmup
+    frac = min(1.0, (step - tc.ul_warmup) / max(1, sched - tc.ul_warmup))
+    return tc.ul_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, tok, eos_ids: tuple[int, ...],
+              limit_s: float, save, log) -> dict:
+    """Fine-tune in place for `tc.ul_steps` steps or `limit_s` seconds (schedule fitted after a
+    probe); `save(tag, pack_name)` exports a snapshot. Returns the phase's metrics."""
+    from .train import mtp_losses, trunk_forward
+
+    dev = train_ids.device
+    autocast = dev.type == "cuda"
+    params = [p for m in (trunk, head) for p in m.parameters()]
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=tc.ul_lr, betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda")
+    gen = torch.Generator(device="cpu").manual_seed(tc.seed + 7)
+    offs = torch.arange(tc.seq_len, device=dev)
+    sampler = Prompts(tok, train_docs, tc.seed)
+    held_prompts = (Prompts(tok, held_docs, tc.seed + 1).batch(tc.ul_eval_prompts, tc.ul_eval_prompt_tokens, dev)
+                    if tc.ul_eval_prompts else None)
+
+    def rep_eval() -> dict | None:
+        if held_prompts is None:
+            return None
+        return repetition(trunk, tok, held_prompts, tc.ul_new_tokens, eos_ids, tc.ul_ngram, False)
+
+    teacher = None
+    if tc.ul_seq_anchor:     # the phase's starting trunk, frozen: the anchor of the sequence-level loss
+        teacher = copy.deepcopy(trunk).eval()
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+    out = {"repetition_before": rep_eval(), "history": [], "snapshots": []}
+    log("UL phase, held-out greedy repetition before: " + json.dumps(out["repetition_before"]))
+    pool, used, p_len = None, 0, 0
+    t0 = time.time()
+    sched, t_probe, history = tc.ul_steps, 0.0, out["history"]
+    marks = [max(1, round(sched * (i + 1) / (tc.ul_snapshots + 1))) for i in range(tc.ul_snapshots)]
+    step = 0
+    for step in range(tc.ul_steps):
+        if limit_s and step == 3:
+            t_probe = time.time()
+        if limit_s and step == 3 + tc.ul_probe_steps:
+            per = (time.time() - t_probe) / tc.ul_probe_steps
+            sched = min(tc.ul_steps, step + int((limit_s - (time.time() - t0)) / per))
+            marks = [max(step + 1, round(sched * (i + 1) / (tc.ul_snapshots + 1))) for i in range(tc.ul_snapshots)]
+            log(f"UL: {per * 1e3:.0f} ms/step: schedule fitted to {sched} steps for {limit_s:.0f}s")
+        if pool is None or used + tc.ul_batch > pool[0].shape[0]:
+            p_len = random.Random(tc.seed * 1000 + step).randint(tc.ul_prompt_min, tc.ul_prompt_max)
+            trunk.eval()
+            seq = greedy_rollout(trunk, sampler.batch(tc.ul_pool, p_len, dev), tc.ul_new_tokens)
+            trunk.train()
+            pool = (seq, ul.ngram_repeat_mask(seq, p_len, tc.ul_ngram), ul.alive_mask(seq, p_len, eos_ids))
+            used = 0
+        seq, mask, alive = (x[used:used + tc.ul_batch] for x in pool)
+        used += tc.ul_batch
+        lr = _lr(step, sched, tc)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        starts = torch.randint(0, train_ids.numel() - tc.seq_len, (tc.ul_data_batch,), generator=gen).to(dev)
+        ids = train_ids[starts[:, None] + offs]
+        with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=autocast):
+            h, logits = trunk_forward(trunk, ids)
+            lm = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+            mls, _ = mtp_losses(trunk, head, ids, h, logits, tc.mtp_steps, tc.mtp_distill)
+            tok_ul = ul.token_unlikelihood(logits[:, :-1], ids) if tc.ul_token_weight else lm.new_zeros(())
+            rh, rlogits = trunk_forward(trunk, seq)
+            if teacher is not None:
+                with torch.no_grad():
+                    _, tlogits = trunk_forward(teacher, seq)
+                seq_ul = ul.anchored_unlikelihood(rlogits[:, :-1], tlogits[:, :-1], seq, mask, alive)
+            else:
+                seq_ul = ul.sequence_unlikelihood(rlogits[:, :-1], seq, mask, alive)
+            rmls, _ = mtp_losses(trunk, head, seq, rh, rlogits, tc.mtp_steps, 1.0)
+            loss = (lm + tc.mtp_weight * (sum(mls) + sum(rmls)) + tc.ul_token_weight * tok_ul
+                    + tc.ul_seq_weight * seq_ul)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
+        opt.step()
+        if step % 25 == 0 or step == sched - 1:
+            with torch.no_grad():     # the mean probability of the repeating tokens, which the loss pushes down
+                m = (mask & alive)[:, 1:]
+                p_rep = rlogits[:, :-1].float().softmax(-1).gather(-1, seq[:, 1:, None])[..., 0][m].mean()
+            rec = {"step": step, "lr": lr, "loss": loss.item(), "lm": lm.item(), "token_ul": tok_ul.item(),
+                   "p_repeat": p_rep.item(),
+                   "seq_ul": seq_ul.item(), "mtp": [m.item() for m in mls], "mtp_rollout": [m.item() for m in rmls],
+                   "rollout_repeat_frac": float((mask & alive).sum() / alive.sum().clamp_min(1)),
+                   "prompt_tokens": p_len, "grad_norm": gn.item(), "t": time.time() - t0}
+            history.append(rec)
+            log(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()}))
+        done = step + 1
+        if done in marks:
+            snap = {"step": done, "repetition": rep_eval()}
+            out["snapshots"].append(snap)
+            log(f"UL snapshot at step {done}: " + json.dumps(snap["repetition"]))
+            save(f"UL snapshot, step {done} of {sched}", f"ul-{len(out['snapshots'])}.tar", out)
+        if done >= sched or (limit_s and time.time() - t0 > limit_s):
+            break
+    out.update(steps_done=step + 1, schedule_steps=sched, seconds=time.time() - t0,
+               repetition_after=rep_eval())
+    log("UL phase done, held-out greedy repetition after: " + json.dumps(out["repetition_after"]))
+    return out

@@ -1,0 +1,108 @@
+"""Batched greedy decoding with the trainer's weights, for sequence-level unlikelihood training.
+
+Sequence-level unlikelihood needs the model's own greedy continuations of many prompts at every
+refresh; a full forward per new token would cost O(T^2), so this keeps per-layer recurrent state
+(GDN conv window and delta-rule state, attention KV cache) and advances B sequences one token per
+step with the same math as `model.py`'s batched forward (tests/test_train.py checks the two agree).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import FULL
+from ..ops.norm import gated_rms_norm_ref
+from ..ops.rope import rope_cos_sin
+from . import model as tm
+
+
+class _State:
+    """Per layer: GDN (conv window [B, K-1, C], delta state [B, Hv, dk, dv]) or attention (K, V
+    caches [B, Hkv, max_len, D])."""
+
+    def __init__(self, trunk, batch: int, max_len: int, device: torch.device):
+        self.layers = []
+        for layer in trunk.layers:
+            if layer.kind == FULL:
+                a = layer.self_attn
+                shape = (batch, a.n_kv, max_len, a.head_dim)
+                self.layers.append((torch.zeros(shape, device=device), torch.zeros(shape, device=device)))
+            else:
+                m = layer.linear_attn
+                k_size = m.conv1d.weight.shape[-1]
+                self.layers.append((torch.zeros(batch, k_size - 1, m.conv_dim, device=device),
+                                    torch.zeros(batch, m.hv, m.dk, m.dv, device=device)))
+
+
+def _gdn_step(m, x: torch.Tensor, st: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [B, H] -> [B, H]; advances the conv window and the delta-rule state in place."""
+    b = x.shape[0]
+    win, s = st
+    qkv = F.linear(x, m.in_proj_qkv.weight)
+    z = F.linear(x, m.in_proj_z.weight).view(b, m.hv, m.dv)
+    beta_in = F.linear(x, m.in_proj_b.weight)
+    a = F.linear(x, m.in_proj_a.weight)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        full = torch.cat([win, qkv.float()[:, None]], dim=1)           # [B, K, C]
+        conv = F.silu((full * m.conv1d.weight[:, 0, :].float().t()).sum(1))
+        win.copy_(full[:, 1:])
+        q, k, v = torch.split(conv, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
+        q = q.reshape(b, m.hk, m.dk)
+        k = k.reshape(b, m.hk, m.dk)
+        v = v.reshape(b, m.hv, m.dv)
+        beta = torch.sigmoid(beta_in.float())
+        g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias.float())
+        q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6) * (m.dk ** -0.5)
+        k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
+        rep = m.hv // m.hk
+        if rep > 1:
+            q = q.repeat_interleave(rep, dim=1)
+            k = k.repeat_interleave(rep, dim=1)
+        s.mul_(g.exp()[..., None, None])
+        u = torch.einsum("bhk,bhkv->bhv", k, s)
+        s.add_(k[..., None] * (beta[..., None] * (v - u))[..., None, :])
+        o = torch.einsum("bhk,bhkv->bhv", q, s)
+    o = gated_rms_norm_ref(o.to(x.dtype), z, m.norm.weight, m.norm.eps)
+    return F.linear(o.reshape(b, m.value_dim), m.out_proj.weight)
+
+
+def _attn_step(m, x: torch.Tensor, pos: int, cos_sin, st) -> torch.Tensor:
+    kc, vc = st
+    q, gate, k, v = tm._qkv(m, x[:, None], *cos_sin)                   # q [B, Hq, 1, D], k/v [B, Hkv, 1, D]
+    kc[:, :, pos] = k[:, :, 0].float()
+    vc[:, :, pos] = v[:, :, 0].float()
+    mask = torch.ones(1, pos + 1, dtype=torch.bool, device=x.device)
+    return tm._attend(m, q, gate, kc[:, :, :pos + 1].to(q.dtype), vc[:, :, :pos + 1].to(q.dtype), mask)[:, 0]
+
+
+def step_logits(trunk, tokens: torch.Tensor, pos: int, state: _State) -> torch.Tensor:
+    """tokens [B] at position `pos` -> next-token logits [B, V]; advances `state`."""
+    cfg = trunk.cfg
+    x = F.embedding(tokens, trunk.embed_tokens.weight)
+    cos_sin = rope_cos_sin(torch.tensor([pos], device=tokens.device), cfg.rotary_dim, cfg.rope_theta)
+    for layer, st in zip(trunk.layers, state.layers):
+        h = tm._norm(layer.input_layernorm, x)
+        if layer.kind == FULL:
+            h = _attn_step(layer.self_attn, h, pos, cos_sin, st)
+        else:
+            h = _gdn_step(layer.linear_attn, h, st)
+        x = x + h
+        x = x + tm._mlp(layer, tm._norm(layer.post_attention_layernorm, x))
+    return tm.lm_logits(trunk, tm._norm(trunk.norm, x))
+
+
+@torch.no_grad()
+def greedy_rollout(trunk, prompts: torch.Tensor, new_tokens: int, autocast: bool = False) -> torch.Tensor:
+    """prompts [B, P] (one length) -> [B, P + new_tokens]: each prompt followed by its greedy
+    continuation (end-of-text is not special here: callers mask what follows it)."""
+    b, p = prompts.shape
+    dev = prompts.device
+    state = _State(trunk, b, p + new_tokens, dev)
+    out = torch.empty(b, p + new_tokens, dtype=torch.long, device=dev)
+    out[:, :p] = prompts
+    with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=autocast):
+        for pos in range(p + new_tokens - 1):
+            logits = step_logits(trunk, out[:, pos], pos, state)
+            if pos + 1 >= p:
+                out[:, pos + 1] = logits.float().argmax(-1)
+    return out

@@ -1,0 +1,126 @@
+"""Unlikelihood losses against repetition (Welleck et al. 2019) and the repetition measure.
+
+Greedy decoding of a small code model copies its own context (it rewrites the function it just
+wrote). Likelihood training alone does not penalise that; unlikelihood does, at two levels:
+* token level, on corpus text: at each position, push down the probability of tokens that already
+  occurred in the context but are not the next token;
+* sequence level, on the model's own greedy continuations: push down the probability of each
+  generated token that completes or lies inside an n-gram the sequence already contained.
+`line_stats` is the measure the model card's repetition target uses (bench/bundled_loops.py).
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+_EPS = 1e-5
+
+
+def token_unlikelihood(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """logits [B, T-1, V] (row t predicts ids[:, t+1]), ids [B, T] -> mean over rows of
+    -sum_{c in context(t), c != target} log(1 - p(c)), context(t) = ids[:, :t+1]."""
+    b, t = ids.shape
+    v = logits.shape[-1]
+    pos = torch.arange(t, device=ids.device)
+    first = torch.full((b, v), t, dtype=torch.long, device=ids.device)
+    first.scatter_reduce_(1, ids, pos.expand(b, t), reduce="amin")     # first position of each token
+    cand = first[:, None, :] <= pos[:t - 1, None]                      # [B, T-1, V] seen in the context
+    cand.scatter_(2, ids[:, 1:, None], False)                          # the true next token is not penalised
+    one_minus = (1.0 - logits.float().softmax(-1)).clamp_min(_EPS)
+    return -(one_minus.log() * cand).sum(-1).mean()
+
+
+def ngram_repeat_mask(seq: torch.Tensor, start: int, n: int, with_prompt: bool = True) -> torch.Tensor:
+    """seq [B, L] -> bool [B, L]: positions >= start that lie inside an n-gram which already
+    occurred earlier in the sequence (from position 0 if with_prompt, else from `start`)."""
+    b, length = seq.shape
+    if length < n:
+        return torch.zeros_like(seq, dtype=torch.bool)
+    # eq[b, i, j]: the n-grams ending at i and at j are equal
+    eq = torch.ones(b, length, length, dtype=torch.bool, device=seq.device)
+    for d in range(n):
+        s = seq[:, : length - d] if d else seq
+        e = s[:, :, None] == s[:, None, :]
+        eq[:, d:, d:] &= e
+    idx = torch.arange(length, device=seq.device)
+    first_end = n - 1 + (0 if with_prompt else start)
+    valid_j = (idx[None, :] < idx[:, None]) & (idx[None, :] >= first_end)   # j earlier than i, a full n-gram
+    rep_end = (eq & valid_j[None]).any(-1) & (idx >= max(n - 1, start))[None]  # [B, L] n-gram ending at i repeats
+    mark = rep_end.clone()
+    for d in range(1, n):                                              # every token of a repeated n-gram
+        mark[:, : length - d] |= rep_end[:, d:]
+    mark[:, :start] = False
+    return mark
+
+
+def sequence_unlikelihood(logits: torch.Tensor, seq: torch.Tensor, mask: torch.Tensor,
+                          alive: torch.Tensor) -> torch.Tensor:
+    """logits [B, L-1, V] for seq [B, L]; mask / alive bool [B, L] over the continuation:
+    sum of -log(1 - p(seq_t)) over masked positions / number of alive positions."""
+    logp = logits.float().log_softmax(-1).gather(-1, seq[:, 1:, None])[..., 0]   # [B, L-1] log p(seq_t)
+    one_minus = (1.0 - logp.exp()).clamp_min(_EPS)
+    m = (mask & alive)[:, 1:]
+    return -(one_minus.log() * m).sum() / alive[:, 1:].sum().clamp_min(1)
+
+
+def anchored_unlikelihood(logits: torch.Tensor, teacher_logits: torch.Tensor, seq: torch.Tensor,
+                          mask: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+    """Sequence-level unlikelihood anchored to a frozen teacher (the model before the phase):
+    cross-entropy to the teacher's distribution, from which each masked (repeating) token's
+    probability is removed and the rest renormalised; unmasked positions keep the teacher's.
+    At the teacher's own distribution its gradient is the plain loss's, -log(1 - p(token)); the
+    anchor keeps every other position where it was, which the plain loss does not (measured: it
+    drove the distributions on the model's own text towards uniform, see MODEL_CARD.md)."""
+    q = teacher_logits.float().softmax(-1)
+    q_rm = q.scatter(-1, seq[:, 1:, None], 0.0)
+    q_rm = q_rm / q_rm.sum(-1, keepdim=True).clamp_min(_EPS)
+    target = torch.where(mask[:, 1:, None], q_rm, q)
+    ce = -(target * logits.float().log_softmax(-1)).sum(-1)
+    a = alive[:, 1:]
+    return (ce * a).sum() / a.sum().clamp_min(1)
+
+
+def alive_mask(seq: torch.Tensor, start: int, eos_ids: tuple[int, ...]) -> torch.Tensor:
+    """bool [B, L]: continuation positions up to and including the first end-of-text token."""
+    cont = torch.zeros_like(seq, dtype=torch.bool)
+    cont[:, start:] = True
+    is_eos = torch.zeros_like(cont)
+    for e in eos_ids:
+        is_eos |= seq == e
+    is_eos &= cont
+    before = (is_eos.cumsum(1) - is_eos.long()) == 0                   # no eos strictly before
+    return cont & before
+
+
+# ---------------------------------------------------------------------------------------------
+# The repetition measure (bench/bundled_loops.py) and prompts cut at definitions
+# ---------------------------------------------------------------------------------------------
+
+def line_stats(prompt: str, text: str, cut: bool = True) -> tuple[int, int, int]:
+    """(complete non-blank lines, repeats of an earlier completion line, repeats of an earlier
+    prompt-or-completion line). `cut`: the text ended at the token limit, so its last piece is a
+    partial line and does not count."""
+    lines = text.split("\n")
+    if cut:
+        lines = lines[:-1]
+    seen, seen_all = set(), {ln.strip() for ln in prompt.split("\n") if ln.strip()}
+    n = rep = rep_all = 0
+    for ln in lines:
+        s = ln.strip()
+        if not s:
+            continue
+        n += 1
+        rep += s in seen
+        rep_all += s in seen_all
+        seen.add(s)
+        seen_all.add(s)
+    return n, rep, rep_all
+
+
+_DEF = re.compile(r"^[ \t]*(?:async def|def|class) .*\n", re.M)
+
+
+def definition_starts(docs: list[tuple[str, str]]) -> list[tuple[str, int, int]]:
+    """(text, start, end of line) of every `def` / `class` line of the documents."""
+    return [(text, m.start(), m.end()) for _, text in docs for m in _DEF.finditer(text)]
