@@ -255,6 +255,8 @@ def test_stop_string_inside_accepted_drafts(ckpt_cache, tmp_path):
             m = llm.generate(p, sp, spec={"mode": "mtp", "k": 5})
             assert (m.text, m.token_ids, m.finish_reason) == (a.text, a.token_ids, a.finish_reason)
             done += 1
+            if done == 3:                                   # three stop positions are enough
+                break
         assert done >= 2
 
 
@@ -267,7 +269,7 @@ def test_max_tokens_mid_cycle_and_k_clamped(ckpt_cache):
         p = random_prompts(v, 3, seed=6)[1]
         ref = llm.generate(p, greedy(16), spec="off").token_ids
         for k in (3, 6, 10):
-            for m in range(1, 17):
+            for m in sorted({1, 2, k - 1, k, k + 1, k + 2, 2 * k + 1, 16} & set(range(1, 17))):
                 watch = Steps()
                 r = scripted(llm, p, greedy(m), k, Scripted(len(p), ref, k, v), watch)[-1].result
                 rows = [d + 1 for d, _, _ in watch.steps]       # each step verifies its drafts + 1 row
