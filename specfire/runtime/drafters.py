@@ -72,8 +72,9 @@ class MtpDrafter:
 
     The default feed is "pre", the better of the two measured (bench/spec_cpu.py and
     bench/bundled_accept.py, greedy, mean_accept_len at k = 2/3/4): on a head fitted for one step
-    (tests/specfit.py) pre 2.149/2.255/2.269 vs post 2.131/2.161/2.168; on the bundled model (its
-    head trained chained with the post feed) pre 2.461/3.006/3.303 vs post 2.449/3.000/3.303.
+    (tests/specfit.py) pre 2.149/2.255/2.269 vs post 2.131/2.161/2.168; on the first-wave bundled
+    model (its head trained chained with the post feed) pre 2.461/3.006/3.303 vs post
+    2.449/3.000/3.303. Not re-measured on the model shipped now.
     """
 
     name = "mtp"
