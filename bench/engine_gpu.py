@@ -229,7 +229,7 @@ def stage_sampled(rep: Report, dev: str, shape: str, prompt: int, tokens: int) -
     random stream is device-side) and against greedy MTP: the cost of a cycle. Random weights of
     `shape` built on the device with a random head (drafts rarely accepted, greedy or sampled, so
     the comparison is at equal acceptance)."""
-    from prefill import random_head
+    from synthetic import random_head
 
     from specfire.runtime.drafters import MtpDrafter
     from specfire.runtime.engine import Engine

@@ -33,9 +33,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from decode import CEILING, SHAPES, build, make_cfg, step_bytes  # noqa: E402
+from synthetic import random_head  # noqa: E402
 
 from specfire.config import FULL, SamplingParams, SpecPolicy  # noqa: E402
-from specfire.model.qwen35 import MtpHead  # noqa: E402
 from specfire.ops import gdn as G  # noqa: E402
 from specfire.ops import gdn_fla  # noqa: E402
 from specfire.ops import linear as linear_mod  # noqa: E402
@@ -78,18 +78,6 @@ def prefill_flops(model, t: int) -> float:
     w = sum(p.numel() for n, p in model.layers.named_parameters() if p.dim() == 2)
     attn = 4 * cfg.num_attention_heads * cfg.head_dim * (t * (t + 1) // 2) * cfg.n_full
     return 2.0 * t * w + attn + 2.0 * cfg.vocab_size * cfg.hidden_size
-
-
-def random_head(cfg, device: str, dtype: torch.dtype) -> MtpHead:
-    with torch.device("meta"):
-        head = MtpHead(cfg)
-    head = head.to(dtype).to_empty(device=device)
-    g = torch.Generator(device=device).manual_seed(1)
-    with torch.no_grad():
-        for _, p in head.named_parameters():
-            scale = 0.1 if p.dim() == 1 else p.shape[-1] ** -0.5
-            p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=dtype) * scale)
-    return head
 
 
 class OracleDrafter:

@@ -20,15 +20,10 @@ from specfire.runtime.drafters import MtpDrafter
 PROFILES = {"code": (0.90, 0.80, 0.70), "prose": (0.60, 0.40, 0.25)}
 
 
-def write_tied_checkpoint(cfg, path: str, device: str, dtype: torch.dtype = torch.bfloat16,
-                          max_shard_bytes: int = 4 << 30) -> str:
-    """Random weights of `cfg` built on `device` with an MTP head, final norms -1, written to `path`."""
-    from decode import build
-
+def random_head(cfg, device: str, dtype: torch.dtype):
+    """An MTP head with seeded random weights (norm gains 0.1, matrices scaled by 1/sqrt(fan-in)),
+    built on `device` without a CPU copy: the benches' stand-in for a trained head."""
     from specfire.model.qwen35 import MtpHead
-    from specfire.train.export import export_checkpoint
-
-    trunk = build(cfg, device, dtype)
     with torch.device("meta"):
         head = MtpHead(cfg)
     head = head.to(dtype).to_empty(device=device)
@@ -37,6 +32,19 @@ def write_tied_checkpoint(cfg, path: str, device: str, dtype: torch.dtype = torc
         for _, p in head.named_parameters():
             scale = 0.1 if p.dim() == 1 else p.shape[-1] ** -0.5
             p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=dtype) * scale)
+    return head
+
+
+def write_tied_checkpoint(cfg, path: str, device: str, dtype: torch.dtype = torch.bfloat16,
+                          max_shard_bytes: int = 4 << 30) -> str:
+    """Random weights of `cfg` built on `device` with an MTP head, final norms -1, written to `path`."""
+    from decode import build
+
+    from specfire.train.export import export_checkpoint
+
+    trunk = build(cfg, device, dtype)
+    head = random_head(cfg, device, dtype)
+    with torch.no_grad():
         trunk.norm.weight.fill_(-1.0)
         head.norm.weight.fill_(-1.0)
     with shard_by_shard():

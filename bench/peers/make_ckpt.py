@@ -25,19 +25,6 @@ import torch
 from common import NORM_KEYS, NORMS_FILE, cfg_for
 
 
-def _init_head(cfg, device: str, dtype: torch.dtype):
-    from specfire.model.qwen35 import MtpHead
-    with torch.device("meta"):
-        head = MtpHead(cfg)
-    head = head.to(dtype).to_empty(device=device)
-    g = torch.Generator(device=device).manual_seed(1)
-    with torch.no_grad():
-        for _, p in head.named_parameters():
-            scale = 0.1 if p.dim() == 1 else p.shape[-1] ** -0.5
-            p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=dtype) * scale)
-    return head
-
-
 def write_tokenizer(path: str, vocab: int) -> None:
     from tokenizers import Tokenizer, models
     tok = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab)}, unk_token="<0>"))
@@ -48,7 +35,7 @@ def make(shape: str, root: str, device: str, dtype: torch.dtype = torch.bfloat16
          max_shard_bytes: int = 2 << 30, tokenizer: bool = True) -> dict:
     """Write peers_<shape> and peers_<shape>_tied under `root`; returns their paths and timings."""
     from decode import build
-    from synthetic import shard_by_shard
+    from synthetic import random_head, shard_by_shard
 
     from specfire.train import export
     from specfire.train.export import export_checkpoint
@@ -60,7 +47,7 @@ def make(shape: str, root: str, device: str, dtype: torch.dtype = torch.bfloat16
         shutil.rmtree(d, ignore_errors=True)
     t0 = time.perf_counter()
     trunk = build(cfg, device, dtype)
-    head = _init_head(cfg, device, dtype)
+    head = random_head(cfg, device, dtype)
     norms: dict[str, torch.Tensor] = {}
     with shard_by_shard():                 # weights go to host memory one shard at a time
         inner = export.save_file
