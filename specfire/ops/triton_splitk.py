@@ -24,10 +24,11 @@ def chunk_config(n: int, k_chunk: int) -> GemvConfig:
     return GemvConfig(block_n=64, block_k=128 if k_chunk >= 128 else 64, num_warps=4, num_stages=4)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _chunk_kernel(x_ptr, w_ptr, p_ptr, b_ptr, M, N, stride_xm, stride_wn,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_: tl.constexpr, IEEE: tl.constexpr):
-    """Partial [c, M, N] float32 of chunk c = program_id(1): columns [b[c], b[c+1])."""
+@triton.jit
+def _chunk_acc(x_ptr, w_ptr, b_ptr, M, N, stride_xm, stride_wn,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_: tl.constexpr, IEEE: tl.constexpr):
+    """The float32 [BLOCK_N, ROWS_] product of this program's tile over chunk program_id(2)'s
+    columns [b[c], b[c+1]), with its offsets and masks (shared by both chunk kernels)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_c = tl.program_id(2)
@@ -50,6 +51,15 @@ def _chunk_kernel(x_ptr, w_ptr, p_ptr, b_ptr, M, N, stride_xm, stride_wn,
             acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
         else:
             acc = tl.dot(w, tl.trans(x), acc)
+    return acc, offs_n, offs_m, n_mask, m_mask, pid_c
+
+
+@triton.jit(do_not_specialize=["M"])
+def _chunk_kernel(x_ptr, w_ptr, p_ptr, b_ptr, M, N, stride_xm, stride_wn,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_: tl.constexpr, IEEE: tl.constexpr):
+    """Partial [c, M, N] float32 of chunk c = program_id(2), stored for a later tree_combine."""
+    acc, offs_n, offs_m, n_mask, m_mask, pid_c = _chunk_acc(x_ptr, w_ptr, b_ptr, M, N, stride_xm, stride_wn,
+                                                            BLOCK_N, BLOCK_K, ROWS_, IEEE)
     base = p_ptr + pid_c * M * N
     tl.store(base + offs_m[None, :] * N + offs_n[:, None], acc, mask=n_mask[:, None] & m_mask[None, :])
 
@@ -118,32 +128,12 @@ def _chunk_tree_kernel(x_ptr, w_ptr, p_ptr, y_ptr, b_ptr, cnt_ptr, M, N, stride_
     """_chunk_kernel, then the last of the C chunk programs of a (row tile, column tile) to finish
     adds the C partials in the canonical tree and writes y: one launch, the same bits as
     chunk_partials + tree_combine (the order of the adds is fixed, not who does them)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_c = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * ROWS_ + tl.arange(0, ROWS_)
-    offs_k = tl.arange(0, BLOCK_K)
-    n_mask = offs_n < N
-    m_mask = offs_m < M
-    k_lo = tl.load(b_ptr + pid_c)
-    k_hi = tl.load(b_ptr + pid_c + 1)
-    acc = tl.zeros((BLOCK_N, ROWS_), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        kk = k0 + offs_k
-        k_mask = kk < k_hi
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :],
-                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, tl.trans(x), acc)
+    acc, offs_n, offs_m, n_mask, m_mask, pid_c = _chunk_acc(x_ptr, w_ptr, b_ptr, M, N, stride_xm, stride_wn,
+                                                            BLOCK_N, BLOCK_K, ROWS_, IEEE)
     mask = n_mask[:, None] & m_mask[None, :]
     off = offs_m[None, :] * N + offs_n[:, None]
     tl.store(p_ptr + pid_c * M * N + off, acc, mask=mask)
-    tile = pid_n * tl.num_programs(0) + pid_m
+    tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
     tl.debug_barrier()                                          # every thread's partial stored first
     done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")     # releases this partial, acquires the others'
     if done == C - 1:
