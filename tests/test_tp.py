@@ -21,6 +21,7 @@ from specfire.config import ModelConfig
 from specfire.parallel import valid_tp_degrees
 from specfire.parallel.shard import ShardPlan
 from specfire.errors import MeshError, SpecfireError
+from specfire.ops import splitk
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GREEDY = SamplingParams(max_tokens=24)
@@ -71,13 +72,24 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
+@pytest.fixture
+def canonical():
+    """One device in the canonical mode (ops/splitk.py; off by default): the bits a mesh reproduces."""
+    splitk.set_enabled(True)
+    yield
+    splitk.set_enabled(None)
+
+
 @pytest.fixture(scope="class")
 def base(ckpt_cache):
-    """The base config (vocab 131: odd, 2 KV heads) on one device and on a 2-rank mesh."""
+    """The base config (vocab 131: odd, 2 KV heads) on one device (canonical mode, for the class)
+    and on a 2-rank mesh."""
     path = ckpt(ckpt_cache, "base")
+    splitk.set_enabled(True)
     one = LLM(path, tp=1, device="cpu", progress=False)
     mesh = LLM(path, tp=2, device="cpu", progress=False)
     yield one, mesh
+    splitk.set_enabled(None)
     pids = mesh.engine.trunk.worker_pids
     mesh.close()
     one.close()
@@ -180,7 +192,7 @@ def test_info_lists_valid_degrees(ckpt_cache):
 # ---- numerics: the mesh equals one device ---------------------------------------------------------
 
 @pytest.mark.parametrize("name,tp", [("tp4", 4), ("kv1", 2)])
-def test_score_and_greedy_match_one_device(ckpt_cache, name, tp):
+def test_score_and_greedy_match_one_device(ckpt_cache, canonical, name, tp):
     """Odd vocabularies (padded), replicated KV heads (2 KV heads on 4 ranks, 1 on 2), tied and
     untied embeddings, uneven MLP rows. Each mesh is opened and closed; none may leave a process
     behind."""
@@ -360,7 +372,7 @@ def _script(body: str) -> list[str]:
     return [sys.executable, "-c", textwrap.dedent(body)]
 
 
-def test_no_orphans_and_exit_without_close_and_torchrun(ckpt_cache):
+def test_no_orphans_and_exit_without_close_and_torchrun(ckpt_cache, canonical):
     """At once: (a) a parent killed with SIGKILL takes its worker with it; (b) a torchrun-style
     launch (RANK/WORLD_SIZE/MASTER_*) joins the group: rank 0 drives and exits without close(),
     so only the finalizer at interpreter exit can tell rank 1, which then exits 0."""

@@ -335,6 +335,8 @@ def _add_norm(norm: RMSNorm, rows: bool, x: torch.Tensor, h: torch.Tensor | None
 class Qwen35Trunk(nn.Module):
     """Embedding, decoder layers, final norm and lm_head (tied to the embedding when absent)."""
 
+    canonical = False    # a mesh rank's trunk: tensor-parallel invariant CPU math (ops/lanes.py)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -359,6 +361,11 @@ class Qwen35Trunk(nn.Module):
     def forward(self, ids: torch.Tensor, pos0: int, state: SequenceState, rows: bool,
                 logits: str = "all") -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids [T] at positions pos0.. -> (post-norm hidden [T, H], float32 logits [T or 1, V] or None)."""
+        with lanes.padded(self.canonical or splitk_enabled()):
+            return self._forward(ids, pos0, state, rows, logits)
+
+    def _forward(self, ids: torch.Tensor, pos0: int, state: SequenceState, rows: bool,
+                 logits: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = self.embed_tokens(ids)
         t = ids.shape[0]
         pos = positions(pos0, t, ids.device)
@@ -394,6 +401,11 @@ class MtpHead(nn.Module):
                 rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """emb [R, H] embeddings of tokens at p+1, hidden [R, H] at p (positions pos0..) ->
         (pre-norm block output [R, H], post-norm output [R, H] that the lm_head scores)."""
+        with lanes.padded(splitk_enabled()):
+            return self._forward(emb, hidden, pos0, state, rows)
+
+    def _forward(self, emb: torch.Tensor, hidden: torch.Tensor, pos0: int, state: SequenceState,
+                 rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.cat([rowwise(self.pre_fc_norm_embedding, rows, emb),
                        rowwise(self.pre_fc_norm_hidden, rows, hidden)], dim=-1)
         x = self.fc(x, rows)

@@ -42,9 +42,8 @@ def gdn_rows_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     after each row) if `capture`, else the final state [Hv, dk, dv]. `state` is not modified."""
     s = state
     outs, caps = [], []
-    decay = lanes.exp(g)
-    for t in range(q.shape[0]):
-        s = s * decay[t][:, None, None]
+    for t in range(q.shape[0]):   # exp per row: a row's lanes then sit where a one-row decode's do
+        s = s * lanes.exp(g[t])[:, None, None]
         u = torch.bmm(k[t].unsqueeze(1), s).squeeze(1)             # [Hv, dv]
         delta = beta[t][:, None] * (v[t] - u)
         s = s + k[t].unsqueeze(2) * delta.unsqueeze(1)              # [Hv, dk, dv]

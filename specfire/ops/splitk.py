@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 CHUNKS = 8
 ALIGN = 16          # elements; chunk bounds that are multiples of this compute in place on the CPU
-_enabled: bool | None = None   # None: by device, see enabled()
+_enabled: bool | None = None   # None: the default (off on one device), see enabled()
 FUSED = True        # CUDA: partials and tree in one launch (ops/triton_splitk.py gemv_chunks_fused)
 # CUDA kernel of the canonical product: "loop" (one K loop like the plain GEMV, the tree folded in
 # registers; measured on the H200, 4B shapes: bitwise equal to the two-launch form, 1.38-1.48x the
@@ -33,14 +33,13 @@ KERNEL = os.environ.get("SPECFIRE_SPLITK_KERNEL", "loop")
 
 
 def enabled(x: torch.Tensor | None = None) -> bool:
-    """Whether a single device computes row-parallel projections as the canonical split. Default
-    (None): on the CPU yes (tp 1/2/4 equal bits, guarded by the tests); on one GPU no: measured on
-    an H200 (bench/tp.py, 4B shape) it cost 13% of AR decode (172.9 vs 198.8 tok/s) with the fused
-    kernel, far over a 2% budget, so one GPU keeps the plain product until a cheaper kernel lands.
-    `set_enabled(True)` makes one GPU bit-equal to a mesh. A mesh always splits canonically."""
-    if _enabled is not None:
-        return _enabled
-    return x is None or not x.is_cuda
+    """Whether a single device computes row-parallel projections as the canonical split (and, on
+    the CPU, pads elementwise math to whole vectors, ops/lanes.py). Default (None): no, on a GPU and
+    on the CPU alike: one device has no shard to match. Measured: on an H200 (bench/tp.py, 4B
+    shape) the split cost 13% of AR decode with the fused kernel (budget 2%); on one CPU thread the
+    split plus the padding cost ~27% of the bundled model's AR decode (bench/bundled_cpu_profile.py).
+    `set_enabled(True)` makes one device bit-equal to a mesh. A mesh always splits canonically."""
+    return bool(_enabled)
 
 
 def set_enabled(on: bool | None) -> None:

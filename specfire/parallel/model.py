@@ -54,6 +54,8 @@ class VocabParallelEmbedding(nn.Module):
 class ShardedQwen35(Qwen35Trunk):
     """Build under torch.device('meta'), then fill with loader.load_module(..., fetch=plan.fetch)."""
 
+    canonical = True     # every rank's CPU elementwise math padded as tp = 1's canonical mode
+
     def __init__(self, cfg: ModelConfig, plan: ShardPlan, comm: Comm):
         if cfg.vocab_size > IDS_EXACT:
             raise ConfigError(f"vocab_size {cfg.vocab_size} exceeds {IDS_EXACT}, the token ids a tensor-parallel "

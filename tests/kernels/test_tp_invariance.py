@@ -12,7 +12,7 @@ import torch
 from tinymodels import make_checkpoint
 
 from specfire import LLM, SamplingParams, SpecPolicy
-from specfire.ops import lanes
+from specfire.ops import lanes, splitk
 from specfire.ops.linear import linear
 from specfire.ops.splitk import CHUNKS, ChunkCache, KSplit, chunk_bounds, subtree, tree_sum
 
@@ -98,12 +98,22 @@ def test_column_shards_equal_whole_bitwise(n):
 
 @pytest.mark.parametrize("fn", [lanes.exp, lanes.sigmoid, lanes.silu, lanes.softplus, lanes.rsqrt])
 def test_transcendentals_do_not_depend_on_position(fn):
+    """In a padded scope (a mesh's forward, or one device in the canonical mode)."""
     g = torch.Generator().manual_seed(1)
     x = torch.rand(7, 98, generator=g) * 4 + 0.1
-    whole = fn(x)
-    for lo, hi in ((0, 49), (49, 98), (24, 73), (1, 2)):
-        assert torch.equal(fn(x[:, lo:hi].contiguous()), whole[:, lo:hi])
-    assert torch.equal(fn(x[3:4]), whole[3:4])
+    with lanes.padded():
+        whole = fn(x)
+        for lo, hi in ((0, 49), (49, 98), (24, 73), (1, 2)):
+            assert torch.equal(fn(x[:, lo:hi].contiguous()), whole[:, lo:hi])
+        assert torch.equal(fn(x[3:4]), whole[3:4])
+
+
+@pytest.fixture
+def canonical():
+    """One device in the canonical mode (off by default): the bits a mesh must reproduce."""
+    splitk.set_enabled(True)
+    yield
+    splitk.set_enabled(None)
 
 
 # ---- the CUDA kernels of the scheme, interpreted -------------------------------------------------
@@ -174,7 +184,7 @@ CASES = [  # (config, degrees): KV heads replicated (2 on 4 ranks), odd vocabula
 
 
 @pytest.mark.parametrize("name,degrees", CASES)
-def test_mesh_bits_equal_one_device(ckpt_cache, name, degrees):
+def test_mesh_bits_equal_one_device(ckpt_cache, canonical, name, degrees):
     path = str(ckpt_cache["root"] / f"tpinv-{name}")
     if path not in ckpt_cache["made"].values():
         ckpt_cache["made"][f"tpinv-{name}"] = make_checkpoint(path, name, seed=11)
@@ -206,7 +216,7 @@ def test_mesh_bits_equal_one_device(ckpt_cache, name, degrees):
             assert symm.reserved == len(calls)       # each subtree written straight into the send buffer
 
 
-def test_four_bit_mesh_bits_equal_one_device(ckpt_cache, tmp_path):
+def test_four_bit_mesh_bits_equal_one_device(ckpt_cache, tmp_path, canonical):
     """A 4-bit checkpoint (Hadamard-rotated groups of 32) whose row-parallel inputs split on group
     bounds at tp = 2: same logits and greedy tokens as one device. (A shard off the groups is
     refused before any process starts: tests/test_tp.py.)"""
@@ -228,9 +238,9 @@ def test_four_bit_mesh_bits_equal_one_device(ckpt_cache, tmp_path):
 
 # ---- one command starts the mesh ----------------------------------------------------------------
 
-def test_cli_run_and_serve_start_the_mesh(tmp_path, capsys):
+def test_cli_run_and_serve_start_the_mesh(tmp_path, capsys, canonical):
     """`specfire run --tp 2` and `specfire serve --tp 2` (bundled model, CPU) each start the
-    2-rank mesh themselves and answer exactly as one device."""
+    2-rank mesh themselves and answer exactly as one device in the canonical mode."""
     import json
 
     import httpx
