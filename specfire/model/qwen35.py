@@ -24,8 +24,9 @@ from ..ops import attention as attn_ops
 from ..ops import gdn as gdn_ops
 from ..ops import lanes
 from ..ops import norm as norm_ops
+from ..ops import onecpu
 from ..ops.act import silu_mul
-from ..ops.linear import linear
+from ..ops.linear import linear, linear_fused, one_cpu
 from ..ops.splitk import ChunkCache, KSplit, subtree
 from ..ops.splitk import enabled as splitk_enabled
 from ..ops.rope import apply_rope, rope_cos_sin
@@ -68,6 +69,15 @@ class Linear(nn.Module):
         return self.combine(subtree(x, self.weight, self.ksplit, rows, self._chunks, out=out))
 
 
+def project(x: torch.Tensor, rows: bool, owner: nn.Module, *lins: Linear) -> tuple[torch.Tensor, ...]:
+    """x through each of `lins` (column projections of the same input): one product for all on
+    one CPU device (ops/linear.py linear_fused), one each elsewhere."""
+    ws = tuple(lin.weight for lin in lins)
+    if one_cpu(x) and all(isinstance(w, torch.Tensor) and not w.is_inference() for w in ws):
+        return linear_fused(x, ws, rows, owner)
+    return tuple(lin(x, rows) for lin in lins)
+
+
 class RMSNorm(nn.Module):
     """Zero-centred RMSNorm (scale 1 + w)."""
 
@@ -77,6 +87,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if one_cpu(x):
+            return onecpu.rms_norm(x, self.weight, self.eps)
         return norm_ops.rms_norm(x, self.weight, self.eps)
 
 
@@ -87,6 +99,8 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if one_cpu(x):
+            return onecpu.gated_rms_norm(x, z, self.weight, self.eps)
         return norm_ops.gated_rms_norm(x, z, self.weight, self.eps)
 
 
@@ -98,7 +112,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, row_parallel=True)
 
     def forward(self, x: torch.Tensor, rows: bool) -> torch.Tensor:
-        act = rowwise(silu_mul, rows, self.gate_proj(x, rows), self.up_proj(x, rows))
+        act = rowwise(silu_mul, rows, *project(x, rows, self, self.gate_proj, self.up_proj))
         return self.down_proj(act, rows)
 
 
@@ -214,11 +228,12 @@ class GatedAttention(nn.Module):
                 lc: LayerCache, rows: bool) -> torch.Tensor:
         t = x.shape[0]
         d = self.head_dim
-        qg = self.q_proj(x, rows).view(t, self.n_heads, 2 * d)        # [T, Hq, 2D]
+        qg, k, v = project(x, rows, self, self.q_proj, self.k_proj, self.v_proj)
+        qg = qg.reshape(t, self.n_heads, 2 * d)                         # [T, Hq, 2D]
         q, gate = qg[..., :d], qg[..., d:]
         q = rowwise(self.q_norm, rows, q)
-        k = rowwise(self.k_norm, rows, self.k_proj(x, rows).view(t, self.n_kv, d))
-        v = self.v_proj(x, rows).view(t, self.n_kv, d)
+        k = rowwise(self.k_norm, rows, k.reshape(t, self.n_kv, d))
+        v = v.reshape(t, self.n_kv, d)
         cos, sin = cos_sin
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
@@ -256,10 +271,8 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, lc: LayerCache, rows: bool) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.in_proj_qkv(x, rows)                                 # [T, conv_dim]
-        z = self.in_proj_z(x, rows).view(t, self.hv, self.dv)
-        b = self.in_proj_b(x, rows)
-        a = self.in_proj_a(x, rows)
+        qkv, z, b, a = project(x, rows, self, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        z = z.reshape(t, self.hv, self.dv)                              # qkv [T, conv_dim]
         w = self.conv1d.weight[:, 0, :]
         if rows and t > 1 and x.device.type == "cpu":  # per row, each with its own window (ops/rowwise.py)
             xf = qkv.float()
@@ -272,10 +285,13 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(t, self.hk, self.dk)
         k = k.reshape(t, self.hk, self.dk)
         v = v.reshape(t, self.hv, self.dv)
-        beta = rowwise(lanes.sigmoid, rows, b.float())
-        g = rowwise(self._log_decay, rows, a)
-        q = rowwise(_l2norm, rows, q) * (self.dk ** -0.5)
-        k = rowwise(_l2norm, rows, k)
+        if one_cpu(x):        # fewer calls, each row alone (ops/onecpu.py)
+            beta, g, q, k = rowwise(lambda *t: onecpu.gdn_gates_qk(*t, self.A_log, self.dt_bias), rows, b, a, q, k)
+        else:
+            beta = rowwise(lanes.sigmoid, rows, b.float())
+            g = rowwise(self._log_decay, rows, a)
+            q = rowwise(_l2norm, rows, q) * (self.dk ** -0.5)
+            k = rowwise(_l2norm, rows, k)
         if rows:
             rep = self.hv // self.hk
             if rep > 1:  # value head j reads key head j // rep
@@ -325,7 +341,8 @@ def _add_norm(norm: RMSNorm, rows: bool, x: torch.Tensor, h: torch.Tensor | None
     first: a mesh's row-parallel sums arrive in float32)."""
     if h is None:
         return rowwise(norm, rows, x)
-    return rowwise(lambda a, b: norm_ops.add_rms_norm(a, b, norm.weight, norm.eps), rows, x, h)
+    fn = onecpu.add_rms_norm if one_cpu(x) else norm_ops.add_rms_norm
+    return rowwise(lambda a, b: fn(a, b, norm.weight, norm.eps), rows, x, h)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,7 +378,7 @@ class Qwen35Trunk(nn.Module):
     def forward(self, ids: torch.Tensor, pos0: int, state: SequenceState, rows: bool,
                 logits: str = "all") -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids [T] at positions pos0.. -> (post-norm hidden [T, H], float32 logits [T or 1, V] or None)."""
-        with lanes.padded(self.canonical or splitk_enabled()):
+        with lanes.invariant(self.canonical or splitk_enabled()):
             return self._forward(ids, pos0, state, rows, logits)
 
     def _forward(self, ids: torch.Tensor, pos0: int, state: SequenceState, rows: bool,
@@ -401,7 +418,7 @@ class MtpHead(nn.Module):
                 rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """emb [R, H] embeddings of tokens at p+1, hidden [R, H] at p (positions pos0..) ->
         (pre-norm block output [R, H], post-norm output [R, H] that the lm_head scores)."""
-        with lanes.padded(splitk_enabled()):
+        with lanes.invariant(splitk_enabled()):
             return self._forward(emb, hidden, pos0, state, rows)
 
     def _forward(self, emb: torch.Tensor, hidden: torch.Tensor, pos0: int, state: SequenceState,

@@ -9,9 +9,10 @@ to one, and one larger than ATen's parallel grain is cut at grain bounds (multip
 so every element takes the vectorised path, which is the same for every lane. CUDA computes
 every element the same way and takes the direct path.
 
-Only a tensor-parallel forward needs this: the padding is on inside `padded()` scopes (a mesh
-rank's forward, or one device in the canonical mode of ops/splitk.py) and off elsewhere. One
-device's verify rows get their row invariance from per-row application (ops/rowwise.py) instead.
+Only a tensor-parallel forward needs this: the padding is on inside `invariant()` scopes (a mesh
+rank's forward, or one device in the canonical mode of ops/splitk.py) and off elsewhere (the
+scope also selects the shard-invariant products of ops/linear.py). One device's verify rows get
+their row invariance from per-row application (ops/rowwise.py) instead.
 """
 from __future__ import annotations
 
@@ -24,13 +25,18 @@ import torch.nn.functional as F
 
 VEC = 32        # elements per step of ATen's vectorised loop (2 vectors of 16 floats on AVX-512)
 GRAIN = 32768   # at::internal::GRAIN_SIZE: above it a loop is split between threads
-_scope = threading.local()   # .on: inside a padded() scope of this thread
+_scope = threading.local()   # .on: inside an invariant() scope of this thread
+
+
+def invariant_now() -> bool:
+    """Inside an invariant() scope: CPU math must give a tensor-parallel shard the whole's bits."""
+    return getattr(_scope, "on", False)
 
 
 @contextmanager
-def padded(on: bool = True) -> Iterator[None]:
-    """Within the scope (when `on`), this thread's CPU elementwise math is padded to whole vectors;
-    a nested scope keeps an outer one's setting."""
+def invariant(on: bool = True) -> Iterator[None]:
+    """Within the scope (when `on`), this thread's CPU math is tensor-parallel invariant (elementwise
+    math padded to whole vectors); a nested scope keeps an outer one's setting."""
     prev = getattr(_scope, "on", False)
     _scope.on = prev or bool(on)
     try:
@@ -41,7 +47,7 @@ def padded(on: bool = True) -> Iterator[None]:
 
 def lanewise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """fn(x) for an elementwise fn, computed by the vectorised path for every element on the CPU
-    inside a `padded()` scope; fn(x) itself otherwise."""
+    inside an `invariant()` scope; fn(x) itself otherwise."""
     if x.device.type != "cpu" or not getattr(_scope, "on", False):
         return fn(x)
     n = x.numel()
