@@ -30,7 +30,7 @@ from ..ops.linear import linear, linear_fused, one_cpu
 from ..ops.splitk import ChunkCache, KSplit, subtree
 from ..ops.splitk import enabled as splitk_enabled
 from ..ops.rope import apply_rope, rope_cos_sin
-from ..ops.rowwise import rowwise
+from ..ops.rowwise import rowwise, whole_steps
 
 
 def positions(pos0, t: int, device: torch.device) -> torch.Tensor:
@@ -112,7 +112,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, row_parallel=True)
 
     def forward(self, x: torch.Tensor, rows: bool) -> torch.Tensor:
-        act = rowwise(silu_mul, rows, *project(x, rows, self, self.gate_proj, self.up_proj))
+        act = rowwise(silu_mul, rows, *project(x, rows, self, self.gate_proj, self.up_proj), batch=one_cpu(x))
         return self.down_proj(act, rows)
 
 
@@ -231,8 +231,8 @@ class GatedAttention(nn.Module):
         qg, k, v = project(x, rows, self, self.q_proj, self.k_proj, self.v_proj)
         qg = qg.reshape(t, self.n_heads, 2 * d)                         # [T, Hq, 2D]
         q, gate = qg[..., :d], qg[..., d:]
-        q = rowwise(self.q_norm, rows, q)
-        k = rowwise(self.k_norm, rows, k.reshape(t, self.n_kv, d))
+        q = rowwise(self.q_norm, rows, q, batch=one_cpu(x))
+        k = rowwise(self.k_norm, rows, k.reshape(t, self.n_kv, d), batch=one_cpu(x))
         v = v.reshape(t, self.n_kv, d)
         cos, sin = cos_sin
         q = apply_rope(q, cos, sin)
@@ -240,7 +240,7 @@ class GatedAttention(nn.Module):
         attn_ops.kv_write(lc, pos0, k, v)
         fn = attn_ops.attention_rows if rows else attn_ops.attention_prefill
         o = fn(q, lc.k, lc.v, pos0, self.scale, lc.k_scale, lc.v_scale).to(x.dtype)  # [T, Hq, D]
-        o = o.reshape(t, -1) * rowwise(lanes.sigmoid, rows, gate.reshape(t, -1))
+        o = o.reshape(t, -1) * rowwise(lanes.sigmoid, rows, gate.reshape(t, -1), batch=one_cpu(x))
         return self.o_proj(o, rows)
 
 
@@ -274,7 +274,7 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = project(x, rows, self, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
         z = z.reshape(t, self.hv, self.dv)                              # qkv [T, conv_dim]
         w = self.conv1d.weight[:, 0, :]
-        if rows and t > 1 and x.device.type == "cpu":  # per row, each with its own window (ops/rowwise.py)
+        if rows and t > 1 and x.device.type == "cpu" and not (one_cpu(x) and whole_steps(qkv)):  # per row (ops/rowwise.py)
             xf = qkv.float()
             full = torch.cat([lc.conv.to(xf.dtype), xf], dim=0)
             kw = lc.conv.shape[0]
@@ -285,8 +285,9 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(t, self.hk, self.dk)
         k = k.reshape(t, self.hk, self.dk)
         v = v.reshape(t, self.hv, self.dv)
-        if one_cpu(x):        # fewer calls, each row alone (ops/onecpu.py)
-            beta, g, q, k = rowwise(lambda *t: onecpu.gdn_gates_qk(*t, self.A_log, self.dt_bias), rows, b, a, q, k)
+        if one_cpu(x):        # fewer calls (ops/onecpu.py); gates of Hv lanes per row, norms batched
+            beta, g = rowwise(lambda *t: onecpu.gdn_gates(*t, self.A_log, self.dt_bias), rows, b, a)
+            q, k = rowwise(onecpu.l2norm_qk, rows, q, k, batch=True)
         else:
             beta = rowwise(lanes.sigmoid, rows, b.float())
             g = rowwise(self._log_decay, rows, a)
@@ -303,7 +304,7 @@ class GatedDeltaNet(nn.Module):
             o, s = gdn_ops.gdn_chunked(q, k, v, g, beta, lc.rec)
             lc.rec.copy_(s)
             lc.conv.copy_(full[-lc.conv.shape[0]:])
-        o = rowwise(self.norm, rows, o.to(x.dtype), z)                  # [T, Hv, dv]
+        o = rowwise(self.norm, rows, o.to(x.dtype), z, batch=one_cpu(x))  # [T, Hv, dv]
         return self.out_proj(o.reshape(t, self.value_dim), rows)
 
 
@@ -340,9 +341,10 @@ def _add_norm(norm: RMSNorm, rows: bool, x: torch.Tensor, h: torch.Tensor | None
     """norm(x) when h is None, else (x + h, norm(x + h)) in one fused op (h rounded to x's dtype
     first: a mesh's row-parallel sums arrive in float32)."""
     if h is None:
-        return rowwise(norm, rows, x)
-    fn = onecpu.add_rms_norm if one_cpu(x) else norm_ops.add_rms_norm
-    return rowwise(lambda a, b: fn(a, b, norm.weight, norm.eps), rows, x, h)
+        return rowwise(norm, rows, x, batch=one_cpu(x))
+    if one_cpu(x):
+        return rowwise(lambda a, b: onecpu.add_rms_norm(a, b, norm.weight, norm.eps), rows, x, h, batch=True)
+    return rowwise(lambda a, b: norm_ops.add_rms_norm(a, b, norm.weight, norm.eps), rows, x, h)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -49,16 +49,29 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float
     return ((w * n).float() * F.silu(z.float())).to(dt)
 
 
-def gdn_gates_qk(b: torch.Tensor, a: torch.Tensor, q: torch.Tensor, k: torch.Tensor, a_log: torch.Tensor,
-                 dt_bias: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Gated DeltaNet's beta = sigmoid(b), log decay g = -exp(A_log) softplus(a + dt_bias), and
-    the L2-normalised q (scaled by dk^-1/2) and k, in six calls: x rsqrt(sum x^2 + 1e-6) is
-    rms_norm with eps 1e-6/dk times dk^-1/2, folded into the norm's weight."""
-    dk = q.shape[-1]
+def gdn_gates(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet's beta = sigmoid(b) and log decay g = -exp(A_log) softplus(a + dt_bias),
+    with -exp(A_log) computed once per weight."""
     neg_a = cached(a_log, "_specfire_nega", lambda t: -torch.exp(t.float()))
-    wq = cached(a_log, f"_specfire_wq{dk}", lambda t: torch.full((dk,), 1.0 / dk, dtype=torch.float32))
-    wk = cached(a_log, f"_specfire_wk{dk}", lambda t: torch.full((dk,), dk ** -0.5, dtype=torch.float32))
-    beta = torch.sigmoid(b.float())
-    g = neg_a * F.softplus(a.float() + dt_bias.float())
+    return torch.sigmoid(b.float()), neg_a * F.softplus(a.float() + dt_bias.float())
+
+
+def l2norm_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The L2-normalised q (scaled by dk^-1/2) and k of Gated DeltaNet in two calls:
+    x rsqrt(sum x^2 + 1e-6) is rms_norm with eps 1e-6/dk times dk^-1/2, folded into its weight."""
+    dk = q.shape[-1]
+    wq = _const(dk, 1.0 / dk)
+    wk = _const(dk, dk ** -0.5)
     eps = 1e-6 / dk
-    return beta, g, F.rms_norm(q, (dk,), wq, eps), F.rms_norm(k, (dk,), wk, eps)
+    return F.rms_norm(q, (dk,), wq, eps), F.rms_norm(k, (dk,), wk, eps)
+
+
+_CONSTS: dict[tuple[int, float], torch.Tensor] = {}
+
+
+def _const(n: int, v: float) -> torch.Tensor:
+    """A float32 CPU vector of n copies of v (made once)."""
+    t = _CONSTS.get((n, v))
+    if t is None:
+        t = _CONSTS[(n, v)] = torch.full((n,), v, dtype=torch.float32)
+    return t
