@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specfire.ops import gdn as G
-from specfire.ops import gdn_fla, splitk
+from specfire.ops import gdn_fla, lanes, splitk
 from specfire.ops import linear as L
 from specfire.ops.attention import attention_prefill_fused, attention_prefill_ref
 
@@ -23,6 +23,7 @@ def calls(monkeypatch):
     monkeypatch.setattr(L, "linear_rows", lambda x, w, launch_n=None, rows=True: seen.append("triton"))
     monkeypatch.setattr(L, "F", SimpleNamespace(linear=lambda x, w: seen.append("cublas")))
     monkeypatch.setattr(L, "_paneled", lambda fn, x, w: seen.append("cpu"))
+    monkeypatch.setattr(L, "linear_one_cpu", lambda x, wt, rows: seen.append("one cpu"))
     yield seen
     splitk.set_enabled(None)
 
@@ -35,8 +36,10 @@ def test_one_gpu_prefill_uses_cublas_and_a_mesh_keeps_the_invariant_kernel(calls
     splitk.set_enabled(True)                        # one GPU made bit-equal to a mesh
     L.linear(gpu, w, rows=False)
     splitk.set_enabled(None)
-    L.linear(SimpleNamespace(is_cuda=False), w, rows=False)
-    assert calls == ["cublas", "triton", "triton", "triton", "cpu"]
+    L.linear(SimpleNamespace(is_cuda=False), w, rows=False)     # one CPU device: its plain product
+    with lanes.invariant():                         # a CPU mesh rank: the shard-invariant panels
+        L.linear(SimpleNamespace(is_cuda=False), w, rows=False)
+    assert calls == ["cublas", "triton", "triton", "triton", "one cpu", "cpu"]
 
 
 @pytest.mark.parametrize("t,pos0,hq,hkv,d", [(5, 0, 6, 2, 16), (7, 11, 4, 4, 32), (1, 9, 6, 3, 8), (13, 3, 8, 2, 24)])
