@@ -44,8 +44,8 @@ class Linear(nn.Module):
     """A bias-free projection holding `weight` [out, in]; the matmul goes through ops.linear.
 
     `row_parallel`: the reduction over `in` is one tensor parallelism splits (o_proj, out_proj,
-    down_proj), computed as the canonical float32 chunk tree of ops/splitk.py on every degree; a
-    mesh sets `ksplit` to this rank's chunks and `combine` to the cross-rank tree. `launch_n`: the
+    down_proj), computed as the canonical float32 chunk tree of ops/splitk.py on every degree of a
+    mesh and in the canonical mode (one device's default is the plain product); a mesh sets `ksplit` to this rank's chunks and `combine` to the cross-rank tree. `launch_n`: the
     whole matrix's `out` when this is a column shard (CUDA launch settings, ops/linear.py)."""
 
     def __init__(self, in_features: int, out_features: int, row_parallel: bool = False):
