@@ -222,7 +222,7 @@ class Driver:
                 data = json.load(f)
         data.update(wanted=modes, task_status=r["status"], task_seconds=round(r["seconds"], 1))
         if r["status"] != "ok":
-            data["status_line"] = data.get("error") or f"{r['status']}: {r['last_line']}"
+            data["status_line"] = data.get("error") or f"{r['status']}: {data.get('progress') or r['last_line']}"
         sh["runners"][engine] = data
         self.note(f"{engine} {shape} done", status=r["status"], seconds=round(r["seconds"], 1))
 
