@@ -55,20 +55,22 @@ def repetition(trunk, tok, prompts: torch.Tensor, new_tokens: int, eos_ids: tupl
     p = prompts.shape[1]
     alive = ul.alive_mask(seq, p, eos_ids)
     mask = ul.ngram_repeat_mask(seq, p, ngram)
-    lines = rep = rep_all = g_distinct = g_all = 0
+    lines = rep = rep_all = g_distinct = g_all = short = ended_n = 0
     for i in range(seq.shape[0]):
         cont = seq[i, p:][alive[i, p:]].tolist()
         ended = bool(cont) and cont[-1] in eos_ids
         if ended:
             cont = cont[:-1]
         n, r, ra = ul.line_stats(tok.decode(seq[i, :p].tolist()), tok.decode(cont), cut=not ended)
+        short += n < 2
+        ended_n += ended
         lines, rep, rep_all = lines + n, rep + r, rep_all + ra
         grams = {tuple(cont[j:j + 4]) for j in range(len(cont) - 3)}
         g_distinct, g_all = g_distinct + len(grams), g_all + max(0, len(cont) - 3)
     return {"repeated_line_frac": rep / max(1, lines), "repeated_line_frac_with_prompt": rep_all / max(1, lines),
             "distinct_4gram_frac": g_distinct / max(1, g_all),
             f"repeated_{ngram}gram_token_frac": float((mask & alive).sum() / alive.sum().clamp_min(1)),
-            "lines": lines, "prompts": int(seq.shape[0])}
+            "lines": lines, "prompts": int(seq.shape[0]), "prompts_under_2_lines": short, "ended": ended_n}
 
 
 def _lr(step: int, sched: int, tc) -> float:
@@ -141,10 +143,15 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, t
             mls, _ = mtp_losses(trunk, head, ids, h, logits, tc.mtp_steps, tc.mtp_distill)
             tok_ul = ul.token_unlikelihood(logits[:, :-1], ids) if tc.ul_token_weight else lm.new_zeros(())
             rh, rlogits = trunk_forward(trunk, seq)
+            ban = None
             if teacher is not None:
                 with torch.no_grad():
                     _, tlogits = trunk_forward(teacher, seq)
-                seq_ul = ul.anchored_unlikelihood(rlogits[:, :-1], tlogits[:, :-1], seq, mask, alive)
+                if tc.ul_seq_ban:
+                    ban = ul.repeat_continuations(seq, p_len, tc.ul_ngram, rlogits.shape[-1])
+                    seq_ul = ul.banned_anchored_unlikelihood(rlogits[:, :-1], tlogits[:, :-1], ban, alive)
+                else:
+                    seq_ul = ul.anchored_unlikelihood(rlogits[:, :-1], tlogits[:, :-1], seq, mask, alive)
             else:
                 seq_ul = ul.sequence_unlikelihood(rlogits[:, :-1], seq, mask, alive)
             rmls, _ = mtp_losses(trunk, head, seq, rh, rlogits, tc.mtp_steps, 1.0)
@@ -157,9 +164,13 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, t
         if step % 25 == 0 or step == sched - 1:
             with torch.no_grad():     # the mean probability of the repeating tokens, which the loss pushes down
                 m = (mask & alive)[:, 1:]
-                p_rep = rlogits[:, :-1].float().softmax(-1).gather(-1, seq[:, 1:, None])[..., 0][m].mean()
+                probs = rlogits[:, :-1].float().softmax(-1)
+                p_rep = probs.gather(-1, seq[:, 1:, None])[..., 0][m].mean()
+                # the model's probability mass on repeat-completing tokens at alive positions
+                p_ban = (probs * ban[:, 1:]).sum(-1)[alive[:, 1:]].mean().item() if ban is not None else float("nan")
+                del probs
             rec = {"step": step, "lr": lr, "loss": loss.item(), "lm": lm.item(), "token_ul": tok_ul.item(),
-                   "p_repeat": p_rep.item(),
+                   "p_repeat": p_rep.item(), "p_banned": p_ban,
                    "seq_ul": seq_ul.item(), "mtp": [m.item() for m in mls], "mtp_rollout": [m.item() for m in rmls],
                    "rollout_repeat_frac": float((mask & alive).sum() / alive.sum().clamp_min(1)),
                    "prompt_tokens": p_len, "grad_norm": gn.item(), "t": time.time() - t0}
