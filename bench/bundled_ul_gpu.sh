@@ -10,7 +10,9 @@
 # The greedy repetition (bench/bundled_loops.py) and MTP acceptance (bench/bundled_accept.py) are
 # measured afterwards on a CPU, on the unpacked weights (they run the engine's CPU path).
 # Everything printed goes to $OUT/log.txt. DRY=1 runs the same steps tiny on the CPU (a smoke test).
-#   OUT=/tmp/out BUDGET=145 bash bench/bundled_ul_gpu.sh
+# Run once (2026-11-30, commit 0e2a00b, H200, 106.9 s) as `OUT=$OUT BUDGET=143 bash bench/bundled_ul_gpu.sh`
+# with the stdlib corpus: results and the next call in MODEL_CARD.md.
+#   OUT=/tmp/out BUDGET=145 [CORPUS=site UL_TIME=60] bash bench/bundled_ul_gpu.sh
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -19,6 +21,8 @@ INIT=${INIT:-specfire/bundled}
 CK=${CK:-/tmp/ck-ul}
 PY=${PY:-python}
 UL_TIME=${UL_TIME:-70}
+CORPUS=${CORPUS:-stdlib}                # site: the pretraining corpus (+~25 s of preparation), subsampled to
+MAX_BYTES=${MAX_BYTES:-32000000}        #   MAX_BYTES; stdlib: 10 MB, which the phase overfits (MODEL_CARD.md)
 mkdir -p "$OUT"
 LOG=$OUT/log.txt
 UL=(--ul-lr 5e-4 --ul-warmup 5 --ul-token-weight 0 --ul-ngram 8 --ul-snapshots 1)
@@ -28,7 +32,7 @@ if [ "${DRY:-0}" = 1 ]; then
          --seq-len 64)
   PPL=(--device cpu --max-bytes 20000 --accept-windows 2 --batch 4)
 else
-  TRAIN=(--preset bundled-ul --corpus stdlib --ul-time-s "$UL_TIME" --eval-windows 64 --ul-pool 1024
+  TRAIN=(--preset bundled-ul --corpus "$CORPUS" --max-train-bytes "$MAX_BYTES" --ul-time-s "$UL_TIME" --eval-windows 64 --ul-pool 1024
          --ul-batch 64 --ul-data-batch 64 --ul-new-tokens 128 --ul-prompt-min 16 --ul-prompt-max 32
          --ul-eval-prompts 64)
   PPL=(--device cuda --batch 32 --accept-windows 128)

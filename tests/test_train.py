@@ -219,6 +219,14 @@ def test_banned_anchored_target_removes_every_repeat_continuation():
     assert y.grad.abs().max() < 1e-6
 
 
+def test_ul_schedule_fit():
+    from specfire.train.finetune import fit_schedule
+
+    assert fit_schedule(11, 0.5, 20.0, 1000) == 51          # 40 more steps fit in 20 s
+    assert fit_schedule(11, 0.5, 20.0, 30) == 30            # capped by ul_steps
+    assert fit_schedule(11, 0.5, -3.0, 1000) == 12          # over time: one more step, then the phase stops
+
+
 def test_unlikelihood_phase_from_a_checkpoint(tiny_trained, tmp_path):
     """`init` + a UL phase: the checkpoint's tokenizer and shape are kept, snapshots are packed, the
     metrics hold the before/after evaluations and repetition logs, and greedy MTP == AR on it."""

@@ -34,6 +34,8 @@ class Prompts:
 
     def batch(self, n: int, length: int, device) -> torch.Tensor:
         """[n, length] prompts of exactly `length` tokens (snippets too short are skipped)."""
+        if not self.snippets:
+            raise ValueError("no `def` / `class` line in the documents to cut rollout prompts from")
         rows: list[list[int]] = []
         while len(rows) < n:
             pick = [self.snippets[self.rng.randrange(len(self.snippets))] for _ in range(2 * (n - len(rows)))]
@@ -80,6 +82,12 @@ def _lr(step: int, sched: int, tc) -> float:
     return tc.ul_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+def fit_schedule(step: int, per_step_s: float, left_s: float, cap: int) -> int:
+    """The schedule length that ends when the time left does, at `per_step_s` a step (at least
+    one more step, at most `cap`)."""
+    return min(cap, step + max(1, int(left_s / per_step_s)))
+
+
 def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, tok, eos_ids: tuple[int, ...],
               limit_s: float, save, log) -> dict:
     """Fine-tune in place for `tc.ul_steps` steps or `limit_s` seconds (schedule fitted after a
@@ -95,8 +103,11 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, t
     gen = torch.Generator(device="cpu").manual_seed(tc.seed + 7)
     offs = torch.arange(tc.seq_len, device=dev)
     sampler = Prompts(tok, train_docs, tc.seed)
-    held_prompts = (Prompts(tok, held_docs, tc.seed + 1).batch(tc.ul_eval_prompts, tc.ul_eval_prompt_tokens, dev)
-                    if tc.ul_eval_prompts else None)
+    held = Prompts(tok, held_docs, tc.seed + 1)
+    held_prompts = (held.batch(tc.ul_eval_prompts, tc.ul_eval_prompt_tokens, dev)
+                    if tc.ul_eval_prompts and held.snippets else None)
+    if tc.ul_eval_prompts and not held.snippets:
+        log("UL: the held-out documents have no `def` / `class` line: no repetition log")
 
     def rep_eval() -> dict | None:
         if held_prompts is None:
@@ -113,17 +124,27 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, t
     pool, used, p_len = None, 0, 0
     t0 = time.time()
     sched, t_probe, history = tc.ul_steps, 0.0, out["history"]
+
+    def fit(step: int, note: str) -> None:
+        """Fit the cosine schedule to the time left at the mean step time since the probe began
+        (refitted at each pool refresh, whose rollouts the probe's steps do not include)."""
+        nonlocal sched, marks
+        per = (time.time() - t_probe) / (step - 3)
+        sched = fit_schedule(step, per, limit_s - (time.time() - t0), tc.ul_steps)
+        marks = [round(sched * (i + 1) / (tc.ul_snapshots + 1)) for i in range(tc.ul_snapshots)]
+        log(f"UL: {per * 1e3:.0f} ms/step{note}: schedule fitted to {sched} steps for {limit_s:.0f}s")
+
     marks = [max(1, round(sched * (i + 1) / (tc.ul_snapshots + 1))) for i in range(tc.ul_snapshots)]
     step = 0
     for step in range(tc.ul_steps):
         if limit_s and step == 3:
             t_probe = time.time()
         if limit_s and step == 3 + tc.ul_probe_steps:
-            per = (time.time() - t_probe) / tc.ul_probe_steps
-            sched = min(tc.ul_steps, step + int((limit_s - (time.time() - t0)) / per))
-            marks = [max(step + 1, round(sched * (i + 1) / (tc.ul_snapshots + 1))) for i in range(tc.ul_snapshots)]
-            log(f"UL: {per * 1e3:.0f} ms/step: schedule fitted to {sched} steps for {limit_s:.0f}s")
-        if pool is None or used + tc.ul_batch > pool[0].shape[0]:
+            fit(step, "")
+        refresh = pool is None or used + tc.ul_batch > pool[0].shape[0]
+        if refresh and limit_s and step > 3 + tc.ul_probe_steps:
+            fit(step, " with rollouts")
+        if refresh:
             p_len = random.Random(tc.seed * 1000 + step).randint(tc.ul_prompt_min, tc.ul_prompt_max)
             trunk.eval()
             seq = greedy_rollout(trunk, sampler.batch(tc.ul_pool, p_len, dev), tc.ul_new_tokens)
@@ -177,7 +198,7 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, t
             history.append(rec)
             log(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()}))
         done = step + 1
-        if done in marks:
+        if len(out["snapshots"]) < len(marks) and done >= marks[len(out["snapshots"])] and done < sched:
             snap = {"step": done, "repetition": rep_eval()}
             out["snapshots"].append(snap)
             log(f"UL snapshot at step {done}: " + json.dumps(snap["repetition"]))
