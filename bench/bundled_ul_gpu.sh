@@ -10,7 +10,7 @@
 # The greedy repetition (bench/bundled_loops.py) and MTP acceptance (bench/bundled_accept.py) are
 # measured afterwards on a CPU, on the unpacked weights (they run the engine's CPU path).
 # Everything printed goes to $OUT/log.txt. DRY=1 runs the same steps tiny on the CPU (a smoke test).
-# Run once (2026-11-30, commit 0e2a00b, H200, 106.9 s) as `OUT=$OUT BUDGET=143 bash bench/bundled_ul_gpu.sh`
+# Run once (2026-11-30, commit 83f5670, H200, 106.9 s) as `OUT=$OUT BUDGET=143 bash bench/bundled_ul_gpu.sh`
 # with the stdlib corpus: results and the next call in MODEL_CARD.md.
 #   OUT=/tmp/out BUDGET=145 [CORPUS=site UL_TIME=60] bash bench/bundled_ul_gpu.sh
 set -u
