@@ -111,8 +111,10 @@ def _gdn_decode_kernel(x_ptr, a_ptr, b_ptr, win_ptr, w_ptr, alog_ptr, dtb_ptr, s
 
 def gdn_decode_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, window: torch.Tensor, w: torch.Tensor,
                       a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, hk: int, dk: int, dv: int,
-                      bv: int = BV, num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Contract of gdn_decode_ref, one launch."""
+                      bv: int | None = None, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Contract of gdn_decode_ref, one launch. bv / num_warps (default BV / NUM_WARPS) split the
+    value columns and the reductions' lanes: they change no row's dependence on others."""
+    bv, num_warps = bv or BV, num_warps or NUM_WARPS
     t, c = qkv.shape
     hv, kk = a.shape[1], w.shape[-1]
     if c != 2 * hk * dk + hv * dv or hv % hk or kk < 2:

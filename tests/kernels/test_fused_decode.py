@@ -145,3 +145,33 @@ def test_out_gate_matches_reference(t, hq, d, dtype):
     else:  # the same rounding points (the interpreter rounds bf16 its own way: a few units)
         torch.testing.assert_close(y.float(), ry.float(), rtol=2 ** -5, atol=0)
     assert torch.equal(out_gate_triton(o[1:], qg[1:]), y[1:])     # row-invariant
+
+
+def test_model_rows_forward_fused_matches_unfused(monkeypatch):
+    """The call sites in model/qwen35.py: a 3-row verify through the fused kernels (forced on, CPU
+    tensors in the interpreter) gives the unfused logits, KV rows and per-row captures."""
+    from specfire.config import ModelConfig
+    from specfire.model.qwen35 import Qwen35Trunk
+    from specfire.ops import fusion
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      layer_types=("linear_attention", "full_attention"), num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2,
+                      linear_key_head_dim=8, linear_value_head_dim=8)
+    torch.manual_seed(0)
+    m = Qwen35Trunk(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape) * (0.1 if p.dim() == 1 else p.shape[-1] ** -0.5))
+    ids, draft = torch.randint(0, 64, (6,)), torch.randint(0, 64, (3,))
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(fusion, "enabled", lambda x, on=on: on)
+        st = m.new_state(16, torch.float32)
+        m(ids, 0, st, rows=False)
+        h, logits = m(draft, 6, st, rows=True)
+        lin, att = st.layers
+        outs.append((logits, lin.cap_rec, lin.cap_conv, att.k[6:9].clone(), att.v[6:9].clone()))
+        st.commit(1)                                   # the captures install as before
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
