@@ -81,6 +81,7 @@ def stage_parity(rep: Report, dev: str, tiny: bool) -> None:
                 ok &= torch.equal(o1[0], o[i]) and torch.equal(c1[0], caps[i])
                 cs, cw = caps[i], full[i + 1:i + kk]
             res["gdn_rows_invariant"] = ok
+            res["gdn_detail"] = rows_detail(qkv, a, b, win, w, alog, dtb, s, hk, dk, dv, o, caps, full)
             h2, k2 = hv // 2, hk // 2
             ch = torch.cat([torch.arange(k2 * dk), hk * dk + torch.arange(k2 * dk), 2 * hk * dk + torch.arange(h2 * dv)]).to(dev)
             o2, c2, _ = gdn_decode_triton(qkv[:, ch].contiguous(), a[:, :h2].contiguous(), b[:, :h2].contiguous(),
@@ -114,6 +115,51 @@ def stage_parity(rep: Report, dev: str, tiny: bool) -> None:
                    and res["attn_rows_invariant"] and all(d_["full_equal"] for k, d_ in res.items() if k.startswith("gdn_rows") and isinstance(d_, dict))
                    and all(d_["v_equal"] for k, d_ in res.items() if k.startswith("attn_rows") and isinstance(d_, dict)))
     rep.put("parity", res)
+
+
+def rows_detail(qkv, a, b, win, w, alog, dtb, s, hk, dk, dv, o, caps, full) -> dict:
+    """Which rows of a 4-row call differ from single rows, and whether a 2-row call equals the
+    first two rows of the 4-row call (no single-row binary involved)."""
+    kk = w.shape[-1]
+    det, cs, cw = {}, s, win
+    for i in range(qkv.shape[0]):
+        o1, c1, _ = gdn_decode_triton(qkv[i:i + 1], a[i:i + 1], b[i:i + 1], cw, w, alog, dtb, cs, hk, dk, dv)
+        det[f"row{i}"] = [bool(torch.equal(o1[0], o[i])), bool(torch.equal(c1[0], caps[i]))]
+        cs, cw = caps[i], full[i + 1:i + kk]
+    o2, c2, _ = gdn_decode_triton(qkv[:2], a[:2], b[:2], win, w, alog, dtb, s, hk, dk, dv)
+    det["rows2_prefix"] = [bool(torch.equal(o2, o[:2])), bool(torch.equal(c2, caps[:2]))]
+    return det
+
+
+def stage_norms(rep: Report, dev: str) -> None:
+    """Warps per row of the hidden-size add+RMSNorm (27B: 5120) timed inside a CUDA graph; the
+    fastest is kept (ops/triton_small.py NORM_WARPS)."""
+    from specfire.ops import triton_small
+    if dev != "cuda":
+        return
+    x, h = (torch.randn(1, 5120, device=dev).to(torch.bfloat16) for _ in range(2))
+    wt = torch.randn(5120, device=dev).to(torch.bfloat16)
+    times = {}
+    for nw in (4, 8, 16, 32):
+        triton_small.NORM_WARPS = nw
+        triton_small.add_rms_norm_triton(x, h, wt, 1e-6)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(20):
+                triton_small.add_rms_norm_triton(x, h, wt, 1e-6)
+        graph.replay()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(10):
+            graph.replay()
+        e1.record()
+        e1.synchronize()
+        times[f"w{nw}"] = e0.elapsed_time(e1) * 1e3 / 200
+        del graph
+    best = min(times, key=times.get)
+    triton_small.NORM_WARPS = int(best[1:])
+    rep.put("norms", {"add_rms_norm_5120_us": times, "pick": best})
 
 
 def stage_sweep(rep: Report, dev: str, tiny: bool) -> None:
@@ -231,7 +277,7 @@ def main() -> None:
     ap.add_argument("--shape", default="27B")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--stages", default="parity,sweep,bundled,big")
+    ap.add_argument("--stages", default="parity,sweep,norms,bundled,big")
     ap.add_argument("--budget", type=float, default=180.0, help="seconds; later stages are skipped past it")
     ap.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny shapes")
     args = ap.parse_args()
@@ -245,6 +291,7 @@ def main() -> None:
                       "shape": args.shape, "prompt": args.prompt, "tokens": args.tokens})
     stages = {"parity": lambda: stage_parity(rep, dev, args.smoke),
               "sweep": lambda: stage_sweep(rep, dev, args.smoke),
+              "norms": lambda: stage_norms(rep, dev),
               "bundled": lambda: stage_bundled(rep, dev, args.tokens, out),
               "big": lambda: stage_big(rep, dev, args.shape, args.prompt, out)}
     for name in args.stages.split(","):

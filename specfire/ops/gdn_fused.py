@@ -10,7 +10,9 @@ its key head's q/k channels (h // rep, recomputed by every program of that head:
 keeps programs independent), its v channels, the state columns it owns. So a program's result
 depends only on its head's inputs (tensor-parallel shards by heads give the same bits), and rows
 are applied in order from the state in registers exactly as a one-row call applies them from the
-stored capture (verify rows equal decode rows bit for bit). Each channel of the conv window
+stored capture (verify rows equal decode rows bit for bit: the row count is not specialised, so a
+one-row call runs the same binary, and the conv chain is written as explicit FMAs; a first GPU
+run without these two measures had rows differ from chained single rows). Each channel of the conv window
 after the rows (`full`, which commit reads) is written by exactly one program.
 """
 from __future__ import annotations
@@ -59,13 +61,13 @@ def _tap(x_ptr, win_ptr, i, ch, ok, sx, C, KM1: tl.constexpr):
 def _conv_silu(x_ptr, win_ptr, w_ptr, t, ch, ok, sx, C, K: tl.constexpr):
     """Output row t of the causal depthwise conv + SiLU: a fixed chain over the K taps."""
     acc = _tap(x_ptr, win_ptr, t, ch, ok, sx, C, K - 1) * tl.load(w_ptr + ch * K, mask=ok, other=0.0).to(tl.float32)
-    for j in tl.static_range(1, K):
-        acc += _tap(x_ptr, win_ptr, t + j, ch, ok, sx, C, K - 1) * \
-            tl.load(w_ptr + ch * K + j, mask=ok, other=0.0).to(tl.float32)
+    for j in tl.static_range(1, K):   # explicit FMAs: the compiler cannot contract them differently per row
+        acc = tl.fma(_tap(x_ptr, win_ptr, t + j, ch, ok, sx, C, K - 1),
+                     tl.load(w_ptr + ch * K + j, mask=ok, other=0.0).to(tl.float32), acc)
     return acc / (1.0 + tl.exp(-acc))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])   # one binary for every row count: row t runs the same code
 def _gdn_decode_kernel(x_ptr, a_ptr, b_ptr, win_ptr, w_ptr, alog_ptr, dtb_ptr, s_ptr, o_ptr, cap_ptr, full_ptr,
                        n_rows, sx, sa, sb, C, KEY_DIM, q_scale,
                        REP: tl.constexpr, K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
