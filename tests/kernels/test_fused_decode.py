@@ -58,6 +58,16 @@ def test_gdn_decode_rows_equal_chained_single_rows():
         assert torch.equal(f1[1:], cur_w)
 
 
+def test_gdn_decode_compiles_one_binary_for_every_row_count():
+    """On the GPU a row count of 1 specialised as a constant changed FMA contraction in the one-row
+    binary and broke row invariance (first H200 run, docs/BENCHMARKS.md); the interpreter cannot
+    show that, so the guard is checked here."""
+    from specfire.ops import gdn_fused
+    k = gdn_fused._gdn_decode_kernel
+    opts = getattr(k, "kwargs", None) or {"do_not_specialize": getattr(k, "do_not_specialize", None)}
+    assert "n_rows" in (opts.get("do_not_specialize") or [])
+
+
 def test_gdn_decode_head_shard_equals_whole():
     t, hk, hv, dk, dv, kk = 2, 2, 4, 4, 4, 4
     qkv, a, b, win, w, a_log, dtb, s = _gdn_inputs(t, hk, hv, dk, dv, kk, torch.bfloat16, seed=3)
