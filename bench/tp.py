@@ -9,7 +9,8 @@ Each job runs in its own process with a time limit (a hung mesh costs its limit,
 and is skipped when the remaining budget (--budget-s) is below its estimate. Every result is one
 JSON line appended to OUT/tp.jsonl as it is measured.
 
-  kernels   canonical split-K kernels vs the plain GEMV, tree-loop settings sweep (bench/tp_kernels.py)
+  kernels   the tree loop with 1/2/4 programs per tile and the grouped column launch vs the plain
+            forms, bitwise; the faster bit-equal forms become the later jobs' settings (tp_kernels.py)
   bundled   the bundled model in bf16: tp2 logits == tp1 (canonical split on) bitwise, greedy AR
             tokens equal, MTP k=3 == AR on both
   ckpt      random weights of the shape with an MTP head, written once (--ckpt-dir); a second
@@ -44,7 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 CEILING = 4.17e12     # measured device-to-device copy bandwidth of the H200 (bytes/s)
 # job -> (estimated seconds, time limit seconds) on the GPU at the 27B shape
-JOBS = {"kernels": (15, 120), "bundled": (35, 120), "ckpt": (30, 100), "speed1": (60, 120), "speed2": (60, 200),
+JOBS = {"kernels": (40, 120), "bundled": (35, 120), "ckpt": (30, 100), "speed1": (60, 120), "speed2": (60, 200),
         "ident1": (50, 120), "ident2": (40, 120), "collect": (12, 90)}
 
 

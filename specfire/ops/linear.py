@@ -80,6 +80,17 @@ def linear(x: torch.Tensor, w, rows: bool, launch_n: int | None = None) -> torch
     return F.linear(x, w) if x.is_cuda else _paneled(F.linear, x, w)          # one GPU's prefill: cuBLAS
 
 
+def linear_group(x: torch.Tensor, ws: list, rows: bool, launch_ns: list[int | None]) -> list[torch.Tensor]:
+    """[linear(x, w, rows, n) for w, n in zip(ws, launch_ns)], the same bits; where they take the
+    Triton path on CUDA, one grouped launch (ops/triton_gemv.py gemv_group: a column shard alone
+    launches half the whole's programs, too few to fill the GPU)."""
+    triton_path = x.is_cuda and (rows or any(n is not None for n in launch_ns) or splitk_enabled(x))
+    if not triton_path or not all(isinstance(w, torch.Tensor) for w in ws):
+        return [linear(x, w, rows, n) for w, n in zip(ws, launch_ns)]
+    from .triton_gemv import gemv_group, row_tile
+    return gemv_group(x, ws, launch_ns, row_tile(x.shape[0], rows))
+
+
 def q4_dense(w, dtype: torch.dtype) -> torch.Tensor:
     """The CPU reference's one dense copy of a 4-bit weight (rotated basis), kept on the weight."""
     if w._dense is None or w._dense.dtype != dtype:
