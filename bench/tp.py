@@ -244,8 +244,8 @@ def job_speed(cfg, path: str, tp: int, device: str, log: Log, prompt: int, token
         mtp = llm.engine.drafters.get("mtp")
         dg = getattr(mtp, "graphs", None)
         if dg is not None and device == "cuda":
-            for (m, k), gr in sorted(dg.graphs.items()):
-                probe[f"draft_graph_m{m}_k{k}_ms"] = _time_graph(gr.graph, 20) * 1e3
+            for key, gr in sorted(dg.graphs.items(), key=lambda kv: str(kv[0])):   # key: the drafter's tuple
+                probe["draft_graph_" + "_".join(map(str, key)) + "_ms"] = _time_graph(gr.graph, 20) * 1e3
         log("probe", **probe)
         for rows in (1, 4):
             for r in range(tp):
@@ -379,7 +379,7 @@ def main() -> None:
     ap.add_argument("--ckpt-dir", default=None, help="where the checkpoints go (default: a fresh dir in /dev/shm)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--commit", default=None, help="recorded in the log (the GPU copy has no .git)")
-    ap.add_argument("--keep-kernel", action="store_true", help="do not apply the kernels job's best tree-loop setting")
+    ap.add_argument("--keep-kernel", action="store_true", help="do not apply the kernels job's choice of forms")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: check the flow, no timings worth keeping")
     ap.add_argument("--job", default=None, help=argparse.SUPPRESS)            # a child: run this one job
     ap.add_argument("--job-limit-s", type=float, default=600, help=argparse.SUPPRESS)
@@ -432,12 +432,11 @@ def main() -> None:
                     rc = "killed at its time limit"
                 if rc != 0:
                     log("error", where=f"job {job}", error=f"exited with {rc}", seconds=time.perf_counter() - t0)
-            job = group
             best = os.path.join(args.ckpt_dir, "best_loop.json")
-            if job == "kernels" and os.path.exists(best) and not args.keep_kernel:
+            if "kernels" in jobs and os.path.exists(best) and not args.keep_kernel:
                 with open(best) as f:
                     env = json.load(f)
-                os.environ.update(env)          # the later jobs run the fastest bit-equal tree loop
+                os.environ.update(env)          # the later jobs run the fastest bit-equal forms
                 log("kernel_choice", env=env)
     finally:
         if own_dir:

@@ -315,10 +315,10 @@ def _loop_override() -> tuple[GemvConfig | None, bool]:
 
 
 LOOP_CONFIG, LOOP_SELECT = _loop_override()
-TREE_SPLIT = os.environ.get("SPECFIRE_SPLITK_SPLIT", "1")
+TREE_SPLIT = os.environ.get("SPECFIRE_SPLITK_SPLIT", "auto")
 if TREE_SPLIT not in ("1", "2", "4", "auto"):
     raise ValueError(f"SPECFIRE_SPLITK_SPLIT must be 1, 2, 4 or auto, got {TREE_SPLIT!r}")
-SPLIT_FILL = 132          # programs wanted by "auto": the H200's SMs
+SPLIT_FILL = 132          # "auto" splits launches of fewer tiles than this (the H200's SMs)
 
 
 def tree_loop_config(n: int, k: int) -> GemvConfig:
@@ -370,10 +370,11 @@ def gemv_tree_loop(x: torch.Tensor, w: torch.Tensor, c: int, out_dtype: torch.dt
 
 def tree_split(c: int, tiles: int) -> int:
     """How many programs share an output tile's chunks in the tree loop (the bits do not depend on
-    it). SPECFIRE_SPLITK_SPLIT: 1, 2, 4, or "auto" (the fewest that give >= SPLIT_FILL programs)."""
+    it). "auto" (default): 2 where the tiles alone leave SMs idle (decode / verify rows: a hidden
+    size of 5120 is 80 tiles), else 1. Measured on the H200 (27B shapes, docs/BENCHMARKS.md, fourth
+    session): 2 programs cut a tp2 step's tree loops from 2.55 to 2.35 ms; 4 raised them to 3.76.
+    SPECFIRE_SPLITK_SPLIT=1, 2 or 4 forces a value."""
     if TREE_SPLIT == "auto":
-        s = 1
-        while s < 4 and c % (2 * s) == 0 and tiles * s < SPLIT_FILL:
-            s *= 2
-        return s
-    return min(int(TREE_SPLIT), c)
+        return 2 if c % 2 == 0 and tiles < SPLIT_FILL else 1
+    s = min(int(TREE_SPLIT), c)
+    return s if c % s == 0 else 1
