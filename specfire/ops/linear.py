@@ -16,8 +16,9 @@ with zero rows: then every element comes out of the same code whatever shard it 
 (measured equal for shards starting anywhere, M = 1..300, 1 and 2 threads). On a CUDA mesh (and
 one GPU with the canonical split on) every product, prefill included, goes through the Triton
 kernel with the launch settings of the whole matrix (`launch_n`), so a shard computes each element
-exactly as the whole does. One GPU without the canonical split (ops/splitk.py, the default) has no
-shard to match: its prefill uses cuBLAS (~2.3x the Triton kernel's GEMM rate); decode and verify
+exactly as the whole does (projections of one input launched together take the settings of the
+group's widest whole matrix: linear_group). One GPU without the canonical split (ops/splitk.py,
+the default) has no shard to match: its prefill uses cuBLAS (~2.3x the Triton kernel's GEMM rate); decode and verify
 keep the row-invariant kernel, so greedy speculation still equals AR.
 A 4-bit `QuantWeight` (ops/quant.py) is accepted in place of a weight tensor.
 """
