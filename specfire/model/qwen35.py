@@ -26,7 +26,7 @@ from ..ops import gdn as gdn_ops
 from ..ops import lanes
 from ..ops import norm as norm_ops
 from ..ops.act import silu_mul
-from ..ops.linear import linear
+from ..ops.linear import linear, linear_group
 from ..ops.splitk import ChunkCache, KSplit, subtree
 from ..ops.splitk import enabled as splitk_enabled
 from ..ops.rope import apply_rope, rope_cos_sin
@@ -69,6 +69,15 @@ class Linear(nn.Module):
         return self.combine(subtree(x, self.weight, self.ksplit, rows, self._chunks, out=out))
 
 
+def project(x: torch.Tensor, rows: bool, *lins: Linear) -> list[torch.Tensor]:
+    """Column projections of one input (MLP gate + up; attention q, k, v; GDN qkv, z, b, a): on
+    CUDA one launch whose settings come from the whole matrices' shapes, so a shard computes every
+    element as the whole does (ops/linear.py linear_group)."""
+    if any(lin.ksplit is not None for lin in lins):
+        return [lin(x, rows) for lin in lins]
+    return linear_group(x, [lin.weight for lin in lins], rows, [lin.launch_n for lin in lins])
+
+
 class RMSNorm(nn.Module):
     """Zero-centred RMSNorm (scale 1 + w)."""
 
@@ -99,7 +108,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, row_parallel=True)
 
     def forward(self, x: torch.Tensor, rows: bool) -> torch.Tensor:
-        act = rowwise(silu_mul, rows, self.gate_proj(x, rows), self.up_proj(x, rows))
+        act = rowwise(silu_mul, rows, *project(x, rows, self.gate_proj, self.up_proj))
         return self.down_proj(act, rows)
 
 
@@ -215,18 +224,19 @@ class GatedAttention(nn.Module):
                 lc: LayerCache, rows: bool) -> torch.Tensor:
         t = x.shape[0]
         d = self.head_dim
-        qg = self.q_proj(x, rows).view(t, self.n_heads, 2 * d)        # [T, Hq, 2D]
+        qg, k, v = project(x, rows, self.q_proj, self.k_proj, self.v_proj)
+        qg = qg.view(t, self.n_heads, 2 * d)                              # [T, Hq, 2D]
         if rows and lc.k_scale is None and fusion.enabled(x):          # GPU: ops/attn_fused.py
             from ..ops import attn_fused as af
-            q = af.qk_norm_rope_write_triton(qg, self.k_proj(x, rows).view(t, self.n_kv, d),
-                                             self.v_proj(x, rows).view(t, self.n_kv, d), self.q_norm.weight,
-                                             self.k_norm.weight, self.q_norm.eps, *cos_sin, lc.k, lc.v, pos0)
+            q = af.qk_norm_rope_write_triton(qg, k.view(t, self.n_kv, d), v.view(t, self.n_kv, d),
+                                             self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                             *cos_sin, lc.k, lc.v, pos0)
             o = attn_ops.attention_rows(q, lc.k, lc.v, pos0, self.scale)
             return self.o_proj(af.out_gate_triton(o, qg), rows)
         q, gate = qg[..., :d], qg[..., d:]
         q = rowwise(self.q_norm, rows, q)
-        k = rowwise(self.k_norm, rows, self.k_proj(x, rows).view(t, self.n_kv, d))
-        v = self.v_proj(x, rows).view(t, self.n_kv, d)
+        k = rowwise(self.k_norm, rows, k.view(t, self.n_kv, d))
+        v = v.view(t, self.n_kv, d)
         cos, sin = cos_sin
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
@@ -264,10 +274,8 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, lc: LayerCache, rows: bool) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.in_proj_qkv(x, rows)                                 # [T, conv_dim]
-        z = self.in_proj_z(x, rows).view(t, self.hv, self.dv)
-        b = self.in_proj_b(x, rows)
-        a = self.in_proj_a(x, rows)
+        qkv, z, b, a = project(x, rows, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        z = z.view(t, self.hv, self.dv)
         w = self.conv1d.weight[:, 0, :]
         if rows and fusion.enabled(x):                                  # GPU: ops/gdn_fused.py
             from ..ops.gdn_fused import gdn_decode_triton
