@@ -38,6 +38,7 @@ class Q4Config:
     num_warps: int = 2
     num_stages: int = 4
     sem: bool = True      # split_k > 1: combine in the kernel (last CTA per tile) instead of a second launch
+    wa: bool = False      # codes as the MMA's A operand (y^T = W x^T): fewer register moves in the sm_90 loop
 
 
 # (N, K) at group 128 -> the fastest row-invariant config of the sweep (least t(M=1) + t(M=4) +
@@ -118,6 +119,14 @@ def _mmt(a, bt, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _mm(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b (weights as the MMA's A operand); float32 as in _mmt."""
+    if IEEE:
+        return acc + tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _group_terms(s_ptr, z_ptr, xs_ptr, g, g_hi, N, n_groups, offs_n, n_mask, offs_m, m_mask):
     """Scale and zero of group g for the tile's columns and sum(x) of group g per row; zeros past
     the split's last group (these are the prefetches one group ahead)."""
@@ -131,7 +140,8 @@ def _group_terms(s_ptr, z_ptr, xs_ptr, g, g_hi, N, n_groups, offs_n, n_mask, off
 @triton.jit(do_not_specialize=["M", "n_groups", "groups_per_split", "split"])
 def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M, N, KH, stride_xm, stride_ym,
                n_groups, groups_per_split, split, BLOCK_N: tl.constexpr, G: tl.constexpr, ROWS_: tl.constexpr,
-               TILE: tl.constexpr, SEM: tl.constexpr, ASM: tl.constexpr, IEEE: tl.constexpr):
+               TILE: tl.constexpr, SEM: tl.constexpr, ASM: tl.constexpr, IEEE: tl.constexpr,
+               WA: tl.constexpr = False):
     # Kernel packing (ops/quant.py): in group g, byte j of a row holds codes g*G + j (low nibble)
     # and g*G + G/2 + j (high nibble), rows stored in tiles [N/TILE, K/G, TILE, G/2] (TILE = 0: rows
     # [N, K/2]); scales / zeros are [K/G, N]; KH = K / 2 bytes per row.
@@ -145,7 +155,10 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
     m_mask = offs_m < M
     g_lo = pid_s * groups_per_split
     g_hi = tl.minimum(g_lo + groups_per_split, n_groups)
-    acc = tl.zeros((ROWS_, BLOCK_N), dtype=tl.float32)                      # [ROWS, BLOCK_N] = x W^T tile
+    if WA:
+        acc = tl.zeros((BLOCK_N, ROWS_), dtype=tl.float32)                  # [BLOCK_N, ROWS] = W x^T tile
+    else:
+        acc = tl.zeros((ROWS_, BLOCK_N), dtype=tl.float32)                  # [ROWS, BLOCK_N] = x W^T tile
     if TILE == 0:
         q_rows = q_ptr + offs_n[:, None] * KH + offs_c[None, :]
         q_step = HALF                                                        # bytes from one group to the next
@@ -163,12 +176,19 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
             xe = xe.to(tl.float32)
             xo = xo.to(tl.float32)
         lo, hi = _codes(qb, xe.dtype, ASM)
-        t = _mmt(xo, hi, _mmt(xe, lo, tl.zeros((ROWS_, BLOCK_N), dtype=tl.float32), IEEE), IEEE)
         s = s0.to(tl.float32)
         z = z0.to(tl.float32) - 128.0 * s      # t holds sum (128 + q) x: 128 s sum(x) comes out here
-        acc = tl.fma(t, s[None, :], acc)
-        acc = tl.fma(xs0[:, None], z[None, :], acc)
+        if WA:
+            t = _mm(hi, tl.trans(xo), _mm(lo, tl.trans(xe), tl.zeros((BLOCK_N, ROWS_), dtype=tl.float32), IEEE), IEEE)
+            acc = tl.fma(t, s[:, None], acc)
+            acc = tl.fma(z[:, None], xs0[None, :], acc)
+        else:
+            t = _mmt(xo, hi, _mmt(xe, lo, tl.zeros((ROWS_, BLOCK_N), dtype=tl.float32), IEEE), IEEE)
+            acc = tl.fma(t, s[None, :], acc)
+            acc = tl.fma(xs0[:, None], z[None, :], acc)
         s0, z0, xs0 = s1, z1, xs1
+    if WA:
+        acc = tl.trans(acc)
     out_mask = m_mask[:, None] & n_mask[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     if split == 1:
@@ -237,7 +257,7 @@ def q4_gemv(x: torch.Tensor, qw, cfg: Q4Config | None = None) -> torch.Tensor:
     _q4_kernel[(n_tiles, split)](
         x, xs, qw.qtiled, qw.scales_t, qw.zeros_t, y, part, locks, m, n, k // 2, x.stride(0), y.stride(0),
         n_groups, per, split, BLOCK_N=cfg.block_n, G=g, ROWS_=ROWS, TILE=qw.tile, SEM=sem,
-        ASM=x.dtype == torch.bfloat16 and not INTERPRET, IEEE=x.dtype == torch.float32,
+        ASM=x.dtype == torch.bfloat16 and not INTERPRET, IEEE=x.dtype == torch.float32, WA=cfg.wa,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1 and not sem:  # partials summed in split order by a second launch
         _splitk_sum[(triton.cdiv(m * n, 1024),)](part, y, m * n, SPLIT=split, BLOCK=1024)

@@ -129,6 +129,9 @@ CASES = [  # odd N, masked group tails (a split's last group range shorter), spl
     (9, 33, 2304, 64, False, Q4Config(32, split_k=5), 64),
     (4, 48, 512, 128, False, Q4Config(16, split_k=3, num_warps=1, sem=False), 0),
     (16, 64, 256, 128, False, None, 0),
+    # codes as the MMA's A operand (wa): odd N, masked tails, both combines, both layouts
+    (5, 45, 384, 128, False, Q4Config(32, split_k=2, wa=True), 0),
+    (11, 70, 640, 64, True, Q4Config(16, split_k=4, sem=False, wa=True), 64),
 ]
 
 
@@ -152,7 +155,7 @@ def test_q4_kernel_prefixes_are_row_invariant():
     """Every prefix M = 1..16 of a 16-row call gives the same rows bit for bit (with and without split-K)."""
     qw = QuantWeight.quantize(torch.randn(24, 384, generator=_g(21)), 128)
     x = torch.randn(16, 384, generator=_g(22))
-    for cfg in (Q4Config(16, split_k=2), Q4Config(32)):
+    for cfg in (Q4Config(16, split_k=2), Q4Config(32), Q4Config(16, split_k=2, wa=True)):
         full = q4_gemv(x, qw, cfg)
         for m in range(1, 17):
             assert torch.equal(q4_gemv(x[:m], qw, cfg), full[:m]), (cfg, m)
