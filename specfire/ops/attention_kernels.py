@@ -40,6 +40,8 @@ Q8_MODE = 2
 # steps and the PTX conversion measured 281 us, so the Q8 path never takes those together)
 Q8_BLOCK_N = 32
 Q8_STAGES = 3
+Q8_SPLIT = 512   # keys per span on the Q8 path (its own constant: fixed, never from R or the position)
+Q8_WARPS = 4
 
 
 @triton.jit
@@ -259,8 +261,8 @@ def _attn_combine_kernel(acc_ptr, ml_ptr, out_ptr, pos0, pos_ptr, n_split, hq,
 
 def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos0, scale: float,
                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                          block_m: int = BLOCK_M, split: int = SPLIT, block_n: int | None = None,
-                          num_warps: int = 4, num_stages: int | None = None, prefetch: bool = PREFETCH,
+                          block_m: int = BLOCK_M, split: int | None = None, block_n: int | None = None,
+                          num_warps: int | None = None, num_stages: int | None = None, prefetch: bool = PREFETCH,
                           chunk: int = CHUNK, q8_mode: int | None = None) -> torch.Tensor:
     """Contract of attention_rows_ref (q [R, Hq, D] -> float32 [R, Hq, D]); Q8 when scales are given.
     `pos0` may be a one-element int tensor on the device: the kernels then read it there and the
@@ -270,6 +272,8 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     hkv = k_cache.shape[1]
     rep = hq // hkv
     q8 = k_scale is not None
+    split = split or (Q8_SPLIT if q8 else SPLIT)
+    num_warps = num_warps or (Q8_WARPS if q8 else 4)
     if q.stride(-1) != 1:
         q = q.contiguous()
     pos_ptr = pos0 if isinstance(pos0, torch.Tensor) else None
