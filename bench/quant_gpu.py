@@ -62,15 +62,18 @@ SMS = 132
 # (block_n, num_warps, num_stages, wa) -> CTAs resident per SM (registers / shared memory of the
 # sm_90 build: cuobjdump -res-usage of triton's output), which sets the split-K that fills the
 # machine in one wave; wa = codes as the MMA's A operand (8-12% fewer instructions in the loop).
-# Most promising first (the first runs' winners and their wa forms); every base runs on both code
+# Most promising first (the winners of the runs so far, then the rest); every base runs on both code
 # layouts (rows, 64-row tiles) and at one wave, half a wave and (the first six) two waves.
-BASES = {(64, 2, 4, True): 6, (64, 2, 4, False): 6, (64, 1, 3, True): 8, (64, 1, 3, False): 8,
-         (32, 1, 4, True): 9, (32, 1, 4, False): 11, (128, 2, 4, True): 4, (128, 2, 4, False): 4,
-         (128, 2, 3, True): 4, (64, 2, 3, True): 6, (32, 1, 3, True): 10, (64, 4, 4, True): 3,
+BASES = {(64, 2, 3, True): 6, (128, 2, 3, True): 4, (64, 2, 4, True): 6, (32, 1, 4, True): 9,
+         (64, 1, 3, True): 8, (128, 2, 4, True): 4, (64, 2, 4, False): 6, (64, 1, 3, False): 8,
+         (32, 1, 4, False): 11, (128, 2, 4, False): 4, (32, 1, 3, True): 10, (64, 4, 4, True): 3,
          (16, 1, 4, True): 12, (64, 2, 5, True): 5}
 # how often each shape runs in one 27B decode step (weights for choosing the code layout)
 PER_STEP = {(17408, 5120): 128, (5120, 17408): 64, (12288, 5120): 16, (10240, 5120): 48, (6144, 5120): 48,
             (5120, 6144): 64, (1024, 5120): 32, (248320, 5120): 1}
+# `--shapes fused`: the projections that read the same input as one weight (gate + up; GDN qkv + z;
+# attention q + gate + k + v), i.e. one GEMV launch where the model now makes two or three
+FUSED = [(34816, 5120, "MLP gate+up fused"), (16384, 5120, "GDN qkv+z fused"), (14336, 5120, "attn q+gate+k+v fused")]
 T0 = time.time()
 WARM_LOG = "/tmp/quant_gpu_warm.log"
 
@@ -139,7 +142,7 @@ def candidates(n: int, k: int) -> list[tuple]:
     for b in bases[:6]:
         c += [(cfg_of(b, wave_split(n, k, b, 2)), t) for t in LAYOUTS]
     for b in ((64, 2, 4, True), (32, 1, 4, True)):
-        if wave_split(n, k, b) > 1:   # a second launch combined the splits faster at M = 16 on small-N shapes
+        if b in BASES and wave_split(n, k, b) > 1:   # a second launch combined the splits faster at M = 16 on small-N shapes
             c += [(cfg_of(b, wave_split(n, k, b), False), t) for t in LAYOUTS]
     out = []
     for x in c:
@@ -160,13 +163,14 @@ def rows_layout(qw: QuantWeight) -> QuantWeight:
 
 # ---- 0. warm-up -----------------------------------------------------------------------------
 
-def warm_kernels(part: int, parts: int) -> None:
+def warm_kernels(part: int, parts: int, q8: bool = True) -> None:
     """Compile this worker's share of every candidate: 4-bit GEMVs on a tiny weight (split 1 and
     split 2: the kernel specialises on no size), Q8 attention configs on the real cache sizes (the
     position and row count are runtime values, but 1 may be specialised, so R = 1 and R = 5)."""
     jobs = [("q4", cfg_of(b, sp), tile) for b in BASES for tile in LAYOUTS for sp in (1, 2)]
-    jobs += [("q4", cfg_of(b, 2, False), tile) for b in ((64, 2, 4, True), (32, 1, 4, True)) for tile in LAYOUTS]
-    jobs += [("q8", kw, None) for kw in Q8_CONFIGS]
+    jobs += [("q4", cfg_of(b, 2, False), tile) for b in ((64, 2, 4, True), (32, 1, 4, True)) if b in BASES
+             for tile in LAYOUTS]
+    jobs += [("q8", kw, None) for kw in Q8_CONFIGS] if q8 else []
     mine = [j for i, j in enumerate(jobs) if i % parts == part]
     qws = {tile: random_q4(256, 2048, tile=tile) for tile in LAYOUTS}
     x = torch.randn(16, 2048, device=DEV, dtype=BF)
@@ -194,7 +198,8 @@ def start_warmup(args) -> list:
     n = args.warm_procs
     log = open(WARM_LOG, "w")   # workers' output kept apart from the tables (tail in the JSON)
     for i in range(n):
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm", f"{i}/{n}"], env=env,
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm", f"{i}/{n}",
+                                       "--bases", str(args.bases), "--skip", args.skip], env=env,
                                       stdout=log, stderr=subprocess.STDOUT))
     procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm-e2e"], env=env, stdout=log,
                                   stderr=subprocess.STDOUT))
@@ -326,18 +331,18 @@ def bench_q4(res: dict, budget: float) -> dict:
     return adopted
 
 
-Q8_CONFIGS = [  # Q8 attention sweep (kwargs of attention_rows_triton), the current default first
-    dict(q8_mode=2, split=512, block_n=32, num_warps=4, num_stages=3, prefetch=True)]
-Q8_CONFIGS += [dict(q8_mode=2, split=sp, block_n=32, num_warps=w, num_stages=3, prefetch=pf)
-               for sp, w, pf in ((256, 4, True), (256, 8, True), (256, 4, False), (256, 8, False), (128, 4, True),
-                                 (128, 8, True), (512, 8, True))]
-Q8_CONFIGS += [dict(q8_mode=3, split=sp, block_n=bn, num_warps=w, num_stages=2, prefetch=False)
-               for sp, bn, w in ((512, 32, 4), (512, 32, 8), (256, 32, 4), (256, 32, 8), (128, 32, 4), (128, 32, 8),
-                                 (256, 64, 4), (256, 64, 8))]
-Q8_CONFIGS += [dict(q8_mode=0, split=256, block_n=64, num_warps=4, num_stages=2, prefetch=False)]
+# Q8 attention sweep (kwargs of attention_rows_triton), the current default first. The first call
+# of this session (docs/BENCHMARKS.md) measured spans of 128 / 256, 8 warps, no prefetch, mode 0
+# and the folded-scale form (key scale on per-group scores, value scale on p; commit 5b07e61):
+# all slower than this default; this list tries fewer warps per CTA (less duplicated conversion).
+Q8_CONFIGS = [dict(q8_mode=2, split=512, block_n=32, num_warps=4, num_stages=3, prefetch=True)]
+Q8_CONFIGS += [dict(q8_mode=2, split=sp, block_n=bn, num_warps=w, num_stages=st, prefetch=pf)
+               for sp, bn, w, st, pf in ((512, 32, 2, 3, True), (256, 32, 2, 3, True), (512, 32, 2, 3, False),
+                                         (256, 32, 1, 3, True), (128, 32, 1, 3, True), (512, 32, 2, 4, True),
+                                         (512, 64, 2, 2, False))]
 Q8_SEQ = 33014 if not SMOKE else 200
-if SMOKE:   # the interpreter is slow: the default and one folded config
-    Q8_CONFIGS = [Q8_CONFIGS[0], dict(q8_mode=3, split=64, block_n=32, num_warps=4, num_stages=2, prefetch=False)]
+if SMOKE:   # the interpreter is slow: the default and one other
+    Q8_CONFIGS = [Q8_CONFIGS[0], dict(q8_mode=0, split=64, block_n=32, num_warps=4, num_stages=2, prefetch=False)]
 
 
 def q8_caches(copies: int) -> dict:
@@ -567,11 +572,19 @@ def main() -> int:
     ap.add_argument("--q8-until", type=float, default=0.72, help="the Q8 sweep stops at this fraction of the budget")
     ap.add_argument("--e2e-after", type=float, default=0.8, help="no end-to-end run past this fraction")
     ap.add_argument("--skip", default="")
+    ap.add_argument("--warm-limit", type=float, default=0.0, help="seconds to wait for the warm-up (0: 0.3 x budget)")
+    ap.add_argument("--shapes", default="27b", choices=("27b", "fused"), help="the GEMV shapes swept")
+    ap.add_argument("--bases", type=int, default=0, help="sweep only the first N bases (0: all)")
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.bases:
+        for b in list(BASES)[args.bases:]:
+            del BASES[b]
+    if args.shapes == "fused" and not SMOKE:
+        SHAPES[:] = FUSED
     if args.warm:
         i, n = map(int, args.warm.split("/"))
-        warm_kernels(i, n)
+        warm_kernels(i, n, "q8" not in args.skip.split(","))
         return 0
     if args.warm_e2e:
         bench_e2e({}, "27B", 4, 3, 2)
@@ -591,7 +604,7 @@ def main() -> int:
         with open(path, "w") as f:
             json.dump(res, f, indent=1, default=str)
 
-    res["warmup"] = wait_warmup(procs, 0.3 * b) if procs else None
+    res["warmup"] = wait_warmup(procs, args.warm_limit or 0.3 * b) if procs else None
     adopted = {}
     if "q4" not in skip:
         adopted = bench_q4(res, args.sweep_until * b)

@@ -30,18 +30,13 @@ PREFETCH = True  # Q8: load the next int8 block into registers before dequantizi
 # Q8 with 16-bit queries: 0 = int8 -> float32 (I2F converts) x scale -> the query dtype;
 # 1 = int8 -> fp16 exactly by the magic-number trick (bits 0x6400 | (v + 128) are 1024 + v + 128),
 #     x fp16 scale, fp16 MMAs (q converted to fp16: exact for |q| in [6.1e-5, 65504]);
-# 2 = as 1 with the conversion done on whole 32-bit words by inline PTX (xor, prmt, sub.f16x2);
-# 3 = scales folded out of the dequantisation: per scale group of G elements, scores = (q_g . codes_g)
-#     x the key's scale after an fp16 MMA of exact codes, and p x the value's scale (float32, then
-#     bf16) before a bf16 MMA of exact value codes (bf16 keeps p x scale in range, fp16 would not)
+# 2 = as 1 with the conversion done on whole 32-bit words by inline PTX (xor, prmt, sub.f16x2)
 Q8_MODE = 2
 # the Q8 fp16 path's own tile: 32 keys a step, 3 stages (bench/quant_gpu.py, H200: 60.9 us at 33k
 # positions, R = 1, against 67.6 us for mode 0 at the shared 64-key default; prefetch with 64-key
 # steps and the PTX conversion measured 281 us, so the Q8 path never takes those together)
 Q8_BLOCK_N = 32
 Q8_STAGES = 3
-Q8_SPLIT = 512   # keys per span on the Q8 path (its own constant: fixed, never from R or the position)
-Q8_WARPS = 4
 
 
 @triton.jit
@@ -101,39 +96,13 @@ def asm_q8_emulate(word: int) -> list[int]:
 
 
 @triton.jit
-def _fold_step(q3, kq, vq, ks, vs, offs_n, pos, m_i, l_i, acc3, qk_scale, PREC: tl.constexpr, ASM: tl.constexpr):
-    """Mode 3: one key block with the scales folded out. q3 [NG, BLOCK_M, G], codes kq / vq int8
-    [NG, BLOCK_N, G], scales ks / vs [NG, BLOCK_N], acc3 [NG, BLOCK_M, G]; same masking rules as
-    _online_softmax_step (keys past a row's position get p = 0 exactly)."""
-    if PREC == "ieee":
-        kc = kq.to(tl.float32)
-        vc = vq.to(tl.float32)
-    else:
-        if ASM:
-            kc = tl.inline_asm_elementwise(_ASM_Q8_TL, "=r,=r,r", [kq], dtype=tl.float16, is_pure=True, pack=4)
-        else:
-            kc = (((kq.to(tl.int16) + 128) | 0x6400).to(tl.float16, bitcast=True) - 1152.0).to(tl.float16)
-        vc = vq.to(tl.float32).to(tl.bfloat16)
-    s3 = tl.dot(q3, tl.permute(kc, (0, 2, 1)), input_precision=PREC)      # [NG, BLOCK_M, BLOCK_N] per group
-    s = tl.sum(s3 * ks.to(tl.float32)[:, None, :], 0) * qk_scale
-    s = tl.where(offs_n[None, :] <= pos[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    p3 = (p[None, :, :] * vs.to(tl.float32)[:, None, :]).to(vc.dtype)
-    acc3 = acc3 * alpha[None, :, None] + tl.dot(p3, vc, input_precision=PREC)
-    return m_new, l_i, acc3
-
-
-@triton.jit
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
                        pos0, pos_ptr, n_rows, n_split, qk_scale,
                        sq_r, sq_h, sk_n, sk_h, sv_n, sv_h, sks_n, sks_h, svs_n, svs_h,
                        REP: tl.constexpr, D: tl.constexpr, G: tl.constexpr, Q8: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                        PREC: tl.constexpr, PREFETCH: tl.constexpr, POS_PTR: tl.constexpr,
-                       QMODE: tl.constexpr, ASM_OK: tl.constexpr = True):
+                       QMODE: tl.constexpr):
     if POS_PTR:  # position read on the device (CUDA-graph replay with a new position)
         pos0 = tl.load(pos_ptr).to(tl.int32)
     mt = tl.program_id(0)        # tiles of one span run side by side, so later tiles read the span from L2
@@ -154,7 +123,6 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
         q = q.to(tl.float32)
     if Q8 and QMODE > 0:
         q = q.to(tl.float16)
-    NG: tl.constexpr = D // G
     start = sid * SPLIT
     hi = tl.minimum(start + SPLIT, pos0 + n_rows)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -164,22 +132,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
     v_base = v_ptr + kvh * sv_h + offs_d[None, :]
     ks_base = ks_ptr + kvh * sks_h + offs_g[None, :]
     vs_base = vs_ptr + kvh * svs_h + offs_g[None, :]
-    if Q8 and QMODE == 3:
-        gc3 = (tl.arange(0, NG) * G)[:, None, None] + tl.arange(0, G)[None, None, :]      # [NG, 1, G]
-        g2 = tl.arange(0, NG)[:, None]
-        q3 = tl.load(q_ptr + (row * sq_r + head * sq_h)[None, :, None] + gc3, mask=m_ok[None, :, None], other=0.0)
-        q3 = q3.to(tl.float32) if PREC == "ieee" else q3.to(tl.float16)
-        acc3 = tl.zeros([NG, BLOCK_M, G], tl.float32)
-        for n0 in range(start, hi, BLOCK_N):
-            offs_n = n0 + offs_b
-            ok2 = (offs_n < hi)[None, :]
-            kq = tl.load(k_ptr + kvh * sk_h + offs_n[None, :, None] * sk_n + gc3, mask=ok2[:, :, None], other=0)
-            vq = tl.load(v_ptr + kvh * sv_h + offs_n[None, :, None] * sv_n + gc3, mask=ok2[:, :, None], other=0)
-            ksc = tl.load(ks_ptr + kvh * sks_h + offs_n[None, :] * sks_n + g2, mask=ok2, other=0.0)
-            vsc = tl.load(vs_ptr + kvh * svs_h + offs_n[None, :] * svs_n + g2, mask=ok2, other=0.0)
-            m_i, l_i, acc3 = _fold_step(q3, kq, vq, ksc, vsc, offs_n, pos, m_i, l_i, acc3, qk_scale, PREC, ASM_OK)
-        acc = tl.reshape(tl.permute(acc3, (1, 0, 2)), (BLOCK_M, D))
-    elif Q8 and PREFETCH:
+    if Q8 and PREFETCH:
         # registers hold the next block's int8 tiles while this one is dequantized and multiplied
         nxt = start + offs_b
         ok = (nxt < hi)[:, None]
@@ -261,8 +214,8 @@ def _attn_combine_kernel(acc_ptr, ml_ptr, out_ptr, pos0, pos_ptr, n_split, hq,
 
 def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos0, scale: float,
                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                          block_m: int = BLOCK_M, split: int | None = None, block_n: int | None = None,
-                          num_warps: int | None = None, num_stages: int | None = None, prefetch: bool = PREFETCH,
+                          block_m: int = BLOCK_M, split: int = SPLIT, block_n: int | None = None,
+                          num_warps: int = 4, num_stages: int | None = None, prefetch: bool = PREFETCH,
                           chunk: int = CHUNK, q8_mode: int | None = None) -> torch.Tensor:
     """Contract of attention_rows_ref (q [R, Hq, D] -> float32 [R, Hq, D]); Q8 when scales are given.
     `pos0` may be a one-element int tensor on the device: the kernels then read it there and the
@@ -272,8 +225,6 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     hkv = k_cache.shape[1]
     rep = hq // hkv
     q8 = k_scale is not None
-    split = split or (Q8_SPLIT if q8 else SPLIT)
-    num_warps = num_warps or (Q8_WARPS if q8 else 4)
     if q.stride(-1) != 1:
         q = q.contiguous()
     pos_ptr = pos0 if isinstance(pos0, torch.Tensor) else None
@@ -293,9 +244,7 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         qmode = Q8_MODE if q8_mode is None else q8_mode
         if qmode == 2 and INTERPRET:
             qmode = 1
-    elif q8 and q8_mode == 3:   # float32 queries can take the folded form too (the CPU tests)
-        qmode = 3
-    fp16_q8 = qmode in (1, 2)
+    fp16_q8 = qmode > 0
     block_n = block_n or (Q8_BLOCK_N if fp16_q8 else BLOCK_N)
     num_stages = num_stages or (Q8_STAGES if fp16_q8 else 2)
     _attn_split_kernel[(n_mt, n_split, hkv)](
@@ -304,7 +253,6 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
         REP=rep, D=d, G=(d // k_scale.shape[-1]) if q8 else 1, Q8=q8, BLOCK_M=block_m, BLOCK_N=block_n,
         SPLIT=split, PREC=prec, PREFETCH=prefetch, POS_PTR=pos_ptr is not None, QMODE=qmode,
-        ASM_OK=not INTERPRET,
         num_warps=num_warps, num_stages=num_stages)
     _attn_combine_kernel[(r_rows * hq,)](acc, ml, out, pos_int, pos_arg, n_split, hq, D=d, SPLIT=split,
                                          CHUNK=chunk, POS_PTR=pos_ptr is not None, num_warps=4)

@@ -155,22 +155,3 @@ def test_q8_fp16_path(kw):
     for r in range(rows):
         one = attention_rows_triton(q[r:r + 1], kc, vc, pos0 + r, d ** -0.5, ks, vs, q8_mode=1, **kw)
         assert torch.equal(one[0], out[r]), r
-
-
-@pytest.mark.parametrize("kw", [SMALL, MANY], ids=["small", "many"])
-def test_q8_folded_scales(kw):
-    """Mode 3 (scales folded out: key scale on the per-group score after the dot, value scale on p
-    before the PV dot) in float32: near the Q8 reference, masked tails included, row-invariant bit
-    for bit (one row per tile). Its bf16 value MMA cannot run here (the interpreter's bf16
-    arithmetic is wrong), so bench/quant_gpu.py checks the 16-bit form's parity on the GPU."""
-    dtype = torch.float32
-    gen = torch.Generator().manual_seed(5)
-    hq, hkv, d, pos0, rows = 16, 1, 64, 45, 4
-    kc, vc, ks, vs = _cache(pos0 + rows + 5, hkv, d, True, gen)
-    q = (torch.randn(rows, hq, d, generator=gen) * 2).to(dtype)
-    out = attention_rows_triton(q, kc, vc, pos0, d ** -0.5, ks, vs, q8_mode=3, **kw)
-    ref = A.attention_rows_q8_ref(q.float(), kc, vc, pos0, d ** -0.5, ks, vs)
-    assert float((out - ref).norm() / ref.norm()) < (2e-6 if dtype == torch.float32 else 1e-2)
-    for r in range(rows):
-        one = attention_rows_triton(q[r:r + 1], kc, vc, pos0 + r, d ** -0.5, ks, vs, q8_mode=3, **kw)
-        assert torch.equal(one[0], out[r]), r
