@@ -1,26 +1,29 @@
-"""4-bit GEMV sweep, adoption and 4-bit decode end to end on the GPU, in one call.
+"""4-bit GEMV sweep, adoption, Q8 attention sweep and 4-bit decode end to end on the GPU, in one call.
 
-0. Warm-up: every candidate kernel is compiled in parallel worker processes on tiny shapes (the
-   kernel specialises on no size, so these are the real calls' binaries), and one more worker
-   runs a 4-layer model of the 27B dimensions end to end, so the Triton cache is full before
-   anything is timed.
-1. 4-bit GEMV (ops/triton_quant.py), group 128, the 27B layer shapes and the lm_head: for every
-   candidate (tile width, warps, pipeline depth, split-K, codes stored as rows or in 64-row
-   tiles), parity against the float32 product of the dequantised weight and bitwise row
-   invariance (every prefix M = 1..16 and every single row equal the 16-row result), then the
-   time at M = 1, 4, 16 (CUDA-graph replay over rotating weight copies > L2), beside torch's
-   `_weight_int4pack_mm`. Bandwidth = bytes the call must read (codes + bf16 scales + zeros) /
-   time, as a fraction of 4.17 TB/s. The fastest row-invariant candidate per shape and layout
-   (least t1 + t4 + t16) is printed; the one on the package's layout (ops/quant.py TILE) is
-   adopted for the rest of the run.
-2. End to end with the adopted configs: a random-weight 27B-shape trunk with 4-bit projections
+0. Warm-up: every candidate kernel is compiled in parallel worker processes (GEMVs on tiny
+   shapes: the kernel specialises on no size, so these are the real calls' binaries; Q8 attention
+   on the real cache sizes), and one more worker runs a 4-layer model of the 27B dimensions end to
+   end, so the Triton cache is full before anything is timed.
+1. 4-bit GEMV (ops/triton_quant.py), group 128, the 27B layer shapes and the lm_head (or, with
+   `--shapes fused`, the projections that share an input concatenated): for every candidate
+   (columns per CTA, warps, pipeline depth, codes as the A or B operand, split-K, codes stored as
+   rows or in 64-row tiles), parity against the float32 product of the dequantised weight and
+   bitwise row invariance (every prefix M = 1..16 and every single row equal the 16-row result),
+   then the time at M = 1, 4, 16 (CUDA-graph replay over rotating weight copies > L2), beside
+   torch's `_weight_int4pack_mm`; a table row is printed per candidate as it is measured.
+   Bandwidth = bytes the call must read (codes + bf16 scales + zeros) / time, as a fraction of
+   4.17 TB/s. The layout with the least step-weighted sum of per-shape best (t1 + t4 + t16) is
+   chosen and its fastest row-invariant config per shape adopted for the rest of the run.
+2. Q8 KV attention configs vs bf16 (defaults) at 33k positions, rows 1..5: parity, bitwise row
+   invariance, time per row count.
+3. End to end with the adopted configs: a random-weight 27B-shape trunk with 4-bit projections
    and a 4-bit MTP head built on the GPU, CUDA graphs: AR decode tok/s, verify 1 / 4 rows, the
    cost of an MTP k=3 cycle (draft 3 + verify 4 + accept) against an AR step, and where an AR
    step's device time goes (profiler, kernels by name).
-3. Q8 KV attention vs bf16 at 33k positions (the defaults), if time is left.
-Everything also goes to $OUT/quant_gpu.json (written after every section).
+A summary closes the output; everything also goes to $OUT/quant_gpu.json (written after every
+section).
 
-    python bench/quant_gpu.py [--budget 185] [--out DIR]
+    python bench/quant_gpu.py [--budget 150] [--shapes 27b|fused] [--bases N] [--skip q4,q8,e2e] [--out DIR]
 BENCH_SMOKE=1 TRITON_INTERPRET=1 runs the script's logic on the CPU on tiny shapes.
 """
 from __future__ import annotations
@@ -154,11 +157,6 @@ def candidates(n: int, k: int) -> list[tuple]:
 def tag(cfg: Q4Config, tile: int) -> str:
     return (f"bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}{' wa' if cfg.wa else ''} split{cfg.split_k} "
             f"{'tiled' if tile else 'rows'}{'' if cfg.sem or cfg.split_k == 1 else ' 2launch'}")
-
-
-def rows_layout(qw: QuantWeight) -> QuantWeight:
-    """The same weight with its codes stored as rows (tile 0)."""
-    return QuantWeight(qw.qweight, qw.scales_t, qw.zeros_t, qw.hadamard, qw.dtype, 0)
 
 
 # ---- 0. warm-up -----------------------------------------------------------------------------
