@@ -10,9 +10,10 @@ next group's scales, zeros and sum(x) are prefetched into registers one group ah
 previous kernel stalled on them every group), code rows load 16 bytes at a time, the codes are
 the MMA's A operand (wa: the sm_90 loop then needs 8-12% fewer instructions than with x as A,
 mostly register moves), and the epilogue is two FMAs per output. The codes are stored in tiles
-of 64 rows (one group of a tile = one contiguous 4 KB block: DRAM-friendlier than 64 B from each
-of 64 rows, 1.2x on the lm_head) or as rows (tile 0). Split-K partials are combined in a fixed order by the last
-CTA of each N tile to arrive (a counter per tile, reset by that CTA), or by a second launch.
+of 64 rows (one group of a tile = one contiguous 4 KB block, which DRAM serves better than 64 B
+from each of 64 rows: 1.2x on the lm_head) or as rows (tile 0). Split-K partials are combined in
+a fixed order by the last CTA of each N tile to arrive (a counter per tile, reset by that CTA),
+or by a second launch.
 
 Row invariance: a fixed 16-row tile, a launch configuration chosen from (N, K, G) only, M never
 specialised, group terms and split partials added in a fixed order, so every M runs the same

@@ -168,9 +168,7 @@ def test_q4_kernel_prefixes_are_row_invariant():
 def test_tiled_storage_round_trip_and_both_layouts_agree():
     """Codes stored in tiles of 64 rows (N padded) give back the same kernel packing, row slices
     included, and the kernel reads either layout to the same bits."""
-    from specfire.ops.quant import tile_rows, untile_rows
-
-    from specfire.ops.quant import TILE
+    from specfire.ops.quant import TILE, tile_rows, untile_rows
 
     made = QuantWeight.quantize(torch.randn(70, 384, generator=_g(24)), 64)
     assert made.tile == TILE == 64       # the package's layout
