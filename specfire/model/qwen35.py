@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ..config import FULL, ModelConfig
 from ..ops import attention as attn_ops
+from ..ops import fusion
 from ..ops import gdn as gdn_ops
 from ..ops import lanes
 from ..ops import norm as norm_ops
@@ -215,6 +216,13 @@ class GatedAttention(nn.Module):
         t = x.shape[0]
         d = self.head_dim
         qg = self.q_proj(x, rows).view(t, self.n_heads, 2 * d)        # [T, Hq, 2D]
+        if rows and lc.k_scale is None and fusion.enabled(x):          # GPU: ops/attn_fused.py
+            from ..ops import attn_fused as af
+            q = af.qk_norm_rope_write_triton(qg, self.k_proj(x, rows).view(t, self.n_kv, d),
+                                             self.v_proj(x, rows).view(t, self.n_kv, d), self.q_norm.weight,
+                                             self.k_norm.weight, self.q_norm.eps, *cos_sin, lc.k, lc.v, pos0)
+            o = attn_ops.attention_rows(q, lc.k, lc.v, pos0, self.scale)
+            return self.o_proj(af.out_gate_triton(o, qg), rows)
         q, gate = qg[..., :d], qg[..., d:]
         q = rowwise(self.q_norm, rows, q)
         k = rowwise(self.k_norm, rows, self.k_proj(x, rows).view(t, self.n_kv, d))
@@ -261,6 +269,11 @@ class GatedDeltaNet(nn.Module):
         b = self.in_proj_b(x, rows)
         a = self.in_proj_a(x, rows)
         w = self.conv1d.weight[:, 0, :]
+        if rows and fusion.enabled(x):                                  # GPU: ops/gdn_fused.py
+            from ..ops.gdn_fused import gdn_decode_triton
+            o, lc.cap_rec, lc.cap_conv = gdn_decode_triton(qkv, a, b, lc.conv, w, self.A_log, self.dt_bias, lc.rec,
+                                                           self.hk, self.dk, self.dv)
+            return self.out_proj(self.norm(o, z).reshape(t, self.value_dim), rows)
         if rows and t > 1 and x.device.type == "cpu":  # per row, each with its own window (ops/rowwise.py)
             xf = qkv.float()
             full = torch.cat([lc.conv.to(xf.dtype), xf], dim=0)
