@@ -11,12 +11,18 @@ the end-of-text token, as `specfire run` does, unless --ignore-eos); the figures
   `pass`, `return`, closing quotes or `)` never count), beside the main figure.
 A low figure alone does not mean good code: a model that ends the text at once, or writes long
 lines of junk, repeats nothing (measured on a degenerate fine-tune, MODEL_CARD.md), so the lines
-written, the prompts with no complete line and those ended early are printed beside it.
+written, the prompts with no complete line and those ended early are printed beside it, and a
+guarded figure closes both exits: a completion of fewer than 2 complete non-blank lines counts as
+2 lines, both repeated; with --ref-model, so does one whose perplexity under that reference model
+(a model the checked one was not trained from scratch against, e.g. the previous weights) exceeds
+--junk-ppl (word salad; the default 40 is several times what real code and the shipped model's
+completions score, see MODEL_CARD.md).
 `--natural N` applies the same measure to real code instead of the model's completions: N
 definitions (`def` / `class` lines) of the held-out packages and stdlib modules, each followed by
 the next --max-tokens tokens of its file (what repetition real code has: the measure's floor).
 
     PYTHONPATH=. python bench/bundled_loops.py [--model DIR] [--max-tokens 160] [--show 3] [--temperature T]
+    PYTHONPATH=. python bench/bundled_loops.py --model NEW --ref-model OLD     # + the junk guard
     PYTHONPATH=. python bench/bundled_loops.py --natural 400
 Prints a per-prompt table, sample completions, and one JSON line last.
 """
@@ -71,6 +77,38 @@ def long_line_stats(text: str, cut: bool, min_chars: int = 8) -> tuple[int, int]
     return n, rep
 
 
+def guarded(n: int, rep: int, junk: bool) -> tuple[int, int]:
+    """(lines, repeated lines) as the guarded figure counts them: fewer than 2 lines, or junk, is 2 of 2."""
+    return (2, 2) if n < 2 or junk else (n, rep)
+
+
+@torch.no_grad()
+def reference_ppl(path: str, samples: list[dict]) -> list[float]:
+    """Perplexity of each completion (tokens after the prompt's) under the checkpoint at `path`,
+    teacher-forced on prompt + completion re-tokenized with its own tokenizer; nan if empty."""
+    import math
+
+    from tokenizers import Tokenizer
+
+    from specfire.train import model as tm
+    from specfire.train.export import load_checkpoint
+
+    _, trunk, _ = load_checkpoint(path, "cpu")
+    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    out = []
+    for smp in samples:
+        p = len(tok.encode(smp["prompt"], add_special_tokens=False).ids)
+        ids = tok.encode(smp["prompt"] + smp["text"], add_special_tokens=False).ids
+        if len(ids) <= p or p == 0:
+            out.append(float("nan"))
+            continue
+        x = torch.tensor([ids])
+        logp = tm.lm_logits(trunk, tm.trunk_hidden(trunk, x)).float().log_softmax(-1)[0, :-1]
+        nll = -logp.gather(-1, x[0, 1:, None])[p - 1:, 0]
+        out.append(math.exp(nll.mean().item()))
+    return out
+
+
 def model_samples(args) -> list[dict]:
     llm = LLM(args.model, device="cpu", dtype="float32", progress=False)
     out = []
@@ -116,34 +154,45 @@ def main() -> int:
     ap.add_argument("--ignore-eos", action="store_true",
                     help="write all --max-tokens tokens even past the end-of-text token (default: stop there, "
                          "as `specfire run` does)")
+    ap.add_argument("--ref-model", default=None,
+                    help="junk guard: score each completion's perplexity under this checkpoint")
+    ap.add_argument("--junk-ppl", type=float, default=40.0,
+                    help="with --ref-model: a completion above this perplexity counts as fully repeated")
     ap.add_argument("--natural", type=int, default=0,
                     help="measure N real held-out definitions + their next tokens instead of the model (0: off)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     samples = natural_samples(args) if args.natural else model_samples(args)
+    refs = reference_ppl(args.ref_model, samples) if args.ref_model else [float("nan")] * len(samples)
     rows = []
-    tot = {"lines": 0, "rep": 0, "rep_all": 0, "g_distinct": 0, "g_all": 0, "long": 0, "rep_long": 0}
-    for smp in samples:
+    tot = {"lines": 0, "rep": 0, "rep_all": 0, "g_distinct": 0, "g_all": 0, "long": 0, "rep_long": 0,
+           "g_lines": 0, "g_rep": 0}
+    for smp, ref in zip(samples, refs):
         cut = smp["finish"] == "length"
         n, rep, rep_all = line_stats(smp["prompt"], smp["text"], cut=cut)
         gd, ga = distinct_4grams(smp["ids"])
         nl, rl = long_line_stats(smp["text"], cut)
-        for k, v in zip(tot, (n, rep, rep_all, gd, ga, nl, rl)):
+        gn, gr = guarded(n, rep, ref > args.junk_ppl)     # nan (no reference) is never junk
+        for k, v in zip(tot, (n, rep, rep_all, gd, ga, nl, rl, gn, gr)):
             tot[k] += v
         rows.append({"prompt": smp["prompt"].split("\n")[0].strip(), "lines": n, "repeated": rep,
                      "repeated_with_prompt": rep_all, "long_lines": nl, "long_repeated": rl,
                      "distinct_4grams": gd / max(1, ga), "tokens": len(smp["ids"]), "finish": smp["finish"],
+                     "ref_ppl": ref,
                      "text": smp["text"]})
     if not args.natural:
         print(f"{'prompt':<44} {'tokens':>6} {'finish':>6} {'lines':>5} {'rep':>4} {'rep+p':>5} {'long':>4} "
-              f"{'rep':>4} {'4gram':>6}")
+              f"{'rep':>4} {'4gram':>6} {'refppl':>6}")
         for r in rows:
             print(f"{r['prompt'][:44]:<44} {r['tokens']:>6} {r['finish']:>6} {r['lines']:>5} {r['repeated']:>4} "
                   f"{r['repeated_with_prompt']:>5} {r['long_lines']:>4} {r['long_repeated']:>4} "
-                  f"{r['distinct_4grams']:>6.2f}")
+                  f"{r['distinct_4grams']:>6.2f} {r['ref_ppl']:>6.1f}")
     summary = {"repeated_line_frac": tot["rep"] / max(1, tot["lines"]),
                "repeated_line_frac_with_prompt": tot["rep_all"] / max(1, tot["lines"]),
                "repeated_long_line_frac": tot["rep_long"] / max(1, tot["long"]),
+               "repeated_line_frac_guarded": tot["g_rep"] / max(1, tot["g_lines"]),
+               "junk_guard": args.ref_model, "junk_ppl": args.junk_ppl,
+               "junk_completions": sum(r["ref_ppl"] > args.junk_ppl for r in rows),
                "distinct_4gram_frac": tot["g_distinct"] / max(1, tot["g_all"]), "lines": tot["lines"],
                "long_lines": tot["long"], "prompts_without_a_line": sum(r["lines"] == 0 for r in rows),
                "stopped_early": sum(r["finish"] == "stop" for r in rows)}
@@ -154,6 +203,10 @@ def main() -> int:
           f"{100 * summary['distinct_4gram_frac']:.1f}%, over {tot['lines']} lines of {what}; "
           f"{summary['prompts_without_a_line']} wrote no complete line, {summary['stopped_early']} ended "
           f"(end-of-text) before --max-tokens")
+    guard = (f"; {summary['junk_completions']} over perplexity {args.junk_ppl:g} under {args.ref_model}"
+             if args.ref_model else " (no --ref-model: no junk guard)")
+    print(f"guarded: {100 * summary['repeated_line_frac_guarded']:.1f}% (a completion of < 2 lines counts as 2 "
+          f"repeated lines{guard})")
     for smp in samples[:args.show]:
         print("\n" + "-" * 60 + "\n" + smp["prompt"] + "\u2502" + smp["text"])
     print(json.dumps({"bench": "bundled_loops", "model": args.model or "bundled", "natural": args.natural,

@@ -1,26 +1,29 @@
-"""4-bit GEMV sweep, adoption and 4-bit decode end to end on the GPU, in one call.
+"""4-bit GEMV sweep, adoption, Q8 attention sweep and 4-bit decode end to end on the GPU, in one call.
 
-0. Warm-up: every candidate kernel is compiled in parallel worker processes on tiny shapes (the
-   kernel specialises on no size, so these are the real calls' binaries), and one more worker
-   runs a 4-layer model of the 27B dimensions end to end, so the Triton cache is full before
-   anything is timed.
-1. 4-bit GEMV (ops/triton_quant.py), group 128, the 27B layer shapes and the lm_head: for every
-   candidate (tile width, warps, pipeline depth, split-K, codes stored as rows or in 64-row
-   tiles), parity against the float32 product of the dequantised weight and bitwise row
-   invariance (every prefix M = 1..16 and every single row equal the 16-row result), then the
-   time at M = 1, 4, 16 (CUDA-graph replay over rotating weight copies > L2), beside torch's
-   `_weight_int4pack_mm`. Bandwidth = bytes the call must read (codes + bf16 scales + zeros) /
-   time, as a fraction of 4.17 TB/s. The fastest row-invariant candidate per shape and layout
-   (least t1 + t4 + t16) is printed; the one on the package's layout (ops/quant.py TILE) is
-   adopted for the rest of the run.
-2. End to end with the adopted configs: a random-weight 27B-shape trunk with 4-bit projections
+0. Warm-up: every candidate kernel is compiled in parallel worker processes (GEMVs on tiny
+   shapes: the kernel specialises on no size, so these are the real calls' binaries; Q8 attention
+   on the real cache sizes), and one more worker runs a 4-layer model of the 27B dimensions end to
+   end, so the Triton cache is full before anything is timed.
+1. 4-bit GEMV (ops/triton_quant.py), group 128, the 27B layer shapes and the lm_head (or, with
+   `--shapes fused`, the projections that share an input concatenated): for every candidate
+   (columns per CTA, warps, pipeline depth, codes as the A or B operand, split-K, codes stored as
+   rows or in 64-row tiles), parity against the float32 product of the dequantised weight and
+   bitwise row invariance (every prefix M = 1..16 and every single row equal the 16-row result),
+   then the time at M = 1, 4, 16 (CUDA-graph replay over rotating weight copies > L2), beside
+   torch's `_weight_int4pack_mm`; a table row is printed per candidate as it is measured.
+   Bandwidth = bytes the call must read (codes + bf16 scales + zeros) / time, as a fraction of
+   4.17 TB/s. The layout with the least step-weighted sum of per-shape best (t1 + t4 + t16) is
+   chosen and its fastest row-invariant config per shape adopted for the rest of the run.
+2. Q8 KV attention configs vs bf16 (defaults) at 33k positions, rows 1..5: parity, bitwise row
+   invariance, time per row count.
+3. End to end with the adopted configs: a random-weight 27B-shape trunk with 4-bit projections
    and a 4-bit MTP head built on the GPU, CUDA graphs: AR decode tok/s, verify 1 / 4 rows, the
    cost of an MTP k=3 cycle (draft 3 + verify 4 + accept) against an AR step, and where an AR
    step's device time goes (profiler, kernels by name).
-3. Q8 KV attention vs bf16 at 33k positions (the defaults), if time is left.
-Everything also goes to $OUT/quant_gpu.json (written after every section).
+A summary closes the output; everything also goes to $OUT/quant_gpu.json (written after every
+section).
 
-    python bench/quant_gpu.py [--budget 185] [--out DIR]
+    python bench/quant_gpu.py [--budget 150] [--shapes 27b|fused] [--bases N] [--skip q4,q8,e2e] [--out DIR]
 BENCH_SMOKE=1 TRITON_INTERPRET=1 runs the script's logic on the CPU on tiny shapes.
 """
 from __future__ import annotations
@@ -42,9 +45,11 @@ sys.path.insert(0, HERE)
 
 from specfire.ops import triton_quant as tq  # noqa: E402
 from specfire.ops.quant import TILE, QuantWeight  # noqa: E402
-
-TILED = 64   # the tiled layout the sweep measures beside rows
 from specfire.ops.triton_quant import Q4Config, q4_gemv  # noqa: E402
+
+TILED = 64          # the tiled layout the sweep measures beside rows
+LAYOUTS = (0, TILED)
+ADOPT_TILE = [TILE]  # the code layout the end-to-end section builds its weights in (set by the sweep)
 
 PEAK = 4.17e12
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"
@@ -57,13 +62,21 @@ if SMOKE:
     SHAPES = [(48, 512, "tiny"), (20, 256, "tiny2")]
 GROUP = 128 if not SMOKE else 64
 SMS = 132
-# (block_n, num_warps, num_stages) -> CTAs resident per SM (registers / shared memory of the sm_90
-# build, triton 3.6); sets the split-K that fills the machine in one wave. The first run
-# (docs/BENCHMARKS.md) measured 64 w1 s3/s4/s5, 128 w2 s4, 32 w1 s4, 64 w2 s4 (and dropped the
-# in-loop and MMA sums of x, never faster than the adopted configs); this list adds more warps
-# per SM, and every base runs on both code layouts.
-BASES = {(64, 2, 4): 6, (64, 1, 3): 8, (32, 1, 4): 11, (64, 2, 3): 6, (32, 1, 3): 12, (128, 2, 4): 4,
-         (128, 4, 3): 4, (128, 4, 4): 4, (64, 4, 3): 5, (64, 4, 4): 5, (32, 2, 4): 10, (16, 1, 4): 14}
+# (block_n, num_warps, num_stages, wa) -> CTAs resident per SM (registers / shared memory of the
+# sm_90 build: cuobjdump -res-usage of triton's output), which sets the split-K that fills the
+# machine in one wave; wa = codes as the MMA's A operand (8-12% fewer instructions in the loop).
+# Most promising first (the winners of the runs so far, then the rest); every base runs on both code
+# layouts (rows, 64-row tiles) and at one wave, half a wave and (the first six) two waves.
+BASES = {(64, 2, 3, True): 6, (128, 2, 3, True): 4, (64, 2, 4, True): 6, (32, 1, 4, True): 9,
+         (64, 1, 3, True): 8, (128, 2, 4, True): 4, (64, 2, 4, False): 6, (64, 1, 3, False): 8,
+         (32, 1, 4, False): 11, (128, 2, 4, False): 4, (32, 1, 3, True): 10, (64, 4, 4, True): 3,
+         (16, 1, 4, True): 12, (64, 2, 5, True): 5}
+# how often each shape runs in one 27B decode step (weights for choosing the code layout)
+PER_STEP = {(17408, 5120): 128, (5120, 17408): 64, (12288, 5120): 16, (10240, 5120): 48, (6144, 5120): 48,
+            (5120, 6144): 64, (1024, 5120): 32, (248320, 5120): 1}
+# `--shapes fused`: the projections that read the same input as one weight (gate + up; GDN qkv + z;
+# attention q + gate + k + v), i.e. one GEMV launch where the model now makes two or three
+FUSED = [(34816, 5120, "MLP gate+up fused"), (16384, 5120, "GDN qkv+z fused"), (14336, 5120, "attn q+gate+k+v fused")]
 T0 = time.time()
 WARM_LOG = "/tmp/quant_gpu_warm.log"
 
@@ -115,22 +128,25 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 def cfg_of(base: tuple, split: int, sem: bool = True) -> Q4Config:
-    bn, nw, ns = base
-    return Q4Config(block_n=bn, split_k=split, num_warps=nw, num_stages=ns, sem=sem)
+    bn, nw, ns, wa = base
+    return Q4Config(block_n=bn, split_k=split, num_warps=nw, num_stages=ns, sem=sem, wa=wa)
 
 
 def candidates(n: int, k: int) -> list[tuple]:
     """(config, code layout) pairs, most promising first: every base at the split that fills the
-    machine in one wave, on rows and on 64-row tiles, and the two best bases of the first run also
-    at a third of that split."""
+    machine in one wave, on rows and on 64-row tiles, then half a wave, then two waves (first six
+    bases), then the second-launch combine for the two small-N winners of the first run."""
     c = []
-    for b in BASES:
-        s1 = wave_split(n, k, b)
-        c += [(cfg_of(b, s1), 0), (cfg_of(b, s1), TILED)]
-        if b in ((64, 2, 4), (32, 1, 4)):
-            c += [(cfg_of(b, max(1, s1 // 3)), 0), (cfg_of(b, max(1, s1 // 3)), TILED)]
-            if s1 > 1:   # a second launch combined the splits faster at M = 16 on small-N shapes in the first run
-                c += [(cfg_of(b, s1, False), 0), (cfg_of(b, s1, False), TILED)]
+    bases = list(BASES)
+    for b in bases:
+        c += [(cfg_of(b, wave_split(n, k, b)), t) for t in LAYOUTS]
+    for b in bases:
+        c += [(cfg_of(b, max(1, wave_split(n, k, b) // 2)), t) for t in LAYOUTS]
+    for b in bases[:6]:
+        c += [(cfg_of(b, wave_split(n, k, b, 2)), t) for t in LAYOUTS]
+    for b in ((64, 2, 4, True), (32, 1, 4, True)):
+        if b in BASES and wave_split(n, k, b) > 1:   # a second launch combined the splits faster at M = 16 on small-N shapes
+            c += [(cfg_of(b, wave_split(n, k, b), False), t) for t in LAYOUTS]
     out = []
     for x in c:
         if x not in out:
@@ -139,30 +155,35 @@ def candidates(n: int, k: int) -> list[tuple]:
 
 
 def tag(cfg: Q4Config, tile: int) -> str:
-    return (f"bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} split{cfg.split_k} {'tiled' if tile else 'rows'}"
-            f"{'' if cfg.sem or cfg.split_k == 1 else ' 2launch'}")
-
-
-def rows_layout(qw: QuantWeight) -> QuantWeight:
-    """The same weight with its codes stored as rows (tile 0)."""
-    return QuantWeight(qw.qweight, qw.scales_t, qw.zeros_t, qw.hadamard, qw.dtype, 0)
+    return (f"bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}{' wa' if cfg.wa else ''} split{cfg.split_k} "
+            f"{'tiled' if tile else 'rows'}{'' if cfg.sem or cfg.split_k == 1 else ' 2launch'}")
 
 
 # ---- 0. warm-up -----------------------------------------------------------------------------
 
-def warm_kernels(part: int, parts: int) -> None:
-    """Compile this worker's share of every candidate on a tiny weight (split 1 and split 2)."""
-    jobs = [(cfg_of(b, sp), tile) for b in BASES for tile in (0, TILED) for sp in (1, 2)]
-    jobs += [(cfg_of(b, 2, False), tile) for b in ((64, 2, 4), (32, 1, 4)) for tile in (0, TILED)]
-    qws = {tile: random_q4(256, 2048, tile=tile) for tile in (0, TILED)}   # the kernel specialises on no size
+def warm_kernels(part: int, parts: int, q8: bool = True) -> None:
+    """Compile this worker's share of every candidate: 4-bit GEMVs on a tiny weight (split 1 and
+    split 2: the kernel specialises on no size), Q8 attention configs on the real cache sizes (the
+    position and row count are runtime values, but 1 may be specialised, so R = 1 and R = 5)."""
+    jobs = [("q4", cfg_of(b, sp), tile) for b in BASES for tile in LAYOUTS for sp in (1, 2)]
+    jobs += [("q4", cfg_of(b, 2, False), tile) for b in ((64, 2, 4, True), (32, 1, 4, True)) if b in BASES
+             for tile in LAYOUTS]
+    jobs += [("q8", kw, None) for kw in Q8_CONFIGS] if q8 else []
+    mine = [j for i, j in enumerate(jobs) if i % parts == part]
+    qws = {tile: random_q4(256, 2048, tile=tile) for tile in LAYOUTS}
     x = torch.randn(16, 2048, device=DEV, dtype=BF)
-    for i, (cfg, tile) in enumerate(jobs):
-        if i % parts == part:
-            try:
+    caches = q8_caches(1) if any(j[0] == "q8" for j in mine) else None
+    for kind, cfg, tile in mine:
+        try:
+            if kind == "q4":
                 q4_gemv(x, qws[tile], cfg)
                 q4_gemv(x[:1], qws[tile], cfg)
-            except Exception as e:
-                print(f"warm {tag(cfg, tile)}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            else:
+                seq, q, c = caches["seq"], caches["q"], caches["q8"][0]
+                for r in (1, 5):
+                    q8_call(q[:r], c, seq, cfg)
+        except Exception as e:
+            print(f"warm {kind} {cfg} {tile}: {type(e).__name__}: {str(e)[:200]}", flush=True)
     if not SMOKE:
         torch.cuda.synchronize()
 
@@ -175,7 +196,8 @@ def start_warmup(args) -> list:
     n = args.warm_procs
     log = open(WARM_LOG, "w")   # workers' output kept apart from the tables (tail in the JSON)
     for i in range(n):
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm", f"{i}/{n}"], env=env,
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm", f"{i}/{n}",
+                                       "--bases", str(args.bases), "--skip", args.skip], env=env,
                                       stdout=log, stderr=subprocess.STDOUT))
     procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm-e2e"], env=env, stdout=log,
                                   stderr=subprocess.STDOUT))
@@ -212,10 +234,23 @@ def torch_int4(n: int, k: int, g: int):
         return None
 
 
+def fmt_row(n: int, k: int, r: dict) -> str:
+    if "us_M1" not in r:
+        return f"  {n:>6}x{k:<6} {r['cfg']:<40} {r.get('error') or r.get('skipped')}"
+    return (f"  {n:>6}x{k:<6} {r['cfg']:<40} M1 {r['us_M1']:7.1f} us {r['frac_M1']:6.1%} M4 {r['frac_M4']:6.1%} "
+            f"M16 {r['us_M16']:7.1f} us {r['frac_M16']:6.1%} err {r['rel_err']:.1e} inv {r['row_invariant']}")
+
+
+def usable(r: dict) -> bool:
+    return "us_M16" in r and r["row_invariant"] and r["repeat_equal"] and r["rel_err"] < 1e-2
+
+
 def bench_q4(res: dict, budget: float) -> dict:
-    """Returns {(n, k): adopted Q4Config}."""
+    """Sweep every shape (a table row printed per candidate as it is measured); then choose the code
+    layout with the least step-weighted sum of per-shape best times and adopt, per shape, the
+    fastest bitwise row-invariant config on that layout. Returns {(n, k): Q4Config}."""
     print(f"\n== 4-bit GEMV, group {GROUP}: parity, bitwise row invariance, time (us, % of 4.17 TB/s) ==", flush=True)
-    adopted = {}
+    best = {}   # (n, k) -> {tile: row}
     for si, (n, k, what) in enumerate(SHAPES):
         nbytes = n * k // 2 + 2 * 2 * n * (k // GROUP)
         copies = max(1, min(8, math.ceil(400e6 / nbytes)))
@@ -226,10 +261,11 @@ def bench_q4(res: dict, budget: float) -> dict:
         ref = x16.float() @ qw0.dequantize().t()
         cands = candidates(n, k)
         share = elapsed() + (budget - elapsed()) / (len(SHAPES) - si)   # this shape's share of the budget
+        print(f"  -- {n} x {k} ({what}), {nbytes / 1e6:.1f} MB, {len(cands)} candidates", flush=True)
         rows = []
         for ci, (cfg, tile) in enumerate(cands):
             if ci >= 2 and elapsed() > share:
-                rows.append({"cfg": tag(cfg, tile), "skipped": "time budget"})
+                rows.append({"cfg": tag(cfg, tile), "tile": tile, "skipped": "time budget"})
                 continue
             qws = sets[tile]
             w0 = qws[0]
@@ -246,16 +282,19 @@ def bench_q4(res: dict, budget: float) -> dict:
             except Exception as e:  # a config the compiler refuses is reported, not fatal
                 rec["error"] = f"{type(e).__name__}: {str(e)[:160]}"
             rows.append(rec)
-        best = {}
-        for tile in (0, TILED):   # the fastest per layout; the package's layout (TILE) is adopted
-            ok = [r for r in rows if r.get("tile") == tile and "us_M16" in r and r["row_invariant"]
-                  and r["repeat_equal"] and r["rel_err"] < 1e-2]
+            if "skipped" not in rec:
+                print(fmt_row(n, k, rec), flush=True)
+        skipped = sum("skipped" in r for r in rows)
+        best[(n, k)] = {}
+        for tile in LAYOUTS:
+            ok = [r for r in rows if r.get("tile") == tile and usable(r)]
             if ok:
-                best[tile] = min(ok, key=lambda r: r["us_M1"] + r["us_M4"] + r["us_M16"])
-        if TILE in best:
-            adopted[(n, k)] = Q4Config(**best[TILE]["params"])
-            t = graph_time([lambda w=w: q4_gemv(x16[:8], w, adopted[(n, k)]) for w in sets[TILE]])
-            best[TILE]["us_M8"], best[TILE]["frac_M8"] = t * 1e6, nbytes / t / PEAK
+                b = min(ok, key=lambda r: r["us_M1"] + r["us_M4"] + r["us_M16"])
+                t = graph_time([lambda w=w: q4_gemv(x16[:8], w, Q4Config(**b["params"])) for w in sets[tile]])
+                b["us_M8"], b["frac_M8"] = t * 1e6, nbytes / t / PEAK
+                best[(n, k)][tile] = b
+                print(f"  best {'tiled' if tile else 'rows '}: {b['cfg']}  M1 {b['frac_M1']:.1%} M4 {b['frac_M4']:.1%} "
+                      f"M8 {b['frac_M8']:.1%} M16 {b['frac_M16']:.1%}", flush=True)
         i4 = {}
         ti4 = torch_int4(n, k, GROUP) if not SMOKE else None
         if ti4 is not None:
@@ -264,27 +303,65 @@ def bench_q4(res: dict, budget: float) -> dict:
                 t = graph_time([lambda f=f: f(x16[:m]) for f in fns])
                 i4[f"us_M{m}"] = t * 1e6
                 i4[f"frac_M{m}"] = (n * k // 2 + n * k // GROUP * 4) / t / PEAK
+            print(f"  torch _weight_int4pack_mm: M1 {i4['us_M1']:.1f} us {i4['frac_M1']:.1%}  M16 {i4['us_M16']:.1f} us "
+                  f"{i4['frac_M16']:.1%}", flush=True)
         res["q4"].append({"shape": [n, k], "what": what, "bytes": nbytes, "copies": copies, "configs": rows,
-                          "best_per_layout": {t: b["cfg"] for t, b in best.items()}, "torch_int4": i4})
-        for r in rows:
-            if "us_M1" not in r:
-                print(f"  {n:>6}x{k:<6} {r['cfg']:<44} {r.get('error') or r.get('skipped')}")
-                continue
-            m4 = f"M4 {r['frac_M4']:6.1%} " if "frac_M4" in r else " " * 10
-            mark = " <- best of its layout" if r is best.get(r["tile"]) else ""
-            print(f"  {n:>6}x{k:<6} {r['cfg']:<44} M1 {r['us_M1']:7.1f} us {r['frac_M1']:6.1%} {m4}M16 {r['us_M16']:7.1f} us "
-                  f"{r['frac_M16']:6.1%} err {r['rel_err']:.1e} inv {r['row_invariant']}{mark}")
-        if i4:
-            print(f"  {n:>6}x{k:<6} {'torch _weight_int4pack_mm':<44} M1 {i4['us_M1']:7.1f} us {i4['frac_M1']:6.1%} "
-                  f"{' ' * 10}M16 {i4['us_M16']:7.1f} us {i4['frac_M16']:6.1%}")
+                          "skipped": skipped, "best_per_layout": {t: b["cfg"] for t, b in best[(n, k)].items()},
+                          "torch_int4": i4})
         del sets, qws, w0, qw0
         if not SMOKE:
             torch.cuda.empty_cache()
-        print(f"  [{elapsed():.0f} s]", flush=True)
-    print("\nadopted (paste into q4_config):")
+        print(f"  [{elapsed():.0f} s, {skipped} skipped for time]", flush=True)
+
+    def cost(tile):   # step-weighted sum of the best times on a layout (inf where a shape has none)
+        return sum(PER_STEP.get(nk, 1) * (b[tile]["us_M1"] + b[tile]["us_M4"] + b[tile]["us_M16"]) if tile in b
+                   else float("inf") for nk, b in best.items())
+    costs = {t: cost(t) for t in LAYOUTS}
+    tile = min(LAYOUTS, key=lambda t: (costs[t], t != TILE))
+    ADOPT_TILE[0] = tile
+    res["layout_cost_us"] = costs
+    res["adopted_tile"] = tile
+    adopted = {nk: Q4Config(**b[tile]["params"]) for nk, b in best.items() if tile in b}
+    print(f"\nstep-weighted cost (sum of t1 + t4 + t16, us): rows {costs[0]:.0f}, tiled {costs[TILED]:.0f} -> "
+          f"adopted layout: {'tiles of %d rows' % tile if tile else 'rows'}; configs (paste into q4_config):")
     for (n, k), c in adopted.items():
         print(f"  ({n}, {k}): {c}")
     return adopted
+
+
+# Q8 attention sweep (kwargs of attention_rows_triton), the current default first. The first call
+# of this session (docs/BENCHMARKS.md) measured spans of 128 / 256, 8 warps, no prefetch, mode 0
+# and the folded-scale form (key scale on per-group scores, value scale on p; commit 5b07e61):
+# all slower than this default; this list tries fewer warps per CTA (less duplicated conversion).
+Q8_CONFIGS = [dict(q8_mode=2, split=512, block_n=32, num_warps=4, num_stages=3, prefetch=True)]
+Q8_CONFIGS += [dict(q8_mode=2, split=sp, block_n=bn, num_warps=w, num_stages=st, prefetch=pf)
+               for sp, bn, w, st, pf in ((512, 32, 2, 3, True), (256, 32, 2, 3, True), (512, 32, 2, 3, False),
+                                         (256, 32, 1, 3, True), (128, 32, 1, 3, True), (512, 32, 2, 4, True),
+                                         (512, 64, 2, 2, False))]
+Q8_SEQ = 33014 if not SMOKE else 200
+if SMOKE:   # the interpreter is slow: the default and one other
+    Q8_CONFIGS = [Q8_CONFIGS[0], dict(q8_mode=0, split=64, block_n=32, num_warps=4, num_stages=2, prefetch=False)]
+
+
+def q8_caches(copies: int) -> dict:
+    from specfire.ops import attention as A
+
+    seq, hq, hkv, d = (Q8_SEQ, 24, 4, 256) if not SMOKE else (Q8_SEQ, 6, 2, 64)
+    out = {"seq": seq, "d": d, "bf16": [], "q8": [],
+           "q": torch.randn(5, hq, d, device=DEV, dtype=BF) * 2}
+    for _ in range(copies):
+        k = torch.randn(seq + 24, hkv, d, device=DEV, dtype=BF)
+        v = torch.randn(seq + 24, hkv, d, device=DEV, dtype=BF)
+        out["bf16"].append((k, v, None, None))
+        (kq, ks), (vq, vs) = A.quantize_q8(k), A.quantize_q8(v)
+        out["q8"].append((kq, vq, ks, vs))
+    return out
+
+
+def q8_call(q, c, pos0, kw=None):
+    from specfire.ops.attention_kernels import attention_rows_triton
+    return attention_rows_triton(q, c[0], c[1], pos0, q.shape[-1] ** -0.5, c[2], c[3], **(kw or {}))
+
 
 
 # ---- 2. end to end --------------------------------------------------------------------------
@@ -300,7 +377,7 @@ def quantized(module_cls, cfg, keep=("in_proj_a", "in_proj_b")):
         if isinstance(mod, Linear) and not name.endswith(keep):
             n, k = mod.weight.shape
             del mod.weight
-            mod.weight = random_q4(n, k)
+            mod.weight = random_q4(n, k, tile=ADOPT_TILE[0])
             q_bytes += mod.weight.nbytes()
     m = m.to(BF).to_empty(device=DEV)
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -431,28 +508,55 @@ def bench_e2e(res: dict, shape: str, layers: int | None, steps: int, cycles: int
         torch.cuda.empty_cache()
 
 
-def bench_q8(res: dict) -> None:
+def bench_q8(res: dict, budget: float) -> None:
+    """Q8 KV attention configs vs bf16 (defaults) at 33k positions, rows R = 1..5: parity against
+    the float32 reference of the dequantised cache (R = 5), bitwise row invariance (each row of the
+    R = 5 call equals a one-row call at its position, and every prefix R), time per R."""
     from specfire.ops import attention as A
-    from specfire.ops.attention_kernels import attention_rows_triton
 
-    seq, hq, hkv, d = (33014, 24, 4, 256) if not SMOKE else (200, 6, 2, 64)
-    print(f"\n== KV attention at {seq} positions, {hq}/{hkv} heads, head_dim {d}: bf16 vs Q8 (defaults) ==", flush=True)
-    caches = {"bf16": [], "q8": []}
-    for _ in range(2):
-        k = torch.randn(seq + 24, hkv, d, device=DEV, dtype=BF)
-        v = torch.randn(seq + 24, hkv, d, device=DEV, dtype=BF)
-        caches["bf16"].append((k, v, None, None))
-        (kq, ks), (vq, vs) = A.quantize_q8(k), A.quantize_q8(v)
-        caches["q8"].append((kq, vq, ks, vs))
-    out = {}
-    for kind in caches:
-        for r in (1, 5):
-            q = torch.randn(r, hq, d, device=DEV, dtype=BF) * 2
-            t = graph_time([lambda c=c: attention_rows_triton(q, c[0], c[1], seq, d ** -0.5, c[2], c[3])
-                            for c in caches[kind]])
-            out[f"{kind}_R{r}_us"] = t * 1e6
+    c = q8_caches(2)
+    seq, d, q = c["seq"], c["d"], c["q"]
+    print(f"\n== KV attention at {seq} positions, head_dim {d}: bf16 (defaults) vs Q8 configs, R = 1..5 (us) ==",
+          flush=True)
+    out = {"seq": seq, "configs": []}
+    bf = {r: graph_time([lambda cc=cc: q8_call(q[:r], cc, seq) for cc in c["bf16"]]) * 1e6 for r in range(1, 6)}
+    out["bf16_us"] = bf
+    print("  bf16 defaults              " + "  ".join(f"R{r} {bf[r]:6.1f}" for r in bf), flush=True)
+    kq, vq, ks, vs = c["q8"][0]
+    n = seq + 5
+    ref = A.attention_rows_ref(q.float(), A.dequantize_q8(kq[:n], ks[:n]), A.dequantize_q8(vq[:n], vs[:n]), seq,
+                               d ** -0.5)
+    for kw in Q8_CONFIGS:
+        name = (f"mode{kw['q8_mode']} split{kw['split']} bn{kw['block_n']} w{kw['num_warps']} s{kw['num_stages']}"
+                f"{' pf' if kw['prefetch'] else ''} ")
+        if elapsed() > budget:
+            out["configs"].append({"cfg": name, "skipped": "time budget"})
+            continue
+        rec = {"cfg": name, "params": kw}
+        try:
+            full = q8_call(q, c["q8"][0], seq, kw)
+            rec["rel_err"] = rel(full, ref)
+            inv = all(torch.equal(q8_call(q[i:i + 1], c["q8"][0], seq + i, kw)[0], full[i]) for i in range(5))
+            rec["row_invariant"] = inv and all(torch.equal(q8_call(q[:r], c["q8"][0], seq, kw), full[:r])
+                                               for r in range(1, 5))
+            rec["us"] = {r: graph_time([lambda cc=cc: q8_call(q[:r], cc, seq, kw) for cc in c["q8"]]) * 1e6
+                         for r in range(1, 6)}
+            rec["le_bf16_all_rows"] = all(rec["us"][r] <= bf[r] for r in bf)
+            print(f"  {name:<27}" + "  ".join(f"R{r} {rec['us'][r]:6.1f}" for r in rec["us"]) +
+                  f"  err {rec['rel_err']:.1e} inv {rec['row_invariant']} <= bf16 all R: {rec['le_bf16_all_rows']}",
+                  flush=True)
+        except Exception as e:
+            rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            print(f"  {name:<27}{rec['error']}", flush=True)
+        out["configs"].append(rec)
+    ok = [r for r in out["configs"] if "us" in r and r["row_invariant"] and r["rel_err"] < 1e-2]
+    if ok:
+        b = min(ok, key=lambda r: sum(r["us"].values()))
+        out["best"] = b["cfg"]
+        print(f"  fastest row-invariant Q8 (sum over R): {b['cfg']}; Q8/bf16 per R: " +
+              "  ".join(f"R{r} {b['us'][r] / bf[r]:.3f}" for r in bf), flush=True)
     res["q8"] = out
-    print("  " + "  ".join(f"{k} {v:.1f}" for k, v in out.items()), flush=True)
+
 
 
 def main() -> int:
@@ -461,14 +565,24 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--warm", default=None, help="worker: compile share i/n of the candidates")
     ap.add_argument("--warm-e2e", action="store_true", help="worker: a 4-layer 27B-dims model end to end")
-    ap.add_argument("--warm-procs", type=int, default=13)
-    ap.add_argument("--sweep-until", type=float, default=0.6, help="fraction of the budget for the sweep")
+    ap.add_argument("--warm-procs", type=int, default=14)
+    ap.add_argument("--sweep-until", type=float, default=0.6, help="fraction of the budget for the GEMV sweep")
+    ap.add_argument("--q8-until", type=float, default=0.72, help="the Q8 sweep stops at this fraction of the budget")
+    ap.add_argument("--e2e-after", type=float, default=0.8, help="no end-to-end run past this fraction")
     ap.add_argument("--skip", default="")
+    ap.add_argument("--warm-limit", type=float, default=0.0, help="seconds to wait for the warm-up (0: 0.3 x budget)")
+    ap.add_argument("--shapes", default="27b", choices=("27b", "fused"), help="the GEMV shapes swept")
+    ap.add_argument("--bases", type=int, default=0, help="sweep only the first N bases (0: all)")
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.bases:
+        for b in list(BASES)[args.bases:]:
+            del BASES[b]
+    if args.shapes == "fused" and not SMOKE:
+        SHAPES[:] = FUSED
     if args.warm:
         i, n = map(int, args.warm.split("/"))
-        warm_kernels(i, n)
+        warm_kernels(i, n, "q8" not in args.skip.split(","))
         return 0
     if args.warm_e2e:
         bench_e2e({}, "27B", 4, 3, 2)
@@ -488,7 +602,7 @@ def main() -> int:
         with open(path, "w") as f:
             json.dump(res, f, indent=1, default=str)
 
-    res["warmup"] = wait_warmup(procs, 0.3 * b) if procs else None
+    res["warmup"] = wait_warmup(procs, args.warm_limit or 0.3 * b) if procs else None
     adopted = {}
     if "q4" not in skip:
         adopted = bench_q4(res, args.sweep_until * b)
@@ -497,7 +611,15 @@ def main() -> int:
         base = tq.q4_config
         tq.q4_config = lambda n, k, g: adopted.get((n, k)) if g == GROUP and (n, k) in adopted else base(n, k, g)
         res["adopted"] = {f"{n}x{k}": c.__dict__ for (n, k), c in adopted.items()}
-    if "e2e" not in skip and elapsed() < 0.8 * b:
+    if "q8" not in skip:
+        try:
+            bench_q8(res, args.q8_until * b)
+        except Exception as e:
+            import traceback
+            traceback.print_exc()
+            res["q8_error"] = f"{type(e).__name__}: {e}"
+        save()
+    if "e2e" not in skip and elapsed() < args.e2e_after * b:
         print("\n== end to end: 27B shape, 4-bit trunk + MTP head, CUDA graphs (adopted configs) ==", flush=True)
         try:
             bench_e2e(res, "27B", None, 24, 12)
@@ -506,15 +628,36 @@ def main() -> int:
             traceback.print_exc()
             res["e2e_error"] = f"{type(e).__name__}: {e}"
         save()
-    if "q8" not in skip and elapsed() < 0.92 * b:
-        try:
-            bench_q8(res)
-        except Exception as e:
-            res["q8_error"] = f"{type(e).__name__}: {e}"
-        save()
+    summary(res)
     print(f"[done at {elapsed():.0f} s]", flush=True)
     save()
     return 0
+
+
+def summary(res: dict) -> None:
+    """The run's result in a few lines (the long tables above may be cut from a captured tail)."""
+    print("\n== summary ==")
+    for sh in res["q4"]:
+        n, k = sh["shape"]
+        best = {r["cfg"]: r for r in sh["configs"] if "us_M1" in r}
+        parts = []
+        for tile, name in sh["best_per_layout"].items():
+            r = best[name]
+            parts.append(f"{name}: M1 {r['frac_M1']:.1%} M8 {r.get('frac_M8', 0):.1%} M16 {r['frac_M16']:.1%}")
+        inv = all(r["row_invariant"] for r in best.values())
+        i4 = sh["torch_int4"]
+        print(f"  {n}x{k} ({len(best)} measured, all row-invariant: {inv}) " + " | ".join(parts) +
+              (f" | torch int4 M1 {i4['frac_M1']:.1%} M16 {i4['frac_M16']:.1%}" if i4 else ""))
+    if "adopted_tile" in res:
+        print(f"  adopted layout tile={res['adopted_tile']} (step-weighted cost us: {res['layout_cost_us']})")
+    q8 = res.get("q8")
+    if q8 and "best" in q8:
+        b = next(r for r in q8["configs"] if r["cfg"] == q8["best"])
+        print(f"  Q8 best {q8['best']}: " + " ".join(f"R{r} {b['us'][r]:.1f}/{q8['bf16_us'][r]:.1f}" for r in b["us"]) +
+              " us (Q8/bf16)")
+    for e in res.get("e2e", []):
+        print(f"  e2e {e['shape']}: AR {e['ar_tok_s']:.1f} tok/s ({e['bw_frac']:.1%} of 4.17 TB/s), MTP k=3 cycle "
+              f"{e['mtp3_cycle_over_ar']:.3f} x AR, verify 4 / 1 = {e['verify4_ms'] / e['verify1_ms']:.3f}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ Each job runs in its own process with a time limit (a hung mesh costs its limit,
 and is skipped when the remaining budget (--budget-s) is below its estimate. Every result is one
 JSON line appended to OUT/tp.jsonl as it is measured.
 
-  kernels   canonical split-K kernels vs the plain GEMV, tree-loop settings sweep (bench/tp_kernels.py)
+  kernels   the tree loop with 1/2/4 programs per tile and the grouped column launch vs the plain
+            forms, bitwise; the faster bit-equal forms become the later jobs' settings (tp_kernels.py)
   bundled   the bundled model in bf16: tp2 logits == tp1 (canonical split on) bitwise, greedy AR
             tokens equal, MTP k=3 == AR on both
   ckpt      random weights of the shape with an MTP head, written once (--ckpt-dir); a second
@@ -44,7 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 CEILING = 4.17e12     # measured device-to-device copy bandwidth of the H200 (bytes/s)
 # job -> (estimated seconds, time limit seconds) on the GPU at the 27B shape
-JOBS = {"kernels": (15, 120), "bundled": (35, 120), "ckpt": (30, 100), "speed1": (60, 120), "speed2": (60, 200),
+JOBS = {"kernels": (40, 120), "bundled": (35, 120), "ckpt": (30, 100), "speed1": (60, 120), "speed2": (60, 200),
         "ident1": (50, 120), "ident2": (40, 120), "collect": (12, 90)}
 
 
@@ -243,8 +244,8 @@ def job_speed(cfg, path: str, tp: int, device: str, log: Log, prompt: int, token
         mtp = llm.engine.drafters.get("mtp")
         dg = getattr(mtp, "graphs", None)
         if dg is not None and device == "cuda":
-            for (m, k), gr in sorted(dg.graphs.items()):
-                probe[f"draft_graph_m{m}_k{k}_ms"] = _time_graph(gr.graph, 20) * 1e3
+            for key, gr in sorted(dg.graphs.items(), key=lambda kv: str(kv[0])):   # key: the drafter's tuple
+                probe["draft_graph_" + "_".join(map(str, key)) + "_ms"] = _time_graph(gr.graph, 20) * 1e3
         log("probe", **probe)
         for rows in (1, 4):
             for r in range(tp):
@@ -378,7 +379,7 @@ def main() -> None:
     ap.add_argument("--ckpt-dir", default=None, help="where the checkpoints go (default: a fresh dir in /dev/shm)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--commit", default=None, help="recorded in the log (the GPU copy has no .git)")
-    ap.add_argument("--keep-kernel", action="store_true", help="do not apply the kernels job's best tree-loop setting")
+    ap.add_argument("--keep-kernel", action="store_true", help="do not apply the kernels job's choice of forms")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: check the flow, no timings worth keeping")
     ap.add_argument("--job", default=None, help=argparse.SUPPRESS)            # a child: run this one job
     ap.add_argument("--job-limit-s", type=float, default=600, help=argparse.SUPPRESS)
@@ -431,12 +432,11 @@ def main() -> None:
                     rc = "killed at its time limit"
                 if rc != 0:
                     log("error", where=f"job {job}", error=f"exited with {rc}", seconds=time.perf_counter() - t0)
-            job = group
             best = os.path.join(args.ckpt_dir, "best_loop.json")
-            if job == "kernels" and os.path.exists(best) and not args.keep_kernel:
+            if "kernels" in jobs and os.path.exists(best) and not args.keep_kernel:
                 with open(best) as f:
                     env = json.load(f)
-                os.environ.update(env)          # the later jobs run the fastest bit-equal tree loop
+                os.environ.update(env)          # the later jobs run the fastest bit-equal forms
                 log("kernel_choice", env=env)
     finally:
         if own_dir:

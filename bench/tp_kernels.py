@@ -1,18 +1,17 @@
-"""Kernel and collective stages of bench/tp.py (GPU): the canonical split-K kernels of the
-row-parallel projections against the plain GEMV, a launch-settings sweep of the tree loop
-(every setting checked bitwise against the two-launch form), and a decode step's collectives
-alone through symmetric memory."""
+"""Kernel and collective stages of bench/tp.py (GPU): the canonical split-K kernel of the
+row-parallel projections with 1, 2, 4 programs per output tile against the plain GEMV, the
+grouped column launch against one launch per projection (every form checked bitwise), and a
+decode step's collectives alone through symmetric memory."""
 from __future__ import annotations
 
+import json
 import os
 
 import torch
 
 CEILING = 4.17e12     # measured device-to-device copy bandwidth of the H200 (bytes/s)
 
-# tree-loop launch settings tried: (block_n, num_warps, num_stages, select)
-LOOP_SWEEP = [(64, 4, 4, 0), (64, 4, 4, 1), (32, 4, 4, 1), (32, 4, 6, 1), (16, 4, 4, 1), (16, 4, 6, 1),
-              (16, 2, 6, 1), (32, 8, 4, 1), (64, 8, 4, 1)]
+SPLITS = (1, 2, 4)     # programs sharing an output tile's chunks in the tree loop (same bits)
 
 
 def row_parallel_shapes(cfg) -> dict[str, tuple[int, int]]:
@@ -22,27 +21,38 @@ def row_parallel_shapes(cfg) -> dict[str, tuple[int, int]]:
             "down_proj": (h, cfg.intermediate_size)}
 
 
+def column_groups(cfg) -> dict[str, list[int]]:
+    """Column projections of one input that the model launches together (whole N of each)."""
+    vd = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    return {"mlp gate+up": [cfg.intermediate_size] * 2,
+            "gdn qkv+z+b+a": [cfg.conv_dim, vd, cfg.linear_num_value_heads, cfg.linear_num_value_heads],
+            "attn q+k+v": [2 * cfg.num_attention_heads * cfg.head_dim, kv, kv]}
+
+
 def stage_kernels(cfg, log, best_path: str | None = None, smoke: bool = False, dev: str = "cuda") -> None:
-    """Per row-parallel projection and degree (tp1: K whole in 8 chunks; tp2: a rank's K/2 in 4),
-    M = 1: plain GEMV, the fused split-K kernel, the tree loop in each swept setting (bits vs the
-    two-launch form, time). Then M = 4 for the default and the best setting. Column shards: the
-    plain GEMV with a smaller BLOCK_N vs the default, bitwise (a shard could then use more
-    programs and still give the whole's bits)."""
+    """Row-parallel projections (tp1: K whole in 8 chunks; tp2: a rank's K/2 in 4), M = 1 and 4:
+    the plain GEMV and the tree loop with 1, 2, 4 programs per output tile (bits vs the two-launch
+    form). Column groups per degree: one launch each vs one grouped launch (bits vs each alone).
+    Writes the faster bit-equal choices as environment variables for the later jobs."""
     from timing import graph_time
 
     from specfire.ops.splitk import chunk_bounds
-    from specfire.ops.triton_gemv import GemvConfig, gemv, gemv_config
-    from specfire.ops.triton_splitk import chunk_partials, gemv_chunks_fused, gemv_tree_loop, tree_combine
+    from specfire.ops.triton_gemv import GemvConfig, gemv, gemv_config, gemv_group
+    from specfire.ops.triton_splitk import chunk_partials, gemv_tree_loop, tree_combine
 
+    def choose(env: dict) -> None:
+        if best_path:
+            with open(best_path, "w") as f:
+                json.dump(env, f)
+    choose({"SPECFIRE_SPLITK_SPLIT": "1", "SPECFIRE_GEMV_GROUP": "0"})   # until measured: the old forms
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
-    best: dict[tuple, tuple[float, tuple]] = {}
-    times: dict[tuple, dict[tuple, float]] = {}          # setting -> (proj, tp) -> seconds at M = 1 (inf: bits differ)
-    fused_total = 0.0
-    sweep = LOOP_SWEEP[:3] if smoke else LOOP_SWEEP
+    totals = {s: 0.0 for s in SPLITS}
+    all_equal = {s: True for s in SPLITS}
     for name, (n, k_all) in row_parallel_shapes(cfg).items():
         for tp in (1, 2):
             k, c = k_all // tp, 8 // tp
-            reps = max(2, (160 << 20) // (n * k * 2))               # rotate weights beyond L2
+            reps = max(2, min(20, (160 << 20) // (n * k * 2)))      # rotate weights beyond L2
             ws = [torch.randn(n, k, device=dev, dtype=dt) * k ** -0.5 for _ in range(reps)]
             b = torch.tensor(chunk_bounds(k_all)[:c + 1], dtype=torch.int32, device=dev)
             nbytes = n * k * 2
@@ -52,62 +62,78 @@ def stage_kernels(cfg, log, best_path: str | None = None, smoke: bool = False, d
                 row = dict(proj=name, n=n, k=k, tp=tp, chunks=c, m=m)
                 t = graph_time([lambda w=w: gemv(x, w) for w in ws])
                 row["plain_us"], row["plain_bw"] = t * 1e6, nbytes / t / CEILING
-                t = graph_time([lambda w=w: gemv_chunks_fused(x, w, b, dt) for w in ws])
-                row["fused_us"], row["fused_equal"] = t * 1e6, bool(torch.equal(gemv_chunks_fused(x, ws[0], b, dt), ref))
-                if m == 1:
-                    fused_total += t
-                for s in (sweep if m == 1 else [LOOP_SWEEP[0]] + ([best[(name, tp)][1]] if (name, tp) in best else [])):
-                    g = GemvConfig(block_n=s[0], block_k=128, num_warps=s[1], num_stages=s[2])
+                for s in SPLITS:
                     try:
-                        got = gemv_tree_loop(x, ws[0], c, dt, cfg=g, select=bool(s[3]))
-                        eq = bool(torch.equal(got, ref))
-                        t = graph_time([lambda w=w: gemv_tree_loop(x, w, c, dt, cfg=g, select=bool(s[3])) for w in ws])
-                    except Exception as e:  # noqa: BLE001 - a setting that does not compile is reported
-                        log("error", where=f"tree loop {s}", error=f"{type(e).__name__}: {e}"[:500])
-                        continue
-                    key = "loop_" + "_".join(map(str, s))
-                    row[key + "_us"], row[key + "_equal"] = t * 1e6, eq
-                    if m == 1:
-                        times.setdefault(s, {})[(name, tp)] = t if eq else float("inf")
-                    if m == 1 and eq and ((name, tp) not in best or t < best[(name, tp)][0]):
-                        best[(name, tp)] = (t, s)
-                if m == 1 and (name, tp) in best:
-                    t, s = best[(name, tp)]
-                    row["best_loop"], row["best_loop_us"], row["best_loop_bw"] = list(s), t * 1e6, nbytes / t / CEILING
+                        eq = bool(torch.equal(gemv_tree_loop(x, ws[0], c, dt, split=s), ref))
+                        t = graph_time([lambda w=w: gemv_tree_loop(x, w, c, dt, split=s) for w in ws])
+                    except Exception as e:  # noqa: BLE001 - reported; that split is not chosen
+                        log("error", where=f"tree loop split {s}", error=f"{type(e).__name__}: {e}"[:500])
+                        eq, t = False, float("inf")
+                    row[f"split{s}_us"], row[f"split{s}_bw"], row[f"split{s}_equal"] = t * 1e6, nbytes / t / CEILING, eq
+                    all_equal[s] &= eq
+                    if m == 1 and tp == 2:          # a tp2 step: each projection once per layer that has it
+                        totals[s] += t * {"o_proj": cfg.n_full, "out_proj": cfg.n_linear,
+                                          "down_proj": cfg.num_hidden_layers}[name]
                 log("kernels", **row)
             del ws
-    log("kernels", best_per_shape={f"{a}/tp{b}": list(s) for (a, b), (_, s) in best.items()})
-    # one setting for every shape: the least total M = 1 time, bits equal everywhere
-    n_shapes = len(row_parallel_shapes(cfg)) * 2
-    totals = {s: sum(v.values()) for s, v in times.items() if len(v) == n_shapes}
-    if totals:
-        s, t = min(totals.items(), key=lambda kv: kv[1])
-        pick = dict(setting=list(s), loop_total_us=t * 1e6, fused_total_us=fused_total * 1e6,
-                    default_loop_total_us=totals.get(LOOP_SWEEP[0], float("inf")) * 1e6, use_loop=t < fused_total)
-        log("kernels", global_best=pick)
-        if best_path and t < float("inf"):
-            import json
-            env = ({"SPECFIRE_SPLITK_KERNEL": "loop", "SPECFIRE_SPLITK_LOOP": ",".join(map(str, s))} if pick["use_loop"]
-                   else {"SPECFIRE_SPLITK_KERNEL": "fused"})
-            with open(best_path, "w") as f:
-                json.dump(env, f)
-    # column shards: a smaller BLOCK_N, the same bits? (then a shard may use more programs)
+    ok = {s: t for s, t in totals.items() if all_equal[s]}
+    split = min(ok, key=ok.get) if ok else 1
+    log("kernels", tree_split_tp2_step_us={str(s): t * 1e6 for s, t in totals.items()},
+        tree_split_equal={str(s): v for s, v in all_equal.items()}, tree_split_pick=split)
+    # column projections of one input: one launch each (their own settings, the old form) vs one
+    # grouped launch; bits: a tp2 shard's grouped outputs == the whole matrices' grouped outputs
     h = cfg.hidden_size
-    for n in (cfg.linear_num_value_heads * cfg.linear_value_head_dim, cfg.intermediate_size):
-        w = torch.randn(n, h, device=dev, dtype=dt)
+    sep_total = grp_total = 0.0
+    group_equal = True
+    for gname, whole in column_groups(cfg).items():
+        wholes = [torch.randn(n, h, device=dev, dtype=dt) * h ** -0.5 for n in whole]
+        halves = [w[: -(-w.shape[0] // 2)].contiguous() for w in wholes]
         for m in (1, 4):
             x = torch.randn(m, h, device=dev, dtype=dt)
-            whole = gemv(x, w)
-            row = dict(column_n=n, k=h, m=m, default_us=graph_time([lambda: gemv(x, w)]) * 1e6)
-            for bn in (16, 32):
-                base = gemv_config(n, h)
-                g = GemvConfig(block_n=bn, block_k=base.block_k, num_warps=base.num_warps, num_stages=base.num_stages)
-                row[f"bn{bn}_equal_default"] = bool(torch.equal(gemv(x, w, cfg=g), whole))
-                half = w[: n // 2].contiguous()
-                row[f"half_shard_bn{bn}_us"] = graph_time([lambda: gemv(x, half, cfg=g)]) * 1e6
-            half = w[: n // 2].contiguous()
-            row["half_shard_default_us"] = graph_time([lambda: gemv(x, half, launch_n=n)]) * 1e6
-            log("kernels", **row)
+            try:
+                full = gemv_group(x, wholes, list(whole))
+                half = gemv_group(x, halves, list(whole))
+                eq = all(torch.equal(a, b[:, :a.shape[1]]) for a, b in zip(half, full))
+                old = all(torch.equal(a, gemv(x, w)) for a, w in zip(full, wholes))
+            except Exception as e:  # noqa: BLE001 - reported; grouping is then not chosen
+                log("error", where=f"gemv_group {gname}", error=f"{type(e).__name__}: {e}"[:500])
+                eq = old = False
+            group_equal &= eq
+            log("kernels", column_group=gname, m=m, shard_equals_whole=eq, grouped_equals_own_settings=old)
+        del wholes, halves
+        for tp in (1, 2):
+            shard = [-(-n // tp) for n in whole]
+            nbytes = sum(shard) * h * 2
+            reps = max(2, min(20, (160 << 20) // nbytes))
+            sets = [[torch.randn(n, h, device=dev, dtype=dt) * h ** -0.5 for n in shard] for _ in range(reps)]
+            x = torch.randn(1, h, device=dev, dtype=dt)
+            t_sep = graph_time([lambda ws=ws: [gemv(x, w, launch_n=ln) for w, ln in zip(ws, whole)] for ws in sets])
+            try:
+                t_grp = graph_time([lambda ws=ws: gemv_group(x, ws, list(whole)) for ws in sets])
+            except Exception as e:  # noqa: BLE001
+                log("error", where=f"gemv_group time {gname}", error=f"{type(e).__name__}: {e}"[:500])
+                t_grp = float("inf")
+            layers = {"mlp": cfg.num_hidden_layers, "gdn": cfg.n_linear, "attn": cfg.n_full}[gname.split()[0]]
+            if tp == 2:
+                sep_total += t_sep * layers
+                grp_total += t_grp * layers
+            log("kernels", column_group=gname, tp=tp, m=1, rows=shard, k=h, separate_us=t_sep * 1e6,
+                grouped_us=t_grp * 1e6, separate_bw=nbytes / t_sep / CEILING, grouped_bw=nbytes / t_grp / CEILING)
+            del sets
+    use_group = group_equal and grp_total <= sep_total
+    log("kernels", column_groups_tp2_step_us=dict(separate=sep_total * 1e6, grouped=grp_total * 1e6),
+        group_bits_equal=group_equal, group_pick=use_group)
+    choose({"SPECFIRE_SPLITK_SPLIT": str(split), "SPECFIRE_GEMV_GROUP": "1" if use_group else "0"})
+    # does BLOCK_K change an element's bits? (if not, projections with other BLOCK_K could share a launch)
+    for n in (cfg.linear_num_value_heads * cfg.linear_value_head_dim, cfg.num_key_value_heads * cfg.head_dim):
+        w = torch.randn(n, h, device=dev, dtype=dt)
+        base = gemv_config(n, h)
+        for m in (1, 4):
+            x = torch.randn(m, h, device=dev, dtype=dt)
+            ys = {bk: gemv(x, w, cfg=GemvConfig(block_n=base.block_n, block_k=bk, num_warps=base.num_warps,
+                                                num_stages=base.num_stages)) for bk in (64, 128, 256)}
+            log("kernels", block_k_check_n=n, m=m, default_block_k=base.block_k,
+                bk128_equals_bk256=bool(torch.equal(ys[128], ys[256])), bk64_equals_bk256=bool(torch.equal(ys[64], ys[256])))
 
 
 # ---- a decode step's collectives alone ------------------------------------------------------------

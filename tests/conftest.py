@@ -1,3 +1,4 @@
+import io
 import os
 import random
 import sys
@@ -44,6 +45,33 @@ def tok(tok_path):
     from specfire.tokenizer import Tokenizer
 
     return Tokenizer(tok_path)
+
+
+class Ran:
+    """What one in-process `specfire ...` invocation returned (the shape of subprocess's answer)."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+@pytest.fixture
+def cli_run(capsys, monkeypatch):
+    """`specfire ARGS` through `cli.main` in this process: the same argument parsing, error handling
+    and output as the console script, without a new interpreter (seconds each on a 2-core machine).
+    Each CLI test file keeps one or two runs through a real process (exit code, no traceback)."""
+    from specfire import cli
+
+    def go(*args: str, stdin: str = "") -> Ran:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+        capsys.readouterr()
+        try:
+            rc = cli.main(list(args))
+        except SystemExit as e:              # argparse leaves through exit()
+            rc = e.code
+        out, err = capsys.readouterr()
+        return Ran(rc, out, err)
+
+    return go
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -65,17 +65,17 @@ def test_run_json(model, llm, tmp_path):
     assert float(m.group(3)) > 0 and (float(m.group(4)) > 0 or st["generated_tokens"] < 2)
 
 
-def test_run_stdin_streams_text(model, llm, tmp_path):
+def test_run_stdin_streams_text(model, llm, cli_run):
     prompt = "The quick brown fox 🙂\n"
-    p = specfire("run", "--model", model, "-n", "20", "--spec", "off", stdin=prompt, cwd=str(tmp_path))
+    p = cli_run("run", "--model", model, "-n", "20", "--spec", "off", stdin=prompt)
     assert p.returncode == 0, p.stderr
     ref = llm.generate(prompt, SamplingParams(max_tokens=20))
     assert p.stdout == ref.text + "\n"
     assert int(summary(p.stderr).group(2)) == len(ref.token_ids)
 
 
-def test_run_sampling_flags_and_chat(model, llm):
-    p = specfire("run", "--model", model, "--prompt", "Hi", "--chat", "-n", "10", "-t", "0.9", "--top-k", "7",
+def test_run_sampling_flags_and_chat(model, llm, cli_run):
+    p = cli_run("run", "--model", model, "--prompt", "Hi", "--chat", "-n", "10", "-t", "0.9", "--top-k", "7",
                  "--top-p", "0.9", "--min-p", "0.05", "--seed", "3", "--stop", "zz", "--spec", "off", "--json")
     assert p.returncode == 0, p.stderr
     ref = llm.chat([{"role": "user", "content": "Hi"}],
@@ -86,9 +86,9 @@ def test_run_sampling_flags_and_chat(model, llm):
     assert out["stats"]["prompt_tokens"] == len(ref.prompt_token_ids)
 
 
-def test_run_default_route(model):
+def test_run_default_route(model, cli_run):
     """Without --spec the load-time policy is auto; the answer is still one JSON object."""
-    p = specfire("run", "--model", model, "--prompt", "x", "-n", "4", "--json")
+    p = cli_run("run", "--model", model, "--prompt", "x", "-n", "4", "--json")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert len(out["token_ids"]) <= 4 and out["stats"]["route"] in ("ar", "mtp", "ngram")
@@ -137,11 +137,12 @@ def test_info_without_mtp(ckpt_cache, capsys):
 
 # ---- errors ------------------------------------------------------------------------------------------
 
-def test_bad_path_and_bad_parameter_through_a_process(model, tmp_path):
-    for args in (["run", "--model", str(tmp_path / "nope"), "--prompt", "x"],
-                 ["run", "--model", model, "--prompt", "x", "-t", "-1"],
-                 ["run", "--model", model, "--prompt", "x", "--top-k", "many"]):
-        p = specfire(*args)
+def test_bad_path_and_bad_parameter_through_a_process(model, tmp_path, cli_run):
+    """One real process (exit code, nothing but one line on stderr); the other bad inputs in process."""
+    for i, args in enumerate((["run", "--model", str(tmp_path / "nope"), "--prompt", "x"],
+                              ["run", "--model", model, "--prompt", "x", "-t", "-1"],
+                              ["run", "--model", model, "--prompt", "x", "--top-k", "many"])):
+        p = specfire(*args) if i == 0 else cli_run(*args)
         assert p.returncode != 0 and p.stdout == ""
         assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
         assert p.stderr.startswith("specfire")
@@ -223,22 +224,22 @@ def test_help_shows_defaults(capsys):
         assert f"(default: {default})" in entry, (flag, entry)
 
 
-def test_run_takes_the_model_positionally(model, llm):
-    p = specfire("run", model, "--prompt", "def f(x):", "-n", "5", "--spec", "off", "--json")
+def test_run_takes_the_model_positionally(model, llm, cli_run):
+    p = cli_run("run", model, "--prompt", "def f(x):", "-n", "5", "--spec", "off", "--json")
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["token_ids"] == llm.generate("def f(x):", SamplingParams(max_tokens=5)).token_ids
-    p = specfire("run", model, "--model", model + "x", "--prompt", "x")
+    p = cli_run("run", model, "--model", model + "x", "--prompt", "x")
     assert p.returncode == 2 and "two models given" in p.stderr and "Traceback" not in p.stderr
 
 
-def test_run_cut_short_by_the_context_says_so(model):
-    p = specfire("run", model, "--prompt", "def f(x):", "-n", "50", "--max-seq-len", "12", "--spec", "off",
+def test_run_cut_short_by_the_context_says_so(model, cli_run):
+    p = cli_run("run", model, "--prompt", "def f(x):", "-n", "50", "--max-seq-len", "12", "--spec", "off",
                  "--json")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["finish_reason"] == "length" and out["context_limited"] is True and len(out["token_ids"]) < 50
     assert "cut short: the context is full" in p.stderr and len(p.stderr.strip().splitlines()) == 1
-    p = specfire("run", model, "--prompt", "def f(x):", "-n", "3", "--spec", "off", "--json")
+    p = cli_run("run", model, "--prompt", "def f(x):", "-n", "3", "--spec", "off", "--json")
     assert json.loads(p.stdout)["context_limited"] is False and "cut short" not in p.stderr
 
 
@@ -249,7 +250,7 @@ def _copy(src: str, dst) -> str:
     return str(dst)
 
 
-def test_nan_config_is_refused_naming_the_field(model, tmp_path):
+def test_nan_config_is_refused_naming_the_field(model, tmp_path, cli_run):
     path = _copy(model, tmp_path / "nan")
     cfg_path = os.path.join(path, "config.json")
     with open(cfg_path) as f:
@@ -260,7 +261,7 @@ def test_nan_config_is_refused_naming_the_field(model, tmp_path):
     with open(cfg_path, "w") as f:
         f.write(json.dumps(cfg))                  # Python writes NaN, as a careless exporter would
     for args in (["run", path, "--prompt", "x", "-n", "2"], ["info", path]):
-        p = specfire(*args)
+        p = cli_run(*args)
         assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
         assert "'rope_theta' must be > 0 and finite" in p.stderr and "nan" in p.stderr
 

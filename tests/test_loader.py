@@ -169,14 +169,15 @@ def test_spec_mtp_without_head_is_clear(ckpt_cache):
         assert not llm.mtp_loaded
 
 
-def test_cli_damaged_checkpoint_no_traceback(base, tmp_path):
-    """Through a real process: exit code non-zero, a single stderr line, no traceback."""
+def test_cli_damaged_checkpoint_no_traceback(base, tmp_path, cli_run):
+    """Exit code non-zero, a single stderr line, no traceback: the first damage through a real
+    process, the second through the same `cli.main` in process."""
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     for i, (name, damage, _) in enumerate(d for d in DAMAGE if d[0] in ("wrong-shape", "truncated")):
         path = _damaged(base, tmp_path / str(i), damage)
-        p = subprocess.run([sys.executable, "-m", "specfire.cli", "run", "--model", path, "--device", "cpu",
-                            "--prompt", "x"],
-                           capture_output=True, text=True, env=env, timeout=120)
+        args = ["run", "--model", path, "--device", "cpu", "--prompt", "x"]
+        p = (subprocess.run([sys.executable, "-m", "specfire.cli", *args], capture_output=True, text=True,
+                            env=env, timeout=120) if i == 0 else cli_run(*args))
         assert p.returncode != 0, name
         assert "Traceback" not in p.stderr and p.stderr.strip().count("\n") == 0, p.stderr
         assert p.stderr.startswith("specfire: error:")

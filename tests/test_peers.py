@@ -60,15 +60,19 @@ def test_specfire_runner_then_table(pair, tmp_path, monkeypatch):
     ref[1][2] = ref[1][2] + 1
     results = {"shapes": {"tiny": {"step_bytes": 4.17e9, "runners": {
         "specfire": {**sf, "wanted": ["ar", "mtp3"]},
-        "transformers": {"version": "x", "wanted": ["eager"], "modes": {
-            "eager": {"tok_s": 2.0, "ttft_s": 0.5, "checkpoint": "normal", "token_ids": ref}}},
+        "transformers": {"version": "x", "wanted": ["eager", "static_compile"], "modes": {
+            "eager": {"tok_s": 2.0, "ttft_s": 0.5, "checkpoint": "normal", "token_ids": ref},
+            "static_compile": {"tok_s": 3.0, "ttft_s": 0.5, "checkpoint": "normal", "token_ids": ref[:1],
+                               "compiled": True, "prompts_done": 1, "prompts_total": 2}}},
         "exllamav3": {"wanted": ["ar"], "status_line": "needs CUDA", "modes": {}}}}}}
     rows = {(r["engine"], r["mode"].split(",")[0]): r for r in table.rows(results)}
     assert rows[("specfire", "AR")]["check"] == "5/5, 2/5"
     assert rows[("specfire", "AR")]["bw"] == pytest.approx(ar["tok_s"] / 1000)
     assert rows[("specfire", "MTP k=3")]["check"].startswith("n/a")
-    assert rows[("transformers", "generate")]["check"] == "reference"
+    assert [r["check"] for r in table.rows(results) if "dynamic cache" in r["mode"]] == ["reference"]
     assert rows[("exllamav3", "AR")]["reason"] == "needs CUDA"
+    cut = [r for r in table.rows(results) if "static cache" in r["mode"]]      # a run cut after prompt 1
+    assert len(cut) == 1 and "1 of 2 prompts" in cut[0]["mode"] and cut[0]["check"] == "5/5"
     md = table.markdown(results)
     assert "| tiny | exllamav3 |" in md and "not run: needs CUDA" in md and "published, not measured" in md
 

@@ -11,14 +11,6 @@ import pytest
 import specfit
 from specfire.config import ModelConfig
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-c", "import sys; from specfire.cli import main; sys.exit(main())", *args],
-                          capture_output=True, text=True, env=env, timeout=120)
-
 
 @pytest.fixture(scope="module")
 def model(ckpt_cache, tmp_path_factory) -> tuple[str, str]:
@@ -29,9 +21,9 @@ def model(ckpt_cache, tmp_path_factory) -> tuple[str, str]:
     return path, prompt
 
 
-def test_run_json_and_summary_carry_spec_stats(model):
+def test_run_json_and_summary_carry_spec_stats(model, cli_run):
     path, prompt = model
-    r = run("run", "--model", path, "--device", "cpu", "--prompt", prompt, "-n", "24", "--spec", "mtp",
+    r = cli_run("run", "--model", path, "--device", "cpu", "--prompt", prompt, "-n", "24", "--spec", "mtp",
             "--spec-k", "3", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -45,25 +37,26 @@ def test_run_json_and_summary_carry_spec_stats(model):
     assert "route mtp, k=3" in summary and f"mean_accept_len {st['mean_accept_len']:.2f}" in summary
     assert f"{st['accepted']}/{st['drafted']} drafts accepted in {st['cycles']} cycles" in summary
 
-    a = run("run", "--model", path, "--device", "cpu", "--prompt", prompt, "-n", "24", "--spec", "off", "--json")
+    a = cli_run("run", "--model", path, "--device", "cpu", "--prompt", prompt, "-n", "24", "--spec", "off", "--json")
     assert a.returncode == 0, a.stderr
     ar = json.loads(a.stdout)
     assert ar["stats"]["route"] == "ar" and ar["token_ids"] == out["token_ids"]
     assert "route ar" in a.stderr and "speculation off" in a.stderr
 
 
-def test_run_bad_spec_values_are_one_line_errors(model, ckpt_cache, tmp_path):
+def test_run_bad_spec_values_are_one_line_errors(model, ckpt_cache, tmp_path, cli_run):
     path, prompt = model
-    r = run("run", "--model", path, "--device", "cpu", "--prompt", prompt, "--spec-k", "11")
+    r = cli_run("run", "--model", path, "--device", "cpu", "--prompt", prompt, "--spec-k", "11")
     assert r.returncode == 2 and "--spec-k" in r.stderr and "Traceback" not in r.stderr
     nohead = specfit.variant(path, str(tmp_path / "nohead"), mtp_sidecar=True)
     os.unlink(os.path.join(nohead, "mtp.safetensors"))
-    r = run("run", "--model", nohead, "--device", "cpu", "--prompt", prompt, "--spec", "mtp")
+    r = cli_run("run", "--model", nohead, "--device", "cpu", "--prompt", prompt, "--spec", "mtp")
     assert r.returncode == 2 and "MTP head" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_bad_ngram_range_is_one_line_error():
+    """Through a real process: exit code, one line, no traceback (the other errors run in process)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-m", "specfire.cli", "run", "--prompt", "x", "--ngram-n", "4"],
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root}, timeout=120)

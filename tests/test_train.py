@@ -190,6 +190,43 @@ def test_anchored_unlikelihood_is_unlikelihood_with_an_anchor():
     assert x.grad.abs().sum() > 0                                            # pulled back to the teacher
 
 
+def test_banned_anchored_target_removes_every_repeat_continuation():
+    """repeat_continuations bans exactly the tokens that would complete an n-gram seen earlier (brute
+    force); the loss is cross-entropy to the teacher without them, the same whatever token was written."""
+    from specfire.train.unlikelihood import banned_anchored_unlikelihood, repeat_continuations
+
+    g = torch.Generator().manual_seed(5)
+    b, t, v, n, start = 3, 23, 5, 3, 4
+    seq = torch.randint(0, 3, (b, t), generator=g)
+    ban = repeat_continuations(seq, start, n, v)
+    for r in range(b):
+        s = seq[r].tolist()
+        for i in range(t):
+            want = {s[j] for j in range(n - 1, i) if s[j - n + 1:j] == s[i - n + 1:i]} if i >= max(n - 1, start) else set()
+            assert set(ban[r, i].nonzero().flatten().tolist()) == want
+    teacher = torch.randn(b, t - 1, v, generator=g)
+    alive = torch.ones(b, t, dtype=torch.bool)
+    alive[:, :start] = False
+    alive[1, 15:] = False
+    x = torch.randn(b, t - 1, v, generator=g)
+    q = teacher.softmax(-1) * ~ban[:, 1:]
+    q = q / q.sum(-1, keepdim=True)
+    want = -(q * x.log_softmax(-1)).sum(-1)[alive[:, 1:]].mean()
+    assert torch.allclose(banned_anchored_unlikelihood(x, teacher, ban, alive), want, rtol=1e-5)
+    # with nothing banned the teacher itself is the minimum
+    y = teacher.clone().requires_grad_(True)
+    banned_anchored_unlikelihood(y, teacher, torch.zeros_like(ban), alive).backward()
+    assert y.grad.abs().max() < 1e-6
+
+
+def test_ul_schedule_fit():
+    from specfire.train.finetune import fit_schedule
+
+    assert fit_schedule(11, 0.5, 20.0, 1000) == 51          # 40 more steps fit in 20 s
+    assert fit_schedule(11, 0.5, 20.0, 30) == 30            # capped by ul_steps
+    assert fit_schedule(11, 0.5, -3.0, 1000) == 12          # over time: one more step, then the phase stops
+
+
 def test_unlikelihood_phase_from_a_checkpoint(tiny_trained, tmp_path):
     """`init` + a UL phase: the checkpoint's tokenizer and shape are kept, snapshots are packed, the
     metrics hold the before/after evaluations and repetition logs, and greedy MTP == AR on it."""

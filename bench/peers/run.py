@@ -222,7 +222,7 @@ class Driver:
                 data = json.load(f)
         data.update(wanted=modes, task_status=r["status"], task_seconds=round(r["seconds"], 1))
         if r["status"] != "ok":
-            data["status_line"] = data.get("error") or f"{r['status']}: {r['last_line']}"
+            data["status_line"] = data.get("error") or f"{r['status']}: {data.get('progress') or r['last_line']}"
         sh["runners"][engine] = data
         self.note(f"{engine} {shape} done", status=r["status"], seconds=round(r["seconds"], 1))
 
@@ -267,6 +267,10 @@ class Driver:
                     tasks.append(("transformers", modes, a.hf_timeout, a.hf_tokens))
                 if "exllamav3" in a.engines:
                     pending_exl3.append(shape)
+                for eng, modes in (("specfire", a.sf_modes), ("transformers", a.hf_modes_big if big else a.hf_modes),
+                                   ("exllamav3", a.exl3_modes)):
+                    if eng not in a.engines:   # the table still says why this engine has no row
+                        self.skip(eng, shape, modes.split(","), a.why_left_out or "left out of this run (--engines)")
                 for eng, modes, tmo, toks in tasks:
                     self.drain(pending_exl3)
                     # a later shape's task must leave time for ExLlamaV3 runs still waiting on the build
@@ -349,6 +353,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="4B,27B", help="in order; later shapes only while the budget allows")
     ap.add_argument("--engines", default="specfire,transformers,exllamav3")
+    ap.add_argument("--why-left-out", help="one line for the table's rows of the engines --engines leaves out")
     ap.add_argument("--budget", type=float, default=430, help="seconds for the whole run")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--n-prompts", type=int, default=2, help="timed prompts (plus one warm-up prompt)")

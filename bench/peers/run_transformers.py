@@ -77,17 +77,21 @@ def main() -> None:
     res.put("load_peak_gb", peak_gb())
     res.put("gdn_kernel", gdn_kernel())
     res.put("model_class", type(model).__name__)
+    res.put("progress", f"loaded in {time.perf_counter() - t0:.0f} s")
     n = args.tokens
     for m in modes:
         static = m == "static_compile"
         reset_peak()
+        res.put("progress", f"{m}: in its warm-up ({n} + 1 tokens, compile if any)")
         t_warm = time.perf_counter()
         # compiles (static) / autotunes; the full length first, so the static cache is sized once
         # and the timed calls reuse it (a new cache would mean a new compiled graph mid-timing)
         gen(model, prompts["warmup"], n, static)
         gen(model, prompts["warmup"], 1, static)
         warm_s = time.perf_counter() - t_warm
+        res.put("progress", f"{m}: warm-up ({n} + 1 tokens) done in {warm_s:.0f} s")
         ttfts, dec_s, n_tok, ids = [], 0.0, 0, []
+        compiled = static and dev == "cuda" and not model.generation_config.disable_compile
         for p in prompts["prompts"]:
             t1, _ = gen(model, p, 1, static)
             tn, toks = gen(model, p, n, static)
@@ -95,10 +99,11 @@ def main() -> None:
             dec_s += max(tn - t1, 1e-9)
             n_tok += len(toks) - 1
             ids.append(toks)
-        compiled = static and dev == "cuda" and not model.generation_config.disable_compile
-        res.mode(m, {"tok_s": n_tok / dec_s, "ttft_s": sum(ttfts) / len(ttfts), "ttfts_s": ttfts,
-                     "peak_gb": peak_gb(), "checkpoint": "normal", "tokens": n, "warmup_s": warm_s,
-                     "static_cache": static, "compiled": compiled, "token_ids": ids})
+            # saved after every prompt: a run cut by its time limit keeps the prompts it finished
+            res.mode(m, {"tok_s": n_tok / dec_s, "ttft_s": sum(ttfts) / len(ttfts), "ttfts_s": ttfts,
+                         "peak_gb": peak_gb(), "checkpoint": "normal", "tokens": n, "warmup_s": warm_s,
+                         "static_cache": static, "compiled": compiled, "token_ids": ids,
+                         "prompts_done": len(ids), "prompts_total": len(prompts["prompts"])})
     res.put("finished", time.time())
 
 

@@ -84,6 +84,8 @@ def rows(results: dict) -> list[dict]:
                            check=output_check(eng, md, ref))
                 if eng == "transformers" and m == "static_compile" and not md.get("compiled"):
                     row["mode"] += " (not compiled: CPU)"
+                if md.get("prompts_done", 0) < md.get("prompts_total", 0):
+                    row["mode"] += f" ({md['prompts_done']} of {md['prompts_total']} prompts: cut by the time limit)"
                 if eng == "specfire":
                     row["mode"] += ", CUDA graphs" if md.get("graphs") else ", eager (no CUDA graphs)"
                 if md.get("mean_accept_len"):

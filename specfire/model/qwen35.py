@@ -21,12 +21,13 @@ import torch.nn.functional as F
 
 from ..config import FULL, ModelConfig
 from ..ops import attention as attn_ops
+from ..ops import fusion
 from ..ops import gdn as gdn_ops
 from ..ops import lanes
 from ..ops import norm as norm_ops
 from ..ops import onecpu
 from ..ops.act import silu_mul
-from ..ops.linear import linear, linear_fused, one_cpu
+from ..ops.linear import linear, linear_fused, linear_group, one_cpu
 from ..ops.splitk import ChunkCache, KSplit, subtree
 from ..ops.splitk import enabled as splitk_enabled
 from ..ops.rope import apply_rope, rope_cos_sin
@@ -69,13 +70,17 @@ class Linear(nn.Module):
         return self.combine(subtree(x, self.weight, self.ksplit, rows, self._chunks, out=out))
 
 
-def project(x: torch.Tensor, rows: bool, owner: nn.Module, *lins: Linear) -> tuple[torch.Tensor, ...]:
-    """x through each of `lins` (column projections of the same input): one product for all on
-    one CPU device (ops/linear.py linear_fused), one each elsewhere."""
-    ws = tuple(lin.weight for lin in lins)
+def project(x: torch.Tensor, rows: bool, owner: nn.Module, *lins: Linear) -> list[torch.Tensor]:
+    """Column projections of one input (MLP gate + up; attention q, k, v; GDN qkv, z, b, a): on
+    one CPU device one product for all (ops/linear.py linear_fused, cached on `owner`); on CUDA
+    one launch whose settings come from the whole matrices' shapes, so a shard computes every
+    element as the whole does (ops/linear.py linear_group)."""
+    if any(lin.ksplit is not None for lin in lins):
+        return [lin(x, rows) for lin in lins]
+    ws = [lin.weight for lin in lins]
     if one_cpu(x) and all(isinstance(w, torch.Tensor) and not w.is_inference() for w in ws):
-        return linear_fused(x, ws, rows, owner)
-    return tuple(lin(x, rows) for lin in lins)
+        return list(linear_fused(x, tuple(ws), rows, owner))
+    return linear_group(x, ws, rows, [lin.launch_n for lin in lins])
 
 
 class RMSNorm(nn.Module):
@@ -229,11 +234,18 @@ class GatedAttention(nn.Module):
         t = x.shape[0]
         d = self.head_dim
         qg, k, v = project(x, rows, self, self.q_proj, self.k_proj, self.v_proj)
-        qg = qg.reshape(t, self.n_heads, 2 * d)                         # [T, Hq, 2D]
+        qg = qg.view(t, self.n_heads, 2 * d)                              # [T, Hq, 2D]
+        if rows and lc.k_scale is None and fusion.enabled(x):          # GPU: ops/attn_fused.py
+            from ..ops import attn_fused as af
+            q = af.qk_norm_rope_write_triton(qg, k.view(t, self.n_kv, d), v.view(t, self.n_kv, d),
+                                             self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                             *cos_sin, lc.k, lc.v, pos0)
+            o = attn_ops.attention_rows(q, lc.k, lc.v, pos0, self.scale)
+            return self.o_proj(af.out_gate_triton(o, qg), rows)
         q, gate = qg[..., :d], qg[..., d:]
         q = rowwise(self.q_norm, rows, q, batch=one_cpu(x))
-        k = rowwise(self.k_norm, rows, k.reshape(t, self.n_kv, d), batch=one_cpu(x))
-        v = v.reshape(t, self.n_kv, d)
+        k = rowwise(self.k_norm, rows, k.view(t, self.n_kv, d), batch=one_cpu(x))
+        v = v.view(t, self.n_kv, d)
         cos, sin = cos_sin
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
@@ -272,8 +284,13 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, lc: LayerCache, rows: bool) -> torch.Tensor:
         t = x.shape[0]
         qkv, z, b, a = project(x, rows, self, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
-        z = z.reshape(t, self.hv, self.dv)                              # qkv [T, conv_dim]
+        z = z.view(t, self.hv, self.dv)
         w = self.conv1d.weight[:, 0, :]
+        if rows and fusion.enabled(x):                                  # GPU: ops/gdn_fused.py
+            from ..ops.gdn_fused import gdn_decode_triton
+            o, lc.cap_rec, lc.cap_conv = gdn_decode_triton(qkv, a, b, lc.conv, w, self.A_log, self.dt_bias, lc.rec,
+                                                           self.hk, self.dk, self.dv)
+            return self.out_proj(self.norm(o, z).reshape(t, self.value_dim), rows)
         if rows and t > 1 and x.device.type == "cpu" and not (one_cpu(x) and whole_steps(qkv)):  # per row (ops/rowwise.py)
             xf = qkv.float()
             full = torch.cat([lc.conv.to(xf.dtype), xf], dim=0)

@@ -16,8 +16,9 @@ with zero rows: then every element comes out of the same code whatever shard it 
 (measured equal for shards starting anywhere, M = 1..300, 1 and 2 threads). On a CUDA mesh (and
 one GPU with the canonical split on) every product, prefill included, goes through the Triton
 kernel with the launch settings of the whole matrix (`launch_n`), so a shard computes each element
-exactly as the whole does. One GPU without the canonical split (ops/splitk.py, the default) has no
-shard to match: its prefill uses cuBLAS (~2.3x the Triton kernel's GEMM rate); decode and verify
+exactly as the whole does (projections of one input launched together take the settings of the
+group's widest whole matrix: linear_group). One GPU without the canonical split (ops/splitk.py,
+the default) has no shard to match: its prefill uses cuBLAS (~2.3x the Triton kernel's GEMM rate); decode and verify
 keep the row-invariant kernel, so greedy speculation still equals AR.
 A 4-bit `QuantWeight` (ops/quant.py) is accepted in place of a weight tensor.
 
@@ -126,6 +127,17 @@ def linear(x: torch.Tensor, w, rows: bool, launch_n: int | None = None) -> torch
     if rows or (x.is_cuda and (launch_n is not None or splitk_enabled(x))):   # a mesh, or one GPU made mesh-equal
         return linear_rows(x, w, launch_n, rows)
     return F.linear(x, w) if x.is_cuda else _paneled(F.linear, x, w)          # one GPU's prefill: cuBLAS
+
+
+def linear_group(x: torch.Tensor, ws: list, rows: bool, launch_ns: list[int | None]) -> list[torch.Tensor]:
+    """[linear(x, w, rows, n) for w, n in zip(ws, launch_ns)], the same bits; where they take the
+    Triton path on CUDA, one grouped launch (ops/triton_gemv.py gemv_group: a column shard alone
+    launches half the whole's programs, too few to fill the GPU)."""
+    triton_path = x.is_cuda and (rows or any(n is not None for n in launch_ns) or splitk_enabled(x))
+    if not triton_path or not all(isinstance(w, torch.Tensor) for w in ws):
+        return [linear(x, w, rows, n) for w, n in zip(ws, launch_ns)]
+    from .triton_gemv import gemv_group, row_tile
+    return gemv_group(x, ws, launch_ns, row_tile(x.shape[0], rows))
 
 
 def q4_dense(w, dtype: torch.dtype) -> torch.Tensor:

@@ -11,6 +11,7 @@ operand, so one weight tile is read once for all rows: the kernel moves the weig
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -131,6 +132,95 @@ def gemv(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig | None = None, launch
     blk = 1024
     _splitk_sum[(triton.cdiv(m * n, blk),)](part, y, m * n, SPLIT=split, BLOCK=blk)
     return y
+
+
+GROUP_MAX = 4      # column projections of one input that one launch can hold
+OUT_ALIGN = 64     # elements: where a grouped launch's outputs start in its buffer
+GROUP = os.environ.get("SPECFIRE_GEMV_GROUP", "1") != "0"   # bench/tp.py can turn grouping off
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_group_kernel(x_ptr, w_ptr, y_ptr, M, K, stride_xm, N0, N1, N2, N3, T1, T2, T3, DW1, DW2, DW3, O1, O2, O3,
+                       SEGS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_: tl.constexpr,
+                       IEEE: tl.constexpr):
+    """_gemv_kernel over up to 4 weights of one input in one launch: column tiles [0, T1) are
+    weight 0's, [T1, T2) weight 1's, ... (weight s at w_ptr + DWs elements, each [Ns, K]
+    contiguous); output s is [M, Ns] at y + M * Os. Every tile runs the same loop as a
+    launch of its weight alone with these settings would: the same bits, more programs."""
+    pid_m = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    n = N0
+    t0 = 0
+    dw = DW1 * 0
+    dy = M * 0
+    if SEGS > 1:
+        sel = pid_t >= T1
+        n, t0, dw, dy = tl.where(sel, N1, n), tl.where(sel, T1, t0), tl.where(sel, DW1, dw), tl.where(sel, M * O1, dy)
+    if SEGS > 2:
+        sel = pid_t >= T2
+        n, t0, dw = tl.where(sel, N2, n), tl.where(sel, T2, t0), tl.where(sel, DW2, dw)
+        dy = tl.where(sel, M * O2, dy)
+    if SEGS > 3:
+        sel = pid_t >= T3
+        n, t0, dw = tl.where(sel, N3, n), tl.where(sel, T3, t0), tl.where(sel, DW3, dw)
+        dy = tl.where(sel, M * O3, dy)
+    offs_n = (pid_t - t0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * ROWS_ + tl.arange(0, ROWS_)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < n
+    m_mask = offs_m < M
+    wp = w_ptr + dw
+    acc = tl.zeros((BLOCK_N, ROWS_), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < K
+        w = tl.load(wp + offs_n[:, None] * K + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        if IEEE:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
+    tl.store(y_ptr + dy + offs_m[None, :] * n + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=n_mask[:, None] & m_mask[None, :])
+
+
+def group_config(launch_ns: list[int], k: int) -> GemvConfig:
+    """The launch settings of a group: those of its widest whole matrix. A function of the whole
+    matrices' shapes, so every tensor-parallel degree computes each element alike."""
+    return gemv_config(max(launch_ns), k)
+
+
+def gemv_group(x: torch.Tensor, ws: list[torch.Tensor], launch_ns: list[int | None],
+               tile: int = ROWS) -> list[torch.Tensor]:
+    """[x @ w.T for w in ws] in one launch with group_config's settings (launch_ns: each weight's
+    whole N; None: its own). Each output is bit for bit gemv(x, w, group_config(...)). A column
+    shard alone launches half the whole's programs; the shards of one input together fill the GPU
+    as the whole matrices do. SPECFIRE_GEMV_GROUP=0: one gemv per weight with its own settings."""
+    m, k = x.shape
+    whole = [ln or w.shape[0] for w, ln in zip(ws, launch_ns)]
+    cfg = group_config(whole, k)
+    esz = ws[0].element_size()
+    plain = all(w.dim() == 2 and w.shape[1] == k and w.is_contiguous() and w.dtype == ws[0].dtype
+                and w.device == x.device and (w.data_ptr() - ws[0].data_ptr()) % esz == 0 for w in ws)
+    if not GROUP or len(ws) == 1:
+        return [gemv(x, w, launch_n=ln, tile=tile) for w, ln in zip(ws, launch_ns)]
+    if not (plain and len(ws) <= GROUP_MAX and cfg.split_k == 1):
+        return [gemv(x, w, cfg, tile=tile) for w in ws]
+    x = x.contiguous()
+    ns = [w.shape[0] for w in ws] + [0] * (GROUP_MAX - len(ws))
+    tiles = [triton.cdiv(v, cfg.block_n) for v in ns]
+    dws = [(w.data_ptr() - ws[0].data_ptr()) // esz for w in ws[1:]] + [0] * (GROUP_MAX - len(ws))
+    offs = [0]
+    for v in ns:                          # each output starts 128-byte aligned, like its own tensor
+        offs.append(offs[-1] + triton.cdiv(v, OUT_ALIGN) * OUT_ALIGN)
+    y = torch.empty(m * offs[-1], device=x.device, dtype=x.dtype)
+    grid = (triton.cdiv(m, tile), sum(tiles))
+    _gemv_group_kernel[grid](x, ws[0], y, m, k, x.stride(0), *ns, tiles[0], tiles[0] + tiles[1],
+                             tiles[0] + tiles[1] + tiles[2], *dws, *offs[1:4], SEGS=len(ws), BLOCK_N=cfg.block_n,
+                             BLOCK_K=cfg.block_k, ROWS_=tile, IEEE=x.dtype == torch.float32,
+                             num_warps=cfg.num_warps, num_stages=fit_stages(cfg, tile, x.element_size()))
+    return [y[m * o:m * o + m * v].view(m, v) for v, o in zip(ns[:len(ws)], offs)]
 
 
 def row_tile(m: int, rows: bool) -> int:

@@ -7,11 +7,13 @@ Codes become bf16 128 + q by bit tricks on whole 32-bit words (inline PTX: prmt,
 Why it is shaped this way (bench/quant_gpu.py, H200): a decode GEMV must keep HBM busy, so no
 load of the loop waits where it is issued (codes and x go through the software pipeline; the
 next group's scales, zeros and sum(x) are prefetched into registers one group ahead, where the
-previous kernel stalled on them every group), code rows load 16 bytes at a time, x as the A
-operand lets a warp's x fragment serve all its columns, and the epilogue is two FMAs per output.
-The codes may be stored in tiles of rows (one group of a tile = one contiguous block, TILE) or as
-rows (TILE = 0, the measured default). Split-K partials are combined in a fixed order by the last
-CTA of each N tile to arrive (a counter per tile, reset by that CTA), or by a second launch.
+previous kernel stalled on them every group), code rows load 16 bytes at a time, the codes are
+the MMA's A operand (wa: the sm_90 loop then needs 8-12% fewer instructions than with x as A,
+mostly register moves), and the epilogue is two FMAs per output. The codes are stored in tiles
+of 64 rows (one group of a tile = one contiguous 4 KB block, which DRAM serves better than 64 B
+from each of 64 rows: 1.2x on the lm_head) or as rows (tile 0). Split-K partials are combined in
+a fixed order by the last CTA of each N tile to arrive (a counter per tile, reset by that CTA),
+or by a second launch.
 
 Row invariance: a fixed 16-row tile, a launch configuration chosen from (N, K, G) only, M never
 specialised, group terms and split partials added in a fixed order, so every M runs the same
@@ -38,29 +40,35 @@ class Q4Config:
     num_warps: int = 2
     num_stages: int = 4
     sem: bool = True      # split_k > 1: combine in the kernel (last CTA per tile) instead of a second launch
+    wa: bool = False      # codes as the MMA's A operand (y^T = W x^T): fewer register moves in the sm_90 loop
 
 
 # (N, K) at group 128 -> the fastest row-invariant config of the sweep (least t(M=1) + t(M=4) +
-# t(M=16)) in bench/quant_gpu.py on the H200, codes stored as rows (docs/BENCHMARKS.md)
+# t(M=16)) in bench/quant_gpu.py on the H200, codes in 64-row tiles (docs/BENCHMARKS.md)
 _MEASURED = {
-    (17408, 5120): Q4Config(64, split_k=3, num_warps=1, num_stages=3),    # MLP gate, up
-    (5120, 17408): Q4Config(64, split_k=9, num_warps=2, num_stages=4),    # MLP down
-    (12288, 5120): Q4Config(64, split_k=4, num_warps=2, num_stages=4),    # attention q + gate
-    (10240, 5120): Q4Config(32, split_k=4, num_warps=1, num_stages=4),    # GDN qkv
-    (6144, 5120): Q4Config(64, split_k=8, num_warps=2, num_stages=4),     # GDN z
-    (5120, 6144): Q4Config(64, split_k=9, num_warps=2, num_stages=4),     # attention o, GDN out
-    (1024, 5120): Q4Config(64, split_k=13, num_warps=1, num_stages=4),    # attention k, v
-    (248320, 5120): Q4Config(64, split_k=1, num_warps=2, num_stages=4),   # lm_head
+    (17408, 5120): Q4Config(128, split_k=3, num_warps=2, num_stages=3, wa=True),   # MLP gate, up
+    (5120, 17408): Q4Config(64, split_k=9, num_warps=2, num_stages=3, wa=True),    # MLP down
+    (12288, 5120): Q4Config(64, split_k=4, num_warps=2, num_stages=3, wa=True),    # attention q + gate
+    (10240, 5120): Q4Config(64, split_k=4, num_warps=2, num_stages=3, wa=True),    # GDN qkv
+    (6144, 5120): Q4Config(64, split_k=8, num_warps=2, num_stages=3, wa=True),     # GDN z
+    (5120, 6144): Q4Config(64, split_k=9, num_warps=2, num_stages=3, wa=True),     # attention o, GDN out
+    (1024, 5120): Q4Config(32, split_k=18, num_warps=1, num_stages=4, wa=True),    # attention k, v
+    (248320, 5120): Q4Config(64, split_k=1, num_warps=2, num_stages=4, wa=True),   # lm_head
+    # projections that share an input, concatenated into one weight (measured, not yet used by the
+    # model): gate + up, GDN qkv + z, attention q + gate + k + v
+    (34816, 5120): Q4Config(128, split_k=3, num_warps=2, num_stages=3, wa=True),
+    (16384, 5120): Q4Config(64, split_k=3, num_warps=2, num_stages=3, wa=True),
+    (14336, 5120): Q4Config(64, split_k=3, num_warps=2, num_stages=3, wa=True),
 }
 
 
 def q4_config(n: int, k: int, group: int) -> Q4Config:
     """Launch configuration from the weight's shape only (never from M): the measured one for the
-    27B shapes, else what won most of them, 64 columns on two warps with the split-K that fills
-    an H200 in one wave (about 6 such CTAs per SM)."""
+    27B shapes, else what won most of them, 64 columns on two warps, 3 stages, codes as the A
+    operand, with the split-K that fills an H200 in one wave (about 6 such CTAs per SM)."""
     if group == 128 and (n, k) in _MEASURED:
         return _MEASURED[(n, k)]
-    return Q4Config(64, split_k=max(1, min(k // group, 792 // triton.cdiv(n, 64))))
+    return Q4Config(64, split_k=max(1, min(k // group, 792 // triton.cdiv(n, 64))), num_stages=3, wa=True)
 
 
 # inline PTX, 4 packed bytes in ($4) -> low nibbles as bf16 128+q ($0, $1) and high nibbles ($2, $3);
@@ -118,6 +126,14 @@ def _mmt(a, bt, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _mm(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b (weights as the MMA's A operand); float32 as in _mmt."""
+    if IEEE:
+        return acc + tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _group_terms(s_ptr, z_ptr, xs_ptr, g, g_hi, N, n_groups, offs_n, n_mask, offs_m, m_mask):
     """Scale and zero of group g for the tile's columns and sum(x) of group g per row; zeros past
     the split's last group (these are the prefetches one group ahead)."""
@@ -131,7 +147,8 @@ def _group_terms(s_ptr, z_ptr, xs_ptr, g, g_hi, N, n_groups, offs_n, n_mask, off
 @triton.jit(do_not_specialize=["M", "n_groups", "groups_per_split", "split"])
 def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M, N, KH, stride_xm, stride_ym,
                n_groups, groups_per_split, split, BLOCK_N: tl.constexpr, G: tl.constexpr, ROWS_: tl.constexpr,
-               TILE: tl.constexpr, SEM: tl.constexpr, ASM: tl.constexpr, IEEE: tl.constexpr):
+               TILE: tl.constexpr, SEM: tl.constexpr, ASM: tl.constexpr, IEEE: tl.constexpr,
+               WA: tl.constexpr = False):
     # Kernel packing (ops/quant.py): in group g, byte j of a row holds codes g*G + j (low nibble)
     # and g*G + G/2 + j (high nibble), rows stored in tiles [N/TILE, K/G, TILE, G/2] (TILE = 0: rows
     # [N, K/2]); scales / zeros are [K/G, N]; KH = K / 2 bytes per row.
@@ -145,7 +162,10 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
     m_mask = offs_m < M
     g_lo = pid_s * groups_per_split
     g_hi = tl.minimum(g_lo + groups_per_split, n_groups)
-    acc = tl.zeros((ROWS_, BLOCK_N), dtype=tl.float32)                      # [ROWS, BLOCK_N] = x W^T tile
+    if WA:
+        acc = tl.zeros((BLOCK_N, ROWS_), dtype=tl.float32)                  # [BLOCK_N, ROWS] = W x^T tile
+    else:
+        acc = tl.zeros((ROWS_, BLOCK_N), dtype=tl.float32)                  # [ROWS, BLOCK_N] = x W^T tile
     if TILE == 0:
         q_rows = q_ptr + offs_n[:, None] * KH + offs_c[None, :]
         q_step = HALF                                                        # bytes from one group to the next
@@ -163,12 +183,19 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
             xe = xe.to(tl.float32)
             xo = xo.to(tl.float32)
         lo, hi = _codes(qb, xe.dtype, ASM)
-        t = _mmt(xo, hi, _mmt(xe, lo, tl.zeros((ROWS_, BLOCK_N), dtype=tl.float32), IEEE), IEEE)
         s = s0.to(tl.float32)
         z = z0.to(tl.float32) - 128.0 * s      # t holds sum (128 + q) x: 128 s sum(x) comes out here
-        acc = tl.fma(t, s[None, :], acc)
-        acc = tl.fma(xs0[:, None], z[None, :], acc)
+        if WA:
+            t = _mm(hi, tl.trans(xo), _mm(lo, tl.trans(xe), tl.zeros((BLOCK_N, ROWS_), dtype=tl.float32), IEEE), IEEE)
+            acc = tl.fma(t, s[:, None], acc)
+            acc = tl.fma(z[:, None], xs0[None, :], acc)
+        else:
+            t = _mmt(xo, hi, _mmt(xe, lo, tl.zeros((ROWS_, BLOCK_N), dtype=tl.float32), IEEE), IEEE)
+            acc = tl.fma(t, s[None, :], acc)
+            acc = tl.fma(xs0[:, None], z[None, :], acc)
         s0, z0, xs0 = s1, z1, xs1
+    if WA:
+        acc = tl.trans(acc)
     out_mask = m_mask[:, None] & n_mask[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     if split == 1:
@@ -237,7 +264,7 @@ def q4_gemv(x: torch.Tensor, qw, cfg: Q4Config | None = None) -> torch.Tensor:
     _q4_kernel[(n_tiles, split)](
         x, xs, qw.qtiled, qw.scales_t, qw.zeros_t, y, part, locks, m, n, k // 2, x.stride(0), y.stride(0),
         n_groups, per, split, BLOCK_N=cfg.block_n, G=g, ROWS_=ROWS, TILE=qw.tile, SEM=sem,
-        ASM=x.dtype == torch.bfloat16 and not INTERPRET, IEEE=x.dtype == torch.float32,
+        ASM=x.dtype == torch.bfloat16 and not INTERPRET, IEEE=x.dtype == torch.float32, WA=cfg.wa,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1 and not sem:  # partials summed in split order by a second launch
         _splitk_sum[(triton.cdiv(m * n, 1024),)](part, y, m * n, SPLIT=split, BLOCK=1024)

@@ -203,18 +203,23 @@ def gemv_chunks_fused(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor, ou
 
 
 @triton.jit(do_not_specialize=["M"])
-def _tree_loop_kernel(x_ptr, w_ptr, y_ptr, M, N, K, KC, stride_xm, stride_wn,
+def _tree_loop_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, KC, stride_xm, stride_wn,
                       C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_: tl.constexpr,
-                      IEEE: tl.constexpr, SELECT: tl.constexpr):
+                      IEEE: tl.constexpr, SELECT: tl.constexpr, SPLIT: tl.constexpr):
     """The canonical tree in one K loop, as the plain GEMV walks K: the accumulator restarts at
     every chunk bound (KC columns, a multiple of BLOCK_K) and each finished chunk is folded into
     the tree like a binary counter (chunk c merges with the held subtrees for every trailing 1
     bit of c). Each chunk's sum and every add are those of chunk_partials + tree_combine.
     SELECT: the fold without branches (every candidate sum computed, the right one selected), so
     the loop body has no control flow for the compiler's software pipelining to trip on; the
-    same adds of the same values, so the same bits."""
+    same adds of the same values, so the same bits.
+    SPLIT (1, 2, 4; dividing C): program_id(2) walks 1/SPLIT of the chunks, folds them into their
+    subtree and stores it; the last of a tile's SPLIT programs adds the SPLIT subtrees, which are
+    the canonical tree's upper levels: the same bits with SPLIT times the programs (a row-parallel
+    N of 5120 is 80 tiles, too few for 132 SMs)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * ROWS_ + tl.arange(0, ROWS_)
     offs_k = tl.arange(0, BLOCK_K)
@@ -226,7 +231,9 @@ def _tree_loop_kernel(x_ptr, w_ptr, y_ptr, M, N, K, KC, stride_xm, stride_wn,
     s1 = zero
     s2 = zero
     s3 = zero
-    for k0 in range(0, K, BLOCK_K):
+    ks = K // SPLIT
+    k_begin = pid_s * ks
+    for k0 in range(k_begin, k_begin + ks, BLOCK_K):
         kk = k0 + offs_k
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :], mask=n_mask[:, None], other=0.0)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_mask[:, None], other=0.0)
@@ -236,7 +243,7 @@ def _tree_loop_kernel(x_ptr, w_ptr, y_ptr, M, N, K, KC, stride_xm, stride_wn,
             acc = tl.dot(w, tl.trans(x), acc)
         if SELECT:
             end = (k0 + BLOCK_K) % KC == 0
-            c = k0 // KC
+            c = (k0 - k_begin) // KC            # the chunk's index within this program's subtree
             v1 = s0 + acc                       # the subtree chunk c closes, at each tree level
             v2 = s1 + v1
             v3 = s2 + v2
@@ -246,7 +253,7 @@ def _tree_loop_kernel(x_ptr, w_ptr, y_ptr, M, N, K, KC, stride_xm, stride_wn,
             s3 = tl.where(end & (c % 8 == 7), v3, s3)
             acc = tl.where(end, zero, acc)
         elif (k0 + BLOCK_K) % KC == 0:
-            c = k0 // KC
+            c = (k0 - k_begin) // KC
             v = acc
             if c % 2 == 1:
                 v = s0 + v
@@ -261,16 +268,36 @@ def _tree_loop_kernel(x_ptr, w_ptr, y_ptr, M, N, K, KC, stride_xm, stride_wn,
             else:
                 s0 = v
             acc = zero
-    if C == 1:
+    CS: tl.constexpr = C // SPLIT
+    if CS == 1:
         out = s0
-    elif C == 2:
+    elif CS == 2:
         out = s1
-    elif C == 4:
+    elif CS == 4:
         out = s2
     else:
         out = s3
-    tl.store(y_ptr + offs_m[None, :] * N + offs_n[:, None], out.to(y_ptr.dtype.element_ty),
-             mask=n_mask[:, None] & m_mask[None, :])
+    mask = n_mask[:, None] & m_mask[None, :]
+    off = offs_m[None, :] * N + offs_n[:, None]
+    if SPLIT == 1:
+        tl.store(y_ptr + off, out.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        MN = M * N
+        tl.store(p_ptr + pid_s * MN + off, out, mask=mask)
+        tile = pid_n * tl.num_programs(0) + pid_m
+        tl.debug_barrier()                                          # every thread's subtree stored first
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")     # releases it, acquires the others'
+        if done == SPLIT - 1:
+            q0 = tl.load(p_ptr + off, mask=mask, other=0.0, cache_modifier=".cg")
+            q1 = tl.load(p_ptr + MN + off, mask=mask, other=0.0, cache_modifier=".cg")
+            if SPLIT == 2:
+                r = q0 + q1
+            else:
+                q2 = tl.load(p_ptr + 2 * MN + off, mask=mask, other=0.0, cache_modifier=".cg")
+                q3 = tl.load(p_ptr + 3 * MN + off, mask=mask, other=0.0, cache_modifier=".cg")
+                r = (q0 + q1) + (q2 + q3)
+            tl.store(y_ptr + off, r.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0)                       # ready for the next launch
 
 
 def _loop_override() -> tuple[GemvConfig | None, bool]:
@@ -288,6 +315,10 @@ def _loop_override() -> tuple[GemvConfig | None, bool]:
 
 
 LOOP_CONFIG, LOOP_SELECT = _loop_override()
+TREE_SPLIT = os.environ.get("SPECFIRE_SPLITK_SPLIT", "auto")
+if TREE_SPLIT not in ("1", "2", "4", "auto"):
+    raise ValueError(f"SPECFIRE_SPLITK_SPLIT must be 1, 2, 4 or auto, got {TREE_SPLIT!r}")
+SPLIT_FILL = 132          # "auto" splits launches of fewer tiles than this (the H200's SMs)
 
 
 def tree_loop_config(n: int, k: int) -> GemvConfig:
@@ -305,7 +336,7 @@ def tree_loop_fits(k: int, c: int, block_k: int = 128) -> bool:
 
 def gemv_tree_loop(x: torch.Tensor, w: torch.Tensor, c: int, out_dtype: torch.dtype, tile: int = ROWS,
                    launch_n: int | None = None, cfg: GemvConfig | None = None, select: bool | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, split: int | None = None) -> torch.Tensor:
     """[M, N] `out_dtype`: the canonical tree over c equal chunks of K, one launch, no partials in
     memory (the same bits as tree_combine(chunk_partials(...)) for equal chunks). `out`: a
     contiguous [M, N] tensor to write (e.g. a collective's buffer), instead of a new one."""
@@ -321,8 +352,29 @@ def gemv_tree_loop(x: torch.Tensor, w: torch.Tensor, c: int, out_dtype: torch.dt
         raise ValueError("gemv_tree_loop: BLOCK_K is the canonical 128 (it orders the adds)")
     y = out if out is not None else torch.empty(m, n, device=x.device, dtype=out_dtype)
     grid = (triton.cdiv(m, tile), triton.cdiv(n, cfg.block_n))
-    _tree_loop_kernel[grid](x, w, y, m, n, k, k // c, x.stride(0), w.stride(0),
-                            C=c, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=tile,
-                            IEEE=x.dtype == torch.float32, SELECT=LOOP_SELECT if select is None else select,
-                            num_warps=cfg.num_warps, num_stages=fit_stages(cfg, tile, x.element_size()))
+    split = tree_split(c, grid[0] * grid[1]) if split is None else split
+    if split not in (1, 2, 4) or c % split:
+        raise ValueError(f"gemv_tree_loop: split {split} must be 1, 2 or 4 and divide the {c} chunks")
+    if split > 1:
+        part = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+        cnt = _counters(x.device, grid[0] * grid[1])
+    else:
+        part = cnt = y
+    _tree_loop_kernel[grid + (split,)](x, w, y, part, cnt, m, n, k, k // c, x.stride(0), w.stride(0),
+                                       C=c, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=tile,
+                                       IEEE=x.dtype == torch.float32, SELECT=LOOP_SELECT if select is None else select,
+                                       SPLIT=split, num_warps=cfg.num_warps,
+                                       num_stages=fit_stages(cfg, tile, x.element_size()))
     return y
+
+
+def tree_split(c: int, tiles: int) -> int:
+    """How many programs share an output tile's chunks in the tree loop (the bits do not depend on
+    it). "auto" (default): 2 where the tiles alone leave SMs idle (decode / verify rows: a hidden
+    size of 5120 is 80 tiles), else 1. Measured on the H200 (27B shapes, docs/BENCHMARKS.md, fourth
+    session): 2 programs cut a tp2 step's tree loops from 2.55 to 2.35 ms; 4 raised them to 3.76.
+    SPECFIRE_SPLITK_SPLIT=1, 2 or 4 forces a value."""
+    if TREE_SPLIT == "auto":
+        return 2 if c % 2 == 0 and tiles < SPLIT_FILL else 1
+    s = min(int(TREE_SPLIT), c)
+    return s if c % s == 0 else 1

@@ -97,6 +97,10 @@ class TrainConfig:
     ul_seq_weight: float = 1.0          # sequence-level UL on the model's greedy continuations
     ul_seq_anchor: bool = True          # anchored to the phase's starting model (unlikelihood.py); False:
                                         #   the plain -log(1 - p) loss, which degenerated (MODEL_CARD.md)
+    ul_seq_ban: bool = True             # anchored target without EVERY token that would complete a repeated
+                                        #   n-gram (unlikelihood.banned_anchored_unlikelihood); False: only
+                                        #   the written token at repeated positions (the target then pulls a
+                                        #   model that stopped repeating back towards the repeat)
     ul_ngram: int = 6                   # a continuation token inside a repeated n-gram is penalised (code
                                         #   BPE: 6 tokens ~ half a line; real code has 9% of tokens in repeated
                                         #   6-grams within 160 tokens, 15% in 4-grams)

@@ -34,6 +34,8 @@ class Prompts:
 
     def batch(self, n: int, length: int, device) -> torch.Tensor:
         """[n, length] prompts of exactly `length` tokens (snippets too short are skipped)."""
+        if not self.snippets:
+            raise ValueError("no `def` / `class` line in the documents to cut rollout prompts from")
         rows: list[list[int]] = []
         while len(rows) < n:
             pick = [self.snippets[self.rng.randrange(len(self.snippets))] for _ in range(2 * (n - len(rows)))]
@@ -55,20 +57,22 @@ def repetition(trunk, tok, prompts: torch.Tensor, new_tokens: int, eos_ids: tupl
     p = prompts.shape[1]
     alive = ul.alive_mask(seq, p, eos_ids)
     mask = ul.ngram_repeat_mask(seq, p, ngram)
-    lines = rep = rep_all = g_distinct = g_all = 0
+    lines = rep = rep_all = g_distinct = g_all = short = ended_n = 0
     for i in range(seq.shape[0]):
         cont = seq[i, p:][alive[i, p:]].tolist()
         ended = bool(cont) and cont[-1] in eos_ids
         if ended:
             cont = cont[:-1]
         n, r, ra = ul.line_stats(tok.decode(seq[i, :p].tolist()), tok.decode(cont), cut=not ended)
+        short += n < 2
+        ended_n += ended
         lines, rep, rep_all = lines + n, rep + r, rep_all + ra
         grams = {tuple(cont[j:j + 4]) for j in range(len(cont) - 3)}
         g_distinct, g_all = g_distinct + len(grams), g_all + max(0, len(cont) - 3)
     return {"repeated_line_frac": rep / max(1, lines), "repeated_line_frac_with_prompt": rep_all / max(1, lines),
             "distinct_4gram_frac": g_distinct / max(1, g_all),
             f"repeated_{ngram}gram_token_frac": float((mask & alive).sum() / alive.sum().clamp_min(1)),
-            "lines": lines, "prompts": int(seq.shape[0])}
+            "lines": lines, "prompts": int(seq.shape[0]), "prompts_under_2_lines": short, "ended": ended_n}
 
 
 def _lr(step: int, sched: int, tc) -> float:
@@ -76,6 +80,12 @@ def _lr(step: int, sched: int, tc) -> float:
         return tc.ul_lr * (step + 1) / tc.ul_warmup
     frac = min(1.0, (step - tc.ul_warmup) / max(1, sched - tc.ul_warmup))
     return tc.ul_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def fit_schedule(step: int, per_step_s: float, left_s: float, cap: int) -> int:
+    """The schedule length that ends when the time left does, at `per_step_s` a step (at least
+    one more step, at most `cap`)."""
+    return min(cap, step + max(1, int(left_s / per_step_s)))
 
 
 def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, tok, eos_ids: tuple[int, ...],
@@ -93,8 +103,11 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, t
     gen = torch.Generator(device="cpu").manual_seed(tc.seed + 7)
     offs = torch.arange(tc.seq_len, device=dev)
     sampler = Prompts(tok, train_docs, tc.seed)
-    held_prompts = (Prompts(tok, held_docs, tc.seed + 1).batch(tc.ul_eval_prompts, tc.ul_eval_prompt_tokens, dev)
-                    if tc.ul_eval_prompts else None)
+    held = Prompts(tok, held_docs, tc.seed + 1)
+    held_prompts = (held.batch(tc.ul_eval_prompts, tc.ul_eval_prompt_tokens, dev)
+                    if tc.ul_eval_prompts and held.snippets else None)
+    if tc.ul_eval_prompts and not held.snippets:
+        log("UL: the held-out documents have no `def` / `class` line: no repetition log")
 
     def rep_eval() -> dict | None:
         if held_prompts is None:
@@ -111,17 +124,27 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, t
     pool, used, p_len = None, 0, 0
     t0 = time.time()
     sched, t_probe, history = tc.ul_steps, 0.0, out["history"]
+
+    def fit(step: int, note: str) -> None:
+        """Fit the cosine schedule to the time left at the mean step time since the probe began
+        (refitted at each pool refresh, whose rollouts the probe's steps do not include)."""
+        nonlocal sched, marks
+        per = (time.time() - t_probe) / (step - 3)
+        sched = fit_schedule(step, per, limit_s - (time.time() - t0), tc.ul_steps)
+        marks = [round(sched * (i + 1) / (tc.ul_snapshots + 1)) for i in range(tc.ul_snapshots)]
+        log(f"UL: {per * 1e3:.0f} ms/step{note}: schedule fitted to {sched} steps for {limit_s:.0f}s")
+
     marks = [max(1, round(sched * (i + 1) / (tc.ul_snapshots + 1))) for i in range(tc.ul_snapshots)]
     step = 0
     for step in range(tc.ul_steps):
         if limit_s and step == 3:
             t_probe = time.time()
         if limit_s and step == 3 + tc.ul_probe_steps:
-            per = (time.time() - t_probe) / tc.ul_probe_steps
-            sched = min(tc.ul_steps, step + int((limit_s - (time.time() - t0)) / per))
-            marks = [max(step + 1, round(sched * (i + 1) / (tc.ul_snapshots + 1))) for i in range(tc.ul_snapshots)]
-            log(f"UL: {per * 1e3:.0f} ms/step: schedule fitted to {sched} steps for {limit_s:.0f}s")
-        if pool is None or used + tc.ul_batch > pool[0].shape[0]:
+            fit(step, "")
+        refresh = pool is None or used + tc.ul_batch > pool[0].shape[0]
+        if refresh and limit_s and step > 3 + tc.ul_probe_steps:
+            fit(step, " with rollouts")
+        if refresh:
             p_len = random.Random(tc.seed * 1000 + step).randint(tc.ul_prompt_min, tc.ul_prompt_max)
             trunk.eval()
             seq = greedy_rollout(trunk, sampler.batch(tc.ul_pool, p_len, dev), tc.ul_new_tokens)
@@ -141,10 +164,15 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, t
             mls, _ = mtp_losses(trunk, head, ids, h, logits, tc.mtp_steps, tc.mtp_distill)
             tok_ul = ul.token_unlikelihood(logits[:, :-1], ids) if tc.ul_token_weight else lm.new_zeros(())
             rh, rlogits = trunk_forward(trunk, seq)
+            ban = None
             if teacher is not None:
                 with torch.no_grad():
                     _, tlogits = trunk_forward(teacher, seq)
-                seq_ul = ul.anchored_unlikelihood(rlogits[:, :-1], tlogits[:, :-1], seq, mask, alive)
+                if tc.ul_seq_ban:
+                    ban = ul.repeat_continuations(seq, p_len, tc.ul_ngram, rlogits.shape[-1])
+                    seq_ul = ul.banned_anchored_unlikelihood(rlogits[:, :-1], tlogits[:, :-1], ban, alive)
+                else:
+                    seq_ul = ul.anchored_unlikelihood(rlogits[:, :-1], tlogits[:, :-1], seq, mask, alive)
             else:
                 seq_ul = ul.sequence_unlikelihood(rlogits[:, :-1], seq, mask, alive)
             rmls, _ = mtp_losses(trunk, head, seq, rh, rlogits, tc.mtp_steps, 1.0)
@@ -157,16 +185,20 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, t
         if step % 25 == 0 or step == sched - 1:
             with torch.no_grad():     # the mean probability of the repeating tokens, which the loss pushes down
                 m = (mask & alive)[:, 1:]
-                p_rep = rlogits[:, :-1].float().softmax(-1).gather(-1, seq[:, 1:, None])[..., 0][m].mean()
+                probs = rlogits[:, :-1].float().softmax(-1)
+                p_rep = probs.gather(-1, seq[:, 1:, None])[..., 0][m].mean()
+                # the model's probability mass on repeat-completing tokens at alive positions
+                p_ban = (probs * ban[:, 1:]).sum(-1)[alive[:, 1:]].mean().item() if ban is not None else float("nan")
+                del probs
             rec = {"step": step, "lr": lr, "loss": loss.item(), "lm": lm.item(), "token_ul": tok_ul.item(),
-                   "p_repeat": p_rep.item(),
+                   "p_repeat": p_rep.item(), "p_banned": p_ban,
                    "seq_ul": seq_ul.item(), "mtp": [m.item() for m in mls], "mtp_rollout": [m.item() for m in rmls],
                    "rollout_repeat_frac": float((mask & alive).sum() / alive.sum().clamp_min(1)),
                    "prompt_tokens": p_len, "grad_norm": gn.item(), "t": time.time() - t0}
             history.append(rec)
             log(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()}))
         done = step + 1
-        if done in marks:
+        if len(out["snapshots"]) < len(marks) and done >= marks[len(out["snapshots"])] and done < sched:
             snap = {"step": done, "repetition": rep_eval()}
             out["snapshots"].append(snap)
             log(f"UL snapshot at step {done}: " + json.dumps(snap["repetition"]))

@@ -81,6 +81,40 @@ def anchored_unlikelihood(logits: torch.Tensor, teacher_logits: torch.Tensor, se
     return (ce * a).sum() / a.sum().clamp_min(1)
 
 
+def repeat_continuations(seq: torch.Tensor, start: int, n: int, vocab: int) -> torch.Tensor:
+    """seq [B, L] -> bool [B, L, V]: at position i >= start, the tokens c for which seq[i-n+1:i] + c
+    repeats an n-gram that ended earlier in the sequence (prompt included): what may follow the
+    last n-1 tokens without completing a repeat is everything else."""
+    b, length = seq.shape
+    m = n - 1
+    ban = torch.zeros(b, length, vocab, dtype=torch.bool, device=seq.device)
+    if length <= m:
+        return ban
+    eq = torch.ones(b, length, length, dtype=torch.bool, device=seq.device)
+    for d in range(1, m + 1):       # eq[b, i, j]: seq[i-d] == seq[j-d] for d = 1..m (the contexts agree)
+        s = seq[:, : length - d]
+        eq[:, d:, d:] &= s[:, :, None] == s[:, None, :]
+    idx = torch.arange(length, device=seq.device)
+    valid = (idx[None, :] < idx[:, None]) & (idx[None, :] >= m) & (idx[:, None] >= max(m, start))
+    bi, ii, jj = (eq & valid[None]).nonzero(as_tuple=True)
+    ban[bi, ii, seq[bi, jj]] = True
+    return ban
+
+
+def banned_anchored_unlikelihood(logits: torch.Tensor, teacher_logits: torch.Tensor, ban: torch.Tensor,
+                                 alive: torch.Tensor) -> torch.Tensor:
+    """logits / teacher_logits [B, L-1, V] for a sequence of L tokens, ban [B, L, V]
+    (repeat_continuations), alive [B, L]: cross-entropy to the teacher's distribution with every
+    banned token removed and the rest renormalised, averaged over alive continuation positions.
+    Unlike anchored_unlikelihood, the target depends only on the context, not on the token the
+    model happened to write: once the model avoids a repeat, the anchor does not pull it back."""
+    q = teacher_logits.float().softmax(-1).masked_fill(ban[:, 1:], 0.0)
+    q = q / q.sum(-1, keepdim=True).clamp_min(1e-12)
+    ce = -(q * logits.float().log_softmax(-1)).sum(-1)
+    a = alive[:, 1:]
+    return (ce * a).sum() / a.sum().clamp_min(1)
+
+
 def alive_mask(seq: torch.Tensor, start: int, eos_ids: tuple[int, ...]) -> torch.Tensor:
     """bool [B, L]: continuation positions up to and including the first end-of-text token."""
     cont = torch.zeros_like(seq, dtype=torch.bool)

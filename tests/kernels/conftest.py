@@ -17,7 +17,8 @@ import sys
 import pytest
 
 KERNEL_MODULES = ("specfire.ops.triton_gemv", "specfire.ops.triton_splitk", "specfire.ops.triton_small",
-                  "specfire.ops.triton_quant", "specfire.ops.attention_kernels", "specfire.ops.gdn_kernels")
+                  "specfire.ops.triton_quant", "specfire.ops.attention_kernels", "specfire.ops.gdn_kernels",
+                  "specfire.ops.gdn_fused", "specfire.ops.attn_fused")
 
 
 def _interpreted(mod) -> bool:

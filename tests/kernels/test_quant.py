@@ -129,6 +129,13 @@ CASES = [  # odd N, masked group tails (a split's last group range shorter), spl
     (9, 33, 2304, 64, False, Q4Config(32, split_k=5), 64),
     (4, 48, 512, 128, False, Q4Config(16, split_k=3, num_warps=1, sem=False), 0),
     (16, 64, 256, 128, False, None, 0),
+    # codes as the MMA's A operand (wa, the adopted form): odd N, masked tails, both combines,
+    # both layouts; the default config on the default layout (64-row tiles, N padded); the
+    # adopted gate/up form (128 columns, 2 warps, 3 stages) with a short last split
+    (5, 45, 384, 128, False, Q4Config(32, split_k=2, wa=True), 0),
+    (11, 70, 640, 64, True, Q4Config(16, split_k=4, sem=False, wa=True), 64),
+    (13, 77, 384, 128, False, None, 64),
+    (2, 150, 640, 128, False, Q4Config(128, split_k=3, num_warps=2, num_stages=3, wa=True), 64),
 ]
 
 
@@ -136,8 +143,8 @@ CASES = [  # odd N, masked group tails (a split's last group range shorter), spl
 def test_q4_kernel_matches_reference_and_is_row_invariant(m, n, k, g, had, cfg, tile):
     w = torch.randn(n, k, generator=_g(m + n))
     qw = QuantWeight.quantize(w, g, had)
-    if tile:
-        qw = QuantWeight(qw.qweight, qw.scales_t, qw.zeros_t, had, qw.dtype, tile)
+    qw = QuantWeight(qw.qweight, qw.scales_t, qw.zeros_t, had, qw.dtype, tile)
+    assert qw.tile == tile
     x = qw.prepare_input(torch.randn(m, k, generator=_g(k)))
     y = q4_gemv(x, qw, cfg)
     ref = linear_rows_ref(x, qw.dequantize())
@@ -152,7 +159,7 @@ def test_q4_kernel_prefixes_are_row_invariant():
     """Every prefix M = 1..16 of a 16-row call gives the same rows bit for bit (with and without split-K)."""
     qw = QuantWeight.quantize(torch.randn(24, 384, generator=_g(21)), 128)
     x = torch.randn(16, 384, generator=_g(22))
-    for cfg in (Q4Config(16, split_k=2), Q4Config(32)):
+    for cfg in (Q4Config(16, split_k=2), Q4Config(32), Q4Config(16, split_k=2, wa=True)):
         full = q4_gemv(x, qw, cfg)
         for m in range(1, 17):
             assert torch.equal(q4_gemv(x[:m], qw, cfg), full[:m]), (cfg, m)
@@ -161,9 +168,11 @@ def test_q4_kernel_prefixes_are_row_invariant():
 def test_tiled_storage_round_trip_and_both_layouts_agree():
     """Codes stored in tiles of 64 rows (N padded) give back the same kernel packing, row slices
     included, and the kernel reads either layout to the same bits."""
-    from specfire.ops.quant import tile_rows, untile_rows
+    from specfire.ops.quant import TILE, tile_rows, untile_rows
 
-    rows = QuantWeight.quantize(torch.randn(70, 384, generator=_g(24)), 64)
+    made = QuantWeight.quantize(torch.randn(70, 384, generator=_g(24)), 64)
+    assert made.tile == TILE == 64       # the package's layout
+    rows = QuantWeight(made.qweight, made.scales_t, made.zeros_t, False, torch.float32, 0)
     qw = QuantWeight(rows.qweight, rows.scales_t, rows.zeros_t, False, torch.float32, 64)
     assert rows.tile == 0 and qw.qtiled.shape == (2, 6, 64, 32) and qw.shape == (70, 384)
     assert torch.equal(qw.qweight, rows.qtiled) and torch.equal(qw.to("cpu").qtiled, qw.qtiled)
@@ -171,7 +180,7 @@ def test_tiled_storage_round_trip_and_both_layouts_agree():
     assert torch.equal(qw.dequantize(slice(5, 67)), rows.dequantize()[5:67])
     assert qw.nbytes() == rows.nbytes() == 70 * 192 + 2 * 70 * 6 * 2
     x = torch.randn(3, 384, generator=_g(25))
-    for cfg in (Q4Config(16, split_k=2), Q4Config(32, split_k=3)):
+    for cfg in (Q4Config(16, split_k=2), Q4Config(32, split_k=3), Q4Config(64, split_k=2, wa=True)):
         assert torch.equal(q4_gemv(x, qw, cfg), q4_gemv(x, rows, cfg))
 
 

@@ -282,3 +282,62 @@ def _worker_children(pid: int) -> list[int]:
         except FileNotFoundError:
             pass
     return out
+
+
+def test_grouped_column_launch_equals_separate_launches():
+    """gemv_group: two to four column projections of one input in one launch give each output the
+    bits of its own launch with the group's settings (odd N, masked K tail, 1 and 5 rows); shards
+    that pass the whole matrices' N get the whole's bits (interpreted, shards start on a tile
+    bound: see the note above); settings of one weight alone when grouping is off."""
+    from specfire.ops import triton_gemv
+    from specfire.ops.triton_gemv import gemv, gemv_group, group_config
+
+    g = torch.Generator().manual_seed(11)
+    k = 200
+    ws = [torch.randn(n, k, generator=g) for n in (37, 70, 5, 130)]
+    for m in (1, 5):
+        x = torch.randn(m, k, generator=g)
+        for sel, lns in (((0, 1), (None, None)), ((0, 1, 2), (None, 140, 10)), ((3, 2, 0, 1), (None,) * 4)):
+            group = [ws[i] for i in sel]
+            cfg = group_config([ln or w.shape[0] for w, ln in zip(group, lns)], k)
+            got = gemv_group(x, group, list(lns))
+            assert [tuple(y.shape) for y in got] == [(m, w.shape[0]) for w in group]
+            assert all(y.is_contiguous() and (y.data_ptr() - got[0].data_ptr()) % 128 == 0 for y in got)
+            for y, w in zip(got, group):
+                assert torch.equal(y, gemv(x, w, cfg))
+    x = torch.randn(3, 64, generator=g)
+    wholes = [torch.randn(n, 64, generator=g) for n in (8192, 130, 200)]      # settings of the 8192-row matrix
+    full = gemv_group(x, wholes, [None] * 3)
+    shards = gemv_group(x, [w[64:].contiguous() for w in wholes], [w.shape[0] for w in wholes])
+    for a, b in zip(shards, full):
+        assert torch.equal(a, b[:, 64:])
+    triton_gemv.GROUP = False
+    try:
+        for y, w in zip(gemv_group(x, wholes[1:], [None, None]), wholes[1:]):
+            assert torch.equal(y, gemv(x, w))
+    finally:
+        triton_gemv.GROUP = True
+
+
+def test_tree_loop_split_programs_give_the_same_bits():
+    """gemv_tree_loop with a tile's chunks shared by 2 or 4 programs (the last adds their subtrees)
+    equals the one-program fold and the two-launch form, into a given float32 `out` too."""
+    from specfire.ops.triton_splitk import chunk_partials, gemv_tree_loop, tree_combine
+
+    g = torch.Generator().manual_seed(12)
+    w, x = torch.randn(70, 1024, generator=g), torch.randn(3, 1024, generator=g)
+    for c in (8, 4, 2):
+        kc = 1024 // (8 // c) if c < 8 else 1024
+        wc, xc = w[:, :kc].contiguous(), x[:, :kc].contiguous()
+        bc = torch.tensor([kc * j // c for j in range(c + 1)], dtype=torch.int32)
+        ref = tree_combine(chunk_partials(xc, wc, bc), torch.float32)
+        for split in (1, 2, 4):
+            if c % split:
+                continue
+            for select in (False, True):
+                assert torch.equal(gemv_tree_loop(xc, wc, c, torch.float32, select=select, split=split), ref)
+            out = torch.empty(3, 70)
+            gemv_tree_loop(xc[1:2], wc, c, torch.float32, out=out[:1], split=split)
+            assert torch.equal(out[:1], ref[1:2])
+    with pytest.raises(ValueError, match="split 3"):
+        gemv_tree_loop(x, w, 8, torch.float32, split=3)

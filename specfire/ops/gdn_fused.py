@@ -1,0 +1,136 @@
+"""One Triton kernel for a Gated DeltaNet layer's rows forward (decode, verify) between the
+projections and the output norm: conv window + SiLU, q/k L2 norms, the gates (beta, log decay),
+the gated delta rule with per-row state capture, and the output rounded to the model dtype.
+
+Why: unfused this stretch is ~25 small kernels per layer per step (casts, the gate chain, the
+l2norm chain, the key-head repeat), which on the 27B shape is ~1.2k launches of a step's ~2k.
+
+One program per (value head h, BV value columns) computes everything from the layer's own inputs:
+its key head's q/k channels (h // rep, recomputed by every program of that head: cheap, and it
+keeps programs independent), its v channels, the state columns it owns. So a program's result
+depends only on its head's inputs (tensor-parallel shards by heads give the same bits), and rows
+are applied in order from the state in registers exactly as a one-row call applies them from the
+stored capture (verify rows equal decode rows bit for bit: the row count is not specialised, so a
+one-row call runs the same binary, and the conv chain is written as explicit FMAs; a first GPU
+run without these two measures had rows differ from chained single rows). Each channel of the conv window
+after the rows (`full`, which commit reads) is written by exactly one program.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import gdn as gdn_ops
+from . import lanes
+
+BV = 32         # value columns per program (bench/fuse.py sweep on the H200: 16 and 32 within noise, 5-6 us)
+NUM_WARPS = 1
+
+
+def gdn_decode_ref(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, window: torch.Tensor, w: torch.Tensor,
+                   a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, hk: int, dk: int,
+                   dv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The unfused composition (model/qwen35.py GatedDeltaNet, rows mode). qkv [T, C] projections,
+    a, b [T, Hv], window [K-1, C] float32, w [C, K], state [Hv, dk, dv] float32 ->
+    (o [T, Hv, dv] in qkv's dtype, states after every row [T, Hv, dk, dv], full window [K-1+T, C])."""
+    t, hv = qkv.shape[0], a.shape[1]
+    conv_out, full = gdn_ops.conv_window_ref(qkv.float(), window, w)
+    q, k, v = torch.split(conv_out, [hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv)
+    beta = lanes.sigmoid(b.float())
+    g = -lanes.exp(a_log.float()) * lanes.softplus(a.float() + dt_bias.float())
+    q = q * lanes.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6) * (dk ** -0.5)
+    k = k * lanes.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
+    rep = hv // hk
+    q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+    o, caps = gdn_ops.gdn_rows_ref(q, k, v, g, beta, state, capture=True)
+    return o.to(qkv.dtype), caps, full
+
+
+@triton.jit
+def _tap(x_ptr, win_ptr, i, ch, ok, sx, C, KM1: tl.constexpr):
+    """Row i of the full conv input in float32: window row i when i < K-1, else projection row i-(K-1)."""
+    in_win = i < KM1
+    a = tl.load(win_ptr + tl.minimum(i, KM1 - 1) * C + ch, mask=ok & in_win, other=0.0).to(tl.float32)
+    b = tl.load(x_ptr + tl.maximum(i - KM1, 0) * sx + ch, mask=ok & (i >= KM1), other=0.0).to(tl.float32)
+    return tl.where(in_win, a, b)
+
+
+@triton.jit
+def _conv_silu(x_ptr, win_ptr, w_ptr, t, ch, ok, sx, C, K: tl.constexpr):
+    """Output row t of the causal depthwise conv + SiLU: a fixed chain over the K taps."""
+    acc = _tap(x_ptr, win_ptr, t, ch, ok, sx, C, K - 1) * tl.load(w_ptr + ch * K, mask=ok, other=0.0).to(tl.float32)
+    for j in tl.static_range(1, K):   # explicit FMAs: the compiler cannot contract them differently per row
+        acc = tl.fma(_tap(x_ptr, win_ptr, t + j, ch, ok, sx, C, K - 1),
+                     tl.load(w_ptr + ch * K + j, mask=ok, other=0.0).to(tl.float32), acc)
+    return acc / (1.0 + tl.exp(-acc))
+
+
+@triton.jit(do_not_specialize=["n_rows"])   # one binary for every row count: row t runs the same code
+def _gdn_decode_kernel(x_ptr, a_ptr, b_ptr, win_ptr, w_ptr, alog_ptr, dtb_ptr, s_ptr, o_ptr, cap_ptr, full_ptr,
+                       n_rows, sx, sa, sb, C, KEY_DIM, q_scale,
+                       REP: tl.constexpr, K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr):
+    h = tl.program_id(0)
+    vb = tl.program_id(1)
+    hv = tl.num_programs(0)
+    offs_k = tl.arange(0, BK)
+    k_ok = offs_k < DK
+    offs_v = vb * BV + tl.arange(0, BV)
+    v_ok = offs_v < DV
+    cq = (h // REP) * DK + offs_k                      # this head's key head: q, then k channels
+    ck = KEY_DIM + cq
+    cv = 2 * KEY_DIM + h * DV + offs_v
+    own = offs_k < DK * ((vb + h % REP) == 0).to(tl.int32)   # one program writes a key head's q/k window
+    for i in range(n_rows + K - 1):
+        tl.store(full_ptr + i * C + cv, _tap(x_ptr, win_ptr, i, cv, v_ok, sx, C, K - 1), mask=v_ok)
+        tl.store(full_ptr + i * C + cq, _tap(x_ptr, win_ptr, i, cq, own, sx, C, K - 1), mask=own)
+        tl.store(full_ptr + i * C + ck, _tap(x_ptr, win_ptr, i, ck, own, sx, C, K - 1), mask=own)
+    hs = DK * DV
+    sm = k_ok[:, None] & v_ok[None, :]
+    s_off = offs_k[:, None] * DV + offs_v[None, :]
+    s = tl.load(s_ptr + h * hs + s_off, mask=sm, other=0.0).to(tl.float32)       # [BK, BV]
+    neg_a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    dtb = tl.load(dtb_ptr + h).to(tl.float32)
+    for t in range(n_rows):
+        q = _conv_silu(x_ptr, win_ptr, w_ptr, t, cq, k_ok, sx, C, K)
+        k = _conv_silu(x_ptr, win_ptr, w_ptr, t, ck, k_ok, sx, C, K)
+        v = _conv_silu(x_ptr, win_ptr, w_ptr, t, cv, v_ok, sx, C, K)
+        q = q * (1.0 / tl.sqrt(tl.sum(q * q, 0) + 1e-6)) * q_scale
+        k = k * (1.0 / tl.sqrt(tl.sum(k * k, 0) + 1e-6))
+        beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + t * sb + h).to(tl.float32)))
+        at = tl.load(a_ptr + t * sa + h).to(tl.float32) + dtb
+        g = neg_a * tl.where(at > 20.0, at, tl.log(1.0 + tl.exp(at)))          # softplus, threshold 20
+        s = s * tl.exp(g)
+        u = tl.sum(k[:, None] * s, 0)                                          # [BV] = S^T k
+        delta = beta * (v - u)
+        s = s + k[:, None] * delta[None, :]
+        o = tl.sum(q[:, None] * s, 0)                                          # [BV] = S^T q
+        tl.store(o_ptr + (t * hv + h) * DV + offs_v, o.to(o_ptr.dtype.element_ty), mask=v_ok)
+        tl.store(cap_ptr + (t * hv + h) * hs + s_off, s, mask=sm)
+
+
+def gdn_decode_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, window: torch.Tensor, w: torch.Tensor,
+                      a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, hk: int, dk: int, dv: int,
+                      bv: int | None = None, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Contract of gdn_decode_ref, one launch. bv / num_warps (default BV / NUM_WARPS) split the
+    value columns and the reductions' lanes: they change no row's dependence on others."""
+    bv, num_warps = bv or BV, num_warps or NUM_WARPS
+    t, c = qkv.shape
+    hv, kk = a.shape[1], w.shape[-1]
+    if c != 2 * hk * dk + hv * dv or hv % hk or kk < 2:
+        raise ValueError(f"gdn_decode: channels {c} != 2*{hk}*{dk} + {hv}*{dv}, or Hv % Hk, or conv K={kk} < 2")
+    for name, x in (("qkv", qkv), ("a", a), ("b", b)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"gdn_decode: {name} must have a unit last stride")
+    window, w, state = window.contiguous(), w.contiguous(), state.contiguous()
+    o = torch.empty(t, hv, dv, device=qkv.device, dtype=qkv.dtype)
+    caps = torch.empty(t, hv, dk, dv, device=qkv.device, dtype=torch.float32)
+    full = torch.empty(kk - 1 + t, c, device=qkv.device, dtype=torch.float32)
+    bv = min(bv, triton.next_power_of_2(dv))
+    _gdn_decode_kernel[(hv, triton.cdiv(dv, bv))](
+        qkv, a, b, window, w, a_log, dt_bias, state, o, caps, full, t, qkv.stride(0), a.stride(0), b.stride(0),
+        c, hk * dk, dk ** -0.5, REP=hv // hk, K=kk, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv,
+        num_warps=num_warps)
+    return o, caps, full
