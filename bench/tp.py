@@ -245,7 +245,8 @@ def job_speed(cfg, path: str, tp: int, device: str, log: Log, prompt: int, token
         dg = getattr(mtp, "graphs", None)
         if dg is not None and device == "cuda":
             for key, gr in sorted(dg.graphs.items(), key=lambda kv: str(kv[0])):   # key: the drafter's tuple
-                probe["draft_graph_" + "_".join(map(str, key)) + "_ms"] = _time_graph(gr.graph, 20) * 1e3
+                g = getattr(gr, "graph", gr)            # a CUDA graph, or a FnGraphs entry (has .replay)
+                probe["draft_graph_" + "_".join(map(str, key)) + "_ms"] = _time_graph(g, 20) * 1e3
         log("probe", **probe)
         for rows in (1, 4):
             for r in range(tp):
