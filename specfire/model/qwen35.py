@@ -13,8 +13,6 @@ is a rename. Shapes are noted as [T, ...] for T rows of one sequence.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -32,6 +30,7 @@ from ..ops.splitk import ChunkCache, KSplit, subtree
 from ..ops.splitk import enabled as splitk_enabled
 from ..ops.rope import apply_rope, rope_cos_sin
 from ..ops.rowwise import rowwise, whole_steps
+from .state import LayerCache, SequenceState  # noqa: F401  (imported from here by runtime/, parallel/, tests)
 
 
 def positions(pos0, t: int, device: torch.device) -> torch.Tensor:
@@ -135,78 +134,6 @@ def _rope(pos: torch.Tensor, cfg: ModelConfig, rows: bool) -> tuple[torch.Tensor
 # ---------------------------------------------------------------------------------------------
 # Per-sequence state
 # ---------------------------------------------------------------------------------------------
-
-@dataclass
-class LayerCache:
-    """State of one layer for one sequence. Attention: k, v [max_seq, n_kv, D] (with a Q8 cache,
-    int8 plus k_scale, v_scale [max_seq, n_kv, D/32] float16; see ops/attention.py). GDN: conv window
-    [K-1, conv_dim] and recurrent state [Hv, dk, dv], both float32, plus the per-row capture of
-    the last rows-mode forward (conv `full` [K-1+R, C] and states [R, Hv, dk, dv])."""
-
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
-    k_scale: torch.Tensor | None = None
-    v_scale: torch.Tensor | None = None
-    conv: torch.Tensor | None = None
-    rec: torch.Tensor | None = None
-    cap_conv: torch.Tensor | None = None
-    cap_rec: torch.Tensor | None = None
-
-
-@dataclass
-class SequenceState:
-    """Everything one sequence carries between forwards. Attention rows are addressed by position,
-    so rollback of attention is free; GDN layers roll back through the per-row capture."""
-
-    layers: list[LayerCache] = field(default_factory=list)
-    max_seq: int = 0
-
-    @classmethod
-    def allocate(cls, cfg: ModelConfig, n_layers_types: tuple[str, ...], max_seq: int,
-                 device: torch.device, kv_dtype: torch.dtype,
-                 n_kv: int | None = None, n_v_heads: int | None = None, conv_dim: int | None = None) -> "SequenceState":
-        n_kv = n_kv if n_kv is not None else cfg.num_key_value_heads
-        hv = n_v_heads if n_v_heads is not None else cfg.linear_num_value_heads
-        cd = conv_dim if conv_dim is not None else cfg.conv_dim
-        layers = []
-        for t in n_layers_types:
-            if t == FULL:
-                lc = LayerCache(
-                    k=torch.zeros(max_seq, n_kv, cfg.head_dim, device=device, dtype=kv_dtype),
-                    v=torch.zeros(max_seq, n_kv, cfg.head_dim, device=device, dtype=kv_dtype))
-                if kv_dtype == attn_ops.Q8_KV:
-                    ns = cfg.head_dim // attn_ops.q8_group(cfg.head_dim)
-                    lc.k_scale = torch.zeros(max_seq, n_kv, ns, device=device, dtype=torch.float16)
-                    lc.v_scale = torch.zeros(max_seq, n_kv, ns, device=device, dtype=torch.float16)
-                layers.append(lc)
-            else:
-                layers.append(LayerCache(
-                    conv=torch.zeros(cfg.linear_conv_kernel_dim - 1, cd, device=device, dtype=torch.float32),
-                    rec=torch.zeros(hv, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                                    device=device, dtype=torch.float32)))
-        return cls(layers=layers, max_seq=max_seq)
-
-    def reset(self) -> None:
-        """Start a new sequence: zero the recurrent state. KV rows need no clearing (reads are
-        bounded by position)."""
-        for lc in self.layers:
-            if lc.rec is not None:
-                lc.rec.zero_()
-                lc.conv.zero_()
-                lc.cap_conv = lc.cap_rec = None
-
-    def commit(self, n: int) -> None:
-        """Make the recurrent state that after row n of the last rows-mode forward."""
-        for lc in self.layers:
-            if lc.rec is None:
-                continue
-            if lc.cap_rec is None:
-                raise RuntimeError("commit() without a preceding rows-mode forward")
-            kk = lc.conv.shape[0] + 1
-            lc.rec.copy_(lc.cap_rec[n])
-            lc.conv.copy_(lc.cap_conv[n + 1:n + kk])
-            lc.cap_conv = lc.cap_rec = None
-
 
 # ---------------------------------------------------------------------------------------------
 # Mixers
