@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from decode import CEILING, SHAPES, build, make_cfg, step_bytes  # noqa: E402
+from timing import graph_time  # noqa: E402
 
 from specfire.ops import fusion  # noqa: E402
 from specfire.ops.attn_fused import (out_gate_ref, out_gate_triton, qk_norm_rope_write_ref,  # noqa: E402
@@ -142,21 +143,7 @@ def stage_norms(rep: Report, dev: str) -> None:
     times = {}
     for nw in (4, 8, 16, 32):
         triton_small.NORM_WARPS = nw
-        triton_small.add_rms_norm_triton(x, h, wt, 1e-6)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(20):
-                triton_small.add_rms_norm_triton(x, h, wt, 1e-6)
-        graph.replay()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(10):
-            graph.replay()
-        e1.record()
-        e1.synchronize()
-        times[f"w{nw}"] = e0.elapsed_time(e1) * 1e3 / 200
-        del graph
+        times[f"w{nw}"] = graph_time([lambda: triton_small.add_rms_norm_triton(x, h, wt, 1e-6)]) * 1e6
     best = min(times, key=times.get)
     triton_small.NORM_WARPS = int(best[1:])
     rep.put("norms", {"add_rms_norm_5120_us": times, "pick": best})
@@ -179,22 +166,8 @@ def stage_sweep(rep: Report, dev: str, tiny: bool) -> None:
         def fn():
             return gdn_decode_triton(*x, win, w, alog, dtb, s, hk, dk, dv, bv=bv, num_warps=nw)
         fn()
-        if dev != "cuda":
-            continue
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(20):
-                fn()
-        graph.replay()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(10):
-            graph.replay()
-        e1.record()
-        e1.synchronize()
-        times[f"bv{bv}_w{nw}"] = e0.elapsed_time(e1) * 1e3 / 200    # us per launch
-        del graph
+        if dev == "cuda":
+            times[f"bv{bv}_w{nw}"] = graph_time([fn]) * 1e6    # us per launch
     if times:
         best = min(times, key=times.get)
         gdn_fused.BV, gdn_fused.NUM_WARPS = (int(v) for v in best[2:].split("_w"))
