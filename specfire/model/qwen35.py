@@ -211,13 +211,13 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, lc: LayerCache, rows: bool) -> torch.Tensor:
         t = x.shape[0]
         qkv, z, b, a = project(x, rows, self, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
-        z = z.view(t, self.hv, self.dv)
         w = self.conv1d.weight[:, 0, :]
-        if rows and fusion.enabled(x):                                  # GPU: ops/gdn_fused.py
+        if rows and fusion.enabled(x):                   # GPU: ops/gdn_fused.py (the gated norm included)
             from ..ops.gdn_fused import gdn_decode_triton
             o, lc.cap_rec, lc.cap_conv = gdn_decode_triton(qkv, a, b, lc.conv, w, self.A_log, self.dt_bias, lc.rec,
-                                                           self.hk, self.dk, self.dv)
-            return self.out_proj(self.norm(o, z).reshape(t, self.value_dim), rows)
+                                                           self.hk, self.dk, self.dv, z, self.norm.weight, self.norm.eps)
+            return self.out_proj(o.reshape(t, self.value_dim), rows)
+        z = z.view(t, self.hv, self.dv)
         if rows and t > 1 and x.device.type == "cpu" and not (one_cpu(x) and whole_steps(qkv)):  # per row (ops/rowwise.py)
             xf = qkv.float()
             full = torch.cat([lc.conv.to(xf.dtype), xf], dim=0)
