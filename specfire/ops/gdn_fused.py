@@ -28,6 +28,7 @@ from . import gdn as gdn_ops
 from . import lanes
 from .norm import gated_rms_norm_ref
 
+BV = None       # value columns per program; None: the whole head (then the gated norm runs inside)
 NUM_WARPS = 8   # whole-head programs ([dk, dv] = [128, 128] float32 state: 64 registers a lane at 8 warps)
 
 
@@ -144,21 +145,23 @@ def gdn_decode_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, windo
                       a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, hk: int, dk: int, dv: int,
                       z: torch.Tensor | None = None, norm_w: torch.Tensor | None = None, eps: float = 1e-6,
                       bv: int | None = None, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Contract of gdn_decode_ref, one launch. bv (default: the whole head) splits a head's value
+    """Contract of gdn_decode_ref. bv (default BV; None: the whole head) splits a head's value
     columns over programs and num_warps (default NUM_WARPS) the reductions' lanes: neither changes
-    a row's dependence on other rows or heads. The gated norm (z given) needs whole heads."""
+    a row's dependence on other rows or heads. The gated norm (z given) runs inside the launch on
+    whole heads, else as ops/triton_small.py's kernel after it."""
     t, c = qkv.shape
     hv, kk = a.shape[1], w.shape[-1]
     if c != 2 * hk * dk + hv * dv or hv % hk or kk < 2:
         raise ValueError(f"gdn_decode: channels {c} != 2*{hk}*{dk} + {hv}*{dv}, or Hv % Hk, or conv K={kk} < 2")
-    bv = triton.next_power_of_2(dv) if bv is None else min(bv, triton.next_power_of_2(dv))
-    norm = z is not None
-    if norm and (bv < dv or norm_w is None or tuple(z.shape) != (t, hv * dv)):
-        raise ValueError(f"gdn_decode: the gated norm needs whole heads (bv {bv} >= dv {dv}), a weight, "
-                         f"and z of shape [{t}, {hv * dv}] (got {None if z is None else list(z.shape)})")
+    if z is not None and (norm_w is None or tuple(z.shape) != (t, hv * dv)):
+        raise ValueError(f"gdn_decode: the gated norm needs its weight and z of shape [{t}, {hv * dv}] "
+                         f"(got {list(z.shape)})")
     for name, x in (("qkv", qkv), ("a", a), ("b", b), ("z", z)):
         if x is not None and x.stride(-1) != 1:
             raise ValueError(f"gdn_decode: {name} must have a unit last stride")
+    bv = bv or BV
+    bv = triton.next_power_of_2(dv) if bv is None else min(bv, triton.next_power_of_2(dv))
+    norm = z is not None and bv >= dv
     window, w, state = window.contiguous(), w.contiguous(), state.contiguous()
     o = torch.empty(t, hv, dv, device=qkv.device, dtype=qkv.dtype)
     caps = torch.empty(t, hv, dk, dv, device=qkv.device, dtype=torch.float32)
@@ -169,4 +172,7 @@ def gdn_decode_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, windo
         qkv.stride(0), a.stride(0), b.stride(0), zz.stride(0), c, hk * dk, dk ** -0.5, eps,
         REP=hv // hk, K=kk, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv,
         KM1P=triton.next_power_of_2(kk - 1), NORM=norm, num_warps=num_warps or NUM_WARPS)
+    if z is not None and not norm:      # split heads: the norm as its own launch
+        from .triton_small import gated_rms_norm_triton
+        o = gated_rms_norm_triton(o, z.view(t, hv, dv), norm_w, eps)
     return o, caps, full
