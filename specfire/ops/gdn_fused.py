@@ -29,7 +29,9 @@ from . import lanes
 from .norm import gated_rms_norm_ref
 
 BV = None       # value columns per program; None: the whole head (then the gated norm runs inside)
-NUM_WARPS = 8   # whole-head programs ([dk, dv] = [128, 128] float32 state: 64 registers a lane at 8 warps)
+NUM_WARPS = 4   # whole-head programs, 27B heads (128 x 128), H200, cold states, gated norm included
+                # (bench/fuse.py sweep): 4 warps 6.9 us, 8 warps 17.6, 16 warps 19.5; split 32 / 1 warp
+                # + the norm kernel 7.5, split 64 / 2 warps + norm 7.9
 
 
 def gdn_decode_ref(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, window: torch.Tensor, w: torch.Tensor,
