@@ -65,7 +65,8 @@ def gdn_chunked_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
 def warm(hk: int, hv: int, dk: int, dv: int, device: torch.device, rows: int = 128) -> float | None:
     """Run the library's kernels once now, at load, on a small input of these head shapes, so the
     first prompt does not pay their compilation and autotuning (34.7 s on the H200 for the 27B
-    shape). Their autotune keys are the head counts and sizes, not the length. Returns the seconds
+    shape). The state kernel's autotune key is the head counts and sizes, not the length (whether
+    every kernel of the chain is covered at any length was not checked on a GPU). Returns the seconds
     spent, or None when the library is not used here or SPECFIRE_FLA_WARM=0. A failure is reported
     on stderr and left to the first prefill, which would meet it anyway."""
     dev = torch.device(device)
