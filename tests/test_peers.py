@@ -204,3 +204,26 @@ def test_exllamav3_runner_flow_ties_in_place_or_loads_the_tied_checkpoint(pair, 
     else:
         assert "constant bias 1" in r["tie_in_place_error"] and r["modes"]["mtp3"]["checkpoint"] == "tied"
         assert Model.loads[-2:] == [(ck["tied"], "mtp"), (ck["tied"], "model")]
+
+
+def test_warm_shape_keeps_the_widths_in_two_layers():
+    big, warm = common.cfg_for("27B"), common.cfg_for("27B" + common.WARM)
+    assert warm.layer_types == ("linear_attention", "full_attention") and warm.vocab_size == 4096
+    for f in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "linear_num_key_heads", "linear_num_value_heads", "head_dim"):
+        assert getattr(warm, f) == getattr(big, f), f
+
+
+def test_dry_plan_transformers_yields_to_exllamav3_once_built(tmp_path, monkeypatch):
+    """run.py --dry: the real scheduling with sleeping stand-ins; a long transformers task is stopped
+    once the ExLlamaV3 build is done (after --hf-yield-after), and ExLlamaV3 then runs."""
+    import run
+    monkeypatch.setattr(sys, "argv", ["run.py", "--dry", "build=40,ckpt=5,specfire=5,transformers=400,exllamav3=5,install=0",
+                                      "--shapes", "tiny", "--budget", "150", "--dry-scale", "0.03", "--hf-yield-after", "10",
+                                      "--hf-late-min", "500", "--out", str(tmp_path)])
+    run.main()
+    res = json.loads((tmp_path / "results.json").read_text())
+    r = res["shapes"]["tiny"]["runners"]
+    assert r["transformers"]["task_status"].startswith("stopped after") and r["exllamav3"]["task_status"] == "ok"
+    done = {e["what"]: e["t"] for e in res["timeline"]}
+    assert done["exl3 build ended"] <= done["transformers tiny done"] < done["exllamav3 tiny done"] < 150
