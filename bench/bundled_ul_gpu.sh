@@ -15,8 +15,9 @@
 # The greedy repetition (bench/bundled_loops.py) and MTP acceptance (bench/bundled_accept.py) are
 # then measured on a CPU, on the unpacked weights (they run the engine's CPU path).
 # Everything printed goes to $OUT/log.txt. DRY=1 runs the same steps tiny on the CPU (a smoke test).
-# Runs: 2026-11-30, commit 83f5670, H200, 106.9 s, stdlib corpus, no KL, no selection (MODEL_CARD.md);
-#   OUT=/tmp/out BUDGET=145 bash bench/bundled_ul_gpu.sh          (defaults: site corpus, KL, selection)
+# Runs (MODEL_CARD.md): 2026-11-30, commit 83f5670, H200, 106.9 s, stdlib corpus, no KL, no selection;
+#   2026-11-30, commit 7fd9d29, H200, 115.9 s: `OUT=$OUT BUDGET=143 UL_TIME=75 bash bench/bundled_ul_gpu.sh`
+#   (these defaults): loop bench 76.7% -> 14.1%, held-out ppl +4.97% (the rule's sample: +5.1%: none chosen).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
