@@ -5,7 +5,8 @@ wrote). Likelihood training alone does not penalise that; unlikelihood does, at 
 * token level, on corpus text: at each position, push down the probability of tokens that already
   occurred in the context but are not the next token;
 * sequence level, on the model's own greedy continuations: push down the probability of each
-  generated token that completes or lies inside an n-gram the sequence already contained.
+  generated token that completes or lies inside an n-gram the sequence already contained;
+and `kl_to_teacher` holds the corpus distribution where the starting model had it.
 `line_stats` is the measure the model card's repetition target uses (bench/bundled_loops.py).
 """
 from __future__ import annotations
@@ -113,6 +114,15 @@ def banned_anchored_unlikelihood(logits: torch.Tensor, teacher_logits: torch.Ten
     ce = -(q * logits.float().log_softmax(-1)).sum(-1)
     a = alive[:, 1:]
     return (ce * a).sum() / a.sum().clamp_min(1)
+
+
+def kl_to_teacher(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || model) per position, averaged over positions (logits [..., V]): on corpus
+    text it holds the fine-tuned model's whole next-token distribution where the starting model's
+    was, which a one-hot likelihood term alone does not (the held-out perplexity guard)."""
+    logq = teacher_logits.float().log_softmax(-1)
+    logp = logits.float().log_softmax(-1)
+    return (logq.exp() * (logq - logp)).sum(-1).mean()
 
 
 def alive_mask(seq: torch.Tensor, start: int, eos_ids: tuple[int, ...]) -> torch.Tensor:
