@@ -305,6 +305,43 @@ class TestMeshOfTwo:
         assert torch.equal(trunk.lm_logits(h), ref.lm_logits(h))
         assert trunk.mesh_lm_logits(h).shape == (3, one.cfg.vocab_size)
 
+    def test_sharded_draft_equals_the_whole_lm_head_draft(self, base):
+        """The greedy draft chain scored by every rank's vocabulary rows (parallel/draft.py, the
+        GPU mesh's default) picks the tokens the whole lm_head picks, and greedy MTP still == AR."""
+        from specfire.ops import lanes
+
+        one, mesh = base
+        trunk, ref = mesh.engine.trunk, one.engine.trunk
+        assert not trunk.draft_sharded                    # the CPU default: rank 0's whole copy
+        h = torch.randn(4, one.cfg.hidden_size, generator=torch.Generator().manual_seed(12))
+        h[3] = 0.0                                        # every logit ties: the first index wins
+        trunk.draft_rounds(4, 1, 0)                       # the other rank's side of 4 picks
+        got = torch.cat([trunk.shard_argmax(h[i:i + 1]) for i in range(4)])
+        with lanes.invariant():
+            whole = ref.lm_logits(h)                      # the whole lm_head, paneled like the shards
+        assert got.tolist() == whole.argmax(-1).tolist() and got[3] == 0
+        drafter = mesh.engine.drafters["mtp"]
+        seen = {}
+        real = drafter.propose
+
+        def spy(*a):
+            d, q = real(*a)
+            seen.setdefault(trunk.draft_sharded, []).append(d.tolist())
+            return d, q
+        drafter.propose = spy
+        ids = prompt(one.cfg.vocab_size, 30, seed=13)
+        sp = SamplingParams(max_tokens=24)
+        ar = one.generate(ids, sp, spec="off").token_ids
+        try:
+            whole_out = mesh.generate(ids, sp, spec=SpecPolicy("mtp", k=3)).token_ids
+            trunk.draft_sharded = True
+            shard_out = mesh.generate(ids, sp, spec=SpecPolicy("mtp", k=3)).token_ids
+        finally:
+            trunk.draft_sharded = False
+            drafter.propose = real
+        assert whole_out == shard_out == ar
+        assert seen[True] == seen[False] and len(seen[True]) > 2
+
     def test_state_isolation_across_requests(self, base):
         one, mesh = base
         a = prompt(one.cfg.vocab_size, 25, seed=4)

@@ -60,6 +60,10 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
+def _picked(tok: torch.Tensor) -> torch.Tensor:
+    return tok
+
+
 class MtpDrafter:
     """The model's own MTP head, chained k times (`draft_chain`).
 
@@ -112,6 +116,9 @@ class MtpDrafter:
                    rng: DeviceRng | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The chain greedy (sp None or greedy), or sampled from `rng` with the distributions kept."""
         if sp is None or sp.greedy:
+            if self._sharded:   # a mesh: every rank scores its vocabulary rows, the pick is argmax's
+                return draft_chain(self.head, self.trunk.embed, self.trunk.shard_argmax, self.state, toks, hidden,
+                                   pos, k, self.feed, _picked), None
             return self._chain(toks, hidden, pos, k, argmax), None
         qs: list[torch.Tensor] = []
 
@@ -143,9 +150,20 @@ class MtpDrafter:
             self.head(self.trunk.embed(toks[:-1]), hidden[:-1], pos0, self.state, rows=False)
             pos0, hidden, toks = pos0 + m - 1, hidden[-1:], toks[-1:]
         self._hidden, self._tokens, self._pos0 = [], [], self._pos0 + m
+        sharded = sp.greedy and self._sharded      # the other ranks run their side of the chain alongside
         if self.graphs is not None and (sp.greedy or gen is not None):
+            if sharded:
+                fresh = not self.graphs.captured(toks.shape[0], k)
+                self.trunk.draft_rounds(k, self.graphs.WARMUP if fresh else 0, 1)
             return self.graphs.draft(toks, hidden, pos0, k, None if sp.greedy else sp, gen)
+        if sharded:
+            self.trunk.draft_rounds(k, 1, 0)
         return self._chain_for(toks, hidden, pos0, k, sp, gen)
+
+    @property
+    def _sharded(self) -> bool:
+        """The greedy chain's picks are scored by every rank of a mesh (parallel/draft.py)."""
+        return bool(getattr(self.trunk, "draft_sharded", False))
 
     def commit(self, out: list[int], hidden: torch.Tensor, out_dev: torch.Tensor) -> None:
         # rows of the trunk at the step's positions, followed by the emitted tokens

@@ -116,6 +116,8 @@ class FnGraphs:
     state: otherwise the warm-up would consume numbers the eager path does not). `emulate` (CPU,
     tests): the same protocol run eagerly, so a CPU test can compare it with the eager path."""
 
+    WARMUP = 2          # eager runs before a capture (compile and autotune every kernel)
+
     def __init__(self, device: torch.device, emulate: bool = False):
         self.device, self.emulate = torch.device(device), emulate
         self.pool = None if emulate else torch.cuda.graph_pool_handle()
@@ -151,7 +153,7 @@ class FnGraphs:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up outside the capture (kernel compilation)
-                for _ in range(2):
+                for _ in range(self.WARMUP):
                     fn(*ins)
             torch.cuda.current_stream().wait_stream(side)
             for t, v in zip(keep, saved):
@@ -171,6 +173,8 @@ class DraftGraphs:
     device random stream (runtime/rng.py) whose counter the replay advances. The position is a
     device tensor, as in RowsGraphs."""
 
+    WARMUP = FnGraphs.WARMUP
+
     def __init__(self, chain: Chain, device: torch.device, emulate: bool = False):
         self.chain = chain                  # (toks, hidden, pos tensor, k, sp, rng) -> (drafts [k], q [k, V] | None)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
@@ -179,6 +183,10 @@ class DraftGraphs:
     @property
     def graphs(self) -> dict:
         return self.fns.graphs
+
+    def captured(self, m: int, k: int) -> bool:
+        """Whether the greedy chain over m pending rows and k drafts replays without a capture."""
+        return (m, k, None) in self.fns.graphs
 
     def clear(self) -> None:
         self.fns.clear()
