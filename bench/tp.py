@@ -246,7 +246,14 @@ def job_speed(cfg, path: str, tp: int, device: str, log: Log, prompt: int, token
         if dg is not None and device == "cuda":
             for key, gr in sorted(dg.graphs.items(), key=lambda kv: str(kv[0])):   # key: the drafter's tuple
                 g = getattr(gr, "graph", gr)            # a CUDA graph, or a FnGraphs entry (has .replay)
+                if tp > 1 and getattr(trunk, "draft_sharded", False) and key[2] is None:
+                    trunk.draft_rounds(key[1], 0, 21, now=True)   # the peers replay their side as often
                 probe["draft_graph_" + "_".join(map(str, key)) + "_ms"] = _time_graph(g, 20) * 1e3
+            for k in (1, 3):     # what a cycle costs beyond the device time of its draft and verify graphs
+                d = probe.get(f"draft_graph_{k + 1}_{k}_None_ms")
+                if d is not None and f"replay_r{k + 1}_ms" in probe:
+                    probe[f"mtp{k}_host_gap_ms"] = row[f"mtp{k}_cycle_ms"] - max(probe[f"replay_r{k + 1}_ms"]) - d
+        probe["draft_sharded"] = bool(getattr(trunk, "draft_sharded", False))
         log("probe", **probe)
         for rows in (1, 4):
             for r in range(tp):

@@ -342,6 +342,46 @@ class TestMeshOfTwo:
         assert whole_out == shard_out == ar
         assert seen[True] == seen[False] and len(seen[True]) > 2
 
+    def test_chain_queued_before_the_read_drafts_the_same(self, base):
+        """With the draft chain in (emulated) graphs, the next chain is queued right after a verify,
+        from the accepted row on the device (MtpDrafter.prepare), before the host reads the step: its
+        drafts equal the chain run after the read, on one device and on the mesh (sharded picks)."""
+        from specfire.runtime.graphs import DraftGraphs
+
+        one, mesh = base
+        ids = prompt(one.cfg.vocab_size, 30, seed=14)
+        sp = SamplingParams(max_tokens=30)
+        ar = one.generate(ids, sp, spec="off").token_ids
+
+        def run(llm, graphs: bool):
+            d = llm.engine.drafters["mtp"]
+            log, real = [], d.propose
+
+            def spy(*a):
+                pre = d._pre
+                out, q = real(*a)
+                log.append((out.tolist(), pre is not None and out is pre[1]))
+                return out, q
+            d.propose = spy
+            d.graphs = DraftGraphs(d._chain_for, d.head.fc.weight.device, emulate=True) if graphs else None
+            try:
+                toks = llm.generate(ids, sp, spec=SpecPolicy("mtp", k=3)).token_ids
+            finally:
+                d.propose, d.graphs = real, None
+            return toks, log
+
+        t0, eager = run(one, False)
+        t1, queued = run(one, True)
+        mesh.engine.trunk.draft_sharded = True
+        try:
+            t2, queued_mesh = run(mesh, True)
+        finally:
+            mesh.engine.trunk.draft_sharded = False
+        assert t0 == t1 == t2 == ar
+        assert [x for x, _ in queued] == [x for x, _ in eager] == [x for x, _ in queued_mesh]
+        used = sum(u for _, u in queued)
+        assert used >= len(queued) // 2 and used == sum(u for _, u in queued_mesh) and not any(u for _, u in eager)
+
     def test_state_isolation_across_requests(self, base):
         one, mesh = base
         a = prompt(one.cfg.vocab_size, 25, seed=4)

@@ -93,11 +93,12 @@ class MeshTrunk:
         except Exception as e:
             raise self._mesh.fail(e) from None
 
-    def draft_rounds(self, k: int, eager: int, replays: int) -> None:
+    def draft_rounds(self, k: int, eager: int, replays: int, now: bool = False) -> None:
         """Before rank 0 runs a sharded greedy draft chain of k picks (`shard_argmax` k times): the
         other ranks run their side as often, `eager` chains then `replays` replays of their graph.
-        Eager work must start now (rank 0 waits on it); a replay alone rides in the next header."""
-        if eager:
+        Eager work must start now (rank 0 waits on it); a replay alone rides in the next header
+        (`now`: sent at once, e.g. for a probe that replays rank 0's graph by itself)."""
+        if eager or now or self.device.type != "cuda":     # an emulated (CPU) replay runs at once
             self._send(DRAFT, k, eager, replays)
         else:
             self._commits.append((DRAFT, k, 0, replays))

@@ -184,9 +184,23 @@ class DraftGraphs:
     def graphs(self) -> dict:
         return self.fns.graphs
 
-    def captured(self, m: int, k: int) -> bool:
-        """Whether the greedy chain over m pending rows and k drafts replays without a capture."""
-        return (m, k, None) in self.fns.graphs
+    @property
+    def warmup(self) -> int:
+        """Eager runs of the chain before its first replay (an emulated capture runs it once)."""
+        return 1 if self.fns.emulate else self.WARMUP
+
+    def captured(self, m: int, k: int, kind: str | None = None) -> bool:
+        """Whether the greedy chain over m pending rows and k drafts replays without a capture
+        (`kind` "after": the chain from a device row index, `draft_after`)."""
+        return (m, k, kind) in self.fns.graphs
+
+    def draft_after(self, chain, toks: torch.Tensor, hidden: torch.Tensor, pos0: int, n: torch.Tensor,
+                    k: int) -> torch.Tensor:
+        """The greedy chain(toks, hidden, pos tensor, n, k) -> drafts [k] over all of a verify's rows
+        from row n ([1], on the device), replayed from a graph per (rows, k)."""
+        self.pos.fill_(pos0)
+        key = (toks.shape[0], k, "after")
+        return self.fns.run(key, lambda t, h, p, nn: (chain(t, h, p, nn, k),), (toks, hidden, self.pos, n))[0]
 
     def clear(self) -> None:
         self.fns.clear()
