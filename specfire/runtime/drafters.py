@@ -98,6 +98,7 @@ class MtpDrafter:
         self._tokens: list[torch.Tensor] = []      # the tokens following them, on the device
         self._pos0 = 0                             # position of the first pending row
         self._pre = None                           # ((k, pos), drafts) queued by `prepare`
+        self.ahead = True                          # `prepare` queues the next chain (off: after the read)
         if trunk.graphs_enabled:
             from .graphs import DraftGraphs
             self.graphs = DraftGraphs(self._chain_for, head.fc.weight.device)
@@ -186,7 +187,7 @@ class MtpDrafter:
         and it asks for k drafts; otherwise it is dropped. Where the chain replays CUDA graphs, so
         the device drafts while the host reads the step and commits (no idle gap between them)."""
         self._pre = None
-        if self.graphs is None or k <= 0:
+        if not self.ahead or self.graphs is None or k <= 0 or pos + 2 * k > self.trunk.max_seq:   # its steps reach pos + n + k - 1
             return
         if self._sharded:
             fresh = not self.graphs.captured(k + 1, k, "after")
