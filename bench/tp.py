@@ -321,8 +321,9 @@ def job_ident(path: str, tp: int, device: str, log: Log, contexts: list[int], to
                 row[name] = md5(r.token_ids)
                 row[name + "_s"] = time.perf_counter() - t1
                 row[name + "_distinct_tokens"] = len(set(r.token_ids))
-                if name != "ar":
+                if name != "ar":     # equal accepted counts across degrees: the drafts agreed too
                     row[name + "_drafted"] = r.stats["drafted"]
+                    row[name + "_accepted"] = r.stats["accepted"]
             log("identity", **row)
     splitk.set_enabled(None)
 
