@@ -22,6 +22,7 @@ JSON line appended to OUT/tp.jsonl as it is measured.
   identN    normal checkpoint on N ranks (tp1 with the canonical split on): md5 of greedy output,
             AR / MTP k=3 (/ n-gram on tp2) at a short context (--prompt) and a long one (--long)
   collect   a decode step's collectives alone, replayed from one CUDA graph
+  prefill   one GPU: a head's prefill attention with all heads vs a tp2 / tp4 rank's heads, bitwise
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 CEILING = 4.17e12     # measured device-to-device copy bandwidth of the H200 (bytes/s)
 # job -> (estimated seconds, time limit seconds) on the GPU at the 27B shape
 JOBS = {"kernels": (40, 120), "bundled": (35, 120), "ckpt": (30, 100), "speed1": (60, 120), "speed2": (60, 120),
-        "ident1": (50, 120), "ident2": (40, 100), "collect": (12, 90)}
+        "ident1": (50, 120), "ident2": (40, 100), "collect": (12, 90), "prefill": (10, 60)}
 
 
 class Log:
@@ -384,6 +385,9 @@ def run_job(job: str, args) -> None:
     if job == "kernels":
         from tp_kernels import stage_kernels
         stage_kernels(cfg, log, os.path.join(d, "best_loop.json"))
+    elif job == "prefill":
+        from tp_kernels import stage_prefill_heads
+        stage_prefill_heads(cfg, log, device)
     elif job == "collect":
         from tp_kernels import stage_collect
         stage_collect(cfg, log)

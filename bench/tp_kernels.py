@@ -204,3 +204,33 @@ def stage_collect(cfg, log) -> None:
                 p.kill()
     for m, r in out.items():
         log("collect", rows=m, **r)
+
+
+def stage_prefill_heads(cfg, log, dev: str = "cuda") -> None:
+    """Does a head's prefill attention depend on how many heads run with it? A tp2 rank runs half
+    of the query and KV heads through the same call; the fused (SDPA) path may split the keys by a
+    heuristic over heads x row blocks. Per (rows, keys): the first half of the heads of a whole-call
+    output vs the same heads alone, bitwise (the long-context identity check of the fifth session
+    differed between tp1 and tp2 at 8192 positions, equal at 512)."""
+    from specfire.ops.attention import attention_prefill
+
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    g = torch.Generator(device=dev).manual_seed(3)
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    for rows, keys in ((512, 512), (1024, 1024), (1024, 8192), (1024, 33792)):
+        q = torch.randn(rows, hq, d, generator=g, device=dev).to(dt)
+        kc = torch.randn(keys, hkv, d, generator=g, device=dev).to(dt)
+        vc = torch.randn(keys, hkv, d, generator=g, device=dev).to(dt)
+        pos0 = keys - rows
+        whole = attention_prefill(q, kc, vc, pos0, d ** -0.5)
+        row = dict(rows=rows, keys=keys)
+        for tp in (2, 4):
+            if hq % tp or (hkv % tp and tp % hkv):
+                continue
+            hk = max(1, hkv // tp)
+            part = attention_prefill(q[:, :hq // tp].contiguous(), kc[:, :hk].contiguous(), vc[:, :hk].contiguous(),
+                                     pos0, d ** -0.5)
+            row[f"tp{tp}_heads_equal"] = bool(torch.equal(part, whole[:, :hq // tp]))
+            row[f"tp{tp}_max_diff"] = float((part - whole[:, :hq // tp]).abs().max())
+        log("prefill_heads", **row)
+        del q, kc, vc, whole
