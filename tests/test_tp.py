@@ -329,8 +329,8 @@ class TestMeshOfTwo:
             seen.setdefault(trunk.draft_sharded, []).append(d.tolist())
             return d, q
         drafter.propose = spy
-        ids = prompt(one.cfg.vocab_size, 30, seed=13)
-        sp = SamplingParams(max_tokens=24)
+        ids = prompt(one.cfg.vocab_size, 20, seed=13)
+        sp = SamplingParams(max_tokens=14)
         ar = one.generate(ids, sp, spec="off").token_ids
         try:
             whole_out = mesh.generate(ids, sp, spec=SpecPolicy("mtp", k=3)).token_ids
@@ -349,8 +349,8 @@ class TestMeshOfTwo:
         from specfire.runtime.graphs import DraftGraphs
 
         one, mesh = base
-        ids = prompt(one.cfg.vocab_size, 30, seed=14)
-        sp = SamplingParams(max_tokens=30)
+        ids = prompt(one.cfg.vocab_size, 20, seed=14)
+        sp = SamplingParams(max_tokens=16)
         ar = one.generate(ids, sp, spec="off").token_ids
 
         def run(llm, graphs: bool):

@@ -99,6 +99,7 @@ class MtpDrafter:
         self._pos0 = 0                             # position of the first pending row
         self._pre = None                           # ((k, pos), drafts) queued by `prepare`
         self.ahead = True                          # `prepare` queues the next chain (off: after the read)
+        self._graphs_sharded = False               # the pick mode the captured greedy chains hold
         if trunk.graphs_enabled:
             from .graphs import DraftGraphs
             self.graphs = DraftGraphs(self._chain_for, head.fc.weight.device)
@@ -157,6 +158,7 @@ class MtpDrafter:
                 gen: DeviceRng | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if k <= 0:
             return NO_DRAFT, None
+        self._check_mode()
         pre, self._pre = self._pre, None
         if pre is not None and pre[0] == (k, self._pos0) and sp.greedy and len(self._hidden) == 1:
             # queued by `prepare` over exactly these pending rows (this k, this position): the same chain
@@ -189,11 +191,18 @@ class MtpDrafter:
         self._pre = None
         if not self.ahead or self.graphs is None or k <= 0 or pos + 2 * k > self.trunk.max_seq:   # its steps reach pos + n + k - 1
             return
+        self._check_mode()
         if self._sharded:
             fresh = not self.graphs.captured(k + 1, k, "after")
             self.trunk.draft_rounds(k, self.graphs.warmup if fresh else 0, 1, now=True)
         drafts = self.graphs.draft_after(self._chain_after, targets, hidden, pos, n.view(1), k)
         self._pre = ((k, pos), drafts)
+
+    def _check_mode(self) -> None:
+        """Captured greedy chains keep the picks they were captured with: a changed mode drops them."""
+        if self.graphs is not None and self._sharded != self._graphs_sharded:
+            self.graphs.clear()
+            self._graphs_sharded = self._sharded
 
     @property
     def _sharded(self) -> bool:
