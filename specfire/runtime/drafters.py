@@ -182,6 +182,7 @@ class MtpDrafter:
             self.trunk.draft_rounds(k, 1, 0)
         return self._chain_for(toks, hidden, pos0, k, sp, gen)
 
+    @torch.inference_mode()
     def prepare(self, hidden: torch.Tensor, targets: torch.Tensor, n: torch.Tensor, pos: int, k: int) -> None:
         """Queue the next greedy chain (k drafts) right after a verify of k drafts at `pos`, before its
         result is read: over all k+1 rows (hidden, targets) from row n (the accepted count, still on
