@@ -330,3 +330,65 @@ def test_info_reports_memory_as_stored(ckpts):
     assert dense["quantization"] is None and q["group_size"] == 64
     assert 4.5 <= q["bits_per_weight"] <= 5.0 and q["mtp_quantized_weights"] > 0
     assert q["bits_per_parameter"] == 8 * stored / (q4["parameters"] + q4["mtp_parameters"])
+
+
+# ---- grouped launches: 4-bit weights of one input in one launch ------------------------------
+
+def _qw(n, k, g, seed, tile=64, had=False):
+    qw = QuantWeight.quantize(torch.randn(n, k, generator=_g(seed)), g, had)
+    return QuantWeight(qw.qweight, qw.scales_t, qw.zeros_t, had, qw.dtype, tile)
+
+
+@pytest.mark.parametrize("cfg,tile", [(Q4Config(32, split_k=2), 64), (Q4Config(64, split_k=2, sem=False, wa=True), 0)])
+def test_q4_group_equals_separate_launches_and_is_row_invariant(cfg, tile):
+    """q4_group: two and four weights of one input (odd N, masked group tails, split-K combined in
+    the kernel or by a second launch, rows and tiles) give each output the bits of its own launch
+    with the same settings, 128-byte aligned; each row of an M-row call equals a one-row call."""
+    from specfire.ops.triton_quant import q4_group
+
+    k, g = 192, 64                               # 3 groups: split 2 leaves a short last split
+    ws = [_qw(n, k, g, 30 + n, tile) for n in (37, 20, 5, 70)]
+    x = torch.randn(2, k, generator=_g(31))
+    for sel in ((3, 2, 0, 1), (1, 2)):
+        group = [ws[i] for i in sel]
+        got = q4_group(x, group, cfg)
+        assert [tuple(y.shape) for y in got] == [(2, w.shape[0]) for w in group]
+        assert all(y.is_contiguous() and (y.data_ptr() - got[0].data_ptr()) % 128 == 0 for y in got)
+        for y, w in zip(got, group):
+            assert torch.equal(y, q4_gemv(x, w, cfg))
+            ref = linear_rows_ref(x, w.dequantize())
+            assert float((y - ref).norm() / ref.norm()) < 3e-5
+    for i in range(2):
+        assert all(torch.equal(a[0], b[i]) for a, b in zip(q4_group(x[i:i + 1], group, cfg), got)), i
+
+
+def test_q4_rows_groups_shards_as_the_whole_and_falls_back(monkeypatch):
+    """q4_rows: the group's settings come from the whole matrices' N, so shards (rows from a tile
+    bound on, launch_ns = the whole N) get the whole group's bits; Hadamard weights rotate x once;
+    more than 16 rows run in 16-row launches (row-invariant across them); SPECFIRE_GEMV_GROUP=0
+    gives one launch per weight with its own settings."""
+    from specfire.ops import triton_gemv, triton_quant
+    from specfire.ops.quant import q4_rows
+    from specfire.ops.triton_quant import group_config
+
+    # settings by shape: the whole group's (N = 170) differ from what the shards' own N would pick
+    monkeypatch.setattr(triton_quant, "q4_config", lambda n, k, g: Q4Config(32) if n == 170 else Q4Config(16, split_k=2))
+    k, g = 256, 128
+    wholes = [_qw(n, k, g, 40 + n, had=True) for n in (100, 70)]
+    x = torch.randn(18, k, generator=_g(41))
+    full = q4_rows(x, wholes, [None, None])
+    xr = hadamard_rotate(x, g)
+    cfg = group_config([100, 70], k, g)
+    for y, w in zip(full, wholes):
+        assert torch.equal(y[:16], q4_gemv(xr[:16], w, cfg)) and torch.equal(y[16:], q4_gemv(xr[16:], w, cfg))
+        assert float((y - x @ w.effective().t()).norm() / y.norm()) < 1e-4
+    shards = [QuantWeight(w.qweight[64:], w.scales_t[:, 64:].contiguous(), w.zeros_t[:, 64:].contiguous(), True,
+                          w.dtype) for w in wholes]
+    for a, b in zip(q4_rows(x[:3], shards, [100, 70]), full):
+        assert torch.equal(a, b[:3, 64:])
+    triton_gemv.GROUP = False
+    try:
+        for y, w in zip(q4_rows(x[:2], wholes, [None, None]), wholes):
+            assert torch.equal(y, q4_gemv(xr[:2], w))
+    finally:
+        triton_gemv.GROUP = True
