@@ -162,27 +162,23 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
     HALF: tl.constexpr = G // 2
     N = N0
     t0 = 0
-    dq = DQ1 * 0
-    ds = DS1 * 0
-    dz = DZ1 * 0
-    o = M * 0
-    if SEGS > 1:
+    if SEGS > 1:   # which weight this column tile belongs to (one weight: nothing moves)
         sel = pid_n >= T1
-        N, t0, o = tl.where(sel, N1, N), tl.where(sel, T1, t0), tl.where(sel, O1, o)
-        dq, ds, dz = tl.where(sel, DQ1, dq), tl.where(sel, DS1, ds), tl.where(sel, DZ1, dz)
-    if SEGS > 2:
-        sel = pid_n >= T2
-        N, t0, o = tl.where(sel, N2, N), tl.where(sel, T2, t0), tl.where(sel, O2, o)
-        dq, ds, dz = tl.where(sel, DQ2, dq), tl.where(sel, DS2, ds), tl.where(sel, DZ2, dz)
-    if SEGS > 3:
-        sel = pid_n >= T3
-        N, t0, o = tl.where(sel, N3, N), tl.where(sel, T3, t0), tl.where(sel, O3, o)
-        dq, ds, dz = tl.where(sel, DQ3, dq), tl.where(sel, DS3, ds), tl.where(sel, DZ3, dz)
-    q_ptr += dq
-    s_ptr += ds
-    z_ptr += dz
-    y_ptr += M * o
-    part_ptr += split * M * o
+        N, t0, o = tl.where(sel, N1, N), tl.where(sel, T1, t0), tl.where(sel, O1, 0)
+        dq, ds, dz = tl.where(sel, DQ1, 0), tl.where(sel, DS1, 0), tl.where(sel, DZ1, 0)
+        if SEGS > 2:
+            sel = pid_n >= T2
+            N, t0, o = tl.where(sel, N2, N), tl.where(sel, T2, t0), tl.where(sel, O2, o)
+            dq, ds, dz = tl.where(sel, DQ2, dq), tl.where(sel, DS2, ds), tl.where(sel, DZ2, dz)
+        if SEGS > 3:
+            sel = pid_n >= T3
+            N, t0, o = tl.where(sel, N3, N), tl.where(sel, T3, t0), tl.where(sel, O3, o)
+            dq, ds, dz = tl.where(sel, DQ3, dq), tl.where(sel, DS3, ds), tl.where(sel, DZ3, dz)
+        q_ptr += dq
+        s_ptr += ds
+        z_ptr += dz
+        y_ptr += tl.multiple_of(M * o, 64)             # Os are multiples of OUT_ALIGN
+        part_ptr += tl.multiple_of(split * M * o, 64)
     offs_n = (pid_n - t0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, ROWS_)
     offs_c = tl.arange(0, HALF)
