@@ -332,7 +332,7 @@ def build_models(res: dict, cfg) -> tuple:
     return trunk_model, head
 
 
-def run_variants(res: dict, cfg, args, models: tuple, warm: bool = False) -> None:
+def run_variants(res: dict, cfg, args, models: tuple, warm: bool = False, only: str = "") -> None:
     trunk_model, head = models
     info = res["model"]
     qb, db = info["weights_4bit_bytes"], info["dense_bytes"]
@@ -346,6 +346,8 @@ def run_variants(res: dict, cfg, args, models: tuple, warm: bool = False) -> Non
     with tempfile.TemporaryDirectory() as path:
         write_config(cfg, path)
         for name, grouped in (("grouped", True), ("ungrouped", False)):
+            if only and name != only:
+                continue
             if not warm and elapsed() > args.budget * 0.85:
                 res.setdefault("skipped", []).append(name)
                 continue
@@ -392,8 +394,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--budget", type=float, default=120.0, help="seconds; later stages are skipped past it")
-    ap.add_argument("--warm", action="store_true", help="worker: a 4-layer model through every call")
-    ap.add_argument("--warm-procs", type=int, default=2)
+    ap.add_argument("--warm", default="", help="worker: a 4-layer model through the calls of this variant")
     ap.add_argument("--skip", default="")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
@@ -402,7 +403,7 @@ def main() -> int:
         args.tokens, args.prompts = 8, 1
         cfg = model_cfg(args.shape, 4)
         res: dict = {}
-        run_variants(res, cfg, args, build_models(res, cfg), warm=True)
+        run_variants(res, cfg, args, build_models(res, cfg), warm=True, only=args.warm)
         return 0
     import triton
     res = {"gpu": "cpu-smoke" if SMOKE else torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -413,8 +414,9 @@ def main() -> int:
     if not SMOKE and "warm" not in args.skip:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         logf = open(os.path.join(args.out or ".", "quant_e2e_warm.log"), "w")
-        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm", "--shape", args.shape,
-                                   "--prompt", "64", "--out", ""], env=env, stdout=logf, stderr=subprocess.STDOUT)]
+        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm", v, "--shape", args.shape,
+                                   "--prompt", "64", "--out", ""], env=env, stdout=logf, stderr=subprocess.STDOUT)
+                 for v in ("grouped", "ungrouped")]
     cfg = model_cfg(args.shape)
     models = build_models(res, cfg)        # while the worker compiles (nothing is timed here)
     for p in procs:

@@ -31,6 +31,10 @@ import triton.language as tl
 from .triton_gemv import ROWS, _splitk_sum
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX in the interpreter
+# added to a grouped launch's offsets between weights, so they are always passed as 64-bit
+# integers (Triton types an int argument by its value: one kernel for any allocation distance)
+_BIAS = 1 << 40
+BIAS = tl.constexpr(_BIAS)
 
 
 @dataclass(frozen=True)
@@ -156,7 +160,8 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
     # Up to 4 weights of one input in one launch (SEGS): column tiles [0, T1) are weight 0's,
     # [T1, T2) weight 1's, ...; weight s has Ns rows, its codes / scales / zeros at DQs / DSs / DZs
     # elements past weight 0's, its output [M, Ns] at y + M * Os and its split partials at
-    # part + split * M * Os. A tile runs the loop a launch of its weight alone would run.
+    # part + split * M * Os. A tile runs the loop a launch of its weight alone would run. The Ds
+    # come with BIAS added (always 64-bit: one compiled kernel whatever the allocations' distance).
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     HALF: tl.constexpr = G // 2
@@ -165,7 +170,7 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
     if SEGS > 1:   # which weight this column tile belongs to (one weight: nothing moves)
         sel = pid_n >= T1
         N, t0, o = tl.where(sel, N1, N), tl.where(sel, T1, t0), tl.where(sel, O1, 0)
-        dq, ds, dz = tl.where(sel, DQ1, 0), tl.where(sel, DS1, 0), tl.where(sel, DZ1, 0)
+        dq, ds, dz = tl.where(sel, DQ1, BIAS), tl.where(sel, DS1, BIAS), tl.where(sel, DZ1, BIAS)
         if SEGS > 2:
             sel = pid_n >= T2
             N, t0, o = tl.where(sel, N2, N), tl.where(sel, T2, t0), tl.where(sel, O2, o)
@@ -174,9 +179,9 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
             sel = pid_n >= T3
             N, t0, o = tl.where(sel, N3, N), tl.where(sel, T3, t0), tl.where(sel, O3, o)
             dq, ds, dz = tl.where(sel, DQ3, dq), tl.where(sel, DS3, ds), tl.where(sel, DZ3, dz)
-        q_ptr += dq
-        s_ptr += ds
-        z_ptr += dz
+        q_ptr += dq - BIAS
+        s_ptr += ds - BIAS
+        z_ptr += dz - BIAS
         y_ptr += tl.multiple_of(M * o, 64)             # Os are multiples of OUT_ALIGN
         part_ptr += tl.multiple_of(split * M * o, 64)
     offs_n = (pid_n - t0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -323,9 +328,9 @@ def q4_group(x: torch.Tensor, qws: list, cfg: Q4Config | None = None) -> list[to
     a = qws[0]
     pad = [0] * (GROUP_MAX - len(qws))
     bounds = [sum(tiles[:i]) for i in range(1, GROUP_MAX)]
-    dq = [w.qtiled.data_ptr() - a.qtiled.data_ptr() for w in qws[1:]] + pad
-    dsc = [(w.scales_t.data_ptr() - a.scales_t.data_ptr()) // 2 for w in qws[1:]] + pad
-    dz = [(w.zeros_t.data_ptr() - a.zeros_t.data_ptr()) // 2 for w in qws[1:]] + pad
+    dq = [_BIAS + w.qtiled.data_ptr() - a.qtiled.data_ptr() for w in qws[1:]] + [_BIAS] * len(pad)
+    dsc = [_BIAS + (w.scales_t.data_ptr() - a.scales_t.data_ptr()) // 2 for w in qws[1:]] + [_BIAS] * len(pad)
+    dz = [_BIAS + (w.zeros_t.data_ptr() - a.zeros_t.data_ptr()) // 2 for w in qws[1:]] + [_BIAS] * len(pad)
     _q4_kernel[(sum(tiles), split)](
         x, xs, a.qtiled, a.scales_t, a.zeros_t, y, part, locks, m, ns[0], k // 2, x.stride(0), n_groups, per, split,
         *(ns[1:] + pad), *bounds, *dq, *dsc, *dz, *(offs[1:len(ns)] + pad),
