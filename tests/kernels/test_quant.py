@@ -115,6 +115,20 @@ def test_kernel_module_defines_each_kernel_once():
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
 
 
+def test_quantize_policy_covers_every_projection():
+    """`specfire quantize` takes every projection matrix, the GDN input projections included (they
+    were once left bf16 because only `*_proj` names counted), and keeps the per-head gates dense."""
+    from specfire.quantize import _quantizable
+
+    gdn = "model.layers.0.linear_attn."
+    for name in (gdn + "in_proj_qkv.weight", gdn + "in_proj_z.weight", gdn + "out_proj.weight", "mtp.fc.weight",
+                 "model.layers.3.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight", "lm_head.weight"):
+        assert _quantizable(name, (8, 8), False), name
+    for name in (gdn + "in_proj_a.weight", gdn + "in_proj_b.weight", "model.embed_tokens.weight", gdn + "norm.weight"):
+        assert not _quantizable(name, (8, 8), False), name
+    assert not _quantizable("lm_head.weight", (8, 8), True) and not _quantizable(gdn + "conv1d.weight", (8, 1, 4), False)
+
+
 def test_pick_group():
     assert pick_group(5120, 128) == 128 and pick_group(96, 128) == 32 and pick_group(48, 128) is None
 
@@ -228,7 +242,9 @@ def dense_equivalent(ckpts, tmp_path_factory):
             base = name[:-len("qweight")]
             dense[base + "weight"] = dequantize_ref(q[name], q[base + "scales"], q[base + "zeros"])
             n += 1
-    assert n == 25  # 4 layers x (3 MLP + 4 attention or 4 GDN projections) + lm_head + 8 in the MTP head
+    # 4 layers x 3 MLP + 4 attention (1 layer) + 2 GDN input projections (3 layers; out_proj's K = 48
+    # fits no group) + lm_head + 8 in the MTP head
+    assert n == 31
     save_file(dense, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     return out
 
@@ -250,7 +266,8 @@ def test_quantized_checkpoint_layout(ckpts):
 
 def test_quantized_model_equals_dequantized_and_is_near_source(ckpts, dense_equivalent):
     """Exact to the dense model with the dequantized weights; near the unquantized source (tiny
-    random models amplify weight error: 8% per weight gives about 35% on the logits here)."""
+    random models amplify weight error: 8% per weight gives about 63% on the logits here, with the
+    GDN input projections quantized too; quality on a trained model: bench/quant_ppl.py)."""
     from specfire import LLM
     from specfire.ops.quant import QuantWeight
 
@@ -268,7 +285,7 @@ def test_quantized_model_equals_dequantized_and_is_near_source(ckpts, dense_equi
         assert isinstance(b.engine.trunk.model.lm_head.weight, QuantWeight)
     torch.testing.assert_close(got, eff, rtol=1e-5, atol=1e-5)
     rel = float((got - ref).norm() / ref.norm())
-    assert 0.01 < rel < 0.6, rel
+    assert 0.01 < rel < 0.8, rel
 
 
 def test_mtp_equals_ar_on_quantized_model(ckpts):
