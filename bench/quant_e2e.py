@@ -1,7 +1,9 @@
 """4-bit decode end to end on one GPU through LLM.generate: grouped vs ungrouped projections.
 
-The 27B shape's projections (every `*_proj`, the MTP head's `fc` and the lm_head, but not the GDN
-gate projections in_proj_a / in_proj_b: the policy of `specfire quantize`) are quantized on the GPU
+The 27B shape's projections (`specfire quantize`'s policy, specfire/quantize.py `_quantizable`: every
+projection matrix, the MTP head's `fc` and the lm_head, not the GDN gate projections in_proj_a /
+in_proj_b; before commit 5a14188 it also left the GDN in_proj_qkv / in_proj_z bf16, and so did the
+first run of this script, which took the rule by name) are quantized on the GPU
 from seeded random bf16 weights (ops/quant.py quantize_tensor, group 128, clip search), the rest
 random bf16; the model and its MTP head are handed to `LLM` through the engine builder's trunk
 factory (the weights are the only thing that does not come from a checkpoint), then:
@@ -48,7 +50,6 @@ SMOKE = os.environ.get("BENCH_SMOKE") == "1"
 DEV = "cpu" if SMOKE else "cuda"
 DT = torch.float32 if SMOKE else torch.bfloat16
 GROUP = 64 if SMOKE else 128
-KEEP = ("in_proj_a", "in_proj_b")
 T0 = time.time()
 
 
@@ -99,13 +100,14 @@ def build(module_cls, cfg, seed: int):
     """module_cls(cfg) on the device: projections 4-bit (quantized here), the rest random bf16.
     Returns (module, 4-bit bytes, dense bytes a decode step reads)."""
     from specfire.model.qwen35 import Linear
+    from specfire.quantize import _quantizable
 
     gen = torch.Generator(device=DEV).manual_seed(seed)
     with torch.device("meta"):
         m = module_cls(cfg)
     qbytes = 0
     for name, mod in list(m.named_modules()):
-        if isinstance(mod, Linear) and not name.endswith(KEEP) and (name.endswith(("_proj", "fc")) or name == "lm_head"):
+        if isinstance(mod, Linear) and _quantizable(name + ".weight", tuple(mod.weight.shape), False):
             n, k = mod.weight.shape
             if pick_group(k, GROUP) is None:
                 continue
