@@ -58,8 +58,8 @@ _MEASURED = {
     (5120, 6144): Q4Config(64, split_k=9, num_warps=2, num_stages=3, wa=True),     # attention o, GDN out
     (1024, 5120): Q4Config(32, split_k=18, num_warps=1, num_stages=4, wa=True),    # attention k, v
     (248320, 5120): Q4Config(64, split_k=1, num_warps=2, num_stages=4, wa=True),   # lm_head
-    # projections that share an input, concatenated into one weight (measured, not yet used by the
-    # model): gate + up, GDN qkv + z, attention q + gate + k + v
+    # projections that share an input, measured concatenated; the settings of their grouped launch
+    # (group_config): gate + up, GDN qkv + z, attention q + gate + k + v
     (34816, 5120): Q4Config(128, split_k=3, num_warps=2, num_stages=3, wa=True),
     (16384, 5120): Q4Config(64, split_k=3, num_warps=2, num_stages=3, wa=True),
     (14336, 5120): Q4Config(64, split_k=3, num_warps=2, num_stages=3, wa=True),
