@@ -27,7 +27,9 @@
 #   2026-11-30, commit 7fd9d29, H200, 115.9 s: `OUT=$OUT BUDGET=143 UL_TIME=75 bash bench/bundled_ul_gpu.sh`
 #   (those settings: KL 1, every 4th window, no word edges, rule on the 12 bench prompts): loop bench
 #   76.7% -> 14.1%, held-out ppl +4.97% (the rule's sample: +5.1%: none chosen);
-#   fourth try (these defaults): `OUT=$OUT BUDGET=120 UL_TIME=68 bash bench/bundled_ul_gpu.sh`.
+#   2026-11-30, commit ce2ee8b, H200, 113.5 s, fourth try (these defaults):
+#   `OUT=$OUT BUDGET=118 UL_TIME=66 bash bench/bundled_ul_gpu.sh`: 81 steps, the rule chose step 66 (pooled
+#   30.2%, ppl +4.7%); loop bench 76.7% -> 34.8% (> 25%): not shipped.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
