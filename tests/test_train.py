@@ -219,6 +219,34 @@ def test_banned_anchored_target_removes_every_repeat_continuation():
     assert y.grad.abs().max() < 1e-6
 
 
+def test_word_continuations_are_not_banned():
+    """With word edges, a repeat is refused only where a new word or symbol starts: in
+    `self.celsius = c\nself.cel|sius` the token `sius` (it continues `cel`) stays allowed, while
+    `cel` after `self.` and `=` after `sius` are banned as before."""
+    from specfire.train.unlikelihood import repeat_continuations, word_edges
+
+    class Tok:                                  # the two methods word_edges uses
+        words = ["self", ".", "cel", "sius", " =", " c", "\n", "_f", "lshfd"]
+
+        def get_vocab_size(self):
+            return len(self.words)
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(self.words[i] for i in ids)
+
+    starts, ends = word_edges(Tok(), 10)                # one id more than the tokenizer has: False, False
+    assert starts.tolist() == [True, False, True, True, False, False, False, True, True, False]
+    assert ends.tolist() == [True, False, True, True, False, True, False, True, True, False]
+    # self . cel sius  =  c \n self . cel sius  =
+    seq = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4]])
+    plain = repeat_continuations(seq, 7, 3, 10)
+    word = repeat_continuations(seq, 7, 3, 10, (starts, ends))
+    assert plain[0, 9, 2] and word[0, 9, 2]            # `cel` after `self .` (a new word): banned
+    assert plain[0, 10, 3] and not word[0, 10, 3]      # `sius` after `cel`: continues the word, allowed
+    assert plain[0, 11, 4] and word[0, 11, 4]          # ` =` after `sius`: a new symbol, banned
+    assert word.sum() == plain.sum() - 1
+
+
 def test_kl_to_teacher_is_the_kl_divergence():
     from specfire.train.unlikelihood import kl_to_teacher
 
@@ -304,7 +332,7 @@ def test_unlikelihood_phase_keeps_the_chosen_snapshot(tiny_trained, tmp_path):
     src, kw, _ = tiny_trained
     kw = dict(kw, ul_steps=4, ul_pool=4, ul_batch=2, ul_data_batch=2, ul_new_tokens=12, ul_prompt_min=6,
               ul_prompt_max=8, ul_eval_prompts=2, ul_eval_prompt_tokens=6, ul_snapshots=2, ul_probe_steps=1,
-              ul_lr=5e-3, ul_kl_weight=1.0, ul_select=1, ul_select_tokens=12, ul_ppl_every=40)
+              ul_lr=5e-3, ul_kl_weight=1.0, ul_select=1, ul_select_tokens=12, ul_ppl_every=40, ul_word_bans=1)
     out = str(tmp_path / "ul")
     m = run(TrainConfig(out=out, device="cpu", init=src, pack_dir=str(tmp_path / "pack"), **kw),
             log=lambda *_: None)

@@ -119,6 +119,8 @@ class TrainConfig:
     ul_ppl_budget: float = 0.05         # the rule's held-out perplexity budget over the starting model
     ul_ppl_every: int = 4               # the snapshot perplexity scores every Nth window of the held-out text
     ul_select_tokens: int = 160         # greedy tokens per prompt when scoring a snapshot (the benchmark's)
+    ul_word_bans: int = 0               # 1: never ban a token that continues a word (unlikelihood.word_edges):
+                                        #   repeats are refused where a new word or symbol starts
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "steps", "batch_size",
@@ -134,7 +136,7 @@ class TrainConfig:
             raise ValueError(f"train option corpus must be 'stdlib' or 'site', got {self.corpus!r}")
         if not 0.0 <= self.mtp_distill <= 1.0:
             raise ValueError(f"train option mtp_distill must be in [0, 1], got {self.mtp_distill}")
-        for name in ("ul_steps", "ul_warmup", "ul_snapshots", "ul_eval_prompts", "ul_select"):
+        for name in ("ul_steps", "ul_warmup", "ul_snapshots", "ul_eval_prompts", "ul_select", "ul_word_bans"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"train option {name} must be a non-negative integer, got {v!r}")

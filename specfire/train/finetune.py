@@ -125,6 +125,7 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, t
         teacher = copy.deepcopy(trunk).eval()
         for p in teacher.parameters():
             p.requires_grad_(False)
+    edges = ul.word_edges(tok, trunk.cfg.vocab_size) if tc.ul_word_bans else None
     guard = _Guard(tc, trunk, head, tok, held_docs, eos_ids, held_prompts, log) if tc.ul_select else None
     out = {"repetition_before": guard.start if guard else rep_eval(), "history": [], "snapshots": []}
     log("UL phase, held-out greedy repetition before: " + json.dumps(out["repetition_before"]))
@@ -182,7 +183,7 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, t
                 with torch.no_grad():
                     _, tlogits = trunk_forward(teacher, seq)
                 if tc.ul_seq_ban:
-                    ban = ul.repeat_continuations(seq, p_len, tc.ul_ngram, rlogits.shape[-1])
+                    ban = ul.repeat_continuations(seq, p_len, tc.ul_ngram, rlogits.shape[-1], edges)
                     seq_ul = ul.banned_anchored_unlikelihood(rlogits[:, :-1], tlogits[:, :-1], ban, alive)
                 else:
                     seq_ul = ul.anchored_unlikelihood(rlogits[:, :-1], tlogits[:, :-1], seq, mask, alive)
@@ -241,6 +242,8 @@ class _Guard:
         if held_prompts is not None:
             self.prompts["held_out"] = held_prompts.tolist()
         eot = eos_ids[0]
+        # in bench/bundled_ppl.py's order (package, then file path), so the whole-text figure is its figure
+        held_docs = sorted(held_docs, key=lambda d: (d[0].split("/", 1)[0], d[0]))
         self.stream = token_stream(tok, eot, held_docs) if held_docs else None
         if self.stream is not None and self.stream.numel() <= tc.seq_len:
             self.stream = None
@@ -266,7 +269,7 @@ class _Guard:
     def score(self, step: int) -> dict:
         f = self._figures()
         ratio = f["ppl"] / self.ppl0 if self.ppl0 else 1.0
-        c = sel.Candidate(step, f["bench"]["repeated_line_frac_guarded"], ratio)
+        c = sel.Candidate(step, f.get("all", f["bench"])["repeated_line_frac_guarded"], ratio)
         self.cands.append(c)
         row = {"step": step, "rep": c.rep, "ppl_ratio": ratio, **f}
         self.rows.append(row)
@@ -279,7 +282,8 @@ class _Guard:
         """Apply the rule: load the chosen snapshot's weights (the last weights are packed as
         last.tar first when they differ), or keep the last weights when none is within budget."""
         choice = sel.choose(self.cands, self.tc.ul_ppl_budget)
-        res = {"rule": f"lowest guarded repetition on LOOP_PROMPTS with ppl <= {1 + self.tc.ul_ppl_budget:.2f}x start",
+        res = {"rule": f"lowest guarded repetition on LOOP_PROMPTS + held-out prompts pooled, with held-out ppl "
+                       f"(every {self.tc.ul_ppl_every}th window) <= {1 + self.tc.ul_ppl_budget:.2f}x start",
                "start": self.start, "candidates": self.rows,
                "chosen_step": choice.step if choice else None}
         if choice is None:

@@ -1,11 +1,13 @@
 """Which weights of an unlikelihood phase to keep: the repetition and perplexity of each snapshot,
 and the rule that picks one, fixed before the run.
 
-The rule (`choose`): among the snapshots whose held-out perplexity is within `ppl_budget` of the
-starting model's, the one with the lowest guarded repeated-line share on LOOP_PROMPTS (the model
-card's target measure, bench/bundled_loops.py); ties go to the lower perplexity. No snapshot
-within the budget: none is chosen (the phase keeps its last weights and says so). Picking on the
-benchmark's own prompts favours a lucky snapshot, so the held-out prompts' figure is kept beside it.
+The rule (`choose`): among the snapshots whose held-out perplexity (the whole held-out-packages
+text when ul_ppl_every is 1: bench/bundled_ppl.py's figure) is within `ppl_budget` of the starting
+model's, the one with the lowest guarded repeated-line share (the model card's target measure,
+bench/bundled_loops.py) over LOOP_PROMPTS and the held-out prompts pooled (`loop_figures`' "all":
+lines of both sets counted together; picking on the benchmark's 12 prompts alone favoured a lucky
+snapshot); ties go to the lower perplexity. No snapshot within the budget: none is chosen (the phase
+keeps its last weights and says so).
 """
 from __future__ import annotations
 
@@ -60,7 +62,8 @@ def summarize(rows: list[dict]) -> dict:
 def loop_figures(trunk, tok, prompts: dict[str, list[list[int]]], new_tokens: int,
                  eos_ids: tuple[int, ...]) -> dict:
     """Greedy continuations of several named prompt sets in ONE batched rollout (prompts of any
-    length), stopping each at end-of-text: {set name: summarize(...)}."""
+    length), stopping each at end-of-text: {set name: summarize(...)}, plus "all" (every set's
+    completions pooled) when there are several sets."""
     names = [k for k, v in prompts.items() for _ in v]
     rows_ids = [p for v in prompts.values() for p in v]
     if not rows_ids:
@@ -83,13 +86,16 @@ def loop_figures(trunk, tok, prompts: dict[str, list[list[int]]], new_tokens: in
                 cont, ended = cont[:j], True
                 break
         per[name].append(completion_figures(tok.decode(p), tok.decode(cont), ended))
-    return {k: summarize(v) for k, v in per.items()}
+    out = {k: summarize(v) for k, v in per.items()}
+    if len(per) > 1:
+        out["all"] = summarize([r for v in per.values() for r in v])
+    return out
 
 
 @dataclass
 class Candidate:
-    """One snapshot's figures: `rep` the guarded repeated-line share on LOOP_PROMPTS, `ppl_ratio`
-    its held-out perplexity over the starting model's (same windows)."""
+    """One snapshot's figures: `rep` the guarded repeated-line share (LOOP_PROMPTS and the held-out
+    prompts pooled), `ppl_ratio` its held-out perplexity over the starting model's (same windows)."""
     step: int
     rep: float
     ppl_ratio: float
