@@ -247,7 +247,6 @@ def _gdn_prefill_heads(cfg, log, dev: str, g: torch.Generator) -> None:
     """The same question for the Gated DeltaNet chunked prefill (batched matmuls and triangular
     solves over heads x chunks, then the scan kernel): a rank's heads alone vs within all heads."""
     from specfire.ops.gdn import gdn_chunked
-    from specfire.ops.splitk import head_block
 
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -269,9 +268,9 @@ def _gdn_prefill_heads(cfg, log, dev: str, g: torch.Generator) -> None:
             row[f"tp{tp}_out_equal"] = bool(torch.equal(o2, o[:, :b]))
             row[f"tp{tp}_state_equal"] = bool(torch.equal(st2, st[:b]))
             row[f"tp{tp}_max_diff"] = float((o2 - o[:, :b]).abs().max())
-            kb = head_block(hk)      # the canonical form: fixed key heads per call, no library autotune
-            cw, cws = gdn_chunked(q, k, v, gate, beta, state, k_block=kb)
+            cw, cws = gdn_chunked(q, k, v, gate, beta, state, canonical=True)   # what a mesh runs
             cp, cps = gdn_chunked(q[:, :a].contiguous(), k[:, :a].contiguous(), v[:, :b].contiguous(),
-                                  gate[:, :b].contiguous(), beta[:, :b].contiguous(), state[:b].contiguous(), k_block=kb)
+                                  gate[:, :b].contiguous(), beta[:, :b].contiguous(), state[:b].contiguous(),
+                                  canonical=True)
             row[f"tp{tp}_canon_equal"] = bool(torch.equal(cp, cw[:, :b]) and torch.equal(cps, cws[:b]))
         log("prefill_gdn_heads", **row)

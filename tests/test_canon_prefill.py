@@ -1,6 +1,6 @@
-"""Canonical prefill blocks: library calls (SDPA, batched products) on a fixed number of heads, so a
-tensor-parallel rank's heads are computed exactly as those heads of the whole model (the GPU
-dispatches to these blocks inside a canonical forward; here they run on the CPU)."""
+"""Canonical prefill: attention's library call on a fixed number of heads, so a tensor-parallel
+rank's heads are computed exactly as those heads of the whole model (the GPU dispatches to these
+blocks inside a canonical forward; here they run on the CPU), and no autotuned GDN library there."""
 import torch
 
 from specfire.ops import attention as attn_ops
@@ -30,27 +30,21 @@ def test_attention_blocks_match_reference_and_shard_equals_whole():
         assert torch.equal(shard, whole[:, hq // 2:])
 
 
-def test_gdn_blocks_match_reference_and_shard_equals_whole():
+def test_canonical_gdn_prefill_never_takes_the_autotuned_library(monkeypatch):
+    """flash-linear-attention autotunes per process, keyed by head count: a canonical forward must
+    not use it even where it is installed (stand-in library that fails the test if called)."""
+    from specfire.ops import gdn_fla
+    called = []
+    monkeypatch.setattr(gdn_fla, "use_for", lambda q: True)
+    monkeypatch.setattr(gdn_fla, "gdn_chunked_fla", lambda *a, **k: called.append(1) or (None, None))
     g = torch.Generator().manual_seed(1)
-    t, hk, r, dk, dv = 37, 4, 3, 8, 8                          # 37 rows: a masked tail in the last chunk
-    q = torch.randn(t, hk, dk, generator=g) * dk ** -0.5
-    k = torch.nn.functional.normalize(torch.randn(t, hk, dk, generator=g), dim=-1)
-    v = torch.randn(t, hk * r, dv, generator=g)
-    gate = -torch.rand(t, hk * r, generator=g) * 0.2
-    beta = torch.rand(t, hk * r, generator=g)
-    state = torch.randn(hk * r, dk, dv, generator=g) * 0.1
-    ref_o, ref_s = gdn_ops.gdn_chunked_ref(q.repeat_interleave(r, 1), k.repeat_interleave(r, 1), v, gate, beta,
-                                           state, chunk=16)
-
-    def blocks(lo: int, hi: int, kb: int):
-        parts = [gdn_ops.gdn_chunked_block(q[:, lo:hi], k[:, lo:hi], v[:, lo * r:hi * r], gate[:, lo * r:hi * r],
-                                           beta[:, lo * r:hi * r], state[lo * r:hi * r], 16, h0, h0 + kb, r)
-                 for h0 in range(0, hi - lo, kb)]
-        return torch.cat([o for o, _ in parts], 1), torch.cat([s for _, s in parts], 0)
-
-    for kb in (1, 2):
-        o, s = blocks(0, hk, kb)
-        torch.testing.assert_close(o, ref_o, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(s, ref_s, atol=1e-5, rtol=1e-5)
-        o2, s2 = blocks(hk // 2, hk, kb)                      # a tp2 rank's key heads
-        assert torch.equal(o2, o[:, (hk // 2) * r:]) and torch.equal(s2, s[(hk // 2) * r:])
+    t, h, d = 9, 2, 8
+    q, k, v = (torch.randn(t, h, d, generator=g) for _ in range(3))
+    gate, beta = -torch.rand(t, h, generator=g), torch.rand(t, h, generator=g)
+    state = torch.zeros(h, d, d)
+    o, s = gdn_ops.gdn_chunked(q, k, v, gate, beta, state, canonical=True)
+    assert not called and o.shape == (t, h, d)
+    ref_o, ref_s = gdn_ops.gdn_chunked_ref(q, k, v, gate, beta, state)
+    assert torch.equal(o, ref_o) and torch.equal(s, ref_s)
+    gdn_ops.gdn_chunked(q, k, v, gate, beta, state)          # the default takes the library
+    assert called

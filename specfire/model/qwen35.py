@@ -200,7 +200,6 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         self.hk = n_k_heads if n_k_heads is not None else cfg.linear_num_key_heads
         self.hv = n_v_heads if n_v_heads is not None else cfg.linear_num_value_heads
-        self.whole_hk = cfg.linear_num_key_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
@@ -256,7 +255,7 @@ class GatedDeltaNet(nn.Module):
             o, caps = gdn_ops.gdn_rows(q, k, v, g, beta, lc.rec, capture=True)
             lc.cap_rec, lc.cap_conv = caps, full
         else:   # key heads grouped: the chunked form maps them (or its GPU library reads them in place)
-            o, s = gdn_ops.gdn_chunked(q, k, v, g, beta, lc.rec, k_block=_canon_block(self.whole_hk))
+            o, s = gdn_ops.gdn_chunked(q, k, v, g, beta, lc.rec, canonical=lanes.invariant_now())
             lc.rec.copy_(s)
             lc.conv.copy_(full[-lc.conv.shape[0]:])
         o = rowwise(self.norm, rows, o.to(x.dtype), z, batch=one_cpu(x))  # [T, Hv, dv]
