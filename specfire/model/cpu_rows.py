@@ -106,17 +106,23 @@ def _gdn_pack(m) -> GdnPack:
 
 def _recurrence(q, k, v, dec, beta, s, t):
     """Per row: S = dec S; S += k (beta (v - S^T k))^T; o = S^T q. Returns (o [T, Hv, dv], the
-    state after each row [T, Hv, dk, dv])."""
+    state after each row [T, Hv, dk, dv]). q, k [T, Hv, dk], v [T, Hv, dv], dec, beta [T, Hv]."""
     hv, dk, dv = k.shape[1], k.shape[2], v.shape[2]
+    if t == 1:                    # a decode: the same calls as a verify row, without the row views
+        s = s * dec.view(hv, 1, 1)
+        d = (v.view(hv, 1, dv) - torch.bmm(k.view(hv, 1, dk), s)).mul_(beta.view(hv, 1, 1))
+        s = torch.addcmul(s, k.view(hv, dk, 1), d)
+        return torch.bmm(q.view(hv, 1, dk), s).view(1, hv, dv), s.unsqueeze(0)
     caps = torch.empty(t, hv, dk, dv)
     out = torch.empty(t, hv, 1, dv)
-    kr, kc, qr, vr = k.unsqueeze(2), k.unsqueeze(3), q.unsqueeze(2), v.unsqueeze(2)
-    dec, beta = dec[:, :, None, None], beta[:, :, None, None]
-    for i in range(t):
-        s = s * dec[i]
-        d = (vr[i] - torch.bmm(kr[i], s)).mul_(beta[i])       # [Hv, 1, dv]
-        s = torch.addcmul(s, kc[i], d, out=caps[i])
-        torch.bmm(qr[i], s, out=out[i])
+    rows = zip(q.unsqueeze(2).unbind(0), k.unsqueeze(2).unbind(0), k.unsqueeze(3).unbind(0),
+               v.unsqueeze(2).unbind(0), dec[:, :, None, None].unbind(0), beta[:, :, None, None].unbind(0),
+               caps.unbind(0), out.unbind(0))
+    for qr, kr, kc, vr, de, be, cap, o in rows:
+        s = s * de
+        d = (vr - torch.bmm(kr, s)).mul_(be)                  # [Hv, 1, dv]
+        s = torch.addcmul(s, kc, d, out=cap)
+        torch.bmm(qr, s, out=o)
     return out.view(t, hv, dv), caps
 
 
