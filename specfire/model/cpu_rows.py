@@ -29,7 +29,7 @@ from ..config import FULL
 from ..ops import lanes
 from ..ops.linear import fused_t, linear_one_cpu, transposed
 from ..ops.rope import rope_cos_sin
-from ..ops.rowwise import STEP, rowwise
+from ..ops.rowwise import GRAIN, STEP
 
 ROPE_BLOCK = 256      # rotary table rows computed per call (a position's values never change as it grows)
 
@@ -37,6 +37,20 @@ ROPE_BLOCK = 256      # rotary table rows computed per call (a position's values
 def usable(x: torch.Tensor) -> bool:
     """This path applies: a float32 CPU tensor outside any invariant() scope."""
     return x.dtype == torch.float32 and x.device.type == "cpu" and not lanes.invariant_now()
+
+
+def _rows(fn, whole: bool, *xs: torch.Tensor) -> torch.Tensor:
+    """fn(*xs) (elementwise, may round differently in ATen's vector and scalar code) on all rows at
+    once when `whole` (every row a whole number of STEP elements: all on the vector path) and no
+    loop is split between threads; else one row at a time, as a decode computes it."""
+    t = xs[0].shape[0]
+    if t == 1 or whole and (torch.get_num_threads() == 1 or all(x.numel() <= GRAIN for x in xs)):
+        return fn(*xs)
+    return torch.cat([fn(*(x[i:i + 1] for x in xs)) for i in range(t)])
+
+
+def _whole(*widths: int) -> bool:
+    return all(w % STEP == 0 for w in widths)
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor, eps_d: torch.Tensor) -> torch.Tensor:
@@ -73,35 +87,39 @@ def add_norm(x: torch.Tensor, h: torch.Tensor | None, p: NormPack):
 
 @dataclass
 class GdnPack:
-    wt: torch.Tensor        # [H, conv_dim + value_dim + P]: qkv, z, then [b | a | 0] (P = 64-multiple)
+    wt: torch.Tensor        # [H, conv_dim + value_dim + P]: qkv, z, then [b | -a | 0] (P = 64-multiple)
     wc: torch.Tensor        # conv taps [conv_dim, K]
-    dtb: torch.Tensor       # [P]: dt_bias at the a lanes, else 0
-    nega: torch.Tensor      # [P]: -exp(A_log) at the a lanes, else 0
+    off: torch.Tensor       # [P]: -dt_bias at the a lanes, else 0
+    pw: torch.Tensor        # [P]: exp(A_log) at the a lanes, else 1
     qk_scale: torch.Tensor  # [2 Hk, 1]: dk^-1/2 for q heads, 1 for k heads
     rep: torch.Tensor | None  # [2 Hv] key head of each value head (q then k), None when Hk == Hv
-    nw: torch.Tensor        # gated norm weight * sqrt(dv)
     eps_d: torch.Tensor     # [1]: dv eps
     l2_eps: torch.Tensor    # [1]: 1e-6 (the q/k L2 norms)
-    out_t: torch.Tensor     # out_proj W^T
+    out_t: torch.Tensor     # out_proj W^T, its rows scaled by the gated norm's weight * sqrt(dv)
     dims: tuple[int, ...]   # conv_dim, value_dim, key_dim, Hk, Hv, dk, dv
+    whole: tuple[bool, bool]  # conv channels, dv on whole vector steps
 
 
 def _gdn_pack(m) -> GdnPack:
+    """beta = sigmoid(b) and the decay exp(-exp(A_log) softplus(a + dt_bias)) = sigmoid(-(a +
+    dt_bias)) ^ exp(A_log) come from one sigmoid and one pow over the padded block."""
     hv, h = m.hv, m.in_proj_qkv.weight.shape[1]
     p = STEP * -(-2 * hv // STEP)
-    ws = (m.in_proj_qkv.weight, m.in_proj_z.weight, m.in_proj_b.weight, m.in_proj_a.weight)
+    ws = (m.in_proj_qkv.weight, m.in_proj_z.weight, m.in_proj_b.weight, -m.in_proj_a.weight)
     wt = torch.cat([*ws, torch.zeros(p - 2 * hv, h, dtype=ws[0].dtype)]).float().t().contiguous()
-    dtb = torch.zeros(p)
-    dtb[hv:2 * hv] = m.dt_bias.float()
-    nega = torch.zeros(p)
-    nega[hv:2 * hv] = -torch.exp(m.A_log.float())
+    off = torch.zeros(p)
+    off[hv:2 * hv] = -m.dt_bias.float()
+    pw = torch.ones(p)
+    pw[hv:2 * hv] = torch.exp(m.A_log.float())
     qk_scale = torch.ones(2 * m.hk, 1)
     qk_scale[:m.hk] = m.dk ** -0.5
     r = hv // m.hk
     rep = None if r == 1 else torch.cat([torch.arange(hv) // r, m.hk + torch.arange(hv) // r])
-    return GdnPack(wt, m.conv1d.weight[:, 0, :].float().contiguous(), dtb, nega, qk_scale, rep,
-                   m.norm.weight.float() * m.dv ** 0.5, torch.tensor([m.dv * m.norm.eps]), torch.tensor([1e-6]),
-                   transposed(m.out_proj.weight), (m.conv_dim, m.value_dim, m.key_dim, m.hk, hv, m.dk, m.dv))
+    nw = (m.norm.weight.float() * m.dv ** 0.5).repeat(hv)
+    out_t = (m.out_proj.weight.float() * nw).t().contiguous()
+    return GdnPack(wt, m.conv1d.weight[:, 0, :].float().contiguous(), off, pw, qk_scale, rep,
+                   torch.tensor([m.dv * m.norm.eps]), torch.tensor([1e-6]), out_t,
+                   (m.conv_dim, m.value_dim, m.key_dim, m.hk, hv, m.dk, m.dv), (_whole(m.conv_dim), _whole(m.dv)))
 
 
 def _recurrence(q, k, v, dec, beta, s, t):
@@ -126,10 +144,6 @@ def _recurrence(q, k, v, dec, beta, s, t):
     return out.view(t, hv, dv), caps
 
 
-def _silu(f: torch.Tensor) -> torch.Tensor:
-    return F.silu(f)
-
-
 def _gate(n: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return n.mul_(F.silu(z))
 
@@ -139,20 +153,18 @@ def gdn(p: GdnPack, x: torch.Tensor, lc) -> torch.Tensor:
     cd, vd, kd, hk, hv, dk, dv = p.dims
     y = linear_one_cpu(x, p.wt, True)
     full = torch.cat([lc.conv, y[:, :cd]])                            # [K-1+T, C]
-    conv = (full.unfold(0, p.wc.shape[1], 1) * p.wc).sum(-1)         # [T, C] causal taps
-    conv = rowwise(_silu, True, conv, batch=True)
+    conv = _rows(F.silu, p.whole[0], (full.unfold(0, p.wc.shape[1], 1) * p.wc).sum(-1))   # causal taps
     qk = conv[:, :2 * kd].view(t, 2 * hk, dk)
     den = (qk * qk).sum(-1, keepdim=True).add_(p.l2_eps).sqrt_()
     qk = (qk / den).mul_(p.qk_scale)                                  # l2-normed q (scaled), k
     if p.rep is not None:
         qk = qk.index_select(1, p.rep)
-    blk = y[:, cd + vd:]                                              # [T, P] = [b | a | 0]
-    beta = torch.sigmoid(blk)[:, :hv]
-    dec = torch.exp(F.softplus(blk + p.dtb).mul_(p.nega))[:, hv:2 * hv]
-    o, lc.cap_rec = _recurrence(qk[:, :hv], qk[:, hv:], conv[:, 2 * kd:].view(t, hv, dv), dec, beta, lc.rec, t)
+    sg = torch.sigmoid(y[:, cd + vd:] + p.off)                        # [T, P]: beta | sigmoid(-(a + dt_bias))
+    o, lc.cap_rec = _recurrence(qk[:, :hv], qk[:, hv:], conv[:, 2 * kd:].view(t, hv, dv),
+                                sg.pow(p.pw)[:, hv:2 * hv], sg[:, :hv], lc.rec, t)
     lc.cap_conv = full
     den = (o * o).sum(-1, keepdim=True).add_(p.eps_d).sqrt_()
-    o = rowwise(_gate, True, (o / den).mul_(p.nw), y[:, cd:cd + vd].view(t, hv, dv), batch=True)
+    o = _rows(_gate, p.whole[1], o / den, y[:, cd:cd + vd].view(t, hv, dv))
     return linear_one_cpu(o.view(t, vd), p.out_t, True)
 
 
@@ -162,7 +174,7 @@ def gdn(p: GdnPack, x: torch.Tensor, lc) -> torch.Tensor:
 
 @dataclass
 class AttnPack:
-    wt: torch.Tensor        # q (with gates), k, v projections' W^T (shared with prefill: ops/linear.py fused_t)
+    wt: torch.Tensor        # W^T with columns [q heads | k heads | gates | v]
     qk_w: torch.Tensor      # [Hq + Hkv, D]: sqrt(D) (1 + w) of q_norm (times the attention scale), k_norm
     perm: torch.Tensor      # [D] rotary partner of each dim (itself past rotary_dim)
     rot: int
@@ -170,28 +182,31 @@ class AttnPack:
     eps_d: torch.Tensor     # [1]: D eps
     out_t: torch.Tensor
     dims: tuple[int, int, int]   # Hq, Hkv, D
+    whole: bool             # D on whole vector steps
 
 
 def _attn_pack(m, rot: int, theta: float) -> AttnPack:
-    d = m.head_dim
+    d, hq = m.head_dim, m.n_heads
+    qg = m.q_proj.weight.view(hq, 2, d, -1)                 # per head: d query rows, then d gate rows
+    wt = torch.cat([qg[:, 0].reshape(hq * d, -1), m.k_proj.weight, qg[:, 1].reshape(hq * d, -1), m.v_proj.weight])
     qw = (1.0 + m.q_norm.weight.float()) * (d ** 0.5 * m.scale)
     kw = (1.0 + m.k_norm.weight.float()) * d ** 0.5
-    w = torch.cat([qw.expand(m.n_heads, d), kw.expand(m.n_kv, d)])
+    w = torch.cat([qw.expand(hq, d), kw.expand(m.n_kv, d)])
     half = rot // 2
     perm = torch.arange(d)
     perm[:half] += half
     perm[half:rot] -= half
-    return AttnPack(fused_t((m.q_proj.weight, m.k_proj.weight, m.v_proj.weight), m), w.contiguous(), perm, rot, theta,
-                    torch.tensor([d * m.q_norm.eps]), transposed(m.o_proj.weight), (m.n_heads, m.n_kv, d))
+    return AttnPack(wt.float().t().contiguous(), w.contiguous(), perm, rot, theta, torch.tensor([d * m.q_norm.eps]),
+                    transposed(m.o_proj.weight), (hq, m.n_kv, d), _whole(d))
 
 
 _ROPE: dict[tuple[int, float, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def rope_table(rot: int, theta: float, d: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(C, S) [>= n, D] for x_rot = x C + x[perm] S: cos (1 past rot) and the signed sin (0 past
-    rot). Built in blocks of ROPE_BLOCK positions by one call each, so a position's values are the
-    same whenever the table grows."""
+    """(C, S) [>= n, 1, D] for x_rot = x C + x[perm] S: cos (1 past rot) and the signed sin (0
+    past rot). Built in blocks of ROPE_BLOCK positions by one call each, so a position's values
+    are the same whenever the table grows."""
     key = (rot, theta, d)
     have = _ROPE.get(key)
     done = 0 if have is None else have[0].shape[0]
@@ -201,11 +216,11 @@ def rope_table(rot: int, theta: float, d: int, n: int) -> tuple[torch.Tensor, to
     half = rot // 2
     for b in range(done, max(n, 2 * done), ROPE_BLOCK):
         cos, sin = rope_cos_sin(torch.arange(b, b + ROPE_BLOCK), rot, theta)
-        c = torch.ones(ROPE_BLOCK, d)
-        s = torch.zeros(ROPE_BLOCK, d)
-        c[:, :rot] = cos
-        s[:, :half] = -sin[:, :half]
-        s[:, half:rot] = sin[:, half:]
+        c = torch.ones(ROPE_BLOCK, 1, d)
+        s = torch.zeros(ROPE_BLOCK, 1, d)
+        c[:, 0, :rot] = cos
+        s[:, 0, :half] = -sin[:, :half]
+        s[:, 0, half:rot] = sin[:, half:]
         cs.append(c)
         ss.append(s)
     _ROPE[key] = (torch.cat(cs), torch.cat(ss))
@@ -220,13 +235,12 @@ def attention(p: AttnPack, x: torch.Tensor, pos0: int, lc) -> torch.Tensor:
     t = x.shape[0]
     hq, hkv, d = p.dims
     y = linear_one_cpu(x, p.wt, True)
-    qg = y[:, :2 * hq * d].view(t, hq, 2 * d)
-    qk = torch.cat([qg[..., :d], y[:, 2 * hq * d:(2 * hq + hkv) * d].view(t, hkv, d)], 1)   # [T, Hq + Hkv, D]
+    qk = y[:, :(hq + hkv) * d].view(t, hq + hkv, d)
     den = (qk * qk).sum(-1, keepdim=True).add_(p.eps_d).sqrt_()
     qk = (qk / den).mul_(p.qk_w)
     c, s = rope_table(p.rot, p.theta, d, pos0 + t)
-    qk = rowwise(lambda a, cc, ss: (a * cc).addcmul_(a.index_select(-1, p.perm), ss), True,
-                 qk, c[pos0:pos0 + t, None], s[pos0:pos0 + t, None], batch=True)
+    qk = _rows(lambda a, cc, ss: (a * cc).addcmul_(a.index_select(-1, p.perm), ss), p.whole,
+               qk, c[pos0:pos0 + t], s[pos0:pos0 + t])
     lc.k[pos0:pos0 + t] = qk[:, hq:]
     lc.v[pos0:pos0 + t] = y[:, (2 * hq + hkv) * d:].view(t, hkv, d)
     o = torch.empty(t, hq, d)
@@ -235,7 +249,7 @@ def attention(p: AttnPack, x: torch.Tensor, pos0: int, lc) -> torch.Tensor:
         n = pos0 + r + 1
         sc = torch.bmm(qk[r, :hq].view(hkv, rep, d), lc.k[:n].float().permute(1, 2, 0))
         torch.bmm(torch.softmax(sc, -1), lc.v[:n].float().transpose(0, 1), out=o[r].view(hkv, rep, d))
-    o = rowwise(_out_gate, True, o, qg[..., d:], batch=True)
+    o = _rows(_out_gate, p.whole, o, y[:, (hq + hkv) * d:(2 * hq + hkv) * d].view(t, hq, d))
     return linear_one_cpu(o.view(t, hq * d), p.out_t, True)
 
 
@@ -256,6 +270,7 @@ class LayerPack:
     gu_t: torch.Tensor      # MLP gate and up W^T (shared with prefill)
     down_t: torch.Tensor
     inter: int
+    whole: bool             # intermediate size on whole vector steps
 
 
 def _layer_pack(layer, cfg) -> LayerPack:
@@ -264,7 +279,7 @@ def _layer_pack(layer, cfg) -> LayerPack:
     m = layer.mlp
     return LayerPack(full, _rms(layer.input_layernorm), _rms(layer.post_attention_layernorm), mix,
                      fused_t((m.gate_proj.weight, m.up_proj.weight), m), transposed(m.down_proj.weight),
-                     m.gate_proj.weight.shape[0])
+                     m.gate_proj.weight.shape[0], _whole(m.gate_proj.weight.shape[0]))
 
 
 def layer(p: LayerPack, x, pos0, lc, pending):
@@ -275,7 +290,7 @@ def layer(p: LayerPack, x, pos0, lc, pending):
     h = attention(p.mix, h, pos0, lc) if p.full else gdn(p.mix, h, lc)
     x, h = add_norm(x, h, p.n2)
     y = linear_one_cpu(h, p.gu_t, True)
-    return x, linear_one_cpu(rowwise(_act, True, y[:, :p.inter], y[:, p.inter:], batch=True), p.down_t, True)
+    return x, linear_one_cpu(_rows(_act, p.whole, y[:, :p.inter], y[:, p.inter:]), p.down_t, True)
 
 
 def _packs(owner, build):
