@@ -98,6 +98,7 @@ class GdnPack:
     out_t: torch.Tensor     # out_proj W^T, its rows scaled by the gated norm's weight * sqrt(dv)
     dims: tuple[int, ...]   # conv_dim, value_dim, key_dim, Hk, Hv, dk, dv
     whole: tuple[bool, bool]  # conv channels, dv on whole vector steps
+    split: tuple[int, int, int]   # conv_dim, value_dim, P
 
 
 def _gdn_pack(m) -> GdnPack:
@@ -119,7 +120,8 @@ def _gdn_pack(m) -> GdnPack:
     out_t = (m.out_proj.weight.float() * nw).t().contiguous()
     return GdnPack(wt, m.conv1d.weight[:, 0, :].float().contiguous(), off, pw, qk_scale, rep,
                    torch.tensor([m.dv * m.norm.eps]), torch.tensor([1e-6]), out_t,
-                   (m.conv_dim, m.value_dim, m.key_dim, m.hk, hv, m.dk, m.dv), (_whole(m.conv_dim), _whole(m.dv)))
+                   (m.conv_dim, m.value_dim, m.key_dim, m.hk, hv, m.dk, m.dv), (_whole(m.conv_dim), _whole(m.dv)),
+                   (m.conv_dim, m.value_dim, p))
 
 
 def _recurrence(q, k, v, dec, beta, s, t):
@@ -151,20 +153,21 @@ def _gate(n: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
 def gdn(p: GdnPack, x: torch.Tensor, lc) -> torch.Tensor:
     t = x.shape[0]
     cd, vd, kd, hk, hv, dk, dv = p.dims
-    y = linear_one_cpu(x, p.wt, True)
-    full = torch.cat([lc.conv, y[:, :cd]])                            # [K-1+T, C]
+    qkv, z, blk = linear_one_cpu(x, p.wt, True).split(p.split, 1)
+    full = torch.cat([lc.conv, qkv])                                  # [K-1+T, C]
     conv = _rows(F.silu, p.whole[0], (full.unfold(0, p.wc.shape[1], 1) * p.wc).sum(-1))   # causal taps
-    qk = conv[:, :2 * kd].view(t, 2 * hk, dk)
+    qk, v = conv.split((2 * kd, vd), 1)
+    qk = qk.view(t, 2 * hk, dk)
     den = (qk * qk).sum(-1, keepdim=True).add_(p.l2_eps).sqrt_()
     qk = (qk / den).mul_(p.qk_scale)                                  # l2-normed q (scaled), k
     if p.rep is not None:
         qk = qk.index_select(1, p.rep)
-    sg = torch.sigmoid(y[:, cd + vd:] + p.off)                        # [T, P]: beta | sigmoid(-(a + dt_bias))
-    o, lc.cap_rec = _recurrence(qk[:, :hv], qk[:, hv:], conv[:, 2 * kd:].view(t, hv, dv),
-                                sg.pow(p.pw)[:, hv:2 * hv], sg[:, :hv], lc.rec, t)
+    q, k = qk.split(hv, 1)
+    sg = torch.sigmoid(blk + p.off)                                   # [T, P]: beta | sigmoid(-(a + dt_bias))
+    o, lc.cap_rec = _recurrence(q, k, v.view(t, hv, dv), sg.pow(p.pw)[:, hv:2 * hv], sg[:, :hv], lc.rec, t)
     lc.cap_conv = full
     den = (o * o).sum(-1, keepdim=True).add_(p.eps_d).sqrt_()
-    o = _rows(_gate, p.whole[1], o / den, y[:, cd:cd + vd].view(t, hv, dv))
+    o = _rows(_gate, p.whole[1], o / den, z.view(t, hv, dv))
     return linear_one_cpu(o.view(t, vd), p.out_t, True)
 
 
@@ -234,22 +237,22 @@ def _out_gate(o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 def attention(p: AttnPack, x: torch.Tensor, pos0: int, lc) -> torch.Tensor:
     t = x.shape[0]
     hq, hkv, d = p.dims
-    y = linear_one_cpu(x, p.wt, True)
-    qk = y[:, :(hq + hkv) * d].view(t, hq + hkv, d)
+    qk, gate, v = linear_one_cpu(x, p.wt, True).split(((hq + hkv) * d, hq * d, hkv * d), 1)
+    qk = qk.view(t, hq + hkv, d)
     den = (qk * qk).sum(-1, keepdim=True).add_(p.eps_d).sqrt_()
     qk = (qk / den).mul_(p.qk_w)
     c, s = rope_table(p.rot, p.theta, d, pos0 + t)
     qk = _rows(lambda a, cc, ss: (a * cc).addcmul_(a.index_select(-1, p.perm), ss), p.whole,
                qk, c[pos0:pos0 + t], s[pos0:pos0 + t])
     lc.k[pos0:pos0 + t] = qk[:, hq:]
-    lc.v[pos0:pos0 + t] = y[:, (2 * hq + hkv) * d:].view(t, hkv, d)
+    lc.v[pos0:pos0 + t] = v.view(t, hkv, d)
     o = torch.empty(t, hq, d)
     rep = hq // hkv
     for r in range(t):
         n = pos0 + r + 1
         sc = torch.bmm(qk[r, :hq].view(hkv, rep, d), lc.k[:n].float().permute(1, 2, 0))
         torch.bmm(torch.softmax(sc, -1), lc.v[:n].float().transpose(0, 1), out=o[r].view(hkv, rep, d))
-    o = _rows(_out_gate, p.whole, o, y[:, (hq + hkv) * d:(2 * hq + hkv) * d].view(t, hq, d))
+    o = _rows(_out_gate, p.whole, o, gate.view(t, hq, d))
     return linear_one_cpu(o.view(t, hq * d), p.out_t, True)
 
 
@@ -289,8 +292,8 @@ def layer(p: LayerPack, x, pos0, lc, pending):
         x, h = h
     h = attention(p.mix, h, pos0, lc) if p.full else gdn(p.mix, h, lc)
     x, h = add_norm(x, h, p.n2)
-    y = linear_one_cpu(h, p.gu_t, True)
-    return x, linear_one_cpu(_rows(_act, p.whole, y[:, :p.inter], y[:, p.inter:]), p.down_t, True)
+    g, u = linear_one_cpu(h, p.gu_t, True).split(p.inter, 1)
+    return x, linear_one_cpu(_rows(_act, p.whole, g, u), p.down_t, True)
 
 
 def _packs(owner, build):
