@@ -1,18 +1,20 @@
-"""Decode and verify rows of the trunk and the MTP head on one CPU device, in few torch calls.
+"""Decode and verify rows of the trunk and the MTP head on one float32 CPU device, in fewer calls.
 
-Why: on a small CPU model a decode step is ~1000 small ATen calls at 2-5 us each besides the
-products; this path computes the same math (in float32, no mesh, not the canonical mode) with
-about a third of the calls: weights pre-packed per module (one product for the projections of
-one input, the GDN gate inputs in a zero-padded 64-wide block), norms as sum-of-squares + sqrt +
-divide, a rotary table with the rotation as one gather, the q/k norms of a layer in one call, the
-attention scale folded into the q-norm weight, the GDN state update as one addcmul per row.
+Why: on a small model a CPU decode step is ~1000 small ATen calls at 2-5 us each besides the
+products (bundled model: 1088 a decode through the module path). This path computes the same math
+(no mesh, not the canonical mode) in ~800 cheaper ones: weights packed per layer and checked once
+per forward (not per module call), norms as sum of squares + sqrt + divide (torch's CPU rms_norm
+is a composite of ~8 calls), a rotary table with the rotation as one gather, the q/k norms of a
+layer in one call with the attention scale folded into the q-norm weight, the GDN gates as one
+sigmoid and one pow over a zero-padded 64-wide block of the in-projection (exp(-c softplus(z)) =
+sigmoid(-z)^c), the GDN state update as one addcmul per row.
 
 Row invariance (a verify row computes exactly what a one-row decode computes), how:
 * products: one `mm` per row on the same packed W^T (ops/linear.py linear_one_cpu);
 * reductions over a row's last dimension (sum of squares, the conv taps): each output reduced
   alike whatever the row count (tests/test_onecpu.py);
 * elementwise ops that round alike in ATen's vector and scalar code (+, *, /, sqrt) on any shape;
-  transcendental ones (exp, sigmoid, SiLU, softplus) only on rows of whole 64-element steps, else
+  transcendental ones (sigmoid, SiLU, pow) only on rows of whole 64-element steps, else
   per row (ops/rowwise.py), which is why the GDN gate inputs sit in a padded 64-wide block;
 * the recurrence and attention per row, as before.
 Bits differ from the reference path (ops/norm.py etc.) in the last places; prefill and the
@@ -93,9 +95,10 @@ class GdnPack:
     pw: torch.Tensor        # [P]: exp(A_log) at the a lanes, else 1
     qk_scale: torch.Tensor  # [2 Hk, 1]: dk^-1/2 for q heads, 1 for k heads
     rep: torch.Tensor | None  # [2 Hv] key head of each value head (q then k), None when Hk == Hv
+    nw: torch.Tensor        # gated norm weight * sqrt(dv)
     eps_d: torch.Tensor     # [1]: dv eps
     l2_eps: torch.Tensor    # [1]: 1e-6 (the q/k L2 norms)
-    out_t: torch.Tensor     # out_proj W^T, its rows scaled by the gated norm's weight * sqrt(dv)
+    out_t: torch.Tensor     # out_proj W^T (the prefill's copy)
     dims: tuple[int, ...]   # conv_dim, value_dim, key_dim, Hk, Hv, dk, dv
     whole: tuple[bool, bool]  # conv channels, dv on whole vector steps
     split: tuple[int, int, int]   # conv_dim, value_dim, P
@@ -116,10 +119,9 @@ def _gdn_pack(m) -> GdnPack:
     qk_scale[:m.hk] = m.dk ** -0.5
     r = hv // m.hk
     rep = None if r == 1 else torch.cat([torch.arange(hv) // r, m.hk + torch.arange(hv) // r])
-    nw = (m.norm.weight.float() * m.dv ** 0.5).repeat(hv)
-    out_t = (m.out_proj.weight.float() * nw).t().contiguous()
     return GdnPack(wt, m.conv1d.weight[:, 0, :].float().contiguous(), off, pw, qk_scale, rep,
-                   torch.tensor([m.dv * m.norm.eps]), torch.tensor([1e-6]), out_t,
+                   m.norm.weight.float() * m.dv ** 0.5, torch.tensor([m.dv * m.norm.eps]), torch.tensor([1e-6]),
+                   transposed(m.out_proj.weight),
                    (m.conv_dim, m.value_dim, m.key_dim, m.hk, hv, m.dk, m.dv), (_whole(m.conv_dim), _whole(m.dv)),
                    (m.conv_dim, m.value_dim, p))
 
@@ -167,7 +169,7 @@ def gdn(p: GdnPack, x: torch.Tensor, lc) -> torch.Tensor:
     o, lc.cap_rec = _recurrence(q, k, v.view(t, hv, dv), sg.pow(p.pw)[:, hv:2 * hv], sg[:, :hv], lc.rec, t)
     lc.cap_conv = full
     den = (o * o).sum(-1, keepdim=True).add_(p.eps_d).sqrt_()
-    o = _rows(_gate, p.whole[1], o / den, z.view(t, hv, dv))
+    o = _rows(_gate, p.whole[1], (o / den).mul_(p.nw), z.view(t, hv, dv))
     return linear_one_cpu(o.view(t, vd), p.out_t, True)
 
 
@@ -177,7 +179,7 @@ def gdn(p: GdnPack, x: torch.Tensor, lc) -> torch.Tensor:
 
 @dataclass
 class AttnPack:
-    wt: torch.Tensor        # W^T with columns [q heads | k heads | gates | v]
+    wt: torch.Tensor        # W^T of q (each head's d query then d gate columns), k, v (the prefill's copy)
     qk_w: torch.Tensor      # [Hq + Hkv, D]: sqrt(D) (1 + w) of q_norm (times the attention scale), k_norm
     perm: torch.Tensor      # [D] rotary partner of each dim (itself past rotary_dim)
     rot: int
@@ -190,8 +192,6 @@ class AttnPack:
 
 def _attn_pack(m, rot: int, theta: float) -> AttnPack:
     d, hq = m.head_dim, m.n_heads
-    qg = m.q_proj.weight.view(hq, 2, d, -1)                 # per head: d query rows, then d gate rows
-    wt = torch.cat([qg[:, 0].reshape(hq * d, -1), m.k_proj.weight, qg[:, 1].reshape(hq * d, -1), m.v_proj.weight])
     qw = (1.0 + m.q_norm.weight.float()) * (d ** 0.5 * m.scale)
     kw = (1.0 + m.k_norm.weight.float()) * d ** 0.5
     w = torch.cat([qw.expand(hq, d), kw.expand(m.n_kv, d)])
@@ -199,7 +199,8 @@ def _attn_pack(m, rot: int, theta: float) -> AttnPack:
     perm = torch.arange(d)
     perm[:half] += half
     perm[half:rot] -= half
-    return AttnPack(wt.float().t().contiguous(), w.contiguous(), perm, rot, theta, torch.tensor([d * m.q_norm.eps]),
+    wt = fused_t((m.q_proj.weight, m.k_proj.weight, m.v_proj.weight), m)    # the prefill's copy (ops/linear.py)
+    return AttnPack(wt, w.contiguous(), perm, rot, theta, torch.tensor([d * m.q_norm.eps]),
                     transposed(m.o_proj.weight), (hq, m.n_kv, d), _whole(d))
 
 
@@ -237,8 +238,9 @@ def _out_gate(o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 def attention(p: AttnPack, x: torch.Tensor, pos0: int, lc) -> torch.Tensor:
     t = x.shape[0]
     hq, hkv, d = p.dims
-    qk, gate, v = linear_one_cpu(x, p.wt, True).split(((hq + hkv) * d, hq * d, hkv * d), 1)
-    qk = qk.view(t, hq + hkv, d)
+    qg, k, v = linear_one_cpu(x, p.wt, True).split((2 * hq * d, hkv * d, hkv * d), 1)
+    qg = qg.view(t, hq, 2 * d)
+    qk = torch.cat([qg[..., :d], k.view(t, hkv, d)], 1)              # [T, Hq + Hkv, D]
     den = (qk * qk).sum(-1, keepdim=True).add_(p.eps_d).sqrt_()
     qk = (qk / den).mul_(p.qk_w)
     c, s = rope_table(p.rot, p.theta, d, pos0 + t)
@@ -252,7 +254,7 @@ def attention(p: AttnPack, x: torch.Tensor, pos0: int, lc) -> torch.Tensor:
         n = pos0 + r + 1
         sc = torch.bmm(qk[r, :hq].view(hkv, rep, d), lc.k[:n].float().permute(1, 2, 0))
         torch.bmm(torch.softmax(sc, -1), lc.v[:n].float().transpose(0, 1), out=o[r].view(hkv, rep, d))
-    o = _rows(_out_gate, p.whole, o, gate.view(t, hq, d))
+    o = _rows(_out_gate, p.whole, o, qg[..., d:])
     return linear_one_cpu(o.view(t, hq * d), p.out_t, True)
 
 
