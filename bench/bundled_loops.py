@@ -1,7 +1,7 @@
 """Does the bundled model loop? Greedy completions of short function / class prompts.
 
-The prompts below were written for this check (none is taken from the standard library or from
-the training corpus). For each, greedy AR decoding writes up to --max-tokens tokens (stopping at
+The prompts (specfire/train/select.py LOOP_PROMPTS) were written for this check (none is taken
+from the standard library or from the training corpus). For each, greedy AR decoding writes up to --max-tokens tokens (stopping at
 the end-of-text token, as `specfire run` does, unless --ignore-eos); the figures are:
 - repeated lines: the share of the completion's complete, non-blank lines whose stripped text
   equals an earlier non-blank line of the completion (the loop symptom); `with prompt` also counts
@@ -39,23 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from specfire.api import LLM                         # noqa: E402
 from specfire.config import SamplingParams           # noqa: E402
+from specfire.train.select import LOOP_PROMPTS as PROMPTS, guarded   # noqa: E402  (the prompts, the guard)
 from specfire.train.unlikelihood import line_stats   # noqa: E402  (the measure)
-
-PROMPTS = (
-    'def moving_average(values, window):\n    """Return the moving averages of `values` over `window` items."""\n',
-    "class Stack:\n    \"\"\"A last-in, first-out stack backed by a list.\"\"\"\n\n    def __init__(self):\n",
-    "def parse_key_value_file(path):\n    \"\"\"Read `key = value` lines into a dict, skipping comments.\"\"\"\n",
-    "import os\n\n\ndef find_largest_files(root, count=10):\n",
-    "class Temperature:\n    def __init__(self, celsius):\n        self.celsius = celsius\n\n    def to_fahrenheit(self):\n",
-    "def merge_sorted(left, right):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n    result = []\n",
-    "def word_frequencies(text):\n",
-    "class LRUCache:\n    def __init__(self, capacity: int) -> None:\n",
-    "def flatten(nested):\n    \"\"\"Yield the items of arbitrarily nested lists.\"\"\"\n",
-    "def retry(func, attempts=3, delay=1.0):\n",
-    "class Matrix:\n    def __init__(self, rows, cols):\n        self.rows = rows\n        self.cols = cols\n",
-    "def validate_email(address: str) -> bool:\n",
-)
-
 
 def distinct_4grams(ids: list[int]) -> tuple[int, int]:
     grams = [tuple(ids[i:i + 4]) for i in range(len(ids) - 3)]
@@ -75,11 +60,6 @@ def long_line_stats(text: str, cut: bool, min_chars: int = 8) -> tuple[int, int]
         rep += s in seen
         seen.add(s)
     return n, rep
-
-
-def guarded(n: int, rep: int, junk: bool) -> tuple[int, int]:
-    """(lines, repeated lines) as the guarded figure counts them: fewer than 2 lines, or junk, is 2 of 2."""
-    return (2, 2) if n < 2 or junk else (n, rep)
 
 
 @torch.no_grad()

@@ -21,14 +21,12 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from specfire.api import BUNDLED_MODEL                   # noqa: E402
-from specfire.train import model as tm                   # noqa: E402
 from specfire.train.corpus import held_out_sources       # noqa: E402
-from specfire.train.evaluate import evaluate, windows    # noqa: E402
+from specfire.train.evaluate import evaluate, token_stream, total_nll, windows    # noqa: E402
 from specfire.train.export import load_checkpoint        # noqa: E402
 
 
@@ -39,34 +37,6 @@ def load(path: str, device: torch.device):
     tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
     eot = tok.token_to_id("<|endoftext|>")
     return trunk.eval(), head.eval(), tok, eot
-
-
-def stream(tok, eot: int, docs: list[tuple[str, str]]) -> torch.Tensor:
-    ids: list[int] = []
-    for enc in getattr(tok, "encode_batch_fast", tok.encode_batch)([t for _, t in docs], add_special_tokens=False):
-        ids.extend(enc.ids)
-        ids.append(eot)
-    return torch.tensor(ids, dtype=torch.int64)
-
-
-@torch.no_grad()
-def total_nll(trunk, ids: torch.Tensor, seq_len: int, device, batch: int) -> float:
-    """Sum of -log p(token) over every token after the first (windows overlap by one token)."""
-    step = seq_len - 1
-    starts = list(range(0, ids.numel() - 1, step))
-    full = [s for s in starts if s + seq_len <= ids.numel()]
-    tail = [s for s in starts if s + seq_len > ids.numel()]
-    autocast = device.type == "cuda"
-    nll = 0.0
-    groups = [torch.stack([ids[s:s + seq_len] for s in full[i:i + batch]]) for i in range(0, len(full), batch)]
-    groups += [ids[s:].unsqueeze(0) for s in tail]
-    for g in groups:
-        g = g.to(device)
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
-            logits = tm.lm_logits(trunk, tm.trunk_hidden(trunk, g)).float()
-        nll += F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), g[:, 1:].reshape(-1),
-                               reduction="sum").item()
-    return nll
 
 
 def main() -> int:
@@ -108,8 +78,8 @@ def main() -> int:
         for name, docs in sets.items():
             if not docs:
                 continue
-            ids = stream(tok, eot, docs)
-            nll = total_nll(trunk, ids, args.seq_len, device, args.batch)
+            ids = token_stream(tok, eot, docs)
+            nll, _ = total_nll(trunk, ids, args.seq_len, device, args.batch)
             ref_tokens.setdefault(name, ids.numel() - 1)
             r = {"tokens": ids.numel(), "bytes": nbytes[name], "bytes_per_token": nbytes[name] / ids.numel(),
                  "nats_per_token": nll / (ids.numel() - 1), "ppl": math.exp(nll / (ids.numel() - 1)),

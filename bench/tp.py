@@ -22,6 +22,7 @@ JSON line appended to OUT/tp.jsonl as it is measured.
   identN    normal checkpoint on N ranks (tp1 with the canonical split on): md5 of greedy output,
             AR / MTP k=3 (/ n-gram on tp2) at a short context (--prompt) and a long one (--long)
   collect   a decode step's collectives alone, replayed from one CUDA graph
+  prefill   one GPU: a head's prefill attention with all heads vs a tp2 / tp4 rank's heads, bitwise
 """
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 CEILING = 4.17e12     # measured device-to-device copy bandwidth of the H200 (bytes/s)
 # job -> (estimated seconds, time limit seconds) on the GPU at the 27B shape
-JOBS = {"kernels": (40, 120), "bundled": (35, 120), "ckpt": (30, 100), "speed1": (60, 120), "speed2": (60, 200),
-        "ident1": (50, 120), "ident2": (40, 120), "collect": (12, 90)}
+JOBS = {"kernels": (40, 120), "bundled": (35, 120), "ckpt": (30, 100), "speed1": (60, 120), "speed2": (60, 120),
+        "ident1": (50, 120), "ident2": (40, 100), "collect": (12, 90), "prefill": (10, 60)}
 
 
 class Log:
@@ -210,6 +211,10 @@ def job_speed(cfg, path: str, tp: int, device: str, log: Log, prompt: int, token
     with LLM(path, tp=tp, device=device, progress=False, max_seq_len=prompt + 2 * tokens + 64) as llm:
         load_s = time.perf_counter() - t0
         trunk = llm.engine.trunk
+        mtp = llm.engine.drafters.get("mtp")
+        if device == "cpu" and mtp is not None:    # smoke: the draft chain's graph flow, emulated
+            from specfire.runtime.graphs import DraftGraphs
+            mtp.graphs = DraftGraphs(mtp._chain_for, mtp.head.fc.weight.device, emulate=True)
         ids = torch.randint(0, llm.cfg.vocab_size - 1, (prompt,), generator=g).tolist()
         llm.generate(ids, warm, spec="off")                                 # compile, capture
         ar = llm.generate(ids, sp, spec="off")
@@ -228,6 +233,27 @@ def job_speed(cfg, path: str, tp: int, device: str, log: Log, prompt: int, token
             row[f"mtp{k}_cycle_ms"] = cyc * 1e3
             row[f"mtp{k}_cycle_vs_ar_step"] = cyc * ar.stats["decode_tok_s"]
             row[f"mtp{k}_equals_ar"] = r.token_ids == ar.token_ids
+        if getattr(mtp, "graphs", None) is not None:     # the same k=3 run without this session's draft changes
+            variants = [("noahead", False, getattr(trunk, "draft_sharded", False))]
+            if getattr(trunk, "draft_sharded", False):
+                variants.append(("noahead_whole", False, False))
+            for name, ahead, sharded in variants:
+                mtp.ahead = ahead
+                if getattr(trunk, "draft_sharded", False) != sharded:
+                    trunk.draft_sharded = sharded
+                    mtp.graphs.clear()                  # rank 0's chain graphs keep the picks they captured
+                llm.generate(ids, warm, spec=SpecPolicy("mtp", k=3))
+                r = llm.generate(ids, sp, spec=SpecPolicy("mtp", k=3))
+                cyc = r.stats["decode_s"] / max(1, r.stats["cycles"])
+                row[f"mtp3_{name}_tok_s"] = r.stats["decode_tok_s"]
+                row[f"mtp3_{name}_cycle_vs_ar_step"] = cyc * ar.stats["decode_tok_s"]
+                row[f"mtp3_{name}_equals_ar"] = r.token_ids == ar.token_ids
+            mtp.ahead = True
+            if variants[-1][2] != variants[0][2]:
+                trunk.draft_sharded = True
+                mtp.graphs.clear()
+            llm.generate(ids, warm, spec=SpecPolicy("mtp", k=3))   # the probe below times the default graphs
+            llm.generate(ids, warm, spec=SpecPolicy("mtp", k=1))
         log("speed", **row)
         # the device alone (NaN on the CPU: no graphs): each rows graph replayed back to back, on every rank at once
         probe = dict(shape=shape, tp=tp)
@@ -241,12 +267,18 @@ def job_speed(cfg, path: str, tp: int, device: str, log: Log, prompt: int, token
             probe[f"replay_r{rows}_ms"] = [v * 1e3 for v in t]
         probe["ar_host_overhead_ms"] = row["ar_step_ms"] - max(probe["replay_r1_ms"])
         probe["replay_r1_bw_frac"] = nb / (max(probe["replay_r1_ms"]) / 1e3) / CEILING
-        mtp = llm.engine.drafters.get("mtp")
         dg = getattr(mtp, "graphs", None)
         if dg is not None and device == "cuda":
             for key, gr in sorted(dg.graphs.items(), key=lambda kv: str(kv[0])):   # key: the drafter's tuple
                 g = getattr(gr, "graph", gr)            # a CUDA graph, or a FnGraphs entry (has .replay)
+                if tp > 1 and getattr(trunk, "draft_sharded", False) and key[2] in (None, "after"):
+                    trunk.draft_rounds(key[1], 0, 21, now=True)   # the peers replay their side as often
                 probe["draft_graph_" + "_".join(map(str, key)) + "_ms"] = _time_graph(g, 20) * 1e3
+            for k in (1, 3):     # what a cycle costs beyond the device time of its draft and verify graphs
+                d = probe.get(f"draft_graph_{k + 1}_{k}_after_ms", probe.get(f"draft_graph_{k + 1}_{k}_None_ms"))
+                if d is not None and f"replay_r{k + 1}_ms" in probe:
+                    probe[f"mtp{k}_host_gap_ms"] = row[f"mtp{k}_cycle_ms"] - max(probe[f"replay_r{k + 1}_ms"]) - d
+        probe["draft_sharded"] = bool(getattr(trunk, "draft_sharded", False))
         log("probe", **probe)
         for rows in (1, 4):
             for r in range(tp):
@@ -290,8 +322,9 @@ def job_ident(path: str, tp: int, device: str, log: Log, contexts: list[int], to
                 row[name] = md5(r.token_ids)
                 row[name + "_s"] = time.perf_counter() - t1
                 row[name + "_distinct_tokens"] = len(set(r.token_ids))
-                if name != "ar":
+                if name != "ar":     # equal accepted counts across degrees: the drafts agreed too
                     row[name + "_drafted"] = r.stats["drafted"]
+                    row[name + "_accepted"] = r.stats["accepted"]
             log("identity", **row)
     splitk.set_enabled(None)
 
@@ -352,6 +385,9 @@ def run_job(job: str, args) -> None:
     if job == "kernels":
         from tp_kernels import stage_kernels
         stage_kernels(cfg, log, os.path.join(d, "best_loop.json"))
+    elif job == "prefill":
+        from tp_kernels import stage_prefill_heads
+        stage_prefill_heads(cfg, log, device)
     elif job == "collect":
         from tp_kernels import stage_collect
         stage_collect(cfg, log)

@@ -204,3 +204,74 @@ def stage_collect(cfg, log) -> None:
                 p.kill()
     for m, r in out.items():
         log("collect", rows=m, **r)
+
+
+def stage_prefill_heads(cfg, log, dev: str = "cuda") -> None:
+    """Does a head's prefill attention depend on how many heads run with it? A tp2 rank runs half
+    of the query and KV heads through the same call; the fused (SDPA) path may split the keys by a
+    heuristic over heads x row blocks. Per (rows, keys): the first half of the heads of a whole-call
+    output vs the same heads alone, bitwise (the long-context identity check of the fifth session
+    differed between tp1 and tp2 at 8192 positions, equal at 512). Then the same for the GDN prefill."""
+    from specfire.ops.attention import attention_prefill
+    from specfire.ops.splitk import head_block
+
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    g = torch.Generator(device=dev).manual_seed(3)
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    for rows, keys in ((512, 512), (1024, 1024), (1024, 8192), (1024, 33792)):
+        q = torch.randn(rows, hq, d, generator=g, device=dev).to(dt)
+        kc = torch.randn(keys, hkv, d, generator=g, device=dev).to(dt)
+        vc = torch.randn(keys, hkv, d, generator=g, device=dev).to(dt)
+        pos0 = keys - rows
+        whole = attention_prefill(q, kc, vc, pos0, d ** -0.5)
+        row = dict(rows=rows, keys=keys)
+        for tp in (2, 4):
+            if hq % tp or (hkv % tp and tp % hkv):
+                continue
+            hk = max(1, hkv // tp)
+            part = attention_prefill(q[:, :hq // tp].contiguous(), kc[:, :hk].contiguous(), vc[:, :hk].contiguous(),
+                                     pos0, d ** -0.5)
+            row[f"tp{tp}_heads_equal"] = bool(torch.equal(part, whole[:, :hq // tp]))
+            row[f"tp{tp}_max_diff"] = float((part - whole[:, :hq // tp]).abs().max())
+            # the canonical form (fixed heads per call, what a mesh / canonical forward runs)
+            cw = attention_prefill(q, kc, vc, pos0, d ** -0.5, q_block=head_block(hq))
+            cp = attention_prefill(q[:, :hq // tp].contiguous(), kc[:, :hk].contiguous(), vc[:, :hk].contiguous(),
+                                   pos0, d ** -0.5, q_block=head_block(hq))
+            row[f"tp{tp}_canon_equal"] = bool(torch.equal(cp, cw[:, :hq // tp]))
+        log("prefill_heads", **row)
+        del q, kc, vc, whole
+    _gdn_prefill_heads(cfg, log, dev, g)
+
+
+def _gdn_prefill_heads(cfg, log, dev: str, g: torch.Generator) -> None:
+    """The same question for the Gated DeltaNet chunked prefill (batched matmuls and triangular
+    solves over heads x chunks, then the scan kernel): a rank's heads alone vs within all heads."""
+    from specfire.ops.gdn import gdn_chunked
+    from specfire.ops.splitk import head_block
+
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    for rows in (512, 1024):
+        q = torch.randn(rows, hk, dk, generator=g, device=dev) * dk ** -0.5
+        k = torch.nn.functional.normalize(torch.randn(rows, hk, dk, generator=g, device=dev), dim=-1)
+        v = torch.randn(rows, hv, dv, generator=g, device=dev)
+        gate = -torch.rand(rows, hv, generator=g, device=dev) * 0.1
+        beta = torch.rand(rows, hv, generator=g, device=dev)
+        state = torch.randn(hv, dk, dv, generator=g, device=dev) * 0.1
+        o, st = gdn_chunked(q, k, v, gate, beta, state)
+        row = dict(rows=rows, heads=hv)
+        for tp in (2, 4):
+            if hk % tp or hv % tp:
+                continue
+            a, b = hk // tp, hv // tp
+            o2, st2 = gdn_chunked(q[:, :a].contiguous(), k[:, :a].contiguous(), v[:, :b].contiguous(),
+                                  gate[:, :b].contiguous(), beta[:, :b].contiguous(), state[:b].contiguous())
+            row[f"tp{tp}_out_equal"] = bool(torch.equal(o2, o[:, :b]))
+            row[f"tp{tp}_state_equal"] = bool(torch.equal(st2, st[:b]))
+            row[f"tp{tp}_max_diff"] = float((o2 - o[:, :b]).abs().max())
+            kb = head_block(hk)      # the canonical form: fixed key heads per call, no library autotune
+            cw, cws = gdn_chunked(q, k, v, gate, beta, state, k_block=kb)
+            cp, cps = gdn_chunked(q[:, :a].contiguous(), k[:, :a].contiguous(), v[:, :b].contiguous(),
+                                  gate[:, :b].contiguous(), beta[:, :b].contiguous(), state[:b].contiguous(), k_block=kb)
+            row[f"tp{tp}_canon_equal"] = bool(torch.equal(cp, cw[:, :b]) and torch.equal(cps, cws[:b]))
+        log("prefill_gdn_heads", **row)

@@ -1,10 +1,11 @@
 """`specfire quantize SRC DST`: an HF Qwen3.5 checkpoint -> a specfire 4-bit checkpoint.
 
-Projection weights (attention, Gated DeltaNet, MLP, the MTP head's, and the untied lm_head unless
---keep-lm-head) become the 4-bit format of ops/quant.py; embeddings, norms, the conv1d taps, the
-per-head gate projections (in_proj_a / in_proj_b) and anything whose K no group divides stay in
-bf16. The MTP head is included, from the checkpoint or its mtp.safetensors sidecar. Tensor names
-keep the source's spelling, so the loader reads the result like any checkpoint.
+Projection weights (attention, Gated DeltaNet's in_proj_qkv / in_proj_z / out_proj, MLP, the MTP
+head's, and the untied lm_head unless --keep-lm-head) become the 4-bit format of ops/quant.py;
+embeddings, norms, the conv1d taps, the per-head gate projections (in_proj_a / in_proj_b) and
+anything whose K no group divides stay in bf16. The MTP head is included, from the checkpoint or
+its mtp.safetensors sidecar. Tensor names keep the source's spelling, so the loader reads the
+result like any checkpoint.
 """
 from __future__ import annotations
 
@@ -37,11 +38,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _quantizable(name: str, shape: tuple[int, ...], keep_lm_head: bool) -> bool:
+    """A projection matrix: `*_proj`, the GDN input projections `in_proj_qkv` / `in_proj_z` (the
+    largest of a GDN layer; they were missed while only `*_proj` names counted), the MTP `fc`, the
+    untied lm_head; never the per-head gate projections of KEEP_DENSE."""
     if len(shape) != 2 or name.endswith(KEEP_DENSE):
         return False
     if name == "lm_head.weight":
         return not keep_lm_head
-    return name.endswith("_proj.weight") or name.endswith(".fc.weight")
+    module = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
+    return module.endswith("_proj") or module.startswith("in_proj_") or module == "fc"
 
 
 def _plan(srcs: list[tuple[loader.TensorSource, list[str]]], group: int, keep_lm_head: bool):

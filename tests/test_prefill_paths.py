@@ -125,3 +125,41 @@ def test_library_wrapper_layout_and_dispatch(monkeypatch, fresh_guard):
     n = len(log)
     G.gdn_chunked(q, k, v, g, beta, s0)
     assert len(log) == n + 1
+
+
+def _install_standin(monkeypatch, fn) -> None:
+    mod = types.ModuleType("fla.ops.gated_delta_rule")
+    mod.chunk_gated_delta_rule = fn
+    for name in ("fla", "fla.ops"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", mod)
+
+
+def test_library_warm_up_at_load(monkeypatch, fresh_guard, capsys):
+    """`warm` runs the library once on the model's head shapes (where it is used), is skipped where
+    it is not or with SPECFIRE_FLA_WARM=0, and a failure only reports (the prefill meets it later)."""
+    log: list = []
+    _install_standin(monkeypatch, _standin(log))
+    assert gdn_fla.warm(2, 6, 8, 16, torch.device("cpu")) is None and not log     # the CPU never uses it
+    monkeypatch.setattr(gdn_fla, "use_for", lambda q: True)
+    assert gdn_fla.warm(2, 6, 8, 16, torch.device("cpu"), rows=8) >= 0.0
+    assert len(log) == 1 and log[0]["dtypes"][0] == torch.bfloat16
+    monkeypatch.setenv("SPECFIRE_FLA_WARM", "0")
+    assert gdn_fla.warm(2, 6, 8, 16, torch.device("cpu")) is None and len(log) == 1
+    monkeypatch.delenv("SPECFIRE_FLA_WARM")
+
+    def broken(*a, **kw):
+        raise RuntimeError("no kernel for this GPU")
+    monkeypatch.setattr(gdn_fla, "_kernel", broken)
+    assert gdn_fla.warm(2, 6, 8, 16, torch.device("cpu")) is None
+    assert "warm-up failed (RuntimeError: no kernel for this GPU)" in capsys.readouterr().err
+
+
+def test_one_device_load_warms_the_library_with_the_model_shapes(monkeypatch):
+    from specfire import LLM
+    seen: list = []
+    monkeypatch.setattr(gdn_fla, "warm", lambda *a: seen.append(a))
+    with LLM(device="cpu", progress=False) as llm:
+        c = llm.cfg
+        assert seen == [(c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                         c.linear_value_head_dim, torch.device("cpu"))]

@@ -305,6 +305,83 @@ class TestMeshOfTwo:
         assert torch.equal(trunk.lm_logits(h), ref.lm_logits(h))
         assert trunk.mesh_lm_logits(h).shape == (3, one.cfg.vocab_size)
 
+    def test_sharded_draft_equals_the_whole_lm_head_draft(self, base):
+        """The greedy draft chain scored by every rank's vocabulary rows (parallel/draft.py, the
+        GPU mesh's default) picks the tokens the whole lm_head picks, and greedy MTP still == AR."""
+        from specfire.ops import lanes
+
+        one, mesh = base
+        trunk, ref = mesh.engine.trunk, one.engine.trunk
+        assert not trunk.draft_sharded                    # the CPU default: rank 0's whole copy
+        h = torch.randn(4, one.cfg.hidden_size, generator=torch.Generator().manual_seed(12))
+        h[3] = 0.0                                        # every logit ties: the first index wins
+        trunk.draft_rounds(4, 1, 0)                       # the other rank's side of 4 picks
+        got = torch.cat([trunk.shard_argmax(h[i:i + 1]) for i in range(4)])
+        with lanes.invariant():
+            whole = ref.lm_logits(h)                      # the whole lm_head, paneled like the shards
+        assert got.tolist() == whole.argmax(-1).tolist() and got[3] == 0
+        drafter = mesh.engine.drafters["mtp"]
+        seen = {}
+        real = drafter.propose
+
+        def spy(*a):
+            d, q = real(*a)
+            seen.setdefault(trunk.draft_sharded, []).append(d.tolist())
+            return d, q
+        drafter.propose = spy
+        ids = prompt(one.cfg.vocab_size, 20, seed=13)
+        sp = SamplingParams(max_tokens=14)
+        ar = one.generate(ids, sp, spec="off").token_ids
+        try:
+            whole_out = mesh.generate(ids, sp, spec=SpecPolicy("mtp", k=3)).token_ids
+            trunk.draft_sharded = True
+            shard_out = mesh.generate(ids, sp, spec=SpecPolicy("mtp", k=3)).token_ids
+        finally:
+            trunk.draft_sharded = False
+            drafter.propose = real
+        assert whole_out == shard_out == ar
+        assert seen[True] == seen[False] and len(seen[True]) > 2
+
+    def test_chain_queued_before_the_read_drafts_the_same(self, base):
+        """With the draft chain in (emulated) graphs, the next chain is queued right after a verify,
+        from the accepted row on the device (MtpDrafter.prepare), before the host reads the step: its
+        drafts equal the chain run after the read, on one device and on the mesh (sharded picks)."""
+        from specfire.runtime.graphs import DraftGraphs
+
+        one, mesh = base
+        ids = prompt(one.cfg.vocab_size, 20, seed=14)
+        sp = SamplingParams(max_tokens=16)
+        ar = one.generate(ids, sp, spec="off").token_ids
+
+        def run(llm, graphs: bool):
+            d = llm.engine.drafters["mtp"]
+            log, real = [], d.propose
+
+            def spy(*a):
+                pre = d._pre
+                out, q = real(*a)
+                log.append((out.tolist(), pre is not None and out is pre[1]))
+                return out, q
+            d.propose = spy
+            d.graphs = DraftGraphs(d._chain_for, d.head.fc.weight.device, emulate=True) if graphs else None
+            try:
+                toks = llm.generate(ids, sp, spec=SpecPolicy("mtp", k=3)).token_ids
+            finally:
+                d.propose, d.graphs = real, None
+            return toks, log
+
+        t0, eager = run(one, False)
+        t1, queued = run(one, True)
+        mesh.engine.trunk.draft_sharded = True
+        try:
+            t2, queued_mesh = run(mesh, True)
+        finally:
+            mesh.engine.trunk.draft_sharded = False
+        assert t0 == t1 == t2 == ar
+        assert [x for x, _ in queued] == [x for x, _ in eager] == [x for x, _ in queued_mesh]
+        used = sum(u for _, u in queued)
+        assert used >= len(queued) // 2 and used == sum(u for _, u in queued_mesh) and not any(u for _, u in eager)
+
     def test_state_isolation_across_requests(self, base):
         one, mesh = base
         a = prompt(one.cfg.vocab_size, 25, seed=4)

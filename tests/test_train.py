@@ -219,6 +219,77 @@ def test_banned_anchored_target_removes_every_repeat_continuation():
     assert y.grad.abs().max() < 1e-6
 
 
+def test_word_continuations_are_not_banned():
+    """With word edges, a repeat is refused only where a new word or symbol starts: in
+    `self.celsius = c\nself.cel|sius` the token `sius` (it continues `cel`) stays allowed, while
+    `cel` after `self.` and `=` after `sius` are banned as before."""
+    from specfire.train.unlikelihood import repeat_continuations, word_edges
+
+    class Tok:                                  # the two methods word_edges uses
+        words = ["self", ".", "cel", "sius", " =", " c", "\n", "_f", "lshfd"]
+
+        def get_vocab_size(self):
+            return len(self.words)
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(self.words[i] for i in ids)
+
+    starts, ends = word_edges(Tok(), 10)                # one id more than the tokenizer has: False, False
+    assert starts.tolist() == [True, False, True, True, False, False, False, True, True, False]
+    assert ends.tolist() == [True, False, True, True, False, True, False, True, True, False]
+    # self . cel sius  =  c \n self . cel sius  =
+    seq = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4]])
+    plain = repeat_continuations(seq, 7, 3, 10)
+    word = repeat_continuations(seq, 7, 3, 10, (starts, ends))
+    assert plain[0, 9, 2] and word[0, 9, 2]            # `cel` after `self .` (a new word): banned
+    assert plain[0, 10, 3] and not word[0, 10, 3]      # `sius` after `cel`: continues the word, allowed
+    assert plain[0, 11, 4] and word[0, 11, 4]          # ` =` after `sius`: a new symbol, banned
+    assert word.sum() == plain.sum() - 1
+
+
+def test_kl_to_teacher_is_the_kl_divergence():
+    from specfire.train.unlikelihood import kl_to_teacher
+
+    g = torch.Generator().manual_seed(6)
+    x, t = torch.randn(2, 5, 9, generator=g), torch.randn(2, 5, 9, generator=g)
+    want = torch.nn.functional.kl_div(x.log_softmax(-1), t.log_softmax(-1), log_target=True,
+                                      reduction="none").sum(-1).mean()
+    assert torch.allclose(kl_to_teacher(x, t), want, rtol=1e-5) and kl_to_teacher(x, t) > 0
+    y = t.clone().requires_grad_(True)
+    kl_to_teacher(y, t).backward()                          # zero, with zero gradient, at the teacher
+    assert kl_to_teacher(t, t).abs() < 1e-6 and y.grad.abs().max() < 1e-6
+
+
+def test_rollout_with_prompts_of_several_lengths(tiny_llm):
+    """One batch of prompts of different lengths gives each row what a rollout of its prompt alone gives."""
+    from specfire.train.rollout import greedy_rollout
+
+    trunk = tiny_llm.engine.trunk.model
+    ids = torch.randint(0, trunk.cfg.vocab_size, (3, 11), generator=torch.Generator().manual_seed(7))
+    lens = [11, 4, 7]
+    seq = greedy_rollout(trunk, ids, 9, lengths=lens)
+    for r, n in enumerate(lens):
+        alone = greedy_rollout(trunk, ids[r:r + 1, :n], 9)[0]
+        assert torch.equal(seq[r, :n + 9], alone)
+    with pytest.raises(ValueError, match="lengths"):
+        greedy_rollout(trunk, ids, 2, lengths=[12, 1, 1])
+
+
+def test_snapshot_rule_and_loop_figures():
+    from specfire.train.select import Candidate, choose, completion_figures, summarize
+
+    c = [Candidate(10, 0.30, 1.01), Candidate(20, 0.22, 1.07), Candidate(30, 0.24, 1.04), Candidate(40, 0.24, 1.02)]
+    assert choose(c, 0.05).step == 40                      # step 20 is over budget; tie on rep -> lower ppl
+    assert choose(c, 0.10).step == 20
+    assert choose([Candidate(5, 0.1, 1.2)], 0.05) is None
+    a = completion_figures("def f():\n", "    x = 1\n    x = 1\n    y = 2\n    x = 1\n    par", ended=False)
+    b = completion_figures("def g():\n", "    return 1\n", ended=True)     # one line, then end-of-text
+    assert (a["lines"], a["repeated"], a["g_lines"], a["g_repeated"]) == (4, 2, 4, 2)
+    assert (b["lines"], b["repeated"], b["g_lines"], b["g_repeated"]) == (1, 0, 2, 2)
+    s = summarize([a, b])
+    assert s["repeated_line_frac"] == 2 / 5 and s["repeated_line_frac_guarded"] == 4 / 6 and s["ended"] == 1
+
+
 def test_ul_schedule_fit():
     from specfire.train.finetune import fit_schedule
 
@@ -248,6 +319,37 @@ def test_unlikelihood_phase_from_a_checkpoint(tiny_trained, tmp_path):
         sp = SamplingParams(max_tokens=10, ignore_eos=True)
         assert (llm.generate("def f(x):", sp, spec="off").token_ids
                 == llm.generate("def f(x):", sp, spec={"mode": "mtp", "k": 3}).token_ids)
+
+
+def test_unlikelihood_phase_keeps_the_chosen_snapshot(tiny_trained, tmp_path):
+    """ul_select + the KL term: every snapshot is scored, the rule picks one, and the exported
+    weights are that snapshot's (their greedy figures are the chosen candidate's)."""
+    from tokenizers import Tokenizer
+
+    from specfire.train import select as sel
+    from specfire.train.export import load_checkpoint
+
+    src, kw, _ = tiny_trained
+    kw = dict(kw, ul_steps=4, ul_pool=4, ul_batch=2, ul_data_batch=2, ul_new_tokens=12, ul_prompt_min=6,
+              ul_prompt_max=8, ul_eval_prompts=2, ul_eval_prompt_tokens=6, ul_snapshots=2, ul_probe_steps=1,
+              ul_lr=5e-3, ul_kl_weight=1.0, ul_select=1, ul_select_tokens=12, ul_ppl_every=40, ul_word_bans=1)
+    out = str(tmp_path / "ul")
+    m = run(TrainConfig(out=out, device="cpu", init=src, pack_dir=str(tmp_path / "pack"), **kw),
+            log=lambda *_: None)
+    s = m["ul"]["selection"]
+    assert [r["step"] for r in s["candidates"]] == [1, 3, 4] and all(h["kl"] >= 0 for h in m["ul"]["history"])
+    cands = [sel.Candidate(r["step"], r["rep"], r["ppl_ratio"]) for r in s["candidates"]]
+    chosen = sel.choose(cands, kw.get("ul_ppl_budget", 0.05))
+    assert s["chosen_step"] == (chosen.step if chosen else None)
+    packs = sorted(os.listdir(tmp_path / "pack"))
+    assert packs == (["last.tar.part00"] if chosen and chosen.step != 4 else []) + ["model.tar.part00"]
+    row = next(r for r in s["candidates"] if r["step"] == (chosen.step if chosen else 4))
+    _, trunk, _ = load_checkpoint(out, "cpu")
+    tok = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
+    eos = (tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>"))
+    again = sel.loop_figures(trunk, tok, {"bench": [tok.encode(p, add_special_tokens=False).ids
+                                                    for p in sel.LOOP_PROMPTS]}, 12, eos)
+    assert again["bench"] == row["bench"]
 
 
 def test_train_cli_rejects_bad_init(tmp_path):

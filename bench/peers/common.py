@@ -24,8 +24,18 @@ NORM_KEYS = ("model.norm.weight", "mtp.norm.weight")   # zeroing these (-1) ties
 NORMS_FILE = "model-norms.safetensors"
 
 
+WARM = "-warm"        # suffix: the shape's widths, 2 layers, vocabulary 4096 (run.py --prewarm)
+WARM_LAYERS, WARM_VOCAB = ("linear_attention", "full_attention"), 4096
+
+
 def cfg_for(shape: str):
-    """ModelConfig of a real shape (bench/decode.py) or of `tiny` (CPU checks, vocabulary 1024)."""
+    """ModelConfig of a real shape (bench/decode.py), of `tiny` (CPU checks, vocabulary 1024), or
+    `<shape>-warm`: the same widths in 2 layers (1 GDN + 1 attention) and a 4096-token vocabulary,
+    whose runs compile the same kernels (Triton caches) from a few GB of weights."""
+    if shape.endswith(WARM):
+        base = cfg_for(shape[:-len(WARM)])
+        return dataclasses.replace(base, num_hidden_layers=len(WARM_LAYERS), layer_types=WARM_LAYERS,
+                                   vocab_size=WARM_VOCAB)
     if shape == "tiny":
         SHAPES.setdefault("tiny", TINY)
         return dataclasses.replace(make_cfg("tiny"), vocab_size=TINY_VOCAB)

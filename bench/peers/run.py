@@ -8,9 +8,13 @@ Per shape (4B first, then 27B while the time budget allows): write the checkpoin
 run each engine's runner as its own process with its own timeout: specfire (AR, MTP k=1, k=3),
 transformers `generate` (dynamic cache; static cache + torch.compile), ExLlamaV3 (AR, MTP k=1,
 k=3). ExLlamaV3's CUDA extension is compiled in the background from the start (niced, on the
-CPU cores the runners leave free); its runs go first once it is built. Each runner writes JSON as
-it goes; results.json and the table (peers.md, table.py) are rewritten after every task, so a
-run cut short keeps what it measured.
+CPU cores the runners leave free); its runs go first once it is built, and a transformers task
+still running then is stopped once it has had --hf-yield-after seconds (the modes it did not
+finish get a second process at the end if --hf-late-min seconds are left). While a checkpoint is
+written, specfire's and transformers' runners compile their kernels on a 2-layer copy of the shape
+(prewarm.py). Each runner writes JSON as it goes; results.json and the table (peers.md, table.py)
+are rewritten after every task, so a run cut short keeps what it measured. `--dry` checks a timing
+plan on the CPU with sleeping stand-ins (plan.py).
 
 WHEELS_DIR holds `fla/` (flash-linear-attention + fla-core 0.6.0) and `exl3/` (exllamav3 1.6.x
 and the dependencies the machine lacks); they are installed with pip --target into a scratch
@@ -28,19 +32,21 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import common
 import table
+from prewarm import Prewarm
 
 HERE = common.HERE
 ROOT = os.path.dirname(common.BENCH)
 
 
-class Driver:
+class Driver(Prewarm):
     def __init__(self, args):
         self.args = args
-        self.t0 = time.monotonic()
+        self.t0 = self.clock()
         self.deadline = self.t0 + args.budget
         self.out = args.out
         os.makedirs(self.out, exist_ok=True)
@@ -59,10 +65,10 @@ class Driver:
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def left(self) -> float:
-        return self.deadline - time.monotonic()
+        return self.deadline - self.clock()
 
     def now(self) -> float:
-        return time.monotonic() - self.t0
+        return self.clock() - self.t0
 
     def note(self, what: str, **kw) -> None:
         row = {"t": round(self.now(), 1), "what": what, **kw}
@@ -93,20 +99,44 @@ class Driver:
             e.setdefault("OMP_NUM_THREADS", "1")
         return e
 
-    def call(self, name: str, cmd: list[str], timeout: float, env: dict) -> dict:
-        """Run one task in its own process group; kill the group at `timeout`."""
+    # plan.py's dry run replaces these four with a virtual clock and sleeping stand-ins
+    def clock(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, sec: float) -> None:
+        time.sleep(sec)
+
+    def popen(self, name: str, cmd: list[str], env: dict, out) -> subprocess.Popen:
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(self, p: subprocess.Popen, timeout: float) -> int:
+        return p.wait(timeout=timeout)
+
+    def call(self, name: str, cmd: list[str], timeout: float, env: dict, yield_after: float | None = None) -> dict:
+        """Run one task in its own process group; kill the group at `timeout`, or, with
+        `yield_after`, once the ExLlamaV3 build is done and the task has had that many seconds."""
         logf = os.path.join(self.work, name + ".log")
-        t = time.monotonic()
+        t = self.clock()
         with open(logf, "w") as f:
-            p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                rc = p.wait(timeout=max(1.0, timeout))
-                status = "ok" if rc == 0 else f"exit {rc}"
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-                status = f"timed out after {timeout:.0f} s"
-        sec = time.monotonic() - t
+            p = self.popen(name, cmd, env, f)
+            status = None
+            while status is None:
+                step = timeout - (self.clock() - t)
+                if yield_after is not None and self.build_state() == "running":
+                    step = min(step, 1.0)
+                try:
+                    rc = self.wait(p, max(0.1, step))
+                    status = "ok" if rc == 0 else f"exit {rc}"
+                except subprocess.TimeoutExpired:
+                    ran = self.clock() - t
+                    if ran >= timeout:
+                        status = f"timed out after {timeout:.0f} s"
+                    elif yield_after is not None and self.build_state() == "ok" and ran >= yield_after:
+                        status = f"stopped after {ran:.0f} s: ExLlamaV3's build was done and its runs come next"
+                    if status is not None:
+                        os.killpg(p.pid, signal.SIGKILL)
+                        p.wait()
+        sec = self.clock() - t
         with open(logf) as f:
             text = f.read()
         with open(self.log_path, "a") as f:
@@ -146,11 +176,17 @@ class Driver:
         self.build_log = open(os.path.join(self.out, "exl3_build.log"), "w")
         self.build = {"started_t": round(self.now(), 1), "max_jobs": env["MAX_JOBS"],
                       "arch": env.get("TORCH_CUDA_ARCH_LIST")}
-        self.build_t = time.monotonic()
-        self.build_proc = subprocess.Popen(
-            ["nice", "-n", "10", sys.executable, "-c", "import exllamav3, exllamav3.ext; print('built')"],
-            env=env, stdout=self.build_log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.build_t = self.clock()
+        self.build_proc = self.popen("exl3_build", ["nice", "-n", "10", sys.executable, "-c",
+                                                    "import exllamav3, exllamav3.ext; print('built')"],
+                                     env, self.build_log)
+        self.build_end = None       # set by a thread when the build exits (the driver polls it only between tasks)
+        threading.Thread(target=self._watch_build, daemon=True).start()
         self.note("exl3 build started", max_jobs=env["MAX_JOBS"], arch=env.get("TORCH_CUDA_ARCH_LIST"))
+
+    def _watch_build(self) -> None:
+        self.build_proc.wait()
+        self.build_end = self.clock()
 
     def build_state(self) -> str:
         """'none' (not attempted), 'running', 'ok' or 'failed'."""
@@ -160,20 +196,26 @@ class Driver:
             rc = self.build_proc.poll()
             if rc is None:
                 return "running"
-            self.build.update(rc=rc, seconds=round(time.monotonic() - self.build_t, 1))
+            end = self.build_end or self.clock()
+            self.build.update(rc=rc, seconds=round(end - self.build_t, 1), ended_t=round(end - self.t0, 1))
             self.build_log.flush()
             self.note("exl3 build ended", rc=rc, seconds=self.build["seconds"])
         return "ok" if self.build["rc"] == 0 else "failed"
 
     def stop_build(self) -> None:
         if self.build_state() == "running":
-            self.build.update(rc=None, seconds=round(time.monotonic() - self.build_t, 1), killed_at_budget=True)
+            self.build.update(rc=None, seconds=round(self.clock() - self.build_t, 1), killed_at_budget=True)
             os.killpg(self.build_proc.pid, signal.SIGKILL)
             self.note("exl3 build killed at the end of the budget", seconds=self.build["seconds"])
 
     # ---- tasks -------------------------------------------------------------------------------
     def shape_entry(self, shape: str) -> dict:
         return self.results["shapes"].setdefault(shape, {"runners": {}})
+
+    def ckpt_code(self, shape: str, out: str, root: str | None = None) -> str:
+        return (f"import json, torch, make_ckpt; dev = 'cuda' if torch.cuda.is_available() else 'cpu'; "
+                f"r = make_ckpt.make({shape!r}, {root or self.args.ckpt_root!r}, dev, "
+                f"torch.bfloat16 if dev == 'cuda' else torch.float32); json.dump(r, open({out!r}, 'w'))")
 
     def make_ckpt(self, shape: str) -> bool:
         sh = self.shape_entry(shape)
@@ -183,7 +225,7 @@ class Driver:
         sh["step_bytes"] = common.step_bytes_cfg(cfg, ctx, elem)
         sh["step_ctx"] = ctx
         need = common.step_bytes_cfg(cfg, 0, elem) * 1.05 + (1 << 30)
-        free = shutil.disk_usage(self.args.ckpt_root).free
+        free = self.disk_free()
         if free < need:
             sh["skipped"] = f"{free / 1e9:.0f} GB free under {self.args.ckpt_root}, the checkpoint needs {need / 1e9:.0f} GB"
             self.save()
@@ -193,10 +235,8 @@ class Driver:
         with open(sh["prompts_file"], "w") as f:
             json.dump(prompts, f)
         out = os.path.join(self.work, f"ckpt_{shape}.json")
-        code = (f"import json, torch, make_ckpt; dev = 'cuda' if torch.cuda.is_available() else 'cpu'; "
-                f"r = make_ckpt.make({shape!r}, {self.args.ckpt_root!r}, dev, "
-                f"torch.bfloat16 if dev == 'cuda' else torch.float32); json.dump(r, open({out!r}, 'w'))")
-        r = self.call(f"ckpt_{shape}", [sys.executable, "-c", code], min(self.args.ckpt_timeout, self.left()), self.env())
+        r = self.call(f"ckpt_{shape}", [sys.executable, "-c", self.ckpt_code(shape, out)], min(self.args.ckpt_timeout, self.left()),
+                      self.env())
         if r["status"] != "ok" or not os.path.exists(out):
             sh["skipped"] = f"checkpoint not written ({r['status']}: {r['last_line']})"
             self.note("ckpt failed", shape=shape, **r)
@@ -206,16 +246,25 @@ class Driver:
         self.note("ckpt written", shape=shape, seconds=round(sh["ckpt"]["seconds"], 1))
         return True
 
-    def runner(self, engine: str, shape: str, modes: list[str], timeout: float, tokens: int) -> None:
-        sh = self.shape_entry(shape)
-        res_path = os.path.join(self.work, f"{engine}_{shape}.json")
+    def disk_free(self) -> float:
+        return shutil.disk_usage(self.args.ckpt_root).free
+
+    def runner_cmd(self, engine: str, sh: dict, modes: list[str], tokens: int, res_path: str) -> tuple[list, dict]:
         site = {"transformers": self.site["fla"], "exllamav3": self.site["exl3"]}.get(engine)
         cmd = [sys.executable, os.path.join(HERE, f"run_{engine}.py"), "--normal", sh["ckpt"]["normal"],
                "--tied", sh["ckpt"]["tied"], "--prompts", sh["prompts_file"], "--tokens", str(tokens),
                "--modes", ",".join(modes), "--out", res_path]
-        t = min(timeout, self.left())
         env = self.exl3_env if engine == "exllamav3" and self.exl3_env else self.env(site)
-        r = self.call(f"{engine}_{shape}", cmd, t, env)
+        return cmd, env
+
+    def runner(self, engine: str, shape: str, modes: list[str], timeout: float, tokens: int,
+               yield_after: float | None = None, late: bool = False) -> None:
+        """One runner process; `late`: a second run of an engine (modes it did not finish), merged."""
+        sh = self.shape_entry(shape)
+        res_path = os.path.join(self.work, f"{engine}_{shape}{'_late' if late else ''}.json")
+        cmd, env = self.runner_cmd(engine, sh, modes, tokens, res_path)
+        t = min(timeout, self.left())
+        r = self.call(f"{engine}_{shape}{'_late' if late else ''}", cmd, t, env, yield_after)
         data = {}
         if os.path.exists(res_path):
             with open(res_path) as f:
@@ -223,6 +272,15 @@ class Driver:
         data.update(wanted=modes, task_status=r["status"], task_seconds=round(r["seconds"], 1))
         if r["status"] != "ok":
             data["status_line"] = data.get("error") or f"{r['status']}: {data.get('progress') or r['last_line']}"
+        if late and engine in sh["runners"]:
+            first = sh["runners"][engine]
+            first["late_run"] = {k: v for k, v in data.items() if k != "modes"}
+            first.setdefault("modes", {}).update(data.get("modes", {}))
+            if all(m in first["modes"] for m in first["wanted"]):
+                first.pop("status_line", None)
+            elif r["status"] != "ok":
+                first["status_line"] = data["status_line"]
+            data = first
         sh["runners"][engine] = data
         self.note(f"{engine} {shape} done", status=r["status"], seconds=round(r["seconds"], 1))
 
@@ -256,7 +314,10 @@ class Driver:
                     self.note("shape skipped", shape=shape)
                     continue
                 self.drain(pending_exl3)
-                if not self.make_ckpt(shape):
+                self.prewarm_start(shape)
+                ok = self.make_ckpt(shape)
+                self.prewarm_finish()
+                if not ok:
                     continue
                 big = i > 0
                 tasks = []
@@ -279,14 +340,17 @@ class Driver:
                         self.skip(eng, shape, modes, f"budget spent ({a.budget:.0f} s"
                                   + (f", {reserve:.0f} s kept for ExLlamaV3)" if reserve else ")"))
                         continue
-                    self.runner(eng, shape, modes, tmo, toks)
+                    self.runner(eng, shape, modes, tmo, toks,
+                                yield_after=a.hf_yield_after if eng == "transformers" and pending_exl3 else None)
             self.drain(pending_exl3, wait=True)
+            self.late_transformers()
             for shape in pending_exl3:
                 why = (f"extension still compiling when the {a.budget:.0f} s budget ran out "
-                       f"({time.monotonic() - self.build_t:.0f} s of build)") if self.build_state() == "running" \
+                       f"({self.clock() - self.build_t:.0f} s of build)") if self.build_state() == "running" \
                     else f"budget spent ({a.budget:.0f} s)"
                 self.skip("exllamav3", shape, a.exl3_modes.split(","), why)
         finally:
+            self.prewarm_finish()
             self.stop_build()
             self.results["wall_s"] = round(self.now(), 1)
             self.save()
@@ -297,13 +361,30 @@ class Driver:
                         shutil.rmtree(p, ignore_errors=True)
             print(table.markdown(self.results), flush=True)
 
+    def late_transformers(self) -> None:
+        """transformers' modes cut short (stopped for ExLlamaV3 or by their timeout) get a second
+        process at the end if --hf-late-min seconds are left."""
+        a = self.args
+        for shape, sh in self.results["shapes"].items():
+            r = sh.get("runners", {}).get("transformers")
+            if not r or "ckpt" not in sh or r.get("late_run") or "error" in r:
+                continue
+            left_modes = [m for m in r.get("wanted", []) if "tok_s" not in r.get("modes", {}).get(m, {})
+                          or r["modes"][m].get("prompts_done", 1) < r["modes"][m].get("prompts_total", 1)]
+            if not left_modes or r.get("task_status") == "ok":
+                continue
+            if self.left() < a.hf_late_min:
+                self.note("transformers late run skipped", shape=shape, left=round(self.left()), modes=left_modes)
+                continue
+            self.runner("transformers", shape, left_modes, self.left(), a.hf_tokens, late=True)
+
     def drain(self, pending: list[str], wait: bool = False) -> None:
         """Run the ExLlamaV3 tasks whose build is settled (first in line once it is); with `wait`,
         wait for the build while the budget allows."""
         while pending:
             st = self.build_state()
             if st == "running" and wait and self.left() > self.args.min_task:
-                time.sleep(2)
+                self.sleep(2)
                 continue
             if st == "running" or self.left() < self.args.min_task:
                 return
@@ -372,6 +453,22 @@ def main() -> None:
                     help="a later shape starts only with this much left (checkpoint + one runner + ExLlamaV3)")
     ap.add_argument("--exl3-reserve", type=float, default=100,
                     help="seconds a later shape's task leaves for ExLlamaV3 runs waiting on the build")
+    ap.add_argument("--hf-yield-after", type=float, default=60,
+                    help="transformers' task is stopped once ExLlamaV3's build is done and it has run this long")
+    ap.add_argument("--hf-late-min", type=float, default=90,
+                    help="seconds needed at the end for a second transformers run of the modes it did not finish")
+    ap.add_argument("--prewarm", action=argparse.BooleanOptionalAction, default=None,
+                    help="compile specfire's and transformers' kernels on a 2-layer copy of the shape while "
+                         "its checkpoint is written (default: on with CUDA)")
+    ap.add_argument("--prewarm-grace", type=float, default=10,
+                    help="seconds the pre-warm may run past the checkpoint before it is stopped")
+    ap.add_argument("--prewarm-ckpt-timeout", type=float, default=60)
+    ap.add_argument("--prewarm-root", default=tempfile.gettempdir(),
+                    help="where the small pre-warm checkpoint goes (not /dev/shm: that holds the big one)")
+    ap.add_argument("--dry", metavar="EST", nargs="?", const="",
+                    help="timing plan check: no engine runs; each task sleeps its estimate (plan.py: "
+                         "'ckpt=85,specfire=60,...' seconds), on a clock sped up by --dry-scale")
+    ap.add_argument("--dry-scale", type=float, default=0.2)
     ap.add_argument("--ckpt-root", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     ap.add_argument("--wheels", help="folder with fla/ and exl3/ wheel folders, installed per runner")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "peers_out"))
@@ -383,7 +480,13 @@ def main() -> None:
         args.shapes, args.prompt_len, args.tokens, args.hf_tokens = "tiny", 24, 12, 12
         args.budget = max(args.budget, 1500)
         args.ckpt_root = tempfile.mkdtemp(prefix="peers_ckpt_")
-    Driver(args).main()
+    if args.prewarm is None:
+        args.prewarm = common.device() == "cuda"
+    if args.dry is not None:
+        import plan
+        plan.DryDriver(args).main()
+    else:
+        Driver(args).main()
 
 
 if __name__ == "__main__":

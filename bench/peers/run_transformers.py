@@ -5,7 +5,9 @@ layers when `fla` is importable. Modes:
   static_compile  `cache_implementation="static"`: generate then compiles the decode step with
                   torch.compile (mode reduce-overhead: CUDA graphs) on a GPU; on a CPU it does not
                   compile (transformers compiles on accelerators only), the row says so
-TTFT is a 1-token generate; decode tok/s = (N - 1) / (time of an N-token generate - TTFT).
+TTFT is a 1-token generate; decode tok/s = (N - 1) / (time of an N-token generate - TTFT). The
+warm-up and the N-token generates carry a counting streamer (`Progress`: generate copies each
+step's token to the host for it) so a run cut by its time limit says how far it got.
 
     python bench/peers/run_transformers.py --normal DIR --prompts P.json --tokens 64 --out R.json
 """
@@ -37,12 +39,46 @@ def gdn_kernel() -> str:
     return f"{getattr(impl, '__module__', '?')}.{getattr(impl, '__name__', '?')}"
 
 
-def gen(model, ids, n: int, static: bool):
+class Progress:
+    """A `generate` streamer that only counts tokens and, at most every 5 s, writes how far the
+    call got into the result's `progress` (a run cut by its time limit then says where it was).
+    It keeps no tokens: generate hands it each step's token already on the host."""
+
+    def __init__(self, res: Result, t_mode: float):
+        self.res, self.t_mode, self.label, self.n, self.count, self.t_write = res, t_mode, "", 0, -1, 0.0
+
+    def start(self, label: str, n: int) -> "Progress":
+        self.label, self.n, self.count, self.t_call = label, n, -1, time.perf_counter()
+        self.write(force=True)
+        return self
+
+    def put(self, value) -> None:          # first call: the prompt; then one call per new token
+        self.count += 1
+        if self.count == 1:
+            self.t_first = time.perf_counter() - self.t_call
+        self.write(force=self.count == 1)
+
+    def end(self) -> None:
+        self.write(force=True)
+
+    def write(self, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not force and now - self.t_write < 5:
+            return
+        self.t_write = now
+        first = f", first token after {self.t_first:.1f} s" if self.count >= 1 else ""
+        self.res.put("progress", f"{self.label}: {max(self.count, 0)} of {self.n} tokens after "
+                                 f"{now - self.t_call:.0f} s{first} ({now - self.t_mode:.0f} s into the mode)")
+
+
+def gen(model, ids, n: int, static: bool, progress: Progress | None = None):
     import torch
     kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, num_beams=1,
               pad_token_id=model.generation_config.pad_token_id, eos_token_id=None)
     if static:
         kw.update(cache_implementation="static")
+    if progress is not None:
+        kw.update(streamer=progress)
     sync()
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -82,19 +118,21 @@ def main() -> None:
     for m in modes:
         static = m == "static_compile"
         reset_peak()
-        res.put("progress", f"{m}: in its warm-up ({n} + 1 tokens, compile if any)")
         t_warm = time.perf_counter()
-        # compiles (static) / autotunes; the full length first, so the static cache is sized once
-        # and the timed calls reuse it (a new cache would mean a new compiled graph mid-timing)
-        gen(model, prompts["warmup"], n, static)
-        gen(model, prompts["warmup"], 1, static)
+        prog = Progress(res, t_warm)
+        # compiles (static) / autotunes; static: the full length first, so the static cache is sized
+        # once and the timed calls reuse it (a new cache would mean a new compiled graph mid-timing);
+        # the dynamic cache needs no full-length warm-up: its prefill and step shapes are the same
+        nw = n if static else min(n, 8)
+        gen(model, prompts["warmup"], nw, static, prog.start(f"{m}: warm-up generate ({nw} tokens)", nw))
+        gen(model, prompts["warmup"], 1, static, prog.start(f"{m}: warm-up generate (1 token)", 1))
         warm_s = time.perf_counter() - t_warm
-        res.put("progress", f"{m}: warm-up ({n} + 1 tokens) done in {warm_s:.0f} s")
+        res.put("progress", f"{m}: warm-up ({nw} + 1 tokens) done in {warm_s:.0f} s")
         ttfts, dec_s, n_tok, ids = [], 0.0, 0, []
         compiled = static and dev == "cuda" and not model.generation_config.disable_compile
-        for p in prompts["prompts"]:
+        for i, p in enumerate(prompts["prompts"]):
             t1, _ = gen(model, p, 1, static)
-            tn, toks = gen(model, p, n, static)
+            tn, toks = gen(model, p, n, static, prog.start(f"{m}: timed prompt {i + 1} ({n} tokens)", n))
             ttfts.append(t1)
             dec_s += max(tn - t1, 1e-9)
             n_tok += len(toks) - 1
@@ -102,7 +140,7 @@ def main() -> None:
             # saved after every prompt: a run cut by its time limit keeps the prompts it finished
             res.mode(m, {"tok_s": n_tok / dec_s, "ttft_s": sum(ttfts) / len(ttfts), "ttfts_s": ttfts,
                          "peak_gb": peak_gb(), "checkpoint": "normal", "tokens": n, "warmup_s": warm_s,
-                         "static_cache": static, "compiled": compiled, "token_ids": ids,
+                         "static_cache": static, "compiled": compiled, "token_ids": ids, "warmup_tokens": nw,
                          "prompts_done": len(ids), "prompts_total": len(prompts["prompts"])})
     res.put("finished", time.time())
 

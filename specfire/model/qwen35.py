@@ -27,7 +27,7 @@ from ..ops import onecpu
 from ..ops.act import silu_mul
 from ..ops.linear import linear, linear_fused, linear_group, one_cpu
 from ..ops.splitk import ChunkCache, KSplit, subtree
-from ..ops.splitk import enabled as splitk_enabled
+from ..ops.splitk import enabled as splitk_enabled, head_block
 from ..ops.rope import apply_rope, rope_cos_sin
 from ..ops.rowwise import rowwise, whole_steps
 from . import cpu_rows
@@ -140,6 +140,11 @@ def _rope(pos: torch.Tensor, cfg: ModelConfig, rows: bool) -> tuple[torch.Tensor
 # Mixers
 # ---------------------------------------------------------------------------------------------
 
+def _canon_block(whole_heads: int) -> int | None:
+    """Heads per prefill library call inside a tensor-parallel invariant forward, else None."""
+    return head_block(whole_heads) if lanes.invariant_now() else None
+
+
 class GatedAttention(nn.Module):
     """Full attention with an output gate (interleaved per head in q_proj), q/k norms, partial rotary."""
 
@@ -147,6 +152,7 @@ class GatedAttention(nn.Module):
         super().__init__()
         self.n_heads = n_heads if n_heads is not None else cfg.num_attention_heads
         self.n_kv = n_kv if n_kv is not None else cfg.num_key_value_heads
+        self.whole_heads = cfg.num_attention_heads
         self.head_dim = cfg.head_dim
         h = cfg.hidden_size
         self.q_proj = Linear(h, self.n_heads * self.head_dim * 2)
@@ -178,8 +184,12 @@ class GatedAttention(nn.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         attn_ops.kv_write(lc, pos0, k, v)
-        fn = attn_ops.attention_rows if rows else attn_ops.attention_prefill
-        o = fn(q, lc.k, lc.v, pos0, self.scale, lc.k_scale, lc.v_scale).to(x.dtype)  # [T, Hq, D]
+        if rows:
+            o = attn_ops.attention_rows(q, lc.k, lc.v, pos0, self.scale, lc.k_scale, lc.v_scale)
+        else:      # canonical mode: library calls on a fixed number of heads (ops/splitk.py head_block)
+            o = attn_ops.attention_prefill(q, lc.k, lc.v, pos0, self.scale, lc.k_scale, lc.v_scale,
+                                           q_block=_canon_block(self.whole_heads))
+        o = o.to(x.dtype)                                                                 # [T, Hq, D]
         o = o.reshape(t, -1) * rowwise(lanes.sigmoid, rows, gate.reshape(t, -1), batch=one_cpu(x))
         return self.o_proj(o, rows)
 
@@ -191,6 +201,7 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         self.hk = n_k_heads if n_k_heads is not None else cfg.linear_num_key_heads
         self.hv = n_v_heads if n_v_heads is not None else cfg.linear_num_value_heads
+        self.whole_hk = cfg.linear_num_key_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
@@ -212,13 +223,13 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, lc: LayerCache, rows: bool) -> torch.Tensor:
         t = x.shape[0]
         qkv, z, b, a = project(x, rows, self, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
-        z = z.view(t, self.hv, self.dv)
         w = self.conv1d.weight[:, 0, :]
-        if rows and fusion.enabled(x):                                  # GPU: ops/gdn_fused.py
+        if rows and fusion.enabled(x):                   # GPU: ops/gdn_fused.py (the gated norm included)
             from ..ops.gdn_fused import gdn_decode_triton
             o, lc.cap_rec, lc.cap_conv = gdn_decode_triton(qkv, a, b, lc.conv, w, self.A_log, self.dt_bias, lc.rec,
-                                                           self.hk, self.dk, self.dv)
-            return self.out_proj(self.norm(o, z).reshape(t, self.value_dim), rows)
+                                                           self.hk, self.dk, self.dv, z, self.norm.weight, self.norm.eps)
+            return self.out_proj(o.reshape(t, self.value_dim), rows)
+        z = z.view(t, self.hv, self.dv)
         if rows and t > 1 and x.device.type == "cpu" and not (one_cpu(x) and whole_steps(qkv)):  # per row (ops/rowwise.py)
             xf = qkv.float()
             full = torch.cat([lc.conv.to(xf.dtype), xf], dim=0)
@@ -246,7 +257,7 @@ class GatedDeltaNet(nn.Module):
             o, caps = gdn_ops.gdn_rows(q, k, v, g, beta, lc.rec, capture=True)
             lc.cap_rec, lc.cap_conv = caps, full
         else:   # key heads grouped: the chunked form maps them (or its GPU library reads them in place)
-            o, s = gdn_ops.gdn_chunked(q, k, v, g, beta, lc.rec)
+            o, s = gdn_ops.gdn_chunked(q, k, v, g, beta, lc.rec, k_block=_canon_block(self.whole_hk))
             lc.rec.copy_(s)
             lc.conv.copy_(full[-lc.conv.shape[0]:])
         o = rowwise(self.norm, rows, o.to(x.dtype), z, batch=one_cpu(x))  # [T, Hv, dv]

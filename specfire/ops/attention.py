@@ -148,6 +148,23 @@ def attention_prefill_fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out[0].transpose(0, 1).float()
 
 
+def attention_prefill_blocks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int,
+                             scale: float, q_block: int) -> torch.Tensor:
+    """attention_prefill_fused on blocks of q_block query heads with their KV heads, each block's
+    inputs contiguous: every call has the same shape on every tensor-parallel degree."""
+    hq, hkv = q.shape[1], k_cache.shape[1]
+    rep = hq // hkv
+    if hq % q_block or not (rep % q_block == 0 or q_block % rep == 0):
+        q_block = 1
+    n = pos0 + q.shape[0]
+    outs = []
+    for h0 in range(0, hq, q_block):
+        k0, k1 = h0 // rep, (h0 + q_block - 1) // rep + 1
+        outs.append(attention_prefill_fused(q[:, h0:h0 + q_block].contiguous(), k_cache[:n, k0:k1].contiguous(),
+                                            v_cache[:n, k0:k1].contiguous(), pos0, scale))
+    return torch.cat(outs, dim=1)
+
+
 def _flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the CUDA flash kernel accepts these grouped-head inputs as they are."""
     from torch.backends.cuda import SDPAParams, can_use_flash_attention
@@ -155,12 +172,17 @@ def _flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int, scale: float,
-                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                      q_block: int | None = None) -> torch.Tensor:
     """Prefill rows (contract of attention_prefill_ref); a Q8 cache is dequantized for the rows read.
     A 16-bit cache on CUDA takes the fused path (the float32 reference at 33k positions would run
-    without tensor cores)."""
+    without tensor cores). `q_block` (canonical mode, ops/splitk.py head_block): the fused call
+    runs on blocks of that many query heads, so a tensor-parallel rank's heads see the same kernel
+    choice as the whole model's."""
     n = pos0 + q.shape[0]
     if q.is_cuda and k_scale is None and k_cache.dtype in (torch.bfloat16, torch.float16):
+        if q_block is not None and q_block < q.shape[1]:
+            return attention_prefill_blocks(q, k_cache, v_cache, pos0, scale, q_block)
         return attention_prefill_fused(q, k_cache, v_cache, pos0, scale)
     return attention_prefill_ref(q, _dequant_prefix(k_cache, k_scale, n), _dequant_prefix(v_cache, v_scale, n),
                                  pos0, scale)

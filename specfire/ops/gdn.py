@@ -131,12 +131,21 @@ def _pow2_at_least_16(n: int) -> bool:
 
 
 def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                state: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                state: torch.Tensor, chunk: int = 64, k_block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill (contract of gdn_chunked_ref, except that q, k may hold H key heads for Hv = r H
     value heads: value head j reads key head j // r). On CUDA flash-linear-attention's kernel when
-    installed (ops/gdn_fla.py), else the chunk-to-chunk scan runs in our Triton kernel."""
+    installed (ops/gdn_fla.py), else the chunk-to-chunk scan runs in our Triton kernel.
+    `k_block` (canonical mode, ops/splitk.py head_block): on CUDA, blocks of that many key heads
+    (with their value heads) per call and no flash-linear-attention (its autotuned configs are
+    keyed by the head count and timed per process), so every tensor-parallel degree computes a
+    head's bits the same way."""
+    if k_block is not None and q.is_cuda and k_block < k.shape[1] and k.shape[1] % k_block == 0:
+        r = v.shape[1] // k.shape[1]
+        parts = [gdn_chunked_block(q, k, v, g, beta, state, chunk, h0, h0 + k_block, r)
+                 for h0 in range(0, k.shape[1], k_block)]
+        return torch.cat([o for o, _ in parts], dim=1), torch.cat([s for _, s in parts], dim=0)
     from . import gdn_fla
-    if gdn_fla.use_for(q):
+    if k_block is None and gdn_fla.use_for(q):
         return gdn_fla.gdn_chunked_fla(q, k, v, g, beta, state)
     rep = v.shape[1] // k.shape[1]
     if rep > 1:
@@ -145,3 +154,12 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         from .gdn_kernels import gdn_chunked_triton
         return gdn_chunked_triton(q, k, v, g, beta, state, chunk)
     return gdn_chunked_ref(q, k, v, g, beta, state, chunk)
+
+
+def gdn_chunked_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      state: torch.Tensor, chunk: int, h0: int, h1: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gdn_chunked on key heads [h0, h1) and their value heads [h0 r, h1 r), inputs contiguous."""
+    v0, v1 = h0 * r, h1 * r
+    return gdn_chunked(q[:, h0:h1].contiguous(), k[:, h0:h1].contiguous(), v[:, v0:v1].contiguous(),
+                       g[:, v0:v1].contiguous(), beta[:, v0:v1].contiguous(), state[v0:v1].contiguous(),
+                       chunk, k_block=h1 - h0)

@@ -4,11 +4,14 @@ flash-linear-attention (`pip install flash-linear-attention`, pure Python + Trit
 library transformers, vLLM and SGLang use for this layer. When it imports, CUDA prefill of the gated
 delta rule goes through its `chunk_gated_delta_rule` (bf16 tensor-core matmuls, float32 state);
 without it, or with SPECFIRE_FLA=0, ops/gdn.py's own chunked kernel runs. Decode and verify never
-use it: they keep the row-invariant recurrence, so greedy speculation still equals AR.
+use it: they keep the row-invariant recurrence, so greedy speculation still equals AR. `warm`
+runs its kernels once at load (one device), so a server's first prompt does not compile them.
 """
 from __future__ import annotations
 
 import os
+import sys
+import time
 from typing import Callable
 
 import torch
@@ -57,3 +60,27 @@ def gdn_chunked_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     o, s = fn(q.to(dtype)[None], k.to(dtype)[None], v.to(dtype)[None], g.float()[None], beta.to(dtype)[None],
               scale=1.0, initial_state=state.float()[None].contiguous(), output_final_state=True)
     return o[0].float(), s[0].float()
+
+
+def warm(hk: int, hv: int, dk: int, dv: int, device: torch.device, rows: int = 128) -> float | None:
+    """Run the library's kernels once now, at load, on a small input of these head shapes, so the
+    first prompt does not pay their compilation and autotuning (34.7 s on the H200 for the 27B
+    shape). The state kernel's autotune key is the head counts and sizes, not the length (whether
+    every kernel of the chain is covered at any length was not checked on a GPU). Returns the seconds
+    spent, or None when the library is not used here or SPECFIRE_FLA_WARM=0. A failure is reported
+    on stderr and left to the first prefill, which would meet it anyway."""
+    dev = torch.device(device)
+    if os.environ.get("SPECFIRE_FLA_WARM", "1") == "0" or not use_for(torch.empty(0, device=dev)):
+        return None
+    t0 = time.perf_counter()
+    try:
+        z = torch.zeros
+        gdn_chunked_fla(z(rows, hk, dk, device=dev), z(rows, hk, dk, device=dev), z(rows, hv, dv, device=dev),
+                        z(rows, hv, device=dev), z(rows, hv, device=dev), z(hv, dk, dv, device=dev))
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    except Exception as e:  # noqa: BLE001 - the warm-up is an optimisation; the prefill reports for real
+        print(f"specfire: flash-linear-attention warm-up failed ({type(e).__name__}: {e}); "
+              f"the first prefill will compile its kernels", file=sys.stderr)
+        return None
+    return time.perf_counter() - t0

@@ -1,19 +1,22 @@
-"""One Triton kernel for a Gated DeltaNet layer's rows forward (decode, verify) between the
-projections and the output norm: conv window + SiLU, q/k L2 norms, the gates (beta, log decay),
-the gated delta rule with per-row state capture, and the output rounded to the model dtype.
+"""One Triton kernel for a Gated DeltaNet layer's rows forward (decode, verify) from the
+projections to what out_proj reads: conv window + SiLU, q/k L2 norms, the gates (beta, log decay),
+the gated delta rule with per-row state capture, and (given z) the gated RMSNorm of the output.
 
-Why: unfused this stretch is ~25 small kernels per layer per step (casts, the gate chain, the
-l2norm chain, the key-head repeat), which on the 27B shape is ~1.2k launches of a step's ~2k.
+Why: unfused this stretch is ~27 small kernels per layer per step (casts, the gate chain, the
+l2norm chain, the key-head repeat, the output norm), ~1.3k launches of the 27B shape's step.
 
-One program per (value head h, BV value columns) computes everything from the layer's own inputs:
-its key head's q/k channels (h // rep, recomputed by every program of that head: cheap, and it
-keeps programs independent), its v channels, the state columns it owns. So a program's result
-depends only on its head's inputs (tensor-parallel shards by heads give the same bits), and rows
-are applied in order from the state in registers exactly as a one-row call applies them from the
-stored capture (verify rows equal decode rows bit for bit: the row count is not specialised, so a
-one-row call runs the same binary, and the conv chain is written as explicit FMAs; a first GPU
-run without these two measures had rows differ from chained single rows). Each channel of the conv window
-after the rows (`full`, which commit reads) is written by exactly one program.
+By default one program owns a whole value head h (all dv columns, several warps): it computes its
+key head's q/k channels (h // rep; recomputed by the rep value heads of a key head: cheap, and it
+keeps programs independent), its v channels, its state, and then the gated norm over the head's
+dv outputs, which needs the whole head. So a program's result depends only on its head's inputs
+(tensor-parallel shards by heads give the same bits), and rows are applied in order from the state
+in registers exactly as a one-row call applies them from the stored capture (verify rows equal
+decode rows bit for bit: the row count is not specialised, so a one-row call runs the same binary,
+and the conv chain is written as explicit FMAs; a first GPU run without these two measures had
+rows differ from chained single rows). Each channel of the conv window after the rows (`full`,
+which commit reads) is written by exactly one program; its stores come after the loads a row
+needs (a store right after its own load would hold the program for one memory latency per row).
+`bv` < dv splits a head's columns over programs (no norm then): the form of the first version.
 """
 from __future__ import annotations
 
@@ -23,17 +26,22 @@ import triton.language as tl
 
 from . import gdn as gdn_ops
 from . import lanes
+from .norm import gated_rms_norm_ref
 
-BV = 32         # value columns per program (bench/fuse.py sweep on the H200: 16 and 32 within noise, 5-6 us)
-NUM_WARPS = 1
+BV = None       # value columns per program; None: the whole head (then the gated norm runs inside)
+NUM_WARPS = 4   # whole-head programs, 27B heads (128 x 128), H200, cold states, gated norm included
+                # (bench/fuse.py sweep): 4 warps 6.9 us, 8 warps 17.6, 16 warps 19.5; split 32 / 1 warp
+                # + the norm kernel 7.5, split 64 / 2 warps + norm 7.9
 
 
 def gdn_decode_ref(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, window: torch.Tensor, w: torch.Tensor,
-                   a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, hk: int, dk: int,
-                   dv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, hk: int, dk: int, dv: int,
+                   z: torch.Tensor | None = None, norm_w: torch.Tensor | None = None,
+                   eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The unfused composition (model/qwen35.py GatedDeltaNet, rows mode). qkv [T, C] projections,
-    a, b [T, Hv], window [K-1, C] float32, w [C, K], state [Hv, dk, dv] float32 ->
-    (o [T, Hv, dv] in qkv's dtype, states after every row [T, Hv, dk, dv], full window [K-1+T, C])."""
+    a, b [T, Hv], window [K-1, C] float32, w [C, K], state [Hv, dk, dv] float32, optionally z
+    [T, Hv * dv] and the gated norm's weight [dv] -> (o [T, Hv, dv] in qkv's dtype, normed when z
+    is given; states after every row [T, Hv, dk, dv]; full window [K-1+T, C])."""
     t, hv = qkv.shape[0], a.shape[1]
     conv_out, full = gdn_ops.conv_window_ref(qkv.float(), window, w)
     q, k, v = torch.split(conv_out, [hk * dk, hk * dk, hv * dv], dim=-1)
@@ -45,7 +53,10 @@ def gdn_decode_ref(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, window: 
     rep = hv // hk
     q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
     o, caps = gdn_ops.gdn_rows_ref(q, k, v, g, beta, state, capture=True)
-    return o.to(qkv.dtype), caps, full
+    o = o.to(qkv.dtype)
+    if z is not None:
+        o = gated_rms_norm_ref(o, z.reshape(t, hv, dv), norm_w, eps)
+    return o, caps, full
 
 
 @triton.jit
@@ -59,19 +70,21 @@ def _tap(x_ptr, win_ptr, i, ch, ok, sx, C, KM1: tl.constexpr):
 
 @triton.jit
 def _conv_silu(x_ptr, win_ptr, w_ptr, t, ch, ok, sx, C, K: tl.constexpr):
-    """Output row t of the causal depthwise conv + SiLU: a fixed chain over the K taps."""
+    """Output row t of the causal depthwise conv + SiLU (a fixed chain over the K taps), and the
+    last tap (projection row t in float32: row K-1+t of the full window)."""
     acc = _tap(x_ptr, win_ptr, t, ch, ok, sx, C, K - 1) * tl.load(w_ptr + ch * K, mask=ok, other=0.0).to(tl.float32)
+    last = acc
     for j in tl.static_range(1, K):   # explicit FMAs: the compiler cannot contract them differently per row
-        acc = tl.fma(_tap(x_ptr, win_ptr, t + j, ch, ok, sx, C, K - 1),
-                     tl.load(w_ptr + ch * K + j, mask=ok, other=0.0).to(tl.float32), acc)
-    return acc / (1.0 + tl.exp(-acc))
+        last = _tap(x_ptr, win_ptr, t + j, ch, ok, sx, C, K - 1)
+        acc = tl.fma(last, tl.load(w_ptr + ch * K + j, mask=ok, other=0.0).to(tl.float32), acc)
+    return acc / (1.0 + tl.exp(-acc)), last
 
 
 @triton.jit(do_not_specialize=["n_rows"])   # one binary for every row count: row t runs the same code
-def _gdn_decode_kernel(x_ptr, a_ptr, b_ptr, win_ptr, w_ptr, alog_ptr, dtb_ptr, s_ptr, o_ptr, cap_ptr, full_ptr,
-                       n_rows, sx, sa, sb, C, KEY_DIM, q_scale,
+def _gdn_decode_kernel(x_ptr, a_ptr, b_ptr, win_ptr, w_ptr, alog_ptr, dtb_ptr, s_ptr, z_ptr, nw_ptr,
+                       o_ptr, cap_ptr, full_ptr, n_rows, sx, sa, sb, sz, C, KEY_DIM, q_scale, eps,
                        REP: tl.constexpr, K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr):
+                       BK: tl.constexpr, BV: tl.constexpr, KM1P: tl.constexpr, NORM: tl.constexpr):
     h = tl.program_id(0)
     vb = tl.program_id(1)
     hv = tl.num_programs(0)
@@ -83,54 +96,85 @@ def _gdn_decode_kernel(x_ptr, a_ptr, b_ptr, win_ptr, w_ptr, alog_ptr, dtb_ptr, s
     ck = KEY_DIM + cq
     cv = 2 * KEY_DIM + h * DV + offs_v
     own = offs_k < DK * ((vb + h % REP) == 0).to(tl.int32)   # one program writes a key head's q/k window
-    for i in range(n_rows + K - 1):
-        tl.store(full_ptr + i * C + cv, _tap(x_ptr, win_ptr, i, cv, v_ok, sx, C, K - 1), mask=v_ok)
-        tl.store(full_ptr + i * C + cq, _tap(x_ptr, win_ptr, i, cq, own, sx, C, K - 1), mask=own)
-        tl.store(full_ptr + i * C + ck, _tap(x_ptr, win_ptr, i, ck, own, sx, C, K - 1), mask=own)
+    # the window rows of `full` (its first K-1 rows): loaded now, stored after the rows
+    offs_r = tl.arange(0, KM1P)
+    r_ok = offs_r < K - 1
+    wm_k = r_ok[:, None] & own[None, :]
+    wm_v = r_ok[:, None] & v_ok[None, :]
+    win_q = tl.load(win_ptr + offs_r[:, None] * C + cq[None, :], mask=wm_k, other=0.0)
+    win_k = tl.load(win_ptr + offs_r[:, None] * C + ck[None, :], mask=wm_k, other=0.0)
+    win_v = tl.load(win_ptr + offs_r[:, None] * C + cv[None, :], mask=wm_v, other=0.0)
     hs = DK * DV
     sm = k_ok[:, None] & v_ok[None, :]
     s_off = offs_k[:, None] * DV + offs_v[None, :]
     s = tl.load(s_ptr + h * hs + s_off, mask=sm, other=0.0).to(tl.float32)       # [BK, BV]
     neg_a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dtb = tl.load(dtb_ptr + h).to(tl.float32)
+    if NORM:
+        nw = tl.load(nw_ptr + offs_v, mask=v_ok, other=0.0).to(tl.float32)
     for t in range(n_rows):
-        q = _conv_silu(x_ptr, win_ptr, w_ptr, t, cq, k_ok, sx, C, K)
-        k = _conv_silu(x_ptr, win_ptr, w_ptr, t, ck, k_ok, sx, C, K)
-        v = _conv_silu(x_ptr, win_ptr, w_ptr, t, cv, v_ok, sx, C, K)
+        q, xq = _conv_silu(x_ptr, win_ptr, w_ptr, t, cq, k_ok, sx, C, K)
+        k, xk = _conv_silu(x_ptr, win_ptr, w_ptr, t, ck, k_ok, sx, C, K)
+        v, xv = _conv_silu(x_ptr, win_ptr, w_ptr, t, cv, v_ok, sx, C, K)
         q = q * (1.0 / tl.sqrt(tl.sum(q * q, 0) + 1e-6)) * q_scale
         k = k * (1.0 / tl.sqrt(tl.sum(k * k, 0) + 1e-6))
         beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + t * sb + h).to(tl.float32)))
         at = tl.load(a_ptr + t * sa + h).to(tl.float32) + dtb
         g = neg_a * tl.where(at > 20.0, at, tl.log(1.0 + tl.exp(at)))          # softplus, threshold 20
+        if NORM:
+            zt = tl.load(z_ptr + t * sz + h * DV + offs_v, mask=v_ok, other=0.0).to(tl.float32)
         s = s * tl.exp(g)
         u = tl.sum(k[:, None] * s, 0)                                          # [BV] = S^T k
         delta = beta * (v - u)
         s = s + k[:, None] * delta[None, :]
         o = tl.sum(q[:, None] * s, 0)                                          # [BV] = S^T q
-        tl.store(o_ptr + (t * hv + h) * DV + offs_v, o.to(o_ptr.dtype.element_ty), mask=v_ok)
+        dt = o_ptr.dtype.element_ty
+        if NORM:   # the gated RMSNorm with ops/triton_small.py's rounding points (o rounded first)
+            ob = o.to(dt).to(tl.float32)
+            n = (ob * (1.0 / tl.sqrt(tl.sum(ob * ob, 0) / DV + eps))).to(dt).to(tl.float32)
+            o = (nw * n).to(dt).to(tl.float32) * (zt / (1.0 + tl.exp(-zt)))
+        tl.store(o_ptr + (t * hv + h) * DV + offs_v, o.to(dt), mask=v_ok)
         tl.store(cap_ptr + (t * hv + h) * hs + s_off, s, mask=sm)
+        tl.store(full_ptr + (K - 1 + t) * C + cv, xv, mask=v_ok)
+        tl.store(full_ptr + (K - 1 + t) * C + cq, xq, mask=own)
+        tl.store(full_ptr + (K - 1 + t) * C + ck, xk, mask=own)
+    tl.store(full_ptr + offs_r[:, None] * C + cv[None, :], win_v, mask=wm_v)
+    tl.store(full_ptr + offs_r[:, None] * C + cq[None, :], win_q, mask=wm_k)
+    tl.store(full_ptr + offs_r[:, None] * C + ck[None, :], win_k, mask=wm_k)
 
 
 def gdn_decode_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, window: torch.Tensor, w: torch.Tensor,
                       a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, hk: int, dk: int, dv: int,
+                      z: torch.Tensor | None = None, norm_w: torch.Tensor | None = None, eps: float = 1e-6,
                       bv: int | None = None, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Contract of gdn_decode_ref, one launch. bv / num_warps (default BV / NUM_WARPS) split the
-    value columns and the reductions' lanes: they change no row's dependence on others."""
-    bv, num_warps = bv or BV, num_warps or NUM_WARPS
+    """Contract of gdn_decode_ref. bv (default BV; None: the whole head) splits a head's value
+    columns over programs and num_warps (default NUM_WARPS) the reductions' lanes: neither changes
+    a row's dependence on other rows or heads. The gated norm (z given) runs inside the launch on
+    whole heads, else as ops/triton_small.py's kernel after it."""
     t, c = qkv.shape
     hv, kk = a.shape[1], w.shape[-1]
     if c != 2 * hk * dk + hv * dv or hv % hk or kk < 2:
         raise ValueError(f"gdn_decode: channels {c} != 2*{hk}*{dk} + {hv}*{dv}, or Hv % Hk, or conv K={kk} < 2")
-    for name, x in (("qkv", qkv), ("a", a), ("b", b)):
-        if x.stride(-1) != 1:
+    if z is not None and (norm_w is None or tuple(z.shape) != (t, hv * dv)):
+        raise ValueError(f"gdn_decode: the gated norm needs its weight and z of shape [{t}, {hv * dv}] "
+                         f"(got {list(z.shape)})")
+    for name, x in (("qkv", qkv), ("a", a), ("b", b), ("z", z)):
+        if x is not None and x.stride(-1) != 1:
             raise ValueError(f"gdn_decode: {name} must have a unit last stride")
+    bv = bv or BV
+    bv = triton.next_power_of_2(dv) if bv is None else min(bv, triton.next_power_of_2(dv))
+    norm = z is not None and bv >= dv
     window, w, state = window.contiguous(), w.contiguous(), state.contiguous()
     o = torch.empty(t, hv, dv, device=qkv.device, dtype=qkv.dtype)
     caps = torch.empty(t, hv, dk, dv, device=qkv.device, dtype=torch.float32)
     full = torch.empty(kk - 1 + t, c, device=qkv.device, dtype=torch.float32)
-    bv = min(bv, triton.next_power_of_2(dv))
+    zz = z if norm else o
     _gdn_decode_kernel[(hv, triton.cdiv(dv, bv))](
-        qkv, a, b, window, w, a_log, dt_bias, state, o, caps, full, t, qkv.stride(0), a.stride(0), b.stride(0),
-        c, hk * dk, dk ** -0.5, REP=hv // hk, K=kk, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv,
-        num_warps=num_warps)
+        qkv, a, b, window, w, a_log, dt_bias, state, zz, norm_w if norm else a_log, o, caps, full, t,
+        qkv.stride(0), a.stride(0), b.stride(0), zz.stride(0), c, hk * dk, dk ** -0.5, eps,
+        REP=hv // hk, K=kk, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv,
+        KM1P=triton.next_power_of_2(kk - 1), NORM=norm, num_warps=num_warps or NUM_WARPS)
+    if z is not None and not norm:      # split heads: the norm as its own launch
+        from .triton_small import gated_rms_norm_triton
+        o = gated_rms_norm_triton(o, z.view(t, hv, dv), norm_w, eps)
     return o, caps, full

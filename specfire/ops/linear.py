@@ -127,7 +127,7 @@ def linear(x: torch.Tensor, w, rows: bool, launch_n: int | None = None) -> torch
         return linear_one_cpu(x, transposed(w), rows)                           # one CPU device
     if not isinstance(w, torch.Tensor):
         if x.is_cuda:
-            return w.linear(x, rows)
+            return w.linear(x, rows, launch_n)
         return _paneled(linear_rows_ref if rows else F.linear, w.prepare_input(x), q4_dense(w, x.dtype))
     if rows or (x.is_cuda and (launch_n is not None or splitk_enabled(x))):   # a mesh, or one GPU made mesh-equal
         return linear_rows(x, w, launch_n, rows)
@@ -135,9 +135,22 @@ def linear(x: torch.Tensor, w, rows: bool, launch_n: int | None = None) -> torch
 
 
 def linear_group(x: torch.Tensor, ws: list, rows: bool, launch_ns: list[int | None]) -> list[torch.Tensor]:
-    """[linear(x, w, rows, n) for w, n in zip(ws, launch_ns)], the same bits; where they take the
-    Triton path on CUDA, one grouped launch (ops/triton_gemv.py gemv_group: a column shard alone
-    launches half the whole's programs, too few to fill the GPU)."""
+    """[linear(x, w, rows, n) for w, n in zip(ws, launch_ns)]; where they take the Triton path on
+    CUDA, one grouped launch whose settings come from the group's whole shapes, each output the
+    bits of its weight's own launch with those settings (ops/triton_gemv.py gemv_group; 4-bit
+    weights: ops/quant.py q4_rows). A column shard alone launches half the whole's programs, too
+    few to fill the GPU; fewer, larger calls also spend less on each call's fixed cost."""
+    dense = [i for i, w in enumerate(ws) if isinstance(w, torch.Tensor)]
+    if len(dense) < len(ws) and x.is_cuda and rows:   # 4-bit weights: one launch (ops/quant.py q4_rows)
+        from .quant import q4_rows
+        out: list = [None] * len(ws)
+        quant = [i for i in range(len(ws)) if i not in dense]
+        for i, y in zip(quant, q4_rows(x, [ws[i] for i in quant], [launch_ns[i] for i in quant])):
+            out[i] = y
+        if dense:                                      # the bf16 rest (GDN b, a): one launch of their own
+            for i, y in zip(dense, linear_group(x, [ws[i] for i in dense], rows, [launch_ns[i] for i in dense])):
+                out[i] = y
+        return out
     triton_path = x.is_cuda and (rows or any(n is not None for n in launch_ns) or splitk_enabled(x))
     if not triton_path or not all(isinstance(w, torch.Tensor) for w in ws):
         return [linear(x, w, rows, n) for w, n in zip(ws, launch_ns)]

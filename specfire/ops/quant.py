@@ -258,16 +258,15 @@ class QuantWeight:
     def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
         return hadamard_rotate(x, self.group_size) if self.hadamard else x
 
-    def linear(self, x: torch.Tensor, rows: bool) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, rows: bool, launch_n: int | None = None) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype. rows=True is row-invariant (the Triton dequant-GEMV on
-        CUDA, one batched row at a time elsewhere)."""
-        from .linear import ROW_PATH_MAX, linear_rows_ref
+        CUDA, one batched row at a time elsewhere). `launch_n`: the whole matrix's N when this is
+        a column shard (the kernel takes the whole's settings)."""
+        from .linear import linear_rows_ref
 
-        xr = self.prepare_input(x)
         if rows and x.is_cuda:
-            from .triton_quant import q4_gemv
-            outs = [q4_gemv(xr[i:i + ROW_PATH_MAX], self) for i in range(0, xr.shape[0], ROW_PATH_MAX)]
-            return outs[0] if len(outs) == 1 else torch.cat(outs)
+            return q4_rows(x, [self], [launch_n])[0]
+        xr = self.prepare_input(x)
         if x.is_cuda:  # prefill: compute-bound, so dequantise and use the stock GEMM
             return self.linear_dequantized(xr)
         if self._dense is None or self._dense.dtype != x.dtype:
@@ -285,3 +284,22 @@ class QuantWeight:
     def __repr__(self) -> str:
         return (f"QuantWeight(shape={list(self.shape)}, group={self.group_size}, hadamard={self.hadamard}, "
                 f"device={self.device})")
+
+
+def q4_rows(x: torch.Tensor, qws: list, launch_ns: list) -> list[torch.Tensor]:
+    """Decode / verify rows of x [M, K] through 4-bit weights of that one input on CUDA, in one
+    launch per 16 rows (ops/triton_quant.py q4_group: x rotated and its group sums made once,
+    settings from the whole matrices' shapes, so shards compute every element as the whole does).
+    SPECFIRE_GEMV_GROUP=0 (ops/triton_gemv.py GROUP): one launch per weight, its own settings."""
+    from . import triton_gemv
+    from .linear import ROW_PATH_MAX
+    from .triton_quant import group_config, q4_group
+
+    a = qws[0]
+    if len(qws) > 1 and (not triton_gemv.GROUP or any(w.hadamard != a.hadamard or w.group_size != a.group_size
+                                                        for w in qws)):
+        return [q4_rows(x, [w], [n])[0] for w, n in zip(qws, launch_ns)]
+    xr = a.prepare_input(x)
+    cfg = group_config([n or w.shape[0] for w, n in zip(qws, launch_ns)], x.shape[1], a.group_size)
+    parts = [q4_group(xr[i:i + ROW_PATH_MAX], qws, cfg) for i in range(0, xr.shape[0], ROW_PATH_MAX)]
+    return parts[0] if len(parts) == 1 else [torch.cat(p) for p in zip(*parts)]

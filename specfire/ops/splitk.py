@@ -59,6 +59,14 @@ def degree_problem(tp: int) -> str | None:
     return None
 
 
+def head_block(whole_heads: int) -> int:
+    """Heads per library call in a canonical prefill (a mesh rank, or one device in the canonical
+    mode): library kernels (SDPA, batched cuBLAS products) may pick their tiling from the number of
+    heads in a call, so every degree calls them on blocks of this many heads; whole_heads / CHUNKS
+    divides every rank's share (a degree divides CHUNKS), else one head a call."""
+    return whole_heads // CHUNKS if whole_heads % CHUNKS == 0 and whole_heads >= CHUNKS else 1
+
+
 def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
     """Adjacent pairs, level by level: the canonical order (len(parts) a power of two)."""
     while len(parts) > 1:

@@ -31,6 +31,10 @@ import triton.language as tl
 from .triton_gemv import ROWS, _splitk_sum
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX in the interpreter
+# added to a grouped launch's offsets between weights, so they are always passed as 64-bit
+# integers (Triton types an int argument by its value: one kernel for any allocation distance)
+_BIAS = 1 << 40
+BIAS = tl.constexpr(_BIAS)
 
 
 @dataclass(frozen=True)
@@ -54,8 +58,8 @@ _MEASURED = {
     (5120, 6144): Q4Config(64, split_k=9, num_warps=2, num_stages=3, wa=True),     # attention o, GDN out
     (1024, 5120): Q4Config(32, split_k=18, num_warps=1, num_stages=4, wa=True),    # attention k, v
     (248320, 5120): Q4Config(64, split_k=1, num_warps=2, num_stages=4, wa=True),   # lm_head
-    # projections that share an input, concatenated into one weight (measured, not yet used by the
-    # model): gate + up, GDN qkv + z, attention q + gate + k + v
+    # projections that share an input, measured concatenated; the settings of their grouped launch
+    # (group_config): gate + up, GDN qkv + z, attention q + gate + k + v
     (34816, 5120): Q4Config(128, split_k=3, num_warps=2, num_stages=3, wa=True),
     (16384, 5120): Q4Config(64, split_k=3, num_warps=2, num_stages=3, wa=True),
     (14336, 5120): Q4Config(64, split_k=3, num_warps=2, num_stages=3, wa=True),
@@ -145,17 +149,42 @@ def _group_terms(s_ptr, z_ptr, xs_ptr, g, g_hi, N, n_groups, offs_n, n_mask, off
 
 
 @triton.jit(do_not_specialize=["M", "n_groups", "groups_per_split", "split"])
-def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M, N, KH, stride_xm, stride_ym,
-               n_groups, groups_per_split, split, BLOCK_N: tl.constexpr, G: tl.constexpr, ROWS_: tl.constexpr,
-               TILE: tl.constexpr, SEM: tl.constexpr, ASM: tl.constexpr, IEEE: tl.constexpr,
-               WA: tl.constexpr = False):
+def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M, N0, KH, stride_xm,
+               n_groups, groups_per_split, split, N1, N2, N3, T1, T2, T3, DQ1, DQ2, DQ3, DS1, DS2, DS3,
+               DZ1, DZ2, DZ3, O1, O2, O3, SEGS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
+               ROWS_: tl.constexpr, TILE: tl.constexpr, SEM: tl.constexpr, ASM: tl.constexpr,
+               IEEE: tl.constexpr, WA: tl.constexpr = False):
     # Kernel packing (ops/quant.py): in group g, byte j of a row holds codes g*G + j (low nibble)
     # and g*G + G/2 + j (high nibble), rows stored in tiles [N/TILE, K/G, TILE, G/2] (TILE = 0: rows
     # [N, K/2]); scales / zeros are [K/G, N]; KH = K / 2 bytes per row.
+    # Up to 4 weights of one input in one launch (SEGS): column tiles [0, T1) are weight 0's,
+    # [T1, T2) weight 1's, ...; weight s has Ns rows, its codes / scales / zeros at DQs / DSs / DZs
+    # elements past weight 0's, its output [M, Ns] at y + M * Os and its split partials at
+    # part + split * M * Os. A tile runs the loop a launch of its weight alone would run. The Ds
+    # come with BIAS added (always 64-bit: one compiled kernel whatever the allocations' distance).
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     HALF: tl.constexpr = G // 2
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    N = N0
+    t0 = 0
+    if SEGS > 1:   # which weight this column tile belongs to (one weight: nothing moves)
+        sel = pid_n >= T1
+        N, t0, o = tl.where(sel, N1, N), tl.where(sel, T1, t0), tl.where(sel, O1, 0)
+        dq, ds, dz = tl.where(sel, DQ1, BIAS), tl.where(sel, DS1, BIAS), tl.where(sel, DZ1, BIAS)
+        if SEGS > 2:
+            sel = pid_n >= T2
+            N, t0, o = tl.where(sel, N2, N), tl.where(sel, T2, t0), tl.where(sel, O2, o)
+            dq, ds, dz = tl.where(sel, DQ2, dq), tl.where(sel, DS2, ds), tl.where(sel, DZ2, dz)
+        if SEGS > 3:
+            sel = pid_n >= T3
+            N, t0, o = tl.where(sel, N3, N), tl.where(sel, T3, t0), tl.where(sel, O3, o)
+            dq, ds, dz = tl.where(sel, DQ3, dq), tl.where(sel, DS3, ds), tl.where(sel, DZ3, dz)
+        q_ptr += dq - BIAS
+        s_ptr += ds - BIAS
+        z_ptr += dz - BIAS
+        y_ptr += tl.multiple_of(M * o, 64)             # Os are multiples of OUT_ALIGN
+        part_ptr += tl.multiple_of(split * M * o, 64)
+    offs_n = (pid_n - t0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, ROWS_)
     offs_c = tl.arange(0, HALF)
     n_mask = offs_n < N
@@ -197,7 +226,7 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
     if WA:
         acc = tl.trans(acc)
     out_mask = m_mask[:, None] & n_mask[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * N + offs_n[None, :]
     if split == 1:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
     else:
@@ -240,32 +269,76 @@ def _locks(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
+GROUP_MAX = 4      # weights of one input that one launch can hold
+OUT_ALIGN = 64     # elements: where a grouped launch's outputs start in its buffer (128 bytes in bf16)
+
+
+def group_config(whole_ns: list[int], k: int, group: int) -> Q4Config:
+    """Settings of weights of one input launched together: those of their concatenation (the sum
+    of the whole matrices' N, measured for the 27B groups). A function of the whole shapes only,
+    so a tensor-parallel shard group computes every element as the whole group does."""
+    return q4_config(sum(whole_ns), k, group)
+
+
+def _groupable(x: torch.Tensor, qws: list) -> bool:
+    """One launch can hold these weights: same K, group, code layout and device, offsets between
+    their tensors whole elements."""
+    a = qws[0]
+    return len(qws) <= GROUP_MAX and all(
+        w.shape[1] == a.shape[1] and w.group_size == a.group_size and w.tile == a.tile and w.device == x.device
+        and w.qtiled.is_contiguous() and w.scales_t.is_contiguous() and w.zeros_t.is_contiguous()
+        and (w.scales_t.data_ptr() - a.scales_t.data_ptr()) % 2 == 0
+        and (w.zeros_t.data_ptr() - a.zeros_t.data_ptr()) % 2 == 0 for w in qws)
+
+
 def q4_gemv(x: torch.Tensor, qw, cfg: Q4Config | None = None) -> torch.Tensor:
     """x [M, K] (M <= 16, already rotated if the weight is) @ dequant(qw)^T -> [M, N] in x's dtype."""
+    return q4_group(x, [qw], cfg)[0]
+
+
+def q4_group(x: torch.Tensor, qws: list, cfg: Q4Config | None = None) -> list[torch.Tensor]:
+    """[q4_gemv(x, w, cfg) for w in qws], the same bits, in one launch (one sum(x) pass and one
+    GEMV grid over every weight's column tiles: fewer, larger calls). cfg defaults to
+    group_config of the weights' own N. Weights one launch cannot hold run one launch each."""
     m, k = x.shape
-    n = qw.shape[0]
-    g = qw.group_size
     if m > ROWS:
         raise ValueError(f"q4_gemv serves at most {ROWS} rows, got M={m}")
-    if qw.shape[1] != k:
-        raise ValueError(f"q4_gemv: x has K={k} but the weight is {list(qw.shape)}")
+    for w in qws:
+        if w.shape[1] != k:
+            raise ValueError(f"q4_gemv: x has K={k} but the weight is {list(w.shape)}")
+    g = qws[0].group_size
+    cfg = cfg or group_config([w.shape[0] for w in qws], k, g)
+    if len(qws) > 1 and not _groupable(x, qws):
+        return [q4_group(x, [w], cfg)[0] for w in qws]
     x = x.contiguous()
-    cfg = cfg or q4_config(n, k, g)
     n_groups = k // g
     per = triton.cdiv(n_groups, cfg.split_k)
     split = triton.cdiv(n_groups, per)
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    n_tiles = triton.cdiv(n, cfg.block_n)
-    part = y if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+    ns = [w.shape[0] for w in qws]
+    offs = [0]
+    for v in ns:                          # each output starts 128-byte aligned, like its own tensor
+        offs.append(offs[-1] + (triton.cdiv(v, OUT_ALIGN) * OUT_ALIGN if len(ns) > 1 else v))
+    y = torch.empty(m * offs[-1], device=x.device, dtype=x.dtype)
+    tiles = [triton.cdiv(v, cfg.block_n) for v in ns]
+    part = y if split == 1 else torch.empty(split * m * offs[-1], device=x.device, dtype=torch.float32)
     sem = cfg.sem and split > 1
-    locks = _locks(x.device, n_tiles) if sem else y
+    locks = _locks(x.device, sum(tiles)) if sem else y
     xs = torch.empty(m, n_groups, device=x.device, dtype=torch.float32)
     _xsum_kernel[(m, triton.cdiv(n_groups, 16))](x, xs, k, x.stride(0), G=g, GB=16)
-    _q4_kernel[(n_tiles, split)](
-        x, xs, qw.qtiled, qw.scales_t, qw.zeros_t, y, part, locks, m, n, k // 2, x.stride(0), y.stride(0),
-        n_groups, per, split, BLOCK_N=cfg.block_n, G=g, ROWS_=ROWS, TILE=qw.tile, SEM=sem,
+    a = qws[0]
+    pad = [0] * (GROUP_MAX - len(qws))
+    bounds = [sum(tiles[:i]) for i in range(1, GROUP_MAX)]
+    dq = [_BIAS + w.qtiled.data_ptr() - a.qtiled.data_ptr() for w in qws[1:]] + [_BIAS] * len(pad)
+    dsc = [_BIAS + (w.scales_t.data_ptr() - a.scales_t.data_ptr()) // 2 for w in qws[1:]] + [_BIAS] * len(pad)
+    dz = [_BIAS + (w.zeros_t.data_ptr() - a.zeros_t.data_ptr()) // 2 for w in qws[1:]] + [_BIAS] * len(pad)
+    _q4_kernel[(sum(tiles), split)](
+        x, xs, a.qtiled, a.scales_t, a.zeros_t, y, part, locks, m, ns[0], k // 2, x.stride(0), n_groups, per, split,
+        *(ns[1:] + pad), *bounds, *dq, *dsc, *dz, *(offs[1:len(ns)] + pad),
+        SEGS=len(qws), BLOCK_N=cfg.block_n, G=g, ROWS_=ROWS, TILE=a.tile, SEM=sem,
         ASM=x.dtype == torch.bfloat16 and not INTERPRET, IEEE=x.dtype == torch.float32, WA=cfg.wa,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if split > 1 and not sem:  # partials summed in split order by a second launch
-        _splitk_sum[(triton.cdiv(m * n, 1024),)](part, y, m * n, SPLIT=split, BLOCK=1024)
-    return y
+    outs = [y[m * o:m * o + m * v].view(m, v) for v, o in zip(ns, offs)]
+    if split > 1 and not sem:  # partials summed in split order by a second launch, per weight
+        for v, o, yy in zip(ns, offs, outs):
+            _splitk_sum[(triton.cdiv(m * v, 1024),)](part[split * m * o:], yy, m * v, SPLIT=split, BLOCK=1024)
+    return outs

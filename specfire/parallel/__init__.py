@@ -7,6 +7,7 @@ lifecycle.py  faults and teardown                         trunk.py   MeshTrunk, 
 build.py      the trunk factory that runtime/build.py calls for tp > 1
 symm.py       collectives inside CUDA graphs (symmetric memory; gloo on the CPU)
 probe.py      timing probes: a rows graph replayed alone, kernel time by family (bench/tp.py)
+draft.py      the greedy MTP draft's picks sharded by vocabulary (every rank scores its lm_head rows)
 """
 from .shard import ShardPlan, check_degree, valid_tp_degrees
 

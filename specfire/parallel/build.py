@@ -18,6 +18,7 @@ from ..errors import CheckpointError, MeshError, SpecfireError
 from ..model import loader
 from ..runtime.build import BuiltTrunk, EngineOptions
 from . import comm as comm_mod
+from .draft import draft_mode
 from .launch import (START_TIMEOUT_S, LocalWorker, MeshSpec, kill_workers, mesh_timeout, placement,
                      start_local_workers, worker_errors)
 from .lifecycle import Mesh
@@ -49,6 +50,7 @@ def mesh_trunk(opts: EngineOptions) -> BuiltTrunk:
     until it closes, then exits the process."""
     tp = opts.tp
     check_degree(opts.cfg, tp)
+    draft_mode()                              # a bad SPECFIRE_TP_DRAFT is refused before any process starts
     if any(not m.closed for m in _open_meshes):
         raise SpecfireError("a tensor-parallel LLM is already open in this process; close it first")
     timeout_s = mesh_timeout()

@@ -31,17 +31,23 @@ class Comm:
         self.group, self.cmd_group, self.start_group = group, cmd_group, start_group
         self.device = device
         self.symm = None                  # SymmCollectives once CUDA graphs are enabled (enable_graphs)
+        self.draft_coll = None            # the sharded draft chain's collectives (parallel/draft.py)
         self.in_graph = False             # route the forward's collectives through self.symm
 
-    def enable_graphs(self, capacity_bytes: int) -> None:
+    def enable_graphs(self, capacity_bytes: int, draft_bytes: int = 0) -> None:
         """Route the rows forward's collectives through `captured()`: symmetric memory on CUDA
-        (capturable), plain all-gathers on the CPU (the same code, another transport)."""
+        (capturable), plain all-gathers on the CPU (the same code, another transport). The draft
+        chain gets a symmetric buffer pair of its own (`draft_bytes`), allocated now on every rank:
+        its graphs are captured while the other side may be mid-chain, never at a rendezvous."""
         from .symm import GlooCollectives, SymmCollectives
 
         if self.device.type == "cuda":
             self.symm = SymmCollectives(self.group, self.rank, self.world, self.device, capacity_bytes)
+            if draft_bytes:
+                self.draft_coll = SymmCollectives(self.group, self.rank, self.world, self.device, draft_bytes)
+                self.draft_coll.prepare(torch.float32)
         else:
-            self.symm = GlooCollectives(self.group, self.rank, self.world)
+            self.symm = self.draft_coll = GlooCollectives(self.group, self.rank, self.world)
 
     @contextlib.contextmanager
     def captured(self, on: bool = True):

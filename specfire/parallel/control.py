@@ -10,7 +10,9 @@ first collective, parallel/model.py), and a `commit(n)` rides in the next call's
 (`commits`), so rank 0 can queue step t+1 before step t has finished on the device and every rank
 replays its graphs back to back. Without the captured forward (an eager GPU mesh) a step's few
 ids ride in the header (IdsArg). The methods a call may name are the Trunk protocol's own
-(`runtime/trunk.py`); `rank_stats`, `rank_time` and `close` are the control-plane words of their own.
+(`runtime/trunk.py`); `rank_stats`, `rank_time`, `draft_argmax` (this rank's side of rank 0's
+vocabulary-sharded greedy draft chain, parallel/draft.py) and `close` are control-plane words. A
+replayed draft chain, like a commit, rides in the next call's header (`commits` holds both).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from ..runtime.trunk import TRUNK_METHODS, LocalTrunk
 from .comm import Comm
 
 CALLS = tuple(m for m in TRUNK_METHODS if m != "close")   # every rank runs these on its shard
-RANK_STATS, RANK_TIME, CLOSE = "rank_stats", "rank_time", "close"
+RANK_STATS, RANK_TIME, DRAFT, CLOSE = "rank_stats", "rank_time", "draft_argmax", "close"
 STAT_NAMES = CALLS + ("verify_rows", "max_verify_rows")
 
 
@@ -77,7 +79,7 @@ def _plain(a: Any) -> Any:
 class Call:
     name: str
     args: tuple[Any, ...]
-    commits: tuple[int, ...] = ()     # commit(n) calls rank 0 ran since the last call: run them first
+    commits: tuple = ()     # what rank 0 ran since the last call, run first: n = commit(n), (DRAFT, *args)
 
     def header(self) -> bytes:
         return pickle.dumps((self.name, self.args, self.commits), protocol=pickle.HIGHEST_PROTOCOL)
@@ -104,6 +106,7 @@ class RankExecutor:
         self.comm, self.trunk = comm, trunk
         self.counts = dict.fromkeys(STAT_NAMES, 0)
         self._no_ids: dict[int, torch.Tensor] = {}
+        self._draft = None                  # parallel/draft.py WorkerDraft, made on the first chain
 
     def _arg(self, a: Any, given: list[torch.Tensor] | None) -> Any:
         if isinstance(a, SharedIdsArg):     # rank 0: its device ids; elsewhere zeros the forward replaces
@@ -133,6 +136,11 @@ class RankExecutor:
             mine = torch.tensor([time_rows(self.trunk, *args, rank=self.comm.rank)], dtype=torch.float64,
                                 device=self.comm.device)
             return self.comm.gather(mine.view(1, -1), dim=0)
+        if call.name == DRAFT:
+            if self._draft is None:
+                from .draft import WorkerDraft
+                self._draft = WorkerDraft(self.trunk.model, self.comm.draft_coll)
+            return self._draft.run(*args)
         if call.name not in CALLS:
             raise MeshError(f"unknown mesh call {call.name!r}")
         n = self.counts
@@ -152,6 +160,6 @@ def serve(comm: Comm, trunk: LocalTrunk) -> None:
         call = Call.parse(comm.recv_command())
         if call.name == CLOSE:
             return
-        for n in call.commits:
-            ex.run(Call("commit", (n,)))
+        for c in call.commits:
+            ex.run(Call("commit", (c,)) if isinstance(c, int) else Call(c[0], tuple(c[1:])))
         ex.run(call)

@@ -71,6 +71,11 @@ class SymmCollectives:
         self._turn[dtype] = 1 - i
         return bufs[i][:numel]
 
+    def prepare(self, dtype: torch.dtype) -> None:
+        """Allocate (and rendezvous) the buffers of `dtype` now, leaving the turn as it was."""
+        self._slot(dtype, 0)
+        self._turn[dtype] = 0
+
     def reserve(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
         """The buffer the next `tree` of this shape will send, for its producer to write into
         (tp = 2, where the tree is one sum); None where the tree gathers first."""

@@ -18,7 +18,8 @@ from ..config import ModelConfig
 from ..errors import MeshError
 from ..ops.linear import linear
 from ..runtime.trunk import LocalTrunk, Rows
-from .control import RANK_STATS, RANK_TIME, STAT_NAMES, Call, RankExecutor, SharedIds
+from .control import DRAFT, RANK_STATS, RANK_TIME, STAT_NAMES, Call, RankExecutor, SharedIds
+from .draft import draft_mode, shard_argmax
 from .lifecycle import Mesh
 
 
@@ -40,8 +41,13 @@ class MeshTrunk:
         self._ex = RankExecutor(mesh.comm, trunk)
         self._dtype = dtype
         self._drafter_vocab = drafter_vocab     # whole (embedding, lm_head) on rank 0, or None
-        self._commits: list[int] = []           # run on rank 0, sent with the next call
+        self._commits: list = []                # run on rank 0, sent with the next call (commits, draft chains)
         self._finalizer = weakref.finalize(self, mesh.shutdown)
+        mode = draft_mode()
+        # the greedy MTP draft chain scores its picks on every rank (parallel/draft.py); set before
+        # the first draft (rank 0's captured draft graphs keep what they captured)
+        self.draft_sharded = mesh.comm.draft_coll is not None and (
+            mode == "shard" or (mode is None and trunk.graphs_enabled))
 
     @property
     def graphs_enabled(self) -> bool:
@@ -76,6 +82,30 @@ class MeshTrunk:
         if self._mesh.comm.symm is not None:    # the ids stay on the device: no host read to send the step
             return self._call("verify", SharedIds(ids), pos)
         return self._call("verify", ids, pos)
+
+    def _send(self, name: str, *args: Any) -> None:
+        """A call only the other ranks run (rank 0 runs its side itself), pending work first."""
+        self._mesh.check()
+        call, _ = Call.of(name, *args, commits=tuple(self._commits))
+        self._commits.clear()
+        try:
+            self._mesh.comm.send_command(call.header())
+        except Exception as e:
+            raise self._mesh.fail(e) from None
+
+    def draft_rounds(self, k: int, eager: int, replays: int, now: bool = False) -> None:
+        """Before rank 0 runs a sharded greedy draft chain of k picks (`shard_argmax` k times): the
+        other ranks run their side as often, `eager` chains then `replays` replays of their graph.
+        Eager work must start now (rank 0 waits on it); a replay alone rides in the next header
+        (`now`: sent at once, e.g. for a probe that replays rank 0's graph by itself)."""
+        if eager or now or self.device.type != "cuda":     # an emulated (CPU) replay runs at once
+            self._send(DRAFT, k, eager, replays)
+        else:
+            self._commits.append((DRAFT, k, 0, replays))
+
+    def shard_argmax(self, h: torch.Tensor) -> torch.Tensor:
+        """Rank 0's side of one sharded greedy pick: the token [1] of argmax(h @ lm_head^T)."""
+        return shard_argmax(self._local.model, self._mesh.comm.draft_coll, h)
 
     def commit(self, n: int) -> None:
         """Runs here now and on the other ranks before the next call (no message of its own: an AR

@@ -39,7 +39,7 @@ def load_shard(spec: MeshSpec, comm: Comm) -> LocalTrunk:
         # the rows forward's collectives: symmetric memory (capturable) on CUDA, the same code over
         # gloo on the CPU; sized for ROWS_MAX rows of logits or hidden per rank
         h, vs = spec.cfg.hidden_size, plan.vocab_shard
-        comm.enable_graphs(4 * ROWS_MAX * spec.tp * max(vs, h))
+        comm.enable_graphs(4 * ROWS_MAX * spec.tp * max(vs, h), draft_bytes=4 * max(h, 2 * spec.tp))
     return trunk
 
 

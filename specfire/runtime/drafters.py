@@ -35,15 +35,22 @@ NO_DRAFT = torch.empty(0, dtype=torch.long)
 def draft_chain(head: MtpHead, embed: Callable[[torch.Tensor], torch.Tensor],
                 lm_logits: Callable[[torch.Tensor], torch.Tensor], state: SequenceState, toks: torch.Tensor,
                 hidden: torch.Tensor, pos: int | torch.Tensor, k: int, feed: str,
-                choose: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                choose: Callable[[torch.Tensor], torch.Tensor], n: torch.Tensor | None = None) -> torch.Tensor:
     """The MTP draft chain, written once: run eagerly, and captured into a CUDA graph (greedy)
     by runtime/graphs.py. Catch-up over the pending rows (hidden [m, H] at positions pos.., toks
     [m] the tokens after them), then k steps of `choose(logits [1, V]) -> [1]` each feeding the
     head its own output (`feed`) and its own draft. `pos` is an int, or a one-element device
-    tensor under capture. Returns the drafts [k], int64, on the device: no host read."""
+    tensor under capture. `n` (device, [1]): chain from row n, not the last (the rows after it
+    are a verify's rejected ones: their KV entries lie past row n and are rewritten before any
+    step reads them, as a rejected draft's are). Returns the drafts [k], int64, on the device:
+    no host read."""
     pre, post = head(embed(toks), hidden, pos, state, rows=True)
-    h_pre, h_post = pre[-1:], post[-1:]
-    p = pos + (toks.shape[0] - 1)                                             # position of the last row
+    if n is None:
+        h_pre, h_post = pre[-1:], post[-1:]
+        p = pos + (toks.shape[0] - 1)                                         # position of the last row
+    else:
+        h_pre, h_post = pre.index_select(0, n), post.index_select(0, n)
+        p = pos + n
     drafts = []
     for step in range(k):
         tok = choose(lm_logits(h_post))                                       # [1]
@@ -58,6 +65,10 @@ def draft_chain(head: MtpHead, embed: Callable[[torch.Tensor], torch.Tensor],
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
+
+
+def _picked(tok: torch.Tensor) -> torch.Tensor:
+    return tok
 
 
 class MtpDrafter:
@@ -86,6 +97,9 @@ class MtpDrafter:
         self._hidden: list[torch.Tensor] = []      # trunk hidden rows not yet fed to the head
         self._tokens: list[torch.Tensor] = []      # the tokens following them, on the device
         self._pos0 = 0                             # position of the first pending row
+        self._pre = None                           # ((k, pos), drafts) queued by `prepare`
+        self.ahead = True                          # `prepare` queues the next chain (off: after the read)
+        self._graphs_sharded = False               # the pick mode the captured greedy chains hold
         if trunk.graphs_enabled:
             from .graphs import DraftGraphs
             self.graphs = DraftGraphs(self._chain_for, head.fc.weight.device)
@@ -108,10 +122,18 @@ class MtpDrafter:
         return draft_chain(self.head, self.trunk.embed, self.trunk.lm_logits, self.state, toks, hidden, pos,
                            k, self.feed, choose)
 
+    def _chain_after(self, toks, hidden, pos, n, k) -> torch.Tensor:
+        """The greedy chain from row n of a verify's k+1 rows (`prepare`)."""
+        lm, choose = (self.trunk.shard_argmax, _picked) if self._sharded else (self.trunk.lm_logits, argmax)
+        return draft_chain(self.head, self.trunk.embed, lm, self.state, toks, hidden, pos, k, self.feed, choose, n)
+
     def _chain_for(self, toks, hidden, pos, k, sp: SamplingParams | None,
                    rng: DeviceRng | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The chain greedy (sp None or greedy), or sampled from `rng` with the distributions kept."""
         if sp is None or sp.greedy:
+            if self._sharded:   # a mesh: every rank scores its vocabulary rows, the pick is argmax's
+                return draft_chain(self.head, self.trunk.embed, self.trunk.shard_argmax, self.state, toks, hidden,
+                                   pos, k, self.feed, _picked), None
             return self._chain(toks, hidden, pos, k, argmax), None
         qs: list[torch.Tensor] = []
 
@@ -129,12 +151,19 @@ class MtpDrafter:
             emb = self.trunk.embed(prompt[1:])
             self.head(emb, hidden[:-1], 0, self.state, rows=False)
         self._hidden, self._tokens, self._pos0 = [hidden[-1:]], [], t - 1
+        self._pre = None
 
     @torch.inference_mode()
     def propose(self, last: int, pos: int, k: int, sp: SamplingParams,
                 gen: DeviceRng | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if k <= 0:
             return NO_DRAFT, None
+        self._check_mode()
+        pre, self._pre = self._pre, None
+        if pre is not None and pre[0] == (k, self._pos0) and sp.greedy and len(self._hidden) == 1:
+            # queued by `prepare` over exactly these pending rows (this k, this position): the same chain
+            self._hidden, self._tokens, self._pos0 = [], [], self._pos0 + self._hidden[0].shape[0]
+            return pre[1], None
         hidden = self._hidden[0] if len(self._hidden) == 1 else torch.cat(self._hidden)
         toks = self._tokens[0] if len(self._tokens) == 1 else torch.cat(self._tokens)
         pos0, m = self._pos0, hidden.shape[0]
@@ -143,9 +172,43 @@ class MtpDrafter:
             self.head(self.trunk.embed(toks[:-1]), hidden[:-1], pos0, self.state, rows=False)
             pos0, hidden, toks = pos0 + m - 1, hidden[-1:], toks[-1:]
         self._hidden, self._tokens, self._pos0 = [], [], self._pos0 + m
+        sharded = sp.greedy and self._sharded      # the other ranks run their side of the chain alongside
         if self.graphs is not None and (sp.greedy or gen is not None):
+            if sharded:
+                fresh = not self.graphs.captured(toks.shape[0], k)
+                self.trunk.draft_rounds(k, self.graphs.warmup if fresh else 0, 1)
             return self.graphs.draft(toks, hidden, pos0, k, None if sp.greedy else sp, gen)
+        if sharded:
+            self.trunk.draft_rounds(k, 1, 0)
         return self._chain_for(toks, hidden, pos0, k, sp, gen)
+
+    @torch.inference_mode()
+    def prepare(self, hidden: torch.Tensor, targets: torch.Tensor, n: torch.Tensor, pos: int, k: int) -> None:
+        """Queue the next greedy chain (k drafts) right after a verify of k drafts at `pos`, before its
+        result is read: over all k+1 rows (hidden, targets) from row n (the accepted count, still on
+        the device). The next `propose` returns it when its pending rows are exactly this verify's
+        and it asks for k drafts; otherwise it is dropped. Where the chain replays CUDA graphs, so
+        the device drafts while the host reads the step and commits (no idle gap between them)."""
+        self._pre = None
+        if not self.ahead or self.graphs is None or k <= 0 or pos + 2 * k > self.trunk.max_seq:   # its steps reach pos + n + k - 1
+            return
+        self._check_mode()
+        if self._sharded:
+            fresh = not self.graphs.captured(k + 1, k, "after")
+            self.trunk.draft_rounds(k, self.graphs.warmup if fresh else 0, 1, now=True)
+        drafts = self.graphs.draft_after(self._chain_after, targets, hidden, pos, n.view(1), k)
+        self._pre = ((k, pos), drafts)
+
+    def _check_mode(self) -> None:
+        """Captured greedy chains keep the picks they were captured with: a changed mode drops them."""
+        if self.graphs is not None and self._sharded != self._graphs_sharded:
+            self.graphs.clear()
+            self._graphs_sharded = self._sharded
+
+    @property
+    def _sharded(self) -> bool:
+        """The greedy chain's picks are scored by every rank of a mesh (parallel/draft.py)."""
+        return bool(getattr(self.trunk, "draft_sharded", False))
 
     def commit(self, out: list[int], hidden: torch.Tensor, out_dev: torch.Tensor) -> None:
         # rows of the trunk at the step's positions, followed by the emitted tokens

@@ -116,6 +116,8 @@ class FnGraphs:
     state: otherwise the warm-up would consume numbers the eager path does not). `emulate` (CPU,
     tests): the same protocol run eagerly, so a CPU test can compare it with the eager path."""
 
+    WARMUP = 2          # eager runs before a capture (compile and autotune every kernel)
+
     def __init__(self, device: torch.device, emulate: bool = False):
         self.device, self.emulate = torch.device(device), emulate
         self.pool = None if emulate else torch.cuda.graph_pool_handle()
@@ -151,7 +153,7 @@ class FnGraphs:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up outside the capture (kernel compilation)
-                for _ in range(2):
+                for _ in range(self.WARMUP):
                     fn(*ins)
             torch.cuda.current_stream().wait_stream(side)
             for t, v in zip(keep, saved):
@@ -171,6 +173,8 @@ class DraftGraphs:
     device random stream (runtime/rng.py) whose counter the replay advances. The position is a
     device tensor, as in RowsGraphs."""
 
+    WARMUP = FnGraphs.WARMUP
+
     def __init__(self, chain: Chain, device: torch.device, emulate: bool = False):
         self.chain = chain                  # (toks, hidden, pos tensor, k, sp, rng) -> (drafts [k], q [k, V] | None)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
@@ -179,6 +183,24 @@ class DraftGraphs:
     @property
     def graphs(self) -> dict:
         return self.fns.graphs
+
+    @property
+    def warmup(self) -> int:
+        """Eager runs of the chain before its first replay (an emulated capture runs it once)."""
+        return 1 if self.fns.emulate else self.WARMUP
+
+    def captured(self, m: int, k: int, kind: str | None = None) -> bool:
+        """Whether the greedy chain over m pending rows and k drafts replays without a capture
+        (`kind` "after": the chain from a device row index, `draft_after`)."""
+        return (m, k, kind) in self.fns.graphs
+
+    def draft_after(self, chain, toks: torch.Tensor, hidden: torch.Tensor, pos0: int, n: torch.Tensor,
+                    k: int) -> torch.Tensor:
+        """The greedy chain(toks, hidden, pos tensor, n, k) -> drafts [k] over all of a verify's rows
+        from row n ([1], on the device), replayed from a graph per (rows, k)."""
+        self.pos.fill_(pos0)
+        key = (toks.shape[0], k, "after")
+        return self.fns.run(key, lambda t, h, p, nn: (chain(t, h, p, nn, k),), (toks, hidden, self.pos, n))[0]
 
     def clear(self) -> None:
         self.fns.clear()

@@ -171,6 +171,8 @@ def launch(trunk: Trunk, drafter: Drafter | None, route: str, last: int, last_de
     if sp.greedy:
         targets, n = greedy_accept(rows.logits, ids[1:])
         res, ev = bufs.send(torch.cat([n.view(1), targets]))
+        if kk and hasattr(drafter, "prepare"):    # the next chain drafts while the host reads this step
+            drafter.prepare(rows.hidden, targets, n, pos, kk)
         return Launched(route, kk, pos, rows.hidden, targets, res, ev)
     with torch.inference_mode():
         n, targets = bufs.accept(rows.logits, ids[1:], q, sp, gen)

@@ -16,7 +16,8 @@ _OVERRIDABLE = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", 
                 "checkpoint_every_s", "tokenizer_sample_bytes", "max_train_bytes",
                 "ul_steps", "ul_time_s", "ul_lr", "ul_warmup", "ul_token_weight", "ul_seq_weight", "ul_ngram",
                 "ul_prompt_min", "ul_prompt_max", "ul_new_tokens", "ul_pool", "ul_batch", "ul_data_batch",
-                "ul_snapshots", "ul_eval_prompts")
+                "ul_snapshots", "ul_eval_prompts", "ul_kl_weight", "ul_select", "ul_ppl_budget", "ul_ppl_every",
+                "ul_select_tokens", "ul_probe_steps", "ul_word_bans")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -113,6 +113,14 @@ class TrainConfig:
     ul_snapshots: int = 2               # interim exports (packed as ul-N.tar) at even fractions of the phase
     ul_eval_prompts: int = 128          # held-out prompts for the repetition log (0: no log)
     ul_eval_prompt_tokens: int = 24
+    ul_kl_weight: float = 0.0           # KL(starting model || model) on the corpus batches (perplexity guard)
+    ul_select: int = 0                  # 1: score each snapshot (select.py) and end on the rule's pick,
+                                        #   exporting only it (and the last weights as last.tar if they differ)
+    ul_ppl_budget: float = 0.05         # the rule's held-out perplexity budget over the starting model
+    ul_ppl_every: int = 4               # the snapshot perplexity scores every Nth window of the held-out text
+    ul_select_tokens: int = 160         # greedy tokens per prompt when scoring a snapshot (the benchmark's)
+    ul_word_bans: int = 0               # 1: never ban a token that continues a word (unlikelihood.word_edges):
+                                        #   repeats are refused where a new word or symbol starts
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "steps", "batch_size",
@@ -128,19 +136,22 @@ class TrainConfig:
             raise ValueError(f"train option corpus must be 'stdlib' or 'site', got {self.corpus!r}")
         if not 0.0 <= self.mtp_distill <= 1.0:
             raise ValueError(f"train option mtp_distill must be in [0, 1], got {self.mtp_distill}")
-        for name in ("ul_steps", "ul_warmup", "ul_snapshots", "ul_eval_prompts"):
+        for name in ("ul_steps", "ul_warmup", "ul_snapshots", "ul_eval_prompts", "ul_select", "ul_word_bans"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"train option {name} must be a non-negative integer, got {v!r}")
         if self.ul_steps:
             for name in ("ul_ngram", "ul_prompt_min", "ul_new_tokens", "ul_pool", "ul_batch", "ul_data_batch",
-                         "ul_eval_prompt_tokens", "ul_probe_steps"):
+                         "ul_eval_prompt_tokens", "ul_probe_steps", "ul_ppl_every", "ul_select_tokens"):
                 v = getattr(self, name)
                 if not isinstance(v, int) or v <= 0:
                     raise ValueError(f"train option {name} must be a positive integer, got {v!r}")
             if self.ul_prompt_max < self.ul_prompt_min:
                 raise ValueError(f"train option ul_prompt_max ({self.ul_prompt_max}) must be >= ul_prompt_min "
                                  f"({self.ul_prompt_min})")
+            if self.ul_kl_weight < 0 or self.ul_ppl_budget < 0:
+                raise ValueError(f"train options ul_kl_weight and ul_ppl_budget must be >= 0, got "
+                                 f"{self.ul_kl_weight}, {self.ul_ppl_budget}")
             if self.ul_batch > self.ul_pool:
                 raise ValueError(f"train option ul_batch ({self.ul_batch}) must be <= ul_pool ({self.ul_pool})")
         if self.init is not None and not self.ul_steps:

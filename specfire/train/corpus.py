@@ -34,6 +34,7 @@ class Corpus:
     skipped_non_utf8: list[str] = field(default_factory=list)
     held_out_stdlib: list[tuple[str, str]] = field(default_factory=list)   # `site`: the stdlib part
     packages: list = field(default_factory=list)                           # `site`: sources.Package
+    hash_ceiling: int = 2**32        # train holds only files whose path hash is below this (a prefilter)
 
     def summary(self) -> dict:
         return {"root": self.root, "extra_roots": self.extra_roots, "train_files": len(self.train),
@@ -123,11 +124,14 @@ def build_corpus(root: str | None = None, max_files: int | None = None,
 
 
 def build_site_corpus(held_out_packages: tuple[str, ...] = HELD_OUT_PACKAGES, max_files: int | None = None,
-                      dirs: list[str] | None = None, log=None) -> Corpus:
+                      dirs: list[str] | None = None, log=None, max_bytes: int | None = None) -> Corpus:
     """The standard library (its HELD_OUT modules held out) and every permissively licensed
     distribution of site-packages (`held_out_packages` held out whole), filtered and deduplicated.
     `held_out` holds the held-out packages' files, `held_out_stdlib` the held-out stdlib modules;
-    `max_files` caps the files read per package (a smoke test)."""
+    `max_files` caps the files read per package (a smoke test). `max_bytes`: the caller keeps only
+    `subsample(train, max_bytes)`, so training files whose path hash cannot fall in that sample
+    (sizes from the file system, with a 30% margin for what the filters drop) are not even read:
+    the same kind of sample, in seconds instead of reading every file."""
     from . import sources
 
     root = stdlib_root()
@@ -159,6 +163,11 @@ def build_site_corpus(held_out_packages: tuple[str, ...] = HELD_OUT_PACKAGES, ma
         held_dedup.seen(text)
         c.held_out_stdlib.append((rel, text))
     dedup = sources.Deduper()
+    c.hash_ceiling = _prefilter_cut(std.train, [(p, f) for p, f in dists if p.name not in held and p.permissive],
+                                    max_files, max_bytes)
+
+    def keep(key: str) -> bool:
+        return c.hash_ceiling >= 2**32 or _path_hash(key) < c.hash_ceiling
 
     def add(pkg, rel: str, text: str) -> None:
         if held_dedup.overlap(text) >= sources.NEAR_DUP_FRAC:
@@ -173,7 +182,8 @@ def build_site_corpus(held_out_packages: tuple[str, ...] = HELD_OUT_PACKAGES, ma
         pkg.bytes += len(text.encode())
 
     for rel, text in std.train[:max_files]:
-        add(stdpkg, rel, text)
+        if keep(rel):
+            add(stdpkg, rel, text)
     for pkg, files in dists:
         if pkg.name in held:
             continue
@@ -181,6 +191,8 @@ def build_site_corpus(held_out_packages: tuple[str, ...] = HELD_OUT_PACKAGES, ma
         if not pkg.permissive:
             continue
         for rel, path in files[:max_files]:
+            if not keep(f"{pkg.name}/{rel}"):
+                continue
             text, why = sources.file_filter(rel, sources.read(path) or b"")
             if text is None:
                 pkg.drop(why)
@@ -230,14 +242,33 @@ def held_out_sources(held_out_packages: tuple[str, ...] = HELD_OUT_PACKAGES,
     return out
 
 
-def subsample(docs: list[tuple[str, str]], max_bytes: int) -> list[tuple[str, str]]:
-    """Docs whose stable path hash falls in the first max_bytes/total share: an even, deterministic
-    sample across packages when the corpus is larger than the training budget can see."""
+def _path_hash(key: str) -> int:
     import hashlib
 
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "little")
+
+
+def _prefilter_cut(std_train, dists, max_files: int | None, max_bytes: int | None) -> int:
+    """build_site_corpus reads only training files whose path hash lies below this: 2**32 (all),
+    or a cut with room for subsample(max_bytes) after filtering and deduplication."""
+    if not max_bytes:
+        return 2**32
+    size = sum(len(t.encode()) for _, t in std_train[:max_files])
+    for _, files in dists:
+        for _, path in files[:max_files]:
+            try:
+                size += os.path.getsize(path)
+            except OSError:
+                pass
+    return 2**32 if size <= 1.3 * max_bytes else int(2**32 * 1.3 * max_bytes / size)
+
+
+def subsample(docs: list[tuple[str, str]], max_bytes: int, ceiling: int = 2**32) -> list[tuple[str, str]]:
+    """Docs whose stable path hash falls in the first max_bytes/total share: an even, deterministic
+    sample across packages when the corpus is larger than the training budget can see. `ceiling`:
+    the docs are already those with a hash below it (Corpus.hash_ceiling), so the share is of it."""
     total = sum(len(t.encode()) for _, t in docs)
     if total <= max_bytes:
         return docs
-    cut = int(2**32 * max_bytes / total)
-    return [(r, t) for r, t in docs
-            if int.from_bytes(hashlib.blake2b(r.encode(), digest_size=4).digest(), "little") < cut]
+    cut = int(ceiling * max_bytes / total)
+    return [(r, t) for r, t in docs if _path_hash(r) < cut]

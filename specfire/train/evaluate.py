@@ -2,7 +2,8 @@
 checkpoint into transfer-sized tar parts.
 
 The held-out loss/perplexity and the MTP agreement figures of the model card come from here; so
-does `bench/bundled_ppl.py`, which scores several checkpoints (any tokenizer) on the same text.
+does `bench/bundled_ppl.py`, which scores several checkpoints (any tokenizer) on the same text
+(`total_nll`, also the unlikelihood phase's snapshot guard).
 """
 from __future__ import annotations
 
@@ -48,6 +49,40 @@ def evaluate(trunk, head, wins: torch.Tensor, mtp_steps: int, device, autocast: 
     out["windows"] = n
     out["tokens"] = n * wins.shape[1]
     return out
+
+
+def token_stream(tok, eot: int, docs: list[tuple[str, str]]) -> torch.Tensor:
+    """The documents' ids, each followed by the end-of-text id, as one 1-D stream."""
+    ids: list[int] = []
+    for enc in getattr(tok, "encode_batch_fast", tok.encode_batch)([t for _, t in docs], add_special_tokens=False):
+        ids.extend(enc.ids)
+        ids.append(eot)
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+@torch.no_grad()
+def total_nll(trunk, ids: torch.Tensor, seq_len: int, device, batch: int, every: int = 1) -> tuple[float, int]:
+    """(sum of -log p(token), tokens scored) over windows of seq_len overlapping by one token, so
+    every token after the first is scored once (`bench/bundled_ppl.py`'s perplexity); every > 1
+    scores only every such window (and no tail): a cheaper estimate on the same windows each time."""
+    from . import model as tm
+
+    step = seq_len - 1
+    starts = list(range(0, ids.numel() - 1, step))
+    full = [s for s in starts if s + seq_len <= ids.numel()][::every]
+    tail = [s for s in starts if s + seq_len > ids.numel()] if every == 1 else []
+    autocast = torch.device(device).type == "cuda"
+    nll, count = 0.0, 0
+    groups = [torch.stack([ids[s:s + seq_len] for s in full[i:i + batch]]) for i in range(0, len(full), batch)]
+    groups += [ids[s:].unsqueeze(0) for s in tail]
+    for g in groups:
+        g = g.to(device)
+        with torch.autocast(device_type=g.device.type, dtype=torch.bfloat16, enabled=autocast):
+            logits = tm.lm_logits(trunk, tm.trunk_hidden(trunk, g)).float()
+        nll += torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                 g[:, 1:].reshape(-1), reduction="sum").item()
+        count += g[:, 1:].numel()
+    return nll, count
 
 
 def pack(src_dir: str, dest_dir: str, name: str = "model.tar", part_bytes: int = PART_BYTES) -> list[str]:

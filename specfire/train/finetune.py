@@ -5,7 +5,10 @@ must keep agreeing with the trunk on exactly the text greedy decoding now writes
 
 Continuations come from pools of `ul_pool` rollouts regenerated whenever the steps have used a
 pool up, so the penalised repeats are always the current model's. Greedy repetition on held-out
-prompts (the model card's line measure) is logged before, at each snapshot and after.
+prompts (the model card's line measure) is logged before, at each snapshot and after. Optionally
+(`ul_kl_weight`) a KL term holds the corpus distribution at the starting model's, and (`ul_select`)
+each snapshot is scored (select.py: repetition on the benchmark's prompts, held-out perplexity) and
+the phase ends on the one the rule of select.py picks, instead of exporting every snapshot.
 """
 from __future__ import annotations
 
@@ -18,7 +21,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from . import select as sel
 from . import unlikelihood as ul
+from .evaluate import token_stream, total_nll
 from .rollout import greedy_rollout
 
 
@@ -115,11 +120,14 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, t
         return repetition(trunk, tok, held_prompts, tc.ul_new_tokens, eos_ids, tc.ul_ngram, False)
 
     teacher = None
-    if tc.ul_seq_anchor:     # the phase's starting trunk, frozen: the anchor of the sequence-level loss
+    if tc.ul_seq_anchor or tc.ul_kl_weight:   # the phase's starting trunk, frozen: the anchor of the
+                                              # sequence-level loss and the KL term's reference
         teacher = copy.deepcopy(trunk).eval()
         for p in teacher.parameters():
             p.requires_grad_(False)
-    out = {"repetition_before": rep_eval(), "history": [], "snapshots": []}
+    edges = ul.word_edges(tok, trunk.cfg.vocab_size) if tc.ul_word_bans else None
+    guard = _Guard(tc, trunk, head, tok, held_docs, eos_ids, held_prompts, log) if tc.ul_select else None
+    out = {"repetition_before": guard.start if guard else rep_eval(), "history": [], "snapshots": []}
     log("UL phase, held-out greedy repetition before: " + json.dumps(out["repetition_before"]))
     pool, used, p_len = None, 0, 0
     t0 = time.time()
@@ -163,13 +171,19 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, t
             lm = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
             mls, _ = mtp_losses(trunk, head, ids, h, logits, tc.mtp_steps, tc.mtp_distill)
             tok_ul = ul.token_unlikelihood(logits[:, :-1], ids) if tc.ul_token_weight else lm.new_zeros(())
+            kl = lm.new_zeros(())
+            if tc.ul_kl_weight:
+                with torch.no_grad():
+                    _, clogits = trunk_forward(teacher, ids)
+                kl = ul.kl_to_teacher(logits[:, :-1], clogits[:, :-1])
+                del clogits
             rh, rlogits = trunk_forward(trunk, seq)
             ban = None
-            if teacher is not None:
+            if tc.ul_seq_anchor:
                 with torch.no_grad():
                     _, tlogits = trunk_forward(teacher, seq)
                 if tc.ul_seq_ban:
-                    ban = ul.repeat_continuations(seq, p_len, tc.ul_ngram, rlogits.shape[-1])
+                    ban = ul.repeat_continuations(seq, p_len, tc.ul_ngram, rlogits.shape[-1], edges)
                     seq_ul = ul.banned_anchored_unlikelihood(rlogits[:, :-1], tlogits[:, :-1], ban, alive)
                 else:
                     seq_ul = ul.anchored_unlikelihood(rlogits[:, :-1], tlogits[:, :-1], seq, mask, alive)
@@ -177,7 +191,7 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, t
                 seq_ul = ul.sequence_unlikelihood(rlogits[:, :-1], seq, mask, alive)
             rmls, _ = mtp_losses(trunk, head, seq, rh, rlogits, tc.mtp_steps, 1.0)
             loss = (lm + tc.mtp_weight * (sum(mls) + sum(rmls)) + tc.ul_token_weight * tok_ul
-                    + tc.ul_seq_weight * seq_ul)
+                    + tc.ul_seq_weight * seq_ul + tc.ul_kl_weight * kl)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
@@ -190,7 +204,7 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, t
                 # the model's probability mass on repeat-completing tokens at alive positions
                 p_ban = (probs * ban[:, 1:]).sum(-1)[alive[:, 1:]].mean().item() if ban is not None else float("nan")
                 del probs
-            rec = {"step": step, "lr": lr, "loss": loss.item(), "lm": lm.item(), "token_ul": tok_ul.item(),
+            rec = {"step": step, "lr": lr, "loss": loss.item(), "lm": lm.item(), "kl": kl.item(), "token_ul": tok_ul.item(),
                    "p_repeat": p_rep.item(), "p_banned": p_ban,
                    "seq_ul": seq_ul.item(), "mtp": [m.item() for m in mls], "mtp_rollout": [m.item() for m in rmls],
                    "rollout_repeat_frac": float((mask & alive).sum() / alive.sum().clamp_min(1)),
@@ -199,13 +213,87 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, t
             log(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()}))
         done = step + 1
         if len(out["snapshots"]) < len(marks) and done >= marks[len(out["snapshots"])] and done < sched:
-            snap = {"step": done, "repetition": rep_eval()}
-            out["snapshots"].append(snap)
-            log(f"UL snapshot at step {done}: " + json.dumps(snap["repetition"]))
-            save(f"UL snapshot, step {done} of {sched}", f"ul-{len(out['snapshots'])}.tar", out)
+            if guard:
+                out["snapshots"].append(guard.score(done))
+            else:
+                snap = {"step": done, "repetition": rep_eval()}
+                out["snapshots"].append(snap)
+                log(f"UL snapshot at step {done}: " + json.dumps(snap["repetition"]))
+                save(f"UL snapshot, step {done} of {sched}", f"ul-{len(out['snapshots'])}.tar", out)
         if done >= sched or (limit_s and time.time() - t0 > limit_s):
             break
-    out.update(steps_done=step + 1, schedule_steps=sched, seconds=time.time() - t0,
-               repetition_after=rep_eval())
+    out.update(steps_done=step + 1, schedule_steps=sched, seconds=time.time() - t0)
+    if guard:
+        last = guard.rows[-1] if guard.rows and guard.rows[-1]["step"] == step + 1 else guard.score(step + 1)
+        out.update(repetition_after=last, selection=guard.finish(step + 1, save, out))
+    else:
+        out["repetition_after"] = rep_eval()
     log("UL phase done, held-out greedy repetition after: " + json.dumps(out["repetition_after"]))
     return out
+
+
+class _Guard:
+    """Scores snapshots (select.py) and keeps the weights of the best one so far in memory."""
+
+    def __init__(self, tc, trunk, head, tok, held_docs, eos_ids, held_prompts, log):
+        self.tc, self.trunk, self.head, self.tok, self.eos, self.log = tc, trunk, head, tok, eos_ids, log
+        self.dev = next(trunk.parameters()).device
+        self.prompts = {"bench": [tok.encode(p, add_special_tokens=False).ids for p in sel.LOOP_PROMPTS]}
+        if held_prompts is not None:
+            self.prompts["held_out"] = held_prompts.tolist()
+        eot = eos_ids[0]
+        # in bench/bundled_ppl.py's order (package, then file path), so the whole-text figure is its figure
+        held_docs = sorted(held_docs, key=lambda d: (d[0].split("/", 1)[0], d[0]))
+        self.stream = token_stream(tok, eot, held_docs) if held_docs else None
+        if self.stream is not None and self.stream.numel() <= tc.seq_len:
+            self.stream = None
+        self.cands: list[sel.Candidate] = []
+        self.rows: list[dict] = []
+        self.best: tuple[sel.Candidate, dict] | None = None
+        self.start = self._figures()
+        self.ppl0 = self.start.get("ppl")
+        log("UL guard, starting model: " + json.dumps(self.start))
+
+    def _figures(self) -> dict:
+        t = time.time()
+        f = sel.loop_figures(self.trunk, self.tok, self.prompts, self.tc.ul_select_tokens, self.eos)
+        if self.stream is not None:
+            self.trunk.eval()
+            nll, n = total_nll(self.trunk, self.stream, self.tc.seq_len, self.dev, 32, self.tc.ul_ppl_every)
+            self.trunk.train()
+            f["ppl"] = math.exp(nll / max(1, n))
+            f["ppl_tokens"] = n
+        f["seconds"] = round(time.time() - t, 2)
+        return f
+
+    def score(self, step: int) -> dict:
+        f = self._figures()
+        ratio = f["ppl"] / self.ppl0 if self.ppl0 else 1.0
+        c = sel.Candidate(step, f.get("all", f["bench"])["repeated_line_frac_guarded"], ratio)
+        self.cands.append(c)
+        row = {"step": step, "rep": c.rep, "ppl_ratio": ratio, **f}
+        self.rows.append(row)
+        if sel.choose(self.cands, self.tc.ul_ppl_budget) is c:
+            self.best = (c, (copy.deepcopy(self.trunk.state_dict()), copy.deepcopy(self.head.state_dict())))
+        self.log(f"UL guard at step {step}: " + json.dumps(row))
+        return row
+
+    def finish(self, step: int, save, out: dict) -> dict:
+        """Apply the rule: load the chosen snapshot's weights (the last weights are packed as
+        last.tar first when they differ), or keep the last weights when none is within budget."""
+        choice = sel.choose(self.cands, self.tc.ul_ppl_budget)
+        res = {"rule": f"lowest guarded repetition on LOOP_PROMPTS + held-out prompts pooled, with held-out ppl "
+                       f"(every {self.tc.ul_ppl_every}th window) <= {1 + self.tc.ul_ppl_budget:.2f}x start",
+               "start": self.start, "candidates": self.rows,
+               "chosen_step": choice.step if choice else None}
+        if choice is None:
+            self.log("UL guard: no snapshot within the perplexity budget; the last weights stay")
+        elif choice.step != step:
+            save(f"UL last weights, step {step} (not chosen)", "last.tar", {**out, "selection": res})
+            trunk_sd, head_sd = self.best[1]
+            self.trunk.load_state_dict(trunk_sd)
+            self.head.load_state_dict(head_sd)
+            self.log(f"UL guard: chose step {choice.step} (rep {choice.rep:.3f}, ppl x{choice.ppl_ratio:.3f})")
+        else:
+            self.log(f"UL guard: chose the last step {step} (rep {choice.rep:.3f}, ppl x{choice.ppl_ratio:.3f})")
+        return res

@@ -92,17 +92,30 @@ def step_logits(trunk, tokens: torch.Tensor, pos: int, state: _State) -> torch.T
 
 
 @torch.no_grad()
-def greedy_rollout(trunk, prompts: torch.Tensor, new_tokens: int, autocast: bool = False) -> torch.Tensor:
-    """prompts [B, P] (one length) -> [B, P + new_tokens]: each prompt followed by its greedy
-    continuation (end-of-text is not special here: callers mask what follows it)."""
+def greedy_rollout(trunk, prompts: torch.Tensor, new_tokens: int, autocast: bool = False,
+                   lengths: list[int] | None = None) -> torch.Tensor:
+    """prompts [B, P] -> [B, P + new_tokens]: each prompt followed by its greedy continuation
+    (end-of-text is not special here: callers mask what follows it). With `lengths`, row b's
+    prompt is its first lengths[b] tokens (the rest is padding, overwritten) and its continuation
+    fills [lengths[b], lengths[b] + new_tokens): prompts of several lengths in one batch."""
     b, p = prompts.shape
     dev = prompts.device
-    state = _State(trunk, b, p + new_tokens, dev)
-    out = torch.empty(b, p + new_tokens, dtype=torch.long, device=dev)
+    total = p + new_tokens
+    state = _State(trunk, b, total, dev)
+    out = torch.empty(b, total, dtype=torch.long, device=dev)
     out[:, :p] = prompts
+    first = p
+    if lengths is not None:
+        if len(lengths) != b or min(lengths) < 1 or max(lengths) > p:
+            raise ValueError(f"greedy_rollout: lengths must be {b} values in [1, {p}], got {lengths}")
+        lens = torch.tensor(lengths, device=dev)
+        first = min(lengths)
     with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=autocast):
-        for pos in range(p + new_tokens - 1):
+        for pos in range(total - 1):
             logits = step_logits(trunk, out[:, pos], pos, state)
-            if pos + 1 >= p:
-                out[:, pos + 1] = logits.float().argmax(-1)
+            if pos + 1 >= first:
+                nxt = logits.float().argmax(-1)
+                if lengths is not None:     # rows still inside their prompt keep the prompt's token
+                    nxt = torch.where(lens <= pos + 1, nxt, out[:, pos + 1])
+                out[:, pos + 1] = nxt
     return out

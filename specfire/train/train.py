@@ -116,7 +116,8 @@ def _tokenizer_sample(docs: list[tuple[str, str]], budget: int):
 
 def _corpus(tc: TrainConfig, log):
     if tc.corpus == "site":
-        return build_site_corpus(tuple(tc.held_out_packages), tc.max_files, log=log)
+        return build_site_corpus(tuple(tc.held_out_packages), tc.max_files, log=log,
+                                 max_bytes=tc.max_train_bytes if tc.init else None)
     return build_corpus(tc.corpus_root, tc.max_files, tc.extra_corpus_roots)
 
 
@@ -258,7 +259,7 @@ def run(tc: TrainConfig, log=print) -> dict:
     corpus = _corpus(tc, log)
     if sum(len(t) for _, t in corpus.train) > tc.max_train_bytes:
         n = len(corpus.train)
-        corpus.train = subsample(corpus.train, tc.max_train_bytes)
+        corpus.train = subsample(corpus.train, tc.max_train_bytes, corpus.hash_ceiling)
         log(f"corpus subsampled to {len(corpus.train)} of {n} files (max_train_bytes {tc.max_train_bytes})")
     csum = corpus.summary()
     log(f"corpus ({tc.corpus}): {csum['train_files']} train files ({csum['train_bytes'] / 1e6:.1f} MB), "

@@ -5,7 +5,8 @@ wrote). Likelihood training alone does not penalise that; unlikelihood does, at 
 * token level, on corpus text: at each position, push down the probability of tokens that already
   occurred in the context but are not the next token;
 * sequence level, on the model's own greedy continuations: push down the probability of each
-  generated token that completes or lies inside an n-gram the sequence already contained.
+  generated token that completes or lies inside an n-gram the sequence already contained;
+and `kl_to_teacher` holds the corpus distribution where the starting model had it.
 `line_stats` is the measure the model card's repetition target uses (bench/bundled_loops.py).
 """
 from __future__ import annotations
@@ -81,10 +82,27 @@ def anchored_unlikelihood(logits: torch.Tensor, teacher_logits: torch.Tensor, se
     return (ce * a).sum() / a.sum().clamp_min(1)
 
 
-def repeat_continuations(seq: torch.Tensor, start: int, n: int, vocab: int) -> torch.Tensor:
+def word_edges(tok, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(starts_ident, ends_ident), bool [vocab]: whether each token's text begins / ends with an
+    identifier character (letter, digit, `_`); ids the tokenizer lacks are False on both."""
+    starts = torch.zeros(vocab, dtype=torch.bool)
+    ends = torch.zeros(vocab, dtype=torch.bool)
+    for i in range(min(vocab, tok.get_vocab_size())):
+        t = tok.decode([i], skip_special_tokens=False)
+        if t:
+            starts[i] = t[0].isalnum() or t[0] == "_"
+            ends[i] = t[-1].isalnum() or t[-1] == "_"
+    return starts, ends
+
+
+def repeat_continuations(seq: torch.Tensor, start: int, n: int, vocab: int,
+                         edges: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """seq [B, L] -> bool [B, L, V]: at position i >= start, the tokens c for which seq[i-n+1:i] + c
     repeats an n-gram that ended earlier in the sequence (prompt included): what may follow the
-    last n-1 tokens without completing a repeat is everything else."""
+    last n-1 tokens without completing a repeat is everything else. `edges` (word_edges): a token
+    that would continue a word (the previous token ends with an identifier character and c begins
+    with one) is never banned, so a repeat is refused only where a new word or symbol starts and
+    cannot be escaped by misspelling the rest of a name."""
     b, length = seq.shape
     m = n - 1
     ban = torch.zeros(b, length, vocab, dtype=torch.bool, device=seq.device)
@@ -97,7 +115,12 @@ def repeat_continuations(seq: torch.Tensor, start: int, n: int, vocab: int) -> t
     idx = torch.arange(length, device=seq.device)
     valid = (idx[None, :] < idx[:, None]) & (idx[None, :] >= m) & (idx[:, None] >= max(m, start))
     bi, ii, jj = (eq & valid[None]).nonzero(as_tuple=True)
-    ban[bi, ii, seq[bi, jj]] = True
+    c = seq[bi, jj]
+    if edges is not None:
+        starts, ends = (e.to(seq.device) for e in edges)
+        word_start = ~(ends[seq[bi, ii - 1]] & starts[c])
+        bi, ii, c = bi[word_start], ii[word_start], c[word_start]
+    ban[bi, ii, c] = True
     return ban
 
 
@@ -113,6 +136,15 @@ def banned_anchored_unlikelihood(logits: torch.Tensor, teacher_logits: torch.Ten
     ce = -(q * logits.float().log_softmax(-1)).sum(-1)
     a = alive[:, 1:]
     return (ce * a).sum() / a.sum().clamp_min(1)
+
+
+def kl_to_teacher(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || model) per position, averaged over positions (logits [..., V]): on corpus
+    text it holds the fine-tuned model's whole next-token distribution where the starting model's
+    was, which a one-hot likelihood term alone does not (the held-out perplexity guard)."""
+    logq = teacher_logits.float().log_softmax(-1)
+    logp = logits.float().log_softmax(-1)
+    return (logq.exp() * (logq - logp)).sum(-1).mean()
 
 
 def alive_mask(seq: torch.Tensor, start: int, eos_ids: tuple[int, ...]) -> torch.Tensor:

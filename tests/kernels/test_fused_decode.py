@@ -25,12 +25,22 @@ def _gdn_inputs(t, hk, hv, dk, dv, kk, dtype, seed):
     return qkv, a, b, win, w, a_log, dtb, s
 
 
+def _gate_inputs(t, hv, dv, dtype, seed):
+    """z with a row stride wider than Hv * dv (a view into a grouped projection's buffer) and the
+    gated norm's weight."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    z = (torch.randn(t, hv * dv + 3, generator=g) * 2).to(dtype)[:, 1:1 + hv * dv]
+    nw = (1 + 0.2 * torch.randn(dv, generator=g)).to(dtype)
+    return z, nw
+
+
 GDN_SHAPES = [(1, 1, 2, 8, 12, 4, 8), (3, 2, 4, 6, 10, 4, 8), (2, 1, 1, 5, 7, 3, 16)]   # tails: dk 6, 5; dv 10, 7
 
 
 @pytest.mark.parametrize("t,hk,hv,dk,dv,kk,bv", GDN_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gdn_decode_matches_reference(t, hk, hv, dk, dv, kk, bv, dtype):
+    """bv < dv: a head's columns split over programs (no norm); bv 16: whole heads."""
     args = _gdn_inputs(t, hk, hv, dk, dv, kk, dtype, seed=t * 31 + dk + dv)
     s0 = args[-1].clone()
     o, caps, full = gdn_decode_triton(*args, hk, dk, dv, bv=bv)
@@ -45,14 +55,39 @@ def test_gdn_decode_matches_reference(t, hk, hv, dk, dv, kk, bv, dtype):
         torch.testing.assert_close(o.float(), ro.float(), rtol=2 ** -7, atol=1e-3)
 
 
-def test_gdn_decode_rows_equal_chained_single_rows():
+@pytest.mark.parametrize("t,hk,hv,dk,dv,kk", [(1, 1, 2, 8, 12, 4), (3, 2, 4, 6, 10, 4), (2, 1, 3, 5, 7, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gdn_decode_gated_norm_matches_reference(t, hk, hv, dk, dv, kk, dtype):
+    """The default launch: one program per whole value head, the gated RMSNorm folded in (masked
+    tails: dv 12 / 10 / 7 in a block of 16 / 16 / 8 lanes)."""
+    args = _gdn_inputs(t, hk, hv, dk, dv, kk, dtype, seed=t * 17 + dk + dv)
+    z, nw = _gate_inputs(t, hv, dv, dtype, seed=t + dv)
+    o, caps, full = gdn_decode_triton(*args, hk, dk, dv, z, nw, 1e-6)
+    ro, rcaps, rfull = gdn_decode_ref(*args, hk, dk, dv, z, nw, 1e-6)
+    assert o.dtype == dtype and o.shape == (t, hv, dv)
+    assert torch.equal(full, rfull)
+    torch.testing.assert_close(caps, rcaps, rtol=1e-5, atol=1e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(o, ro, rtol=1e-5, atol=1e-5)
+    else:   # the norm rounds three times; a unit's difference in o can move a value by a few units
+        torch.testing.assert_close(o.float(), ro.float(), rtol=2 ** -5, atol=2e-2)
+    o2, caps2, _ = gdn_decode_triton(*args, hk, dk, dv, z, nw, 1e-6, bv=4)   # split heads: the norm after
+    torch.testing.assert_close(caps2, rcaps, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(o2.float(), ro.float(), rtol=2 ** -5, atol=2e-2)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_gdn_decode_rows_equal_chained_single_rows(norm):
     t, hk, hv, dk, dv, kk = 3, 1, 2, 6, 5, 4
     qkv, a, b, win, w, a_log, dtb, s = _gdn_inputs(t, hk, hv, dk, dv, kk, torch.bfloat16, seed=7)
-    o, caps, full = gdn_decode_triton(qkv, a, b, win, w, a_log, dtb, s, hk, dk, dv, bv=4)
+    z, nw = _gate_inputs(t, hv, dv, torch.bfloat16, seed=7) if norm else (None, None)
+    kw = {"bv": None if norm else 4}
+    o, caps, full = gdn_decode_triton(qkv, a, b, win, w, a_log, dtb, s, hk, dk, dv, z, nw, **kw)
     cur_s, cur_w = s, win
     for i in range(t):
+        zi = z[i:i + 1] if norm else None
         o1, c1, f1 = gdn_decode_triton(qkv[i:i + 1], a[i:i + 1], b[i:i + 1], cur_w, w, a_log, dtb, cur_s,
-                                       hk, dk, dv, bv=4)
+                                       hk, dk, dv, zi, nw, **kw)
         assert torch.equal(o1[0], o[i]) and torch.equal(c1[0], caps[i]), i
         cur_s, cur_w = caps[i], full[i + 1:i + kk]             # what commit(i) installs
         assert torch.equal(f1[1:], cur_w)
@@ -68,18 +103,22 @@ def test_gdn_decode_compiles_one_binary_for_every_row_count():
     assert "n_rows" in (opts.get("do_not_specialize") or [])
 
 
-def test_gdn_decode_head_shard_equals_whole():
+@pytest.mark.parametrize("norm", [False, True])
+def test_gdn_decode_head_shard_equals_whole(norm):
     t, hk, hv, dk, dv, kk = 2, 2, 4, 4, 4, 4
     qkv, a, b, win, w, a_log, dtb, s = _gdn_inputs(t, hk, hv, dk, dv, kk, torch.bfloat16, seed=3)
-    o, caps, full = gdn_decode_triton(qkv, a, b, win, w, a_log, dtb, s, hk, dk, dv, bv=4)
+    z, nw = _gate_inputs(t, hv, dv, torch.bfloat16, seed=3) if norm else (None, None)
+    kw = {"bv": None if norm else 2}
+    o, caps, full = gdn_decode_triton(qkv, a, b, win, w, a_log, dtb, s, hk, dk, dv, z, nw, **kw)
     rep, kd = hv // hk, hk * dk
     for k0, k1 in ((0, 1), (1, 2)):                       # shards of key heads and their value heads
         h0, h1 = k0 * rep, k1 * rep
         ch = torch.cat([torch.arange(k0 * dk, k1 * dk), kd + torch.arange(k0 * dk, k1 * dk),
                         2 * kd + torch.arange(h0 * dv, h1 * dv)])
+        z2 = z[:, h0 * dv:h1 * dv] if norm else None
         o2, c2, f2 = gdn_decode_triton(qkv[:, ch].contiguous(), a[:, h0:h1].contiguous(), b[:, h0:h1].contiguous(),
                                        win[:, ch].contiguous(), w[ch].contiguous(), a_log[h0:h1], dtb[h0:h1],
-                                       s[h0:h1].contiguous(), k1 - k0, dk, dv, bv=4)
+                                       s[h0:h1].contiguous(), k1 - k0, dk, dv, z2, nw, **kw)
         assert torch.equal(o2, o[:, h0:h1]) and torch.equal(c2, caps[:, h0:h1]) and torch.equal(f2, full[:, ch])
 
 
@@ -87,6 +126,9 @@ def test_gdn_decode_rejects_bad_shapes():
     args = _gdn_inputs(2, 1, 2, 8, 12, 4, torch.float32, seed=1)
     with pytest.raises(ValueError, match="channels"):
         gdn_decode_triton(*args, 1, 8, 10)
+    z, nw = _gate_inputs(2, 2, 12, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="z of shape"):
+        gdn_decode_triton(*args, 1, 8, 12, z[:, :20], nw)
 
 
 def _attn_inputs(t, hq, hkv, d, r, dtype, seed, max_seq=16):

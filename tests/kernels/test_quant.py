@@ -115,6 +115,20 @@ def test_kernel_module_defines_each_kernel_once():
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
 
 
+def test_quantize_policy_covers_every_projection():
+    """`specfire quantize` takes every projection matrix, the GDN input projections included (they
+    were once left bf16 because only `*_proj` names counted), and keeps the per-head gates dense."""
+    from specfire.quantize import _quantizable
+
+    gdn = "model.layers.0.linear_attn."
+    for name in (gdn + "in_proj_qkv.weight", gdn + "in_proj_z.weight", gdn + "out_proj.weight", "mtp.fc.weight",
+                 "model.layers.3.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight", "lm_head.weight"):
+        assert _quantizable(name, (8, 8), False), name
+    for name in (gdn + "in_proj_a.weight", gdn + "in_proj_b.weight", "model.embed_tokens.weight", gdn + "norm.weight"):
+        assert not _quantizable(name, (8, 8), False), name
+    assert not _quantizable("lm_head.weight", (8, 8), True) and not _quantizable(gdn + "conv1d.weight", (8, 1, 4), False)
+
+
 def test_pick_group():
     assert pick_group(5120, 128) == 128 and pick_group(96, 128) == 32 and pick_group(48, 128) is None
 
@@ -228,7 +242,9 @@ def dense_equivalent(ckpts, tmp_path_factory):
             base = name[:-len("qweight")]
             dense[base + "weight"] = dequantize_ref(q[name], q[base + "scales"], q[base + "zeros"])
             n += 1
-    assert n == 25  # 4 layers x (3 MLP + 4 attention or 4 GDN projections) + lm_head + 8 in the MTP head
+    # 4 layers x 3 MLP + 4 attention (1 layer) + 2 GDN input projections (3 layers; out_proj's K = 48
+    # fits no group) + lm_head + 8 in the MTP head
+    assert n == 31
     save_file(dense, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     return out
 
@@ -250,7 +266,8 @@ def test_quantized_checkpoint_layout(ckpts):
 
 def test_quantized_model_equals_dequantized_and_is_near_source(ckpts, dense_equivalent):
     """Exact to the dense model with the dequantized weights; near the unquantized source (tiny
-    random models amplify weight error: 8% per weight gives about 35% on the logits here)."""
+    random models amplify weight error: 8% per weight gives about 63% on the logits here, with the
+    GDN input projections quantized too; quality on a trained model: bench/quant_ppl.py)."""
     from specfire import LLM
     from specfire.ops.quant import QuantWeight
 
@@ -268,7 +285,7 @@ def test_quantized_model_equals_dequantized_and_is_near_source(ckpts, dense_equi
         assert isinstance(b.engine.trunk.model.lm_head.weight, QuantWeight)
     torch.testing.assert_close(got, eff, rtol=1e-5, atol=1e-5)
     rel = float((got - ref).norm() / ref.norm())
-    assert 0.01 < rel < 0.6, rel
+    assert 0.01 < rel < 0.8, rel
 
 
 def test_mtp_equals_ar_on_quantized_model(ckpts):
@@ -330,3 +347,65 @@ def test_info_reports_memory_as_stored(ckpts):
     assert dense["quantization"] is None and q["group_size"] == 64
     assert 4.5 <= q["bits_per_weight"] <= 5.0 and q["mtp_quantized_weights"] > 0
     assert q["bits_per_parameter"] == 8 * stored / (q4["parameters"] + q4["mtp_parameters"])
+
+
+# ---- grouped launches: 4-bit weights of one input in one launch ------------------------------
+
+def _qw(n, k, g, seed, tile=64, had=False):
+    qw = QuantWeight.quantize(torch.randn(n, k, generator=_g(seed)), g, had)
+    return QuantWeight(qw.qweight, qw.scales_t, qw.zeros_t, had, qw.dtype, tile)
+
+
+@pytest.mark.parametrize("cfg,tile", [(Q4Config(32, split_k=2), 64), (Q4Config(64, split_k=2, sem=False, wa=True), 0)])
+def test_q4_group_equals_separate_launches_and_is_row_invariant(cfg, tile):
+    """q4_group: two and four weights of one input (odd N, masked group tails, split-K combined in
+    the kernel or by a second launch, rows and tiles) give each output the bits of its own launch
+    with the same settings, 128-byte aligned; each row of an M-row call equals a one-row call."""
+    from specfire.ops.triton_quant import q4_group
+
+    k, g = 192, 64                               # 3 groups: split 2 leaves a short last split
+    ws = [_qw(n, k, g, 30 + n, tile) for n in (37, 20, 5, 70)]
+    x = torch.randn(2, k, generator=_g(31))
+    for sel in ((3, 2, 0, 1), (1, 2)):
+        group = [ws[i] for i in sel]
+        got = q4_group(x, group, cfg)
+        assert [tuple(y.shape) for y in got] == [(2, w.shape[0]) for w in group]
+        assert all(y.is_contiguous() and (y.data_ptr() - got[0].data_ptr()) % 128 == 0 for y in got)
+        for y, w in zip(got, group):
+            assert torch.equal(y, q4_gemv(x, w, cfg))
+            ref = linear_rows_ref(x, w.dequantize())
+            assert float((y - ref).norm() / ref.norm()) < 3e-5
+    for i in range(2):
+        assert all(torch.equal(a[0], b[i]) for a, b in zip(q4_group(x[i:i + 1], group, cfg), got)), i
+
+
+def test_q4_rows_groups_shards_as_the_whole_and_falls_back(monkeypatch):
+    """q4_rows: the group's settings come from the whole matrices' N, so shards (rows from a tile
+    bound on, launch_ns = the whole N) get the whole group's bits; Hadamard weights rotate x once;
+    more than 16 rows run in 16-row launches (row-invariant across them); SPECFIRE_GEMV_GROUP=0
+    gives one launch per weight with its own settings."""
+    from specfire.ops import triton_gemv, triton_quant
+    from specfire.ops.quant import q4_rows
+    from specfire.ops.triton_quant import group_config
+
+    # settings by shape: the whole group's (N = 170) differ from what the shards' own N would pick
+    monkeypatch.setattr(triton_quant, "q4_config", lambda n, k, g: Q4Config(32) if n == 170 else Q4Config(16, split_k=2))
+    k, g = 256, 128
+    wholes = [_qw(n, k, g, 40 + n, had=True) for n in (100, 70)]
+    x = torch.randn(18, k, generator=_g(41))
+    full = q4_rows(x, wholes, [None, None])
+    xr = hadamard_rotate(x, g)
+    cfg = group_config([100, 70], k, g)
+    for y, w in zip(full, wholes):
+        assert torch.equal(y[:16], q4_gemv(xr[:16], w, cfg)) and torch.equal(y[16:], q4_gemv(xr[16:], w, cfg))
+        assert float((y - x @ w.effective().t()).norm() / y.norm()) < 1e-4
+    shards = [QuantWeight(w.qweight[64:], w.scales_t[:, 64:].contiguous(), w.zeros_t[:, 64:].contiguous(), True,
+                          w.dtype) for w in wholes]
+    for a, b in zip(q4_rows(x[:3], shards, [100, 70]), full):
+        assert torch.equal(a, b[:3, 64:])
+    triton_gemv.GROUP = False
+    try:
+        for y, w in zip(q4_rows(x[:2], wholes, [None, None]), wholes):
+            assert torch.equal(y, q4_gemv(xr[:2], w))
+    finally:
+        triton_gemv.GROUP = True

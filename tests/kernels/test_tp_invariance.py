@@ -177,6 +177,25 @@ def test_chunk_kernel_partials_tree_and_shards():
     assert torch.equal(cfg_n, whole[:, 128:])
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sharded_argmax_pick_equals_argmax(tp):
+    """The ranks' (best logit, first index) pairs combine to argmax over the whole vocabulary:
+    ties go to the first index, NaN wins as in argmax, a rank of padding only never wins."""
+    from specfire.parallel.draft import local_best, pick
+
+    g = torch.Generator().manual_seed(tp)
+    for case in range(40):
+        v = 5 + case % 9
+        x = torch.randint(-2, 3, (1, v), generator=g).float()       # small integers: many ties
+        if case % 5 == 0:
+            x[0, torch.randint(0, v, (1,), generator=g)] = float("nan")
+        if case % 7 == 0:
+            x[:] = float("-inf")
+        shard = -(-v // tp)                                          # vocabulary rows per rank, padded
+        pairs = torch.stack([local_best(x[:, r * shard:min(v, (r + 1) * shard)], r * shard) for r in range(tp)])
+        assert pick(pairs).item() == x.argmax(-1).item(), (case, x)
+
+
 # ---- the mesh: logits and greedy tokens identical on every degree ----------------------------------
 
 CASES = [  # (config, degrees): KV heads replicated (2 on 4 ranks), odd vocabulary 151, MLP 98 rows
@@ -208,6 +227,10 @@ def test_mesh_bits_equal_one_device(ckpt_cache, canonical, name, degrees):
             assert torch.equal(got, ref), f"tp={tp}: max diff {(got - ref).abs().max().item()}"
             assert mesh.generate(ids, sp, spec="off").token_ids == ar
             r = mesh.generate(ids, sp, spec=SpecPolicy("mtp", k=3))
+            assert r.stats["drafted"] > 0 and r.token_ids == ar
+            mesh.engine.trunk.draft_sharded = True         # the greedy chain's picks scored on every rank
+            r = mesh.generate(ids, sp, spec=SpecPolicy("mtp", k=3))
+            mesh.engine.trunk.draft_sharded = False
             assert r.stats["drafted"] > 0 and r.token_ids == ar
             r = mesh.generate(ids, sp, spec=SpecPolicy("ngram", k=4))
             assert r.stats["route"] == "ngram" and r.token_ids == ar
