@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from tinymodels import make_checkpoint
 
 from specfire import LLM, SamplingParams, SpecPolicy
+from specfire.model import cpu_rows
 from specfire.ops import lanes, onecpu, rowwise as rw, splitk
 from specfire.ops.act import silu_mul
 from specfire.ops.linear import linear, one_cpu
@@ -92,13 +93,12 @@ def _ckpt() -> str:
     return _PATH[0]
 
 
-def test_verify_rows_equal_one_row_decodes_and_mtp_equals_ar(monkeypatch):
-    batched = []
-    real = rw.whole_steps
-    monkeypatch.setattr(rw, "whole_steps", lambda *xs: batched.append(real(*xs)) or batched[-1])
-    with LLM(_ckpt(), device="cpu", progress=False) as llm:
+def _verify_equals_decodes(llm, threads: int) -> None:
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
         tr = llm.engine.trunk
-        g = torch.Generator().manual_seed(0)
+        g = torch.Generator().manual_seed(threads)
         prompt = torch.randint(0, llm.cfg.vocab_size - 1, (9,), generator=g)
         rows = torch.randint(0, llm.cfg.vocab_size - 1, (7,), generator=g)
         tr.begin()
@@ -112,10 +112,63 @@ def test_verify_rows_equal_one_row_decodes_and_mtp_equals_ar(monkeypatch):
         tr.prefill(prompt)
         r = tr.verify(rows, 9)
         for i in range(7):
-            assert torch.equal(r.logits[i], ref[i][0]) and torch.equal(r.hidden[i], ref[i][1]), i
-        assert any(batched)
+            assert torch.equal(r.logits[i], ref[i][0]) and torch.equal(r.hidden[i], ref[i][1]), (threads, i)
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_verify_rows_equal_one_row_decodes_and_mtp_equals_ar(monkeypatch, whole):
+    """The one-CPU rows path (model/cpu_rows.py): widths on whole vector steps (every batched op
+    batched) or off them (the transcendental ops one row at a time)."""
+    batched, layers = [], []
+    real_rows, real_layer = cpu_rows._rows, cpu_rows.layer
+    monkeypatch.setattr(cpu_rows, "_rows", lambda fn, w, *xs: batched.append(w and xs[0].shape[0] > 1)
+                        or real_rows(fn, w, *xs))
+    monkeypatch.setattr(cpu_rows, "layer", lambda *a: layers.append(1) or real_layer(*a))
+    with LLM(_ckpt() if whole else _odd_ckpt(), device="cpu", progress=False) as llm:
+        for threads in (1, 2):
+            _verify_equals_decodes(llm, threads)
+        assert layers                                          # the one-CPU rows path ran
+        assert any(batched) == whole
+        g = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, llm.cfg.vocab_size - 1, (9,), generator=g)
         ids = prompt.tolist() + prompt.tolist()[:4]
         sp = SamplingParams(max_tokens=24)
         ar = llm.generate(ids, sp, spec="off").token_ids
         for k in (1, 3):
             assert llm.generate(ids, sp, spec=SpecPolicy("mtp", k=k)).token_ids == ar
+
+
+_ODD: list[str] = []
+
+
+def _odd_ckpt() -> str:
+    """Widths off the vector step (head_dim 16, dk 8, dv 12, MLP 96), three value heads per key head."""
+    if not _ODD:
+        import tempfile
+        _ODD.append(make_checkpoint(tempfile.mkdtemp(prefix="onecpu-odd-"), "gqa4", seed=5))
+    return _ODD[0]
+
+
+def test_rows_path_matches_the_reference_and_keeps_its_rotary_table():
+    """The one-CPU rows path computes the model's math (close to the canonical reference), and a
+    position's rotary values do not change when the table grows."""
+    with LLM(_odd_ckpt(), device="cpu", progress=False) as llm:
+        tr = llm.engine.trunk
+        ids = torch.arange(3, 12)
+        tr.begin()
+        tr.prefill(ids)
+        fast = tr.verify(torch.tensor([5, 6, 7]), 9).logits
+        splitk.set_enabled(True)
+        try:
+            tr.begin()
+            tr.prefill(ids)
+            ref = tr.verify(torch.tensor([5, 6, 7]), 9).logits
+        finally:
+            splitk.set_enabled(None)
+        torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-4)
+    c1, s1 = cpu_rows.rope_table(8, 1e4, 32, 10)
+    c1, s1 = c1[:10].clone(), s1[:10].clone()
+    c2, s2 = cpu_rows.rope_table(8, 1e4, 32, 3 * cpu_rows.ROPE_BLOCK + 5)
+    assert c2.shape[0] >= 3 * cpu_rows.ROPE_BLOCK + 5 and torch.equal(c2[:10], c1) and torch.equal(s2[:10], s1)

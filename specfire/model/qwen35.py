@@ -30,6 +30,7 @@ from ..ops.splitk import ChunkCache, KSplit, subtree
 from ..ops.splitk import enabled as splitk_enabled, head_block
 from ..ops.rope import apply_rope, rope_cos_sin
 from ..ops.rowwise import rowwise, whole_steps
+from . import cpu_rows
 from .state import LayerCache, SequenceState  # noqa: F401  (imported from here by runtime/, parallel/, tests)
 
 
@@ -339,6 +340,8 @@ class Qwen35Trunk(nn.Module):
 
     def _forward(self, ids: torch.Tensor, pos0: int, state: SequenceState, rows: bool,
                  logits: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if rows and (got := cpu_rows.trunk_rows(self, ids, pos0, state, logits)) is not None:
+            return got                                                  # one CPU device (model/cpu_rows.py)
         x = self.embed_tokens(ids)
         t = ids.shape[0]
         pos = positions(pos0, t, ids.device)
@@ -379,6 +382,8 @@ class MtpHead(nn.Module):
 
     def _forward(self, emb: torch.Tensor, hidden: torch.Tensor, pos0: int, state: SequenceState,
                  rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if rows and (got := cpu_rows.mtp_rows(self, emb, hidden, pos0, state)) is not None:
+            return got                                                  # one CPU device (model/cpu_rows.py)
         x = torch.cat([rowwise(self.pre_fc_norm_embedding, rows, emb),
                        rowwise(self.pre_fc_norm_hidden, rows, hidden)], dim=-1)
         x = self.fc(x, rows)

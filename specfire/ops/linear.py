@@ -105,13 +105,18 @@ def linear_fused(x: torch.Tensor, ws: tuple[torch.Tensor, ...], rows: bool, owne
     """One CPU device: the projections of x by every w in ws as one product per row on their
     cached transposed concatenation [K, sum N] (kept on `owner`), split back. Fewer calls; each
     output column is still a row-invariant product of its own row of W."""
+    y = linear_one_cpu(x, fused_t(ws, owner), rows)
+    return torch.split(y, [w.shape[0] for w in ws], dim=-1)
+
+
+def fused_t(ws: tuple[torch.Tensor, ...], owner) -> torch.Tensor:
+    """The transposed concatenation [K, sum N] of ws, kept on `owner` until a weight changes."""
     key = tuple((id(w), w._version) for w in ws)
     hit = getattr(owner, "_specfire_fused", None)
     if hit is None or hit[0] != key:
         hit = (key, torch.cat(ws).t().contiguous())
         owner._specfire_fused = hit
-    y = linear_one_cpu(x, hit[1], rows)
-    return torch.split(y, [w.shape[0] for w in ws], dim=-1)
+    return hit[1]
 
 
 def linear(x: torch.Tensor, w, rows: bool, launch_n: int | None = None) -> torch.Tensor:

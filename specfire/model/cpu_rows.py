@@ -1,0 +1,351 @@
+"""Decode and verify rows of the trunk and the MTP head on one float32 CPU device, in fewer calls.
+
+Why: on a small model a CPU decode step is ~1000 small ATen calls at 2-5 us each besides the
+products (bundled model: 1088 a decode through the module path). This path computes the same math
+(no mesh, not the canonical mode) in ~800 cheaper ones: weights packed per layer and checked once
+per forward (not per module call), norms as sum of squares + sqrt + divide (torch's CPU rms_norm
+is a composite of ~8 calls), a rotary table with the rotation as one gather, the q/k norms of a
+layer in one call with the attention scale folded into the q-norm weight, the GDN gates as one
+sigmoid and one pow over a zero-padded 64-wide block of the in-projection (exp(-c softplus(z)) =
+sigmoid(-z)^c), the GDN state update as one addcmul per row.
+
+Row invariance (a verify row computes exactly what a one-row decode computes), how:
+* products: one `mm` per row on the same packed W^T (ops/linear.py linear_one_cpu);
+* reductions over a row's last dimension (sum of squares, the conv taps): each output reduced
+  alike whatever the row count (tests/test_onecpu.py);
+* elementwise ops that round alike in ATen's vector and scalar code (+, *, /, sqrt) on any shape;
+  transcendental ones (sigmoid, SiLU, pow) only on rows of whole 64-element steps, else
+  per row (ops/rowwise.py), which is why the GDN gate inputs sit in a padded 64-wide block;
+* the recurrence and attention per row, as before.
+Bits differ from the reference path (ops/norm.py etc.) in the last places; prefill and the
+canonical mode keep their own paths.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..config import FULL
+from ..ops import lanes
+from ..ops.linear import fused_t, linear_one_cpu, transposed
+from ..ops.rope import rope_cos_sin
+from ..ops.rowwise import GRAIN, STEP
+
+ROPE_BLOCK = 256      # rotary table rows computed per call (a position's values never change as it grows)
+
+
+def usable(x: torch.Tensor) -> bool:
+    """This path applies: a float32 CPU tensor outside any invariant() scope."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and not lanes.invariant_now()
+
+
+def _rows(fn, whole: bool, *xs: torch.Tensor) -> torch.Tensor:
+    """fn(*xs) (elementwise, may round differently in ATen's vector and scalar code) on all rows at
+    once when `whole` (every row a whole number of STEP elements: all on the vector path) and no
+    loop is split between threads; else one row at a time, as a decode computes it."""
+    t = xs[0].shape[0]
+    if t == 1 or whole and (torch.get_num_threads() == 1 or all(x.numel() <= GRAIN for x in xs)):
+        return fn(*xs)
+    return torch.cat([fn(*(x[i:i + 1] for x in xs)) for i in range(t)])
+
+
+def _whole(*widths: int) -> bool:
+    return all(w % STEP == 0 for w in widths)
+
+
+def _norm(x: torch.Tensor, w: torch.Tensor, eps_d: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps_d) * w over the last dim (w carries sqrt(d) for an RMSNorm, so
+    this is x rsqrt(mean(x^2) + eps) w with eps_d = d eps; a one-element tensor: a Python float
+    operand costs ATen a scalar conversion, ~2x the op)."""
+    den = (x * x).sum(-1, keepdim=True).add_(eps_d).sqrt_()
+    return (x / den).mul_(w)
+
+
+@dataclass
+class NormPack:
+    w: torch.Tensor       # sqrt(d) (1 + w)
+    eps_d: torch.Tensor   # [1]: d eps
+
+
+def _rms(mod) -> NormPack:
+    """A zero-centred RMSNorm module's pack."""
+    d = mod.weight.shape[-1]
+    return NormPack((1.0 + mod.weight.float()) * d ** 0.5, torch.tensor([d * mod.eps]))
+
+
+def add_norm(x: torch.Tensor, h: torch.Tensor | None, p: NormPack):
+    """norm(x) when h is None, else (x + h, norm(x + h))."""
+    if h is None:
+        return _norm(x, p.w, p.eps_d)
+    s = x + h
+    return s, _norm(s, p.w, p.eps_d)
+
+
+# ----------------------------------------------------------------------------------------------
+# Gated DeltaNet
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class GdnPack:
+    wt: torch.Tensor        # [H, conv_dim + value_dim + P]: qkv, z, then [b | -a | 0] (P = 64-multiple)
+    wc: torch.Tensor        # conv taps [conv_dim, K]
+    off: torch.Tensor       # [P]: -dt_bias at the a lanes, else 0
+    pw: torch.Tensor        # [P]: exp(A_log) at the a lanes, else 1
+    qk_scale: torch.Tensor  # [2 Hk, 1]: dk^-1/2 for q heads, 1 for k heads
+    rep: torch.Tensor | None  # [2 Hv] key head of each value head (q then k), None when Hk == Hv
+    nw: torch.Tensor        # gated norm weight * sqrt(dv)
+    eps_d: torch.Tensor     # [1]: dv eps
+    l2_eps: torch.Tensor    # [1]: 1e-6 (the q/k L2 norms)
+    out_t: torch.Tensor     # out_proj W^T (the prefill's copy)
+    dims: tuple[int, ...]   # conv_dim, value_dim, key_dim, Hk, Hv, dk, dv
+    whole: tuple[bool, bool]  # conv channels, dv on whole vector steps
+    split: tuple[int, int, int]   # conv_dim, value_dim, P
+
+
+def _gdn_pack(m) -> GdnPack:
+    """beta = sigmoid(b) and the decay exp(-exp(A_log) softplus(a + dt_bias)) = sigmoid(-(a +
+    dt_bias)) ^ exp(A_log) come from one sigmoid and one pow over the padded block."""
+    hv, h = m.hv, m.in_proj_qkv.weight.shape[1]
+    p = STEP * -(-2 * hv // STEP)
+    ws = (m.in_proj_qkv.weight, m.in_proj_z.weight, m.in_proj_b.weight, -m.in_proj_a.weight)
+    wt = torch.cat([*ws, torch.zeros(p - 2 * hv, h, dtype=ws[0].dtype)]).float().t().contiguous()
+    off = torch.zeros(p)
+    off[hv:2 * hv] = -m.dt_bias.float()
+    pw = torch.ones(p)
+    pw[hv:2 * hv] = torch.exp(m.A_log.float())
+    qk_scale = torch.ones(2 * m.hk, 1)
+    qk_scale[:m.hk] = m.dk ** -0.5
+    r = hv // m.hk
+    rep = None if r == 1 else torch.cat([torch.arange(hv) // r, m.hk + torch.arange(hv) // r])
+    return GdnPack(wt, m.conv1d.weight[:, 0, :].float().contiguous(), off, pw, qk_scale, rep,
+                   m.norm.weight.float() * m.dv ** 0.5, torch.tensor([m.dv * m.norm.eps]), torch.tensor([1e-6]),
+                   transposed(m.out_proj.weight),
+                   (m.conv_dim, m.value_dim, m.key_dim, m.hk, hv, m.dk, m.dv), (_whole(m.conv_dim), _whole(m.dv)),
+                   (m.conv_dim, m.value_dim, p))
+
+
+def _recurrence(q, k, v, dec, beta, s, t):
+    """Per row: S = dec S; S += k (beta (v - S^T k))^T; o = S^T q. Returns (o [T, Hv, dv], the
+    state after each row [T, Hv, dk, dv]). q, k [T, Hv, dk], v [T, Hv, dv], dec, beta [T, Hv]."""
+    hv, dk, dv = k.shape[1], k.shape[2], v.shape[2]
+    if t == 1:                    # a decode: the same calls as a verify row, without the row views
+        s = s * dec.view(hv, 1, 1)
+        d = (v.view(hv, 1, dv) - torch.bmm(k.view(hv, 1, dk), s)).mul_(beta.view(hv, 1, 1))
+        s = torch.addcmul(s, k.view(hv, dk, 1), d)
+        return torch.bmm(q.view(hv, 1, dk), s).view(1, hv, dv), s.unsqueeze(0)
+    caps = torch.empty(t, hv, dk, dv)
+    out = torch.empty(t, hv, 1, dv)
+    rows = zip(q.unsqueeze(2).unbind(0), k.unsqueeze(2).unbind(0), k.unsqueeze(3).unbind(0),
+               v.unsqueeze(2).unbind(0), dec[:, :, None, None].unbind(0), beta[:, :, None, None].unbind(0),
+               caps.unbind(0), out.unbind(0))
+    for qr, kr, kc, vr, de, be, cap, o in rows:
+        s = s * de
+        d = (vr - torch.bmm(kr, s)).mul_(be)                  # [Hv, 1, dv]
+        s = torch.addcmul(s, kc, d, out=cap)
+        torch.bmm(qr, s, out=o)
+    return out.view(t, hv, dv), caps
+
+
+def _gate(n: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    return n.mul_(F.silu(z))
+
+
+def gdn(p: GdnPack, x: torch.Tensor, lc) -> torch.Tensor:
+    t = x.shape[0]
+    cd, vd, kd, hk, hv, dk, dv = p.dims
+    qkv, z, blk = linear_one_cpu(x, p.wt, True).split(p.split, 1)
+    full = torch.cat([lc.conv, qkv])                                  # [K-1+T, C]
+    conv = _rows(F.silu, p.whole[0], (full.unfold(0, p.wc.shape[1], 1) * p.wc).sum(-1))   # causal taps
+    qk, v = conv.split((2 * kd, vd), 1)
+    qk = qk.view(t, 2 * hk, dk)
+    den = (qk * qk).sum(-1, keepdim=True).add_(p.l2_eps).sqrt_()
+    qk = (qk / den).mul_(p.qk_scale)                                  # l2-normed q (scaled), k
+    if p.rep is not None:
+        qk = qk.index_select(1, p.rep)
+    q, k = qk.split(hv, 1)
+    sg = torch.sigmoid(blk + p.off)                                   # [T, P]: beta | sigmoid(-(a + dt_bias))
+    o, lc.cap_rec = _recurrence(q, k, v.view(t, hv, dv), sg.pow(p.pw)[:, hv:2 * hv], sg[:, :hv], lc.rec, t)
+    lc.cap_conv = full
+    den = (o * o).sum(-1, keepdim=True).add_(p.eps_d).sqrt_()
+    o = _rows(_gate, p.whole[1], (o / den).mul_(p.nw), z.view(t, hv, dv))
+    return linear_one_cpu(o.view(t, vd), p.out_t, True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Gated attention
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class AttnPack:
+    wt: torch.Tensor        # W^T of q (each head's d query then d gate columns), k, v (the prefill's copy)
+    qk_w: torch.Tensor      # [Hq + Hkv, D]: sqrt(D) (1 + w) of q_norm (times the attention scale), k_norm
+    perm: torch.Tensor      # [D] rotary partner of each dim (itself past rotary_dim)
+    rot: int
+    theta: float
+    eps_d: torch.Tensor     # [1]: D eps
+    out_t: torch.Tensor
+    dims: tuple[int, int, int]   # Hq, Hkv, D
+    whole: bool             # D on whole vector steps
+
+
+def _attn_pack(m, rot: int, theta: float) -> AttnPack:
+    d, hq = m.head_dim, m.n_heads
+    qw = (1.0 + m.q_norm.weight.float()) * (d ** 0.5 * m.scale)
+    kw = (1.0 + m.k_norm.weight.float()) * d ** 0.5
+    w = torch.cat([qw.expand(hq, d), kw.expand(m.n_kv, d)])
+    half = rot // 2
+    perm = torch.arange(d)
+    perm[:half] += half
+    perm[half:rot] -= half
+    wt = fused_t((m.q_proj.weight, m.k_proj.weight, m.v_proj.weight), m)    # the prefill's copy (ops/linear.py)
+    return AttnPack(wt, w.contiguous(), perm, rot, theta, torch.tensor([d * m.q_norm.eps]),
+                    transposed(m.o_proj.weight), (hq, m.n_kv, d), _whole(d))
+
+
+_ROPE: dict[tuple[int, float, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def rope_table(rot: int, theta: float, d: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(C, S) [>= n, 1, D] for x_rot = x C + x[perm] S: cos (1 past rot) and the signed sin (0
+    past rot). Built in blocks of ROPE_BLOCK positions by one call each, so a position's values
+    are the same whenever the table grows."""
+    key = (rot, theta, d)
+    have = _ROPE.get(key)
+    done = 0 if have is None else have[0].shape[0]
+    if done >= n:
+        return have
+    cs, ss = ([], []) if have is None else ([have[0]], [have[1]])
+    half = rot // 2
+    for b in range(done, max(n, 2 * done), ROPE_BLOCK):
+        cos, sin = rope_cos_sin(torch.arange(b, b + ROPE_BLOCK), rot, theta)
+        c = torch.ones(ROPE_BLOCK, 1, d)
+        s = torch.zeros(ROPE_BLOCK, 1, d)
+        c[:, 0, :rot] = cos
+        s[:, 0, :half] = -sin[:, :half]
+        s[:, 0, half:rot] = sin[:, half:]
+        cs.append(c)
+        ss.append(s)
+    _ROPE[key] = (torch.cat(cs), torch.cat(ss))
+    return _ROPE[key]
+
+
+def _out_gate(o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    return o.mul_(torch.sigmoid(g))
+
+
+def attention(p: AttnPack, x: torch.Tensor, pos0: int, lc) -> torch.Tensor:
+    t = x.shape[0]
+    hq, hkv, d = p.dims
+    qg, k, v = linear_one_cpu(x, p.wt, True).split((2 * hq * d, hkv * d, hkv * d), 1)
+    qg = qg.view(t, hq, 2 * d)
+    qk = torch.cat([qg[..., :d], k.view(t, hkv, d)], 1)              # [T, Hq + Hkv, D]
+    den = (qk * qk).sum(-1, keepdim=True).add_(p.eps_d).sqrt_()
+    qk = (qk / den).mul_(p.qk_w)
+    c, s = rope_table(p.rot, p.theta, d, pos0 + t)
+    qk = _rows(lambda a, cc, ss: (a * cc).addcmul_(a.index_select(-1, p.perm), ss), p.whole,
+               qk, c[pos0:pos0 + t], s[pos0:pos0 + t])
+    lc.k[pos0:pos0 + t] = qk[:, hq:]
+    lc.v[pos0:pos0 + t] = v.view(t, hkv, d)
+    o = torch.empty(t, hq, d)
+    rep = hq // hkv
+    for r in range(t):
+        n = pos0 + r + 1
+        sc = torch.bmm(qk[r, :hq].view(hkv, rep, d), lc.k[:n].float().permute(1, 2, 0))
+        torch.bmm(torch.softmax(sc, -1), lc.v[:n].float().transpose(0, 1), out=o[r].view(hkv, rep, d))
+    o = _rows(_out_gate, p.whole, o, qg[..., d:])
+    return linear_one_cpu(o.view(t, hq * d), p.out_t, True)
+
+
+# ----------------------------------------------------------------------------------------------
+# MLP, layers, trunk, MTP head
+# ----------------------------------------------------------------------------------------------
+
+def _act(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return F.silu(g).mul_(u)
+
+
+@dataclass
+class LayerPack:
+    full: bool              # gated attention (else Gated DeltaNet)
+    n1: NormPack
+    n2: NormPack
+    mix: GdnPack | AttnPack
+    gu_t: torch.Tensor      # MLP gate and up W^T (shared with prefill)
+    down_t: torch.Tensor
+    inter: int
+    whole: bool             # intermediate size on whole vector steps
+
+
+def _layer_pack(layer, cfg) -> LayerPack:
+    full = layer.kind == FULL
+    mix = _attn_pack(layer.self_attn, cfg.rotary_dim, cfg.rope_theta) if full else _gdn_pack(layer.linear_attn)
+    m = layer.mlp
+    return LayerPack(full, _rms(layer.input_layernorm), _rms(layer.post_attention_layernorm), mix,
+                     fused_t((m.gate_proj.weight, m.up_proj.weight), m), transposed(m.down_proj.weight),
+                     m.gate_proj.weight.shape[0], _whole(m.gate_proj.weight.shape[0]))
+
+
+def layer(p: LayerPack, x, pos0, lc, pending):
+    """One decoder layer: (residual, this layer's MLP output), as DecoderLayer.forward."""
+    h = add_norm(x, pending, p.n1)
+    if pending is not None:
+        x, h = h
+    h = attention(p.mix, h, pos0, lc) if p.full else gdn(p.mix, h, lc)
+    x, h = add_norm(x, h, p.n2)
+    g, u = linear_one_cpu(h, p.gu_t, True).split(p.inter, 1)
+    return x, linear_one_cpu(_rows(_act, p.whole, g, u), p.down_t, True)
+
+
+def _packs(owner, build):
+    """The packs of `owner` (a trunk or an MTP head), rebuilt when one of its parameters changed
+    or was replaced; None when a weight is not a plain float32 CPU parameter (a 4-bit weight, an
+    inference tensor): then this path does not apply."""
+    hit = owner.__dict__.get("_specfire_rows")
+    if hit is not None and all(d.get(n) is t and t._version == v for d, n, t, v in hit[0]):
+        return hit[1]
+    try:
+        checks = [(m._parameters, n, t, t._version) for m in owner.modules() for n, t in m._parameters.items()]
+    except (AttributeError, RuntimeError):        # an inference tensor has no version counter
+        return None
+    ok = all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type == "cpu"
+             for _, _, t, _ in checks) and not any("weight" in m.__dict__ for m in owner.modules())  # 4-bit
+    with torch.no_grad():
+        packs = build() if ok else None
+    owner.__dict__["_specfire_rows"] = (checks, packs)
+    return packs
+
+
+def trunk_rows(trunk, ids: torch.Tensor, pos0, state, logits: str):
+    """Qwen35Trunk's rows-mode forward on one CPU device, or None where this path does not apply."""
+    w = trunk.embed_tokens.weight
+    if not isinstance(pos0, int) or not usable(w) or any(lc.k_scale is not None for lc in state.layers):
+        return None
+    packs = _packs(trunk, lambda: ([_layer_pack(l, trunk.cfg) for l in trunk.layers], _rms(trunk.norm),
+                                   transposed(trunk.lm_weight)))
+    if packs is None:
+        return None
+    layers, final, lm_t = packs
+    x = F.embedding(ids, w)
+    pending = None
+    for p, lc in zip(layers, state.layers):
+        x, pending = layer(p, x, pos0, lc, pending)
+    _, h = add_norm(x, pending, final)
+    if logits == "none":
+        return h, None
+    return h, linear_one_cpu(h if logits == "all" else h[-1:], lm_t, True)
+
+
+def mtp_rows(head, emb: torch.Tensor, hidden: torch.Tensor, pos0, state):
+    """MtpHead's rows-mode forward on one CPU device, or None where this path does not apply."""
+    if not isinstance(pos0, int) or not usable(emb) or state.layers[0].k_scale is not None:
+        return None
+    packs = _packs(head, lambda: (_layer_pack(head.layers[0], head.cfg), _rms(head.pre_fc_norm_embedding),
+                                  _rms(head.pre_fc_norm_hidden), _rms(head.norm), transposed(head.fc.weight)))
+    if packs is None:
+        return None
+    lp, e, hd, fin, fc_t = packs
+    x = torch.cat([_norm(emb, e.w, e.eps_d), _norm(hidden, hd.w, hd.eps_d)], dim=-1)
+    x, h = layer(lp, linear_one_cpu(x, fc_t, True), pos0, state.layers[0], None)
+    return add_norm(x, h, fin)
