@@ -9,6 +9,11 @@ rest. A real shape's widths with fewer layers (all kernels, every layer kind) ke
 
     python bench/accuracy.py --shape 27B --layers 8 --prompt 256 --tokens 64
     python bench/accuracy.py --shape tiny            # CPU smoke
+    python bench/accuracy.py --shape mid --logits    # CPU: logits error vs float32, prefill and decode
+
+`--logits` adds teacher-forced logits on one random sequence (prefill of every position, and decode
+one token at a time after half of it) for specfire and transformers in bf16, as relative error /
+largest error / argmax agreement against transformers in float32.
 """
 from __future__ import annotations
 
@@ -45,6 +50,61 @@ def hf_logits(model, seq: list[int], dev: str) -> torch.Tensor:
     return model(torch.tensor([seq], device=dev)).logits[0].float()
 
 
+MID = dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1536, num_attention_heads=8,
+           num_key_value_heads=2, linear_num_key_heads=4, linear_num_value_heads=8, tie_word_embeddings=False)
+
+
+@torch.no_grad()
+def hf_decode(model, ids: list[int], p: int, dev: str) -> torch.Tensor:
+    """Logits of positions p..T-1, each from a one-token step on the cache of what precedes it."""
+    o = model(torch.tensor([ids[:p]], device=dev), use_cache=True)
+    cache, out = o.past_key_values, []
+    for t in range(p, len(ids)):
+        o = model(torch.tensor([[ids[t]]], device=dev), past_key_values=cache, use_cache=True)
+        cache = o.past_key_values
+        out.append(o.logits[0, -1].float())
+    return torch.stack(out)
+
+
+def sf_decode(llm, ids: list[int], p: int) -> torch.Tensor:
+    """The same through the engine's trunk: prefill, then one verify row and its commit a token."""
+    tr = llm.engine.trunk
+    tr.begin()
+    tr.prefill(torch.tensor(ids[:p], device=tr.device))
+    out = []
+    for t in range(p, len(ids)):
+        out.append(tr.verify(torch.tensor([ids[t]], device=tr.device), t).logits[0])
+        tr.commit(0)
+    return torch.stack(out)
+
+
+def logit_error(x: torch.Tensor, ref: torch.Tensor) -> dict:
+    x, ref = x.float().to(ref.device), ref.float()
+    return {"rel_err": round(((x - ref).norm() / ref.norm()).item(), 5), "max_err": round((x - ref).abs().max().item(), 4),
+            "argmax_agree": round((x.argmax(-1) == ref.argmax(-1)).float().mean().item(), 4)}
+
+
+def logits_stage(path: str, vocab: int, n: int, dev: str, rep: dict) -> None:
+    from specfire import LLM
+    ids = torch.randint(2, vocab - 1, (n,), generator=torch.Generator().manual_seed(5)).tolist()
+    p = n // 2
+    ref = hf_model(path, torch.float32, dev)
+    r_all = hf_logits(ref, ids, dev)
+    r_dec = r_all[p:]
+    out = {"ref decode vs ref prefill": logit_error(hf_decode(ref, ids, p, dev), r_dec)}
+    del ref
+    hf16 = hf_model(path, torch.bfloat16, dev)
+    out["transformers bf16 prefill"] = logit_error(hf_logits(hf16, ids, dev), r_all)
+    out["transformers bf16 decode"] = logit_error(hf_decode(hf16, ids, p, dev), r_dec)
+    del hf16
+    with LLM(path, device=dev, dtype="bfloat16") as llm:
+        out["specfire bf16 prefill"] = logit_error(llm.score(ids), r_all)
+        out["specfire bf16 decode"] = logit_error(sf_decode(llm, ids, p), r_dec)
+    rep["logits"] = out
+    for k, v in out.items():
+        print(json.dumps({"logits": k, **v}), flush=True)
+
+
 def judge(ref: torch.Tensor, prompt_len: int, gen: list[int]) -> dict:
     """Per generated position t: ref logits row prompt_len-1+t scored the token gen[t]."""
     rows = ref[prompt_len - 1: prompt_len - 1 + len(gen)]
@@ -70,6 +130,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--root", default="/dev/shm" if os.path.isdir("/dev/shm") else "/tmp")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--logits", action="store_true", help="also the teacher-forced logits errors")
+    ap.add_argument("--seq", type=int, default=200, help="--logits: sequence length (decode the second half)")
     args = ap.parse_args()
     from common import cfg_for, make_prompts
     from decode import build
@@ -80,8 +142,14 @@ def main() -> None:
     from specfire.train.export import export_checkpoint
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg = cfg_for(args.shape)
-    if args.shape != "tiny":
+    if args.shape == "mid":
+        from decode import SHAPES
+        SHAPES.setdefault("mid", MID)
+        cfg = dataclasses.replace(cfg_for("mid"), vocab_size=4096, head_dim=64, linear_key_head_dim=64,
+                                  linear_value_head_dim=64)
+    else:
+        cfg = cfg_for(args.shape)
+    if args.shape not in ("tiny", "mid"):
         n = args.layers
         cfg = dataclasses.replace(cfg, num_hidden_layers=n, layer_types=tuple(
             "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)))
@@ -97,6 +165,8 @@ def main() -> None:
            "vocab": cfg.vocab_size, "prompt": args.prompt, "tokens": args.tokens, "device": dev,
            "gpu": torch.cuda.get_device_name() if dev == "cuda" else None,
            "write_s": round(time.perf_counter() - t0, 1), "engines": {}}
+    if args.logits:
+        logits_stage(path, cfg.vocab_size, args.seq, dev, rep)
     seqs: dict[str, list[list[int]]] = {}
     # candidates: greedy sequences from each engine / mode
     hf16 = hf_model(path, torch.bfloat16, dev)
