@@ -56,10 +56,15 @@ class MeshTrunk:
         is a graph too."""
         return self._local is not None and self._local.graphs_enabled
 
-    def _call(self, name: str, *args: Any) -> Any:
+    def _header(self, name: str, *args: Any) -> tuple[Call, Any]:
+        """The call, with the pending commits riding in its header (nothing sent yet)."""
         self._mesh.check()
         call, tensors = Call.of(name, *args, commits=tuple(self._commits))
         self._commits.clear()
+        return call, tensors
+
+    def _call(self, name: str, *args: Any) -> Any:
+        call, tensors = self._header(name, *args)
         try:
             self._mesh.comm.send_command(call.header())
             return self._ex.run(call, tensors)
@@ -85,9 +90,7 @@ class MeshTrunk:
 
     def _send(self, name: str, *args: Any) -> None:
         """A call only the other ranks run (rank 0 runs its side itself), pending work first."""
-        self._mesh.check()
-        call, _ = Call.of(name, *args, commits=tuple(self._commits))
-        self._commits.clear()
+        call, _ = self._header(name, *args)
         try:
             self._mesh.comm.send_command(call.header())
         except Exception as e:

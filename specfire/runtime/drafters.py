@@ -118,23 +118,23 @@ class MtpDrafter:
         if self.graphs is not None:
             self.graphs.clear()
 
-    def _chain(self, toks, hidden, pos, k, choose) -> torch.Tensor:
-        return draft_chain(self.head, self.trunk.embed, self.trunk.lm_logits, self.state, toks, hidden, pos,
-                           k, self.feed, choose)
+    def _chain(self, toks, hidden, pos, k, choose=None, n=None) -> torch.Tensor:
+        """draft_chain with this drafter's head; `choose` None: the greedy pick, scored by every
+        rank's vocabulary rows on a mesh (parallel/draft.py, argmax's token), else argmax."""
+        lm = self.trunk.lm_logits
+        if choose is None:
+            lm, choose = (self.trunk.shard_argmax, _picked) if self._sharded else (lm, argmax)
+        return draft_chain(self.head, self.trunk.embed, lm, self.state, toks, hidden, pos, k, self.feed, choose, n)
 
     def _chain_after(self, toks, hidden, pos, n, k) -> torch.Tensor:
         """The greedy chain from row n of a verify's k+1 rows (`prepare`)."""
-        lm, choose = (self.trunk.shard_argmax, _picked) if self._sharded else (self.trunk.lm_logits, argmax)
-        return draft_chain(self.head, self.trunk.embed, lm, self.state, toks, hidden, pos, k, self.feed, choose, n)
+        return self._chain(toks, hidden, pos, k, n=n)
 
     def _chain_for(self, toks, hidden, pos, k, sp: SamplingParams | None,
                    rng: DeviceRng | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The chain greedy (sp None or greedy), or sampled from `rng` with the distributions kept."""
         if sp is None or sp.greedy:
-            if self._sharded:   # a mesh: every rank scores its vocabulary rows, the pick is argmax's
-                return draft_chain(self.head, self.trunk.embed, self.trunk.shard_argmax, self.state, toks, hidden,
-                                   pos, k, self.feed, _picked), None
-            return self._chain(toks, hidden, pos, k, argmax), None
+            return self._chain(toks, hidden, pos, k), None
         qs: list[torch.Tensor] = []
 
         def choose(logits: torch.Tensor) -> torch.Tensor:
