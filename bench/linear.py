@@ -240,6 +240,89 @@ def bench_q4(res: dict, quick: bool, groups=(128, 64), full: bool = True) -> Non
             break
 
 
+# the launch shapes of a 27B decode step (grouped projections launch with their concatenated N)
+Q4_LAUNCH = [(34816, 5120, "MLP gate+up"), (16384, 5120, "GDN qkv+z"), (14336, 5120, "attn q+gate,k,v"),
+             (5120, 17408, "MLP down"), (5120, 6144, "attn o / GDN out"), (248320, 5120, "lm_head")]
+if SMOKE:
+    Q4_LAUNCH = [(96, 512, "small"), (40, 256, "odd")]
+
+
+def q4_rows_candidates(n: int, k: int, base: Q4Config) -> list[Q4Config]:
+    """The committed config first, then 8-row-tile variants: columns per CTA, warps, stages, and the
+    split-K that puts about 4 or 8 CTAs per SM (132 SMs) in one launch (a function of the shape only)."""
+    out = [base]
+    groups = k // 128 if not SMOKE else max(1, k // 64)
+    for bn, nw, ns in ((64, 2, 3), (64, 2, 4), (128, 2, 3), (128, 4, 3), (32, 1, 4)):
+        tiles = -(-n // bn)
+        splits = {1} if tiles >= 1024 else {max(1, min(groups, round(c * 132 / tiles))) for c in (4, 8)}
+        if bn == base.block_n and nw == base.num_warps:
+            splits.add(base.split_k)
+        out += [Q4Config(bn, sp, nw, ns, wa=True, rows=8) for sp in sorted(splits)]
+    return [c for i, c in enumerate(out) if c not in out[:i]]
+
+
+def bench_q4_rows(res: dict, budget: float, adopt_path: str | None) -> None:
+    """Per 27B launch shape: every candidate checked (parity against the float32 product, bitwise
+    row invariance: every prefix M = 1..16 and every single row equal the 16-row call), timed at
+    M = 1 and 4; the fastest by t1 + t4 adopted; then the adopted and the committed config at
+    M = 1, 2, 4, 8, 16. Stops sweeping past `budget` seconds (the committed config stays)."""
+    print("\n== 4-bit GEMV, 8-row tiles vs the committed config (group 128), % of 4.17 TB/s ==", flush=True)
+    t0 = time.time()
+    g = 128 if not SMOKE else 64
+    adopted = {}
+    for n, k, name in Q4_LAUNCH:
+        qw0 = random_q4(n, k, g, DEV)
+        nbytes = qw0.nbytes()
+        qws = [qw0] + [random_q4(n, k, g, DEV) for _ in range(n_copies(nbytes) - 1)]
+        x16 = torch.randn(16, k, device=DEV, dtype=BF)
+        ref = x16.float() @ qw0.dequantize().t()
+        base = q4_config(n, k, g)
+        sweep = []
+        for cfg in q4_rows_candidates(n, k, base):
+            if time.time() - t0 > budget and cfg != base:
+                sweep.append({"cfg": cfg.__dict__, "error": "budget"})
+                continue
+            try:
+                e = rel(q4_gemv(x16, qw0, cfg), ref)
+                inv = row_invariant(lambda t: q4_gemv(t, qw0, cfg), x16)
+                if not (e < 1e-2 and inv):
+                    sweep.append({"cfg": cfg.__dict__, "error": f"parity {e:.2e} row-invariant {inv}"})
+                    print(f"  {name}: {cfg} REJECTED parity {e:.2e} row-invariant {inv}", flush=True)
+                    continue
+                t1 = graph_time([lambda w=w: q4_gemv(x16[:1], w, cfg) for w in qws])
+                t4 = graph_time([lambda w=w: q4_gemv(x16[:4], w, cfg) for w in qws])
+            except Exception as ex:
+                sweep.append({"cfg": cfg.__dict__, "error": f"{type(ex).__name__}: {str(ex)[:100]}"})
+                print(f"  {name}: {cfg} failed {type(ex).__name__}: {str(ex)[:100]}", flush=True)
+                continue
+            sweep.append({"cfg": cfg.__dict__, "t1_us": t1 * 1e6, "t4_us": t4 * 1e6, "rel_err": e, "row_invariant": inv})
+            print(f"  {name} {n}x{k} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} split{cfg.split_k} rows{cfg.rows}: "
+                  f"M1 {t1 * 1e6:6.1f} us ({nbytes / t1 / PEAK:5.1%})  M4 {t4 * 1e6:6.1f} us ({nbytes / t4 / PEAK:5.1%})",
+                  flush=True)
+        ok = [r for r in sweep if "t1_us" in r]
+        best = min(ok, key=lambda r: r["t1_us"] + r["t4_us"])
+        best_cfg = Q4Config(**best["cfg"])
+        table = []
+        for m in (1, 2, 4, 8, 16):
+            tb = graph_time([lambda w=w: q4_gemv(x16[:m], w, best_cfg) for w in qws])
+            tc = graph_time([lambda w=w: q4_gemv(x16[:m], w, base) for w in qws]) if m in (1, 16) else float("nan")
+            table.append({"M": m, "adopted_us": tb * 1e6, "adopted_frac": nbytes / tb / PEAK,
+                          "committed_us": tc * 1e6, "committed_frac": nbytes / tc / PEAK})
+        print(f"  => {name} {n}x{k} ({nbytes / 1e6:.1f} MB) adopted {best['cfg']}: " +
+              "  ".join(f"M{r['M']} {r['adopted_us']:.1f} us {r['adopted_frac']:.1%}" for r in table) +
+              f" | committed M1 {table[0]['committed_frac']:.1%} M16 {table[-1]['committed_frac']:.1%}", flush=True)
+        adopted[f"{n},{k}"] = best["cfg"]
+        res["q4_rows"].append({"name": name, "shape": [n, k], "bytes": nbytes, "adopted": best["cfg"],
+                               "committed": base.__dict__, "table": table, "sweep": sweep})
+        del qws, qw0
+        if not SMOKE:
+            torch.cuda.empty_cache()
+    if adopt_path:
+        with open(adopt_path, "w") as f:
+            json.dump(adopted, f, indent=1)
+    print(f"[q4 rows sweep {time.time() - t0:.0f} s]", flush=True)
+
+
 def bench_quality(res: dict) -> None:
     """Layer-output relative error of the 4-bit format on 27B-shaped random layers."""
     print("\n== 4-bit quality: relative error of y = x W^T, 16 random rows ==")
@@ -345,17 +428,20 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="default configs only, one group size")
     ap.add_argument("--sweep", default="gemv,q4", help="which kernels get the config sweep (comma list)")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--skip", default="", help="comma list of gemv,q4,quality,small,e2e")
+    ap.add_argument("--skip", default="", help="comma list of gemv,q4,q4rows,quality,small,e2e")
+    ap.add_argument("--q4rows-budget", type=float, default=60.0, help="seconds of 8-row-tile sweep before it stops")
+    ap.add_argument("--adopt", default=None, help="write the q4rows section's adopted configs (JSON) here")
     args = ap.parse_args()
     torch.manual_seed(0)
     import triton
     res: dict = {"gpu": "cpu-smoke" if SMOKE else torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                 "gemv": [], "q4": [], "quality": [], "small": [], "e2e": []}
+                 "gemv": [], "q4": [], "q4_rows": [], "quality": [], "small": [], "e2e": []}
     print(f"{res['gpu']}  torch {res['torch']}  triton {res['triton']}  ceiling {PEAK / 1e12:.2f} TB/s")
     skip = set(args.skip.split(","))
     t0 = time.time()
     for name, fn in (("gemv", lambda r: bench_gemv(r, args.quick or "gemv" not in args.sweep)),
                      ("q4", lambda r: bench_q4(r, args.quick or "q4" not in args.sweep, full=not args.quick)),
+                     ("q4rows", lambda r: bench_q4_rows(r, args.q4rows_budget, args.adopt)),
                      ("small", bench_small), ("e2e", bench_e2e), ("quality", bench_quality)):
         if name in skip:
             continue

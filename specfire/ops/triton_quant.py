@@ -45,6 +45,7 @@ class Q4Config:
     num_stages: int = 4
     sem: bool = True      # split_k > 1: combine in the kernel (last CTA per tile) instead of a second launch
     wa: bool = False      # codes as the MMA's A operand (y^T = W x^T): fewer register moves in the sm_90 loop
+    rows: int = 16        # row tile: 8 halves the MMAs, x fragments and epilogue FMAs per code word (M > 8: 2 tiles)
 
 
 # (N, K) at group 128 -> the fastest row-invariant config of the sweep (least t(M=1) + t(M=4) +
@@ -162,8 +163,10 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
     # elements past weight 0's, its output [M, Ns] at y + M * Os and its split partials at
     # part + split * M * Os. A tile runs the loop a launch of its weight alone would run. The Ds
     # come with BIAS added (always 64-bit: one compiled kernel whatever the allocations' distance).
+    # Rows run in tiles of ROWS_ over grid axis 2, every tile the same code (row-invariant).
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
+    pid_r = tl.program_id(2)
     HALF: tl.constexpr = G // 2
     N = N0
     t0 = 0
@@ -185,7 +188,7 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
         y_ptr += tl.multiple_of(M * o, 64)             # Os are multiples of OUT_ALIGN
         part_ptr += tl.multiple_of(split * M * o, 64)
     offs_n = (pid_n - t0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, ROWS_)
+    offs_m = pid_r * ROWS_ + tl.arange(0, ROWS_)
     offs_c = tl.arange(0, HALF)
     n_mask = offs_n < N
     m_mask = offs_m < M
@@ -236,13 +239,14 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
             # the last CTA of this N tile to arrive sums the partials in split order 0..split-1
             # (the arrival order never enters the arithmetic), then resets the counter
             tl.debug_barrier()
-            cnt = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            lock_ptr += pid_r * tl.num_programs(0) + pid_n        # a counter per (row tile, column tile)
+            cnt = tl.atomic_add(lock_ptr, 1, sem="acq_rel", scope="gpu")
             if cnt == split - 1:
                 tot = tl.load(p_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
                 for sp in range(1, split):
                     tot += tl.load(p_ptrs + sp * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
                 tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=out_mask)
-                tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(lock_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -322,7 +326,8 @@ def q4_group(x: torch.Tensor, qws: list, cfg: Q4Config | None = None) -> list[to
     tiles = [triton.cdiv(v, cfg.block_n) for v in ns]
     part = y if split == 1 else torch.empty(split * m * offs[-1], device=x.device, dtype=torch.float32)
     sem = cfg.sem and split > 1
-    locks = _locks(x.device, sum(tiles)) if sem else y
+    row_tiles = triton.cdiv(m, cfg.rows)
+    locks = _locks(x.device, sum(tiles) * row_tiles) if sem else y
     xs = torch.empty(m, n_groups, device=x.device, dtype=torch.float32)
     _xsum_kernel[(m, triton.cdiv(n_groups, 16))](x, xs, k, x.stride(0), G=g, GB=16)
     a = qws[0]
@@ -331,10 +336,10 @@ def q4_group(x: torch.Tensor, qws: list, cfg: Q4Config | None = None) -> list[to
     dq = [_BIAS + w.qtiled.data_ptr() - a.qtiled.data_ptr() for w in qws[1:]] + [_BIAS] * len(pad)
     dsc = [_BIAS + (w.scales_t.data_ptr() - a.scales_t.data_ptr()) // 2 for w in qws[1:]] + [_BIAS] * len(pad)
     dz = [_BIAS + (w.zeros_t.data_ptr() - a.zeros_t.data_ptr()) // 2 for w in qws[1:]] + [_BIAS] * len(pad)
-    _q4_kernel[(sum(tiles), split)](
+    _q4_kernel[(sum(tiles), split, row_tiles)](
         x, xs, a.qtiled, a.scales_t, a.zeros_t, y, part, locks, m, ns[0], k // 2, x.stride(0), n_groups, per, split,
         *(ns[1:] + pad), *bounds, *dq, *dsc, *dz, *(offs[1:len(ns)] + pad),
-        SEGS=len(qws), BLOCK_N=cfg.block_n, G=g, ROWS_=ROWS, TILE=a.tile, SEM=sem,
+        SEGS=len(qws), BLOCK_N=cfg.block_n, G=g, ROWS_=cfg.rows, TILE=a.tile, SEM=sem,
         ASM=x.dtype == torch.bfloat16 and not INTERPRET, IEEE=x.dtype == torch.float32, WA=cfg.wa,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     outs = [y[m * o:m * o + m * v].view(m, v) for v, o in zip(ns, offs)]
