@@ -258,7 +258,8 @@ def q4_rows_candidates(n: int, k: int, base: Q4Config) -> list[Q4Config]:
         if bn == base.block_n and nw == base.num_warps:
             splits.add(base.split_k)
         out += [Q4Config(bn, sp, nw, ns, wa=True, rows=8) for sp in sorted(splits)]
-    return [c for i, c in enumerate(out) if c not in out[:i]]
+    out = [c for i, c in enumerate(out) if c not in out[:i]]
+    return out[:3] if SMOKE else out
 
 
 def bench_q4_rows(res: dict, budget: float, adopt_path: str | None) -> None:

@@ -348,7 +348,7 @@ def run_variants(res: dict, cfg, args, models: tuple, warm: bool = False, only: 
     with tempfile.TemporaryDirectory() as path:
         write_config(cfg, path)
         for name, grouped in (("grouped", True), ("ungrouped", False)):
-            if only and name != only:
+            if (only and name != only) or name in args.skip.split(","):
                 continue
             if not warm and elapsed() > args.budget * 0.85:
                 res.setdefault("skipped", []).append(name)
@@ -399,8 +399,16 @@ def main() -> int:
     ap.add_argument("--warm", default="", help="worker: a 4-layer model through the calls of this variant")
     ap.add_argument("--skip", default="")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    ap.add_argument("--q4-configs", default="", help="JSON {'N,K': Q4Config fields} (bench/linear.py --adopt) "
+                    "taking the place of the committed q4_config for those shapes, in this run only")
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.q4_configs:
+        from specfire.ops import triton_quant as tq
+        with open(args.q4_configs) as f:
+            patch = {tuple(int(v) for v in key.split(",")): tq.Q4Config(**c) for key, c in json.load(f).items()}
+        tq._MEASURED.update(patch)
+        log(f"q4 configs from {args.q4_configs}: {len(patch)} shapes")
     if args.warm:   # compile every kernel the run will launch (the 27B dims on 4 layers, few tokens)
         args.tokens, args.prompts = 8, 1
         cfg = model_cfg(args.shape, 4)
@@ -417,8 +425,9 @@ def main() -> int:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         logf = open(os.path.join(args.out or ".", "quant_e2e_warm.log"), "w")
         procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm", v, "--shape", args.shape,
-                                   "--prompt", "64", "--out", ""], env=env, stdout=logf, stderr=subprocess.STDOUT)
-                 for v in ("grouped", "ungrouped")]
+                                   "--prompt", "64", "--out", "", "--q4-configs", args.q4_configs],
+                                  env=env, stdout=logf, stderr=subprocess.STDOUT)
+                 for v in ("grouped", "ungrouped") if v not in args.skip.split(",")]
     cfg = model_cfg(args.shape)
     models = build_models(res, cfg)        # while the worker compiles (nothing is timed here)
     for p in procs:

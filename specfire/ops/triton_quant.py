@@ -46,6 +46,7 @@ class Q4Config:
     sem: bool = True      # split_k > 1: combine in the kernel (last CTA per tile) instead of a second launch
     wa: bool = False      # codes as the MMA's A operand (y^T = W x^T): fewer register moves in the sm_90 loop
     rows: int = 16        # row tile: 8 halves the MMAs, x fragments and epilogue FMAs per code word (M > 8: 2 tiles)
+    zc: int = 0           # > 0: the zero-point term after the loop, zc groups at a time (the loop reads scales only)
 
 
 # (N, K) at group 128 -> the fastest row-invariant config of the sweep (least t(M=1) + t(M=4) +
@@ -139,14 +140,42 @@ def _mm(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _group_terms(s_ptr, z_ptr, xs_ptr, g, g_hi, N, n_groups, offs_n, n_mask, offs_m, m_mask):
+def _group_terms(s_ptr, z_ptr, xs_ptr, g, g_hi, N, n_groups, offs_n, n_mask, offs_m, m_mask, ZC: tl.constexpr):
     """Scale and zero of group g for the tile's columns and sum(x) of group g per row; zeros past
-    the split's last group (these are the prefetches one group ahead)."""
+    the split's last group (these are the prefetches one group ahead). ZC > 0: the scale only."""
     ok = (g + offs_n * 0) < g_hi
     s = tl.load(s_ptr + g * N + offs_n, mask=n_mask & ok, other=0.0)
+    if ZC > 0:
+        return s, s, offs_m * 0.0
     z = tl.load(z_ptr + g * N + offs_n, mask=n_mask & ok, other=0.0)
     xs = tl.load(xs_ptr + offs_m * n_groups + g, mask=m_mask & ((g + offs_m * 0) < g_hi), other=0.0)
     return s, z, xs
+
+
+@triton.jit
+def _zero_terms(acc, s_ptr, z_ptr, xs_ptr, g_lo, g_hi, N, n_groups, offs_n, n_mask, offs_m, m_mask,
+                ZC: tl.constexpr, WA: tl.constexpr, IEEE: tl.constexpr):
+    """acc + sum over the split's groups of (z - 128 s) sum(x), ZC groups at a time (each output
+    element sums its own products: row-invariant)."""
+    for c0 in range(g_lo, g_hi, ZC):
+        gc = c0 + tl.arange(0, ZC)
+        gm = gc < g_hi
+        sz_off = gc[None, :] * N + offs_n[:, None]                                      # [BLOCK_N, ZC]
+        sz_mask = n_mask[:, None] & gm[None, :]
+        s2 = tl.load(s_ptr + sz_off, mask=sz_mask, other=0.0).to(tl.float32)
+        zp = tl.load(z_ptr + sz_off, mask=sz_mask, other=0.0).to(tl.float32) - 128.0 * s2
+        xs2 = tl.load(xs_ptr + offs_m[:, None] * n_groups + gc[None, :], mask=m_mask[:, None] & gm[None, :],
+                      other=0.0)                                                         # [ROWS, ZC]
+        if IEEE:     # the interpreter (float32 tests): an explicit product-sum, as in _mm
+            if WA:
+                acc += tl.sum(zp[:, :, None] * tl.trans(xs2)[None, :, :], axis=1)
+            else:
+                acc += tl.sum(xs2[:, :, None] * tl.trans(zp)[None, :, :], axis=1)
+        elif WA:     # float32 FMA dot: each output element summed by one thread, in order
+            acc = tl.dot(zp, tl.trans(xs2), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xs2, tl.trans(zp), acc, input_precision="ieee")
+    return acc
 
 
 @triton.jit(do_not_specialize=["M", "n_groups", "groups_per_split", "split"])
@@ -154,7 +183,7 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
                n_groups, groups_per_split, split, N1, N2, N3, T1, T2, T3, DQ1, DQ2, DQ3, DS1, DS2, DS3,
                DZ1, DZ2, DZ3, O1, O2, O3, SEGS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
                ROWS_: tl.constexpr, TILE: tl.constexpr, SEM: tl.constexpr, ASM: tl.constexpr,
-               IEEE: tl.constexpr, WA: tl.constexpr = False):
+               IEEE: tl.constexpr, WA: tl.constexpr = False, ZC: tl.constexpr = 0):
     # Kernel packing (ops/quant.py): in group g, byte j of a row holds codes g*G + j (low nibble)
     # and g*G + G/2 + j (high nibble), rows stored in tiles [N/TILE, K/G, TILE, G/2] (TILE = 0: rows
     # [N, K/2]); scales / zeros are [K/G, N]; KH = K / 2 bytes per row.
@@ -205,9 +234,9 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
         q_rows = q_ptr + ((offs_n // TILE) * (KH * TILE) + (offs_n % TILE) * HALF)[:, None] + offs_c[None, :]
         q_step = TILE * HALF
     x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_c[None, :]
-    s0, z0, xs0 = _group_terms(s_ptr, z_ptr, xs_ptr, g_lo, g_hi, N, n_groups, offs_n, n_mask, offs_m, m_mask)
+    s0, z0, xs0 = _group_terms(s_ptr, z_ptr, xs_ptr, g_lo, g_hi, N, n_groups, offs_n, n_mask, offs_m, m_mask, ZC)
     for g in range(g_lo, g_hi):
-        s1, z1, xs1 = _group_terms(s_ptr, z_ptr, xs_ptr, g + 1, g_hi, N, n_groups, offs_n, n_mask, offs_m, m_mask)
+        s1, z1, xs1 = _group_terms(s_ptr, z_ptr, xs_ptr, g + 1, g_hi, N, n_groups, offs_n, n_mask, offs_m, m_mask, ZC)
         qb = tl.load(q_rows + g * q_step, mask=n_mask[:, None], other=0)              # [BLOCK_N, HALF] bytes
         xe = tl.load(x_rows + g * G, mask=m_mask[:, None], other=0.0)                # [ROWS, HALF] low-nibble k
         xo = tl.load(x_rows + g * G + HALF, mask=m_mask[:, None], other=0.0)         # [ROWS, HALF] high-nibble k
@@ -220,12 +249,16 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
         if WA:
             t = _mm(hi, tl.trans(xo), _mm(lo, tl.trans(xe), tl.zeros((BLOCK_N, ROWS_), dtype=tl.float32), IEEE), IEEE)
             acc = tl.fma(t, s[:, None], acc)
-            acc = tl.fma(z[:, None], xs0[None, :], acc)
+            if ZC == 0:
+                acc = tl.fma(z[:, None], xs0[None, :], acc)
         else:
             t = _mmt(xo, hi, _mmt(xe, lo, tl.zeros((ROWS_, BLOCK_N), dtype=tl.float32), IEEE), IEEE)
             acc = tl.fma(t, s[None, :], acc)
-            acc = tl.fma(xs0[:, None], z[None, :], acc)
+            if ZC == 0:
+                acc = tl.fma(xs0[:, None], z[None, :], acc)
         s0, z0, xs0 = s1, z1, xs1
+    if ZC > 0:
+        acc = _zero_terms(acc, s_ptr, z_ptr, xs_ptr, g_lo, g_hi, N, n_groups, offs_n, n_mask, offs_m, m_mask, ZC, WA, IEEE)
     if WA:
         acc = tl.trans(acc)
     out_mask = m_mask[:, None] & n_mask[None, :]
@@ -340,7 +373,7 @@ def q4_group(x: torch.Tensor, qws: list, cfg: Q4Config | None = None) -> list[to
         x, xs, a.qtiled, a.scales_t, a.zeros_t, y, part, locks, m, ns[0], k // 2, x.stride(0), n_groups, per, split,
         *(ns[1:] + pad), *bounds, *dq, *dsc, *dz, *(offs[1:len(ns)] + pad),
         SEGS=len(qws), BLOCK_N=cfg.block_n, G=g, ROWS_=cfg.rows, TILE=a.tile, SEM=sem,
-        ASM=x.dtype == torch.bfloat16 and not INTERPRET, IEEE=x.dtype == torch.float32, WA=cfg.wa,
+        ASM=x.dtype == torch.bfloat16 and not INTERPRET, IEEE=x.dtype == torch.float32, WA=cfg.wa, ZC=cfg.zc,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     outs = [y[m * o:m * o + m * v].view(m, v) for v, o in zip(ns, offs)]
     if split > 1 and not sem:  # partials summed in split order by a second launch, per weight

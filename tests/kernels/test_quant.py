@@ -97,7 +97,7 @@ def test_q4_split_counters_reset():
     w = torch.randn(40, 512, generator=_g(12))
     qw = QuantWeight.quantize(w, 64)
     x = torch.randn(3, 512, generator=_g(13))
-X
+    cfg = Q4Config(16, split_k=4, wa=True, rows=8)   # 12 rows below: two row tiles, a counter each
     y1, y2 = q4_gemv(x, qw, cfg), q4_gemv(x, qw, cfg)
     assert torch.equal(q4_gemv(x.repeat(4, 1), qw, cfg), y1.repeat(4, 1))
     assert torch.equal(y1, y2)
@@ -142,12 +142,12 @@ CASES = [  # odd N, masked group tails (a split's last group range shorter), spl
     (3, 70, 640, 128, False, Q4Config(64, split_k=4), 0),
     (7, 50, 160, 32, False, Q4Config(16, split_k=3, sem=False), 16),
     (9, 33, 2304, 64, False, Q4Config(32, split_k=5, wa=True, rows=8), 64),   # 8-row tiles: M = 9 runs two
-    (4, 48, 512, 128, False, Q4Config(16, split_k=3, num_warps=1, sem=False), 0),
+    (4, 48, 512, 128, False, Q4Config(16, split_k=3, num_warps=1, sem=False, zc=16), 0),
     (16, 64, 256, 128, False, None, 0),
     # codes as the MMA's A operand (wa, the adopted form): odd N, masked tails, both combines,
     # both layouts; the default config on the default layout (64-row tiles, N padded); the
     # adopted gate/up form (128 columns, 2 warps, 3 stages) with a short last split
-    (5, 45, 384, 128, False, Q4Config(32, split_k=2, wa=True), 0),
+    (5, 45, 384, 128, False, Q4Config(32, split_k=2, wa=True, rows=8, zc=16), 0),   # zero term after the loop
     (11, 70, 640, 64, True, Q4Config(16, split_k=4, sem=False, wa=True, rows=8), 64),
     (13, 77, 384, 128, False, None, 64),
     (2, 150, 640, 128, False, Q4Config(128, split_k=3, num_warps=2, num_stages=3, wa=True), 64),
@@ -174,7 +174,7 @@ def test_q4_kernel_prefixes_are_row_invariant():
     """Every prefix M = 1..16 of a 16-row call gives the same rows bit for bit (with and without split-K)."""
     qw = QuantWeight.quantize(torch.randn(24, 384, generator=_g(21)), 128)
     x = torch.randn(16, 384, generator=_g(22))
-    for cfg in (Q4Config(16, split_k=2), Q4Config(32), Q4Config(16, split_k=2, wa=True, rows=8)):
+    for cfg in (Q4Config(16, split_k=2), Q4Config(32), Q4Config(16, split_k=2, wa=True, rows=8, zc=16)):
         full = q4_gemv(x, qw, cfg)
         for m in range(1, 17):
             assert torch.equal(q4_gemv(x[:m], qw, cfg), full[:m]), (cfg, m)
