@@ -16,9 +16,11 @@ attention modes and 4-bit decode end to end are in bench/quant_gpu.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 
@@ -247,19 +249,44 @@ if SMOKE:
     Q4_LAUNCH = [(96, 512, "small"), (40, 256, "odd")]
 
 
+Q4_BASES = ((64, 2, 3, 16), (64, 2, 3, 0), (64, 2, 4, 16), (128, 2, 3, 16), (32, 1, 4, 16))  # bn, warps, stages, zc
+
+
 def q4_rows_candidates(n: int, k: int, base: Q4Config) -> list[Q4Config]:
-    """The committed config first, then 8-row-tile variants: columns per CTA, warps, stages, and the
-    split-K that puts about 4 or 8 CTAs per SM (132 SMs) in one launch (a function of the shape only)."""
-    out = [base]
+    """The committed config first, then 8-row-tile variants (columns per CTA, warps, stages, zero
+    term in or after the loop) at split-Ks giving about 2..12 CTAs per SM (132 SMs): the first base
+    at every such split, the others at the two nearest 4 and 8 per SM. A function of the shape only."""
+    out = [base, dataclasses.replace(base, rows=8)]
     groups = k // 128 if not SMOKE else max(1, k // 64)
-    for bn, nw, ns in ((64, 2, 3), (64, 2, 4), (128, 2, 3), (128, 4, 3), (32, 1, 4)):
+    for i, (bn, nw, ns, zc) in enumerate(Q4_BASES):
         tiles = -(-n // bn)
-        splits = {1} if tiles >= 1024 else {max(1, min(groups, round(c * 132 / tiles))) for c in (4, 8)}
-        if bn == base.block_n and nw == base.num_warps:
-            splits.add(base.split_k)
-        out += [Q4Config(bn, sp, nw, ns, wa=True, rows=8) for sp in sorted(splits)]
+        if tiles >= 1024:
+            splits = [1]
+        elif i == 0:
+            splits = [sp for sp in (1, 2, 3, 4, 6, 8, 12, 16) if 2 * 132 <= tiles * sp <= 13 * 132 and sp <= groups]
+        else:
+            splits = sorted({max(1, min(groups, round(c * 132 / tiles))) for c in (4, 8)})
+        out += [Q4Config(bn, sp, nw, ns, wa=True, rows=8, zc=zc) for sp in splits]
     out = [c for i, c in enumerate(out) if c not in out[:i]]
     return out[:3] if SMOKE else out
+
+
+def warm_q4_rows(part: str) -> None:
+    """Compile worker (part 'i/n'): every i-th candidate kernel of bench_q4_rows on a small weight
+    with the same specialisations, so the sweep finds them in Triton's cache."""
+    i, n_parts = (int(v) for v in part.split("/"))
+    seen, j = set(), 0
+    for n, k, _ in Q4_LAUNCH:
+        for cfg in q4_rows_candidates(n, k, q4_config(n, k, 128)):
+            key = (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.rows, cfg.zc, cfg.wa, cfg.split_k > 1 and cfg.sem)
+            if key in seen:
+                continue
+            seen.add(key)
+            j += 1
+            if j % n_parts == i:
+                qw = random_q4(256, k, 128, DEV)
+                q4_gemv(torch.randn(1, k, device=DEV, dtype=BF), qw, cfg)
+    torch.cuda.synchronize()
 
 
 def bench_q4_rows(res: dict, budget: float, adopt_path: str | None) -> None:
@@ -271,6 +298,8 @@ def bench_q4_rows(res: dict, budget: float, adopt_path: str | None) -> None:
     t0 = time.time()
     g = 128 if not SMOKE else 64
     adopted = {}
+    procs = [] if SMOKE else [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm-q4rows", f"{i}/6"])
+                              for i in range(6)]
     for n, k, name in Q4_LAUNCH:
         qw0 = random_q4(n, k, g, DEV)
         nbytes = qw0.nbytes()
@@ -318,6 +347,8 @@ def bench_q4_rows(res: dict, budget: float, adopt_path: str | None) -> None:
         del qws, qw0
         if not SMOKE:
             torch.cuda.empty_cache()
+    for p in procs:
+        p.wait()
     if adopt_path:
         with open(adopt_path, "w") as f:
             json.dump(adopted, f, indent=1)
@@ -432,7 +463,11 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma list of gemv,q4,q4rows,quality,small,e2e")
     ap.add_argument("--q4rows-budget", type=float, default=60.0, help="seconds of 8-row-tile sweep before it stops")
     ap.add_argument("--adopt", default=None, help="write the q4rows section's adopted configs (JSON) here")
+    ap.add_argument("--warm-q4rows", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.warm_q4rows:
+        warm_q4_rows(args.warm_q4rows)
+        return 0
     torch.manual_seed(0)
     import triton
     res: dict = {"gpu": "cpu-smoke" if SMOKE else torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

@@ -46,7 +46,7 @@ class Q4Config:
     sem: bool = True      # split_k > 1: combine in the kernel (last CTA per tile) instead of a second launch
     wa: bool = False      # codes as the MMA's A operand (y^T = W x^T): fewer register moves in the sm_90 loop
     rows: int = 16        # row tile: 8 halves the MMAs, x fragments and epilogue FMAs per code word (M > 8: 2 tiles)
-    zc: int = 0           # > 0: the zero-point term after the loop, zc groups at a time (the loop reads scales only)
+    zc: int = 0           # > 0: zero-point term after the loop, zc groups at a time, sum(x) made there (no launch first)
 
 
 # (N, K) at group 128 -> the fastest row-invariant config of the sweep (least t(M=1) + t(M=4) +
@@ -153,10 +153,12 @@ def _group_terms(s_ptr, z_ptr, xs_ptr, g, g_hi, N, n_groups, offs_n, n_mask, off
 
 
 @triton.jit
-def _zero_terms(acc, s_ptr, z_ptr, xs_ptr, g_lo, g_hi, N, n_groups, offs_n, n_mask, offs_m, m_mask,
-                ZC: tl.constexpr, WA: tl.constexpr, IEEE: tl.constexpr):
-    """acc + sum over the split's groups of (z - 128 s) sum(x), ZC groups at a time (each output
-    element sums its own products: row-invariant)."""
+def _zero_terms(acc, x_ptr, stride_xm, s_ptr, z_ptr, g_lo, g_hi, N, offs_n, n_mask, M, row0,
+                ZC: tl.constexpr, G: tl.constexpr, ROWS_: tl.constexpr, WA: tl.constexpr, IEEE: tl.constexpr):
+    """acc + sum over the split's groups of (z - 128 s) sum(x), ZC groups at a time; sum(x) of
+    the tile's real rows made here from x (one row at a time, the same code for every row), so no
+    launch comes first. Each output element sums its own products: row-invariant."""
+    offs_r = tl.arange(0, ROWS_)
     for c0 in range(g_lo, g_hi, ZC):
         gc = c0 + tl.arange(0, ZC)
         gm = gc < g_hi
@@ -164,8 +166,11 @@ def _zero_terms(acc, s_ptr, z_ptr, xs_ptr, g_lo, g_hi, N, n_groups, offs_n, n_ma
         sz_mask = n_mask[:, None] & gm[None, :]
         s2 = tl.load(s_ptr + sz_off, mask=sz_mask, other=0.0).to(tl.float32)
         zp = tl.load(z_ptr + sz_off, mask=sz_mask, other=0.0).to(tl.float32) - 128.0 * s2
-        xs2 = tl.load(xs_ptr + offs_m[:, None] * n_groups + gc[None, :], mask=m_mask[:, None] & gm[None, :],
-                      other=0.0)                                                         # [ROWS, ZC]
+        xs2 = tl.zeros((ROWS_, ZC), dtype=tl.float32)                                   # [ROWS, ZC]
+        for r in range(0, tl.minimum(M - row0, ROWS_)):
+            xr = tl.load(x_ptr + (row0 + r) * stride_xm + gc[:, None] * G + tl.arange(0, G)[None, :],
+                         mask=gm[:, None], other=0.0)                                    # [ZC, G]
+            xs2 = tl.where(offs_r[:, None] == r, tl.sum(xr.to(tl.float32), axis=1)[None, :], xs2)
         if IEEE:     # the interpreter (float32 tests): an explicit product-sum, as in _mm
             if WA:
                 acc += tl.sum(zp[:, :, None] * tl.trans(xs2)[None, :, :], axis=1)
@@ -258,7 +263,8 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
                 acc = tl.fma(xs0[:, None], z[None, :], acc)
         s0, z0, xs0 = s1, z1, xs1
     if ZC > 0:
-        acc = _zero_terms(acc, s_ptr, z_ptr, xs_ptr, g_lo, g_hi, N, n_groups, offs_n, n_mask, offs_m, m_mask, ZC, WA, IEEE)
+        acc = _zero_terms(acc, x_ptr, stride_xm, s_ptr, z_ptr, g_lo, g_hi, N, offs_n, n_mask, M, pid_r * ROWS_,
+                          ZC, G, ROWS_, WA, IEEE)
     if WA:
         acc = tl.trans(acc)
     out_mask = m_mask[:, None] & n_mask[None, :]
@@ -361,8 +367,11 @@ def q4_group(x: torch.Tensor, qws: list, cfg: Q4Config | None = None) -> list[to
     sem = cfg.sem and split > 1
     row_tiles = triton.cdiv(m, cfg.rows)
     locks = _locks(x.device, sum(tiles) * row_tiles) if sem else y
-    xs = torch.empty(m, n_groups, device=x.device, dtype=torch.float32)
-    _xsum_kernel[(m, triton.cdiv(n_groups, 16))](x, xs, k, x.stride(0), G=g, GB=16)
+    if cfg.zc:                            # the kernel sums x itself
+        xs = x
+    else:
+        xs = torch.empty(m, n_groups, device=x.device, dtype=torch.float32)
+        _xsum_kernel[(m, triton.cdiv(n_groups, 16))](x, xs, k, x.stride(0), G=g, GB=16)
     a = qws[0]
     pad = [0] * (GROUP_MAX - len(qws))
     bounds = [sum(tiles[:i]) for i in range(1, GROUP_MAX)]
