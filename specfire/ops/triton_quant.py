@@ -56,32 +56,36 @@ class Q4Config:
     zc: int = 0           # > 0: zero-point term after the loop, zc groups at a time, sum(x) made there (no launch first)
 
 
-# (N, K) at group 128 -> the fastest row-invariant config of the sweep (least t(M=1) + t(M=4) +
-# t(M=16)) in bench/quant_gpu.py on the H200, codes in 64-row tiles (docs/BENCHMARKS.md)
+# (N, K) at group 128 -> launch settings on the H200, codes in 64-row tiles (docs/BENCHMARKS.md).
+# The launch shapes of a 27B step (grouped projections launch with their concatenated N) are the
+# sixth session's sweep winners (bench/linear.py q4rows, least t(M=1) + t(M=4), all 8-row tiles,
+# every candidate bitwise row-invariant); the single weights keep the fourth session's sweep
+# settings with the row tile set to 8 (not timed alone: on every launch shape the same settings
+# with 8-row tiles were 1.18-1.30x faster at M = 1 and 4).
 _MEASURED = {
-    (17408, 5120): Q4Config(128, split_k=3, num_warps=2, num_stages=3, wa=True),   # MLP gate, up
-    (5120, 17408): Q4Config(64, split_k=9, num_warps=2, num_stages=3, wa=True),    # MLP down
-    (12288, 5120): Q4Config(64, split_k=4, num_warps=2, num_stages=3, wa=True),    # attention q + gate
-    (10240, 5120): Q4Config(64, split_k=4, num_warps=2, num_stages=3, wa=True),    # GDN qkv
-    (6144, 5120): Q4Config(64, split_k=8, num_warps=2, num_stages=3, wa=True),     # GDN z
-    (5120, 6144): Q4Config(64, split_k=9, num_warps=2, num_stages=3, wa=True),     # attention o, GDN out
-    (1024, 5120): Q4Config(32, split_k=18, num_warps=1, num_stages=4, wa=True),    # attention k, v
-    (248320, 5120): Q4Config(64, split_k=1, num_warps=2, num_stages=4, wa=True),   # lm_head
-    # projections that share an input, measured concatenated; the settings of their grouped launch
-    # (group_config): gate + up, GDN qkv + z, attention q + gate + k + v
-    (34816, 5120): Q4Config(128, split_k=3, num_warps=2, num_stages=3, wa=True),
-    (16384, 5120): Q4Config(64, split_k=3, num_warps=2, num_stages=3, wa=True),
-    (14336, 5120): Q4Config(64, split_k=3, num_warps=2, num_stages=3, wa=True),
+    # single weights (SPECFIRE_GEMV_GROUP=0, or a group one launch cannot hold)
+    (17408, 5120): Q4Config(128, split_k=3, num_warps=2, num_stages=3, wa=True, rows=8),   # MLP gate, up
+    (12288, 5120): Q4Config(64, split_k=4, num_warps=2, num_stages=3, wa=True, rows=8),    # attention q + gate
+    (10240, 5120): Q4Config(64, split_k=4, num_warps=2, num_stages=3, wa=True, rows=8),    # GDN qkv
+    (6144, 5120): Q4Config(64, split_k=8, num_warps=2, num_stages=3, wa=True, rows=8),     # GDN z
+    (1024, 5120): Q4Config(32, split_k=18, num_warps=1, num_stages=4, wa=True, rows=8),    # attention k, v
+    # launch shapes of a 27B step, measured (sixth session)
+    (5120, 17408): Q4Config(64, split_k=13, num_warps=2, num_stages=3, wa=True, rows=8),   # MLP down
+    (5120, 6144): Q4Config(64, split_k=9, num_warps=2, num_stages=3, wa=True, rows=8),     # attention o, GDN out
+    (248320, 5120): Q4Config(64, split_k=1, num_warps=2, num_stages=3, wa=True, rows=8),   # lm_head
+    (34816, 5120): Q4Config(128, split_k=3, num_warps=2, num_stages=3, wa=True, rows=8),   # gate + up
+    (16384, 5120): Q4Config(64, split_k=3, num_warps=2, num_stages=3, wa=True, rows=8),    # GDN qkv + z
+    (14336, 5120): Q4Config(64, split_k=3, num_warps=2, num_stages=3, wa=True, rows=8),    # attention q + gate + k + v
 }
 
 
 def q4_config(n: int, k: int, group: int) -> Q4Config:
     """Launch configuration from the weight's shape only (never from M): the measured one for the
     27B shapes, else what won most of them, 64 columns on two warps, 3 stages, codes as the A
-    operand, with the split-K that fills an H200 in one wave (about 6 such CTAs per SM)."""
+    operand, 8-row tiles, with the split-K that fills an H200 in one wave (about 6 CTAs per SM)."""
     if group == 128 and (n, k) in _MEASURED:
         return _MEASURED[(n, k)]
-    return Q4Config(64, split_k=max(1, min(k // group, 792 // triton.cdiv(n, 64))), num_stages=3, wa=True)
+    return Q4Config(64, split_k=max(1, min(k // group, 792 // triton.cdiv(n, 64))), num_stages=3, wa=True, rows=8)
 
 
 # inline PTX, 4 packed bytes in ($4) -> low nibbles as bf16 128+q ($0, $1) and high nibbles ($2, $3);
@@ -152,10 +156,12 @@ def _group_terms(s_ptr, z_ptr, xs_ptr, g, g_hi, N, n_groups, offs_n, n_mask, off
     the split's last group (these are the prefetches one group ahead). ZC > 0: the scale only."""
     ok = (g + offs_n * 0) < g_hi
     s = tl.load(s_ptr + g * N + offs_n, mask=n_mask & ok, other=0.0)
-    if ZC > 0:
-        return s, s, offs_m * 0.0
-    z = tl.load(z_ptr + g * N + offs_n, mask=n_mask & ok, other=0.0)
-    xs = tl.load(xs_ptr + offs_m * n_groups + g, mask=m_mask & ((g + offs_m * 0) < g_hi), other=0.0)
+    if ZC > 0:      # one return below: Triton types every return statement of a function alike
+        z = s
+        xs = offs_m * 0.0
+    else:
+        z = tl.load(z_ptr + g * N + offs_n, mask=n_mask & ok, other=0.0)
+        xs = tl.load(xs_ptr + offs_m * n_groups + g, mask=m_mask & ((g + offs_m * 0) < g_hi), other=0.0)
     return s, z, xs
 
 
@@ -374,8 +380,8 @@ def q4_group(x: torch.Tensor, qws: list, cfg: Q4Config | None = None) -> list[to
     sem = cfg.sem and split > 1
     row_tiles = triton.cdiv(m, cfg.rows)
     locks = _locks(x.device, sum(tiles) * row_tiles) if sem else y
-    if cfg.zc:                            # the kernel sums x itself
-        xs = x
+    if cfg.zc:                            # the kernel sums x itself (xs is not read)
+        xs = part if split > 1 else torch.empty(1, device=x.device, dtype=torch.float32)
     else:
         xs = torch.empty(m, n_groups, device=x.device, dtype=torch.float32)
         _xsum_kernel[(m, triton.cdiv(n_groups, 16))](x, xs, k, x.stride(0), G=g, GB=16)
