@@ -97,9 +97,9 @@ def test_q4_split_counters_reset():
     w = torch.randn(40, 512, generator=_g(12))
     qw = QuantWeight.quantize(w, 64)
     x = torch.randn(3, 512, generator=_g(13))
-    cfg = Q4Config(16, split_k=4, wa=True, rows=8)   # 12 rows below: two row tiles, a counter each
+    cfg = Q4Config(16, split_k=4, wa=True, rows=8)   # 9 rows below: two row tiles, a counter each
     y1, y2 = q4_gemv(x, qw, cfg), q4_gemv(x, qw, cfg)
-    assert torch.equal(q4_gemv(x.repeat(4, 1), qw, cfg), y1.repeat(4, 1))
+    assert torch.equal(q4_gemv(x.repeat(3, 1), qw, cfg), y1.repeat(3, 1))
     assert torch.equal(y1, y2)
     assert all(int(b.abs().sum()) == 0 for b in _LOCKS.values())
 
