@@ -322,7 +322,8 @@ def test_unlikelihood_phase_from_a_checkpoint(tiny_trained, tmp_path):
 
 
 def test_unlikelihood_phase_keeps_the_chosen_snapshot(tiny_trained, tmp_path):
-    """ul_select + the KL term: every snapshot is scored, the rule picks one, and the exported
+    """ul_select + the KL term + the anneal phase: every snapshot of both phases is scored on the
+    validation files (set aside from the phase's text), the rule picks one, and the exported
     weights are that snapshot's (their greedy figures are the chosen candidate's)."""
     from tokenizers import Tokenizer
 
@@ -332,18 +333,25 @@ def test_unlikelihood_phase_keeps_the_chosen_snapshot(tiny_trained, tmp_path):
     src, kw, _ = tiny_trained
     kw = dict(kw, ul_steps=4, ul_pool=4, ul_batch=2, ul_data_batch=2, ul_new_tokens=12, ul_prompt_min=6,
               ul_prompt_max=8, ul_eval_prompts=2, ul_eval_prompt_tokens=6, ul_snapshots=2, ul_probe_steps=1,
-              ul_lr=5e-3, ul_kl_weight=1.0, ul_select=1, ul_select_tokens=12, ul_ppl_every=40, ul_word_bans=1)
+              ul_lr=5e-3, ul_kl_weight=1.0, ul_select=1, ul_select_tokens=12, ul_ppl_every=40, ul_word_bans=1,
+              ul_val_permille=300, ul_val_prompts=3, ul_anneal_steps=2, ul_anneal_snapshots=2, ul_anneal_lr=1e-3)
     out = str(tmp_path / "ul")
-    m = run(TrainConfig(out=out, device="cpu", init=src, pack_dir=str(tmp_path / "pack"), **kw),
-            log=lambda *_: None)
+    lines: list[str] = []
+    m = run(TrainConfig(out=out, device="cpu", init=src, pack_dir=str(tmp_path / "pack"), **kw), log=lines.append)
     s = m["ul"]["selection"]
-    assert [r["step"] for r in s["candidates"]] == [1, 3, 4] and all(h["kl"] >= 0 for h in m["ul"]["history"])
+    assert [r["step"] for r in s["candidates"]] == [1, 3, 4, 5, 6] and all(h["kl"] >= 0 for h in m["ul"]["history"])
+    assert m["ul"]["anneal"]["steps_done"] == 2
+    assert all(set(r) >= {"val", "bench", "held_out"} and r["rep"] == r["val"]["repeated_line_frac_guarded"]
+               for r in s["candidates"])
+    # the validation files are out of the phase's text and are not held-out text
+    val_line = next(x for x in lines if x.startswith("validation set"))
+    assert int(val_line.split(": ")[1].split()[0]) > 0 and len(s["prompt_text"]["val"]) == 3
     cands = [sel.Candidate(r["step"], r["rep"], r["ppl_ratio"]) for r in s["candidates"]]
     chosen = sel.choose(cands, kw.get("ul_ppl_budget", 0.05))
     assert s["chosen_step"] == (chosen.step if chosen else None)
     packs = sorted(os.listdir(tmp_path / "pack"))
-    assert packs == (["last.tar.part00"] if chosen and chosen.step != 4 else []) + ["model.tar.part00"]
-    row = next(r for r in s["candidates"] if r["step"] == (chosen.step if chosen else 4))
+    assert packs == (["last.tar.part00"] if chosen and chosen.step != 6 else []) + ["model.tar.part00"]
+    row = next(r for r in s["candidates"] if r["step"] == (chosen.step if chosen else 6))
     _, trunk, _ = load_checkpoint(out, "cpu")
     tok = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
     eos = (tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>"))

@@ -1,13 +1,14 @@
 """Which weights of an unlikelihood phase to keep: the repetition and perplexity of each snapshot,
 and the rule that picks one, fixed before the run.
 
-The rule (`choose`): among the snapshots whose held-out perplexity (the whole held-out-packages
-text when ul_ppl_every is 1: bench/bundled_ppl.py's figure) is within `ppl_budget` of the starting
-model's, the one with the lowest guarded repeated-line share (the model card's target measure,
-bench/bundled_loops.py) over LOOP_PROMPTS and the held-out prompts pooled (`loop_figures`' "all":
-lines of both sets counted together; picking on the benchmark's 12 prompts alone favoured a lucky
-snapshot); ties go to the lower perplexity. No snapshot within the budget: none is chosen (the phase
-keeps its last weights and says so).
+The rule (`choose`): among the snapshots whose perplexity on the validation files (training-corpus
+files set aside from the phase by a salted path hash: corpus.split_validation) is within `ppl_budget`
+of the starting model's, the one with the lowest guarded repeated-line share (the model card's
+target measure, bench/bundled_loops.py) on prompts cut at `def` / `class` lines of those same
+validation files; ties go to the lower perplexity. No snapshot within the budget: none is chosen
+(the phase keeps its last weights and says so). The benchmark's LOOP_PROMPTS and the held-out
+packages' prompts and text are only logged beside it, never used by the rule (until 2026-11-30 the
+rule pooled LOOP_PROMPTS with held-out prompts and used held-out perplexity: selection on the test).
 """
 from __future__ import annotations
 
