@@ -290,6 +290,16 @@ def test_snapshot_rule_and_loop_figures():
     assert s["repeated_line_frac"] == 2 / 5 and s["repeated_line_frac_guarded"] == 4 / 6 and s["ended"] == 1
 
 
+def test_phrase_loop_lines_counts_loops_inside_a_line():
+    from specfire.train.unlikelihood import phrase_loop_lines
+
+    text = ("the directory of the directory of the root\nall all all all\nself.a = self.a + b\n"
+            "x[0], x[1], x[2]\n\n    return the value of the value of x\ncut of the cut of the")
+    assert phrase_loop_lines(text) == (5, 3)                 # blank line skipped, cut tail dropped
+    assert phrase_loop_lines(text, cut=False) == (6, 4)
+    assert phrase_loop_lines("a b a b", cut=False, n=2) == (1, 1) and phrase_loop_lines("a b c", cut=False) == (1, 0)
+
+
 def test_ul_schedule_fit():
     from specfire.train.finetune import fit_schedule
 

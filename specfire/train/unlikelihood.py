@@ -184,6 +184,27 @@ def line_stats(prompt: str, text: str, cut: bool = True) -> tuple[int, int, int]
     return n, rep, rep_all
 
 
+_WORD = re.compile(r"\w+")
+
+
+def phrase_loop_lines(text: str, cut: bool = True, n: int = 3) -> tuple[int, int]:
+    """(complete non-blank lines, lines in which some run of n words occurs twice or more): the loops
+    inside a line (`the directory of the directory of the ...`, `all all all ...`) that line_stats
+    cannot see. Words are runs of letters, digits and `_`; `cut` as in line_stats."""
+    lines = text.split("\n")
+    if cut:
+        lines = lines[:-1]
+    total = loops = 0
+    for ln in lines:
+        if not ln.strip():
+            continue
+        total += 1
+        w = _WORD.findall(ln)
+        grams = [tuple(w[i:i + n]) for i in range(len(w) - n + 1)]
+        loops += len(set(grams)) < len(grams)
+    return total, loops
+
+
 _DEF = re.compile(r"^[ \t]*(?:async def|def|class) .*\n", re.M)
 
 
