@@ -290,6 +290,32 @@ def test_snapshot_rule_and_loop_figures():
     assert s["repeated_line_frac"] == 2 / 5 and s["repeated_line_frac_guarded"] == 4 / 6 and s["ended"] == 1
 
 
+def test_line_repeat_continuations_match_their_definition():
+    """Brute force: at i, ban seq[j] when seq[i-m:i] == seq[j-m:j] (j < i) and no line-break token
+    lies in positions j-m .. i-1; with edges, never a token that continues a word."""
+    from specfire.train.unlikelihood import line_repeat_continuations
+
+    g = torch.Generator().manual_seed(3)
+    seq = torch.randint(0, 5, (3, 40), generator=g)                  # id 0 ends a line
+    newline = torch.tensor([True, False, False, False, False, False])
+    n, start, v = 3, 5, 6
+    ban = line_repeat_continuations(seq, start, n, v, newline)
+    m = n - 1
+    want = torch.zeros_like(ban)
+    for b in range(3):
+        s = seq[b].tolist()
+        for i in range(max(m, start), 40):
+            for j in range(m, i):
+                if s[i - m:i] == s[j - m:j] and 0 not in s[j - m:i]:
+                    want[b, i, s[j]] = True
+    assert torch.equal(ban, want) and want.any()
+    starts = torch.tensor([False, True, True, False, False, False])  # ids 1, 2 are word pieces
+    ends = torch.tensor([False, True, False, False, False, False])
+    word = line_repeat_continuations(seq, start, n, v, newline, (starts, ends))
+    cont = ends[seq][:, :, None] & starts[None, None, :]              # [B, i+1, c]: c continues a word at i+1
+    assert torch.equal(word[:, 1:], ban[:, 1:] & ~cont[:, :-1])
+
+
 def test_phrase_loop_lines_counts_loops_inside_a_line():
     from specfire.train.unlikelihood import phrase_loop_lines
 

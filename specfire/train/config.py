@@ -121,6 +121,8 @@ class TrainConfig:
     ul_select_tokens: int = 160         # greedy tokens per prompt when scoring a snapshot (the benchmark's)
     ul_word_bans: int = 0               # 1: never ban a token that continues a word (unlikelihood.word_edges):
                                         #   repeats are refused where a new word or symbol starts
+    ul_line_ngram: int = 0              # > 0: also ban what would repeat an n-gram of this length within the
+                                        #   same line (unlikelihood.line_repeat_continuations: phrase loops)
     ul_min_lr_frac: float = 0.1         # the UL phase's cosine ends at this fraction of ul_lr
     ul_val_permille: int = 30           # ul_select: training files (a salted path hash) set aside as the
     ul_val_prompts: int = 64            #   validation set the rule scores (its prompts and its perplexity):
@@ -145,7 +147,7 @@ class TrainConfig:
         if not 0.0 <= self.mtp_distill <= 1.0:
             raise ValueError(f"train option mtp_distill must be in [0, 1], got {self.mtp_distill}")
         for name in ("ul_steps", "ul_warmup", "ul_snapshots", "ul_eval_prompts", "ul_select", "ul_word_bans",
-                     "ul_val_permille", "ul_val_prompts", "ul_anneal_steps", "ul_anneal_snapshots"):
+                     "ul_val_permille", "ul_val_prompts", "ul_anneal_steps", "ul_anneal_snapshots", "ul_line_ngram"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"train option {name} must be a non-negative integer, got {v!r}")

@@ -142,6 +142,7 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, v
         for p in teacher.parameters():
             p.requires_grad_(False)
     edges = ul.word_edges(tok, trunk.cfg.vocab_size) if tc.ul_word_bans else None
+    newline = ul.newline_tokens(tok, trunk.cfg.vocab_size) if tc.ul_line_ngram else None
     guard = _Guard(tc, trunk, head, tok, held_docs, val_docs, eos_ids, held_prompts, log) if tc.ul_select else None
     out = {"repetition_before": guard.start if guard else rep_eval(), "history": [], "snapshots": []}
     log("UL phase, held-out greedy repetition before: " + json.dumps(out["repetition_before"]))
@@ -200,6 +201,9 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, v
                     _, tlogits = trunk_forward(teacher, seq)
                 if tc.ul_seq_ban:
                     ban = ul.repeat_continuations(seq, p_len, tc.ul_ngram, rlogits.shape[-1], edges)
+                    if newline is not None:
+                        ban |= ul.line_repeat_continuations(seq, p_len, tc.ul_line_ngram, rlogits.shape[-1],
+                                                            newline, edges)
                     seq_ul = ul.banned_anchored_unlikelihood(rlogits[:, :-1], tlogits[:, :-1], ban, alive)
                 else:
                     seq_ul = ul.anchored_unlikelihood(rlogits[:, :-1], tlogits[:, :-1], seq, mask, alive)
