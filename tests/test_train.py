@@ -288,6 +288,8 @@ def test_snapshot_rule_and_loop_figures():
     assert (b["lines"], b["repeated"], b["g_lines"], b["g_repeated"]) == (1, 0, 2, 2)
     s = summarize([a, b])
     assert s["repeated_line_frac"] == 2 / 5 and s["repeated_line_frac_guarded"] == 4 / 6 and s["ended"] == 1
+    c = completion_figures("def h():\n", '    """all of it all of it"""\n    return 1\n', ended=True)
+    assert c["phrase_loops"] == 1 and summarize([a, c])["phrase_loop_line_frac"] == 1 / 6
 
 
 def test_line_repeat_continuations_match_their_definition():
@@ -370,7 +372,8 @@ def test_unlikelihood_phase_keeps_the_chosen_snapshot(tiny_trained, tmp_path):
     kw = dict(kw, ul_steps=4, ul_pool=4, ul_batch=2, ul_data_batch=2, ul_new_tokens=12, ul_prompt_min=6,
               ul_prompt_max=8, ul_eval_prompts=2, ul_eval_prompt_tokens=6, ul_snapshots=2, ul_probe_steps=1,
               ul_lr=5e-3, ul_kl_weight=1.0, ul_select=1, ul_select_tokens=12, ul_ppl_every=40, ul_word_bans=1,
-              ul_val_permille=300, ul_val_prompts=3, ul_anneal_steps=2, ul_anneal_snapshots=2, ul_anneal_lr=1e-3)
+              ul_val_permille=300, ul_val_prompts=3, ul_anneal_steps=2, ul_anneal_snapshots=2, ul_anneal_lr=1e-3,
+              ul_select_phrase=0.5, ul_line_ngram=4)
     out = str(tmp_path / "ul")
     lines: list[str] = []
     m = run(TrainConfig(out=out, device="cpu", init=src, pack_dir=str(tmp_path / "pack"), **kw), log=lines.append)
@@ -378,7 +381,7 @@ def test_unlikelihood_phase_keeps_the_chosen_snapshot(tiny_trained, tmp_path):
     assert [r["step"] for r in s["candidates"]] == [1, 3, 4, 5, 6] and all(h["kl"] >= 0 for h in m["ul"]["history"])
     assert m["ul"]["anneal"]["steps_done"] == 2
     assert all(set(r) >= {"val", "bench", "held_out"} and r["rep"] == r["val"]["repeated_line_frac_guarded"]
-               for r in s["candidates"])
+               + 0.5 * r["val"]["phrase_loop_line_frac"] for r in s["candidates"])
     # the validation files are out of the phase's text and are not held-out text
     val_line = next(x for x in lines if x.startswith("validation set"))
     assert int(val_line.split(": ")[1].split()[0]) > 0 and len(s["prompt_text"]["val"]) == 3

@@ -123,6 +123,7 @@ class TrainConfig:
                                         #   repeats are refused where a new word or symbol starts
     ul_line_ngram: int = 0              # > 0: also ban what would repeat an n-gram of this length within the
                                         #   same line (unlikelihood.line_repeat_continuations: phrase loops)
+    ul_select_phrase: float = 0.0       # the rule's figure adds this x the validation phrase-loop line share
     ul_min_lr_frac: float = 0.1         # the UL phase's cosine ends at this fraction of ul_lr
     ul_val_permille: int = 30           # ul_select: training files (a salted path hash) set aside as the
     ul_val_prompts: int = 64            #   validation set the rule scores (its prompts and its perplexity):
@@ -163,6 +164,8 @@ class TrainConfig:
             if self.ul_kl_weight < 0 or self.ul_ppl_budget < 0:
                 raise ValueError(f"train options ul_kl_weight and ul_ppl_budget must be >= 0, got "
                                  f"{self.ul_kl_weight}, {self.ul_ppl_budget}")
+            if self.ul_select_phrase < 0:
+                raise ValueError(f"train option ul_select_phrase must be >= 0, got {self.ul_select_phrase}")
             if self.ul_anneal_s < 0 or self.ul_anneal_lr < 0 or not 0 <= self.ul_min_lr_frac <= 1:
                 raise ValueError(f"train options ul_anneal_s, ul_anneal_lr must be >= 0 and ul_min_lr_frac in [0, 1], "
                                  f"got {self.ul_anneal_s}, {self.ul_anneal_lr}, {self.ul_min_lr_frac}")

@@ -361,7 +361,9 @@ class _Guard:
     def score(self, step: int) -> dict:
         f = self._figures()
         ratio = f["ppl"] / self.ppl0 if self.ppl0 else 1.0
-        c = sel.Candidate(step, f["val"]["repeated_line_frac_guarded"], ratio)
+        v = f["val"]
+        c = sel.Candidate(step, v["repeated_line_frac_guarded"] + self.tc.ul_select_phrase * v["phrase_loop_line_frac"],
+                          ratio)
         self.cands.append(c)
         row = {"step": step, "rep": c.rep, "ppl_ratio": ratio, **f}
         self.rows.append(row)
