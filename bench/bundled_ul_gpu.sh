@@ -57,9 +57,12 @@ LOG=$OUT/log.txt
 # back perplexity; 160-token rollouts (the measure's length) from 8-32-token prompts; the rule on the
 # validation set (64 prompts, its own perplexity); bench and held-out figures logged only.
 ANNEAL=${ANNEAL:-45}
+LINE_NGRAM=${LINE_NGRAM:-0}             # > 0: also ban in-line repeats of this many tokens (phrase loops; off in the fifth try)
+SELECT_PHRASE=${SELECT_PHRASE:-0}       # the rule's figure adds this x the phrase-loop line share (0 in the fifth try)
 UL=(--ul-lr 5e-4 --ul-warmup 5 --ul-min-lr-frac 0.4 --ul-token-weight 0 --ul-ngram 8 --ul-seq-weight 2
     --ul-kl-weight 1 --ul-word-bans 1 --ul-snapshots 5 --ul-select 1 --ul-ppl-budget 0.05 --ul-ppl-every 1
-    --ul-select-tokens 160 --ul-val-permille 30 --ul-val-prompts 64 --ul-anneal-lr 2e-4 --ul-anneal-snapshots 3)
+    --ul-select-tokens 160 --ul-val-permille 30 --ul-val-prompts 64 --ul-anneal-lr 2e-4 --ul-anneal-snapshots 3
+    --ul-line-ngram "$LINE_NGRAM" --ul-select-phrase "$SELECT_PHRASE")
 if [ "${DRY:-0}" = 1 ]; then
   TRAIN=(--preset bundled-ul --corpus "$CORPUS" --max-train-bytes "${DRY_BYTES:-1000000}" --device cpu
          --eval-windows 2 --ul-steps 5 --ul-pool 8 --ul-batch 4 --ul-data-batch 2 --ul-new-tokens 24 --ul-prompt-min 8
