@@ -8,7 +8,10 @@ the end-of-text token, as `specfire run` does, unless --ignore-eos); the figures
   a repeat of a prompt line;
 - distinct 4-grams: distinct token 4-grams / all token 4-grams of the completion;
 - long lines only: the repeated share among lines of at least 8 non-blank characters (so `else:`,
-  `pass`, `return`, closing quotes or `)` never count), beside the main figure.
+  `pass`, `return`, closing quotes or `)` never count), beside the main figure;
+- phrase-loop lines: the share of complete non-blank lines in which a run of 3 words occurs twice
+  (`a directory of the directory of the directory`, `all all all`): loops inside a line, which the
+  repeated-line figure cannot see (measured beside it since 2026-12-01).
 A low figure alone does not mean good code: a model that ends the text at once, or writes long
 lines of junk, repeats nothing (measured on a degenerate fine-tune, MODEL_CARD.md), so the lines
 written, the prompts with no complete line and those ended early are printed beside it, and a
@@ -40,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from specfire.api import LLM                         # noqa: E402
 from specfire.config import SamplingParams           # noqa: E402
 from specfire.train.select import LOOP_PROMPTS as PROMPTS, guarded   # noqa: E402  (the prompts, the guard)
-from specfire.train.unlikelihood import line_stats   # noqa: E402  (the measure)
+from specfire.train.unlikelihood import line_stats, phrase_loop_lines   # noqa: E402  (the measures)
 
 def distinct_4grams(ids: list[int]) -> tuple[int, int]:
     grams = [tuple(ids[i:i + 4]) for i in range(len(ids) - 3)]
@@ -146,19 +149,20 @@ def main() -> int:
     refs = reference_ppl(args.ref_model, samples) if args.ref_model else [float("nan")] * len(samples)
     rows = []
     tot = {"lines": 0, "rep": 0, "rep_all": 0, "g_distinct": 0, "g_all": 0, "long": 0, "rep_long": 0,
-           "g_lines": 0, "g_rep": 0}
+           "g_lines": 0, "g_rep": 0, "p_lines": 0, "p_loops": 0}
     for smp, ref in zip(samples, refs):
         cut = smp["finish"] == "length"
         n, rep, rep_all = line_stats(smp["prompt"], smp["text"], cut=cut)
         gd, ga = distinct_4grams(smp["ids"])
         nl, rl = long_line_stats(smp["text"], cut)
         gn, gr = guarded(n, rep, ref > args.junk_ppl)     # nan (no reference) is never junk
-        for k, v in zip(tot, (n, rep, rep_all, gd, ga, nl, rl, gn, gr)):
+        pn, pl = phrase_loop_lines(smp["text"], cut)
+        for k, v in zip(tot, (n, rep, rep_all, gd, ga, nl, rl, gn, gr, pn, pl)):
             tot[k] += v
         rows.append({"prompt": smp["prompt"].split("\n")[0].strip(), "lines": n, "repeated": rep,
                      "repeated_with_prompt": rep_all, "long_lines": nl, "long_repeated": rl,
                      "distinct_4grams": gd / max(1, ga), "tokens": len(smp["ids"]), "finish": smp["finish"],
-                     "ref_ppl": ref,
+                     "ref_ppl": ref, "phrase_loop_lines": pl,
                      "text": smp["text"]})
     if not args.natural:
         print(f"{'prompt':<44} {'tokens':>6} {'finish':>6} {'lines':>5} {'rep':>4} {'rep+p':>5} {'long':>4} "
@@ -171,6 +175,7 @@ def main() -> int:
                "repeated_line_frac_with_prompt": tot["rep_all"] / max(1, tot["lines"]),
                "repeated_long_line_frac": tot["rep_long"] / max(1, tot["long"]),
                "repeated_line_frac_guarded": tot["g_rep"] / max(1, tot["g_lines"]),
+               "phrase_loop_line_frac": tot["p_loops"] / max(1, tot["p_lines"]),
                "junk_guard": args.ref_model, "junk_ppl": args.junk_ppl,
                "junk_completions": sum(r["ref_ppl"] > args.junk_ppl for r in rows),
                "distinct_4gram_frac": tot["g_distinct"] / max(1, tot["g_all"]), "lines": tot["lines"],
@@ -182,7 +187,7 @@ def main() -> int:
           f"{100 * summary['repeated_long_line_frac']:.1f}% of {tot['long']}), distinct 4-grams "
           f"{100 * summary['distinct_4gram_frac']:.1f}%, over {tot['lines']} lines of {what}; "
           f"{summary['prompts_without_a_line']} wrote no complete line, {summary['stopped_early']} ended "
-          f"(end-of-text) before --max-tokens")
+          f"(end-of-text) before --max-tokens; phrase-loop lines {100 * summary['phrase_loop_line_frac']:.1f}%")
     guard = (f"; {summary['junk_completions']} over perplexity {args.junk_ppl:g} under {args.ref_model}"
              if args.ref_model else " (no --ref-model: no junk guard)")
     print(f"guarded: {100 * summary['repeated_line_frac_guarded']:.1f}% (a completion of < 2 lines counts as 2 "

@@ -288,6 +288,44 @@ def test_snapshot_rule_and_loop_figures():
     assert (b["lines"], b["repeated"], b["g_lines"], b["g_repeated"]) == (1, 0, 2, 2)
     s = summarize([a, b])
     assert s["repeated_line_frac"] == 2 / 5 and s["repeated_line_frac_guarded"] == 4 / 6 and s["ended"] == 1
+    c = completion_figures("def h():\n", '    """all of it all of it"""\n    return 1\n', ended=True)
+    assert c["phrase_loops"] == 1 and summarize([a, c])["phrase_loop_line_frac"] == 1 / 6
+
+
+def test_line_repeat_continuations_match_their_definition():
+    """Brute force: at i, ban seq[j] when seq[i-m:i] == seq[j-m:j] (j < i) and no line-break token
+    lies in positions j-m .. i-1; with edges, never a token that continues a word."""
+    from specfire.train.unlikelihood import line_repeat_continuations
+
+    g = torch.Generator().manual_seed(3)
+    seq = torch.randint(0, 5, (3, 40), generator=g)                  # id 0 ends a line
+    newline = torch.tensor([True, False, False, False, False, False])
+    n, start, v = 3, 5, 6
+    ban = line_repeat_continuations(seq, start, n, v, newline)
+    m = n - 1
+    want = torch.zeros_like(ban)
+    for b in range(3):
+        s = seq[b].tolist()
+        for i in range(max(m, start), 40):
+            for j in range(m, i):
+                if s[i - m:i] == s[j - m:j] and 0 not in s[j - m:i]:
+                    want[b, i, s[j]] = True
+    assert torch.equal(ban, want) and want.any()
+    starts = torch.tensor([False, True, True, False, False, False])  # ids 1, 2 are word pieces
+    ends = torch.tensor([False, True, False, False, False, False])
+    word = line_repeat_continuations(seq, start, n, v, newline, (starts, ends))
+    cont = ends[seq][:, :, None] & starts[None, None, :]              # [B, i+1, c]: c continues a word at i+1
+    assert torch.equal(word[:, 1:], ban[:, 1:] & ~cont[:, :-1])
+
+
+def test_phrase_loop_lines_counts_loops_inside_a_line():
+    from specfire.train.unlikelihood import phrase_loop_lines
+
+    text = ("the directory of the directory of the root\nall all all all\nself.a = self.a + b\n"
+            "x[0], x[1], x[2]\n\n    return the value of the value of x\ncut of the cut of the")
+    assert phrase_loop_lines(text) == (5, 3)                 # blank line skipped, cut tail dropped
+    assert phrase_loop_lines(text, cut=False) == (6, 4)
+    assert phrase_loop_lines("a b a b", cut=False, n=2) == (1, 1) and phrase_loop_lines("a b c", cut=False) == (1, 0)
 
 
 def test_ul_schedule_fit():
@@ -322,7 +360,8 @@ def test_unlikelihood_phase_from_a_checkpoint(tiny_trained, tmp_path):
 
 
 def test_unlikelihood_phase_keeps_the_chosen_snapshot(tiny_trained, tmp_path):
-    """ul_select + the KL term: every snapshot is scored, the rule picks one, and the exported
+    """ul_select + the KL term + the anneal phase: every snapshot of both phases is scored on the
+    validation files (set aside from the phase's text), the rule picks one, and the exported
     weights are that snapshot's (their greedy figures are the chosen candidate's)."""
     from tokenizers import Tokenizer
 
@@ -332,18 +371,26 @@ def test_unlikelihood_phase_keeps_the_chosen_snapshot(tiny_trained, tmp_path):
     src, kw, _ = tiny_trained
     kw = dict(kw, ul_steps=4, ul_pool=4, ul_batch=2, ul_data_batch=2, ul_new_tokens=12, ul_prompt_min=6,
               ul_prompt_max=8, ul_eval_prompts=2, ul_eval_prompt_tokens=6, ul_snapshots=2, ul_probe_steps=1,
-              ul_lr=5e-3, ul_kl_weight=1.0, ul_select=1, ul_select_tokens=12, ul_ppl_every=40, ul_word_bans=1)
+              ul_lr=5e-3, ul_kl_weight=1.0, ul_select=1, ul_select_tokens=12, ul_ppl_every=40, ul_word_bans=1,
+              ul_val_permille=300, ul_val_prompts=3, ul_anneal_steps=2, ul_anneal_snapshots=2, ul_anneal_lr=1e-3,
+              ul_select_phrase=0.5, ul_line_ngram=4)
     out = str(tmp_path / "ul")
-    m = run(TrainConfig(out=out, device="cpu", init=src, pack_dir=str(tmp_path / "pack"), **kw),
-            log=lambda *_: None)
+    lines: list[str] = []
+    m = run(TrainConfig(out=out, device="cpu", init=src, pack_dir=str(tmp_path / "pack"), **kw), log=lines.append)
     s = m["ul"]["selection"]
-    assert [r["step"] for r in s["candidates"]] == [1, 3, 4] and all(h["kl"] >= 0 for h in m["ul"]["history"])
+    assert [r["step"] for r in s["candidates"]] == [1, 3, 4, 5, 6] and all(h["kl"] >= 0 for h in m["ul"]["history"])
+    assert m["ul"]["anneal"]["steps_done"] == 2
+    assert all(set(r) >= {"val", "bench", "held_out"} and r["rep"] == r["val"]["repeated_line_frac_guarded"]
+               + 0.5 * r["val"]["phrase_loop_line_frac"] for r in s["candidates"])
+    # the validation files are out of the phase's text and are not held-out text
+    val_line = next(x for x in lines if x.startswith("validation set"))
+    assert int(val_line.split(": ")[1].split()[0]) > 0 and len(s["prompt_text"]["val"]) == 3
     cands = [sel.Candidate(r["step"], r["rep"], r["ppl_ratio"]) for r in s["candidates"]]
     chosen = sel.choose(cands, kw.get("ul_ppl_budget", 0.05))
     assert s["chosen_step"] == (chosen.step if chosen else None)
     packs = sorted(os.listdir(tmp_path / "pack"))
-    assert packs == (["last.tar.part00"] if chosen and chosen.step != 4 else []) + ["model.tar.part00"]
-    row = next(r for r in s["candidates"] if r["step"] == (chosen.step if chosen else 4))
+    assert packs == (["last.tar.part00"] if chosen and chosen.step != 6 else []) + ["model.tar.part00"]
+    row = next(r for r in s["candidates"] if r["step"] == (chosen.step if chosen else 6))
     _, trunk, _ = load_checkpoint(out, "cpu")
     tok = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
     eos = (tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>"))

@@ -17,7 +17,8 @@ _OVERRIDABLE = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", 
                 "ul_steps", "ul_time_s", "ul_lr", "ul_warmup", "ul_token_weight", "ul_seq_weight", "ul_ngram",
                 "ul_prompt_min", "ul_prompt_max", "ul_new_tokens", "ul_pool", "ul_batch", "ul_data_batch",
                 "ul_snapshots", "ul_eval_prompts", "ul_kl_weight", "ul_select", "ul_ppl_budget", "ul_ppl_every",
-                "ul_select_tokens", "ul_probe_steps", "ul_word_bans")
+                "ul_select_tokens", "ul_probe_steps", "ul_word_bans", "ul_min_lr_frac", "ul_val_permille",
+                "ul_val_prompts", "ul_line_ngram", "ul_select_phrase", "ul_anneal_s", "ul_anneal_steps", "ul_anneal_lr", "ul_anneal_snapshots")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -121,6 +121,17 @@ class TrainConfig:
     ul_select_tokens: int = 160         # greedy tokens per prompt when scoring a snapshot (the benchmark's)
     ul_word_bans: int = 0               # 1: never ban a token that continues a word (unlikelihood.word_edges):
                                         #   repeats are refused where a new word or symbol starts
+    ul_line_ngram: int = 0              # > 0: also ban what would repeat an n-gram of this length within the
+                                        #   same line (unlikelihood.line_repeat_continuations: phrase loops)
+    ul_select_phrase: float = 0.0       # the rule's figure adds this x the validation phrase-loop line share
+    ul_min_lr_frac: float = 0.1         # the UL phase's cosine ends at this fraction of ul_lr
+    ul_val_permille: int = 30           # ul_select: training files (a salted path hash) set aside as the
+    ul_val_prompts: int = 64            #   validation set the rule scores (its prompts and its perplexity):
+                                        #   never trained on in the phase, never the benchmark's or held-out text
+    ul_anneal_s: float = 0.0            # a second phase after UL (0: none): LM + MTP + KL on corpus batches only,
+    ul_anneal_steps: int = 0            #   lr linear from ul_anneal_lr to 0 over ul_anneal_s seconds (or
+    ul_anneal_lr: float = 2e-4          #   ul_anneal_steps steps when no time is set), scored (ul_select) at
+    ul_anneal_snapshots: int = 2        #   ul_anneal_snapshots even fractions of it (the last at its end)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "steps", "batch_size",
@@ -136,7 +147,8 @@ class TrainConfig:
             raise ValueError(f"train option corpus must be 'stdlib' or 'site', got {self.corpus!r}")
         if not 0.0 <= self.mtp_distill <= 1.0:
             raise ValueError(f"train option mtp_distill must be in [0, 1], got {self.mtp_distill}")
-        for name in ("ul_steps", "ul_warmup", "ul_snapshots", "ul_eval_prompts", "ul_select", "ul_word_bans"):
+        for name in ("ul_steps", "ul_warmup", "ul_snapshots", "ul_eval_prompts", "ul_select", "ul_word_bans",
+                     "ul_val_permille", "ul_val_prompts", "ul_anneal_steps", "ul_anneal_snapshots", "ul_line_ngram"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"train option {name} must be a non-negative integer, got {v!r}")
@@ -152,6 +164,13 @@ class TrainConfig:
             if self.ul_kl_weight < 0 or self.ul_ppl_budget < 0:
                 raise ValueError(f"train options ul_kl_weight and ul_ppl_budget must be >= 0, got "
                                  f"{self.ul_kl_weight}, {self.ul_ppl_budget}")
+            if self.ul_select_phrase < 0:
+                raise ValueError(f"train option ul_select_phrase must be >= 0, got {self.ul_select_phrase}")
+            if self.ul_anneal_s < 0 or self.ul_anneal_lr < 0 or not 0 <= self.ul_min_lr_frac <= 1:
+                raise ValueError(f"train options ul_anneal_s, ul_anneal_lr must be >= 0 and ul_min_lr_frac in [0, 1], "
+                                 f"got {self.ul_anneal_s}, {self.ul_anneal_lr}, {self.ul_min_lr_frac}")
+            if self.ul_select and not (self.ul_val_permille and self.ul_val_prompts):
+                raise ValueError("train option ul_select needs a validation set: ul_val_permille and ul_val_prompts > 0")
             if self.ul_batch > self.ul_pool:
                 raise ValueError(f"train option ul_batch ({self.ul_batch}) must be <= ul_pool ({self.ul_pool})")
         if self.init is not None and not self.ul_steps:

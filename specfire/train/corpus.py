@@ -272,3 +272,12 @@ def subsample(docs: list[tuple[str, str]], max_bytes: int, ceiling: int = 2**32)
         return docs
     cut = int(ceiling * max_bytes / total)
     return [(r, t) for r, t in docs if _path_hash(r) < cut]
+
+
+def split_validation(docs: list[tuple[str, str]], permille: int,
+                     salt: str = "ul-val") -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(train, validation): the docs whose salted path hash falls in the first `permille`/1000 go to
+    validation (independent of subsample's unsalted hash, so the split is even across packages)."""
+    val = [d for d in docs if _path_hash(salt + d[0]) % 1000 < permille]
+    keep = {r for r, _ in val}
+    return [d for d in docs if d[0] not in keep], val

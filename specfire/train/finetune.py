@@ -49,6 +49,19 @@ class Prompts:
                     rows.append(enc.ids[:length])
         return torch.tensor(rows, dtype=torch.long, device=device)
 
+    def varied(self, n: int, lo: int, hi: int) -> list[list[int]]:
+        """n prompts of lengths drawn from [lo, hi] (one rollout batch takes several lengths), from
+        distinct snippets in the seeded order: the same documents and seed give the same prompts."""
+        rows: list[list[int]] = []
+        for snip in self.snippets:
+            if len(rows) == n:
+                break
+            ids = self.tok.encode(snip, add_special_tokens=False).ids
+            want = self.rng.randint(lo, hi)
+            if len(ids) >= want:
+                rows.append(ids[:want])
+        return rows
+
 
 @torch.no_grad()
 def repetition(trunk, tok, prompts: torch.Tensor, new_tokens: int, eos_ids: tuple[int, ...], ngram: int,
@@ -84,7 +97,8 @@ def _lr(step: int, sched: int, tc) -> float:
     if step < tc.ul_warmup:
         return tc.ul_lr * (step + 1) / tc.ul_warmup
     frac = min(1.0, (step - tc.ul_warmup) / max(1, sched - tc.ul_warmup))
-    return tc.ul_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+    floor = tc.ul_min_lr_frac
+    return tc.ul_lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
 def fit_schedule(step: int, per_step_s: float, left_s: float, cap: int) -> int:
@@ -93,10 +107,12 @@ def fit_schedule(step: int, per_step_s: float, left_s: float, cap: int) -> int:
     return min(cap, step + max(1, int(left_s / per_step_s)))
 
 
-def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, tok, eos_ids: tuple[int, ...],
-              limit_s: float, save, log) -> dict:
+def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, val_docs, tok,
+              eos_ids: tuple[int, ...], limit_s: float, save, log) -> dict:
     """Fine-tune in place for `tc.ul_steps` steps or `limit_s` seconds (schedule fitted after a
-    probe); `save(tag, pack_name)` exports a snapshot. Returns the phase's metrics."""
+    probe), then the anneal phase if set (`_anneal`); `save(tag, pack_name)` exports a snapshot.
+    Rollout prompts come from `train_docs` only; the rule scores `val_docs` (select.py). Returns
+    the phase's metrics."""
     from .train import mtp_losses, trunk_forward
 
     dev = train_ids.device
@@ -126,7 +142,8 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, t
         for p in teacher.parameters():
             p.requires_grad_(False)
     edges = ul.word_edges(tok, trunk.cfg.vocab_size) if tc.ul_word_bans else None
-    guard = _Guard(tc, trunk, head, tok, held_docs, eos_ids, held_prompts, log) if tc.ul_select else None
+    newline = ul.newline_tokens(tok, trunk.cfg.vocab_size) if tc.ul_line_ngram else None
+    guard = _Guard(tc, trunk, head, tok, held_docs, val_docs, eos_ids, held_prompts, log) if tc.ul_select else None
     out = {"repetition_before": guard.start if guard else rep_eval(), "history": [], "snapshots": []}
     log("UL phase, held-out greedy repetition before: " + json.dumps(out["repetition_before"]))
     pool, used, p_len = None, 0, 0
@@ -184,6 +201,9 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, t
                     _, tlogits = trunk_forward(teacher, seq)
                 if tc.ul_seq_ban:
                     ban = ul.repeat_continuations(seq, p_len, tc.ul_ngram, rlogits.shape[-1], edges)
+                    if newline is not None:
+                        ban |= ul.line_repeat_continuations(seq, p_len, tc.ul_line_ngram, rlogits.shape[-1],
+                                                            newline, edges)
                     seq_ul = ul.banned_anchored_unlikelihood(rlogits[:, :-1], tlogits[:, :-1], ban, alive)
                 else:
                     seq_ul = ul.anchored_unlikelihood(rlogits[:, :-1], tlogits[:, :-1], seq, mask, alive)
@@ -223,53 +243,127 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, t
         if done >= sched or (limit_s and time.time() - t0 > limit_s):
             break
     out.update(steps_done=step + 1, schedule_steps=sched, seconds=time.time() - t0)
+    step += 1
+    if guard and not (guard.rows and guard.rows[-1]["step"] == step):
+        guard.score(step)                                      # the end of the UL phase is a candidate too
+    if tc.ul_anneal_s or tc.ul_anneal_steps:
+        out["anneal"] = _anneal(tc, trunk, head, teacher, opt, params, train_ids, gen, step, guard, log)
+        step += out["anneal"]["steps_done"]
     if guard:
-        last = guard.rows[-1] if guard.rows and guard.rows[-1]["step"] == step + 1 else guard.score(step + 1)
-        out.update(repetition_after=last, selection=guard.finish(step + 1, save, out))
+        last = guard.rows[-1] if guard.rows and guard.rows[-1]["step"] == step else guard.score(step)
+        out.update(repetition_after=last, selection=guard.finish(step, save, out))
     else:
         out["repetition_after"] = rep_eval()
     log("UL phase done, held-out greedy repetition after: " + json.dumps(out["repetition_after"]))
     return out
 
 
+def _anneal(tc, trunk, head, teacher, opt, params, train_ids, gen, step0: int, guard, log) -> dict:
+    """The second phase: likelihood + MTP + KL to the starting model on corpus batches only (no
+    rollouts, no unlikelihood), the lr falling linearly from ul_anneal_lr to 0 over ul_anneal_s
+    seconds (or ul_anneal_steps steps): it recovers perplexity after the UL phase; each of its
+    ul_anneal_snapshots even fractions is a candidate of the rule (scored by `guard`)."""
+    from .train import mtp_losses, trunk_forward
+
+    dev = train_ids.device
+    autocast = dev.type == "cuda"
+    offs = torch.arange(tc.seq_len, device=dev)
+    limit, cap = tc.ul_anneal_s, tc.ul_anneal_steps or 10**9
+    marks = [(i + 1) / tc.ul_anneal_snapshots for i in range(tc.ul_anneal_snapshots)]
+    t0, step, history = time.time(), 0, []
+    while step < cap:
+        frac = (time.time() - t0) / limit if limit else step / cap
+        if frac >= 1.0:
+            break
+        lr = tc.ul_anneal_lr * (1.0 - frac)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        starts = torch.randint(0, train_ids.numel() - tc.seq_len, (tc.ul_data_batch,), generator=gen).to(dev)
+        ids = train_ids[starts[:, None] + offs]
+        with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=autocast):
+            h, logits = trunk_forward(trunk, ids)
+            lm = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+            mls, _ = mtp_losses(trunk, head, ids, h, logits, tc.mtp_steps, tc.mtp_distill)
+            kl = lm.new_zeros(())
+            if tc.ul_kl_weight and teacher is not None:
+                with torch.no_grad():
+                    _, clogits = trunk_forward(teacher, ids)
+                kl = ul.kl_to_teacher(logits[:, :-1], clogits[:, :-1])
+            loss = lm + tc.mtp_weight * sum(mls) + tc.ul_kl_weight * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
+        opt.step()
+        step += 1
+        if step % 50 == 1:
+            rec = {"anneal_step": step0 + step, "lr": lr, "lm": lm.item(), "kl": kl.item(), "t": time.time() - t0}
+            history.append(rec)
+            log(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in rec.items()}))
+        done = (time.time() - t0) / limit if limit else step / cap
+        while guard and marks and done >= marks[0] - 1e-9:
+            marks.pop(0)
+            if guard.rows[-1]["step"] != step0 + step:
+                guard.score(step0 + step)
+    if guard and (not guard.rows or guard.rows[-1]["step"] != step0 + step):
+        guard.score(step0 + step)
+    log(f"UL anneal: {step} steps in {time.time() - t0:.1f}s")
+    return {"steps_done": step, "seconds": time.time() - t0, "history": history}
+
+
 class _Guard:
     """Scores snapshots (select.py) and keeps the weights of the best one so far in memory."""
 
-    def __init__(self, tc, trunk, head, tok, held_docs, eos_ids, held_prompts, log):
+    def __init__(self, tc, trunk, head, tok, held_docs, val_docs, eos_ids, held_prompts, log):
         self.tc, self.trunk, self.head, self.tok, self.eos, self.log = tc, trunk, head, tok, eos_ids, log
         self.dev = next(trunk.parameters()).device
-        self.prompts = {"bench": [tok.encode(p, add_special_tokens=False).ids for p in sel.LOOP_PROMPTS]}
+        val = Prompts(tok, val_docs, tc.seed + 2).varied(tc.ul_val_prompts, tc.ul_prompt_min, tc.ul_prompt_max)
+        if not val:
+            raise ValueError(f"ul_select: the validation files ({len(val_docs)}, ul_val_permille "
+                             f"{tc.ul_val_permille}) have no `def` / `class` line long enough for a prompt")
+        # "val" decides (select.py); "bench" (bench/bundled_loops.py's prompts) and "held_out" (held-out
+        # packages) are only logged: the figures the phase is judged on afterwards
+        self.prompts = {"val": val, "bench": [tok.encode(p, add_special_tokens=False).ids for p in sel.LOOP_PROMPTS]}
         if held_prompts is not None:
             self.prompts["held_out"] = held_prompts.tolist()
         eot = eos_ids[0]
-        # in bench/bundled_ppl.py's order (package, then file path), so the whole-text figure is its figure
-        held_docs = sorted(held_docs, key=lambda d: (d[0].split("/", 1)[0], d[0]))
-        self.stream = token_stream(tok, eot, held_docs) if held_docs else None
+        self.stream = token_stream(tok, eot, val_docs) if val_docs else None
         if self.stream is not None and self.stream.numel() <= tc.seq_len:
             self.stream = None
+        # logged only: held-out packages perplexity on every max(4, ul_ppl_every)th window (bench/bundled_ppl.py's documents and order)
+        held_docs = sorted(held_docs, key=lambda d: (d[0].split("/", 1)[0], d[0]))
+        self.held_stream = token_stream(tok, eot, held_docs) if held_docs else None
+        if self.held_stream is not None and self.held_stream.numel() <= tc.seq_len:
+            self.held_stream = None
         self.cands: list[sel.Candidate] = []
         self.rows: list[dict] = []
         self.best: tuple[sel.Candidate, dict] | None = None
         self.start = self._figures()
         self.ppl0 = self.start.get("ppl")
+        self.prompt_text = {k: [tok.decode(p) for p in v] for k, v in self.prompts.items() if k != "bench"}
         log("UL guard, starting model: " + json.dumps(self.start))
 
     def _figures(self) -> dict:
         t = time.time()
         f = sel.loop_figures(self.trunk, self.tok, self.prompts, self.tc.ul_select_tokens, self.eos)
+        self.trunk.eval()
         if self.stream is not None:
-            self.trunk.eval()
             nll, n = total_nll(self.trunk, self.stream, self.tc.seq_len, self.dev, 32, self.tc.ul_ppl_every)
-            self.trunk.train()
             f["ppl"] = math.exp(nll / max(1, n))
             f["ppl_tokens"] = n
+        if self.held_stream is not None:
+            every = max(4, self.tc.ul_ppl_every)
+            nll, n = total_nll(self.trunk, self.held_stream, self.tc.seq_len, self.dev, 32, every)
+            f[f"held_out_ppl_every{every}"] = math.exp(nll / max(1, n))
+        self.trunk.train()
         f["seconds"] = round(time.time() - t, 2)
         return f
 
     def score(self, step: int) -> dict:
         f = self._figures()
         ratio = f["ppl"] / self.ppl0 if self.ppl0 else 1.0
-        c = sel.Candidate(step, f.get("all", f["bench"])["repeated_line_frac_guarded"], ratio)
+        v = f["val"]
+        c = sel.Candidate(step, v["repeated_line_frac_guarded"] + self.tc.ul_select_phrase * v["phrase_loop_line_frac"],
+                          ratio)
         self.cands.append(c)
         row = {"step": step, "rep": c.rep, "ppl_ratio": ratio, **f}
         self.rows.append(row)
@@ -282,9 +376,9 @@ class _Guard:
         """Apply the rule: load the chosen snapshot's weights (the last weights are packed as
         last.tar first when they differ), or keep the last weights when none is within budget."""
         choice = sel.choose(self.cands, self.tc.ul_ppl_budget)
-        res = {"rule": f"lowest guarded repetition on LOOP_PROMPTS + held-out prompts pooled, with held-out ppl "
-                       f"(every {self.tc.ul_ppl_every}th window) <= {1 + self.tc.ul_ppl_budget:.2f}x start",
-               "start": self.start, "candidates": self.rows,
+        res = {"rule": f"lowest guarded repetition on {len(self.prompts['val'])} validation prompts, with validation "
+                       f"ppl (every {self.tc.ul_ppl_every}th window) <= {1 + self.tc.ul_ppl_budget:.2f}x start",
+               "start": self.start, "candidates": self.rows, "prompt_text": self.prompt_text,
                "chosen_step": choice.step if choice else None}
         if choice is None:
             self.log("UL guard: no snapshot within the perplexity budget; the last weights stay")

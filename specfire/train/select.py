@@ -1,13 +1,15 @@
 """Which weights of an unlikelihood phase to keep: the repetition and perplexity of each snapshot,
 and the rule that picks one, fixed before the run.
 
-The rule (`choose`): among the snapshots whose held-out perplexity (the whole held-out-packages
-text when ul_ppl_every is 1: bench/bundled_ppl.py's figure) is within `ppl_budget` of the starting
-model's, the one with the lowest guarded repeated-line share (the model card's target measure,
-bench/bundled_loops.py) over LOOP_PROMPTS and the held-out prompts pooled (`loop_figures`' "all":
-lines of both sets counted together; picking on the benchmark's 12 prompts alone favoured a lucky
-snapshot); ties go to the lower perplexity. No snapshot within the budget: none is chosen (the phase
-keeps its last weights and says so).
+The rule (`choose`): among the snapshots whose perplexity on the validation files (training-corpus
+files set aside from the phase by a salted path hash: corpus.split_validation) is within `ppl_budget`
+of the starting model's, the one with the lowest guarded repeated-line share (the model card's
+target measure, bench/bundled_loops.py) on prompts cut at `def` / `class` lines of those same
+validation files (plus `ul_select_phrase` x their phrase-loop line share, unlikelihood.phrase_loop_lines,
+when set: loops inside a line, which the line figure cannot see); ties go to the lower perplexity. No snapshot within the budget: none is chosen
+(the phase keeps its last weights and says so). The benchmark's LOOP_PROMPTS and the held-out
+packages' prompts and text are only logged beside it, never used by the rule (until 2026-11-30 the
+rule pooled LOOP_PROMPTS with held-out prompts and used held-out perplexity: selection on the test).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .rollout import greedy_rollout
-from .unlikelihood import line_stats
+from .unlikelihood import line_stats, phrase_loop_lines
 
 # Written for the repetition check (not taken from the standard library or the training corpus);
 # bench/bundled_loops.py measures the shipped model on exactly these.
@@ -47,12 +49,14 @@ def completion_figures(prompt: str, text: str, ended: bool) -> dict:
     token limit drops its partial last line)."""
     n, rep, _ = line_stats(prompt, text, cut=not ended)
     gn, gr = guarded(n, rep)
-    return {"lines": n, "repeated": rep, "g_lines": gn, "g_repeated": gr, "ended": ended}
+    _, loops = phrase_loop_lines(text, cut=not ended)
+    return {"lines": n, "repeated": rep, "g_lines": gn, "g_repeated": gr, "ended": ended, "phrase_loops": loops}
 
 
 def summarize(rows: list[dict]) -> dict:
-    tot = {k: sum(r[k] for r in rows) for k in ("lines", "repeated", "g_lines", "g_repeated", "ended")}
+    tot = {k: sum(r[k] for r in rows) for k in ("lines", "repeated", "g_lines", "g_repeated", "ended", "phrase_loops")}
     return {"repeated_line_frac": tot["repeated"] / max(1, tot["lines"]),
+            "phrase_loop_line_frac": tot["phrase_loops"] / max(1, tot["lines"]),
             "repeated_line_frac_guarded": tot["g_repeated"] / max(1, tot["g_lines"]),
             "lines": tot["lines"], "ended": tot["ended"], "prompts": len(rows),
             "under_2_lines": sum(r["lines"] < 2 for r in rows)}
@@ -94,8 +98,8 @@ def loop_figures(trunk, tok, prompts: dict[str, list[list[int]]], new_tokens: in
 
 @dataclass
 class Candidate:
-    """One snapshot's figures: `rep` the guarded repeated-line share (LOOP_PROMPTS and the held-out
-    prompts pooled), `ppl_ratio` its held-out perplexity over the starting model's (same windows)."""
+    """One snapshot's figures: `rep` the rule's repetition figure on the validation prompts, `ppl_ratio`
+    its validation perplexity over the starting model's (same windows)."""
     step: int
     rep: float
     ppl_ratio: float

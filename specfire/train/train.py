@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from . import model as tm
 from .config import PRESETS, TrainConfig  # noqa: F401  (re-exported: train.PRESETS, train.TrainConfig)
-from .corpus import build_corpus, build_site_corpus, subsample
+from .corpus import build_corpus, build_site_corpus, split_validation, subsample
 from .evaluate import evaluate, pack, windows
 from .export import export_checkpoint, load_checkpoint, write_attribution
 from .tok import ENDOFTEXT, IM_END, save_tokenizer, train_tokenizer
@@ -265,6 +265,11 @@ def run(tc: TrainConfig, log=print) -> dict:
     log(f"corpus ({tc.corpus}): {csum['train_files']} train files ({csum['train_bytes'] / 1e6:.1f} MB), "
         f"{csum['held_out_files']} held-out files ({csum['held_out_bytes'] / 1e6:.2f} MB); "
         f"{time.time() - t_start:.1f}s")
+    val_docs: list[tuple[str, str]] = []
+    if tc.ul_steps and tc.ul_select:   # the rule's validation files: out of the phase's training text
+        corpus.train, val_docs = split_validation(corpus.train, tc.ul_val_permille)
+        log(f"validation set (the snapshot rule's): {len(val_docs)} training-corpus files set aside "
+            f"({sum(len(t) for _, t in val_docs) / 1e6:.2f} MB)")
     tok, special = _tokenizer(tc, corpus)
     if corpus.packages:
         write_attribution(corpus.packages, tc.out)
@@ -318,7 +323,7 @@ def run(tc: TrainConfig, log=print) -> dict:
         if ul_limit <= 0 or (tc.deadline_s and left() <= 0):
             raise RuntimeError(f"no time left for the UL phase before deadline_s {tc.deadline_s}")
         metrics["eval_seconds_before_ul"] = time.time() - t_eval
-        metrics["ul"] = run_phase(tc, trunk, head, train_ids, corpus.train, corpus.held_out, tok,
+        metrics["ul"] = run_phase(tc, trunk, head, train_ids, corpus.train, corpus.held_out, val_docs, tok,
                                   (eot, special[IM_END]), ul_limit if math.isfinite(ul_limit) else 0.0,
                                   lambda tag, name, out: save(tag, {**metrics, "ul": out}, name), log)
 

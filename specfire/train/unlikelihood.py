@@ -124,6 +124,47 @@ def repeat_continuations(seq: torch.Tensor, start: int, n: int, vocab: int,
     return ban
 
 
+def newline_tokens(tok, vocab: int) -> torch.Tensor:
+    """bool [vocab]: whether each token's text holds a line break (it ends a line)."""
+    out = torch.zeros(vocab, dtype=torch.bool)
+    for i in range(min(vocab, tok.get_vocab_size())):
+        out[i] = "\n" in tok.decode([i], skip_special_tokens=False)
+    return out
+
+
+def line_repeat_continuations(seq: torch.Tensor, start: int, n: int, vocab: int, newline: torch.Tensor,
+                              edges: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """seq [B, L] -> bool [B, L, V]: repeat_continuations for a short n-gram whose earlier occurrence
+    lies wholly in the line position i is in (no line break between its first token and i): the
+    phrase loops inside a line (`the directory of the directory of ...`, `all all all`) that a long
+    n-gram ban reaches only after several words. `newline` (newline_tokens) marks the tokens that end
+    a line; `edges` as in repeat_continuations."""
+    b, length = seq.shape
+    m = n - 1
+    ban = torch.zeros(b, length, vocab, dtype=torch.bool, device=seq.device)
+    if length <= m:
+        return ban
+    nl = newline.to(seq.device)[seq].long()
+    line = nl.cumsum(1) - nl                                           # line breaks strictly before each position
+    eq = torch.ones(b, length, length, dtype=torch.bool, device=seq.device)
+    for d in range(1, m + 1):
+        s = seq[:, : length - d]
+        eq[:, d:, d:] &= s[:, :, None] == s[:, None, :]
+    idx = torch.arange(length, device=seq.device)
+    valid = (idx[None, :] < idx[:, None]) & (idx[None, :] >= m) & (idx[:, None] >= max(m, start))
+    first = torch.zeros_like(line)
+    first[:, m:] = line[:, : length - m]                               # line of the n-gram's first token (j - m)
+    same = first[:, None, :] == line[:, :, None]                       # [B, i, j]: it starts in i's line
+    bi, ii, jj = (eq & valid[None] & same).nonzero(as_tuple=True)
+    c = seq[bi, jj]
+    if edges is not None:
+        starts, ends = (e.to(seq.device) for e in edges)
+        keep = ~(ends[seq[bi, ii - 1]] & starts[c])
+        bi, ii, c = bi[keep], ii[keep], c[keep]
+    ban[bi, ii, c] = True
+    return ban
+
+
 def banned_anchored_unlikelihood(logits: torch.Tensor, teacher_logits: torch.Tensor, ban: torch.Tensor,
                                  alive: torch.Tensor) -> torch.Tensor:
     """logits / teacher_logits [B, L-1, V] for a sequence of L tokens, ban [B, L, V]
@@ -182,6 +223,27 @@ def line_stats(prompt: str, text: str, cut: bool = True) -> tuple[int, int, int]
         seen.add(s)
         seen_all.add(s)
     return n, rep, rep_all
+
+
+_WORD = re.compile(r"\w+")
+
+
+def phrase_loop_lines(text: str, cut: bool = True, n: int = 3) -> tuple[int, int]:
+    """(complete non-blank lines, lines in which some run of n words occurs twice or more): the loops
+    inside a line (`the directory of the directory of the ...`, `all all all ...`) that line_stats
+    cannot see. Words are runs of letters, digits and `_`; `cut` as in line_stats."""
+    lines = text.split("\n")
+    if cut:
+        lines = lines[:-1]
+    total = loops = 0
+    for ln in lines:
+        if not ln.strip():
+            continue
+        total += 1
+        w = _WORD.findall(ln)
+        grams = [tuple(w[i:i + n]) for i in range(len(w) - n + 1)]
+        loops += len(set(grams)) < len(grams)
+    return total, loops
 
 
 _DEF = re.compile(r"^[ \t]*(?:async def|def|class) .*\n", re.M)
