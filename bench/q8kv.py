@@ -30,21 +30,24 @@ SMOKE = os.environ.get("BENCH_SMOKE") == "1"
 PEAK = 4.17e12
 T0 = time.time()
 # kind, label, kernel keywords (block_n x stages x warps, span, tile of (row, head) pairs, q8_mode)
-DEFAULT_VARIANTS = [
+DEFAULT_VARIANTS = [   # in order of priority (the budget cuts the tail)
     ("bf16", "default", {}),
     ("group", "default", {}),
     ("token", "32/3/4", dict(block_n=32, num_stages=3, num_warps=4)),
     ("token", "64/3/4", dict(block_n=64, num_stages=3, num_warps=4)),
     ("token", "64/2/4", dict(block_n=64, num_stages=2, num_warps=4)),
+    ("token", "32/3/4 r168", dict(block_n=32, num_stages=3, num_warps=4, maxnreg=168)),
+    ("token", "32/3/4 span256", dict(block_n=32, num_stages=3, num_warps=4, split=256)),
+    ("token", "32/3/4 span256 r168", dict(block_n=32, num_stages=3, num_warps=4, split=256, maxnreg=168)),
+    ("token", "32/2/4 span256 r128", dict(block_n=32, num_stages=2, num_warps=4, split=256, maxnreg=128)),
     ("token", "64/3/8", dict(block_n=64, num_stages=3, num_warps=8)),
     ("token", "32/4/4", dict(block_n=32, num_stages=4, num_warps=4)),
-    ("token", "32/3/8", dict(block_n=32, num_stages=3, num_warps=8)),
-    ("token", "64/3/4 span256", dict(block_n=64, num_stages=3, num_warps=4, split=256)),
-    ("token", "32/3/4 span256", dict(block_n=32, num_stages=3, num_warps=4, split=256)),
+    ("token-rows", "32/3/4", dict(block_n=32, num_stages=3, num_warps=4)),
     ("token", "32/3/4 tile16", dict(block_n=32, num_stages=3, num_warps=4, block_m=16)),
     ("token", "32/3/4 no-asm", dict(block_n=32, num_stages=3, num_warps=4, q8_mode=1)),
-    ("token-rows", "32/3/4", dict(block_n=32, num_stages=3, num_warps=4)),
 ]
+# context lengths after the first run these only (the first runs every variant)
+OTHERS = "bf16:default,group:default,token:32/3/4,token:64/3/4,token:32/3/4 span256,token:32/3/4 span256 r168"
 
 
 def build(kind: str, n: int, hkv: int, d: int, dev, gen):
@@ -83,6 +86,25 @@ def graph_time(fns, iters: int) -> float:
     return gt(fns, iters)
 
 
+def _warm(job) -> str:
+    """Compile one variant's kernels in a worker process (Triton's on-disk cache then serves the
+    main process): a small cache with the same strides' divisibility, R = 1 and R = 2."""
+    kind, label, kw, hq, hkv, d = job
+    try:
+        dev = torch.device("cpu" if SMOKE else "cuda")
+        gen = torch.Generator(device=dev).manual_seed(1)
+        n = 40 if SMOKE else 1216
+        kc, vc, ks, vs = build(kind, n, hkv, d, dev, gen)
+        for r in (1, 2):
+            q = torch.randn(r, hq, d, device=dev, generator=gen).to(torch.bfloat16)
+            attention_rows_triton(q, kc, vc, n - 8, d ** -0.5, ks, vs, **kw)
+        if not SMOKE:
+            torch.cuda.synchronize()
+        return f"{kind}:{label} ok"
+    except Exception as e:
+        return f"{kind}:{label} {type(e).__name__}: {str(e)[:100]}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqs", default="40,9" if SMOKE else "33014,8192,512")
@@ -91,6 +113,10 @@ def main() -> int:
     ap.add_argument("--hkv", type=int, default=2 if SMOKE else 4)
     ap.add_argument("--dim", type=int, default=32 if SMOKE else 256)
     ap.add_argument("--only", default="", help="comma list of 'kind:label' to run (default: all)")
+    ap.add_argument("--devpos", default="bf16:default,group:default,token:32/3/4",
+                    help="variants also timed with the position on the device (first context length)")
+    ap.add_argument("--others", default=OTHERS, help="variants for the context lengths after the first")
+    ap.add_argument("--warm-workers", type=int, default=0 if SMOKE else 12, help="parallel compile processes")
     ap.add_argument("--budget", type=float, default=60.0, help="seconds; later variants are skipped past it")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -103,6 +129,12 @@ def main() -> int:
     if SMOKE:   # tiny spans and blocks so several spans, blocks and masked tails run on the CPU
         variants = [(k, lab, {**kw, "block_n": 16, "split": 32 if "span" not in lab else 16,
                               "block_m": 16, "num_stages": 1}) for k, lab, kw in variants]
+    if a.warm_workers:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+        with ProcessPoolExecutor(a.warm_workers, mp_context=mp.get_context("spawn")) as ex:
+            for msg in ex.map(_warm, [(k, lab, kw, hq, hkv, d) for k, lab, kw in variants]):
+                print(f"# warm {msg} ({time.time() - T0:.1f} s)", flush=True)
     gen = torch.Generator(device=dev).manual_seed(0)
     results, ok_all, skipped = [], True, []
     hdr = (f"{'seq':>6} {'kv':10} {'variant':16} {'R':>2} {'rel_err':>8} {'inv':>4} {'us':>7} {'MB':>7} "
@@ -112,6 +144,8 @@ def main() -> int:
         caches = {}
         qs = {r: (torch.randn(r, hq, d, device=dev, generator=gen) * 2).to(torch.bfloat16) for r in rows}
         for kind, label, kw in variants:
+            if seq != seqs[0] and f"{kind}:{label}" not in a.others.split(","):
+                continue
             if time.time() - T0 > a.budget:
                 skipped.append(f"{seq}:{kind}:{label}")
                 continue
@@ -125,24 +159,30 @@ def main() -> int:
             except Exception as e:   # a configuration that does not fit is reported, not fatal
                 print(f"# {seq} {kind} {label}: {type(e).__name__}: {str(e)[:160]}", flush=True)
                 continue
-            for r in rows:
-                q = qs[r]
-                out = attention_rows_triton(q, kc, vc, seq, scale, ks, vs, **kw)
-                ref = (A.attention_rows_ref(q, kc, vc, seq, scale) if ks is None else
-                       A.attention_rows_q8_ref(q, kc, vc, seq, scale, ks, vs))
-                err = float((out - ref).norm() / ref.norm())
-                inv = all(torch.equal(attention_rows_triton(q[i:i + 1], kc, vc, seq + i, scale, ks, vs, **kw)[0],
-                                      out[i]) for i in range(r))
-                ok_all &= inv and err < 5e-3
-                fns = [lambda c=c: attention_rows_triton(q, c[0], c[1], seq, scale, c[2], c[3], **kw)
-                       for c in caches[kind]]
-                t = graph_time(fns, max(20, len(fns)))
-                nb = kv_bytes(kind, seq + r, hkv, d)
-                rec = dict(seq=seq, kv=kind, variant=label, rows=r, rel_err=err, row_invariant=inv, us=t * 1e6,
-                           bytes=nb, TBps=nb / t / 1e12, frac_peak=nb / t / PEAK)
-                results.append(rec)
-                print(f"{seq:>6} {kind:10} {label:16} {r:>2} {err:8.1e} {str(inv)[:4]:>4} {t * 1e6:7.1f} "
-                      f"{nb / 1e6:7.2f} {nb / t / 1e12:5.2f} {100 * nb / t / PEAK:6.1f}", flush=True)
+            for devpos in ([False, True] if seq == seqs[0] and f"{kind}:{label}" in a.devpos.split(",") else [False]):
+                for r in rows:
+                    q = qs[r]
+                    # devpos: the position as a device tensor, as the model's CUDA graphs pass it (the
+                    # launch then covers every span of the cache; spans past the rows exit at once)
+                    pos = (lambda p: torch.tensor([p], device=dev)) if devpos else (lambda p: p)
+                    out = attention_rows_triton(q, kc, vc, pos(seq), scale, ks, vs, **kw)
+                    ref = (A.attention_rows_ref(q, kc, vc, seq, scale) if ks is None else
+                           A.attention_rows_q8_ref(q, kc, vc, seq, scale, ks, vs))
+                    err = float((out - ref).norm() / ref.norm())
+                    inv = all(torch.equal(attention_rows_triton(q[i:i + 1], kc, vc, pos(seq + i), scale, ks, vs,
+                                                                **kw)[0], out[i]) for i in range(r))
+                    ok_all &= inv and err < 5e-3
+                    pt = pos(seq)
+                    fns = [lambda c=c: attention_rows_triton(q, c[0], c[1], pt, scale, c[2], c[3], **kw)
+                           for c in caches[kind]]
+                    t = graph_time(fns, max(20, len(fns)))
+                    nb = kv_bytes(kind, seq + r, hkv, d)
+                    vname = label + (" devpos" if devpos else "")
+                    rec = dict(seq=seq, kv=kind, variant=vname, rows=r, rel_err=err, row_invariant=inv,
+                               us=t * 1e6, bytes=nb, TBps=nb / t / 1e12, frac_peak=nb / t / PEAK)
+                    results.append(rec)
+                    print(f"{seq:>6} {kind:10} {vname:16} {r:>2} {err:8.1e} {str(inv)[:4]:>4} {t * 1e6:7.1f} "
+                          f"{nb / 1e6:7.2f} {nb / t / 1e12:5.2f} {100 * nb / t / PEAK:6.1f}", flush=True)
         del caches
     best = {}
     for rec in results:

@@ -45,6 +45,7 @@ Q8_STAGES = 3
 Q8T_BLOCK_N = 32
 Q8T_STAGES = 3
 Q8T_WARPS = 4
+Q8T_MAXNREG = None   # registers per thread cap (None: the compiler's choice)
 
 
 @triton.jit
@@ -294,7 +295,7 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                           block_m: int = BLOCK_M, split: int = SPLIT, block_n: int | None = None,
                           num_warps: int | None = None, num_stages: int | None = None, prefetch: bool = PREFETCH,
-                          chunk: int = CHUNK, q8_mode: int | None = None) -> torch.Tensor:
+                          chunk: int = CHUNK, q8_mode: int | None = None, maxnreg: int | None = None) -> torch.Tensor:
     """Contract of attention_rows_ref (q [R, Hq, D] -> float32 [R, Hq, D]); Q8 when scales are given.
     `pos0` may be a one-element int tensor on the device: the kernels then read it there and the
     launch covers every span of the cache (spans past the rows' positions contribute nothing), so
@@ -319,7 +320,7 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if q8 and k_scale.shape[-1] == 1 and (q.dtype != torch.float32 or v_cache.stride(-1) != 1):
         _q8t_launch(q, k_cache, v_cache, k_scale, v_scale, acc, ml, pos_int, pos_arg, pos_ptr is not None,
                     r_rows, n_keys, n_split, scale, (n_mt, n_split, hkv), block_m, split, block_n, num_warps,
-                    num_stages, q8_mode)
+                    num_stages, q8_mode, maxnreg)
         _attn_combine_kernel[(r_rows * hq,)](acc, ml, out, pos_int, pos_arg, n_split, hq, D=d, SPLIT=split,
                                              CHUNK=chunk, POS_PTR=pos_ptr is not None, num_warps=4)
         return out
@@ -350,7 +351,7 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 def _q8t_launch(q, k_cache, v_cache, k_scale, v_scale, acc, ml, pos_int, pos_arg, pos_on_device, r_rows, n_keys,
-                n_split, scale, grid, block_m, split, block_n, num_warps, num_stages, q8_mode):
+                n_split, scale, grid, block_m, split, block_n, num_warps, num_stages, q8_mode, maxnreg):
     """Launch _attn_q8t_kernel: values key-minor when v_cache's position stride is 1 (the cache's
     layout), mask-free value loads when the storage covers every whole key block."""
     d = q.shape[-1]
@@ -364,10 +365,12 @@ def _q8t_launch(q, k_cache, v_cache, k_scale, v_scale, acc, ml, pos_int, pos_arg
             + triton.cdiv(n_keys, block_n) * block_n - 1)
     vpad = vt and last < v_cache.untyped_storage().nbytes() // v_cache.element_size()
     asm = (Q8_MODE if q8_mode is None else q8_mode) == 2 and not INTERPRET
+    maxnreg = maxnreg or Q8T_MAXNREG
+    extra = {} if maxnreg is None or INTERPRET else dict(maxnreg=maxnreg)
     _attn_q8t_kernel[grid](
         q, k_cache, v_cache, k_scale, v_scale, acc, ml, pos_int, pos_arg, r_rows, n_split, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), k_scale.stride(0), k_scale.stride(1), v_scale.stride(0), v_scale.stride(1),
         REP=q.shape[1] // k_cache.shape[1], D=d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split,
         POS_PTR=pos_on_device, ASM=asm, VT=vt, VPAD=vpad,
-        num_warps=num_warps or Q8T_WARPS, num_stages=num_stages or Q8T_STAGES)
+        num_warps=num_warps or Q8T_WARPS, num_stages=num_stages or Q8T_STAGES, **extra)
