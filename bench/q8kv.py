@@ -30,24 +30,28 @@ SMOKE = os.environ.get("BENCH_SMOKE") == "1"
 PEAK = 4.17e12
 T0 = time.time()
 # kind, label, kernel keywords (block_n x stages x warps, span, tile of (row, head) pairs, q8_mode)
-DEFAULT_VARIANTS = [   # in order of priority (the budget cuts the tail)
+DEFAULT_VARIANTS = [   # in order of priority (the budget cuts the tail); rNNN = registers per thread cap
     ("bf16", "default", {}),
     ("group", "default", {}),
     ("token", "32/3/4", dict(block_n=32, num_stages=3, num_warps=4)),
+    ("token", "64/3/8 r128", dict(block_n=64, num_stages=3, num_warps=8, maxnreg=128)),
     ("token", "64/3/4", dict(block_n=64, num_stages=3, num_warps=4)),
+    ("token", "64/2/8 r128", dict(block_n=64, num_stages=2, num_warps=8, maxnreg=128)),
+    ("token", "32/3/8 r128", dict(block_n=32, num_stages=3, num_warps=8, maxnreg=128)),
     ("token", "64/2/4", dict(block_n=64, num_stages=2, num_warps=4)),
-    ("token", "32/3/4 r168", dict(block_n=32, num_stages=3, num_warps=4, maxnreg=168)),
     ("token", "32/3/4 span256", dict(block_n=32, num_stages=3, num_warps=4, split=256)),
-    ("token", "32/3/4 span256 r168", dict(block_n=32, num_stages=3, num_warps=4, split=256, maxnreg=168)),
     ("token", "32/2/4 span256 r128", dict(block_n=32, num_stages=2, num_warps=4, split=256, maxnreg=128)),
+    ("token", "32/3/4 span384 r168", dict(block_n=32, num_stages=3, num_warps=4, split=384, maxnreg=168)),
     ("token", "64/3/8", dict(block_n=64, num_stages=3, num_warps=8)),
     ("token", "32/4/4", dict(block_n=32, num_stages=4, num_warps=4)),
     ("token-rows", "32/3/4", dict(block_n=32, num_stages=3, num_warps=4)),
     ("token", "32/3/4 tile16", dict(block_n=32, num_stages=3, num_warps=4, block_m=16)),
     ("token", "32/3/4 no-asm", dict(block_n=32, num_stages=3, num_warps=4, q8_mode=1)),
+    ("token", "32/3/4 r168", dict(block_n=32, num_stages=3, num_warps=4, maxnreg=168)),
 ]
 # context lengths after the first run these only (the first runs every variant)
-OTHERS = "bf16:default,group:default,token:32/3/4,token:64/3/4,token:32/3/4 span256,token:32/3/4 span256 r168"
+OTHERS = ("bf16:default,group:default,token:32/3/4,token:64/3/8 r128,token:64/3/4,token:32/3/4 span256,"
+          "token:32/2/4 span256 r128")
 
 
 def build(kind: str, n: int, hkv: int, d: int, dev, gen):
@@ -113,7 +117,7 @@ def main() -> int:
     ap.add_argument("--hkv", type=int, default=2 if SMOKE else 4)
     ap.add_argument("--dim", type=int, default=32 if SMOKE else 256)
     ap.add_argument("--only", default="", help="comma list of 'kind:label' to run (default: all)")
-    ap.add_argument("--devpos", default="bf16:default,group:default,token:32/3/4",
+    ap.add_argument("--devpos", default="bf16:default,group:default,token:32/3/4,token:64/3/8 r128",
                     help="variants also timed with the position on the device (first context length)")
     ap.add_argument("--others", default=OTHERS, help="variants for the context lengths after the first")
     ap.add_argument("--warm-workers", type=int, default=0 if SMOKE else 12, help="parallel compile processes")
