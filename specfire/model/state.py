@@ -13,8 +13,8 @@ from ..ops import attention as attn_ops
 @dataclass
 class LayerCache:
     """State of one layer for one sequence. Attention: k, v [max_seq, n_kv, D] (with a Q8 cache,
-    int8 plus k_scale, v_scale [max_seq, n_kv, D/32] float16; see ops/attention.py). GDN: conv window
-    [K-1, conv_dim] and recurrent state [Hv, dk, dv], both float32, plus the per-row capture of
+    int8 plus k_scale, v_scale [max_seq, n_kv, 1] float16, v stored key-minor under that view; see
+    ops/attention.py). GDN: conv window [K-1, conv_dim] and recurrent state [Hv, dk, dv], both float32, plus the per-row capture of
     the last rows-mode forward (conv `full` [K-1+R, C] and states [R, Hv, dk, dv])."""
 
     k: torch.Tensor | None = None
@@ -45,13 +45,14 @@ class SequenceState:
         layers = []
         for t in n_layers_types:
             if t == FULL:
-                lc = LayerCache(
-                    k=torch.zeros(max_seq, n_kv, cfg.head_dim, device=device, dtype=kv_dtype),
-                    v=torch.zeros(max_seq, n_kv, cfg.head_dim, device=device, dtype=kv_dtype))
+                lc = LayerCache(k=torch.zeros(max_seq, n_kv, cfg.head_dim, device=device, dtype=kv_dtype))
                 if kv_dtype == attn_ops.Q8_KV:
+                    lc.v = attn_ops.q8_value_cache(max_seq, n_kv, cfg.head_dim, device)
                     ns = cfg.head_dim // attn_ops.q8_group(cfg.head_dim)
                     lc.k_scale = torch.zeros(max_seq, n_kv, ns, device=device, dtype=torch.float16)
                     lc.v_scale = torch.zeros(max_seq, n_kv, ns, device=device, dtype=torch.float16)
+                else:
+                    lc.v = torch.zeros(max_seq, n_kv, cfg.head_dim, device=device, dtype=kv_dtype)
                 layers.append(lc)
             else:
                 layers.append(LayerCache(

@@ -37,6 +37,15 @@ Q8_MODE = 2
 # steps and the PTX conversion measured 281 us, so the Q8 path never takes those together)
 Q8_BLOCK_N = 32
 Q8_STAGES = 3
+# Q8 with one scale per (position, KV head), the cache's default (ops/attention.py): the key scale
+# multiplies the scores after an fp16 dot on the exact codes, the value scale multiplies p before
+# p.V, so no element is dequantized; values stored key-minor (ops/attention.py q8_value_cache).
+# Tile measured by bench/q8kv.py on the H200 (17 configurations): 64 keys a step, 3 stages, 4 warps
+# = 41.3-44.0 us at 33k positions, R = 1..5, against 46.3-49.6 us for the bf16 cache.
+Q8T_BLOCK_N = 64
+Q8T_STAGES = 3
+Q8T_WARPS = 4
+Q8T_MAXNREG = None   # registers per thread cap (None: the compiler's choice)
 
 
 @triton.jit
@@ -183,6 +192,76 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
 
 
 @triton.jit
+def _codes16(xq, ASM: tl.constexpr):
+    """int8 codes -> fp16, exactly (the magic-number conversion; inline PTX on whole words)."""
+    if ASM:
+        return tl.inline_asm_elementwise(_ASM_Q8_TL, "=r,=r,r", [xq], dtype=tl.float16, is_pure=True, pack=4)
+    return (((xq.to(tl.int16) + 128) | 0x6400).to(tl.float16, bitcast=True) - 1152.0).to(tl.float16)
+
+
+@triton.jit(do_not_specialize=["pos0", "n_rows", "n_split"])   # one binary for every R and position
+def _attn_q8t_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
+                     pos0, pos_ptr, n_rows, n_split, qk_scale,
+                     sq_r, sq_h, sk_n, sk_h, sv_n, sv_h, sv_d, sks_n, sks_h, svs_n, svs_h,
+                     REP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     SPLIT: tl.constexpr, POS_PTR: tl.constexpr, ASM: tl.constexpr,
+                     VT: tl.constexpr, VPAD: tl.constexpr):
+    """The split kernel's contract for a Q8 cache with one scale per (position, KV head). VT: values
+    key-minor (sv_n == 1); VPAD: the value storage covers every whole BLOCK_N block, so value loads
+    need no mask (keys past a row's position get p = 0 exactly, and a finite code times 0 is 0)."""
+    if POS_PTR:
+        pos0 = tl.load(pos_ptr).to(tl.int32)
+    mt = tl.program_id(0)
+    sid = tl.program_id(1)
+    kvh = tl.program_id(2)
+    hq = tl.num_programs(2) * REP
+    offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    row = offs_m // REP
+    head = kvh * REP + offs_m % REP
+    m_ok = row < n_rows
+    pos = pos0 + row
+    offs_d = tl.arange(0, D)
+    offs_b = tl.arange(0, BLOCK_N)
+    q = tl.load(q_ptr + row[:, None] * sq_r + head[:, None] * sq_h + offs_d[None, :], mask=m_ok[:, None],
+                other=0.0).to(tl.float16)
+    start = sid * SPLIT
+    hi = tl.minimum(start + SPLIT, pos0 + n_rows)
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for n0 in range(start, hi, BLOCK_N):
+        offs_n = n0 + offs_b
+        ok = offs_n < hi
+        kq = tl.load(k_ptr + kvh * sk_h + offs_n[:, None] * sk_n + offs_d[None, :], mask=ok[:, None], other=0)
+        ksc = tl.load(ks_ptr + kvh * sks_h + offs_n * sks_n, mask=ok, other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(_codes16(kq, ASM))) * (ksc * qk_scale)[None, :]   # log2 units
+        s = tl.where(offs_n[None, :] <= pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vsc = tl.load(vs_ptr + kvh * svs_h + offs_n * svs_n, mask=ok, other=0.0).to(tl.float32)
+        pv = (p * vsc[None, :]).to(tl.float16)       # <= the fp16 scale: no overflow
+        if VT:
+            v_ptrs = v_ptr + kvh * sv_h + offs_d[:, None] * sv_d + offs_n[None, :]
+            if VPAD:
+                vq = tl.load(v_ptrs)
+            else:
+                vq = tl.load(v_ptrs, mask=ok[None, :], other=0)
+            v = tl.trans(_codes16(vq, ASM))
+        else:
+            vq = tl.load(v_ptr + kvh * sv_h + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d, mask=ok[:, None],
+                         other=0)
+            v = _codes16(vq, ASM)
+        acc = acc * alpha[:, None] + tl.dot(pv, v)
+        m_i = m_new
+    base = (row * hq + head) * n_split + sid
+    tl.store(acc_ptr + base[:, None] * D + offs_d[None, :], acc, mask=m_ok[:, None])
+    tl.store(ml_ptr + base * 2, m_i, mask=m_ok)
+    tl.store(ml_ptr + base * 2 + 1, l_i, mask=m_ok)
+
+
+@triton.jit
 def _attn_combine_kernel(acc_ptr, ml_ptr, out_ptr, pos0, pos_ptr, n_split, hq,
                          D: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr, POS_PTR: tl.constexpr):
     """One (row, query head): merge the row's own spans 0..pos//SPLIT. Spans are taken CHUNK at a
@@ -215,8 +294,8 @@ def _attn_combine_kernel(acc_ptr, ml_ptr, out_ptr, pos0, pos_ptr, n_split, hq,
 def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos0, scale: float,
                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                           block_m: int = BLOCK_M, split: int = SPLIT, block_n: int | None = None,
-                          num_warps: int = 4, num_stages: int | None = None, prefetch: bool = PREFETCH,
-                          chunk: int = CHUNK, q8_mode: int | None = None) -> torch.Tensor:
+                          num_warps: int | None = None, num_stages: int | None = None, prefetch: bool = PREFETCH,
+                          chunk: int = CHUNK, q8_mode: int | None = None, maxnreg: int | None = None) -> torch.Tensor:
     """Contract of attention_rows_ref (q [R, Hq, D] -> float32 [R, Hq, D]); Q8 when scales are given.
     `pos0` may be a one-element int tensor on the device: the kernels then read it there and the
     launch covers every span of the cache (spans past the rows' positions contribute nothing), so
@@ -236,6 +315,18 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     pos_arg = pos_ptr if pos_ptr is not None else acc   # unused by the kernels when the position is an int
     ml = torch.empty(r_rows, hq, n_split, 2, device=q.device, dtype=torch.float32)
     out = torch.empty(r_rows, hq, d, device=q.device, dtype=torch.float32)
+    # per-token scales take the q8t kernel, except float32 queries on head_dim-contiguous values
+    # (the float32 dequantizing path below, exact to the reference)
+    if q8 and k_scale.shape[-1] == 1 and (q.dtype != torch.float32 or v_cache.stride(-1) != 1):
+        _q8t_launch(q, k_cache, v_cache, k_scale, v_scale, acc, ml, pos_int, pos_arg, pos_ptr is not None,
+                    r_rows, n_keys, n_split, scale, (n_mt, n_split, hkv), block_m, split, block_n, num_warps,
+                    num_stages, q8_mode, maxnreg)
+        _attn_combine_kernel[(r_rows * hq,)](acc, ml, out, pos_int, pos_arg, n_split, hq, D=d, SPLIT=split,
+                                             CHUNK=chunk, POS_PTR=pos_ptr is not None, num_warps=4)
+        return out
+    if v_cache.stride(-1) != 1 or k_cache.stride(-1) != 1:
+        raise ValueError("attention rows: a bf16 / fp32 cache or grouped Q8 scales need head_dim contiguous "
+                         f"k and v, got strides {tuple(k_cache.stride())} / {tuple(v_cache.stride())}")
     ks = k_scale if q8 else k_cache
     vs = v_scale if q8 else v_cache
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -253,7 +344,33 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
         REP=rep, D=d, G=(d // k_scale.shape[-1]) if q8 else 1, Q8=q8, BLOCK_M=block_m, BLOCK_N=block_n,
         SPLIT=split, PREC=prec, PREFETCH=prefetch, POS_PTR=pos_ptr is not None, QMODE=qmode,
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps or 4, num_stages=num_stages)
     _attn_combine_kernel[(r_rows * hq,)](acc, ml, out, pos_int, pos_arg, n_split, hq, D=d, SPLIT=split,
                                          CHUNK=chunk, POS_PTR=pos_ptr is not None, num_warps=4)
     return out
+
+
+def _q8t_launch(q, k_cache, v_cache, k_scale, v_scale, acc, ml, pos_int, pos_arg, pos_on_device, r_rows, n_keys,
+                n_split, scale, grid, block_m, split, block_n, num_warps, num_stages, q8_mode, maxnreg):
+    """Launch _attn_q8t_kernel: values key-minor when v_cache's position stride is 1 (the cache's
+    layout), mask-free value loads when the storage covers every whole key block."""
+    d = q.shape[-1]
+    block_n = block_n or Q8T_BLOCK_N
+    vt = v_cache.stride(0) == 1 and v_cache.stride(2) != 1
+    if not vt and v_cache.stride(2) != 1:
+        raise ValueError(f"Q8 values need positions or head_dim contiguous, got strides {tuple(v_cache.stride())}")
+    if k_cache.stride(2) != 1:
+        raise ValueError(f"Q8 keys need head_dim contiguous, got strides {tuple(k_cache.stride())}")
+    last = (v_cache.storage_offset() + (v_cache.shape[1] - 1) * v_cache.stride(1) + (d - 1) * v_cache.stride(2)
+            + triton.cdiv(n_keys, block_n) * block_n - 1)
+    vpad = vt and last < v_cache.untyped_storage().nbytes() // v_cache.element_size()
+    asm = (Q8_MODE if q8_mode is None else q8_mode) == 2 and not INTERPRET
+    maxnreg = maxnreg or Q8T_MAXNREG
+    extra = {} if maxnreg is None or INTERPRET else dict(maxnreg=maxnreg)
+    _attn_q8t_kernel[grid](
+        q, k_cache, v_cache, k_scale, v_scale, acc, ml, pos_int, pos_arg, r_rows, n_split, scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), k_scale.stride(0), k_scale.stride(1), v_scale.stride(0), v_scale.stride(1),
+        REP=q.shape[1] // k_cache.shape[1], D=d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split,
+        POS_PTR=pos_on_device, ASM=asm, VT=vt, VPAD=vpad,
+        num_warps=num_warps or Q8T_WARPS, num_stages=num_stages or Q8T_STAGES, **extra)

@@ -20,8 +20,10 @@ def test_position_tensor_equals_int(q8, rows, pos0):
     k = torch.randn(n, hkv, d, generator=gen)
     v = torch.randn(n, hkv, d, generator=gen)
     ks = vs = None
-    if q8:
-        (k, ks), (v, vs) = A.quantize_q8(k), A.quantize_q8(v)
+    if q8:   # the cache's layout (values key-minor): the per-token Q8 kernel
+        (k, ks), (vq, vs) = A.quantize_q8(k), A.quantize_q8(v)
+        v = A.q8_value_cache(n, hkv, d, "cpu")
+        v.copy_(vq)
     q = torch.randn(rows, hq, d, generator=gen)
     a = attention_rows_triton(q, k, v, pos0, 0.17, ks, vs, **SMALL)
     b = attention_rows_triton(q, k, v, torch.tensor([pos0]), 0.17, ks, vs, **SMALL)
