@@ -95,6 +95,7 @@ class MtpDrafter:
         self.graphs = None  # set before `feed`, whose setter resets captured graphs
         # a mesh whose ranks hold shards of the head runs the chain on every rank (parallel/mtp.py)
         self.mesh = getattr(trunk, "mtp_mesh", None) if mesh_head else None
+        self.given_head = head                     # whole, on rank 0 of a mesh (bench: the chain before sharding)
         if self.mesh is not None:
             head = self.mesh.head
         self.head, self.trunk, self.feed = head, trunk, feed
