@@ -2,7 +2,8 @@
 whole on rank 0) and 4-bit weights on the mesh: tp1 vs tp2 speed and the identity hashes.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-    PYTHONPATH=$PWD python bench/tp_mtp.py --shape 27B --budget-s 140 --out $OUT
+    PYTHONPATH=$PWD python bench/tp_mtp.py --shape 27B --jobs ckpt,cycle2 --budget-s 110 --out $OUT
+    PYTHONPATH=$PWD python bench/tp_mtp.py --shape 27B --jobs q4ckpt,q4tp2,q4tp1 --budget-s 280 --out $OUT
     PYTHONPATH=$PWD python bench/tp_mtp.py --smoke       # every job on the CPU, tiny shapes
 
 Jobs (the driver and helpers are bench/tp.py's: one process per job with a time limit, skipped
@@ -12,9 +13,11 @@ when the budget left is below its estimate; one JSON line per result in OUT/tp.j
   q4ckpt   a 4-bit checkpoint of the shape in `specfire quantize`'s format (group 128, the
            projections `specfire quantize` rounds; random codes written directly: reading and
            rounding 54 GB would not fit the call), plus the bytes an AR step reads
-  cycle2   tied bf16 on 2 ranks: AR step, MTP k=3 / k=1 cycle with the head sharded (default) and
-           k=3 with the head whole on rank 0 (the drafter before this change), rows and draft graphs
-  q4tp1    4-bit on one GPU: AR / MTP k=3 tok/s (default one-GPU mode), then AR / MTP k=3 hashes
+  cycle2   tied bf16 on 2 ranks: AR step, MTP k=3 / k=1 cycle with the head sharded (the job sets
+           SPECFIRE_TP_MTP=shard: the ranks load their shards) and k=3 with the head whole on rank 0 (the drafter
+           before it), rows and draft graphs replayed alone
+  q4tp1    (on a fresh machine the 4-bit kernels compile first: a 60 s limit was not enough)
+           4-bit on one GPU: AR / MTP k=3 tok/s (default one-GPU mode), then AR / MTP k=3 hashes
            in the canonical mode (the bits a mesh computes)
   q4tp2    4-bit on 2 ranks: AR / MTP k=3 tok/s and hashes
   long     bf16 identity at a long context (--long): AR tp1 (canonical) vs AR / MTP k=3 tp2
@@ -44,7 +47,7 @@ from tp import CEILING, Log, _time_graph, job_ckpt, md5, smoke_shapes, step_byte
 tp.SAFETENSORS_DTYPES.setdefault(torch.uint8, "U8")     # the 4-bit codes (write_safetensors reads this table)
 
 # job -> (estimated seconds, time limit seconds) on the GPU at the 27B shape
-JOBS = {"ckpt": (35, 80), "q4ckpt": (15, 45), "cycle2": (40, 75), "q4tp1": (30, 60), "q4tp2": (25, 60),
+JOBS = {"ckpt": (55, 80), "q4ckpt": (16, 45), "cycle2": (45, 75), "q4tp1": (60, 120), "q4tp2": (60, 120),
         "long": (40, 120)}
 GROUP = 128
 
@@ -155,6 +158,7 @@ def job_cycle(cfg, path: str, tp: int, device: str, log: Log, prompt: int, token
     from specfire.runtime.drafters import MtpDrafter
     from specfire.runtime.graphs import DraftGraphs
 
+    os.environ.setdefault("SPECFIRE_TP_MTP", "shard")     # every rank loads its shard of the head (parallel/mtp.py)
     t0 = time.perf_counter()
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
@@ -217,7 +221,9 @@ def job_q4(cfg, d: str, tp: int, device: str, log: Log, prompt: int, tokens: int
             ids = torch.randint(0, llm.cfg.vocab_size - 1, (prompt,), generator=g).tolist()
             row = dict(shape=shape, tp=tp, canonical=canon, weights="4-bit", load_s=time.perf_counter() - t0,
                        context=prompt, tokens=tokens)
+            log("progress", job=f"q4tp{tp}", canonical=canon, loaded_s=time.perf_counter() - t0)
             llm.generate(ids, warm, spec="off")
+            log("progress", job=f"q4tp{tp}", canonical=canon, warm_s=time.perf_counter() - t0)
             ar, ar_step = _generate(llm, ids, sp, "off")
             row.update(ar_tok_s=ar.stats["decode_tok_s"], ar_step_ms=ar_step * 1e3, ar_md5=md5(ar.token_ids),
                        distinct=len(set(ar.token_ids)))
@@ -312,7 +318,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--long", type=int, default=33000)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--jobs", default="ckpt+q4ckpt>q4tp1,cycle2,q4tp2,long",
+    ap.add_argument("--jobs", default="ckpt+q4ckpt,cycle2,q4tp2,q4tp1,long",
                     help="groups in order (,); a+b: lanes at once, lane i on GPU i; a>b: one after another")
     ap.add_argument("--budget-s", type=float, default=1e9)
     ap.add_argument("--ckpt-dir", default=None)

@@ -50,7 +50,7 @@ def test_sharded_head_drafts_equal_one_device(pair):
     from specfire.runtime.graphs import DraftGraphs
 
     one, mesh = pair
-    assert mesh.engine.trunk.mtp_mesh is not None
+    assert mesh.engine.trunk.mtp_mesh is not None and mesh.engine.drafters["mtp"].mesh is not None
     ids = list(range(3, 23))
     sp = SamplingParams(max_tokens=14)
     ar = one.generate(ids, sp, spec="off").token_ids
@@ -76,3 +76,13 @@ def test_sharded_head_k2_and_sampled(pair):
     a = one.generate(ids, s, spec=SpecPolicy("mtp", k=2)).token_ids
     b = mesh.generate(ids, s, spec=SpecPolicy("mtp", k=2)).token_ids
     assert a == b
+
+
+def test_bad_head_mode_is_refused(monkeypatch):
+    from specfire.parallel.mtp import head_mode, wanted
+
+    monkeypatch.setenv("SPECFIRE_TP_MTP", "half")
+    with pytest.raises(ValueError, match="SPECFIRE_TP_MTP='half': allowed values are shard, whole"):
+        head_mode()
+    monkeypatch.delenv("SPECFIRE_TP_MTP")
+    assert not wanted("cuda", True)                   # opt-in

@@ -33,9 +33,9 @@ PREFILL = "mtp_prefill"
 
 
 def head_mode() -> str | None:
-    """SPECFIRE_TP_MTP: "shard" (the head's layer split over the ranks), "whole" (whole on rank 0);
-    unset: shard where the mesh replays CUDA graphs, whole on the CPU (a gloo round trip per
-    collective costs more there than the small head: docs/BENCHMARKS.md)."""
+    """SPECFIRE_TP_MTP: "shard" (the head's layer split over the ranks), "whole" (whole on rank 0,
+    the default). Opt-in: on 2 H200s the sharded chain's device time was 10% shorter but the k=3
+    cycle did not change (docs/BENCHMARKS.md, "Sixth wave: the MTP head sharded")."""
     v = os.environ.get("SPECFIRE_TP_MTP", "")
     if v and v not in MODES:
         raise ValueError(f"SPECFIRE_TP_MTP={v!r}: allowed values are {', '.join(MODES)} (or unset)")
@@ -44,8 +44,7 @@ def head_mode() -> str | None:
 
 def wanted(device_type: str, graphs: bool | None) -> bool:
     """Whether the ranks load the head sharded (decided by rank 0 before any process starts)."""
-    mode = head_mode()
-    return mode == "shard" or (mode is None and device_type == "cuda" and graphs is not False)
+    return head_mode() == "shard"
 
 
 class ShardedMtpHead(MtpHead):
