@@ -80,32 +80,76 @@ def shard_argmax(model, coll, h: torch.Tensor | None) -> torch.Tensor:
     return pick(coll.all_gather(local_best(local[:, :valid], v0)))
 
 
+def shard_pick(model, coll, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`shard_argmax` for a row h [1, H] every rank already holds (the sharded MTP head's output,
+    parallel/mtp.py): no collective to share it, and the all-gather of the (value, index) pairs
+    carries each rank's candidate embedding row too, so every rank gets (token [1], its embedding
+    [1, H]) from one collective."""
+    cfg, w = model.cfg, model.lm_weight
+    emb = model.embed_tokens.weight
+    with lanes.invariant():
+        local = linear(h.reshape(1, cfg.hidden_size).to(emb.dtype), w, True, cfg.vocab_size).float()
+    v0 = model.plan.vocab[0]
+    valid = max(0, min(local.shape[-1], cfg.vocab_size - v0))
+    best = local_best(local[:, :valid], v0)                                   # [2]
+    i = (best[1:] - v0).to(torch.int64).clamp(0, emb.shape[0] - 1)
+    pairs = coll.all_gather(torch.cat([best, emb.index_select(0, i).view(-1).to(torch.float32)]))
+    v = pairs[:, 0]
+    r = ((v == v.max()) | v.isnan()).to(torch.int32).argmax().view(1)        # the first such rank
+    won = pairs.index_select(0, r)                                            # [1, 2 + H]
+    return won[:, 1].to(torch.int64), won[:, 2:].to(emb.dtype)
+
+
+def coll_bytes(hidden: int, tp: int, rows: int) -> int:
+    """The draft collectives' buffer: a sharded MTP chain's input packet (2 x rows x hidden + 2),
+    its trees (rows x hidden) and picks (tp x (hidden + 2)), float32."""
+    return 4 * max(2 * rows * hidden + 2, tp * (hidden + 2))
+
+
 class WorkerDraft:
     """A rank other than 0: its side of rank 0's sharded draft chain, k picks per chain, run
     eagerly or replayed from one CUDA graph per k (captured after an eager run compiled it)."""
 
     def __init__(self, model, coll):
         self.model, self.coll = model, coll
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.mesh = getattr(model, "mtp_mesh", None)      # this rank's MTP head shard (parallel/mtp.py)
+        self.graphs: dict = {}
         self.pool = None
 
-    def _rounds(self, k: int) -> None:
+    def _rounds(self, k: int, chain: tuple | None) -> None:
+        if chain is not None:                           # (m, sampled, feed): the sharded head's chain
+            m, sampled, feed = chain
+            self.mesh.chain(k, feed, m, sampled=sampled)
+            return
         for _ in range(k):
             shard_argmax(self.model, self.coll, None)
 
     @torch.inference_mode()
-    def run(self, k: int, eager: int, replays: int) -> None:
+    def run(self, k, eager: int = 0, replays: int = 0, *chain) -> None:
         """`eager` chains run eagerly, then `replays` replays of the k-pick graph (rank 0 runs as
-        many: its chain eagerly, or its capture's warm-ups and replays)."""
+        many: its chain eagerly, or its capture's warm-ups and replays). `chain` (m, sampled, feed):
+        the sharded MTP head's whole chain over m pending rows, not only its picks. k == PREFILL:
+        the head's prefill-mode call over `eager` rows at position `replays`."""
+        from .mtp import PREFILL
+
+        if k == PREFILL:
+            if self.mesh is None:
+                raise MeshError("rank 0 runs the sharded MTP head, but this rank has no shard of it")
+            self.mesh.prefill(None, None, eager, replays)
+            return
+        chain = tuple(chain) or None
+        if chain is not None and self.mesh is None:
+            raise MeshError("rank 0 runs the sharded MTP head, but this rank has no shard of it")
+        key = (k, chain)
         for _ in range(eager):
-            self._rounds(k)
+            self._rounds(k, chain)
         if replays <= 0:
             return
         if not torch.cuda.is_available() or self.model.embed_tokens.weight.device.type != "cuda":
             for _ in range(replays):            # rank 0 emulates its graphs (CPU tests): run them eagerly
-                self._rounds(k)
+                self._rounds(k, chain)
             return
-        g = self.graphs.get(k)
+        g = self.graphs.get(key)
         if g is None:
             if eager == 0:
                 raise MeshError(f"rank 0 replays a sharded draft chain of {k} picks this rank never ran")
@@ -113,7 +157,7 @@ class WorkerDraft:
                 self.pool = torch.cuda.graph_pool_handle()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                self._rounds(k)
-            self.graphs[k] = g
+                self._rounds(k, chain)
+            self.graphs[key] = g
         for _ in range(replays):
             g.replay()

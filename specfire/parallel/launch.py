@@ -55,6 +55,8 @@ class MeshSpec:
     timeout_s: float
     threads: int | None           # CPU threads per rank; None = leave as is
     cuda_graphs: bool | None = None   # the rows forward in CUDA graphs (None: where the kernels serve)
+    mtp_head: bool = False        # every rank loads its shard of the MTP head (parallel/mtp.py)
+    mtp_path: str | None = None   # the head's sidecar, when not in or beside the checkpoint
 
     def device(self, local_rank: int) -> torch.device:
         if self.device_type == "cuda":

@@ -170,7 +170,7 @@ class ShardPlan:
         """Why this rank's shard of a 4-bit checkpoint cannot be read (a column shard off the
         quantization groups), or None. Checked for every rank before any process starts."""
         for name in src.names():
-            if not src.is_quantized(name) or name.startswith("mtp."):
+            if not src.is_quantized(name):     # the MTP head's layer is split as a trunk layer is
                 continue
             for p in self.slices(name) or []:
                 if len(p) == 2 and p[0] == slice(None):

@@ -48,6 +48,7 @@ class MeshTrunk:
         # the first draft (rank 0's captured draft graphs keep what they captured)
         self.draft_sharded = mesh.comm.draft_coll is not None and (
             mode == "shard" or (mode is None and trunk.graphs_enabled))
+        self.mtp_mesh = getattr(trunk.model, "mtp_mesh", None)   # the sharded MTP head (parallel/mtp.py), or None
 
     @property
     def graphs_enabled(self) -> bool:
@@ -96,15 +97,16 @@ class MeshTrunk:
         except Exception as e:
             raise self._mesh.fail(e) from None
 
-    def draft_rounds(self, k: int, eager: int, replays: int, now: bool = False) -> None:
+    def draft_rounds(self, k, eager: int, replays: int, now: bool = False, chain: tuple = ()) -> None:
         """Before rank 0 runs a sharded greedy draft chain of k picks (`shard_argmax` k times): the
         other ranks run their side as often, `eager` chains then `replays` replays of their graph.
         Eager work must start now (rank 0 waits on it); a replay alone rides in the next header
-        (`now`: sent at once, e.g. for a probe that replays rank 0's graph by itself)."""
+        (`now`: sent at once, e.g. for a probe that replays rank 0's graph by itself). `chain`:
+        (m, sampled, feed) of the sharded MTP head's chain (parallel/mtp.py)."""
         if eager or now or self.device.type != "cuda":     # an emulated (CPU) replay runs at once
-            self._send(DRAFT, k, eager, replays)
+            self._send(DRAFT, k, eager, replays, *chain)
         else:
-            self._commits.append((DRAFT, k, 0, replays))
+            self._commits.append((DRAFT, k, 0, replays, *chain))
 
     def shard_argmax(self, h: torch.Tensor) -> torch.Tensor:
         """Rank 0's side of one sharded greedy pick: the token [1] of argmax(h @ lm_head^T)."""

@@ -90,10 +90,16 @@ class MtpDrafter:
 
     name = "mtp"
 
-    def __init__(self, head: MtpHead, trunk: Trunk, kv_dtype: torch.dtype, feed: str = "pre"):
+    def __init__(self, head: MtpHead, trunk: Trunk, kv_dtype: torch.dtype, feed: str = "pre",
+                 mesh_head: bool = True):
         self.graphs = None  # set before `feed`, whose setter resets captured graphs
+        # a mesh whose ranks hold shards of the head runs the chain on every rank (parallel/mtp.py)
+        self.mesh = getattr(trunk, "mtp_mesh", None) if mesh_head else None
+        self.given_head = head                     # whole, on rank 0 of a mesh (bench: the chain before sharding)
+        if self.mesh is not None:
+            head = self.mesh.head
         self.head, self.trunk, self.feed = head, trunk, feed
-        self.state = head.new_state(trunk.max_seq, kv_dtype)
+        self.state = self.mesh.state if self.mesh is not None else head.new_state(trunk.max_seq, kv_dtype)
         self._hidden: list[torch.Tensor] = []      # trunk hidden rows not yet fed to the head
         self._tokens: list[torch.Tensor] = []      # the tokens following them, on the device
         self._pos0 = 0                             # position of the first pending row
@@ -121,6 +127,9 @@ class MtpDrafter:
     def _chain(self, toks, hidden, pos, k, choose=None, n=None) -> torch.Tensor:
         """draft_chain with this drafter's head; `choose` None: the greedy pick, scored by every
         rank's vocabulary rows on a mesh (parallel/draft.py, argmax's token), else argmax."""
+        if self.mesh is not None:
+            return self.mesh.chain(k, self.feed, toks.shape[0], self.trunk.embed(toks), hidden, pos, n, choose,
+                                   self.trunk.embed, self.trunk.lm_logits)
         lm = self.trunk.lm_logits
         if choose is None:
             lm, choose = (self.trunk.shard_argmax, _picked) if self._sharded else (lm, argmax)
@@ -148,8 +157,7 @@ class MtpDrafter:
     def begin(self, prompt: torch.Tensor, hidden: torch.Tensor) -> None:
         t = prompt.shape[0]
         if t > 1:  # rows 0..t-2: (h_p, x_{p+1})
-            emb = self.trunk.embed(prompt[1:])
-            self.head(emb, hidden[:-1], 0, self.state, rows=False)
+            self._prefill(self.trunk.embed(prompt[1:]), hidden[:-1], 0)
         self._hidden, self._tokens, self._pos0 = [hidden[-1:]], [], t - 1
         self._pre = None
 
@@ -169,9 +177,11 @@ class MtpDrafter:
         pos0, m = self._pos0, hidden.shape[0]
         if m > k + 1:  # rows piled up while other routes ran: catch up all but the last in one prefill-mode
             # forward, so the draft graphs only ever see the pending-row counts an MTP cycle leaves (1..k+1)
-            self.head(self.trunk.embed(toks[:-1]), hidden[:-1], pos0, self.state, rows=False)
+            self._prefill(self.trunk.embed(toks[:-1]), hidden[:-1], pos0)
             pos0, hidden, toks = pos0 + m - 1, hidden[-1:], toks[-1:]
         self._hidden, self._tokens, self._pos0 = [], [], self._pos0 + m
+        if self.mesh is not None:                  # every rank runs the chain: tell them first
+            return self._mesh_propose(toks, hidden, pos0, k, sp, gen)
         sharded = sp.greedy and self._sharded      # the other ranks run their side of the chain alongside
         if self.graphs is not None and (sp.greedy or gen is not None):
             if sharded:
@@ -180,6 +190,28 @@ class MtpDrafter:
             return self.graphs.draft(toks, hidden, pos0, k, None if sp.greedy else sp, gen)
         if sharded:
             self.trunk.draft_rounds(k, 1, 0)
+        return self._chain_for(toks, hidden, pos0, k, sp, gen)
+
+    def _prefill(self, emb: torch.Tensor, hidden: torch.Tensor, pos0: int) -> None:
+        """The head over rows in prefill mode (on every rank of a mesh holding its shards)."""
+        if self.mesh is None:
+            self.head(emb, hidden, pos0, self.state, rows=False)
+            return
+        from ..parallel.mtp import PREFILL
+        self.trunk.draft_rounds(PREFILL, emb.shape[0], pos0, now=True)
+        self.mesh.prefill(emb, hidden, emb.shape[0], pos0)
+
+    def _mesh_propose(self, toks, hidden, pos0, k, sp, gen):
+        chain = (toks.shape[0], not sp.greedy, self.feed)
+        if self.graphs is not None and (sp.greedy or gen is not None):
+            if sp.greedy:
+                fresh = not self.graphs.captured(toks.shape[0], k)
+            else:
+                from .sampling import sampling_key
+                fresh = (toks.shape[0], k, sampling_key(sp), gen.state.data_ptr()) not in self.graphs.graphs
+            self.trunk.draft_rounds(k, self.graphs.warmup if fresh else 0, 1, chain=chain)
+            return self.graphs.draft(toks, hidden, pos0, k, None if sp.greedy else sp, gen)
+        self.trunk.draft_rounds(k, 1, 0, chain=chain)
         return self._chain_for(toks, hidden, pos0, k, sp, gen)
 
     @torch.inference_mode()
@@ -193,15 +225,16 @@ class MtpDrafter:
         if not self.ahead or self.graphs is None or k <= 0 or pos + 2 * k > self.trunk.max_seq:   # its steps reach pos + n + k - 1
             return
         self._check_mode()
-        if self._sharded:
+        if self.mesh is not None or self._sharded:
             fresh = not self.graphs.captured(k + 1, k, "after")
-            self.trunk.draft_rounds(k, self.graphs.warmup if fresh else 0, 1, now=True)
+            chain = (k + 1, False, self.feed) if self.mesh is not None else ()
+            self.trunk.draft_rounds(k, self.graphs.warmup if fresh else 0, 1, now=True, chain=chain)
         drafts = self.graphs.draft_after(self._chain_after, targets, hidden, pos, n.view(1), k)
         self._pre = ((k, pos), drafts)
 
     def _check_mode(self) -> None:
         """Captured greedy chains keep the picks they were captured with: a changed mode drops them."""
-        if self.graphs is not None and self._sharded != self._graphs_sharded:
+        if self.graphs is not None and self.mesh is None and self._sharded != self._graphs_sharded:
             self.graphs.clear()
             self._graphs_sharded = self._sharded
 
