@@ -202,10 +202,23 @@ def gemv_chunks_fused(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor, ou
     return y
 
 
-@triton.jit(do_not_specialize=["M"])
-def _tree_loop_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, KC, stride_xm, stride_wn,
+@triton.jit
+def _push_tile(val, off, mask, bufs_ptr, sigs_ptr, R, MN, PUSH_W: tl.constexpr):
+    """A finished output tile into slot R of every peer's buffer, then one release-add on each
+    peer's arrival word after every thread's stores (ops/tree_norm.py waits for them)."""
+    for j in tl.static_range(1, PUSH_W):
+        dst = tl.load(bufs_ptr + (R + j) % PUSH_W).to(tl.pointer_type(tl.float32))
+        tl.store(dst + R * MN + off, val, mask=mask)
+    tl.debug_barrier()
+    for j in tl.static_range(1, PUSH_W):
+        sig = tl.load(sigs_ptr + (R + j) % PUSH_W).to(tl.pointer_type(tl.int32))
+        tl.atomic_add(sig, 1, sem="release", scope="sys")
+
+
+@triton.jit(do_not_specialize=["M", "R"])
+def _tree_loop_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, bufs_ptr, sigs_ptr, R, M, N, K, KC, stride_xm, stride_wn,
                       C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_: tl.constexpr,
-                      IEEE: tl.constexpr, SELECT: tl.constexpr, SPLIT: tl.constexpr):
+                      IEEE: tl.constexpr, SELECT: tl.constexpr, SPLIT: tl.constexpr, PUSH_W: tl.constexpr):
     """The canonical tree in one K loop, as the plain GEMV walks K: the accumulator restarts at
     every chunk bound (KC columns, a multiple of BLOCK_K) and each finished chunk is folded into
     the tree like a binary counter (chunk c merges with the held subtrees for every trailing 1
@@ -216,7 +229,9 @@ def _tree_loop_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, KC, stride_x
     SPLIT (1, 2, 4; dividing C): program_id(2) walks 1/SPLIT of the chunks, folds them into their
     subtree and stores it; the last of a tile's SPLIT programs adds the SPLIT subtrees, which are
     the canonical tree's upper levels: the same bits with SPLIT times the programs (a row-parallel
-    N of 5120 is 80 tiles, too few for 132 SMs)."""
+    N of 5120 is 80 tiles, too few for 132 SMs).
+    PUSH_W > 1: y is this rank's slot of a tp mesh's buffers; each finished tile is also sent to
+    slot R of the PUSH_W - 1 peers' buffers (_push_tile). Elementwise stores: the same bits."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -281,6 +296,8 @@ def _tree_loop_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, KC, stride_x
     off = offs_m[None, :] * N + offs_n[:, None]
     if SPLIT == 1:
         tl.store(y_ptr + off, out.to(y_ptr.dtype.element_ty), mask=mask)
+        if PUSH_W > 1:
+            _push_tile(out, off, mask, bufs_ptr, sigs_ptr, R, M * N, PUSH_W)
     else:
         MN = M * N
         tl.store(p_ptr + pid_s * MN + off, out, mask=mask)
@@ -298,6 +315,8 @@ def _tree_loop_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, KC, stride_x
                 r = (q0 + q1) + (q2 + q3)
             tl.store(y_ptr + off, r.to(y_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(cnt_ptr + tile, 0)                       # ready for the next launch
+            if PUSH_W > 1:
+                _push_tile(r, off, mask, bufs_ptr, sigs_ptr, R, MN, PUSH_W)
 
 
 def _loop_override() -> tuple[GemvConfig | None, bool]:
@@ -336,10 +355,12 @@ def tree_loop_fits(k: int, c: int, block_k: int = 128) -> bool:
 
 def gemv_tree_loop(x: torch.Tensor, w: torch.Tensor, c: int, out_dtype: torch.dtype, tile: int = ROWS,
                    launch_n: int | None = None, cfg: GemvConfig | None = None, select: bool | None = None,
-                   out: torch.Tensor | None = None, split: int | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, split: int | None = None, push=None) -> torch.Tensor:
     """[M, N] `out_dtype`: the canonical tree over c equal chunks of K, one launch, no partials in
     memory (the same bits as tree_combine(chunk_partials(...)) for equal chunks). `out`: a
-    contiguous [M, N] tensor to write (e.g. a collective's buffer), instead of a new one."""
+    contiguous [M, N] tensor to write (e.g. a collective's buffer), instead of a new one.
+    `push` (ops/tree_norm.py Push, with `out` float32 this rank's slot): each finished tile also
+    goes to the peers' slots; sets push.target."""
     m, k = x.shape
     n = w.shape[0]
     if w.shape[1] != k or not tree_loop_fits(k, c):
@@ -360,10 +381,17 @@ def gemv_tree_loop(x: torch.Tensor, w: torch.Tensor, c: int, out_dtype: torch.dt
         cnt = _counters(x.device, grid[0] * grid[1])
     else:
         part = cnt = y
-    _tree_loop_kernel[grid + (split,)](x, w, y, part, cnt, m, n, k, k // c, x.stride(0), w.stride(0),
+    push_w = 0
+    if push is not None and push.world > 1:
+        if out is None or y.dtype != torch.float32:
+            raise ValueError("gemv_tree_loop: a push writes float32 into the given slot `out`")
+        push_w = push.world
+        push.target = grid[0] * grid[1] * (push.world - 1)
+    bufs, sigs, r = (push.bufs, push.sigs, push.rank) if push_w else (cnt, cnt, 0)
+    _tree_loop_kernel[grid + (split,)](x, w, y, part, cnt, bufs, sigs, r, m, n, k, k // c, x.stride(0), w.stride(0),
                                        C=c, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=tile,
                                        IEEE=x.dtype == torch.float32, SELECT=LOOP_SELECT if select is None else select,
-                                       SPLIT=split, num_warps=cfg.num_warps,
+                                       SPLIT=split, PUSH_W=push_w, num_warps=cfg.num_warps,
                                        num_stages=fit_stages(cfg, tile, x.element_size()))
     return y
 

@@ -364,3 +364,70 @@ def test_tree_loop_split_programs_give_the_same_bits():
             assert torch.equal(out[:1], ref[1:2])
     with pytest.raises(ValueError, match="split 3"):
         gemv_tree_loop(x, w, 8, torch.float32, split=3)
+
+
+# ---- the fused cross-rank tree + residual + RMSNorm (ops/tree_norm.py) ----------------------------
+
+def test_tree_add_norm_kernel_equals_reference():
+    """W slots added in the canonical tree, the residual added, the norm applied: the new residual
+    bitwise equal to the reference (float32: the tree's order shows), the normed row to rounding;
+    odd D (a masked tail), every W."""
+    from specfire.ops.tree_norm import tree_add_rms_norm_ref
+    from specfire.ops.triton_tree_norm import tree_add_rms_norm
+
+    g = torch.Generator().manual_seed(5)
+    for dt in (torch.float32, torch.float16):      # the interpreter truncates to bf16 (not the GPU's rounding)
+        for wn in (1, 2, 4, 8):
+            parts = torch.randn(wn, 3, 200, generator=g) * 100
+            x = torch.randn(3, 200, generator=g).to(dt)
+            w = (torch.randn(200, generator=g) * 0.1).to(dt)
+            s, y = tree_add_rms_norm(parts, x, w, 1e-6)
+            rs, ry = tree_add_rms_norm_ref(parts, x, w, 1e-6)
+            assert torch.equal(s, rs), (dt, wn)
+            torch.testing.assert_close(y.float(), ry.float(), rtol=2e-3 if dt == torch.float16 else 1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="slots"):
+        tree_add_rms_norm(torch.randn(3, 3, 200), x, w, 1e-6)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_pushed_subtrees_combine_as_one_device(world):
+    """Ranks emulated in one process: each rank's tree loop (1 and 2 programs a tile) or push_rows
+    sends its subtree to slot `rank` of every rank's buffer through an address table and bumps each
+    peer's arrival word; each rank's fused kernel waits for them, and the tree it adds equals the
+    whole matrix's 8-chunk tree bitwise, on every rank; the arrival words are re-armed to zero."""
+    from specfire.ops.tree_norm import Pending, Push, push_rows
+    from specfire.ops.triton_splitk import gemv_tree_loop
+
+    g = torch.Generator().manual_seed(world)
+    m, n, k = 3, 70, 1024
+    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+    res, nw = torch.randn(m, n, generator=g), torch.randn(n, generator=g) * 0.1
+    whole = gemv_tree_loop(x, w, 8, torch.float32)
+    kl = k // world
+    for how in ("loop1", "loop2", "push_rows"):
+        bufs = [torch.zeros(world, m, n) for _ in range(world)]
+        syncs = [torch.zeros(2, dtype=torch.int32) for _ in range(world)]
+        tab = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+        sig = torch.tensor([s.data_ptr() for s in syncs], dtype=torch.int64)
+        targets = []
+        for r in range(world):
+            xr, wr = x[:, r * kl:(r + 1) * kl].contiguous(), w[:, r * kl:(r + 1) * kl].contiguous()
+            push = Push(tab, sig, r, world)
+            if how == "push_rows":
+                gemv_tree_loop(xr, wr, 8 // world, torch.float32, out=bufs[r][r])
+                push_rows(bufs[r][r], push)
+            else:
+                gemv_tree_loop(xr, wr, 8 // world, torch.float32, out=bufs[r][r], split=int(how[-1]), push=push)
+            targets.append(push.target)
+        assert len(set(targets)) == 1 and targets[0] > 0
+        outs = []
+        for r in range(world):
+            assert int(syncs[r][0]) == targets[r]
+            p = Pending(bufs[r], syncs[r], targets[r])
+            from specfire.ops.triton_tree_norm import tree_add_rms_norm
+            outs.append(tree_add_rms_norm(p.parts, res, nw, 1e-6, p.sync, p.target))
+            assert syncs[r].tolist() == [0, 0]
+        assert torch.equal(tree_sum(list(bufs[0].unbind(0))), whole)
+        one = tree_add_rms_norm(whole.unsqueeze(0), res, nw, 1e-6)
+        for s, y in outs:
+            assert torch.equal(s, one[0]) and torch.equal(y, one[1])

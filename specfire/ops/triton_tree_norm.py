@@ -1,0 +1,115 @@
+"""The kernels of ops/tree_norm.py (why, and what the bits rest on: there): the fused cross-rank
+tree + residual add + RMSNorm, and the push of a finished subtree to the peers' slots."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SPIN_LIMIT = 1 << 26      # polls of the arrival counter before giving up (a dead peer: no eternal hang)
+
+
+@triton.jit(do_not_specialize=["W", "M", "MN", "D1", "D2", "D4", "target"])
+def _tree_add_norm_kernel(p_ptr, x_ptr, w_ptr, s_ptr, y_ptr, sync_ptr, W, M, MN, D, D1, D2, D4, stride_x, eps, target,
+                          BLOCK: tl.constexpr, SPIN: tl.constexpr):
+    row = tl.program_id(0)
+    if target > 0:                         # the peers' slots arrive by push: wait for every arrival
+        v = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="sys")
+        i = 0
+        while (v < target) & (i < SPIN):
+            v = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="sys")
+            i += 1
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    base = p_ptr + row * D + offs
+    m1 = offs < D1                          # D1, D2, D4: D where W > 1, 2, 4, else 0 (slots absent)
+    m2 = offs < D2
+    m4 = offs < D4
+    p0 = tl.load(base, mask=mask, other=0.0, cache_modifier=".cg")
+    p1 = tl.load(base + MN, mask=m1, other=0.0, cache_modifier=".cg")
+    p2 = tl.load(base + 2 * MN, mask=m2, other=0.0, cache_modifier=".cg")
+    p3 = tl.load(base + 3 * MN, mask=m2, other=0.0, cache_modifier=".cg")
+    p4 = tl.load(base + 4 * MN, mask=m4, other=0.0, cache_modifier=".cg")
+    p5 = tl.load(base + 5 * MN, mask=m4, other=0.0, cache_modifier=".cg")
+    p6 = tl.load(base + 6 * MN, mask=m4, other=0.0, cache_modifier=".cg")
+    p7 = tl.load(base + 7 * MN, mask=m4, other=0.0, cache_modifier=".cg")
+    # the canonical tree over W slots (1, 2, 4, 8), absent levels selected away (never added)
+    h = tl.where(W > 1, p0 + p1, p0)
+    h = tl.where(W > 2, h + (p2 + p3), h)
+    h = tl.where(W > 4, h + ((p4 + p5) + (p6 + p7)), h)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    r = h.to(x.dtype)                      # the float32 sum rounded to the model dtype first
+    x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    tl.store(s_ptr + row * D + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
+    wn = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * D + offs, (xf * inv * (1.0 + wn)).to(y_ptr.dtype.element_ty), mask=mask)
+    if target > 0:                         # the last row program re-arms the slot for its next use
+        done = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
+        if done == M - 1:
+            tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
+
+
+_NO_SYNC: dict[torch.device, torch.Tensor] = {}
+NORM_WARPS = 32          # as ops/triton_small.py's wide norms (D >= 2048)
+
+
+def tree_add_rms_norm(parts: torch.Tensor, x: torch.Tensor, w: torch.Tensor, eps: float,
+                      sync: torch.Tensor | None = None, target: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """parts [W, M, D] float32 (W in 1, 2, 4, 8), x [M, D] residual -> (new residual, normed), x's
+    dtype. With `sync`, first waits until its arrival word reaches `target`."""
+    wn, m, d = parts.shape
+    if wn not in (1, 2, 4, 8) or parts.dtype != torch.float32 or tuple(x.shape) != (m, d):
+        raise ValueError(f"tree_add_rms_norm: parts {list(parts.shape)} {parts.dtype} (1/2/4/8 float32 slots) "
+                         f"does not fit residual {list(x.shape)}")
+    if not parts.is_contiguous():
+        raise ValueError("tree_add_rms_norm: parts must be contiguous")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    s = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    if sync is None:        # an int32 word all the same: one compiled kernel for every degree and mode
+        sync = _NO_SYNC.get(x.device)
+        if sync is None:
+            sync = _NO_SYNC[x.device] = torch.zeros(2, dtype=torch.int32, device=x.device)
+        target = 0
+    if m:
+        _tree_add_norm_kernel[(m,)](parts, x, w, s, y, sync, wn, m, m * d, d, d * (wn > 1), d * (wn > 2), d * (wn > 4),
+                                    x.stride(0), eps, target,
+                                    BLOCK=triton.next_power_of_2(d), SPIN=SPIN_LIMIT,
+                                    num_warps=NORM_WARPS if d >= 2048 else 4)
+    return s, y
+
+
+@triton.jit(do_not_specialize=["R", "W", "MN"])
+def _push_kernel(src_ptr, bufs_ptr, sigs_ptr, R, W, MN, BLOCK: tl.constexpr):
+    """Slot R of every peer's buffer <- src (a block of BLOCK elements a program), then one
+    release-add on each peer's arrival word (after every thread's stores: the barrier)."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    v = tl.load(src_ptr + offs, mask=mask, other=0.0)
+    for j in range(1, W):
+        peer = (R + j) % W
+        dst = tl.load(bufs_ptr + peer).to(tl.pointer_type(tl.float32))
+        tl.store(dst + R * MN + offs, v, mask=mask)
+    tl.debug_barrier()
+    for j in range(1, W):
+        peer = (R + j) % W
+        sig = tl.load(sigs_ptr + peer).to(tl.pointer_type(tl.int32))
+        tl.atomic_add(sig, 1, sem="release", scope="sys")
+
+
+PUSH_BLOCK = 4096
+
+
+def push_rows(src: torch.Tensor, push) -> None:
+    """Send a subtree already in this rank's slot to every peer (the producers that cannot push
+    from their own epilogue); sets push.target."""
+    n = src.numel()
+    grid = (triton.cdiv(n, PUSH_BLOCK),)
+    if push.world > 1 and n:
+        _push_kernel[grid](src, push.bufs, push.sigs, push.rank, push.world, n, BLOCK=PUSH_BLOCK, num_warps=4)
+    push.target = grid[0] * (push.world - 1)
