@@ -66,7 +66,7 @@ class Linear(nn.Module):
         here, one kernel less)."""
         if self.ksplit is None or (self.combine is None and not splitk_enabled(x)):
             return linear(x, self.weight, rows, self.launch_n)
-        if rows and x.is_cuda and tree_norm.enabled():   # the sum goes to the fused tree + add + norm
+        if rows and tree_norm.enabled(x):                 # the sum goes to the fused tree + add + norm
             m, n = x.shape[0], self.weight.shape[0]
             if self.pending is not None:
                 return self.pending(lambda out, push: subtree(x, self.weight, self.ksplit, rows, self._chunks,
@@ -308,8 +308,10 @@ def _add_norm(norm: RMSNorm, rows: bool, x: torch.Tensor, h: torch.Tensor | None
     first: a mesh's row-parallel sums arrive in float32)."""
     if h is None:
         return rowwise(norm, rows, x, batch=one_cpu(x))
-    if isinstance(h, tree_norm.Pending):      # a row-parallel sum still in its ranks' slots (CUDA rows)
-        return h.add_norm(x, norm.weight, norm.eps)
+    if isinstance(h, tree_norm.Pending):      # a row-parallel sum still in its ranks' slots (rows forward)
+        if x.is_cuda:
+            return h.add_norm(x, norm.weight, norm.eps)
+        h = h.combined()
     if one_cpu(x):
         return rowwise(lambda a, b: onecpu.add_rms_norm(a, b, norm.weight, norm.eps), rows, x, h, batch=True)
     return rowwise(lambda a, b: norm_ops.add_rms_norm(a, b, norm.weight, norm.eps), rows, x, h)

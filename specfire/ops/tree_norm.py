@@ -15,7 +15,8 @@ kernel: W, M and the wait target are runtime values (never specialised), so the 
 squares is reduced in the same order on every degree. The result equals `tree_add_rms_norm_ref`
 up to that float32 reduction order (the norm's), like ops/triton_small.py's norms.
 
-The sync words of a buffer slot (int32, in symmetric memory): [arrivals, consumers done]. The last
+The sync words of a buffer slot (int32, in symmetric memory): [arrivals, consumers done, timed
+out (sticky: a wait that gave up, ~2^26 polls, skips later waits on it), unused]. The last
 of the M row programs to finish resets both; a peer writes this slot again only two calls later,
 after this kernel has finished (each rank runs producer -> consumer in stream order, and a peer's
 next producer waits, through its consumer, for this rank's next producer).
@@ -31,10 +32,14 @@ from .norm import add_rms_norm_ref
 from .splitk import tree_stack
 
 
-def enabled() -> bool:
-    """SPECFIRE_TREE_NORM=0 turns the fused path off (the three-launch path: benchmarks compare
-    the two); read when a forward runs, so a captured graph keeps what it captured."""
-    return os.environ.get("SPECFIRE_TREE_NORM", "1") != "0"
+def enabled(x: torch.Tensor) -> bool:
+    """Whether a rows forward over x leaves its row-parallel sums to the fused kernel: on CUDA
+    unless SPECFIRE_TREE_NORM=0 (the three-launch path, which benchmarks compare), on the CPU only
+    with SPECFIRE_TREE_NORM=force (the mesh's flow checked on the CPU: the slots are then added
+    by the reference, the same bits as the unfused path). Read when a forward runs, so a captured
+    graph keeps what it captured."""
+    v = os.environ.get("SPECFIRE_TREE_NORM", "1")
+    return v == "force" or (x.is_cuda and v != "0")
 
 
 @dataclass
@@ -61,11 +66,13 @@ class Pending:
     target: int = 0
 
     def add_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + tree(parts), rms_norm(x + tree(parts))) in x's dtype."""
-        if self.parts.is_cuda:
-            from .triton_tree_norm import tree_add_rms_norm
-            return tree_add_rms_norm(self.parts, x, w, eps, self.sync, self.target)
-        return tree_add_rms_norm_ref(self.parts, x, w, eps)
+        """(x + tree(parts), rms_norm(x + tree(parts))) in x's dtype (CUDA)."""
+        from .triton_tree_norm import tree_add_rms_norm
+        return tree_add_rms_norm(self.parts, x, w, eps, self.sync, self.target)
+
+    def combined(self) -> torch.Tensor:
+        """The float32 canonical tree over the slots (the CPU's path: the caller adds and norms)."""
+        return tree_stack(self.parts)
 
 
 def tree_add_rms_norm_ref(parts: torch.Tensor, x: torch.Tensor, w: torch.Tensor,

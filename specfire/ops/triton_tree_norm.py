@@ -6,7 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-SPIN_LIMIT = 1 << 26      # polls of the arrival counter before giving up (a dead peer: no eternal hang)
+SPIN_LIMIT = 1 << 26      # polls of the arrival counter before giving up (a dead peer: no eternal hang);
+                          # then word 2 of the sync words is set and later waits on the buffer are skipped
 
 
 @triton.jit(do_not_specialize=["W", "M", "MN", "D1", "D2", "D4", "target"])
@@ -16,9 +17,13 @@ def _tree_add_norm_kernel(p_ptr, x_ptr, w_ptr, s_ptr, y_ptr, sync_ptr, W, M, MN,
     if target > 0:                         # the peers' slots arrive by push: wait for every arrival
         v = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="sys")
         i = 0
+        if tl.load(sync_ptr + 2, volatile=True) != 0:
+            i = SPIN                       # a wait on this buffer timed out before: do not wait again
         while (v < target) & (i < SPIN):
             v = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="sys")
             i += 1
+        if v < target:                     # timed out (a dead or lost peer): say so, sticky
+            tl.atomic_xchg(sync_ptr + 2, 1, sem="relaxed", scope="gpu")
     offs = tl.arange(0, BLOCK)
     mask = offs < D
     base = p_ptr + row * D + offs
@@ -73,7 +78,7 @@ def tree_add_rms_norm(parts: torch.Tensor, x: torch.Tensor, w: torch.Tensor, eps
     if sync is None:        # an int32 word all the same: one compiled kernel for every degree and mode
         sync = _NO_SYNC.get(x.device)
         if sync is None:
-            sync = _NO_SYNC[x.device] = torch.zeros(2, dtype=torch.int32, device=x.device)
+            sync = _NO_SYNC[x.device] = torch.zeros(4, dtype=torch.int32, device=x.device)
         target = 0
     if m:
         _tree_add_norm_kernel[(m,)](parts, x, w, s, y, sync, wn, m, m * d, d, d * (wn > 1), d * (wn > 2), d * (wn > 4),

@@ -118,6 +118,8 @@ class Comm:
             produce(buf[self.rank], push)
             return Pending(buf, sync, push.target)
         x = produce(None, None).contiguous()
+        if self.in_graph:                                  # the CPU's rows forward (GlooCollectives)
+            return Pending(self.symm.all_gather(x))
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x, group=self.group)
         return Pending(torch.stack(parts))

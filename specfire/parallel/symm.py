@@ -102,9 +102,10 @@ class SymmCollectives:
         sig.zero_()
         torch.cuda.synchronize(self.device)      # zeroed before any peer can add (it passes the rendezvous after us)
         sig_addr = self._peer_addresses(sig)
-        sigs = [torch.tensor([a + 8 * i for a in sig_addr], dtype=torch.int64, device=self.device) for i in range(2)]
+        # a buffer's two sync words at 16-byte bounds (so every degree's kernel sees one pointer alignment)
+        sigs = [torch.tensor([a + 16 * i for a in sig_addr], dtype=torch.int64, device=self.device) for i in range(2)]
         bufs_t = [torch.tensor(t, dtype=torch.int64, device=self.device) for t in tabs]
-        return bufs, bufs_t, sigs, [sig[2 * i:2 * i + 2] for i in range(2)]
+        return bufs, bufs_t, sigs, [sig[4 * i:4 * i + 2] for i in range(2)]
 
     def _peer_addresses(self, t: torch.Tensor) -> list[int]:
         """Every rank's device address of its copy of symmetric tensor `t`, as mapped on this rank."""
