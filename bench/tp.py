@@ -26,6 +26,8 @@ JSON line appended to OUT/tp.jsonl as it is measured.
             AR / MTP k=3 (/ n-gram on tp2) at a short context (--prompt) and a long one (--long)
   collect   a decode step's collectives alone, replayed from one CUDA graph
   prefill   one GPU: a head's prefill attention with all heads vs a tp2 / tp4 rank's heads, bitwise
+  treenorm  one GPU: the fused tree + residual + norm with ranks emulated on one device, bitwise
+            against W = 1, and its time in a graph vs add_rms_norm (bench/tp_treenorm.py)
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 CEILING = 4.17e12     # measured device-to-device copy bandwidth of the H200 (bytes/s)
 # job -> (estimated seconds, time limit seconds) on the GPU at the 27B shape
 JOBS = {"kernels": (40, 120), "bundled": (35, 120), "ckpt": (30, 100), "speed1": (60, 120), "speed2": (60, 120),
-        "speed2base": (40, 120),
+        "speed2base": (40, 120), "treenorm": (15, 60),
         "ident1": (50, 120), "ident2": (40, 100), "collect": (12, 90), "prefill": (10, 60)}
 
 
@@ -394,6 +396,9 @@ def run_job(job: str, args) -> None:
     elif job == "prefill":
         from tp_kernels import stage_prefill_heads
         stage_prefill_heads(cfg, log, device)
+    elif job == "treenorm":
+        from tp_treenorm import stage_treenorm
+        stage_treenorm(cfg, log, device)
     elif job == "collect":
         from tp_kernels import stage_collect
         stage_collect(cfg, log)
