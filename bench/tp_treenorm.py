@@ -11,7 +11,7 @@ import torch
 def stage_treenorm(cfg, log, dev: str = "cuda") -> None:
     from specfire.ops.tree_norm import Push
     from specfire.ops.triton_splitk import gemv_tree_loop
-    from specfire.ops.triton_tree_norm import tree_add_rms_norm
+    from specfire.ops.triton_tree_norm import ll_pack, tree_add_rms_norm, tree_add_rms_norm_ll
 
     h = cfg.hidden_size
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -46,6 +46,17 @@ def stage_treenorm(cfg, log, dev: str = "cuda") -> None:
                     torch.equal(_tree(b), whole) for b in bufs)
                 row[f"tp{world}_equal_tp1"] = all(torch.equal(s, s1) and torch.equal(y, y1) for s, y in outs)
                 row[f"tp{world}_sync_rearmed"] = all(int(s.abs().sum()) == 0 for s in syncs)
+                # the LL form (SPECFIRE_TREE_NORM=ll): (value, flag) words, the consumer polls the flags
+                llb = [torch.zeros(world, m, h, dtype=torch.int64, device=dev) for _ in range(world)]
+                lls = [torch.zeros(4, dtype=torch.int32, device=dev) for _ in range(world)]
+                ltab = torch.tensor([b.data_ptr() for b in llb], dtype=torch.int64, device=dev)
+                for r in range(world):
+                    gemv_tree_loop(x[:, r * kl:(r + 1) * kl], w[:, r * kl:(r + 1) * kl], 8 // world, torch.float32,
+                                   out=llb[r][r], push=Push(ltab, lls[r][1:2], r, world, ll=True))
+                one = tree_add_rms_norm_ll(ll_pack(whole.unsqueeze(0)), res, nw, 1e-6)
+                outs = [tree_add_rms_norm_ll(llb[r], res, nw, 1e-6, lls[r]) for r in range(world)]
+                row[f"ll_tp{world}_equal_ll_tp1"] = all(torch.equal(s, one[0]) and torch.equal(y, one[1]) for s, y in outs)
+                row[f"ll_tp{world}_epoch_advanced"] = all(s.tolist() == [0, 1, 0, 0] for s in lls)
             log("treenorm", **row)
     if dev != "cuda":
         return
@@ -54,8 +65,24 @@ def stage_treenorm(cfg, log, dev: str = "cuda") -> None:
     parts = torch.randn(2, 1, h, generator=g, device=dev)
     summed = parts.sum(0)
     t = {}
+    lparts = ll_pack(parts)
+    k = cfg.intermediate_size // 2                     # a tp2 rank's down_proj: the producer's epilogue cost
+    wd = (torch.randn(h, k, generator=g, device=dev) * k ** -0.5).to(dt)
+    xd = torch.randn(1, k, generator=g, device=dev).to(dt)
+    slots = torch.zeros(2, 1, h, device=dev)
+    sigw = torch.zeros(4, dtype=torch.int32, device=dev)
+    cpush = Push(torch.tensor([slots.data_ptr()] * 2, dtype=torch.int64, device=dev),
+                 torch.tensor([sigw.data_ptr()] * 2, dtype=torch.int64, device=dev), 0, 2)
+    lslots = torch.zeros(2, 1, h, dtype=torch.int64, device=dev)
+    lpush = Push(torch.tensor([lslots.data_ptr()] * 2, dtype=torch.int64, device=dev), sigw[1:2], 0, 2, ll=True)
     for name, fn in (("tree_add_norm_w2", lambda: tree_add_rms_norm(parts, res, nw, 1e-6)),
-                     ("add_rms_norm", lambda: add_rms_norm_triton(res, summed, nw, 1e-6))):
+                     ("tree_add_norm_ll_w2", lambda: tree_add_rms_norm_ll(lparts, res, nw, 1e-6)),
+                     ("add_rms_norm", lambda: add_rms_norm_triton(res, summed, nw, 1e-6)),
+                     ("tree_loop_down_tp2", lambda: gemv_tree_loop(xd, wd, 4, torch.float32, out=slots[0])),
+                     ("tree_loop_down_tp2_push_count", lambda: gemv_tree_loop(xd, wd, 4, torch.float32, out=slots[0],
+                                                                               push=cpush)),
+                     ("tree_loop_down_tp2_push_ll", lambda: gemv_tree_loop(xd, wd, 4, torch.float32, out=lslots[0],
+                                                                            push=lpush))):
         fn()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -70,7 +97,7 @@ def stage_treenorm(cfg, log, dev: str = "cuda") -> None:
         e1.record()
         e1.synchronize()
         t[name + "_us"] = e0.elapsed_time(e1) * 1e3 / (20 * 64)
-    log("treenorm_time", rows=1, hidden=h, **t)
+    log("treenorm_time", rows=1, hidden=h, down_k_per_rank=k, **t)
 
 
 def _tree(b: torch.Tensor) -> torch.Tensor:

@@ -74,7 +74,7 @@ class Linear(nn.Module):
             if self.combine is None:                    # one device, canonical: the mesh's kernel, W = 1
                 parts = torch.empty(1, m, n, device=x.device, dtype=torch.float32)
                 subtree(x, self.weight, self.ksplit, rows, self._chunks, out=parts[0])
-                return tree_norm.Pending(parts)
+                return tree_norm.Pending.of(parts)
         if self.combine is None:
             return subtree(x, self.weight, self.ksplit, rows, self._chunks, x.dtype)
         out = self.reserve(x.shape[0], self.weight.shape[0]) if self.reserve is not None else None

@@ -198,9 +198,12 @@ def subtree(x: torch.Tensor, w, split: KSplit, rows: bool, cache: ChunkCache,
             from .triton_splitk import gemv_tree_loop
             return gemv_tree_loop(x, w, split.c1 - split.c0, torch.float32, row_tile(x.shape[0], rows), out=out,
                                   push=push)
+        from .tree_norm import push_rows
+        if push is not None and push.ll:              # LL words: the push kernel packs and writes every slot
+            push_rows(subtree(x, w, split, rows, cache).contiguous(), push)
+            return out
         out.copy_(subtree(x, w, split, rows, cache))
         if push is not None:
-            from .tree_norm import push_rows
             push_rows(out, push)
         return out
     if x.is_cuda and isinstance(w, torch.Tensor):

@@ -32,6 +32,17 @@ from .norm import add_rms_norm_ref
 from .splitk import tree_stack
 
 
+def low_latency(x: torch.Tensor) -> bool:
+    """SPECFIRE_TREE_NORM=ll (CUDA): the slots travel as 8-byte (value, flag) words and the consumer
+    polls the flags (no fence or counter in the producer). Every degree then takes the LL consumer
+    (one device and an eager mesh pack their float32 slots with flag 0 and do not wait)."""
+    return x.is_cuda and ll_mode()
+
+
+def ll_mode() -> bool:
+    return os.environ.get("SPECFIRE_TREE_NORM", "1") == "ll"
+
+
 def enabled(x: torch.Tensor) -> bool:
     """Whether a rows forward over x leaves its row-parallel sums to the fused kernel: on CUDA
     unless SPECFIRE_TREE_NORM=0 (the three-launch path, which benchmarks compare), on the CPU only
@@ -54,6 +65,7 @@ class Push:
     rank: int
     world: int
     target: int = 0
+    ll: bool = False          # low-latency words: `bufs` lists every rank (this one too), `sigs` is the epoch word
 
 
 @dataclass
@@ -64,9 +76,21 @@ class Pending:
     parts: torch.Tensor
     sync: torch.Tensor | None = None
     target: int = 0
+    ll: bool = False          # parts are int64 (value, flag) words; wait (when sync) for this use's flags
+
+    @classmethod
+    def of(cls, parts: torch.Tensor) -> "Pending":
+        """Float32 slots all present, in the form the forward's mode consumes."""
+        if low_latency(parts):
+            from .triton_tree_norm import ll_pack
+            return cls(ll_pack(parts), ll=True)
+        return cls(parts)
 
     def add_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + tree(parts), rms_norm(x + tree(parts))) in x's dtype (CUDA)."""
+        if self.ll:
+            from .triton_tree_norm import tree_add_rms_norm_ll
+            return tree_add_rms_norm_ll(self.parts, x, w, eps, self.sync)
         from .triton_tree_norm import tree_add_rms_norm
         return tree_add_rms_norm(self.parts, x, w, eps, self.sync, self.target)
 

@@ -215,10 +215,23 @@ def _push_tile(val, off, mask, bufs_ptr, sigs_ptr, R, MN, PUSH_W: tl.constexpr):
         tl.atomic_add(sig, 1, sem="release", scope="sys")
 
 
+@triton.jit
+def _push_tile_ll(val, off, mask, bufs_ptr, epoch_ptr, R, MN, PUSH_W: tl.constexpr):
+    """The low-latency form: each float32 value travels with its flag (this use's epoch) in one
+    8-byte word into slot R of every rank's buffer, this rank's included: no barrier, no fence, no
+    counter; the consumer polls the flags (ops/tree_norm.py, LL)."""
+    e = (tl.load(epoch_ptr, volatile=True) + 1).to(tl.int64)
+    word = (e << 32) | (val.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+    for j in tl.static_range(0, PUSH_W):
+        dst = tl.load(bufs_ptr + (R + j) % PUSH_W).to(tl.pointer_type(tl.int64))
+        tl.store(dst + R * MN + off, word, mask=mask)
+
+
 @triton.jit(do_not_specialize=["M", "R"])
 def _tree_loop_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, bufs_ptr, sigs_ptr, R, M, N, K, KC, stride_xm, stride_wn,
                       C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_: tl.constexpr,
-                      IEEE: tl.constexpr, SELECT: tl.constexpr, SPLIT: tl.constexpr, PUSH_W: tl.constexpr):
+                      IEEE: tl.constexpr, SELECT: tl.constexpr, SPLIT: tl.constexpr, PUSH_W: tl.constexpr,
+                      LL: tl.constexpr = False):
     """The canonical tree in one K loop, as the plain GEMV walks K: the accumulator restarts at
     every chunk bound (KC columns, a multiple of BLOCK_K) and each finished chunk is folded into
     the tree like a binary counter (chunk c merges with the held subtrees for every trailing 1
@@ -295,8 +308,11 @@ def _tree_loop_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, bufs_ptr, sigs_ptr, R
     mask = n_mask[:, None] & m_mask[None, :]
     off = offs_m[None, :] * N + offs_n[:, None]
     if SPLIT == 1:
-        tl.store(y_ptr + off, out.to(y_ptr.dtype.element_ty), mask=mask)
-        if PUSH_W > 1:
+        if LL:
+            _push_tile_ll(out, off, mask, bufs_ptr, sigs_ptr, R, M * N, PUSH_W)
+        else:
+            tl.store(y_ptr + off, out.to(y_ptr.dtype.element_ty), mask=mask)
+        if PUSH_W > 1 and not LL:
             _push_tile(out, off, mask, bufs_ptr, sigs_ptr, R, M * N, PUSH_W)
     else:
         MN = M * N
@@ -313,9 +329,12 @@ def _tree_loop_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, bufs_ptr, sigs_ptr, R
                 q2 = tl.load(p_ptr + 2 * MN + off, mask=mask, other=0.0, cache_modifier=".cg")
                 q3 = tl.load(p_ptr + 3 * MN + off, mask=mask, other=0.0, cache_modifier=".cg")
                 r = (q0 + q1) + (q2 + q3)
-            tl.store(y_ptr + off, r.to(y_ptr.dtype.element_ty), mask=mask)
+            if LL:
+                _push_tile_ll(r, off, mask, bufs_ptr, sigs_ptr, R, MN, PUSH_W)
+            else:
+                tl.store(y_ptr + off, r.to(y_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(cnt_ptr + tile, 0)                       # ready for the next launch
-            if PUSH_W > 1:
+            if PUSH_W > 1 and not LL:
                 _push_tile(r, off, mask, bufs_ptr, sigs_ptr, R, MN, PUSH_W)
 
 
@@ -381,17 +400,17 @@ def gemv_tree_loop(x: torch.Tensor, w: torch.Tensor, c: int, out_dtype: torch.dt
         cnt = _counters(x.device, grid[0] * grid[1])
     else:
         part = cnt = y
-    push_w = 0
-    if push is not None and push.world > 1:
-        if out is None or y.dtype != torch.float32:
-            raise ValueError("gemv_tree_loop: a push writes float32 into the given slot `out`")
+    push_w, ll = 0, push is not None and push.ll
+    if push is not None and (push.world > 1 or ll):
+        if out is None or y.dtype != (torch.int64 if ll else torch.float32):
+            raise ValueError("gemv_tree_loop: a push writes into the given slot `out` (float32; int64 words for LL)")
         push_w = push.world
         push.target = grid[0] * grid[1] * (push.world - 1)
     bufs, sigs, r = (push.bufs, push.sigs, push.rank) if push_w else (cnt, cnt, 0)
     _tree_loop_kernel[grid + (split,)](x, w, y, part, cnt, bufs, sigs, r, m, n, k, k // c, x.stride(0), w.stride(0),
                                        C=c, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=tile,
                                        IEEE=x.dtype == torch.float32, SELECT=LOOP_SELECT if select is None else select,
-                                       SPLIT=split, PUSH_W=push_w, num_warps=cfg.num_warps,
+                                       SPLIT=split, PUSH_W=push_w, LL=ll, num_warps=cfg.num_warps,
                                        num_stages=fit_stages(cfg, tile, x.element_size()))
     return y
 

@@ -110,11 +110,117 @@ def _push_kernel(src_ptr, bufs_ptr, sigs_ptr, R, W, MN, BLOCK: tl.constexpr):
 PUSH_BLOCK = 4096
 
 
+@triton.jit(do_not_specialize=["R", "W", "MN"])
+def _push_ll_kernel(src_ptr, bufs_ptr, epoch_ptr, R, W, MN, BLOCK: tl.constexpr):
+    """src as LL words (this use's epoch as flag) into slot R of every rank's buffer, this one's too."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    v = tl.load(src_ptr + offs, mask=mask, other=0.0)
+    e = (tl.load(epoch_ptr, volatile=True) + 1).to(tl.int64)
+    word = (e << 32) | (v.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+    for j in range(0, W):
+        dst = tl.load(bufs_ptr + (R + j) % W).to(tl.pointer_type(tl.int64))
+        tl.store(dst + R * MN + offs, word, mask=mask)
+
+
 def push_rows(src: torch.Tensor, push) -> None:
-    """Send a subtree already in this rank's slot to every peer (the producers that cannot push
-    from their own epilogue); sets push.target."""
+    """Send a float32 subtree to every peer (the producers that cannot push from their own
+    epilogue; for LL, to this rank's slot too, as words); sets push.target."""
     n = src.numel()
     grid = (triton.cdiv(n, PUSH_BLOCK),)
-    if push.world > 1 and n:
+    if push.ll:
+        if n:
+            _push_ll_kernel[grid](src, push.bufs, push.sigs, push.rank, push.world, n, BLOCK=PUSH_BLOCK, num_warps=4)
+    elif push.world > 1 and n:
         _push_kernel[grid](src, push.bufs, push.sigs, push.rank, push.world, n, BLOCK=PUSH_BLOCK, num_warps=4)
     push.target = grid[0] * (push.world - 1)
+
+
+# ---- the low-latency (LL) form: 8-byte (float32 value, 32-bit flag) words -----------------------
+
+@triton.jit
+def _ll_value(v):
+    return v.to(tl.int32).to(tl.float32, bitcast=True)        # the low 32 bits: the value
+
+
+@triton.jit(do_not_specialize=["W", "M", "MN", "D1", "D2", "D4", "wait"])
+def _tree_add_norm_ll_kernel(p_ptr, x_ptr, w_ptr, s_ptr, y_ptr, sync_ptr, W, M, MN, D, D1, D2, D4, stride_x, eps,
+                             wait, BLOCK: tl.constexpr, SPIN: tl.constexpr):
+    """_tree_add_norm_kernel on LL words. With `wait`: polls this row's words of every slot until
+    each flag is this use's epoch (sync word 1, plus one), then the last row program advances the
+    epoch. A word carries its value and flag in one 8-byte store, so a seen flag means a seen value."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    base = p_ptr + row * D + offs
+    if wait > 0:
+        exp = tl.load(sync_ptr + 1, volatile=True) + 1
+        i = 0
+        if tl.load(sync_ptr + 2, volatile=True) != 0:
+            i = SPIN
+        bad = wait
+        while (bad > 0) & (i < SPIN):
+            bad = wait * 0
+            for j in range(W):
+                f = (tl.load(base + j * MN, mask=mask, other=0, volatile=True) >> 32).to(tl.int32)
+                bad += tl.sum(tl.where(mask & (f != exp), 1, 0), axis=0)
+            i += 1
+        if bad > 0:
+            tl.atomic_xchg(sync_ptr + 2, 1, sem="relaxed", scope="gpu")
+    m1 = offs < D1
+    m2 = offs < D2
+    m4 = offs < D4
+    p0 = _ll_value(tl.load(base, mask=mask, other=0, cache_modifier=".cg"))
+    p1 = _ll_value(tl.load(base + MN, mask=m1, other=0, cache_modifier=".cg"))
+    p2 = _ll_value(tl.load(base + 2 * MN, mask=m2, other=0, cache_modifier=".cg"))
+    p3 = _ll_value(tl.load(base + 3 * MN, mask=m2, other=0, cache_modifier=".cg"))
+    p4 = _ll_value(tl.load(base + 4 * MN, mask=m4, other=0, cache_modifier=".cg"))
+    p5 = _ll_value(tl.load(base + 5 * MN, mask=m4, other=0, cache_modifier=".cg"))
+    p6 = _ll_value(tl.load(base + 6 * MN, mask=m4, other=0, cache_modifier=".cg"))
+    p7 = _ll_value(tl.load(base + 7 * MN, mask=m4, other=0, cache_modifier=".cg"))
+    h = tl.where(W > 1, p0 + p1, p0)
+    h = tl.where(W > 2, h + (p2 + p3), h)
+    h = tl.where(W > 4, h + ((p4 + p5) + (p6 + p7)), h)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    r = h.to(x.dtype)
+    x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    tl.store(s_ptr + row * D + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
+    wn = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * D + offs, (xf * inv * (1.0 + wn)).to(y_ptr.dtype.element_ty), mask=mask)
+    if wait > 0:
+        done = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu")
+        if done == M - 1:
+            tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
+            tl.atomic_add(sync_ptr + 1, 1, sem="relaxed", scope="gpu")     # the next use's epoch
+
+
+def ll_pack(parts: torch.Tensor) -> torch.Tensor:
+    """float32 slots -> LL words with flag 0 (slots already present: no wait)."""
+    return parts.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def tree_add_rms_norm_ll(parts: torch.Tensor, x: torch.Tensor, w: torch.Tensor, eps: float,
+                         sync: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """tree_add_rms_norm on LL words [W, M, D] int64; with `sync` (this buffer's words: done,
+    epoch, timed out) waits for this use's flags first."""
+    wn, m, d = parts.shape
+    if wn not in (1, 2, 4, 8) or parts.dtype != torch.int64 or tuple(x.shape) != (m, d) or not parts.is_contiguous():
+        raise ValueError(f"tree_add_rms_norm_ll: parts {list(parts.shape)} {parts.dtype} (1/2/4/8 contiguous int64 "
+                         f"slots) does not fit residual {list(x.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    s = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    wait = 1 if sync is not None else 0
+    if sync is None:
+        sync = _NO_SYNC.get(x.device)
+        if sync is None:
+            sync = _NO_SYNC[x.device] = torch.zeros(4, dtype=torch.int32, device=x.device)
+    if m:
+        _tree_add_norm_ll_kernel[(m,)](parts, x, w, s, y, sync, wn, m, m * d, d, d * (wn > 1), d * (wn > 2),
+                                       d * (wn > 4), x.stride(0), eps, wait, BLOCK=triton.next_power_of_2(d),
+                                       SPIN=SPIN_LIMIT, num_warps=NORM_WARPS if d >= 2048 else 4)
+    return s, y

@@ -111,18 +111,19 @@ class Comm:
         float32 subtree (into `out` when given, also sent by `push`). In the captured forward on
         CUDA the producer pushes into every rank's symmetric buffer (no collective launch); else the
         subtrees are all-gathered (NCCL), and the same kernel adds them in the same tree."""
-        from ..ops.tree_norm import Pending
+        from ..ops.tree_norm import Pending, ll_mode
 
         if self.in_graph and self.device.type == "cuda":
-            buf, push, sync = self.symm.push_slot(m, n)
+            ll = ll_mode()
+            buf, push, sync = self.symm.push_slot(m, n, ll)
             produce(buf[self.rank], push)
-            return Pending(buf, sync, push.target)
+            return Pending(buf, sync, push.target, ll)
         x = produce(None, None).contiguous()
         if self.in_graph:                                  # the CPU's rows forward (GlooCollectives)
-            return Pending(self.symm.all_gather(x))
+            return Pending.of(self.symm.all_gather(x))
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x, group=self.group)
-        return Pending(torch.stack(parts))
+        return Pending.of(torch.stack(parts))
 
     def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
         """Concatenation of every rank's `x` along `dim` on rank 0; None elsewhere (on every rank

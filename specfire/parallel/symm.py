@@ -51,7 +51,7 @@ class SymmCollectives:
         self._bufs: dict[torch.dtype, list[torch.Tensor]] = {}
         self._turn: dict[torch.dtype, int] = {}
         self._reserved: torch.Tensor | None = None
-        self._push: tuple | None = None     # the fused tree's buffers (push_slot)
+        self._push: dict[bool, tuple] = {}  # the fused tree's buffers (push_slot), by LL or not
         self._push_turn = 0
 
     def _slot(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -89,13 +89,16 @@ class SymmCollectives:
         self._reserved = self._slot(dtype, n).view(shape)
         return self._reserved
 
-    def _alloc_push(self) -> tuple:
-        """Two float32 buffers and their sync words (int32, zeroed) in symmetric memory, and for
-        each buffer the int64 device tables of every rank's address of it and of its sync words."""
-        n = self.capacity_bytes // 4
+    def _alloc_push(self, dtype: torch.dtype) -> tuple:
+        """Two `dtype` buffers (float32 slots, or int64 LL words) and their sync words (int32,
+        zeroed) in symmetric memory, and for each buffer the int64 device tables of every rank's
+        address of it and of its sync words."""
+        n = self.capacity_bytes // torch.empty((), dtype=dtype).element_size()
         bufs, tabs = [], []
         for _ in range(2):
-            b = self._symm.empty(n, dtype=torch.float32, device=self.device)
+            b = self._symm.empty(n, dtype=dtype, device=self.device)
+            if dtype == torch.int64:
+                b.zero_()                        # LL flags start below every epoch
             tabs.append(self._peer_addresses(b))
             bufs.append(b)
         sig = self._symm.empty(16, dtype=torch.int32, device=self.device)
@@ -120,21 +123,26 @@ class SymmCollectives:
         graph replays next (two in a row on one buffer could overwrite what a peer still reads)."""
         self._push_turn = 0
 
-    def push_slot(self, m: int, n: int):
-        """(this rank's [world, m, n] float32 buffer of the next fused tree, the Push that sends a
-        subtree to slot `rank` of every rank's, the buffer's sync words): ops/tree_norm.py. Two
-        buffers used alternately (why that suffices: ops/tree_norm.py)."""
+    def push_slot(self, m: int, n: int, ll: bool = False):
+        """(this rank's [world, m, n] buffer of the next fused tree, the Push that sends a subtree
+        to slot `rank` of every rank's, the buffer's sync words): ops/tree_norm.py. Two buffers
+        used alternately (why that suffices: ops/tree_norm.py). `ll`: int64 (value, flag) words;
+        the Push then carries the epoch word (sync word 1) instead of the peers' arrival words."""
         from ..ops.tree_norm import Push
 
-        if self._push is None:
-            self._push = self._alloc_push()
-        bufs, bufs_t, sigs, syncs = self._push
+        if ll not in self._push:
+            self._push[ll] = self._alloc_push(torch.int64 if ll else torch.float32)
+        bufs, bufs_t, sigs, syncs = self._push[ll]
         numel = self.world * m * n
         if numel > bufs[0].numel():
-            raise MeshError(f"a fused tree of {numel} float32 elements exceeds the {bufs[0].numel()}-element buffer")
+            raise MeshError(f"a fused tree of {numel} elements exceeds the {bufs[0].numel()}-element buffer")
         i = self._push_turn
         self._push_turn = 1 - i
-        return bufs[i][:numel].view(self.world, m, n), Push(bufs_t[i], sigs[i], self.rank, self.world), syncs[i]
+        if ll:
+            push = Push(bufs_t[i], syncs[i][1:2], self.rank, self.world, ll=True)
+        else:
+            push = Push(bufs_t[i], sigs[i], self.rank, self.world)
+        return bufs[i][:numel].view(self.world, m, n), push, syncs[i]
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """Elementwise sum over ranks (one one-shot kernel: every rank reads every peer's buffer)."""

@@ -445,3 +445,42 @@ def test_tree_norm_wait_gives_up_and_says_so(monkeypatch):
     assert torch.equal(s, torch.full((1, 5), 2.0)) and sync.tolist() == [0, 0, 1, 0]
     ttn.tree_add_rms_norm(parts, x, w, 1e-6, sync, 1)
     assert sync.tolist() == [0, 0, 1, 0]
+
+
+@pytest.mark.parametrize("world,how", [(2, "loop2"), (4, "push_rows")])
+def test_low_latency_words_combine_as_one_device(world, how, monkeypatch):
+    """SPECFIRE_TREE_NORM=ll: each rank's tree loop (or push_rows) writes (value, epoch flag) words
+    into slot `rank` of every rank's buffer; each rank's LL consumer polls the flags, and its output
+    equals one device's (W = 1, packed with flag 0, no wait) bitwise, twice in a row (the epoch
+    advances); with no producer the wait gives up and says so."""
+    from specfire.ops import triton_tree_norm as ttn
+    from specfire.ops.tree_norm import Push, push_rows
+    from specfire.ops.triton_splitk import gemv_tree_loop
+
+    g = torch.Generator().manual_seed(20 + world)
+    m, n, k = 2, 70, 1024
+    kl = k // world
+    bufs = [torch.zeros(world, m, n, dtype=torch.int64) for _ in range(world)]
+    syncs = [torch.zeros(4, dtype=torch.int32) for _ in range(world)]
+    tab = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+    nw = torch.randn(n, generator=g) * 0.1
+    for use in (1, 2):
+        w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+        res = torch.randn(m, n, generator=g)
+        whole = gemv_tree_loop(x, w, 8, torch.float32)
+        one = ttn.tree_add_rms_norm_ll(ttn.ll_pack(whole.unsqueeze(0)), res, nw, 1e-6)
+        for r in range(world):
+            xr, wr = x[:, r * kl:(r + 1) * kl].contiguous(), w[:, r * kl:(r + 1) * kl].contiguous()
+            push = Push(tab, syncs[r][1:2], r, world, ll=True)
+            if how == "push_rows":
+                push_rows(gemv_tree_loop(xr, wr, 8 // world, torch.float32), push)
+            else:
+                gemv_tree_loop(xr, wr, 8 // world, torch.float32, out=bufs[r][r], split=2, push=push)
+        for r in range(world):
+            assert torch.equal(bufs[r] >> 32, torch.full_like(bufs[r], use))
+            s, y = ttn.tree_add_rms_norm_ll(bufs[r], res, nw, 1e-6, syncs[r])
+            assert torch.equal(s, one[0]) and torch.equal(y, one[1]), (use, r)
+            assert syncs[r].tolist() == [0, use, 0, 0]
+    monkeypatch.setattr(ttn, "SPIN_LIMIT", 3)
+    ttn.tree_add_rms_norm_ll(bufs[0], res, nw, 1e-6, syncs[0])       # the flags still say use 2
+    assert syncs[0].tolist() == [0, 3, 1, 0]
