@@ -46,6 +46,9 @@ def stage_treenorm(cfg, log, dev: str = "cuda") -> None:
                     torch.equal(_tree(b), whole) for b in bufs)
                 row[f"tp{world}_equal_tp1"] = all(torch.equal(s, s1) and torch.equal(y, y1) for s, y in outs)
                 row[f"tp{world}_sync_rearmed"] = all(int(s.abs().sum()) == 0 for s in syncs)
+                f1 = tree_add_rms_norm(whole.unsqueeze(0), res, nw, 1e-6, fold=True)
+                fs = [tree_add_rms_norm(bufs[r], res, nw, 1e-6, fold=True) for r in range(world)]
+                row[f"fold_tp{world}_equal_fold_tp1"] = all(torch.equal(a, f1[0]) and torch.equal(b, f1[1]) for a, b in fs)
                 # the LL form (SPECFIRE_TREE_NORM=ll): (value, flag) words, the consumer polls the flags
                 llb = [torch.zeros(world, m, h, dtype=torch.int64, device=dev) for _ in range(world)]
                 lls = [torch.zeros(4, dtype=torch.int32, device=dev) for _ in range(world)]
@@ -75,7 +78,8 @@ def stage_treenorm(cfg, log, dev: str = "cuda") -> None:
                  torch.tensor([sigw.data_ptr()] * 2, dtype=torch.int64, device=dev), 0, 2)
     lslots = torch.zeros(2, 1, h, dtype=torch.int64, device=dev)
     lpush = Push(torch.tensor([lslots.data_ptr()] * 2, dtype=torch.int64, device=dev), sigw[1:2], 0, 2, ll=True)
-    for name, fn in (("tree_add_norm_w2", lambda: tree_add_rms_norm(parts, res, nw, 1e-6)),
+    for name, fn in (("tree_add_norm_w2", lambda: tree_add_rms_norm(parts, res, nw, 1e-6, fold=False)),
+                     ("tree_add_norm_fold_w2", lambda: tree_add_rms_norm(parts, res, nw, 1e-6, fold=True)),
                      ("tree_add_norm_ll_w2", lambda: tree_add_rms_norm_ll(lparts, res, nw, 1e-6)),
                      ("add_rms_norm", lambda: add_rms_norm_triton(res, summed, nw, 1e-6)),
                      ("tree_loop_down_tp2", lambda: gemv_tree_loop(xd, wd, 4, torch.float32, out=slots[0])),

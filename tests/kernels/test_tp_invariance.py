@@ -381,10 +381,11 @@ def test_tree_add_norm_kernel_equals_reference():
             parts = torch.randn(wn, 2, 75, generator=g) * 100
             x = torch.randn(2, 75, generator=g).to(dt)
             w = (torch.randn(75, generator=g) * 0.1).to(dt)
-            s, y = tree_add_rms_norm(parts, x, w, 1e-6)
             rs, ry = tree_add_rms_norm_ref(parts, x, w, 1e-6)
-            assert torch.equal(s, rs), (dt, wn)
-            torch.testing.assert_close(y.float(), ry.float(), rtol=2e-3 if dt == torch.float16 else 1e-5, atol=1e-5)
+            for fold in (False, True):          # straight-line masked slots, or folded in a loop
+                s, y = tree_add_rms_norm(parts, x, w, 1e-6, fold=fold)
+                assert torch.equal(s, rs), (dt, wn, fold)
+                torch.testing.assert_close(y.float(), ry.float(), rtol=2e-3 if dt == torch.float16 else 1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="slots"):
         tree_add_rms_norm(torch.randn(3, 2, 75), x, w, 1e-6)
 
