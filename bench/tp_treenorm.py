@@ -80,7 +80,8 @@ def stage_treenorm(cfg, log, dev: str = "cuda") -> None:
     lpush = Push(torch.tensor([lslots.data_ptr()] * 2, dtype=torch.int64, device=dev), sigw[1:2], 0, 2, ll=True)
     for name, fn in (("tree_add_norm_w2", lambda: tree_add_rms_norm(parts, res, nw, 1e-6, fold=False)),
                      ("tree_add_norm_fold_w2", lambda: tree_add_rms_norm(parts, res, nw, 1e-6, fold=True)),
-                     ("tree_add_norm_ll_w2", lambda: tree_add_rms_norm_ll(lparts, res, nw, 1e-6)),
+                     ("tree_add_norm_ll_w2", lambda: tree_add_rms_norm_ll(lparts, res, nw, 1e-6, fold=False)),
+                     ("tree_add_norm_ll_fold_w2", lambda: tree_add_rms_norm_ll(lparts, res, nw, 1e-6, fold=True)),
                      ("add_rms_norm", lambda: add_rms_norm_triton(res, summed, nw, 1e-6)),
                      ("tree_loop_down_tp2", lambda: gemv_tree_loop(xd, wd, 4, torch.float32, out=slots[0])),
                      ("tree_loop_down_tp2_push_count", lambda: gemv_tree_loop(xd, wd, 4, torch.float32, out=slots[0],

@@ -178,7 +178,7 @@ def _ll_value(v):
 
 @triton.jit(do_not_specialize=["W", "M", "MN", "D1", "D2", "D4", "wait"])
 def _tree_add_norm_ll_kernel(p_ptr, x_ptr, w_ptr, s_ptr, y_ptr, sync_ptr, W, M, MN, D, D1, D2, D4, stride_x, eps,
-                             wait, BLOCK: tl.constexpr, SPIN: tl.constexpr):
+                             wait, BLOCK: tl.constexpr, SPIN: tl.constexpr, FOLD: tl.constexpr = False):
     """_tree_add_norm_kernel on LL words. With `wait`: polls this row's words of every slot until
     each flag is this use's epoch (sync word 1, plus one), then the last row program advances the
     epoch. A word carries its value and flag in one 8-byte store, so a seen flag means a seen value."""
@@ -200,20 +200,41 @@ def _tree_add_norm_ll_kernel(p_ptr, x_ptr, w_ptr, s_ptr, y_ptr, sync_ptr, W, M, 
             i += 1
         if bad > 0:
             tl.atomic_xchg(sync_ptr + 2, 1, sem="relaxed", scope="gpu")
-    m1 = offs < D1
-    m2 = offs < D2
-    m4 = offs < D4
-    p0 = _ll_value(tl.load(base, mask=mask, other=0, cache_modifier=".cg"))
-    p1 = _ll_value(tl.load(base + MN, mask=m1, other=0, cache_modifier=".cg"))
-    p2 = _ll_value(tl.load(base + 2 * MN, mask=m2, other=0, cache_modifier=".cg"))
-    p3 = _ll_value(tl.load(base + 3 * MN, mask=m2, other=0, cache_modifier=".cg"))
-    p4 = _ll_value(tl.load(base + 4 * MN, mask=m4, other=0, cache_modifier=".cg"))
-    p5 = _ll_value(tl.load(base + 5 * MN, mask=m4, other=0, cache_modifier=".cg"))
-    p6 = _ll_value(tl.load(base + 6 * MN, mask=m4, other=0, cache_modifier=".cg"))
-    p7 = _ll_value(tl.load(base + 7 * MN, mask=m4, other=0, cache_modifier=".cg"))
-    h = tl.where(W > 1, p0 + p1, p0)
-    h = tl.where(W > 2, h + (p2 + p3), h)
-    h = tl.where(W > 4, h + ((p4 + p5) + (p6 + p7)), h)
+    if FOLD:                               # as _tree_add_norm_kernel's FOLD
+        acc = _ll_value(tl.load(base, mask=mask, other=0, cache_modifier=".cg"))
+        s0 = acc
+        s1 = acc
+        s2 = acc
+        for j in range(W):
+            acc = _ll_value(tl.load(base + j * MN, mask=mask, other=0, cache_modifier=".cg"))
+            if j % 2 == 1:
+                acc = s0 + acc
+                if j % 4 == 3:
+                    acc = s1 + acc
+                    if j % 8 == 7:
+                        acc = s2 + acc
+                    else:
+                        s2 = acc
+                else:
+                    s1 = acc
+            else:
+                s0 = acc
+        h = acc
+    else:
+        m1 = offs < D1
+        m2 = offs < D2
+        m4 = offs < D4
+        p0 = _ll_value(tl.load(base, mask=mask, other=0, cache_modifier=".cg"))
+        p1 = _ll_value(tl.load(base + MN, mask=m1, other=0, cache_modifier=".cg"))
+        p2 = _ll_value(tl.load(base + 2 * MN, mask=m2, other=0, cache_modifier=".cg"))
+        p3 = _ll_value(tl.load(base + 3 * MN, mask=m2, other=0, cache_modifier=".cg"))
+        p4 = _ll_value(tl.load(base + 4 * MN, mask=m4, other=0, cache_modifier=".cg"))
+        p5 = _ll_value(tl.load(base + 5 * MN, mask=m4, other=0, cache_modifier=".cg"))
+        p6 = _ll_value(tl.load(base + 6 * MN, mask=m4, other=0, cache_modifier=".cg"))
+        p7 = _ll_value(tl.load(base + 7 * MN, mask=m4, other=0, cache_modifier=".cg"))
+        h = tl.where(W > 1, p0 + p1, p0)
+        h = tl.where(W > 2, h + (p2 + p3), h)
+        h = tl.where(W > 4, h + ((p4 + p5) + (p6 + p7)), h)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     r = h.to(x.dtype)
     x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
@@ -235,7 +256,7 @@ def ll_pack(parts: torch.Tensor) -> torch.Tensor:
 
 
 def tree_add_rms_norm_ll(parts: torch.Tensor, x: torch.Tensor, w: torch.Tensor, eps: float,
-                         sync: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         sync: torch.Tensor | None = None, fold: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """tree_add_rms_norm on LL words [W, M, D] int64; with `sync` (this buffer's words: done,
     epoch, timed out) waits for this use's flags first."""
     wn, m, d = parts.shape
@@ -254,5 +275,6 @@ def tree_add_rms_norm_ll(parts: torch.Tensor, x: torch.Tensor, w: torch.Tensor, 
     if m:
         _tree_add_norm_ll_kernel[(m,)](parts, x, w, s, y, sync, wn, m, m * d, d, d * (wn > 1), d * (wn > 2),
                                        d * (wn > 4), x.stride(0), eps, wait, BLOCK=triton.next_power_of_2(d),
-                                       SPIN=SPIN_LIMIT, num_warps=NORM_WARPS if d >= 2048 else 4)
+                                       SPIN=SPIN_LIMIT, FOLD=fold_slots() if fold is None else fold,
+                                       num_warps=NORM_WARPS if d >= 2048 else 4)
     return s, y

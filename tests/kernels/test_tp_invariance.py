@@ -382,7 +382,7 @@ def test_tree_add_norm_kernel_equals_reference():
             x = torch.randn(2, 75, generator=g).to(dt)
             w = (torch.randn(75, generator=g) * 0.1).to(dt)
             rs, ry = tree_add_rms_norm_ref(parts, x, w, 1e-6)
-            for fold in (False, True):          # straight-line masked slots, or folded in a loop
+            for fold in ((False, True) if dt == torch.float32 else (False,)):   # straight-line, or folded in a loop
                 s, y = tree_add_rms_norm(parts, x, w, 1e-6, fold=fold)
                 assert torch.equal(s, rs), (dt, wn, fold)
                 torch.testing.assert_close(y.float(), ry.float(), rtol=2e-3 if dt == torch.float16 else 1e-5, atol=1e-5)
@@ -469,7 +469,8 @@ def test_low_latency_words_combine_as_one_device(world, how, monkeypatch):
         w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
         res = torch.randn(m, n, generator=g)
         whole = gemv_tree_loop(x, w, 8, torch.float32)
-        one = ttn.tree_add_rms_norm_ll(ttn.ll_pack(whole.unsqueeze(0)), res, nw, 1e-6)
+        fold = use == 2                     # the second use folds the slots in a loop (SPECFIRE_TREE_NORM_FOLD)
+        one = ttn.tree_add_rms_norm_ll(ttn.ll_pack(whole.unsqueeze(0)), res, nw, 1e-6, fold=fold)
         for r in range(world):
             xr, wr = x[:, r * kl:(r + 1) * kl].contiguous(), w[:, r * kl:(r + 1) * kl].contiguous()
             push = Push(tab, syncs[r][1:2], r, world, ll=True)
@@ -479,7 +480,7 @@ def test_low_latency_words_combine_as_one_device(world, how, monkeypatch):
                 gemv_tree_loop(xr, wr, 8 // world, torch.float32, out=bufs[r][r], split=2, push=push)
         for r in range(world):
             assert torch.equal(bufs[r] >> 32, torch.full_like(bufs[r], use))
-            s, y = ttn.tree_add_rms_norm_ll(bufs[r], res, nw, 1e-6, syncs[r])
+            s, y = ttn.tree_add_rms_norm_ll(bufs[r], res, nw, 1e-6, syncs[r], fold=fold)
             assert torch.equal(s, one[0]) and torch.equal(y, one[1]), (use, r)
             assert syncs[r].tolist() == [0, use, 0, 0]
     monkeypatch.setattr(ttn, "SPIN_LIMIT", 3)
