@@ -15,6 +15,14 @@ kernel: W, M and the wait target are runtime values (never specialised), so the 
 squares is reduced in the same order on every degree. The result equals `tree_add_rms_norm_ref`
 up to that float32 reduction order (the norm's), like ops/triton_small.py's norms.
 
+Measured (27B, 2 x H200, docs/BENCHMARKS.md "Sixth wave"): tp2 at the same speed as the
+three-launch path and the same bits; the consumer's own work (4.45 us: eight masked slots spill
+registers) and the producer's system-scope signal (~2.9 us) eat what the collective saved. Two
+variants, built and tested on the CPU, not yet measured on a mesh: SPECFIRE_TREE_NORM=ll (each
+value travels with its epoch flag in one 8-byte word: no fence, no counter; the consumer polls
+the flags; sync word 1 is the buffer's epoch) and SPECFIRE_TREE_NORM_FOLD=1 (the consumer folds
+the slots in a loop).
+
 The sync words of a buffer slot (int32, in symmetric memory): [arrivals, consumers done, timed
 out (sticky: a wait that gave up, ~2^26 polls, skips later waits on it), unused]. The last
 of the M row programs to finish resets both; a peer writes this slot again only two calls later,
