@@ -18,11 +18,16 @@ JSON line appended to OUT/tp.jsonl as it is measured.
             is accepted: the best case for speed; identity there is meaningless)
   speedN    tied checkpoint on N ranks: AR and MTP k=1,3 tok/s, cycle cost vs an AR step, the rows
             graphs replayed back to back (the device time of a step with no host in between), the
-            MTP draft graph, and per-rank kernel time by family (torch.profiler, parallel/probe.py)
+            MTP draft graph, and per-rank kernel time by family (torch.profiler, parallel/probe.py);
+            --ar-only: AR and the 1-row graph only
+  speed2base  speed2 with SPECFIRE_TREE_NORM=0: the three-launch path (subtree, one-shot
+            all-reduce, add_rms_norm) the fused tree + residual + norm replaced, in the same call
   identN    normal checkpoint on N ranks (tp1 with the canonical split on): md5 of greedy output,
             AR / MTP k=3 (/ n-gram on tp2) at a short context (--prompt) and a long one (--long)
   collect   a decode step's collectives alone, replayed from one CUDA graph
   prefill   one GPU: a head's prefill attention with all heads vs a tp2 / tp4 rank's heads, bitwise
+  treenorm  one GPU: the fused tree + residual + norm with ranks emulated on one device, bitwise
+            against W = 1, and its time in a graph vs add_rms_norm (bench/tp_treenorm.py)
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 CEILING = 4.17e12     # measured device-to-device copy bandwidth of the H200 (bytes/s)
 # job -> (estimated seconds, time limit seconds) on the GPU at the 27B shape
 JOBS = {"kernels": (40, 120), "bundled": (35, 120), "ckpt": (30, 100), "speed1": (60, 120), "speed2": (60, 120),
+        "speed2base": (40, 120), "treenorm": (15, 60),
         "ident1": (50, 120), "ident2": (40, 100), "collect": (12, 90), "prefill": (10, 60)}
 
 
@@ -200,7 +206,7 @@ def _time_graph(graph, n: int) -> float:
 
 
 def job_speed(cfg, path: str, tp: int, device: str, log: Log, prompt: int, tokens: int, out: str | None,
-              shape: str) -> None:
+              shape: str, ar_only: bool = False, tag: str = "") -> None:
     from specfire import LLM, SamplingParams, SpecPolicy
     from specfire.parallel.probe import time_rows
 
@@ -218,13 +224,14 @@ def job_speed(cfg, path: str, tp: int, device: str, log: Log, prompt: int, token
         ids = torch.randint(0, llm.cfg.vocab_size - 1, (prompt,), generator=g).tolist()
         llm.generate(ids, warm, spec="off")                                 # compile, capture
         ar = llm.generate(ids, sp, spec="off")
-        row = dict(shape=shape, tp=tp, graphs=trunk.graphs_enabled, load_s=load_s,
+        row = dict(shape=shape, tp=tp, variant=tag or "default", tree_norm=os.environ.get("SPECFIRE_TREE_NORM", "1"),
+                   graphs=trunk.graphs_enabled, load_s=load_s,
                    prefill_tok_s=ar.stats["prefill_tok_s"], ar_tok_s=ar.stats["decode_tok_s"],
                    generated=len(ar.token_ids), ar_step_ms=1e3 / ar.stats["decode_tok_s"])
         nb = step_bytes(llm.cfg, tp, prompt + tokens // 2)
         row["step_bytes_per_rank"] = nb
         row["ar_bw_frac"] = nb * ar.stats["decode_tok_s"] / CEILING
-        for k in (1, 3):
+        for k in (() if ar_only else (1, 3)):
             llm.generate(ids, warm, spec=SpecPolicy("mtp", k=k))
             r = llm.generate(ids, sp, spec=SpecPolicy("mtp", k=k))
             cyc = r.stats["decode_s"] / max(1, r.stats["cycles"])
@@ -233,7 +240,7 @@ def job_speed(cfg, path: str, tp: int, device: str, log: Log, prompt: int, token
             row[f"mtp{k}_cycle_ms"] = cyc * 1e3
             row[f"mtp{k}_cycle_vs_ar_step"] = cyc * ar.stats["decode_tok_s"]
             row[f"mtp{k}_equals_ar"] = r.token_ids == ar.token_ids
-        if getattr(mtp, "graphs", None) is not None:     # the same k=3 run without this session's draft changes
+        if getattr(mtp, "graphs", None) is not None and not ar_only:     # the same k=3 run without this session's draft changes
             variants = [("noahead", False, getattr(trunk, "draft_sharded", False))]
             if getattr(trunk, "draft_sharded", False):
                 variants.append(("noahead_whole", False, False))
@@ -256,9 +263,9 @@ def job_speed(cfg, path: str, tp: int, device: str, log: Log, prompt: int, token
             llm.generate(ids, warm, spec=SpecPolicy("mtp", k=1))
         log("speed", **row)
         # the device alone (NaN on the CPU: no graphs): each rows graph replayed back to back, on every rank at once
-        probe = dict(shape=shape, tp=tp)
-        prof = os.path.join(out, f"prof_{shape}_tp{tp}") if out else None
-        for rows in (1, 2, 4):
+        probe = dict(shape=shape, tp=tp, variant=tag or "default")
+        prof = os.path.join(out, f"prof_{shape}_tp{tp}{tag}") if out else None
+        for rows in ((1,) if ar_only else (1, 2, 4)):
             p = prof + f"_r{rows}" if prof and rows in (1, 4) else None
             if tp == 1:
                 t = [time_rows(trunk, rows, 20, p, rank=0)]
@@ -280,13 +287,14 @@ def job_speed(cfg, path: str, tp: int, device: str, log: Log, prompt: int, token
                     probe[f"mtp{k}_host_gap_ms"] = row[f"mtp{k}_cycle_ms"] - max(probe[f"replay_r{k + 1}_ms"]) - d
         probe["draft_sharded"] = bool(getattr(trunk, "draft_sharded", False))
         log("probe", **probe)
-        for rows in (1, 4):
+        for rows in ((1,) if ar_only else (1, 4)):
             for r in range(tp):
                 f = f"{prof}_r{rows}.rank{r}.json" if prof else None
                 if f and os.path.exists(f):
                     with open(f) as fh:
                         body = json.load(fh)
-                    log("profile", shape=shape, tp=tp, rows=rows, rank=r, families=body["families_per_replay"],
+                    log("profile", shape=shape, tp=tp, variant=tag or "default", rows=rows, rank=r,
+                        families=body["families_per_replay"],
                         top=body["top_kernels_per_replay"][:16])
                     os.unlink(f)                     # logged: keep OUT to a few files
                 if f and os.path.exists(f[:-5] + ".error"):
@@ -388,6 +396,9 @@ def run_job(job: str, args) -> None:
     elif job == "prefill":
         from tp_kernels import stage_prefill_heads
         stage_prefill_heads(cfg, log, device)
+    elif job == "treenorm":
+        from tp_treenorm import stage_treenorm
+        stage_treenorm(cfg, log, device)
     elif job == "collect":
         from tp_kernels import stage_collect
         stage_collect(cfg, log)
@@ -395,8 +406,13 @@ def run_job(job: str, args) -> None:
         job_bundled(device, log, 200 if device == "cuda" else 16)
     elif job == "ckpt":
         job_ckpt(cfg, d, device, log)
+    elif job == "speed2base":
+        os.environ["SPECFIRE_TREE_NORM"] = "0"          # the workers inherit it
+        job_speed(cfg, os.path.join(d, "tied"), 2, device, log, args.prompt, args.tokens, args.out, args.shape,
+                  args.ar_only, "base")
     elif job.startswith("speed"):
-        job_speed(cfg, os.path.join(d, "tied"), int(job[5:]), device, log, args.prompt, args.tokens, args.out, args.shape)
+        job_speed(cfg, os.path.join(d, "tied"), int(job[5:]), device, log, args.prompt, args.tokens, args.out, args.shape,
+                  args.ar_only)
     elif job.startswith("ident"):
         ctxs = [args.prompt] + ([args.long] if args.long else [])
         job_ident(os.path.join(d, "normal"), int(job[5:]), device, log, ctxs, args.tokens, args.shape, deadline)
@@ -417,6 +433,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--commit", default=None, help="recorded in the log (the GPU copy has no .git)")
     ap.add_argument("--keep-kernel", action="store_true", help="do not apply the kernels job's choice of forms")
+    ap.add_argument("--ar-only", action="store_true", help="speed jobs: AR and the 1-row graph only (no MTP)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: check the flow, no timings worth keeping")
     ap.add_argument("--job", default=None, help=argparse.SUPPRESS)            # a child: run this one job
     ap.add_argument("--job-limit-s", type=float, default=600, help=argparse.SUPPRESS)
@@ -454,6 +471,7 @@ def main() -> None:
                        "--shape", args.shape, "--prompt", str(args.prompt), "--tokens", str(args.tokens),
                        "--long", str(args.long), "--ckpt-dir", args.ckpt_dir]
                 cmd += ["--smoke"] if args.smoke else []
+                cmd += ["--ar-only"] if args.ar_only else []
                 cmd += ["--out", args.out] if args.out else []
                 env = dict(os.environ)
                 if len(jobs) > 1 and not args.smoke:

@@ -187,16 +187,25 @@ def partials_cpu(x: torch.Tensor, w, split: KSplit, rows: bool, cache: ChunkCach
 
 
 def subtree(x: torch.Tensor, w, split: KSplit, rows: bool, cache: ChunkCache,
-            out_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+            out_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None, push=None) -> torch.Tensor:
     """[M, N] `out_dtype`: the canonical tree over this weight's chunks, summed in float32 (the
     whole sum when the weight holds every chunk; a rank's subtree otherwise). `out`: a
-    contiguous [M, N] float32 tensor to hold it (a collective's buffer: no copy before sending)."""
+    contiguous [M, N] float32 tensor to hold it (a collective's buffer: no copy before sending).
+    `push` (ops/tree_norm.py Push): `out` is this rank's slot, also sent to the peers' slots."""
     if out is not None:
         if x.is_cuda and isinstance(w, torch.Tensor) and KERNEL == "loop" and tree_loop_ok(split):
             from .triton_gemv import row_tile
             from .triton_splitk import gemv_tree_loop
-            return gemv_tree_loop(x, w, split.c1 - split.c0, torch.float32, row_tile(x.shape[0], rows), out=out)
-        return out.copy_(subtree(x, w, split, rows, cache))
+            return gemv_tree_loop(x, w, split.c1 - split.c0, torch.float32, row_tile(x.shape[0], rows), out=out,
+                                  push=push)
+        from .tree_norm import push_rows
+        if push is not None and push.ll:              # LL words: the push kernel packs and writes every slot
+            push_rows(subtree(x, w, split, rows, cache).contiguous(), push)
+            return out
+        out.copy_(subtree(x, w, split, rows, cache))
+        if push is not None:
+            push_rows(out, push)
+        return out
     if x.is_cuda and isinstance(w, torch.Tensor):
         from .triton_gemv import row_tile
         from .triton_splitk import chunk_partials, gemv_chunks_fused, gemv_tree_loop, tree_combine

@@ -202,10 +202,36 @@ def gemv_chunks_fused(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor, ou
     return y
 
 
-@triton.jit(do_not_specialize=["M"])
-def _tree_loop_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, KC, stride_xm, stride_wn,
+@triton.jit
+def _push_tile(val, off, mask, bufs_ptr, sigs_ptr, R, MN, PUSH_W: tl.constexpr):
+    """A finished output tile into slot R of every peer's buffer, then one release-add on each
+    peer's arrival word after every thread's stores (ops/tree_norm.py waits for them)."""
+    for j in tl.static_range(1, PUSH_W):
+        dst = tl.load(bufs_ptr + (R + j) % PUSH_W).to(tl.pointer_type(tl.float32))
+        tl.store(dst + R * MN + off, val, mask=mask)
+    tl.debug_barrier()
+    for j in tl.static_range(1, PUSH_W):
+        sig = tl.load(sigs_ptr + (R + j) % PUSH_W).to(tl.pointer_type(tl.int32))
+        tl.atomic_add(sig, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def _push_tile_ll(val, off, mask, bufs_ptr, epoch_ptr, R, MN, PUSH_W: tl.constexpr):
+    """The low-latency form: each float32 value travels with its flag (this use's epoch) in one
+    8-byte word into slot R of every rank's buffer, this rank's included: no barrier, no fence, no
+    counter; the consumer polls the flags (ops/tree_norm.py, LL)."""
+    e = (tl.load(epoch_ptr, volatile=True) + 1).to(tl.int64)
+    word = (e << 32) | (val.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+    for j in tl.static_range(0, PUSH_W):
+        dst = tl.load(bufs_ptr + (R + j) % PUSH_W).to(tl.pointer_type(tl.int64))
+        tl.store(dst + R * MN + off, word, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M", "R"])
+def _tree_loop_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, bufs_ptr, sigs_ptr, R, M, N, K, KC, stride_xm, stride_wn,
                       C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_: tl.constexpr,
-                      IEEE: tl.constexpr, SELECT: tl.constexpr, SPLIT: tl.constexpr):
+                      IEEE: tl.constexpr, SELECT: tl.constexpr, SPLIT: tl.constexpr, PUSH_W: tl.constexpr,
+                      LL: tl.constexpr = False):
     """The canonical tree in one K loop, as the plain GEMV walks K: the accumulator restarts at
     every chunk bound (KC columns, a multiple of BLOCK_K) and each finished chunk is folded into
     the tree like a binary counter (chunk c merges with the held subtrees for every trailing 1
@@ -216,7 +242,9 @@ def _tree_loop_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, KC, stride_x
     SPLIT (1, 2, 4; dividing C): program_id(2) walks 1/SPLIT of the chunks, folds them into their
     subtree and stores it; the last of a tile's SPLIT programs adds the SPLIT subtrees, which are
     the canonical tree's upper levels: the same bits with SPLIT times the programs (a row-parallel
-    N of 5120 is 80 tiles, too few for 132 SMs)."""
+    N of 5120 is 80 tiles, too few for 132 SMs).
+    PUSH_W > 1: y is this rank's slot of a tp mesh's buffers; each finished tile is also sent to
+    slot R of the PUSH_W - 1 peers' buffers (_push_tile). Elementwise stores: the same bits."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -280,7 +308,12 @@ def _tree_loop_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, KC, stride_x
     mask = n_mask[:, None] & m_mask[None, :]
     off = offs_m[None, :] * N + offs_n[:, None]
     if SPLIT == 1:
-        tl.store(y_ptr + off, out.to(y_ptr.dtype.element_ty), mask=mask)
+        if LL:
+            _push_tile_ll(out, off, mask, bufs_ptr, sigs_ptr, R, M * N, PUSH_W)
+        else:
+            tl.store(y_ptr + off, out.to(y_ptr.dtype.element_ty), mask=mask)
+        if PUSH_W > 1 and not LL:
+            _push_tile(out, off, mask, bufs_ptr, sigs_ptr, R, M * N, PUSH_W)
     else:
         MN = M * N
         tl.store(p_ptr + pid_s * MN + off, out, mask=mask)
@@ -296,8 +329,13 @@ def _tree_loop_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, KC, stride_x
                 q2 = tl.load(p_ptr + 2 * MN + off, mask=mask, other=0.0, cache_modifier=".cg")
                 q3 = tl.load(p_ptr + 3 * MN + off, mask=mask, other=0.0, cache_modifier=".cg")
                 r = (q0 + q1) + (q2 + q3)
-            tl.store(y_ptr + off, r.to(y_ptr.dtype.element_ty), mask=mask)
+            if LL:
+                _push_tile_ll(r, off, mask, bufs_ptr, sigs_ptr, R, MN, PUSH_W)
+            else:
+                tl.store(y_ptr + off, r.to(y_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(cnt_ptr + tile, 0)                       # ready for the next launch
+            if PUSH_W > 1 and not LL:
+                _push_tile(r, off, mask, bufs_ptr, sigs_ptr, R, MN, PUSH_W)
 
 
 def _loop_override() -> tuple[GemvConfig | None, bool]:
@@ -336,10 +374,12 @@ def tree_loop_fits(k: int, c: int, block_k: int = 128) -> bool:
 
 def gemv_tree_loop(x: torch.Tensor, w: torch.Tensor, c: int, out_dtype: torch.dtype, tile: int = ROWS,
                    launch_n: int | None = None, cfg: GemvConfig | None = None, select: bool | None = None,
-                   out: torch.Tensor | None = None, split: int | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, split: int | None = None, push=None) -> torch.Tensor:
     """[M, N] `out_dtype`: the canonical tree over c equal chunks of K, one launch, no partials in
     memory (the same bits as tree_combine(chunk_partials(...)) for equal chunks). `out`: a
-    contiguous [M, N] tensor to write (e.g. a collective's buffer), instead of a new one."""
+    contiguous [M, N] tensor to write (e.g. a collective's buffer), instead of a new one.
+    `push` (ops/tree_norm.py Push, with `out` float32 this rank's slot): each finished tile also
+    goes to the peers' slots; sets push.target."""
     m, k = x.shape
     n = w.shape[0]
     if w.shape[1] != k or not tree_loop_fits(k, c):
@@ -360,10 +400,17 @@ def gemv_tree_loop(x: torch.Tensor, w: torch.Tensor, c: int, out_dtype: torch.dt
         cnt = _counters(x.device, grid[0] * grid[1])
     else:
         part = cnt = y
-    _tree_loop_kernel[grid + (split,)](x, w, y, part, cnt, m, n, k, k // c, x.stride(0), w.stride(0),
+    push_w, ll = 0, push is not None and push.ll
+    if push is not None and (push.world > 1 or ll):
+        if out is None or y.dtype != (torch.int64 if ll else torch.float32):
+            raise ValueError("gemv_tree_loop: a push writes into the given slot `out` (float32; int64 words for LL)")
+        push_w = push.world
+        push.target = grid[0] * grid[1] * (push.world - 1)
+    bufs, sigs, r = (push.bufs, push.sigs, push.rank) if push_w else (cnt, cnt, 0)
+    _tree_loop_kernel[grid + (split,)](x, w, y, part, cnt, bufs, sigs, r, m, n, k, k // c, x.stride(0), w.stride(0),
                                        C=c, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=tile,
                                        IEEE=x.dtype == torch.float32, SELECT=LOOP_SELECT if select is None else select,
-                                       SPLIT=split, num_warps=cfg.num_warps,
+                                       SPLIT=split, PUSH_W=push_w, LL=ll, num_warps=cfg.num_warps,
                                        num_stages=fit_stages(cfg, tile, x.element_size()))
     return y
 

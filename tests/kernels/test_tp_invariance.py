@@ -364,3 +364,125 @@ def test_tree_loop_split_programs_give_the_same_bits():
             assert torch.equal(out[:1], ref[1:2])
     with pytest.raises(ValueError, match="split 3"):
         gemv_tree_loop(x, w, 8, torch.float32, split=3)
+
+
+# ---- the fused cross-rank tree + residual + RMSNorm (ops/tree_norm.py) ----------------------------
+
+def test_tree_add_norm_kernel_equals_reference():
+    """W slots added in the canonical tree, the residual added, the norm applied: the new residual
+    bitwise equal to the reference (float32: the tree's order shows), the normed row to rounding;
+    odd D (a masked tail), every W."""
+    from specfire.ops.tree_norm import tree_add_rms_norm_ref
+    from specfire.ops.triton_tree_norm import tree_add_rms_norm
+
+    g = torch.Generator().manual_seed(5)
+    for dt, wns in ((torch.float32, (1, 2, 4, 8)), (torch.float16, (2,))):   # the interpreter truncates to bf16
+        for wn in wns:
+            parts = torch.randn(wn, 2, 75, generator=g) * 100
+            x = torch.randn(2, 75, generator=g).to(dt)
+            w = (torch.randn(75, generator=g) * 0.1).to(dt)
+            rs, ry = tree_add_rms_norm_ref(parts, x, w, 1e-6)
+            for fold in ((False, True) if dt == torch.float32 else (False,)):   # straight-line, or folded in a loop
+                s, y = tree_add_rms_norm(parts, x, w, 1e-6, fold=fold)
+                assert torch.equal(s, rs), (dt, wn, fold)
+                torch.testing.assert_close(y.float(), ry.float(), rtol=2e-3 if dt == torch.float16 else 1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="slots"):
+        tree_add_rms_norm(torch.randn(3, 2, 75), x, w, 1e-6)
+
+
+@pytest.mark.parametrize("world,hows", [(2, ("loop1", "push_rows")), (4, ("loop2",))])
+def test_pushed_subtrees_combine_as_one_device(world, hows):
+    """Ranks emulated in one process: each rank's tree loop (1 and 2 programs a tile) or push_rows
+    sends its subtree to slot `rank` of every rank's buffer through an address table and bumps each
+    peer's arrival word; each rank's fused kernel waits for them, and the tree it adds equals the
+    whole matrix's 8-chunk tree bitwise, on every rank; the arrival words are re-armed to zero."""
+    from specfire.ops.tree_norm import Pending, Push, push_rows
+    from specfire.ops.triton_splitk import gemv_tree_loop
+
+    g = torch.Generator().manual_seed(world)
+    m, n, k = 2, 70, 1024
+    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+    res, nw = torch.randn(m, n, generator=g), torch.randn(n, generator=g) * 0.1
+    whole = gemv_tree_loop(x, w, 8, torch.float32)
+    kl = k // world
+    for how in hows:
+        bufs = [torch.zeros(world, m, n) for _ in range(world)]
+        syncs = [torch.zeros(4, dtype=torch.int32) for _ in range(world)]
+        tab = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+        sig = torch.tensor([s.data_ptr() for s in syncs], dtype=torch.int64)
+        targets = []
+        for r in range(world):
+            xr, wr = x[:, r * kl:(r + 1) * kl].contiguous(), w[:, r * kl:(r + 1) * kl].contiguous()
+            push = Push(tab, sig, r, world)
+            if how == "push_rows":
+                gemv_tree_loop(xr, wr, 8 // world, torch.float32, out=bufs[r][r])
+                push_rows(bufs[r][r], push)
+            else:
+                gemv_tree_loop(xr, wr, 8 // world, torch.float32, out=bufs[r][r], split=int(how[-1]), push=push)
+            targets.append(push.target)
+        assert len(set(targets)) == 1 and targets[0] > 0
+        outs = []
+        for r in range(world):
+            assert int(syncs[r][0]) == targets[r]
+            p = Pending(bufs[r], syncs[r], targets[r])
+            from specfire.ops.triton_tree_norm import tree_add_rms_norm
+            outs.append(tree_add_rms_norm(p.parts, res, nw, 1e-6, p.sync, p.target))
+            assert syncs[r].tolist() == [0, 0, 0, 0]
+        assert torch.equal(tree_sum(list(bufs[0].unbind(0))), whole)
+        one = tree_add_rms_norm(whole.unsqueeze(0), res, nw, 1e-6)
+        for s, y in outs:
+            assert torch.equal(s, one[0]) and torch.equal(y, one[1])
+
+
+def test_tree_norm_wait_gives_up_and_says_so(monkeypatch):
+    """A peer that never pushes: the wait gives up after SPIN_LIMIT polls, sets the sticky word,
+    and the next wait on that buffer does not poll again (no eternal hang of a replayed graph)."""
+    from specfire.ops import triton_tree_norm as ttn
+
+    monkeypatch.setattr(ttn, "SPIN_LIMIT", 3)
+    sync = torch.zeros(4, dtype=torch.int32)
+    parts, x, w = torch.ones(2, 1, 5), torch.zeros(1, 5), torch.zeros(5)
+    s, _ = ttn.tree_add_rms_norm(parts, x, w, 1e-6, sync, 1)
+    assert torch.equal(s, torch.full((1, 5), 2.0)) and sync.tolist() == [0, 0, 1, 0]
+    ttn.tree_add_rms_norm(parts, x, w, 1e-6, sync, 1)
+    assert sync.tolist() == [0, 0, 1, 0]
+
+
+@pytest.mark.parametrize("world,how", [(2, "loop2"), (4, "push_rows")])
+def test_low_latency_words_combine_as_one_device(world, how, monkeypatch):
+    """SPECFIRE_TREE_NORM=ll: each rank's tree loop (or push_rows) writes (value, epoch flag) words
+    into slot `rank` of every rank's buffer; each rank's LL consumer polls the flags, and its output
+    equals one device's (W = 1, packed with flag 0, no wait) bitwise, twice in a row (the epoch
+    advances); with no producer the wait gives up and says so."""
+    from specfire.ops import triton_tree_norm as ttn
+    from specfire.ops.tree_norm import Push, push_rows
+    from specfire.ops.triton_splitk import gemv_tree_loop
+
+    g = torch.Generator().manual_seed(20 + world)
+    m, n, k = 2, 70, 1024
+    kl = k // world
+    bufs = [torch.zeros(world, m, n, dtype=torch.int64) for _ in range(world)]
+    syncs = [torch.zeros(4, dtype=torch.int32) for _ in range(world)]
+    tab = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+    nw = torch.randn(n, generator=g) * 0.1
+    for use in (1, 2):
+        w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+        res = torch.randn(m, n, generator=g)
+        whole = gemv_tree_loop(x, w, 8, torch.float32)
+        fold = use == 2                     # the second use folds the slots in a loop (SPECFIRE_TREE_NORM_FOLD)
+        one = ttn.tree_add_rms_norm_ll(ttn.ll_pack(whole.unsqueeze(0)), res, nw, 1e-6, fold=fold)
+        for r in range(world):
+            xr, wr = x[:, r * kl:(r + 1) * kl].contiguous(), w[:, r * kl:(r + 1) * kl].contiguous()
+            push = Push(tab, syncs[r][1:2], r, world, ll=True)
+            if how == "push_rows":
+                push_rows(gemv_tree_loop(xr, wr, 8 // world, torch.float32), push)
+            else:
+                gemv_tree_loop(xr, wr, 8 // world, torch.float32, out=bufs[r][r], split=2, push=push)
+        for r in range(world):
+            assert torch.equal(bufs[r] >> 32, torch.full_like(bufs[r], use))
+            s, y = ttn.tree_add_rms_norm_ll(bufs[r], res, nw, 1e-6, syncs[r], fold=fold)
+            assert torch.equal(s, one[0]) and torch.equal(y, one[1]), (use, r)
+            assert syncs[r].tolist() == [0, use, 0, 0]
+    monkeypatch.setattr(ttn, "SPIN_LIMIT", 3)
+    ttn.tree_add_rms_norm_ll(bufs[0], res, nw, 1e-6, syncs[0])       # the flags still say use 2
+    assert syncs[0].tolist() == [0, 3, 1, 0]
