@@ -37,6 +37,10 @@
 #   `OUT=$OUT BUDGET=348 UL_TIME=225 ANNEAL=45 bash bench/bundled_ul_gpu.sh`: 293 UL + 143 anneal steps; the
 #   rule chose step 252 (validation 20.0%, ppl x1.048); bench 21.4%, held-out prompts 17.3%, held-out ppl
 #   +4.0%, but phrase loops inside lines (check (e)): not shipped. The anneal brought the loops back (54%).
+#   2026-12-01, commit edb8038, H200, 296.8 s, sixth try: `OUT=$OUT BUDGET=322 UL_TIME=255 ANNEAL=0 LINE_NGRAM=4
+#   SELECT_PHRASE=2 SEQ_WEIGHT=3 SNAPSHOTS=6 bash bench/bundled_ul_gpu.sh`: 415 UL steps; the rule chose the last
+#   (validation 22.3% + 2 x 4.6% phrase, ppl x1.045); bench 20.2%, held-out prompts 24.4%, ppl +3.7%, accept 3.34,
+#   but phrase-loop lines 8.7% (> 2%, check (e) made numeric): not shipped.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
