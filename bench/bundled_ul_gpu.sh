@@ -37,6 +37,10 @@
 #   `OUT=$OUT BUDGET=348 UL_TIME=225 ANNEAL=45 bash bench/bundled_ul_gpu.sh`: 293 UL + 143 anneal steps; the
 #   rule chose step 252 (validation 20.0%, ppl x1.048); bench 21.4%, held-out prompts 17.3%, held-out ppl
 #   +4.0%, but phrase loops inside lines (check (e)): not shipped. The anneal brought the loops back (54%).
+#   2026-12-01, commit edb8038, H200, 296.8 s, sixth try: `OUT=$OUT BUDGET=322 UL_TIME=255 ANNEAL=0 LINE_NGRAM=4
+#   SELECT_PHRASE=2 SEQ_WEIGHT=3 SNAPSHOTS=6 bash bench/bundled_ul_gpu.sh`: 415 UL steps; the rule chose the last
+#   (validation 22.3% + 2 x 4.6% phrase, ppl x1.045); bench 20.2%, held-out prompts 24.4%, ppl +3.7%, accept 3.34,
+#   but phrase-loop lines 8.7% (> 2%, check (e) made numeric): not shipped.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -59,14 +63,16 @@ LOG=$OUT/log.txt
 ANNEAL=${ANNEAL:-45}
 LINE_NGRAM=${LINE_NGRAM:-0}             # > 0: also ban in-line repeats of this many tokens (phrase loops; off in the fifth try)
 SELECT_PHRASE=${SELECT_PHRASE:-0}       # the rule's figure adds this x the phrase-loop line share (0 in the fifth try)
-UL=(--ul-lr 5e-4 --ul-warmup 5 --ul-min-lr-frac 0.4 --ul-token-weight 0 --ul-ngram 8 --ul-seq-weight 2
-    --ul-kl-weight 1 --ul-word-bans 1 --ul-snapshots 5 --ul-select 1 --ul-ppl-budget 0.05 --ul-ppl-every 1
+SEQ_WEIGHT=${SEQ_WEIGHT:-2}             # the sequence-unlikelihood term's weight (2 in the third to fifth tries)
+SNAPSHOTS=${SNAPSHOTS:-5}               # scored snapshots of the UL phase (5 in the fifth try)
+UL=(--ul-lr 5e-4 --ul-warmup 5 --ul-min-lr-frac 0.4 --ul-token-weight 0 --ul-ngram 8 --ul-seq-weight "$SEQ_WEIGHT"
+    --ul-kl-weight 1 --ul-word-bans 1 --ul-snapshots "$SNAPSHOTS" --ul-select 1 --ul-ppl-budget 0.05 --ul-ppl-every 1
     --ul-select-tokens 160 --ul-val-permille 30 --ul-val-prompts 64 --ul-anneal-lr 2e-4 --ul-anneal-snapshots 3
     --ul-line-ngram "$LINE_NGRAM" --ul-select-phrase "$SELECT_PHRASE")
 if [ "${DRY:-0}" = 1 ]; then
   TRAIN=(--preset bundled-ul --corpus "$CORPUS" --max-train-bytes "${DRY_BYTES:-1000000}" --device cpu
          --eval-windows 2 --ul-steps 5 --ul-pool 8 --ul-batch 4 --ul-data-batch 2 --ul-new-tokens 24 --ul-prompt-min 8
-         --ul-prompt-max 12 --ul-eval-prompts 4 --seq-len 64 --ul-probe-steps 1 --ul-anneal-steps 3)
+         --ul-prompt-max 12 --ul-eval-prompts 4 --seq-len 64 --ul-probe-steps 1 --ul-anneal-steps "$( [ "$ANNEAL" = 0 ] && echo 0 || echo 3 )")
   UL+=(--ul-select-tokens 16 --ul-ppl-every 400 --ul-val-permille 100 --ul-val-prompts 4)   # (the last of a repeated option wins)
   PPL=(--device cpu --max-bytes 20000 --accept-windows 2 --batch 4)
 else
