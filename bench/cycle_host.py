@@ -17,11 +17,16 @@ to the next's), medians in microseconds:
   propose     MtpDrafter.propose (CPU: the chain runs here; GPU/--emulate: returns the queued chain)
   verify      trunk.verify: .header (the call built), .send (the command broadcast), .forward (rank 0's rows)
   accept      greedy accept            stage   the (n, targets) copy queued for the host
-  prepare     the next chain queued: .cmd (the peers told), .chain (the chain's graph replayed)
+  prepare     the next chain queued: .chain (the chain's graph replayed); draft_cmd: the peers told of a chain
   other       the rest of the window (the engine's bookkeeping, text)
-  issue       from the read's end to rank 0's next verify forward starting: the host path that matters
+  issue       from the read's end to rank 0's next verify forward starting: the host path that matters;
+              path.X: phase X's share of it, path.untimed: the engine's own code between the phases
   peer_recv   rank 0 starting to send the verify header -> rank 1 holding it
-  peer_run    from rank 0's read end to rank 1 starting that verify (riders such as commit(n) run first)
+  peer_run    from rank 0's read end to rank 1 starting that verify (riders such as commit(n) run first);
+              peer_done: to rank 1's verify call returning (GPU: its graph launched); peer_idle: rank 1
+              waiting for that header
+  dev.verify, dev.gap (CUDA): rank 0's verify on the device, and the device time from one verify's
+              end to the next one's start (chain, accept, commit, or idle waiting for the host)
 
 Without --shape: the tests' tiny Qwen3.5 (tests/tinymodels.py, 256 wide, 8 layers, random weights)
 or --model bundled|PATH. With --shape (bench/decode.py's shapes): random weights whose final norms
@@ -60,6 +65,7 @@ class Clock:
     def __init__(self):
         self.spans: list[tuple[str, int, int, int]] = []
         self.sends: list[tuple[str, int, int]] = []
+        self.events: list = []
         self.on = False
         self.depth = 0
         self._undo: list = []
@@ -81,6 +87,33 @@ class Clock:
                 clock.depth = d
         self._undo.append((owner, attr, vars(owner).get(attr, MISSING)))
         setattr(owner, attr, timed)
+
+    def wrap_events(self, owner, attr: str) -> None:
+        """CUDA: timing events around each call's device work (where the device starts and ends it)."""
+        fn, clock = getattr(owner, attr), self
+
+        def timed(*a, **kw):
+            if not clock.on:
+                return fn(*a, **kw)
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            try:
+                return fn(*a, **kw)
+            finally:
+                e1.record()
+                clock.events.append((e0, e1))
+        self._undo.append((owner, attr, vars(owner).get(attr, MISSING)))
+        setattr(owner, attr, timed)
+
+    def device(self) -> dict:
+        """Medians (us) of each verify's device time and of the device's gap from one verify's end
+        to the next one's start (the chain, accept and commit run there, or the device idles)."""
+        if not self.events:
+            return {}
+        torch.cuda.synchronize()
+        ver = [a.elapsed_time(b) * 1e3 for a, b in self.events]
+        gap = [b.elapsed_time(a2) * 1e3 for (_, b), (a2, _) in zip(self.events, self.events[1:])]
+        return {"dev.verify": round(statistics.median(ver), 1), "dev.gap": round(statistics.median(gap), 1)}
 
     def wrap_send(self, comm) -> None:
         """Every command rank 0 broadcasts (its name and times), to match the workers' timelines."""
@@ -127,9 +160,11 @@ def instrument(llm, clock: Clock) -> None:
     clock.wrap(spec.StepBuffers, "send", "stage")
     clock.wrap(DraftGraphs, "draft_after", "prepare.chain")
     local = getattr(trunk, "_local", None)
+    if llm.engine.trunk.device.type == "cuda":
+        clock.wrap_events(local if local is not None else trunk, "verify")
     if local is not None:                     # a mesh: rank 0's own side of each call
         clock.wrap(trunk, "_header", "verify.header")
-        clock.wrap(trunk, "draft_rounds", "prepare.cmd")
+        clock.wrap(trunk, "draft_rounds", "draft_cmd")
         clock.wrap(local, "verify", "verify.forward")
         clock.wrap_send(trunk._mesh.comm)
     else:
@@ -139,7 +174,7 @@ def instrument(llm, clock: Clock) -> None:
 def cycles(spans: list, peer: list[dict] | None) -> dict:
     """Per-cycle medians (us) of every label, `other`, `issue`, and the peer's latencies."""
     reads = sorted(t1 for lab, d, t0, t1 in spans if lab == "read")
-    per: dict[str, list[float]] = {}
+    per: list[dict[str, float]] = []
     for a, b in zip(reads, reads[1:]):
         inside = [s for s in spans if a <= s[2] < b]
         tot: dict[str, float] = {}
@@ -153,16 +188,25 @@ def cycles(spans: list, peer: list[dict] | None) -> dict:
         tot["cycle"] = (b - a) / 1e3
         fw = [t0 for lab, d, t0, t1 in inside if lab == "verify.forward"]
         if fw:
-            tot["issue"] = (min(fw) - a) / 1e3
+            f0 = min(fw)
+            tot["issue"] = (f0 - a) / 1e3
+            covered = 0.0
+            for lab, d, t0, t1 in inside:            # the issue path alone, phase by phase
+                if t0 < f0 and lab != "verify.forward":
+                    v = (min(t1, f0) - t0) / 1e3
+                    tot[f"path.{lab}"] = tot.get(f"path.{lab}", 0.0) + v
+                    covered += v if d == 0 else 0.0
+            tot["path.untimed"] = tot["issue"] - covered
         if peer:
             vs = [p for p in peer if p["name"] == "verify" and a <= p["sent0"] < b]
             if vs:
                 tot["peer_recv"] = (vs[0]["recv"] - vs[0]["sent0"]) / 1e3
                 tot["peer_run"] = (vs[0]["run"] - a) / 1e3
-                tot["peer_idle"] = (vs[0]["recv"] - vs[0]["wait"]) / 1e3   # rank 1 waiting for that header
-        for k, v in tot.items():
-            per.setdefault(k, []).append(v)
-    return {k: round(statistics.median(v), 1) for k, v in sorted(per.items())} | {"cycles": len(reads) - 1}
+                tot["peer_done"] = (vs[0]["done"] - a) / 1e3
+                tot["peer_idle"] = (vs[0]["recv"] - vs[0]["wait"]) / 1e3
+        per.append(tot)
+    keys = sorted({k for t in per for k in t})              # a phase absent from a cycle counts 0 there
+    return {k: round(statistics.median(t.get(k, 0.0) for t in per), 1) for k in keys} | {"cycles": len(per)}
 
 
 def peer_timeline(clock: Clock, prefix: str, rank: int = 1) -> list[dict] | None:
@@ -175,7 +219,7 @@ def peer_timeline(clock: Clock, prefix: str, rank: int = 1) -> list[dict] | None
     rows = rows[-len(sends):]
     if [r[0] for r in rows] != [s[0] for s in sends]:
         raise SystemExit(f"rank {rank}'s command timeline does not match rank 0's sends")
-    return [dict(name=s[0], sent0=s[1], sent1=s[2], wait=r[2], recv=r[3], run=r[5]) for s, r in zip(sends, rows)]
+    return [dict(name=s[0], sent0=s[1], sent1=s[2], wait=r[2], recv=r[3], run=r[5], done=r[6]) for s, r in zip(sends, rows)]
 
 
 def checkpoint(args) -> tuple[str, list[int]]:
@@ -234,7 +278,7 @@ def run_tp(path, ids, tp: int, args) -> dict:
     finally:
         llm.close()
         clock.undo()
-    row["us"] = cycles(clock.spans, peer_timeline(clock, prefix) if tp > 1 else None)
+    row["us"] = cycles(clock.spans, peer_timeline(clock, prefix) if tp > 1 else None) | clock.device()
     return row
 
 
@@ -249,6 +293,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--emulate", action="store_true", help="CPU: the GPU's draft flow (sharded head, emulated graphs)")
     ap.add_argument("--profile", type=int, default=0, help="print rank 0's top N functions (cProfile, tottime)")
+    ap.add_argument("--threads", type=int, default=1, help="CPU: torch threads of rank 0 (a mesh gives each rank cores // tp)")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
@@ -256,6 +301,8 @@ def main() -> None:
         os.environ.setdefault("SPECFIRE_TP_MTP", "shard")     # the head sharded over the ranks (parallel/mtp.py)
     if args.emulate:
         os.environ.setdefault("SPECFIRE_TP_DRAFT", "shard")
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)      # spinning threads on a shared CPU would swamp the host times
     path, ids = checkpoint(args)
     for tp in args.tp:
         row = run_tp(path, ids, tp, args)

@@ -61,23 +61,37 @@ class SequenceState:
                                     device=device, dtype=torch.float32)))
         return cls(layers=layers, max_seq=max_seq)
 
+    @torch.inference_mode()
     def reset(self) -> None:
         """Start a new sequence: zero the recurrent state. KV rows need no clearing (reads are
-        bounded by position)."""
+        bounded by position). In inference mode: after an eager commit the live state is a
+        verify's capture, an inference tensor."""
         for lc in self.layers:
             if lc.rec is not None:
                 lc.rec.zero_()
                 lc.conv.zero_()
                 lc.cap_conv = lc.cap_rec = None
 
-    def commit(self, n: int) -> None:
-        """Make the recurrent state that after row n of the last rows-mode forward."""
+    @torch.inference_mode()
+    def commit(self, n: int, in_place: bool = True) -> None:
+        """Make the recurrent state that after row n of the last rows-mode forward. `in_place`
+        False: the live state becomes row n's capture itself (no copy; an eager forward's captures
+        are fresh tensors), only where nothing keeps the live state's address (no captured graph)."""
         for lc in self.layers:
             if lc.rec is None:
                 continue
             if lc.cap_rec is None:
                 raise RuntimeError("commit() without a preceding rows-mode forward")
             kk = lc.conv.shape[0] + 1
-            lc.rec.copy_(lc.cap_rec[n])
-            lc.conv.copy_(lc.cap_conv[n + 1:n + kk])
+            rec, conv = lc.cap_rec[n], lc.cap_conv[n + 1:n + kk]
+            if in_place or not _same(rec, lc.rec) or not _same(conv, lc.conv):
+                lc.rec.copy_(rec)
+                lc.conv.copy_(conv)
+            else:
+                lc.rec, lc.conv = rec, conv
             lc.cap_conv = lc.cap_rec = None
+
+
+def _same(new: torch.Tensor, live: torch.Tensor) -> bool:
+    """`new` can stand for `live`: same shape, dtype and device, contiguous."""
+    return new.shape == live.shape and new.dtype == live.dtype and new.device == live.device and new.is_contiguous()

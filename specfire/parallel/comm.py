@@ -144,16 +144,15 @@ class Comm:
     def send_command(self, header: bytes) -> None:
         if len(header) > CMD_BYTES - 2:
             raise ValueError(f"mesh command header of {len(header)} bytes exceeds {CMD_BYTES - 2}")
-        buf = torch.zeros(CMD_BYTES, dtype=torch.uint8)
-        buf[0], buf[1] = len(header) & 0xFF, len(header) >> 8
-        buf[2:2 + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        buf = torch.empty(CMD_BYTES, dtype=torch.uint8)          # only the first 2 + n bytes are read
+        buf.numpy()[:2 + len(header)] = memoryview(len(header).to_bytes(2, "little") + header)
         dist.broadcast(buf, src=0, group=self.cmd_group)
 
     def recv_command(self) -> bytes:
         buf = torch.empty(CMD_BYTES, dtype=torch.uint8)
         dist.broadcast(buf, src=0, group=self.cmd_group)
-        n = int(buf[0]) | int(buf[1]) << 8
-        return bytes(buf[2:2 + n].tolist())
+        raw = buf.numpy()
+        return raw[2:2 + (int(raw[0]) | int(raw[1]) << 8)].tobytes()
 
     def exchange_flags(self, flag: int) -> list[int]:
         """Every rank's small integer flag (e.g. load succeeded), on every rank."""

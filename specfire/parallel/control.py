@@ -128,6 +128,12 @@ class RankExecutor:
         return self.comm.broadcast(t)
 
     @torch.inference_mode()
+    def commit(self, n: int) -> None:
+        """commit(n), rank 0's own or riding in a header: straight to the trunk (no call to build)."""
+        self.counts["commit"] += 1
+        self.trunk.commit(n)
+
+    @torch.inference_mode()
     def run(self, call: Call, tensors: list[torch.Tensor] | None = None) -> Any:
         given = list(tensors) if tensors is not None else None
         args = [self._arg(a, given) for a in call.args]
@@ -169,9 +175,17 @@ def serve(comm: Comm, trunk: LocalTrunk) -> None:
         call = Call.parse(comm.recv_command())
         if call.name == CLOSE:
             return
-        for c in call.commits:
-            ex.run(Call("commit", (c,)) if isinstance(c, int) else Call(c[0], tuple(c[1:])))
+        _riders(ex, call.commits)
         ex.run(call)
+
+
+def _riders(ex: RankExecutor, commits: tuple) -> None:
+    """What rank 0 ran since the last call, in order: n = commit(n), (DRAFT, *args)."""
+    for c in commits:
+        if isinstance(c, int):
+            ex.commit(c)
+        else:
+            ex.run(Call(c[0], tuple(c[1:])))
 
 
 def _serve_clocked(ex: RankExecutor, comm: Comm, prefix: str) -> None:
@@ -186,8 +200,7 @@ def _serve_clocked(ex: RankExecutor, comm: Comm, prefix: str) -> None:
         call = Call.parse(header)
         t2 = now()
         if call.name != CLOSE:
-            for c in call.commits:
-                ex.run(Call("commit", (c,)) if isinstance(c, int) else Call(c[0], tuple(c[1:])))
+            _riders(ex, call.commits)
             t3 = now()
             ex.run(call)
         else:

@@ -117,7 +117,7 @@ class MeshTrunk:
         step is one header)."""
         self._mesh.check()
         try:
-            self._ex.run(Call("commit", (n,)))
+            self._ex.commit(n)
         except Exception as e:
             raise self._mesh.fail(e) from None
         self._commits.append(n)

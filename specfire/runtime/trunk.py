@@ -2,7 +2,8 @@
 
 Rollback choice: per-row state capture. A rows-mode forward (decode = 1 row, verify = k+1 rows)
 leaves the live Gated DeltaNet state untouched and keeps the state and conv window after every
-row; `commit(n)` copies slot n into the live state. Measured on the CPU (bench/spec_cpu.py,
+row; `commit(n)` copies slot n into the live state (eagerly, the live state becomes slot n
+itself: no copy, the captures being fresh each forward; one graph replay under CUDA graphs). Measured on the CPU (bench/spec_cpu.py,
 docs/BENCHMARKS.md): a commit costs one state copy per GDN layer, 0.3-1% of a verify of k+1 rows
 (k = 1..4; 0.12 ms vs 32-46 ms on a 512-wide 8-layer model), while snapshot + replay would re-run
 up to k rows of every GDN layer after each partial accept. Memory: (k+1) captured states per GDN
@@ -102,8 +103,8 @@ class LocalTrunk:
     def commit(self, n: int) -> None:
         if self.graphs is not None and self.graphs.attached(self.state):
             self.graphs.commit(n)
-        else:
-            self.state.commit(n)
+        else:   # eager: the live state takes row n's capture itself (graphs keep the live state's address)
+            self.state.commit(n, in_place=self.graphs is not None)
 
     @torch.inference_mode()
     def score(self, ids: torch.Tensor) -> torch.Tensor:
