@@ -31,7 +31,8 @@ to the next's), medians in microseconds:
 Without --shape: the tests' tiny Qwen3.5 (tests/tinymodels.py, 256 wide, 8 layers, random weights)
 or --model bundled|PATH. With --shape (bench/decode.py's shapes): random weights whose final norms
 tie every logit, so every draft is accepted (bench/tp.py's "tied" checkpoint). One JSON line per tp
-on stdout and in OUT/cycle_host.jsonl; --profile prints rank 0's cProfile of the measured run.
+on stdout and in OUT/cycle_host.jsonl; --profile prints rank 0's cProfile of the measured run;
+--commit-cost times `SequenceState.commit` alone (copy vs taking the capture).
 """
 from __future__ import annotations
 
@@ -282,6 +283,36 @@ def run_tp(path, ids, tp: int, args) -> dict:
     return row
 
 
+def commit_cost(reps: int = 300) -> None:
+    """SequenceState.commit alone, copying row n's capture vs taking it (the eager path), at the
+    GDN geometry of the tiny model and of the bundled one; median us over `reps` commits."""
+    from specfire.config import FULL, LINEAR, ModelConfig
+    from specfire.model.state import SequenceState
+
+    for name, (hv, dk, layers) in {"tiny 8x32x32, 6 GDN layers": (8, 32, 8),
+                                   "bundled 4x64x64, 9 GDN layers": (4, 64, 12)}.items():
+        types = tuple(FULL if i % 4 == 3 else LINEAR for i in range(layers))
+        cfg = ModelConfig(vocab_size=32, hidden_size=256, intermediate_size=32, num_hidden_layers=layers,
+                          layer_types=types, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                          linear_num_key_heads=hv // 2, linear_num_value_heads=hv, linear_key_head_dim=dk,
+                          linear_value_head_dim=dk)
+        row = dict(state=name, load=round(os.getloadavg()[0], 2))
+        for in_place in (True, False):
+            st = SequenceState.allocate(cfg, types, 8, torch.device("cpu"), torch.float32)
+            ts = []
+            for i in range(reps):
+                with torch.inference_mode():          # fresh captures of a 4-row verify, as a forward leaves them
+                    for lc in st.layers:
+                        if lc.rec is not None:
+                            lc.cap_rec = torch.randn((4,) + tuple(lc.rec.shape))
+                            lc.cap_conv = torch.randn(lc.conv.shape[0] + 4, lc.conv.shape[1])
+                t0 = time.perf_counter_ns()
+                st.commit(i % 4, in_place=in_place)
+                ts.append(time.perf_counter_ns() - t0)
+            row["copy_us" if in_place else "take_us"] = round(statistics.median(ts) / 1e3, 1)
+        print(json.dumps(row), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
@@ -296,7 +327,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="CPU: torch threads of rank 0 (a mesh gives each rank cores // tp)")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT"))
+    ap.add_argument("--commit-cost", action="store_true", help="only time SequenceState.commit: copy vs take")
     args = ap.parse_args()
+    if args.commit_cost:
+        torch.set_num_threads(args.threads)
+        return commit_cost()
     if args.emulate or args.device == "cuda":
         os.environ.setdefault("SPECFIRE_TP_MTP", "shard")     # the head sharded over the ranks (parallel/mtp.py)
     if args.emulate:
