@@ -13,7 +13,8 @@ timeline (SPECFIRE_HOSTCLOCK, parallel/control.py), on the same clock. Per cycle
 to the next's), medians in microseconds:
 
   read        Launched.read (GPU: read.wait = the event wait for the device, the rest is the copy-out)
-  commit      trunk.commit(n) (the live recurrent state := row n)       drafter_commit   MtpDrafter.commit
+  commit      trunk.commit(n) (the live recurrent state := row n; .local: rank 0's own trunk; check:
+              the mesh's liveness check, before every call and commit)     drafter_commit   MtpDrafter.commit
   propose     MtpDrafter.propose (CPU: the chain runs here; GPU/--emulate: returns the queued chain)
   verify      trunk.verify: .header (the call built), .send (the command broadcast), .forward (rank 0's rows)
   accept      greedy accept            stage   the (n, targets) copy queued for the host
@@ -167,6 +168,8 @@ def instrument(llm, clock: Clock) -> None:
         clock.wrap(trunk, "_header", "verify.header")
         clock.wrap(trunk, "draft_rounds", "draft_cmd")
         clock.wrap(local, "verify", "verify.forward")
+        clock.wrap(local, "commit", "commit.local")
+        clock.wrap(trunk._mesh, "check", "check")
         clock.wrap_send(trunk._mesh.comm)
     else:
         clock.wrap(trunk, "verify", "verify.forward")   # the same call: forward == verify on one device
