@@ -129,7 +129,8 @@ def job_ckpt(cfg, d: str, device: str, log: Log) -> None:
     log("ckpt", shape=cfg.hidden_size, write_s=time.perf_counter() - t0)
 
 
-SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
+                      torch.uint8: "U8"}       # U8: 4-bit codes, two to a byte (bench/tp_mtp.py q4ckpt)
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict | None = None) -> None:
@@ -143,6 +144,8 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dic
     for k in names:
         t = tensors[k]
         nb = t.numel() * t.element_size()
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"write_safetensors: {k} is {t.dtype}; this writer takes {sorted(map(str, SAFETENSORS_DTYPES))}")
         header[k] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + nb]}
         off += nb
     if metadata:

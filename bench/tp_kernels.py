@@ -39,7 +39,8 @@ def stage_kernels(cfg, log, best_path: str | None = None, smoke: bool = False, d
 
     from specfire.ops.splitk import chunk_bounds
     from specfire.ops.triton_gemv import GemvConfig, gemv, gemv_config, gemv_group
-    from specfire.ops.triton_splitk import chunk_partials, gemv_tree_loop, tree_combine
+    from specfire.ops.triton_splitk import chunk_partials, tree_combine
+    from specfire.ops.triton_tree_loop import gemv_tree_loop
 
     def choose(env: dict) -> None:
         if best_path:

@@ -41,10 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
-import tp  # noqa: E402
 from tp import CEILING, Log, _time_graph, job_ckpt, md5, smoke_shapes, step_bytes, write_safetensors  # noqa: E402
-
-tp.SAFETENSORS_DTYPES.setdefault(torch.uint8, "U8")     # the 4-bit codes (write_safetensors reads this table)
 
 # job -> (estimated seconds, time limit seconds) on the GPU at the 27B shape
 JOBS = {"ckpt": (55, 80), "q4ckpt": (16, 45), "cycle2": (45, 75), "q4tp1": (60, 120), "q4tp2": (60, 120),

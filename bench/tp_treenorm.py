@@ -10,7 +10,7 @@ import torch
 
 def stage_treenorm(cfg, log, dev: str = "cuda") -> None:
     from specfire.ops.tree_norm import Push
-    from specfire.ops.triton_splitk import gemv_tree_loop
+    from specfire.ops.triton_tree_loop import gemv_tree_loop
     from specfire.ops.triton_tree_norm import ll_pack, tree_add_rms_norm, tree_add_rms_norm_ll
 
     h = cfg.hidden_size

@@ -195,7 +195,7 @@ def subtree(x: torch.Tensor, w, split: KSplit, rows: bool, cache: ChunkCache,
     if out is not None:
         if x.is_cuda and isinstance(w, torch.Tensor) and KERNEL == "loop" and tree_loop_ok(split):
             from .triton_gemv import row_tile
-            from .triton_splitk import gemv_tree_loop
+            from .triton_tree_loop import gemv_tree_loop
             return gemv_tree_loop(x, w, split.c1 - split.c0, torch.float32, row_tile(x.shape[0], rows), out=out,
                                   push=push)
         from .tree_norm import push_rows
@@ -208,7 +208,8 @@ def subtree(x: torch.Tensor, w, split: KSplit, rows: bool, cache: ChunkCache,
         return out
     if x.is_cuda and isinstance(w, torch.Tensor):
         from .triton_gemv import row_tile
-        from .triton_splitk import chunk_partials, gemv_chunks_fused, gemv_tree_loop, tree_combine
+        from .triton_splitk import chunk_partials, gemv_chunks_fused, tree_combine
+        from .triton_tree_loop import gemv_tree_loop
         cache.get(w, split, x.dtype)
         if cache.bounds_dev is None:
             cache.bounds_dev = torch.tensor(split.bounds, dtype=torch.int32, device=x.device)
@@ -229,7 +230,7 @@ def subtree(x: torch.Tensor, w, split: KSplit, rows: bool, cache: ChunkCache,
 
 def tree_loop_ok(split: KSplit) -> bool:
     """The one-loop kernel serves equal chunks whose width is a multiple of its BLOCK_K."""
-    from .triton_splitk import tree_loop_fits
+    from .triton_tree_loop import tree_loop_fits
     b = chunk_bounds(split.k_total)
     return b[1] * CHUNKS == split.k_total and tree_loop_fits(split.k_local, split.c1 - split.c0)
 

@@ -4,7 +4,7 @@ kernel (CUDA rows forward: decode and verify rows).
 Why: on a tp2 mesh each row-parallel projection (o_proj, out_proj, down_proj) was followed by
 three launches: its subtree, torch's one-shot all-reduce (an entry barrier with the peer, then the
 peer's buffer read over NVLink) and add_rms_norm; 131 all-reduces cost ~0.95 ms of a 9.3 ms tp2
-step on 2 x H200. Here the producer (ops/triton_splitk.py gemv_tree_loop, or `push_rows`) writes
+step on 2 x H200. Here the producer (ops/triton_tree_loop.py gemv_tree_loop, or `push_rows`) writes
 its float32 subtree into slot `rank` of every rank's buffer and bumps a counter on each peer; this
 kernel waits for its own counter, adds the W slots in the canonical tree (ops/splitk.py tree_sum:
 ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7))), rounds to the model dtype, adds the residual and applies the

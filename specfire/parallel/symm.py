@@ -8,9 +8,9 @@ embedding's sum, the logits gather. All three are exact: two float32 partials ar
 (a + b is the tree at tp = 2, whatever the order), and a gather is a sum of one rank's values
 with zeros; for tp > 2 the partials are gathered that way and added in the canonical tree here.
 
-Buffers: per dtype, two symmetric buffers used alternately, so a rank never overwrites the buffer
-a slower peer may still be reading for the previous call (the one-shot kernel's entry barrier
-orders a call after every rank's previous call). NVLink multicast stays off (comm.NO_MULTICAST).
+Buffers: per dtype, two symmetric buffers used alternately. Reuse is safe without them: torch's
+one-shot kernel ends with a barrier among the ranks, so a call completes only after every peer has
+read this rank's buffer for it (`_slot` says why). NVLink multicast stays off (comm.NO_MULTICAST).
 """
 from __future__ import annotations
 
@@ -57,6 +57,21 @@ class SymmCollectives:
     def _slot(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """The next buffer of `dtype` (allocated and rendezvoused on first use: every rank reaches
         it in the same order, outside any capture, since warm-up runs each forward first)."""
+        # The turn is never reset, so a captured graph's first buffer depends on the calls made
+        # before its capture. A rows forward makes one call in the model's dtype (the embedding) and two float32
+        # calls (ids, logits; the trees use push_slot, or two more float32 calls a layer with
+        # SPECFIRE_TREE_NORM=0). So two graphs replayed back to back can use one such buffer twice
+        # in a row. That is safe, and no buffer needs to alternate. Every slot is read only by
+        # torch's one_shot_all_reduce. Its kernel (torch/csrc/distributed/c10d/symm_mem/
+        # CUDASymmetricMemoryOps.cu: the early, a middle and the current version read) ends with
+        # `__syncthreads(); sync_remote_blocks(...)`. Torch's header documents this as the pattern
+        # that makes "buffers read by the current kernel safe for writing by subsequent kernels
+        # across all devices". Block b of each rank waits there for block b of every peer. Every
+        # rank launches the same grid (the grid depends only on numel, dtype, alignment and world).
+        # So a call completes on this rank only after every peer has finished reading this rank's
+        # buffer. The next write to any slot (a copy_ or a producer writing a reserved slot) comes
+        # after that call in stream order. The fused trees (push_slot) have no such barrier, which
+        # is why they reset their turn every forward (begin_forward).
         bufs = self._bufs.get(dtype)
         if bufs is None:
             n = self.capacity_bytes // torch.empty((), dtype=dtype).element_size()

@@ -16,9 +16,10 @@ import sys
 
 import pytest
 
-KERNEL_MODULES = ("specfire.ops.triton_gemv", "specfire.ops.triton_splitk", "specfire.ops.triton_small",
-                  "specfire.ops.triton_quant", "specfire.ops.attention_kernels", "specfire.ops.gdn_kernels",
-                  "specfire.ops.gdn_fused", "specfire.ops.attn_fused", "specfire.ops.triton_tree_norm")
+KERNEL_MODULES = ("specfire.ops.triton_gemv", "specfire.ops.triton_splitk", "specfire.ops.triton_tree_loop",
+                  "specfire.ops.triton_small", "specfire.ops.triton_quant", "specfire.ops.attention_kernels",
+                  "specfire.ops.gdn_kernels", "specfire.ops.gdn_fused", "specfire.ops.attn_fused",
+                  "specfire.ops.triton_tree_norm")
 
 
 def _interpreted(mod) -> bool:

@@ -154,7 +154,7 @@ def test_chunk_kernel_partials_tree_and_shards():
             assert torch.equal(gemv_chunks_fused(xx, w, bc, torch.float32),
                                tree_combine(chunk_partials(xx, w, bc), torch.float32))
     # the one-loop kernel (tree folded in registers): the same bits for equal 128-multiple chunks
-    from specfire.ops.triton_splitk import gemv_tree_loop
+    from specfire.ops.triton_tree_loop import gemv_tree_loop
     wl, xl = torch.randn(37, 1024, generator=g), torch.randn(5, 1024, generator=g)
     for c in (8, 4, 1):
         bc = torch.tensor([1024 * j // c for j in range(c + 1)], dtype=torch.int32)
@@ -345,7 +345,8 @@ def test_grouped_column_launch_equals_separate_launches():
 def test_tree_loop_split_programs_give_the_same_bits():
     """gemv_tree_loop with a tile's chunks shared by 2 or 4 programs (the last adds their subtrees)
     equals the one-program fold and the two-launch form, into a given float32 `out` too."""
-    from specfire.ops.triton_splitk import chunk_partials, gemv_tree_loop, tree_combine
+    from specfire.ops.triton_splitk import chunk_partials, tree_combine
+    from specfire.ops.triton_tree_loop import gemv_tree_loop
 
     g = torch.Generator().manual_seed(12)
     w, x = torch.randn(70, 1024, generator=g), torch.randn(3, 1024, generator=g)
@@ -397,7 +398,7 @@ def test_pushed_subtrees_combine_as_one_device(world, hows):
     peer's arrival word; each rank's fused kernel waits for them, and the tree it adds equals the
     whole matrix's 8-chunk tree bitwise, on every rank; the arrival words are re-armed to zero."""
     from specfire.ops.tree_norm import Pending, Push, push_rows
-    from specfire.ops.triton_splitk import gemv_tree_loop
+    from specfire.ops.triton_tree_loop import gemv_tree_loop
 
     g = torch.Generator().manual_seed(world)
     m, n, k = 2, 70, 1024
@@ -456,7 +457,7 @@ def test_low_latency_words_combine_as_one_device(world, how, monkeypatch):
     advances); with no producer the wait gives up and says so."""
     from specfire.ops import triton_tree_norm as ttn
     from specfire.ops.tree_norm import Push, push_rows
-    from specfire.ops.triton_splitk import gemv_tree_loop
+    from specfire.ops.triton_tree_loop import gemv_tree_loop
 
     g = torch.Generator().manual_seed(20 + world)
     m, n, k = 2, 70, 1024
