@@ -430,7 +430,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--long", type=int, default=0, help="the long context of the identity table (0: none)")
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--jobs", default="kernels,bundled,ckpt,speed1,speed2,collect,ident1,ident2")
+    ap.add_argument("--jobs", default="kernels,bundled,ckpt,speed1,speed2,collect,ident1,ident2",
+                    help="groups in order (,); a+b: lanes at once, lane i on GPU i; a>b: one after another")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip jobs whose estimate exceeds what is left")
     ap.add_argument("--ckpt-dir", default=None, help="where the checkpoints go (default: a fresh dir in /dev/shm)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
@@ -447,12 +448,52 @@ def main() -> None:
     if args.job:
         run_job(args.job, args)
         return
+    extra = ["--ar-only"] if args.ar_only else []
+
+    def after(jobs: list[str], log: Log) -> None:
+        best = os.path.join(args.ckpt_dir, "best_loop.json")
+        if "kernels" in jobs and os.path.exists(best) and not args.keep_kernel:
+            with open(best) as f:
+                env = json.load(f)
+            os.environ.update(env)          # the later jobs run the fastest bit-equal forms
+            log("kernel_choice", env=env)
+
+    drive(args, JOBS, os.path.abspath(__file__), "tp-", extra, after)
+
+
+def _lane(lane: list[str], jobs: dict, args, script: str, extra: list[str], gpu: int | None,
+          left: float) -> subprocess.Popen:
+    """One shell lane running `lane`'s jobs one after another (a>b), each killed at its own limit."""
+    cmds = []
+    for job in lane:
+        limit = int(min(jobs[job][1], left))
+        cmd = [sys.executable, script, "--job", job, "--job-limit-s", str(limit), "--shape", args.shape,
+               "--prompt", str(args.prompt), "--tokens", str(args.tokens), "--long", str(args.long),
+               "--ckpt-dir", args.ckpt_dir] + (["--smoke"] if args.smoke else []) + extra + \
+              (["--out", args.out] if args.out else [])
+        cmds.append(f"timeout -s KILL {max(1, limit)} " + " ".join(map(repr, cmd)))
+    env = dict(os.environ)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    return subprocess.Popen(["bash", "-c", " ; ".join(cmds)], start_new_session=True, env=env)
+
+
+def drive(args, jobs: dict, script: str, prefix: str, extra: list[str] | None = None, after=None) -> None:
+    """The parent of a bench run: `args.jobs` is groups in order (','); in a group 'a+b' runs lanes at
+    once (lane i on GPU i), 'a>b' runs jobs one after another in a lane; a group whose estimate
+    (jobs[name] = (estimate s, limit s)) exceeds the budget left is skipped; `after(group_jobs, log)`
+    runs after each group. Every job is a child process of `script` (--job NAME)."""
     import shutil
+    import signal
     import tempfile
+
+    unknown = [j for j in args.jobs.replace("+", ",").replace(">", ",").split(",") if j not in jobs]
+    if unknown:
+        raise SystemExit(f"unknown job(s) {', '.join(unknown)} in --jobs; jobs: {', '.join(jobs)}")
     log = Log(args.out)
     own_dir = args.ckpt_dir is None
     if own_dir:
-        args.ckpt_dir = tempfile.mkdtemp(prefix="tp-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        args.ckpt_dir = tempfile.mkdtemp(prefix=prefix, dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     log("start", commit=args.commit, shape=args.shape, jobs=args.jobs,
         device=torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu",
         gpus=torch.cuda.device_count(), torch=torch.__version__,
@@ -460,42 +501,28 @@ def main() -> None:
     t_end = time.monotonic() + args.budget_s
     try:
         for group in args.jobs.split(","):
-            jobs = group.split("+")          # a+b: run together, job i on GPU i (single-GPU jobs)
-            est = max(JOBS[j][0] for j in jobs)
+            lanes = [lane.split(">") for lane in group.split("+")]
+            est = max(sum(jobs[j][0] for j in lane) for lane in lanes)
             left = t_end - time.monotonic()
             if left < est:
                 log("skipped", job=group, why=f"{left:.0f} s left, estimate {est} s")
                 continue
             t0 = time.perf_counter()
-            procs = []
-            for i, job in enumerate(jobs):
-                limit = min(JOBS[job][1], left)
-                cmd = [sys.executable, os.path.abspath(__file__), "--job", job, "--job-limit-s", str(limit),
-                       "--shape", args.shape, "--prompt", str(args.prompt), "--tokens", str(args.tokens),
-                       "--long", str(args.long), "--ckpt-dir", args.ckpt_dir]
-                cmd += ["--smoke"] if args.smoke else []
-                cmd += ["--ar-only"] if args.ar_only else []
-                cmd += ["--out", args.out] if args.out else []
-                env = dict(os.environ)
-                if len(jobs) > 1 and not args.smoke:
-                    env["CUDA_VISIBLE_DEVICES"] = str(i)
-                procs.append((job, subprocess.Popen(cmd, start_new_session=True, env=env), time.monotonic() + limit))
-            for job, p, until in procs:
+            procs = [(lane, _lane(lane, jobs, args, script, extra or [],
+                                  i if len(lanes) > 1 and not args.smoke else None, left))
+                     for i, lane in enumerate(lanes)]
+            for lane, p in procs:
                 try:
-                    rc = p.wait(timeout=max(1.0, until - time.monotonic()))
+                    rc = p.wait(timeout=max(1.0, t_end - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    import signal
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
-                    rc = "killed at its time limit"
+                    rc = "killed at the budget"
                 if rc != 0:
-                    log("error", where=f"job {job}", error=f"exited with {rc}", seconds=time.perf_counter() - t0)
-            best = os.path.join(args.ckpt_dir, "best_loop.json")
-            if "kernels" in jobs and os.path.exists(best) and not args.keep_kernel:
-                with open(best) as f:
-                    env = json.load(f)
-                os.environ.update(env)          # the later jobs run the fastest bit-equal forms
-                log("kernel_choice", env=env)
+                    log("error", where=f"lane {'>'.join(lane)}", error=f"exited with {rc}",
+                        seconds=time.perf_counter() - t0)
+            if after is not None:
+                after([j for lane in lanes for j in lane], log)
     finally:
         if own_dir:
             shutil.rmtree(args.ckpt_dir, ignore_errors=True)

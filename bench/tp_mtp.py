@@ -28,7 +28,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -41,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
-from tp import CEILING, Log, _time_graph, job_ckpt, md5, smoke_shapes, step_bytes, write_safetensors  # noqa: E402
+from tp import CEILING, Log, _time_graph, drive, job_ckpt, md5, smoke_shapes, step_bytes, write_safetensors  # noqa: E402
 
 # job -> (estimated seconds, time limit seconds) on the GPU at the 27B shape
 JOBS = {"ckpt": (55, 80), "q4ckpt": (16, 45), "cycle2": (45, 75), "q4tp1": (60, 120), "q4tp2": (60, 120),
@@ -294,21 +293,6 @@ def run_job(job: str, args) -> None:
     log("job_time", job=job, seconds=time.perf_counter() - t0)
 
 
-def _lane(jobs: list[str], args, gpu: int | None, limit: float) -> subprocess.Popen:
-    """One shell lane running `jobs` one after another (a>b), each under its own time limit."""
-    cmds = []
-    for job in jobs:
-        cmd = [sys.executable, os.path.abspath(__file__), "--job", job, "--job-limit-s", str(JOBS[job][1]),
-               "--shape", args.shape, "--prompt", str(args.prompt), "--tokens", str(args.tokens),
-               "--long", str(args.long), "--ckpt-dir", args.ckpt_dir] + (["--smoke"] if args.smoke else []) + \
-              (["--out", args.out] if args.out else [])
-        cmds.append(f"timeout -s KILL {int(min(JOBS[job][1], limit))} " + " ".join(map(repr, cmd)))
-    env = dict(os.environ)
-    if gpu is not None:
-        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    return subprocess.Popen(["bash", "-c", " ; ".join(cmds)], start_new_session=True, env=env)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="27B")
@@ -330,43 +314,7 @@ def main() -> None:
     if args.job:
         run_job(args.job, args)
         return
-    import shutil
-    import tempfile
-    log = Log(args.out)
-    own = args.ckpt_dir is None
-    if own:
-        args.ckpt_dir = tempfile.mkdtemp(prefix="tpmtp-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    log("start", commit=args.commit, shape=args.shape, jobs=args.jobs,
-        device=torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu",
-        gpus=torch.cuda.device_count(), torch=torch.__version__,
-        env={k: v for k, v in os.environ.items() if k.startswith("SPECFIRE_")})
-    t_end = time.monotonic() + args.budget_s
-    try:
-        for group in args.jobs.split(","):
-            lanes = [lane.split(">") for lane in group.split("+")]
-            est = max(sum(JOBS[j][0] for j in lane) for lane in lanes)
-            left = t_end - time.monotonic()
-            if left < est:
-                log("skipped", job=group, why=f"{left:.0f} s left, estimate {est} s")
-                continue
-            t0 = time.perf_counter()
-            procs = [(lane, _lane(lane, args, i if len(lanes) > 1 and not args.smoke else None, left))
-                     for i, lane in enumerate(lanes)]
-            for lane, p in procs:
-                try:
-                    rc = p.wait(timeout=max(1.0, t_end - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    import signal
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-                    rc = "killed at the budget"
-                if rc != 0:
-                    log("error", where=f"lane {'>'.join(lane)}", error=f"exited with {rc}",
-                        seconds=time.perf_counter() - t0)
-    finally:
-        if own:
-            shutil.rmtree(args.ckpt_dir, ignore_errors=True)
-    log("done", total_s=args.budget_s - (t_end - time.monotonic()) if args.budget_s < 1e8 else None)
+    drive(args, JOBS, os.path.abspath(__file__), "tpmtp-")
 
 
 if __name__ == "__main__":
