@@ -181,19 +181,9 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, v
         lr = _lr(step, sched, tc)
         for g in opt.param_groups:
             g["lr"] = lr
-        starts = torch.randint(0, train_ids.numel() - tc.seq_len, (tc.ul_data_batch,), generator=gen).to(dev)
-        ids = train_ids[starts[:, None] + offs]
         with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=autocast):
-            h, logits = trunk_forward(trunk, ids)
-            lm = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-            mls, _ = mtp_losses(trunk, head, ids, h, logits, tc.mtp_steps, tc.mtp_distill)
+            ids, logits, lm, mls, kl = _corpus_terms(tc, trunk, head, teacher, train_ids, offs, gen)
             tok_ul = ul.token_unlikelihood(logits[:, :-1], ids) if tc.ul_token_weight else lm.new_zeros(())
-            kl = lm.new_zeros(())
-            if tc.ul_kl_weight:
-                with torch.no_grad():
-                    _, clogits = trunk_forward(teacher, ids)
-                kl = ul.kl_to_teacher(logits[:, :-1], clogits[:, :-1])
-                del clogits
             rh, rlogits = trunk_forward(trunk, seq)
             ban = None
             if tc.ul_seq_anchor:
@@ -258,13 +248,29 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, v
     return out
 
 
+def _corpus_terms(tc, trunk, head, teacher, train_ids, offs, gen):
+    """One corpus batch's (ids, logits, LM loss, MTP losses, KL to the starting model; zero without
+    a teacher or a KL weight), shared by both phases; called inside their autocast."""
+    from .train import mtp_losses, trunk_forward
+
+    starts = torch.randint(0, train_ids.numel() - tc.seq_len, (tc.ul_data_batch,), generator=gen).to(offs.device)
+    ids = train_ids[starts[:, None] + offs]
+    h, logits = trunk_forward(trunk, ids)
+    lm = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    mls, _ = mtp_losses(trunk, head, ids, h, logits, tc.mtp_steps, tc.mtp_distill)
+    kl = lm.new_zeros(())
+    if tc.ul_kl_weight and teacher is not None:
+        with torch.no_grad():
+            _, clogits = trunk_forward(teacher, ids)
+        kl = ul.kl_to_teacher(logits[:, :-1], clogits[:, :-1])
+    return ids, logits, lm, mls, kl
+
+
 def _anneal(tc, trunk, head, teacher, opt, params, train_ids, gen, step0: int, guard, log) -> dict:
     """The second phase: likelihood + MTP + KL to the starting model on corpus batches only (no
     rollouts, no unlikelihood), the lr falling linearly from ul_anneal_lr to 0 over ul_anneal_s
     seconds (or ul_anneal_steps steps): it recovers perplexity after the UL phase; each of its
     ul_anneal_snapshots even fractions is a candidate of the rule (scored by `guard`)."""
-    from .train import mtp_losses, trunk_forward
-
     dev = train_ids.device
     autocast = dev.type == "cuda"
     offs = torch.arange(tc.seq_len, device=dev)
@@ -278,17 +284,8 @@ def _anneal(tc, trunk, head, teacher, opt, params, train_ids, gen, step0: int, g
         lr = tc.ul_anneal_lr * (1.0 - frac)
         for g in opt.param_groups:
             g["lr"] = lr
-        starts = torch.randint(0, train_ids.numel() - tc.seq_len, (tc.ul_data_batch,), generator=gen).to(dev)
-        ids = train_ids[starts[:, None] + offs]
         with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=autocast):
-            h, logits = trunk_forward(trunk, ids)
-            lm = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-            mls, _ = mtp_losses(trunk, head, ids, h, logits, tc.mtp_steps, tc.mtp_distill)
-            kl = lm.new_zeros(())
-            if tc.ul_kl_weight and teacher is not None:
-                with torch.no_grad():
-                    _, clogits = trunk_forward(teacher, ids)
-                kl = ul.kl_to_teacher(logits[:, :-1], clogits[:, :-1])
+            _, _, lm, mls, kl = _corpus_terms(tc, trunk, head, teacher, train_ids, offs, gen)
             loss = lm + tc.mtp_weight * sum(mls) + tc.ul_kl_weight * kl
         opt.zero_grad(set_to_none=True)
         loss.backward()

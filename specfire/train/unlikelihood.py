@@ -96,13 +96,15 @@ def word_edges(tok, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def repeat_continuations(seq: torch.Tensor, start: int, n: int, vocab: int,
-                         edges: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                         edges: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         newline: torch.Tensor | None = None) -> torch.Tensor:
     """seq [B, L] -> bool [B, L, V]: at position i >= start, the tokens c for which seq[i-n+1:i] + c
     repeats an n-gram that ended earlier in the sequence (prompt included): what may follow the
     last n-1 tokens without completing a repeat is everything else. `edges` (word_edges): a token
     that would continue a word (the previous token ends with an identifier character and c begins
     with one) is never banned, so a repeat is refused only where a new word or symbol starts and
-    cannot be escaped by misspelling the rest of a name."""
+    cannot be escaped by misspelling the rest of a name. `newline` (newline_tokens: the tokens that
+    end a line): only repeats of an n-gram that begins in position i's own line count."""
     b, length = seq.shape
     m = n - 1
     ban = torch.zeros(b, length, vocab, dtype=torch.bool, device=seq.device)
@@ -114,7 +116,14 @@ def repeat_continuations(seq: torch.Tensor, start: int, n: int, vocab: int,
         eq[:, d:, d:] &= s[:, :, None] == s[:, None, :]
     idx = torch.arange(length, device=seq.device)
     valid = (idx[None, :] < idx[:, None]) & (idx[None, :] >= m) & (idx[:, None] >= max(m, start))
-    bi, ii, jj = (eq & valid[None]).nonzero(as_tuple=True)
+    eq &= valid[None]
+    if newline is not None:
+        nl = newline.to(seq.device)[seq].long()
+        line = nl.cumsum(1) - nl                                       # line breaks strictly before each position
+        first = torch.zeros_like(line)
+        first[:, m:] = line[:, : length - m]                           # line of the n-gram's first token (j - m)
+        eq &= first[:, None, :] == line[:, :, None]                    # [B, i, j]: it starts in i's line
+    bi, ii, jj = eq.nonzero(as_tuple=True)
     c = seq[bi, jj]
     if edges is not None:
         starts, ends = (e.to(seq.device) for e in edges)
@@ -134,35 +143,10 @@ def newline_tokens(tok, vocab: int) -> torch.Tensor:
 
 def line_repeat_continuations(seq: torch.Tensor, start: int, n: int, vocab: int, newline: torch.Tensor,
                               edges: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """seq [B, L] -> bool [B, L, V]: repeat_continuations for a short n-gram whose earlier occurrence
-    lies wholly in the line position i is in (no line break between its first token and i): the
-    phrase loops inside a line (`the directory of the directory of ...`, `all all all`) that a long
-    n-gram ban reaches only after several words. `newline` (newline_tokens) marks the tokens that end
-    a line; `edges` as in repeat_continuations."""
-    b, length = seq.shape
-    m = n - 1
-    ban = torch.zeros(b, length, vocab, dtype=torch.bool, device=seq.device)
-    if length <= m:
-        return ban
-    nl = newline.to(seq.device)[seq].long()
-    line = nl.cumsum(1) - nl                                           # line breaks strictly before each position
-    eq = torch.ones(b, length, length, dtype=torch.bool, device=seq.device)
-    for d in range(1, m + 1):
-        s = seq[:, : length - d]
-        eq[:, d:, d:] &= s[:, :, None] == s[:, None, :]
-    idx = torch.arange(length, device=seq.device)
-    valid = (idx[None, :] < idx[:, None]) & (idx[None, :] >= m) & (idx[:, None] >= max(m, start))
-    first = torch.zeros_like(line)
-    first[:, m:] = line[:, : length - m]                               # line of the n-gram's first token (j - m)
-    same = first[:, None, :] == line[:, :, None]                       # [B, i, j]: it starts in i's line
-    bi, ii, jj = (eq & valid[None] & same).nonzero(as_tuple=True)
-    c = seq[bi, jj]
-    if edges is not None:
-        starts, ends = (e.to(seq.device) for e in edges)
-        keep = ~(ends[seq[bi, ii - 1]] & starts[c])
-        bi, ii, c = bi[keep], ii[keep], c[keep]
-    ban[bi, ii, c] = True
-    return ban
+    """repeat_continuations for a short n-gram whose earlier occurrence lies wholly in position i's
+    line: the phrase loops inside a line (`the directory of the directory of ...`, `all all all`)
+    that a long n-gram ban reaches only after several words."""
+    return repeat_continuations(seq, start, n, vocab, edges, newline)
 
 
 def banned_anchored_unlikelihood(logits: torch.Tensor, teacher_logits: torch.Tensor, ban: torch.Tensor,
