@@ -94,8 +94,10 @@ def run_model(path: str, label: str, vocabs: list[int | None], device: str, log:
     sampled = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.8, seed=1)
     with LLM(path, device=device, progress=False, max_seq_len=prompt + 2 * tokens + 64) as llm:
         trunk, mtp = llm.engine.trunk, llm.engine.drafters["mtp"]
-        if device == "cpu":                                 # smoke: the draft chain's graph flow, emulated
+        if device == "cpu":                                 # smoke: the draft chain's and accept's graph flow, emulated
+            from specfire.runtime.spec import StepBuffers
             mtp.graphs = DraftGraphs(mtp._chain_for, mtp.head.fc.weight.device, emulate=True)
+            llm.engine.bufs = StepBuffers(trunk.device, emulate=True)
         log("progress", what=label, loaded_s=time.perf_counter() - t0)
         ids = torch.randint(0, llm.cfg.vocab_size - 1, (prompt,), generator=g).tolist()
         llm.generate(ids, warm, spec="off")

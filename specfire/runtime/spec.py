@@ -107,7 +107,7 @@ class StepBuffers:
         """`accept_device`, replayed from a graph when this engine captures them."""
         if self.graphs is None or rng is None:
             return accept_device(logits, draft, q, sp, rng)
-        key = ("accept", draft.shape[0], q is not None, sampling_key(sp), rng.state.data_ptr())
+        key = ("accept", draft.shape[0], None if q is None else q.shape[-1], sampling_key(sp), rng.state.data_ptr())
         ins = (logits, draft) if q is None else (logits, draft, q)
         return self.graphs.run(key, lambda lg, d, *qq: accept_device(lg, d, qq[0] if qq else None, sp, rng), ins,
                                keep=(rng.state,))
