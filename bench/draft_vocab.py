@@ -3,6 +3,7 @@ one MTP cycle on one GPU, on the 27B shape with random weights.
 
     PYTHONPATH=$PWD python bench/draft_vocab.py --shape 27B --vocab 32768,16384 --budget-s 200 --out $OUT
     PYTHONPATH=$PWD python bench/draft_vocab.py --smoke      # the same flow on the CPU, tiny shape
+    PYTHONPATH=$PWD python bench/draft_vocab.py --bundled --vocab 2048,1024,512   # acceptance, bundled model, CPU
 
 The checkpoint is bench/tp.py's "tied" one (final norms -1: every logit ties, greedy picks token 0,
 which lies inside every prefix [0, N), so every draft is accepted with and without a draft
@@ -150,6 +151,43 @@ def run_model(path: str, label: str, vocabs: list[int | None], device: str, log:
         trunk.draft_vocab = None
 
 
+def bundled(vocabs: list[int | None], n_prompts: int, tokens: int, threads: int, log: Log) -> None:
+    """Acceptance on the bundled model (CPU): greedy MTP k=3 on held-out code prompts
+    (bench/bundled_accept.py's), mean_accept_len and output == AR for each draft vocabulary; and how
+    well the id prefix [0, N) stands for the N most frequent tokens: the share of the AR output's
+    tokens below N, beside the share inside the N ids most frequent on the held-out stdlib text
+    (an independent count: what a frequency-ranked subset, FR-Spec's, would keep)."""
+    from collections import Counter
+
+    from bundled_accept import held_out_prompts
+
+    from specfire import LLM, SamplingParams, SpecPolicy
+    from specfire.train.corpus import held_out_sources
+
+    torch.set_num_threads(threads)
+    prompts = [p for _, p in held_out_prompts(n_prompts, 24, "packages")]
+    sp = SamplingParams(max_tokens=tokens)
+    with LLM(None, device="cpu", dtype="float32", spec="auto", progress=False) as llm:
+        trunk, v = llm.engine.trunk, llm.cfg.vocab_size
+        ar = [llm.generate(p, sp, spec="off").token_ids for p in prompts]
+        out = [t for seq in ar for t in seq]
+        freq = Counter(t for _, text in held_out_sources()["stdlib"] for t in llm.tokenizer.encode(text))
+        ranked = [t for t, _ in freq.most_common()]
+        for n in vocabs:
+            trunk.draft_vocab = n                            # what LLM(..., draft_vocab=n) sets at load
+            res = [llm.generate(p, sp, spec=SpecPolicy("mtp", 3)) for p in prompts]
+            cyc = sum(r.stats["cycles"] for r in res)
+            acc = sum(r.stats["accepted"] for r in res)
+            nn = n or v
+            top = set(ranked[:nn])
+            log("bundled", draft_vocab=nn, vocab_size=v, prompts=len(prompts), tokens=tokens,
+                mtp3_mean_accept_len=1 + acc / cyc, cycles=cyc, equals_ar=all(r.token_ids == a for r, a in zip(res, ar)),
+                ar_tokens_below_n=sum(t < nn for t in out) / len(out),
+                ar_tokens_in_top_n_by_frequency=sum(t in top for t in out) / len(out),
+                prefix_overlap_with_top_n=len(top & set(range(nn))) / nn)
+        trunk.draft_vocab = None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="27B")
@@ -162,7 +200,14 @@ def main() -> None:
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shape: the flow, no timings worth keeping")
+    ap.add_argument("--bundled", action="store_true", help="CPU: acceptance of the bundled model per draft vocabulary")
+    ap.add_argument("--prompts", type=int, default=10, help="--bundled: held-out prompts")
+    ap.add_argument("--threads", type=int, default=2, help="--bundled: CPU threads")
     args = ap.parse_args()
+    if args.bundled:
+        vocabs = [None] + [int(v) for v in args.vocab.split(",") if v]
+        bundled(vocabs, args.prompts, args.tokens if args.tokens != 64 else 128, args.threads, Log(args.out))
+        return
     t_end = time.monotonic() + args.budget_s
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
