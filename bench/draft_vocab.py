@@ -193,7 +193,7 @@ def main() -> None:
     ap.add_argument("--shape", default="27B")
     ap.add_argument("--vocab", default="32768,16384", help="draft vocabularies to time besides the whole one")
     ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=None, help="new tokens a request (default 64; --bundled 128)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip what would start past this")
     ap.add_argument("--q4", action="store_true", help="then the 4-bit checkpoint, if >= --q4-need-s are left")
     ap.add_argument("--q4-need-s", type=float, default=110)
@@ -206,8 +206,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.bundled:
         vocabs = [None] + [int(v) for v in args.vocab.split(",") if v]
-        bundled(vocabs, args.prompts, args.tokens if args.tokens != 64 else 128, args.threads, Log(args.out))
+        bundled(vocabs, args.prompts, args.tokens or 128, args.threads, Log(args.out))
         return
+    args.tokens = args.tokens or 64
     t_end = time.monotonic() + args.budget_s
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
