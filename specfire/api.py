@@ -8,7 +8,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .config import ModelConfig, SamplingParams, SpecPolicy
+from .config import ModelConfig, SamplingParams, SpecPolicy, check_draft_vocab
 from .errors import CheckpointError, PromptError, SpecfireError
 from .ops.attention import Q8_KV
 from .report import RequestFigures
@@ -57,7 +57,7 @@ class LLM:
     def __init__(self, model: str | None = None, tp: int = 1, device: Any = None, dtype: Any = None,
                  kv_dtype: str = "auto", max_seq_len: int | None = None, spec: SpecPolicy | dict | str | None = None,
                  mtp_path: str | None = None, progress: bool | None = None, cuda_graphs: bool | None = None,
-                 ngram: tuple[int, int] = (1, 4)):
+                 ngram: tuple[int, int] = (1, 4), draft_vocab: int | None = None):
         self._closed = True                   # until the engine is built
         if progress is None:  # a loading bar only where someone watches a terminal
             progress = sys.stderr.isatty()
@@ -82,6 +82,9 @@ class LLM:
         self.dtype = resolve_dtype(dtype, self.device)
         self.cfg = ModelConfig.from_dir(self.path)
         self.tp = tp
+        # the MTP drafter scores token ids 0..draft_vocab-1 only (None: the whole vocabulary); the
+        # verify scores them all, so output is unchanged (docs/ARCHITECTURE.md, draft vocabulary)
+        self.draft_vocab = check_draft_vocab(draft_vocab, self.cfg.vocab_size)
         if max_seq_len is not None and max_seq_len > self.cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
                              f"{self.cfg.max_position_embeddings}")
@@ -96,7 +99,8 @@ class LLM:
         self.eos_ids = eos
         opts = EngineOptions(path=self.path, cfg=self.cfg, tp=tp, device=self.device, dtype=self.dtype,
                              kv_dtype=kvd, max_seq_len=self.max_seq_len, spec=self.spec, mtp_path=mtp_path,
-                             cuda_graphs=cuda_graphs, ngram=self.ngram, progress=progress)
+                             cuda_graphs=cuda_graphs, ngram=self.ngram, progress=progress,
+                             draft_vocab=self.draft_vocab)
         self.engine = build_engine(opts, self.tokenizer, eos)
         self.cfg = self.engine.trunk.cfg      # the checkpoint decides whether lm_head is tied
         self._closed = False

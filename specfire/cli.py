@@ -32,13 +32,16 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
     p.add_argument("--mtp-path", default=None, help="MTP head sidecar safetensors (default: in or beside the checkpoint)")
     p.add_argument("--eager", action="store_true", help="launch kernels eagerly (no CUDA graphs)")
     p.add_argument("--ngram-n", default="1:4", metavar="MIN:MAX", help="suffix lengths the n-gram drafter looks up")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="the MTP drafter scores token ids 0..N-1 only (a cheaper draft lm_head; output is "
+                        "unchanged, acceptance may drop); default: the whole vocabulary")
 
 
 # the flag behind each field a ValueError names first, so CLI errors speak of flags
 FLAGS = {"max_tokens": "-n/--max-tokens", "temperature": "-t/--temperature", "top_p": "--top-p",
          "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed", "stop": "--stop", "spec.k": "--spec-k",
          "spec.mode": "--spec", "tp": "--tp", "device": "--device", "dtype": "--dtype", "kv_dtype": "--kv-dtype",
-         "max_seq_len": "--max-seq-len", "ngram": "--ngram-n"}
+         "max_seq_len": "--max-seq-len", "ngram": "--ngram-n", "draft_vocab": "--draft-vocab"}
 
 
 def flagged(e: ValueError) -> ValueError:
@@ -63,7 +66,7 @@ def load_model(args: argparse.Namespace):
         ngram = _ngram_range(args.ngram_n)
         return LLM(model_path(args), tp=args.tp, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
                    max_seq_len=args.max_seq_len, spec=spec, mtp_path=args.mtp_path, progress=sys.stderr.isatty(),
-                   cuda_graphs=False if args.eager else None, ngram=ngram)
+                   cuda_graphs=False if args.eager else None, ngram=ngram, draft_vocab=args.draft_vocab)
     except SpecfireError:
         raise
     except ValueError as e:

@@ -332,3 +332,14 @@ class SpecPolicy:
             base = default or cls()
             return cls(mode=v.get("mode", base.mode), k=v.get("k", base.k))
         raise ValueError(f"spec must be a SpecPolicy, a dict or a mode string, got {type(v).__name__}")
+
+
+def check_draft_vocab(n: Any, vocab_size: int) -> int | None:
+    """The MTP drafter's vocabulary: None (off, the whole vocabulary) or N, an integer in
+    1..vocab_size, meaning the draft scores token ids 0..N-1 only (runtime/drafters.py). N equal
+    to the vocabulary is the same as off."""
+    if n is None:
+        return None
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= vocab_size:
+        raise ValueError(f"draft_vocab must be an integer in 1..{vocab_size} (the model's vocabulary), got {n!r}")
+    return None if n == vocab_size else n

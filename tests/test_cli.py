@@ -173,6 +173,9 @@ BAD_ARGS = [
     (["--stop", ""], r"--stop must be"),
     (["--ngram-n", "4"], r"--ngram-n must be MIN:MAX"),
     (["--ngram-n", "3:1"], r"--ngram-n must be"),
+    (["--draft-vocab", "0"], r"--draft-vocab must be an integer in 1\.\.\d+ \(the model's vocabulary\), got 0"),
+    (["--draft-vocab", "999999"], r"--draft-vocab must be an integer in 1\.\.\d+ .*got 999999"),
+    (["--draft-vocab", "half"], r"argument --draft-vocab: invalid int value: 'half'"),
     (["--bogus"], r"unrecognized arguments: --bogus"),
 ]
 

@@ -98,11 +98,26 @@ def test_ping_and_generate_before_load():
 def test_load(daemon, ckpt):
     _bad(daemon, {"type": "load", "id": "l0", "model": "/nonexistent/model"}, "load_error", "nonexistent", "l0")
     _bad(daemon, {"type": "load", "id": "l1", "model": ckpt, "params": {"bogus": 1}}, "invalid_request", "bogus", "l1")
+    _bad(daemon, {"type": "load", "id": "l2", "model": ckpt, "params": {"draft_vocab": 0}}, "invalid_request",
+         "draft_vocab must be an integer", "l2")
     daemon.send({"type": "load", "id": "l2", "model": ckpt, "params": {"spec": {"mode": "auto", "k": 2}}})
     ev = daemon.recv()
     assert ev["type"] == "loaded" and ev["id"] == "l2"
     assert ev["arch"] == "qwen3_5_text" and ev["layers"] == 4 and ev["vocab"] == 320
     assert ev["mtp"] is True and ev["tp"] == 1
+
+
+def test_draft_vocab_flag_is_every_loads_default(ckpt):
+    """`daemon --draft-vocab N` applies to the start-up load and to every load that does not set its own."""
+    d = Pipe("--draft-vocab", "100000", "--model", ckpt)
+    try:
+        ev = d.recv()
+        assert ev["type"] == "error" and ev["class"] == "invalid_request", ev
+        assert "draft_vocab must be an integer in 1..320" in ev["message"] and "100000" in ev["message"]
+        d.send({"type": "load", "id": "l", "model": ckpt, "params": {"draft_vocab": 7}})
+        assert d.recv()["type"] == "loaded"
+    finally:
+        d.close()
 
 
 def test_generate_events_match_in_process(loaded, ckpt):

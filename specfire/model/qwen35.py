@@ -26,7 +26,7 @@ from ..ops import norm as norm_ops
 from ..ops import onecpu
 from ..ops import tree_norm
 from ..ops.act import silu_mul
-from ..ops.linear import linear, linear_fused, linear_group, one_cpu
+from ..ops.linear import linear, linear_fused, linear_group, linear_prefix, one_cpu
 from ..ops.splitk import ChunkCache, KSplit, subtree
 from ..ops.splitk import enabled as splitk_enabled, head_block
 from ..ops.rope import apply_rope, rope_cos_sin
@@ -343,8 +343,11 @@ class Qwen35Trunk(nn.Module):
         dev = self.embed_tokens.weight.device
         return SequenceState.allocate(self.cfg, self.cfg.layer_types, max_seq, dev, kv_dtype)
 
-    def logits(self, h: torch.Tensor, rows: bool) -> torch.Tensor:
-        """h [T, H] post-norm -> float32 logits [T, V]."""
+    def logits(self, h: torch.Tensor, rows: bool, vocab: int | None = None) -> torch.Tensor:
+        """h [T, H] post-norm -> float32 logits [T, V]; `vocab` n: over token ids 0..n-1 only, [T, n]
+        (the MTP drafter's reduced vocabulary: ops/linear.py linear_prefix reads no other row)."""
+        if vocab is not None:
+            return linear_prefix(h, self.lm_weight, vocab, rows).float()
         return linear(h, self.lm_weight, rows).float()
 
     def forward(self, ids: torch.Tensor, pos0: int, state: SequenceState, rows: bool,

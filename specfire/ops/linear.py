@@ -163,3 +163,38 @@ def q4_dense(w, dtype: torch.dtype) -> torch.Tensor:
     if w._dense is None or w._dense.dtype != dtype:
         w._dense = w.dequantize().to(dtype)
     return w._dense
+
+
+def vocab_rows(w, n: int):
+    """The first n output rows of a weight, reading no other row. A tensor: its row-prefix view
+    (no copy; a tied embedding alike). A 4-bit QuantWeight: one over the leading tiles of its codes
+    (a view: tiles hold whole output rows, and the kernel masks rows >= n of the last one) with the
+    prefix's scales and zeros, which are copied (the kernel reads them with row stride n): K/G x n x
+    4 bytes, 5.2 MB at n = 32768 on the 27B lm_head, built once and kept on the weight."""
+    if n >= w.shape[0]:
+        return w
+    if isinstance(w, torch.Tensor):
+        return w[:n]
+    cache = w.__dict__.setdefault("_specfire_prefix", {})
+    hit = cache.get(n)
+    if hit is None:
+        from .quant import QuantWeight
+
+        codes = w.qtiled[:-(-n // w.tile)] if w.tile else w.qtiled[:n]
+        hit = cache[n] = QuantWeight(codes, w.scales_t[:, :n].contiguous(), w.zeros_t[:, :n].contiguous(),
+                                     w.hadamard, w.dtype, tile=w.tile)
+    return hit
+
+
+def linear_prefix(x: torch.Tensor, w, n: int | None, rows: bool = True, launch_n: int | None = None) -> torch.Tensor:
+    """x @ w[:n]^T, [M, n]: the product with the first n output rows of w only (the MTP drafter's
+    reduced vocabulary), no row past n read and none copied (`vocab_rows`). n None: all of w.
+    One CPU device multiplies by a column view of the cached W^T; the CPU 4-bit reference by a row
+    view of its dense copy."""
+    if n is None or n >= w.shape[0]:
+        return linear(x, w, rows, launch_n)
+    if isinstance(w, torch.Tensor) and one_cpu(x):
+        return linear_one_cpu(x, transposed(w)[:, :n], rows)
+    if not isinstance(w, torch.Tensor) and not x.is_cuda:
+        return _paneled(linear_rows_ref if rows else F.linear, w.prepare_input(x), q4_dense(w, x.dtype)[:n])
+    return linear(x, vocab_rows(w, n), rows, launch_n)

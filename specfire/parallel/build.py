@@ -72,7 +72,7 @@ def mesh_trunk(opts: EngineOptions) -> BuiltTrunk:
     spec = MeshSpec(path=opts.path, cfg=cfg, tp=tp, dtype=opts.dtype, device_type=dev.type,
                     device_base=max(0, base), max_seq=opts.max_seq_len, kv_dtype=opts.kv_dtype,
                     timeout_s=timeout_s, threads=threads, cuda_graphs=opts.cuda_graphs,
-                    mtp_head=sharded_head, mtp_path=opts.mtp_path)
+                    mtp_head=sharded_head, mtp_path=opts.mtp_path, draft_vocab=opts.draft_vocab)
     my_device = spec.device(place.local_rank)
     if place.joined and place.rank != 0:
         comm, created = comm_mod.init(place.rank, tp, my_device, timeout_s, None, START_TIMEOUT_S)
@@ -115,7 +115,7 @@ def mesh_trunk(opts: EngineOptions) -> BuiltTrunk:
         name, msg = worker_errs[0] if worker_errs else ("", f"rank {bad[0]} failed to load its shard (see its log)")
         raise (CheckpointError if name in ("CheckpointError", "ConfigError") else MeshError)(msg)
     mt = MeshTrunk(mesh, trunk, tp, opts.dtype,
-                   _drafter_vocab(src, cfg, head, opts.dtype, my_device, trunk.graphs_enabled))
+                   _drafter_vocab(src, cfg, head, opts.dtype, my_device, trunk.graphs_enabled), opts.draft_vocab)
     _open_meshes.add(mt)
     log.info("tensor-parallel mesh of %d ranks ready (%s)", tp, "joined" if place.joined else "local workers")
     return BuiltTrunk(mt, head, topology=f"tp{tp}")

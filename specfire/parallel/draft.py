@@ -13,6 +13,11 @@ shard) and the ranks agree on the argmax:
 which is `argmax` over the whole vocabulary (the first index of the maximum, NaN first), so the
 drafted token equals the one-device draft bit for bit and acceptance is alike on every degree.
 
+A reduced draft vocabulary (the first N ids, `draft_vocab`): each rank scores only its rows below
+N (a rank whose shard starts at or past N scores none and offers -inf); where N fits in rank 0's
+shard the mesh trunk does not shard the picks at all (parallel/trunk.py: rank 0 scores rows 0..N-1
+of its whole copy, no collective).
+
 Rank 0 calls `shard_argmax(h)` inside its draft chain; the other ranks run `k` rounds of it with
 h = None at the same time (`WorkerDraft`), so both sides run the same collectives in the same
 order. On the GPU both sides replay CUDA graphs: the collectives use a symmetric-memory buffer
@@ -26,7 +31,7 @@ import torch
 
 from ..errors import MeshError
 from ..ops import lanes
-from ..ops.linear import linear
+from ..ops.linear import linear_prefix
 
 
 MODES = ("shard", "whole")
@@ -63,21 +68,37 @@ def pick(pairs: torch.Tensor) -> torch.Tensor:
     return pairs[:, 1].index_select(0, r).to(torch.int64)
 
 
+def draft_end(model) -> int:
+    """One past the last token id the draft scores: the draft vocabulary (the first N ids, loaded
+    with draft_vocab=N: `model.draft_vocab`), else the whole vocabulary."""
+    n = getattr(model, "draft_vocab", None)
+    return model.cfg.vocab_size if n is None else n
+
+
+def local_logits(model, x: torch.Tensor) -> torch.Tensor:
+    """x [1, H] -> float32 logits [1, n] of this rank's lm_head rows inside the draft vocabulary
+    (its real rows v0.. below `draft_end`: none past it are read; n may be 0), with the launch
+    settings of the whole draft product, so each logit has one device's bits."""
+    end = draft_end(model)
+    n = max(0, min(model.plan.vocab_shard, end - model.plan.vocab[0]))
+    if n == 0:
+        return torch.empty(1, 0, dtype=torch.float32, device=x.device)
+    with lanes.invariant():                  # CPU: the paneled product, so a shard has the whole's bits
+        return linear_prefix(x, model.lm_weight, n, True, end).float()
+
+
 def shard_argmax(model, coll, h: torch.Tensor | None) -> torch.Tensor:
     """The greedy token [1] of rank 0's post-norm row h [1, H] (None on the other ranks) over the
-    whole vocabulary, on every rank. `model`: this rank's ShardedQwen35; `coll`: the collectives."""
-    cfg, w = model.cfg, model.lm_weight
+    draft vocabulary (the whole by default), on every rank. `model`: this rank's ShardedQwen35;
+    `coll`: the collectives."""
+    cfg = model.cfg
     dtype = model.embed_tokens.weight.dtype
     if h is None:
         x = torch.zeros(1, cfg.hidden_size, dtype=torch.float32, device=model.embed_tokens.weight.device)
     else:
         x = h.reshape(1, cfg.hidden_size).to(torch.float32)
     x = coll.sum(x).to(dtype)                                                 # rank 0's row everywhere
-    with lanes.invariant():                  # CPU: the paneled product, so a shard has the whole's bits
-        local = linear(x, w, True, cfg.vocab_size).float()                    # [1, vocab_shard]
-    v0 = model.plan.vocab[0]
-    valid = max(0, min(local.shape[-1], cfg.vocab_size - v0))                # rows past it are padding
-    return pick(coll.all_gather(local_best(local[:, :valid], v0)))
+    return pick(coll.all_gather(local_best(local_logits(model, x), model.plan.vocab[0])))
 
 
 def shard_pick(model, coll, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,13 +106,10 @@ def shard_pick(model, coll, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     parallel/mtp.py): no collective to share it, and the all-gather of the (value, index) pairs
     carries each rank's candidate embedding row too, so every rank gets (token [1], its embedding
     [1, H]) from one collective."""
-    cfg, w = model.cfg, model.lm_weight
+    cfg = model.cfg
     emb = model.embed_tokens.weight
-    with lanes.invariant():
-        local = linear(h.reshape(1, cfg.hidden_size).to(emb.dtype), w, True, cfg.vocab_size).float()
     v0 = model.plan.vocab[0]
-    valid = max(0, min(local.shape[-1], cfg.vocab_size - v0))
-    best = local_best(local[:, :valid], v0)                                   # [2]
+    best = local_best(local_logits(model, h.reshape(1, cfg.hidden_size).to(emb.dtype)), v0)    # [2]
     i = (best[1:] - v0).to(torch.int64).clamp(0, emb.shape[0] - 1)
     pairs = coll.all_gather(torch.cat([best, emb.index_select(0, i).view(-1).to(torch.float32)]))
     v = pairs[:, 0]

@@ -56,6 +56,7 @@ class ShardedQwen35(Qwen35Trunk):
     """Build under torch.device('meta'), then fill with loader.load_module(..., fetch=plan.fetch)."""
 
     canonical = True     # every rank's CPU elementwise math padded as tp = 1's canonical mode
+    draft_vocab: int | None = None   # the MTP draft's picks score token ids 0..N-1 only (parallel/draft.py)
 
     def __init__(self, cfg: ModelConfig, plan: ShardPlan, comm: Comm):
         if cfg.vocab_size > IDS_EXACT:

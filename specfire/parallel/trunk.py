@@ -14,9 +14,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..config import ModelConfig
+from ..config import ModelConfig, check_draft_vocab
 from ..errors import MeshError
-from ..ops.linear import linear
+from ..ops.linear import linear_prefix
 from ..runtime.trunk import LocalTrunk, Rows
 from .control import DRAFT, RANK_STATS, RANK_TIME, STAT_NAMES, Call, RankExecutor, SharedIds
 from .draft import draft_mode, shard_argmax
@@ -31,7 +31,7 @@ class MeshTrunk:
 
 
     def __init__(self, mesh: Mesh, trunk: LocalTrunk, tp: int, dtype: torch.dtype,
-                 drafter_vocab: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 drafter_vocab: tuple[torch.Tensor, torch.Tensor] | None = None, draft_vocab: int | None = None):
         self.cfg: ModelConfig = trunk.cfg
         self.max_seq = trunk.max_seq
         self.device = trunk.device
@@ -41,6 +41,7 @@ class MeshTrunk:
         self._ex = RankExecutor(mesh.comm, trunk)
         self._dtype = dtype
         self._drafter_vocab = drafter_vocab     # whole (embedding, lm_head) on rank 0, or None
+        self.draft_vocab = check_draft_vocab(draft_vocab, self.cfg.vocab_size)   # every rank's model has it too
         self._commits: list = []                # run on rank 0, sent with the next call (commits, draft chains)
         self._finalizer = weakref.finalize(self, mesh.shutdown)
         mode = draft_mode()
@@ -48,6 +49,10 @@ class MeshTrunk:
         # the first draft (rank 0's captured draft graphs keep what they captured)
         self.draft_sharded = mesh.comm.draft_coll is not None and (
             mode == "shard" or (mode is None and trunk.graphs_enabled))
+        if drafter_vocab is not None and self.draft_vocab is not None and self.draft_vocab <= trunk.model.plan.vocab_shard:
+            # a draft vocabulary inside rank 0's shard: rank 0 scores it alone from its whole copy
+            # (rows 0..N-1), with no pick collective and nothing for the other ranks to do
+            self.draft_sharded = False
         self.mtp_mesh = getattr(trunk.model, "mtp_mesh", None)   # the sharded MTP head (parallel/mtp.py), or None
 
     @property
@@ -131,9 +136,13 @@ class MeshTrunk:
         return self.mesh_embed(ids)
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The drafter's logits [R, draft_vocab or V]: over rank 0's whole copy (rows 0..N-1 only
+        with a draft vocabulary), else through the mesh (the whole vocabulary, then cut: the eager
+        GPU mesh reads every row)."""
         if self._drafter_vocab is not None:
-            return linear(h, self._drafter_vocab[1], rows=True).float()
-        return self.mesh_lm_logits(h)
+            return linear_prefix(h, self._drafter_vocab[1], self.draft_vocab, rows=True).float()
+        full = self.mesh_lm_logits(h)
+        return full if self.draft_vocab is None else full[:, :self.draft_vocab]
 
     def mesh_embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The vocab-parallel embedding across the mesh (masked lookup + all-reduce)."""

@@ -36,6 +36,7 @@ def load_shard(spec: MeshSpec, comm: Comm) -> LocalTrunk:
                               build=lambda cfg: ShardedQwen35(cfg, plan, comm), fetch=plan.fetch,
                               what=f"trunk shard {comm.rank}/{spec.tp}")
     graphs = spec.cuda_graphs if spec.device_type == "cuda" else False
+    model.draft_vocab = spec.draft_vocab       # what this rank's side of a draft pick scores (parallel/draft.py)
     trunk = LocalTrunk(model, spec.max_seq, spec.kv_dtype, cuda_graphs=graphs)
     if trunk.graphs_enabled or spec.device_type == "cpu":
         # the rows forward's collectives: symmetric memory (capturable) on CUDA, the same code over

@@ -38,6 +38,7 @@ class EngineOptions:
     cuda_graphs: bool | None = None  # None = where the attention kernel serves the head size
     ngram: tuple[int, int] = (1, 4)
     progress: bool = False
+    draft_vocab: int | None = None   # the MTP drafter scores token ids 0..N-1 only (None: all)
 
     @property
     def want_mtp(self) -> str:
@@ -64,7 +65,8 @@ def local_trunk(opts: EngineOptions) -> BuiltTrunk:
     if cfg.n_linear:     # the optional prefill library compiles now, not in the first request (ops/gdn_fla.py)
         gdn_fla.warm(cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                      cfg.linear_value_head_dim, opts.device)
-    return BuiltTrunk(LocalTrunk(model, opts.max_seq_len, opts.kv_dtype, opts.cuda_graphs), head, "single")
+    return BuiltTrunk(LocalTrunk(model, opts.max_seq_len, opts.kv_dtype, opts.cuda_graphs, opts.draft_vocab), head,
+                      "single")
 
 
 def trunk_factory(opts: EngineOptions) -> TrunkFactory:

@@ -81,6 +81,10 @@ class MtpDrafter:
     Where the trunk replays CUDA graphs, the chain is replayed too, greedy or sampled (one graph
     per sampling configuration; the random stream is device-side, runtime/rng.py).
 
+    Each step is scored by `trunk.lm_logits`: over the trunk's draft vocabulary when it was loaded
+    with one (`draft_vocab=N`: token ids 0..N-1, so a greedy pick is already a whole-vocabulary id
+    and a sampled step's q is [N], zero past N for the accept), else over the whole vocabulary.
+
     The default feed is "pre", the better of the two measured (bench/spec_cpu.py and
     bench/bundled_accept.py, greedy, mean_accept_len at k = 2/3/4): on a head fitted for one step
     (tests/specfit.py) pre 2.149/2.255/2.269 vs post 2.131/2.161/2.168; on the first-wave bundled

@@ -62,7 +62,11 @@ class Engine:
 
     def route(self, policy: SpecPolicy, sp: SamplingParams) -> tuple[str, str]:
         """(route, reason) a request would take; raises SpecfireError for a mode it cannot serve."""
-        return select_route(policy, self.mtp_loaded, sp, self.topology)
+        route, reason = select_route(policy, self.mtp_loaded, sp, self.topology)
+        n = self.trunk.draft_vocab
+        if n is not None and self.mtp_loaded and route in ("mtp", "auto"):
+            reason += f"; MTP drafts from token ids 0..{n - 1} of {self.trunk.cfg.vocab_size} (draft_vocab={n})"
+        return route, reason
 
     def controller(self, route: str, policy: SpecPolicy, sp: SamplingParams) -> RouteController:
         """`auto`: measured choices among AR and the loaded drafters; otherwise the route as asked.

@@ -34,7 +34,8 @@ def accept_device(logits: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | N
                   rng: DeviceRng | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rejection sampling on the device, fixed shapes and no host read (graph-capturable).
     logits [k+1, V] of the verify rows; draft [k] int64; q [k, V] the drafter's distributions
-    (None for a deterministic proposal such as n-gram). Draft i is kept with probability
+    (None for a deterministic proposal such as n-gram), or [k, N] for N < V when the drafter drew
+    from token ids 0..N-1 only (a reduced draft vocabulary: q is 0 past N). Draft i is kept with probability
     min(1, p_i(d) / q_i(d)); at the first rejection the token comes from max(0, p_i - q_i) (p_i
     without d when q is None), after k acceptances from p_k. Draws k uniforms and one row of V
     whatever happens, so the random stream advances alike every step. Returns (n accepted, 0-d
@@ -52,6 +53,9 @@ def accept_device(logits: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | N
     if q is None:
         resid = p[:k].clone()
         resid[rows, draft] = 0.0
+    elif q.shape[-1] < p.shape[-1]:                                    # q = 0 past its width
+        resid = p[:k].clone()
+        resid[:, :q.shape[-1]] = (resid[:, :q.shape[-1]] - q).clamp_min(0.0)
     else:
         resid = (p[:k] - q).clamp_min(0.0)
     resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p[:k])
@@ -103,7 +107,7 @@ class StepBuffers:
         """`accept_device`, replayed from a graph when this engine captures them."""
         if self.graphs is None or rng is None:
             return accept_device(logits, draft, q, sp, rng)
-        key = ("accept", draft.shape[0], q is not None, sampling_key(sp), rng.state.data_ptr())
+        key = ("accept", draft.shape[0], None if q is None else q.shape[-1], sampling_key(sp), rng.state.data_ptr())
         ins = (logits, draft) if q is None else (logits, draft, q)
         return self.graphs.run(key, lambda lg, d, *qq: accept_device(lg, d, qq[0] if qq else None, sp, rng), ins,
                                keep=(rng.state,))

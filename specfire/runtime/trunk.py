@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from ..config import ModelConfig
+from ..config import ModelConfig, check_draft_vocab
 from ..model.qwen35 import Qwen35Trunk, SequenceState
 
 PREFILL_PIECE = 1024  # prompt rows per prefill forward (bounds attention-score memory)
@@ -38,6 +38,7 @@ class Trunk(Protocol):
     max_seq: int
     device: torch.device          # where ids go in and logits / hidden rows come out
     graphs_enabled: bool          # verify replays CUDA graphs, so the MTP draft chain may too
+    draft_vocab: int | None       # lm_logits scores token ids 0..draft_vocab-1 only (None: all)
 
     def begin(self) -> None: ...                                   # new sequence: reset state
     def prefill(self, ids: torch.Tensor, logits: str = "last") -> Rows: ...  # logits "last" | "all"; hidden of all
@@ -45,7 +46,7 @@ class Trunk(Protocol):
     def commit(self, n: int) -> None: ...                          # state := after row n of verify
     def score(self, ids: torch.Tensor) -> torch.Tensor: ...        # float32 logits [T, V]
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...        # for the MTP drafter
-    def lm_logits(self, h: torch.Tensor) -> torch.Tensor: ...      # for the MTP drafter
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor: ...      # for the MTP drafter: [R, draft_vocab or V]
     def close(self) -> None: ...
 
 
@@ -53,12 +54,16 @@ TRUNK_METHODS: tuple[str, ...] = tuple(n for n, v in vars(Trunk).items() if call
 
 
 class LocalTrunk:
-    """The trunk on one device."""
+    """The trunk on one device. `draft_vocab` n: the MTP drafter's lm_logits scores token ids
+    0..n-1 only, through a row-prefix view of the lm_head (config.check_draft_vocab; the verify
+    always scores the whole vocabulary)."""
 
-    def __init__(self, model: Qwen35Trunk, max_seq: int, kv_dtype: torch.dtype, cuda_graphs: bool | None = None):
+    def __init__(self, model: Qwen35Trunk, max_seq: int, kv_dtype: torch.dtype, cuda_graphs: bool | None = None,
+                 draft_vocab: int | None = None):
         self.model = model
         self.cfg = model.cfg
         self.max_seq = max_seq
+        self.draft_vocab = check_draft_vocab(draft_vocab, model.cfg.vocab_size)
         self.device = model.embed_tokens.weight.device
         self.piece = PREFILL_PIECE                # prompt rows per prefill forward
         self.state: SequenceState = model.new_state(max_seq, kv_dtype)
@@ -117,7 +122,9 @@ class LocalTrunk:
 
     @torch.inference_mode()
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.model.logits(h, rows=True)
+        if self.draft_vocab is None:
+            return self.model.logits(h, rows=True)
+        return self.model.logits(h, rows=True, vocab=self.draft_vocab)
 
     def close(self) -> None:
         self.graphs = None

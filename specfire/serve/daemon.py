@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("specfire")
 
 LOAD_PARAMS = ("tp", "device", "dtype", "kv_dtype", "max_seq_len", "spec", "mtp_path", "prefix_cache_mb",
-               "prefill_piece")
+               "prefill_piece", "draft_vocab")
 PREFIX_CACHE_MB = 1024
 DEFAULT_MAX_TOKENS = 256
 EOF = None
@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None,
                    help="load this checkpoint at start (as if a load message came first); 'bundled' for the "
                         "bundled model")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="default draft_vocab of every load: the MTP drafter scores token ids 0..N-1 only "
+                        "(a load message's params.draft_vocab overrides it)")
 
 
 def is_int(v: Any) -> bool:
@@ -62,8 +65,9 @@ def is_int(v: Any) -> bool:
 
 
 class Daemon:
-    def __init__(self, out: IO[bytes]):
+    def __init__(self, out: IO[bytes], draft_vocab: int | None = None):
         self.out = out
+        self.draft_vocab = draft_vocab         # --draft-vocab: the default of every load
         self.llm: "LLM | None" = None
         self.lines: queue.Queue[bytes | None] = queue.Queue()
         self.pending: collections.deque[bytes] = collections.deque()  # read during a generation, not yet handled
@@ -201,6 +205,8 @@ class Daemon:
             raise DaemonError(f"'params' has unknown field(s) {unknown}; allowed: {', '.join(LOAD_PARAMS)}",
                               "invalid_request")
         params = dict(params)
+        if self.draft_vocab is not None:
+            params.setdefault("draft_vocab", self.draft_vocab)
         cache_mb = params.pop("prefix_cache_mb", PREFIX_CACHE_MB)
         piece = params.pop("prefill_piece", None)
         if not is_int(cache_mb) or cache_mb < 0:
@@ -327,7 +333,7 @@ def main(args: argparse.Namespace) -> int:
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)                      # fd 1 (C libraries) and sys.stdout now write to stderr
     real_stdout, sys.stdout = sys.stdout, sys.stderr
-    d = Daemon(out)
+    d = Daemon(out, getattr(args, "draft_vocab", None))
     try:
         if args.model is not None:
             d.handle_line(json.dumps({"type": "load", "model": None if args.model == "bundled" else args.model})
