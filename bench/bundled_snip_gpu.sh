@@ -19,6 +19,10 @@
 # Repetition (bench/bundled_loops.py), acceptance (bench/bundled_accept.py) and the reading check are
 # then done on a CPU on the unpacked weights. Everything printed goes to $OUT/log.txt. DRY=1: the same
 # steps, tiny, on the CPU (a smoke test).
+# Run (MODEL_CARD.md, "Seventh try"): 2026-12-01, commit 590627d, H200, 307.7 s, `OUT=$OUT BUDGET=365 SNIP_TIME=240
+#   bash bench/bundled_snip_gpu.sh`: 416 + 345 steps; the rule chose the 16-row arm's step 374 (validation 69.9%
+#   guarded + 2 x 2.1% phrase, ppl x1.025; no 32-row snapshot within 1.03x); bench 81.8% guarded, phrase-loop lines
+#   7.5%, held-out ppl +2.0%, k=3 accept 3.58: not shipped (in-block loops untouched; functions end after one line).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1

@@ -640,3 +640,24 @@ def test_pack_splits_and_rejoins(tmp_path):
     with tarfile.open(joined) as tf:
         tf.extractall(tmp_path / "x", filter="data")
     assert (tmp_path / "x" / "a.bin").read_bytes() == (src / "a.bin").read_bytes()
+
+
+def test_loop_bench_cut_at_block_end():
+    """bench/bundled_loops.py --cut-block-end: a completion is cut before the next top-level statement
+    (the same `def` again), not at closing brackets or quotes, and counts as ended there."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bundled_loops", os.path.join(os.path.dirname(__file__), "..", "bench", "bundled_loops.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    class Tok:
+        def encode(self, text, add_special_tokens=False):
+            return type("E", (), {"ids": list(range(len(text.split())))})()
+
+    text = "    x = f(\n)\n    return x\n\n\ndef g(a):\n    return x\n"
+    got = mod.cut_block_end({"prompt": "def g(a):\n", "text": text, "ids": [1] * 20, "finish": "length"}, Tok())
+    assert got["text"] == "    x = f(\n)\n    return x\n" and got["finish"] == "stop" and got["ids"] == list(range(6))
+    same = {"prompt": "p", "text": "    a\n    b", "ids": [1], "finish": "length"}
+    assert mod.cut_block_end(same, Tok()) == same
