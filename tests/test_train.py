@@ -547,6 +547,17 @@ def test_train_cli_rejects_bad_init(tmp_path):
     with pytest.raises(ValueError, match="fine-tune phase"):
         config_from_args(p.parse_args(["--out", str(tmp_path), "--init", str(tmp_path), "--device", "cpu",
                                        "--preset", "bundled"]))
+    with pytest.raises(ValueError, match="needs init"):
+        config_from_args(p.parse_args(["--out", str(tmp_path), "--device", "cpu", "--preset", "bundled-snip"]))
+    with pytest.raises(ValueError, match="snip_blank_frac"):
+        config_from_args(p.parse_args(["--out", str(tmp_path), "--init", str(tmp_path), "--device", "cpu",
+                                       "--preset", "bundled-snip", "--snip-blank-frac", "1.5"]))
+    with pytest.raises(ValueError, match="snip_rows2"):
+        config_from_args(p.parse_args(["--out", str(tmp_path), "--init", str(tmp_path), "--device", "cpu",
+                                       "--preset", "bundled-snip", "--snip-rows2", "64"]))
+    tc = config_from_args(p.parse_args(["--out", str(tmp_path), "--init", str(tmp_path), "--device", "cpu",
+                                        "--preset", "bundled-snip", "--snip-time-s", "30"]))
+    assert tc.snip_steps > 0 and tc.snip_time_s == 30.0 and tc.ul_select == 1 and tc.ul_ppl_budget == 0.03
     tc = config_from_args(p.parse_args(["--out", str(tmp_path), "--init", str(tmp_path), "--device", "cpu",
                                         "--preset", "bundled-ul", "--ul-time-s", "30"]))
     assert tc.init == str(tmp_path) and tc.ul_steps > 0 and tc.ul_time_s == 30.0

@@ -39,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated distributions held out of a site corpus (default: corpus.HELD_OUT_PACKAGES)")
     p.add_argument("--init", default=None, metavar="DIR",
                    help="start from this checkpoint (its weights and tokenizer) and run only the unlikelihood "
-                        "phase (preset bundled-ul; e.g. --init specfire/bundled)")
+                        "phase (preset bundled-ul) or the definition-snippet phase (preset bundled-snip); e.g. "
+                        "--init specfire/bundled")
     p.add_argument("--pack-dir", default=None,
                    help="also write every exported checkpoint here as model.tar.partNN pieces of 15 MB")
     types = {f.name: f.type for f in fields(TrainConfig)}

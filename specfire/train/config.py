@@ -2,6 +2,7 @@
 
 `bundled` is the pretraining recipe of the shipped weights; `bundled-ul` adds the unlikelihood
 fine-tune phase (finetune.py) and, with `init`, runs that phase alone on an existing checkpoint.
+`bundled-snip` runs the definition-snippet fine-tune (finetune.run_snippet_phase) from `init`.
 """
 from __future__ import annotations
 
@@ -184,6 +185,9 @@ class TrainConfig:
         if self.snip_steps:
             if self.ul_steps:
                 raise ValueError("train options snip_steps and ul_steps: run one fine-tune phase at a time")
+            if self.init is None:
+                raise ValueError("train option snip_steps (the definition-snippet phase) needs init: a checkpoint to "
+                                 "start from (e.g. --init specfire/bundled)")
             if not self.snip_rows or not self.snip_data_rows:
                 raise ValueError(f"train options snip_rows and snip_data_rows must be > 0, got {self.snip_rows}, "
                                  f"{self.snip_data_rows}")

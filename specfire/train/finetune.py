@@ -9,6 +9,9 @@ prompts (the model card's line measure) is logged before, at each snapshot and a
 (`ul_kl_weight`) a KL term holds the corpus distribution at the starting model's, and (`ul_select`)
 each snapshot is scored (select.py: repetition on the benchmark's prompts, held-out perplexity) and
 the phase ends on the one the rule of select.py picks, instead of exporting every snapshot.
+
+`run_snippet_phase` is another phase, without rollouts or unlikelihood: corpus rows mixed with
+definition snippets that end with end-of-text (snippets.py), scored by the same snapshot rule.
 """
 from __future__ import annotations
 
