@@ -27,6 +27,7 @@ the next --max-tokens tokens of its file (what repetition real code has: the mea
     PYTHONPATH=. python bench/bundled_loops.py [--model DIR] [--max-tokens 160] [--show 3] [--temperature T]
     PYTHONPATH=. python bench/bundled_loops.py --model NEW --ref-model OLD     # + the junk guard
     PYTHONPATH=. python bench/bundled_loops.py --natural 400
+    PYTHONPATH=. python bench/bundled_loops.py --cut-block-end     # as if the model ended after the definition
 Prints a per-prompt table, sample completions, and one JSON line last.
 """
 from __future__ import annotations
@@ -63,6 +64,18 @@ def long_line_stats(text: str, cut: bool, min_chars: int = 8) -> tuple[int, int]
         rep += s in seen
         seen.add(s)
     return n, rep
+
+
+def cut_block_end(smp: dict, tok) -> dict:
+    """The sample cut where the prompt's definition ends: before the first line (after the completion's
+    first) that starts at column 0 with anything but a closing bracket or quote, counted as ended there
+    (finish "stop"; ids = the cut text re-tokenized, for the 4-gram figure)."""
+    lines = smp["text"].split("\n")
+    for i, ln in enumerate(lines[1:], 1):
+        if ln and not ln[0].isspace() and not ln.startswith((")", "]", "}", '"', "'")):
+            text = "\n".join(lines[:i]).rstrip() + "\n"
+            return {**smp, "text": text, "finish": "stop", "ids": tok.encode(text, add_special_tokens=False).ids}
+    return smp
 
 
 @torch.no_grad()
@@ -141,11 +154,22 @@ def main() -> int:
                     help="junk guard: score each completion's perplexity under this checkpoint")
     ap.add_argument("--junk-ppl", type=float, default=40.0,
                     help="with --ref-model: a completion above this perplexity counts as fully repeated")
+    ap.add_argument("--cut-block-end", action="store_true",
+                    help="what a model that ENDS after the definition it completes would score: cut each completion "
+                         "before its first non-indented line after the first (a new top-level statement, e.g. the "
+                         "same `def` again) and count it as ended there")
     ap.add_argument("--natural", type=int, default=0,
                     help="measure N real held-out definitions + their next tokens instead of the model (0: off)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     samples = natural_samples(args) if args.natural else model_samples(args)
+    if args.cut_block_end:
+        from tokenizers import Tokenizer
+
+        from specfire.api import BUNDLED_MODEL
+
+        tok = Tokenizer.from_file(os.path.join(args.model or BUNDLED_MODEL, "tokenizer.json"))
+        samples = [cut_block_end(smp, tok) for smp in samples]
     refs = reference_ppl(args.ref_model, samples) if args.ref_model else [float("nan")] * len(samples)
     rows = []
     tot = {"lines": 0, "rep": 0, "rep_all": 0, "g_distinct": 0, "g_all": 0, "long": 0, "rep_long": 0,

@@ -399,6 +399,141 @@ def test_unlikelihood_phase_keeps_the_chosen_snapshot(tiny_trained, tmp_path):
     assert again["bench"] == row["bench"]
 
 
+# ---- definition snippets (snippets.py) and the snippet fine-tune phase ---------------------------
+
+_SNIP_SRC = """import os
+
+
+@decorator(1,
+           2)
+@other
+def f(x):
+    \"\"\"Doc.
+
+not indented in the string
+\"\"\"
+    return x  # trailing comment
+# a comment after the block
+
+
+class A(Base):
+    x = 1
+
+    def m(self):
+        def inner():
+            pass
+        return inner
+
+    class B:
+        y = 2
+if True:
+    def g(): return 1
+async def h(): await z
+"""
+
+
+def test_definition_blocks_cut_exact_ends():
+    from specfire.train.snippets import corpus_blocks, definition_blocks, import_header
+
+    top = definition_blocks(_SNIP_SRC)
+    assert top == ['@decorator(1,\n           2)\n@other\ndef f(x):\n    """Doc.\n\nnot indented in the string\n"""\n'
+                   '    return x  # trailing comment\n',
+                   "class A(Base):\n    x = 1\n\n    def m(self):\n        def inner():\n            pass\n"
+                   "        return inner\n\n    class B:\n        y = 2\n",
+                   "async def h(): await z\n"]
+    nested = definition_blocks(_SNIP_SRC, nested=True)
+    # methods, nested defs and the def under `if` come dedented; f's docstring holds a line indented less
+    # than nothing, so f is only taken at the top level
+    assert nested == [top[0], top[1], "def m(self):\n    def inner():\n        pass\n    return inner\n",
+                      "def inner():\n    pass\n", "class B:\n    y = 2\n", "def g(): return 1\n", top[2]]
+    assert definition_blocks(_SNIP_SRC.replace("\n", "\r\n")) == top          # CRLF text
+    assert definition_blocks("def broken(:\n    pass\n") == []                 # does not parse
+    assert definition_blocks("") == [] and definition_blocks("x = 1\n") == []
+    assert definition_blocks("def last(): return 0") == ["def last(): return 0\n"]   # no final newline
+    assert definition_blocks("class T:\n\tdef m(self):\n\t\treturn 1\n", nested=True)[1] == "def m(self):\n\treturn 1\n"
+    # a method whose multi-line string has a line indented less than the method is not dedented
+    odd = 'class C:\n    def m(self):\n        s = """\nflush left\n"""\n        return s\n'
+    assert definition_blocks(odd, nested=True) == [odd]
+    # a snippet after its file's imports, and the same blocks from a process pool
+    assert import_header(_SNIP_SRC) == "import os\n" and import_header("def f(): pass\nimport x\n") == ""
+    docs = [("m.py", _SNIP_SRC)] * 70
+    one = corpus_blocks(docs, nested=True, import_frac=0.5, seed=3)
+    assert one == corpus_blocks(docs, nested=True, import_frac=0.5, seed=3, workers=2)
+    assert {b for b in one if b.startswith("import")} <= {"import os\n\n\n" + b for b in top}
+    assert 0 < sum(b.startswith("import") for b in one) < 3 * 70
+    assert corpus_blocks(docs[:1], max_chars=30) == [top[2]]
+
+
+def test_snippet_rows_start_at_a_definition_and_end_with_end_of_text(tiny_trained):
+    from tokenizers import Tokenizer
+
+    from specfire.train.snippets import SnippetRows, definition_prompts
+
+    tok = Tokenizer.from_file(os.path.join(tiny_trained[0], "tokenizer.json"))
+    eot = tok.token_to_id("<|endoftext|>")
+    blocks = ["def a(x):\n    return x\n", "class K:\n    pass\n", "def long():\n" + "    y = 1\n" * 200]
+    rows = SnippetRows(tok, blocks, eot, 48, seed=0, blank_frac=0.5)
+    assert len(rows.seqs) == 2                              # the block that cannot end in a row is dropped
+    texts = {tok.decode(s[:-1]) for s in rows.seqs}
+    assert all(s[-1] == eot for s in rows.seqs) and texts <= {b + e for b in blocks[:2] for e in ("", "\n\n")}
+    batch = rows.batch(5, "cpu")
+    assert batch.shape == (5, 48)
+    for r in batch.tolist():
+        first = next(s for s in rows.seqs if r[:len(s)] == s)   # position 0 holds a whole block + end-of-text
+        after = r[len(first):]
+        assert any(after[:len(s)] == s[:len(after)] for s in rows.seqs)   # then a block after the separator
+    prompts = definition_prompts([("m.py", _SNIP_SRC)], 5, 0, tok, max_lines=2)
+    assert prompts and all(tok.decode(p).startswith(("@", "def", "class", "async")) and tok.decode(p).endswith("\n")
+                           for p in prompts)
+
+
+def test_snippet_phase_from_a_checkpoint(tiny_trained, tmp_path):
+    """`init` + the snippet phase in two arms (mixes) with the rule on top-level validation prompts: each
+    arm runs its steps on mixed batches from the same start and scores its snapshots; the rule's pick
+    over both arms is exported (the other arm's as alt.tar), and greedy MTP == AR on it."""
+    from tokenizers import Tokenizer
+
+    from specfire.train import select as sel
+    from specfire.train.export import load_checkpoint
+
+    src, kw, _ = tiny_trained
+    kw = dict(kw, snip_steps=4, snip_rows=2, snip_data_rows=2, snip_rows2=3, snip_snapshots=2, snip_lr=5e-3,
+              snip_warmup=1, snip_import_frac=0.5, ul_select=1, ul_select_tokens=12, ul_ppl_every=40,
+              ul_val_permille=300, ul_val_prompts=3, ul_eval_prompts=2, ul_eval_prompt_tokens=6,
+              ul_select_phrase=2.0, ul_ppl_budget=0.5)
+    out = str(tmp_path / "snip")
+    m = run(TrainConfig(out=out, device="cpu", init=src, pack_dir=str(tmp_path / "pack"), **kw),
+            log=lambda *_: None)
+    arms = m["snip"]["arms"]
+    assert [a["rows"] for a in arms] == [{"snippet": 2, "corpus": 2}, {"snippet": 3, "corpus": 1}]
+    for ph in arms:
+        assert ph["steps_done"] == 4 and ph["snippets"]["blocks"] > 0
+        h = ph["history"][0]
+        assert h["step"] == 0 and math.isfinite(h["nll_end_of_text"]) and h["lm_snippets"] > 0
+        assert [r["step"] for r in ph["selection"]["candidates"]] == [1, 3, 4]
+        assert all(p.startswith(("@", "def", "class", "async")) for p in ph["selection"]["prompt_text"]["val"])
+    same = [{k: v for k, v in a["repetition_before"].items() if k != "seconds"} for a in arms]
+    assert same[0] == same[1]                                                  # the same start
+    picks = [(sel.Candidate(r["step"], r["rep"], r["ppl_ratio"]), i) for i, ph in enumerate(arms)
+             for r in ph["selection"]["candidates"] if r["step"] == ph["selection"]["chosen_step"]]
+    best = sel.choose([c for c, _ in picks], 0.5)
+    win = m["snip"]["chosen_arm"]
+    assert best is not None and next(i for c, i in picks if c is best) == win
+    assert sorted(os.listdir(tmp_path / "pack")) == ["alt.tar.part00", "model.tar.part00"]
+    # the exported weights are the winning arm's pick: its greedy figures on the bench prompts
+    row = next(r for r in arms[win]["selection"]["candidates"] if r["step"] == best.step)
+    _, trunk, _ = load_checkpoint(out, "cpu")
+    tok = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
+    eos = (tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>"))
+    again = sel.loop_figures(trunk, tok, {"bench": [tok.encode(p, add_special_tokens=False).ids
+                                                    for p in sel.LOOP_PROMPTS]}, 12, eos)
+    assert again["bench"] == row["bench"]
+    with LLM(out, device="cpu", progress=False) as llm:
+        sp = SamplingParams(max_tokens=10, ignore_eos=True)
+        assert (llm.generate("def f(x):", sp, spec="off").token_ids
+                == llm.generate("def f(x):", sp, spec={"mode": "mtp", "k": 3}).token_ids)
+
+
 def test_train_cli_rejects_bad_init(tmp_path):
     import argparse
 
@@ -409,9 +544,20 @@ def test_train_cli_rejects_bad_init(tmp_path):
     with pytest.raises(ValueError, match="not a checkpoint directory"):
         config_from_args(p.parse_args(["--out", str(tmp_path), "--init", str(tmp_path), "--device", "cpu"]))
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ValueError, match="unlikelihood phase"):
+    with pytest.raises(ValueError, match="fine-tune phase"):
         config_from_args(p.parse_args(["--out", str(tmp_path), "--init", str(tmp_path), "--device", "cpu",
                                        "--preset", "bundled"]))
+    with pytest.raises(ValueError, match="needs init"):
+        config_from_args(p.parse_args(["--out", str(tmp_path), "--device", "cpu", "--preset", "bundled-snip"]))
+    with pytest.raises(ValueError, match="snip_blank_frac"):
+        config_from_args(p.parse_args(["--out", str(tmp_path), "--init", str(tmp_path), "--device", "cpu",
+                                       "--preset", "bundled-snip", "--snip-blank-frac", "1.5"]))
+    with pytest.raises(ValueError, match="snip_rows2"):
+        config_from_args(p.parse_args(["--out", str(tmp_path), "--init", str(tmp_path), "--device", "cpu",
+                                       "--preset", "bundled-snip", "--snip-rows2", "64"]))
+    tc = config_from_args(p.parse_args(["--out", str(tmp_path), "--init", str(tmp_path), "--device", "cpu",
+                                        "--preset", "bundled-snip", "--snip-time-s", "30"]))
+    assert tc.snip_steps > 0 and tc.snip_time_s == 30.0 and tc.ul_select == 1 and tc.ul_ppl_budget == 0.03
     tc = config_from_args(p.parse_args(["--out", str(tmp_path), "--init", str(tmp_path), "--device", "cpu",
                                         "--preset", "bundled-ul", "--ul-time-s", "30"]))
     assert tc.init == str(tmp_path) and tc.ul_steps > 0 and tc.ul_time_s == 30.0
@@ -505,3 +651,24 @@ def test_pack_splits_and_rejoins(tmp_path):
     with tarfile.open(joined) as tf:
         tf.extractall(tmp_path / "x", filter="data")
     assert (tmp_path / "x" / "a.bin").read_bytes() == (src / "a.bin").read_bytes()
+
+
+def test_loop_bench_cut_at_block_end():
+    """bench/bundled_loops.py --cut-block-end: a completion is cut before the next top-level statement
+    (the same `def` again), not at closing brackets or quotes, and counts as ended there."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bundled_loops", os.path.join(os.path.dirname(__file__), "..", "bench", "bundled_loops.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    class Tok:
+        def encode(self, text, add_special_tokens=False):
+            return type("E", (), {"ids": list(range(len(text.split())))})()
+
+    text = "    x = f(\n)\n    return x\n\n\ndef g(a):\n    return x\n"
+    got = mod.cut_block_end({"prompt": "def g(a):\n", "text": text, "ids": [1] * 20, "finish": "length"}, Tok())
+    assert got["text"] == "    x = f(\n)\n    return x\n" and got["finish"] == "stop" and got["ids"] == list(range(6))
+    same = {"prompt": "p", "text": "    a\n    b", "ids": [1], "finish": "length"}
+    assert mod.cut_block_end(same, Tok()) == same

@@ -18,7 +18,10 @@ _OVERRIDABLE = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", 
                 "ul_prompt_min", "ul_prompt_max", "ul_new_tokens", "ul_pool", "ul_batch", "ul_data_batch",
                 "ul_snapshots", "ul_eval_prompts", "ul_kl_weight", "ul_select", "ul_ppl_budget", "ul_ppl_every",
                 "ul_select_tokens", "ul_probe_steps", "ul_word_bans", "ul_min_lr_frac", "ul_val_permille",
-                "ul_val_prompts", "ul_line_ngram", "ul_select_phrase", "ul_anneal_s", "ul_anneal_steps", "ul_anneal_lr", "ul_anneal_snapshots")
+                "ul_val_prompts", "ul_line_ngram", "ul_select_phrase", "ul_anneal_s", "ul_anneal_steps", "ul_anneal_lr", "ul_anneal_snapshots",
+                "snip_steps", "snip_time_s", "snip_lr", "snip_warmup", "snip_min_lr_frac", "snip_probe_steps",
+                "snip_rows", "snip_data_rows", "snip_nested", "snip_blank_frac", "snip_snapshots",
+                "snip_import_frac", "snip_rows2")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated distributions held out of a site corpus (default: corpus.HELD_OUT_PACKAGES)")
     p.add_argument("--init", default=None, metavar="DIR",
                    help="start from this checkpoint (its weights and tokenizer) and run only the unlikelihood "
-                        "phase (preset bundled-ul; e.g. --init specfire/bundled)")
+                        "phase (preset bundled-ul) or the definition-snippet phase (preset bundled-snip); e.g. "
+                        "--init specfire/bundled")
     p.add_argument("--pack-dir", default=None,
                    help="also write every exported checkpoint here as model.tar.partNN pieces of 15 MB")
     types = {f.name: f.type for f in fields(TrainConfig)}
@@ -60,9 +64,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if args.init is not None:
         if not os.path.isfile(os.path.join(args.init, "config.json")):
             raise ValueError(f"--init {args.init!r} is not a checkpoint directory (no config.json)")
-        if not kw.get("ul_steps"):
-            raise ValueError(f"--init needs a preset with an unlikelihood phase (bundled-ul) or --ul-steps N; "
-                             f"preset {args.preset!r} has none")
+        if not (kw.get("ul_steps") or kw.get("snip_steps")):
+            raise ValueError(f"--init needs a preset with a fine-tune phase (bundled-ul, bundled-snip) or "
+                             f"--ul-steps / --snip-steps N; preset {args.preset!r} has none")
         kw["init"] = args.init
     dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dev.startswith("cuda") and not torch.cuda.is_available():

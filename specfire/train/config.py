@@ -2,6 +2,7 @@
 
 `bundled` is the pretraining recipe of the shipped weights; `bundled-ul` adds the unlikelihood
 fine-tune phase (finetune.py) and, with `init`, runs that phase alone on an existing checkpoint.
+`bundled-snip` runs the definition-snippet fine-tune (finetune.run_snippet_phase) from `init`.
 """
 from __future__ import annotations
 
@@ -34,6 +35,16 @@ PRESETS: dict[str, dict] = {
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                       linear_num_key_heads=2, linear_num_value_heads=4, linear_head_dim=64,
                       steps=2200, stop_after_steps=2107, batch_size=64, seq_len=512, lr=2e-3, warmup=150),
+    # the definition-snippet fine-tune (finetune.run_snippet_phase) alone from --init: corpus rows (LM +
+    # MTP) mixed with rows of definition blocks each ended by end-of-text (snippets.py), the snapshot
+    # the validation rule picks (select.py, on top-level definition prompts of files set aside) exported.
+    "bundled-snip": dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_layers=12,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_head_dim=64,
+                         steps=20000, batch_size=128, seq_len=512, lr=2.5e-3, min_lr_frac=0.05, warmup=100,
+                         corpus="site", max_train_bytes=64_000_000, snip_steps=20000, snip_time_s=180.0,
+                         ul_select=1, ul_ppl_budget=0.03, ul_ppl_every=1, ul_select_phrase=2.0,
+                         ul_val_permille=30, ul_val_prompts=64, ul_eval_prompts=32),
     # a CPU smoke test of the whole pipeline
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4,
                  num_attention_heads=2, num_key_value_heads=1, head_dim=32,
@@ -133,6 +144,25 @@ class TrainConfig:
     ul_anneal_lr: float = 2e-4          #   ul_anneal_steps steps when no time is set), scored (ul_select) at
     ul_anneal_snapshots: int = 2        #   ul_anneal_snapshots even fractions of it (the last at its end)
 
+    # ---- definition-snippet fine-tune phase (finetune.run_snippet_phase, snippets.py), from `init` ------
+    snip_steps: int = 0                 # 0: no snippet phase; else its step count (a cap when snip_time_s is set)
+    snip_time_s: float = 0.0            # wall-clock budget of the phase (0: none)
+    snip_lr: float = 3e-4               # peak lr (linear warmup, cosine to snip_min_lr_frac x it)
+    snip_warmup: int = 20
+    snip_min_lr_frac: float = 0.1
+    snip_probe_steps: int = 10          # timed steps before the schedule is fitted to snip_time_s
+    snip_rows: int = 16                 # snippet rows per step (definition blocks + end-of-text from position 0)
+    snip_data_rows: int = 48            # whole-file corpus rows per step (the pretraining packing)
+    snip_nested: int = 1                # 1: also methods / nested defs, dedented to column 0; 0: top level only
+    snip_blank_frac: float = 0.25       # share of blocks that end with two blank lines before end-of-text
+    snip_import_frac: float = 0.1       # share of top-level blocks shown after their file's imports (snippets.corpus_blocks)
+    snip_rows2: int = 0                 # > 0: a second arm, the same phase again from the start weights with this many
+                                        #   snippet rows (and as many fewer corpus rows); the rule picks over both arms
+    snip_snapshots: int = 6             # scored snapshots (ul_select) at even fractions of the phase
+    snip_val_kind: str = "top"          # the rule's validation prompts: "top" = the first 1-4 lines of top-level
+                                        #   def / class blocks of the validation files; "any" = ul_val_prompts'
+                                        #   token cuts at any def / class line (the UL phase's)
+
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "steps", "batch_size",
                      "seq_len", "mtp_steps", "eval_windows"):
@@ -147,12 +177,36 @@ class TrainConfig:
             raise ValueError(f"train option corpus must be 'stdlib' or 'site', got {self.corpus!r}")
         if not 0.0 <= self.mtp_distill <= 1.0:
             raise ValueError(f"train option mtp_distill must be in [0, 1], got {self.mtp_distill}")
+        for name in ("snip_steps", "snip_warmup", "snip_rows", "snip_data_rows", "snip_nested", "snip_snapshots",
+                     "snip_probe_steps", "snip_rows2"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"train option {name} must be a non-negative integer, got {v!r}")
+        if self.snip_steps:
+            if self.ul_steps:
+                raise ValueError("train options snip_steps and ul_steps: run one fine-tune phase at a time")
+            if self.init is None:
+                raise ValueError("train option snip_steps (the definition-snippet phase) needs init: a checkpoint to "
+                                 "start from (e.g. --init specfire/bundled)")
+            if not self.snip_rows or not self.snip_data_rows:
+                raise ValueError(f"train options snip_rows and snip_data_rows must be > 0, got {self.snip_rows}, "
+                                 f"{self.snip_data_rows}")
+            if self.snip_lr <= 0 or self.snip_time_s < 0 or not 0 <= self.snip_min_lr_frac <= 1 \
+                    or not 0 <= self.snip_blank_frac <= 1 or not 0 <= self.snip_import_frac <= 1:
+                raise ValueError(f"train options: snip_lr must be > 0, snip_time_s >= 0, snip_min_lr_frac, "
+                                 f"snip_blank_frac and snip_import_frac in [0, 1]; got {self.snip_lr}, {self.snip_time_s}, "
+                                 f"{self.snip_min_lr_frac}, {self.snip_blank_frac}")
+            if self.snip_rows2 >= self.snip_rows + self.snip_data_rows:
+                raise ValueError(f"train option snip_rows2 ({self.snip_rows2}) must leave corpus rows: < snip_rows + "
+                                 f"snip_data_rows ({self.snip_rows + self.snip_data_rows})")
+            if self.snip_val_kind not in ("top", "any"):
+                raise ValueError(f"train option snip_val_kind must be 'top' or 'any', got {self.snip_val_kind!r}")
         for name in ("ul_steps", "ul_warmup", "ul_snapshots", "ul_eval_prompts", "ul_select", "ul_word_bans",
                      "ul_val_permille", "ul_val_prompts", "ul_anneal_steps", "ul_anneal_snapshots", "ul_line_ngram"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"train option {name} must be a non-negative integer, got {v!r}")
-        if self.ul_steps:
+        if self.ul_steps or self.snip_steps:
             for name in ("ul_ngram", "ul_prompt_min", "ul_new_tokens", "ul_pool", "ul_batch", "ul_data_batch",
                          "ul_eval_prompt_tokens", "ul_probe_steps", "ul_ppl_every", "ul_select_tokens"):
                 v = getattr(self, name)
@@ -173,8 +227,9 @@ class TrainConfig:
                 raise ValueError("train option ul_select needs a validation set: ul_val_permille and ul_val_prompts > 0")
             if self.ul_batch > self.ul_pool:
                 raise ValueError(f"train option ul_batch ({self.ul_batch}) must be <= ul_pool ({self.ul_pool})")
-        if self.init is not None and not self.ul_steps:
-            raise ValueError("train option init (start from a checkpoint) needs a UL phase: set ul_steps > 0")
+        if self.init is not None and not (self.ul_steps or self.snip_steps):
+            raise ValueError("train option init (start from a checkpoint) needs a fine-tune phase: set ul_steps or "
+                             "snip_steps > 0")
 
     def model_config(self, eos_ids: tuple[int, ...] = ()) -> ModelConfig:
         types = tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(self.num_layers))

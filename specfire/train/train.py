@@ -238,6 +238,50 @@ def _evaluate_all(tc: TrainConfig, trunk, head, held: dict, train_ids: torch.Ten
     return evals
 
 
+def _snippet_arms(tc: TrainConfig, trunk, head, train_ids, corpus, val_docs, tok, eos_ids, limit: float, save,
+                  log) -> dict:
+    """The snippet phase twice from the same start weights: arm 0 with `snip_rows` snippet rows, arm 1
+    with `snip_rows2` (the batch size kept: the corpus rows make up the rest), `limit` seconds shared
+    evenly. The rule of select.py picks over the snapshots of both arms together; the other arm's pick
+    (if any) is packed as alt.tar, and the model ends on the winner's weights (each arm's last weights
+    are not kept)."""
+    import copy
+
+    from .finetune import run_snippet_phase
+    from .select import Candidate, choose
+
+    total = tc.snip_rows + tc.snip_data_rows
+    start = (copy.deepcopy(trunk.state_dict()), copy.deepcopy(head.state_dict()))
+    arms, t0 = [], time.time()
+    for i, rows in enumerate((tc.snip_rows, tc.snip_rows2)):
+        trunk.load_state_dict(start[0])
+        head.load_state_dict(start[1])
+        left = limit - (time.time() - t0) if limit else 0.0
+        res = run_snippet_phase(replace(tc, snip_rows=rows, snip_data_rows=total - rows), trunk, head, train_ids,
+                                corpus.train, corpus.held_out, val_docs, tok, eos_ids,
+                                left / (2 - i) if limit else 0.0,
+                                lambda tag, name, out: None, log)            # no per-arm exports
+        res["rows"] = {"snippet": rows, "corpus": total - rows}
+        arms.append((res, copy.deepcopy(trunk.state_dict()), copy.deepcopy(head.state_dict())))
+    cands = [(Candidate(r["step"], r["rep"], r["ppl_ratio"]), i) for i, (res, _, _) in enumerate(arms)
+             for r in res.get("selection", {}).get("candidates", [])
+             if res["selection"]["chosen_step"] == r["step"]]
+    pick = choose([c for c, _ in cands], tc.ul_ppl_budget)
+    win = next(i for c, i in cands if c is pick) if pick else len(arms) - 1
+    out = {"arms": [a[0] for a in arms], "chosen_arm": win,
+           "rule": "each arm's pick by select.choose; between arms the same rule over the two picks"}
+    other = [i for c, i in cands if i != win]
+    if other:
+        trunk.load_state_dict(arms[other[0]][1])
+        head.load_state_dict(arms[other[0]][2])
+        save(f"snippet arm {other[0]} pick (not chosen)", "alt.tar", out)
+    trunk.load_state_dict(arms[win][1])
+    head.load_state_dict(arms[win][2])
+    log(f"snippet arms: chose arm {win} ({arms[win][0]['rows']}); picks: "
+        + json.dumps([(i, c.step, round(c.rep, 4), round(c.ppl_ratio, 4)) for c, i in cands]))
+    return out
+
+
 def run(tc: TrainConfig, log=print) -> dict:
     t_start = time.time()
     torch.manual_seed(tc.seed)
@@ -266,7 +310,7 @@ def run(tc: TrainConfig, log=print) -> dict:
         f"{csum['held_out_files']} held-out files ({csum['held_out_bytes'] / 1e6:.2f} MB); "
         f"{time.time() - t_start:.1f}s")
     val_docs: list[tuple[str, str]] = []
-    if tc.ul_steps and tc.ul_select:   # the rule's validation files: out of the phase's training text
+    if (tc.ul_steps or tc.snip_steps) and tc.ul_select:   # the rule's validation files: out of the phase's training text
         corpus.train, val_docs = split_validation(corpus.train, tc.ul_val_permille)
         log(f"validation set (the snapshot rule's): {len(val_docs)} training-corpus files set aside "
             f"({sum(len(t) for _, t in val_docs) / 1e6:.2f} MB)")
@@ -308,24 +352,31 @@ def run(tc: TrainConfig, log=print) -> dict:
     if not tc.init:
         limit = tc.time_limit_s or float("inf")
         if tc.deadline_s:
-            avail = left() - (tc.ul_time_s if tc.ul_steps else 0.0)
+            avail = left() - (tc.ul_time_s if tc.ul_steps else tc.snip_time_s if tc.snip_steps else 0.0)
             if avail <= 0:
                 raise RuntimeError(f"no training time left: prep took {time.time() - t_start:.0f}s of deadline_s "
                                    f"{tc.deadline_s}")
             limit = min(limit, avail)
         metrics.update(_pretrain(tc, trunk, head, train_ids, limit, save, log))
-    if tc.ul_steps:
-        from .finetune import run_phase
+    if tc.ul_steps or tc.snip_steps:
+        from .finetune import run_phase, run_snippet_phase
 
+        key, phase, phase_s = (("ul", run_phase, tc.ul_time_s) if tc.ul_steps
+                               else ("snip", run_snippet_phase, tc.snip_time_s))
         t_eval = time.time()
-        metrics["before_ul"] = _evaluate_all(tc, trunk, head, held, train_ids, log)
-        ul_limit = min(x for x in (tc.ul_time_s, left(), float("inf")) if x > 0)
+        metrics["before_" + key] = _evaluate_all(tc, trunk, head, held, train_ids, log)
+        ul_limit = min(x for x in (phase_s, left(), float("inf")) if x > 0)
         if ul_limit <= 0 or (tc.deadline_s and left() <= 0):
-            raise RuntimeError(f"no time left for the UL phase before deadline_s {tc.deadline_s}")
-        metrics["eval_seconds_before_ul"] = time.time() - t_eval
-        metrics["ul"] = run_phase(tc, trunk, head, train_ids, corpus.train, corpus.held_out, val_docs, tok,
-                                  (eot, special[IM_END]), ul_limit if math.isfinite(ul_limit) else 0.0,
-                                  lambda tag, name, out: save(tag, {**metrics, "ul": out}, name), log)
+            raise RuntimeError(f"no time left for the fine-tune phase before deadline_s {tc.deadline_s}")
+        metrics["eval_seconds_before_" + key] = time.time() - t_eval
+        limit = ul_limit if math.isfinite(ul_limit) else 0.0
+        if key == "snip" and tc.snip_rows2:
+            metrics[key] = _snippet_arms(tc, trunk, head, train_ids, corpus, val_docs, tok, (eot, special[IM_END]),
+                                         limit, lambda tag, name, out: save(tag, {**metrics, key: out}, name), log)
+        else:
+            metrics[key] = phase(tc, trunk, head, train_ids, corpus.train, corpus.held_out, val_docs, tok,
+                                 (eot, special[IM_END]), limit,
+                                 lambda tag, name, out: save(tag, {**metrics, key: out}, name), log)
 
     # ---- evaluation and export ------------------------------------------------------------------
     t_eval = time.time()
