@@ -399,16 +399,20 @@ def main() -> int:
     ap.add_argument("--warm", default="", help="worker: a 4-layer model through the calls of this variant")
     ap.add_argument("--skip", default="")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
-    ap.add_argument("--q4-configs", default="", help="JSON {'N,K': Q4Config fields} (bench/linear.py --adopt) "
-                    "taking the place of the committed q4_config for those shapes, in this run only")
+    ap.add_argument("--q4-configs", default="", help="JSON {'N,K': Q4Config fields, 'bf16:N,K': GemvConfig fields} "
+                    "(bench/linear.py --adopt) taking the place of the committed settings for those shapes, in this run only")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.q4_configs:
         from specfire.ops import triton_quant as tq
         with open(args.q4_configs) as f:
-            patch = {tuple(int(v) for v in key.split(",")): tq.Q4Config(**c) for key, c in json.load(f).items()}
+            table = json.load(f)
+        patch = {tuple(int(v) for v in key.split(",")): tq.Q4Config(**c) for key, c in table.items() if ":" not in key}
         tq._MEASURED.update(patch)
-        log(f"q4 configs from {args.q4_configs}: {len(patch)} shapes")
+        dense = {tuple(int(v) for v in key[5:].split(",")): triton_gemv.GemvConfig(**c)
+                 for key, c in table.items() if key.startswith("bf16:")}
+        triton_gemv._MEASURED.update(dense)
+        log(f"q4 configs from {args.q4_configs}: {len(patch)} 4-bit shapes, {len(dense)} bf16 shapes")
     if args.warm:   # compile every kernel the run will launch (the 27B dims on 4 layers, few tokens)
         args.tokens, args.prompts = 8, 1
         cfg = model_cfg(args.shape, 4)

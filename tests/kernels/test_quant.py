@@ -1,6 +1,7 @@
 """The 4-bit format: kernel (TRITON_INTERPRET=1) vs reference, row invariance, quality, and the
 `specfire quantize` round trip through the loader."""
 
+import dataclasses
 import json
 import os
 
@@ -151,6 +152,10 @@ CASES = [  # odd N, masked group tails (a split's last group range shorter), spl
     (11, 70, 640, 64, True, Q4Config(16, split_k=4, sem=False, wa=True, rows=8), 64),
     (13, 77, 384, 128, False, None, 64),
     (2, 150, 640, 128, False, Q4Config(128, split_k=3, num_warps=2, num_stages=3, wa=True), 64),
+    # the zero term after the loop (zc): splits of one group, of two and a short last one, zc chunks
+    # shorter than a split (the first chunk's scales / zeros loaded before the loop, the rest after)
+    (6, 40, 896, 128, True, Q4Config(16, split_k=7, sem=False, wa=True, rows=8, zc=2), 64),
+    (5, 29, 1280, 128, False, Q4Config(32, split_k=2, wa=True, rows=8, zc=2), 0),
 ]
 
 
@@ -178,6 +183,32 @@ def test_q4_kernel_prefixes_are_row_invariant():
         full = q4_gemv(x, qw, cfg)
         for m in range(1, 17):
             assert torch.equal(q4_gemv(x[:m], qw, cfg), full[:m]), (cfg, m)
+
+
+@pytest.mark.parametrize("cfg", [Q4Config(16, split_k=3, wa=True, rows=8, rows_hi=16),
+                                 Q4Config(32, split_k=2, sem=False, wa=True, rows=8, zc=2, rows_hi=16),
+                                 Q4Config(16, wa=True, rows=8, zc=4, rows_hi=16)])
+def test_q4_wide_row_tile_is_row_invariant(cfg):
+    """rows_hi: a call of more than 8 rows runs one 16-row tile instead of two 8-row tiles (the
+    codes read once); every prefix M = 1..16 and every single row give the bits of the 16-row call,
+    which equals the two-tile form; odd N, a masked group tail (5 groups in splits of 3 and 2 or
+    in zc chunks of 2 and 4)."""
+    qw = _qw(45, 640, 128, 26)
+    x = torch.randn(16, 640, generator=_g(27))
+    full = q4_gemv(x, qw, cfg)
+    assert torch.equal(full, q4_gemv(x, qw, dataclasses.replace(cfg, rows_hi=0)))
+    ref = linear_rows_ref(x, qw.dequantize())
+    assert float((full - ref).norm() / ref.norm()) < 3e-5
+    for m in range(1, 17):
+        assert torch.equal(q4_gemv(x[:m], qw, cfg), full[:m]), m
+    for i in (0, 5, 8, 15):
+        assert torch.equal(q4_gemv(x[i:i + 1], qw, cfg)[0], full[i]), i
+
+
+def test_q4_config_rejects_bad_values():
+    for bad in (dict(rows=12), dict(rows=8, rows_hi=8), dict(rows=8, rows_hi=24), dict(zc=3)):
+        with pytest.raises(ValueError, match="Q4Config"):
+            Q4Config(**bad)
 
 
 def test_tiled_storage_round_trip_and_both_layouts_agree():
