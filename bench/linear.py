@@ -298,8 +298,10 @@ def warm_q4_rows(part: str) -> None:
         for c0 in q4_rows_candidates(n, k, q4_config(n, k, 128)):
             for cfg, m in ((c0, 1), (dataclasses.replace(c0, zc=16), 1), (dataclasses.replace(c0, rows_hi=16), 16),
                            (dataclasses.replace(c0, zc=16, rows_hi=16), 16)):
-                key = (n, k, cfg.block_n, cfg.num_warps, cfg.num_stages, 16 if m > cfg.rows else cfg.rows, cfg.zc,
-                       cfg.wa, cfg.split_k > 1, cfg.sem)
+                # what Triton specialises on: the constexprs, the buffers' types (split, combine) and
+                # whether the tile count divides by 16 (N, K / 2 and the strides do for every shape here)
+                key = (cfg.block_n, cfg.num_warps, cfg.num_stages, 16 if m > cfg.rows else cfg.rows, cfg.zc, cfg.wa,
+                       cfg.split_k > 1, cfg.sem and cfg.split_k > 1, -(-n // cfg.block_n) % 16 == 0)
                 if key in seen:
                     continue
                 seen.add(key)
