@@ -374,7 +374,7 @@ def bench_q4_rows(res: dict, budget: float, adopt_path: str | None) -> None:
                 return None
             sweep.append(r)
             print(f"  {name} {n}x{k} {_cfg_name(cfg)}: " + "  ".join(
-                f"M{m} {r[key]:6.1f} us ({nbytes / r[key] / 1e6 / PEAK:5.1%})" for m, key in timed), flush=True)
+                f"M{m} {r[key]:6.1f} us ({nbytes / r[key] * 1e6 / PEAK:5.1%})" for m, key in timed), flush=True)
             return r
 
         cands = q4_rows_candidates(n, k, base)

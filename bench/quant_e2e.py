@@ -206,7 +206,17 @@ def bench_kernels(res: dict, cfg, budget: float) -> None:
         copies = 1 if SMOKE else max(2, -(-int(120e6) // nbytes))       # rotate past the 60 MB L2
         sets = [[random_q4(n, k) for n, _ in shapes] for _ in range(copies)]
         rec = {"shapes": shapes, "bytes": nbytes}
-        for m in (1, 4, 16):
+        # bits first: the grouped launch gives each weight the bits of its own launch with the
+        # group's settings, and every prefix M = 1..16 the bits of the 16-row call
+        ws, cfgg = sets[0], tq.group_config([n for n, _ in shapes], k, GROUP)
+        x16 = x[:16, :k].contiguous()
+        full = tq.q4_group(x16, ws, cfgg)
+        same = all(torch.equal(a, tq.q4_group(x16, [w], cfgg)[0]) for a, w in zip(full, ws))
+        prefix = all(all(torch.equal(a, b[:m]) for a, b in zip(tq.q4_group(x16[:m], ws, cfgg), full)) for m in range(1, 17))
+        rec.update(config=cfgg.__dict__, grouped_equals_own_launches=same, row_invariant=prefix)
+        if not (same and prefix):
+            log(f"  {name}: BITS DIFFER: grouped == own launches {same}, every prefix == the 16-row call {prefix}")
+        for m in (1, 2, 4, 8, 16):
             xm = x[:m, :k].contiguous()
             fns = {"grouped": [lambda ws=ws: q4_rows(xm, ws, [None] * len(ws)) for ws in sets]}
             if len(shapes) > 1:
@@ -218,7 +228,8 @@ def bench_kernels(res: dict, cfg, budget: float) -> None:
         out[name] = rec
         sep = f", separate {rec['separate_M1_us']:.1f} us ({rec['separate_M1_frac']:.1%})" if len(shapes) > 1 else ""
         log(f"  {name:<18} M1 {rec['grouped_M1_us']:7.1f} us {rec['grouped_M1_frac']:6.1%} of 4.17 TB/s{sep}; "
-            f"M16 {rec['grouped_M16_us']:7.1f} us {rec['grouped_M16_frac']:6.1%}")
+            f"M4 {rec['grouped_M4_frac']:6.1%}; M16 {rec['grouped_M16_us']:7.1f} us {rec['grouped_M16_frac']:6.1%}; "
+            f"bits: grouped == own launches {same}, row-invariant {prefix}")
         del sets
     res["kernels"] = out
 

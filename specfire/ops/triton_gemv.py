@@ -43,8 +43,10 @@ def fit_stages(cfg: GemvConfig, tile: int, elt: int) -> int:
     return stages
 
 
-# (N, K) -> measured settings that the rules below do not give (bench/linear.py, H200)
-_MEASURED: dict = {}
+# (N, K) -> measured settings that the rules below do not give (bench/linear.py bf16small, H200):
+# the 27B GDN gate projections in_proj_b / in_proj_a (48 rows each, one grouped launch beside the
+# 4-bit ones) ran 2 CTAs with the rule's settings, 10.8 us; split-K 10 over 16-row tiles: 4.7 us
+_MEASURED: dict = {(48, 5120): GemvConfig(block_n=16, block_k=128, split_k=10, num_warps=4, num_stages=3)}
 
 
 def gemv_config(n: int, k: int) -> GemvConfig:

@@ -76,11 +76,11 @@ class Q4Config:
 
 
 # (N, K) at group 128 -> launch settings on the H200, codes in 64-row tiles (docs/BENCHMARKS.md).
-# The launch shapes of a 27B step (grouped projections launch with their concatenated N) are the
-# sixth session's sweep winners (bench/linear.py q4rows, least t(M=1) + t(M=4), all 8-row tiles,
-# every candidate bitwise row-invariant); the single weights keep the fourth session's sweep
-# settings with the row tile set to 8 (not timed alone: on every launch shape the same settings
-# with 8-row tiles were 1.18-1.30x faster at M = 1 and 4).
+# The launch shapes of a 27B step (grouped projections launch with their concatenated N) and the
+# MTP head's fc are the seventh session's sweep winners (bench/linear.py q4rows, least
+# t(M=1) + t(M=4) of 24-40 candidates a shape, all 8-row tiles, every candidate bitwise
+# row-invariant; rows_hi = 16 checked bitwise on each and 1.1-1.5x faster at M = 16); the single
+# weights keep the fourth session's settings with 8-row tiles (not timed alone).
 _MEASURED = {
     # single weights (SPECFIRE_GEMV_GROUP=0, or a group one launch cannot hold)
     (17408, 5120): Q4Config(128, split_k=3, num_warps=2, num_stages=3, wa=True, rows=8),   # MLP gate, up
@@ -88,13 +88,14 @@ _MEASURED = {
     (10240, 5120): Q4Config(64, split_k=4, num_warps=2, num_stages=3, wa=True, rows=8),    # GDN qkv
     (6144, 5120): Q4Config(64, split_k=8, num_warps=2, num_stages=3, wa=True, rows=8),     # GDN z
     (1024, 5120): Q4Config(32, split_k=18, num_warps=1, num_stages=4, wa=True, rows=8),    # attention k, v
-    # launch shapes of a 27B step, measured (sixth session)
-    (5120, 17408): Q4Config(64, split_k=13, num_warps=2, num_stages=3, wa=True, rows=8),   # MLP down
-    (5120, 6144): Q4Config(64, split_k=9, num_warps=2, num_stages=3, wa=True, rows=8),     # attention o, GDN out
-    (248320, 5120): Q4Config(64, split_k=1, num_warps=2, num_stages=3, wa=True, rows=8),   # lm_head
-    (34816, 5120): Q4Config(128, split_k=3, num_warps=2, num_stages=3, wa=True, rows=8),   # gate + up
-    (16384, 5120): Q4Config(64, split_k=3, num_warps=2, num_stages=3, wa=True, rows=8),    # GDN qkv + z
-    (14336, 5120): Q4Config(64, split_k=3, num_warps=2, num_stages=3, wa=True, rows=8),    # attention q + gate + k + v
+    # launch shapes of a 27B step and the MTP fc, measured (seventh session)
+    (5120, 17408): Q4Config(64, split_k=13, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),   # MLP down
+    (5120, 6144): Q4Config(64, split_k=10, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),    # attn o, GDN out
+    (248320, 5120): Q4Config(32, split_k=1, num_warps=1, num_stages=4, wa=True, rows=8, rows_hi=16),  # lm_head
+    (34816, 5120): Q4Config(64, split_k=3, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),   # gate + up
+    (16384, 5120): Q4Config(64, split_k=3, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),   # GDN qkv + z
+    (14336, 5120): Q4Config(128, split_k=7, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),  # attn q+g, k, v
+    (5120, 10240): Q4Config(64, split_k=9, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),   # MTP fc
 }
 
 
@@ -269,9 +270,12 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
             sel = pid_n >= T3
             N, t0, o = tl.where(sel, N3, N), tl.where(sel, T3, t0), tl.where(sel, O3, o)
             dq, ds, dz = tl.where(sel, DQ3, dq), tl.where(sel, DS3, ds), tl.where(sel, DZ3, dz)
-        q_ptr += dq - BIAS
-        s_ptr += ds - BIAS
-        z_ptr += dz - BIAS
+        # the offsets between the weights' tensors are multiples of 16 bytes (_groupable): said so,
+        # the codes keep their 16-byte cp.async loads (without it an offline sm_90 compile loaded
+        # them byte by byte, and a grouped launch ran up to 1.13x slower than one weight of its size)
+        q_ptr += tl.multiple_of(dq - BIAS, 16)
+        s_ptr += tl.multiple_of(ds - BIAS, 8)
+        z_ptr += tl.multiple_of(dz - BIAS, 8)
         y_ptr += tl.multiple_of(M * o, 64)             # Os are multiples of OUT_ALIGN
         part_ptr += tl.multiple_of(split * M * o, 64)
     offs_n = (pid_n - t0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -380,13 +384,14 @@ def group_config(whole_ns: list[int], k: int, group: int) -> Q4Config:
 
 def _groupable(x: torch.Tensor, qws: list) -> bool:
     """One launch can hold these weights: same K, group, code layout and device, offsets between
-    their tensors whole elements."""
+    their tensors multiples of 16 bytes (the kernel tells the compiler so)."""
     a = qws[0]
     return len(qws) <= GROUP_MAX and all(
         w.shape[1] == a.shape[1] and w.group_size == a.group_size and w.tile == a.tile and w.device == x.device
         and w.qtiled.is_contiguous() and w.scales_t.is_contiguous() and w.zeros_t.is_contiguous()
-        and (w.scales_t.data_ptr() - a.scales_t.data_ptr()) % 2 == 0
-        and (w.zeros_t.data_ptr() - a.zeros_t.data_ptr()) % 2 == 0 for w in qws)
+        and (w.qtiled.data_ptr() - a.qtiled.data_ptr()) % 16 == 0
+        and (w.scales_t.data_ptr() - a.scales_t.data_ptr()) % 16 == 0
+        and (w.zeros_t.data_ptr() - a.zeros_t.data_ptr()) % 16 == 0 for w in qws)
 
 
 def q4_gemv(x: torch.Tensor, qw, cfg: Q4Config | None = None) -> torch.Tensor:

@@ -38,6 +38,7 @@ def test_gemv_row_invariant_bitwise(m, n, k, cfg):
     (17408, 5120, GemvConfig(64, 128, 1, 8, 3)),        # MLP gate / up
     (8192, 5120, GemvConfig(64, 128, 1, 4, 4)),         # attention q, GDN qkv
     (5120, 17408, GemvConfig(64, 256, 1, 4, 4)),        # MLP down
+    (48, 5120, GemvConfig(16, 128, 10, 4, 3)),          # GDN b / a (measured: split-K, one grouped launch)
 ])
 def test_config_table(n, k, want):
     """The launch configuration is the swept table entry for the weight's shape (it takes no row

@@ -442,3 +442,22 @@ def test_q4_rows_groups_shards_as_the_whole_and_falls_back(monkeypatch):
             assert torch.equal(y, q4_gemv(xr[:2], w))
     finally:
         triton_gemv.GROUP = True
+
+
+def test_q4_config_picks_the_measured_settings():
+    """The launch settings of a 27B step's 4-bit launches and the MTP fc are the seventh session's
+    measured winners (docs/BENCHMARKS.md, "Seventh wave"): one per (N, K), whatever M."""
+    from specfire.ops.triton_quant import group_config, q4_config
+
+    want = {(34816, 5120): Q4Config(64, 3, 2, 3, wa=True, rows=8, rows_hi=16),       # MLP gate + up
+            (16384, 5120): Q4Config(64, 3, 2, 3, wa=True, rows=8, rows_hi=16),       # GDN qkv + z
+            (14336, 5120): Q4Config(128, 7, 2, 3, wa=True, rows=8, rows_hi=16),      # attention q + gate, k, v
+            (5120, 17408): Q4Config(64, 13, 2, 3, wa=True, rows=8, rows_hi=16),      # MLP down
+            (5120, 6144): Q4Config(64, 10, 2, 3, wa=True, rows=8, rows_hi=16),       # attention o, GDN out
+            (248320, 5120): Q4Config(32, 1, 1, 4, wa=True, rows=8, rows_hi=16),      # lm_head
+            (5120, 10240): Q4Config(64, 9, 2, 3, wa=True, rows=8, rows_hi=16)}       # MTP fc
+    for (n, k), cfg in want.items():
+        assert q4_config(n, k, 128) == cfg, (n, k)
+    assert group_config([17408, 17408], 5120, 128) == want[(34816, 5120)]
+    assert group_config([12288, 1024, 1024], 5120, 128) == want[(14336, 5120)]
+    assert group_config([10240, 6144], 5120, 128) == want[(16384, 5120)]
