@@ -432,12 +432,17 @@ BF16_SMALL_CANDS = [GemvConfig(bn, bk, sp, nw, 3) for bn in (16, 32) for bk in (
 
 
 def warm_bf16_small(i: int, n_parts: int) -> None:
+    from specfire.ops import triton_gemv
+
     n, k = BF16_SMALL
     ws = [torch.randn(n, k, device=DEV, dtype=BF) for _ in range(2)]
     x = torch.randn(1, k, device=DEV, dtype=BF)
     for j, cfg in enumerate(BF16_SMALL_CANDS):
         if j % n_parts == i and cfg.split_k == 10:     # the split does not change the kernel
-            gemv_group(x, ws, [None, None], cfg=cfg)
+            for sem in (True, False):
+                triton_gemv.GROUP_SEM = sem
+                gemv_group(x, ws, [None, None], cfg=cfg)
+    triton_gemv.GROUP_SEM = True
 
 
 def bench_bf16_small(res: dict, adopt_path: str | None) -> None:
@@ -450,9 +455,19 @@ def bench_bf16_small(res: dict, adopt_path: str | None) -> None:
     sets = [[torch.randn(n, k, device=DEV, dtype=BF) * k ** -0.5 for _ in range(2)] for _ in range(8)]
     x16 = torch.randn(16, k, device=DEV, dtype=BF)
     ref = [x16.float() @ w.float().t() for w in sets[0]]
+    from specfire.ops import triton_gemv
+
+    if not SMOKE:      # compile the candidates' kernels in parallel first
+        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm-bf16", f"{i}/8"]) for i in range(8)]
+        for p in procs:
+            p.wait()
     base = gemv_config(n, k)
     out = []
-    for cfg in [base] + BF16_SMALL_CANDS:
+    rule = GemvConfig(64, 256, 1, 4, 4)          # what gemv_config's rules gave before the measured entry
+    for cfg, sem in [(base, True), (rule, True)] + [(c, s) for c in BF16_SMALL_CANDS for s in (True, False)]:
+        if cfg.split_k == 1 and not sem:
+            continue
+        triton_gemv.GROUP_SEM = sem
         fn = lambda t, c=cfg: gemv_group(t, sets[0], [None, None], cfg=c)  # noqa: E731
         try:
             e = max(rel(y, r) for y, r in zip(fn(x16), ref))
@@ -467,12 +482,14 @@ def bench_bf16_small(res: dict, adopt_path: str | None) -> None:
         except Exception as ex:
             print(f"  {cfg} failed {type(ex).__name__}: {str(ex)[:100]}", flush=True)
             continue
-        out.append({"cfg": cfg.__dict__, "t1_us": t1, "t4_us": t4, "rel_err": e, "default": cfg == base})
-        print(f"  {'default ' if cfg == base else ''}{cfg}: M1 {t1:.2f} us ({nb / t1 / 1e6 / PEAK:.1%}) M4 {t4:.2f} us",
-              flush=True)
+        out.append({"cfg": cfg.__dict__, "sem": sem, "t1_us": t1, "t4_us": t4, "rel_err": e, "default": cfg == base})
+        print(f"  {'default ' if cfg == base else ''}{cfg} {'in-kernel' if sem else 'second-launch'} combine: "
+              f"M1 {t1:.2f} us ({nb / t1 * 1e6 / PEAK:.1%}) M4 {t4:.2f} us", flush=True)
+    triton_gemv.GROUP_SEM = True
     best = min(out, key=lambda r: r["t1_us"] + r["t4_us"])
     dflt = next((r for r in out if r["default"]), None)
-    print(f"  => adopted {best['cfg']}: M1 {best['t1_us']:.2f} us, M4 {best['t4_us']:.2f} us (default: "
+    print(f"  => adopted {best['cfg']} ({'in-kernel' if best['sem'] else 'second-launch'} combine): M1 "
+          f"{best['t1_us']:.2f} us, M4 {best['t4_us']:.2f} us (default: "
           f"{dflt['t1_us'] if dflt else float('nan'):.2f} / {dflt['t4_us'] if dflt else float('nan'):.2f} us)", flush=True)
     res["bf16_small"] = {"shape": [n, k], "weights": 2, "sweep": out, "adopted": best["cfg"]}
     if adopt_path:
@@ -594,9 +611,14 @@ def main() -> int:
     ap.add_argument("--q4rows-budget", type=float, default=60.0, help="seconds of 8-row-tile sweep before it stops")
     ap.add_argument("--adopt", default=None, help="write the q4rows section's adopted configs (JSON) here")
     ap.add_argument("--warm-q4rows", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--warm-bf16", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.warm_q4rows:
         warm_q4_rows(args.warm_q4rows)
+        return 0
+    if args.warm_bf16:
+        warm_bf16_small(*(int(v) for v in args.warm_bf16.split("/")))
+        torch.cuda.synchronize()
         return 0
     torch.manual_seed(0)
     import triton

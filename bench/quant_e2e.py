@@ -96,11 +96,17 @@ def quantized_weight(n: int, k: int, gen: torch.Generator) -> QuantWeight:
     return QuantWeight.from_stored(q, s, z, False, DT, DEV)
 
 
+GATES4 = False    # --gates4: the GDN gate projections in_proj_b / in_proj_a 4-bit too (not the product's policy)
+
+
 def build(module_cls, cfg, seed: int):
     """module_cls(cfg) on the device: projections 4-bit (quantized here), the rest random bf16.
     Returns (module, 4-bit bytes, dense bytes a decode step reads)."""
     from specfire.model.qwen35 import Linear
-    from specfire.quantize import _quantizable
+    from specfire.quantize import _quantizable as policy
+
+    def _quantizable(name, shape, keep):
+        return policy(name, shape, keep) or (GATES4 and name.endswith(("in_proj_a.weight", "in_proj_b.weight")))
 
     gen = torch.Generator(device=DEV).manual_seed(seed)
     with torch.device("meta"):
@@ -410,9 +416,13 @@ def main() -> int:
     ap.add_argument("--warm", default="", help="worker: a 4-layer model through the calls of this variant")
     ap.add_argument("--skip", default="")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    ap.add_argument("--gates4", action="store_true", help="experiment: the GDN gate projections in_proj_b / "
+                    "in_proj_a 4-bit as well (they then join the 4-bit qkv + z launch); not what `specfire quantize` does")
     ap.add_argument("--q4-configs", default="", help="JSON {'N,K': Q4Config fields, 'bf16:N,K': GemvConfig fields} "
                     "(bench/linear.py --adopt) taking the place of the committed settings for those shapes, in this run only")
     args = ap.parse_args()
+    global GATES4
+    GATES4 = args.gates4
     torch.manual_seed(0)
     if args.q4_configs:
         from specfire.ops import triton_quant as tq
@@ -433,14 +443,15 @@ def main() -> int:
     import triton
     res = {"gpu": "cpu-smoke" if SMOKE else torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "shape": args.shape, "prompt": args.prompt, "tokens": args.tokens}
+           "shape": args.shape, "prompt": args.prompt, "tokens": args.tokens, "gates4": args.gates4}
     log(f"{res['gpu']} torch {res['torch']} triton {res['triton']}")
     procs = []
     if not SMOKE and "warm" not in args.skip:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         logf = open(os.path.join(args.out or ".", "quant_e2e_warm.log"), "w")
         procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm", v, "--shape", args.shape,
-                                   "--prompt", "64", "--out", "", "--q4-configs", args.q4_configs],
+                                   "--prompt", "64", "--out", "", "--q4-configs", args.q4_configs]
+                                 + (["--gates4"] if args.gates4 else []),
                                   env=env, stdout=logf, stderr=subprocess.STDOUT)
                  for v in ("grouped", "ungrouped") if v not in args.skip.split(",")]
     cfg = model_cfg(args.shape)

@@ -142,6 +142,21 @@ def gemv(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig | None = None, launch
     return y
 
 
+_LOCKS: dict = {}
+GROUP_SEM = True   # a grouped split-K launch combines its partials in the kernel (bench/linear.py compares)
+
+
+def _locks(device: torch.device, n: int) -> torch.Tensor:
+    """Per-device split-K arrival counters of the grouped launch (int32, zero between launches:
+    the last program of a tile resets its own). Made before any CUDA-graph capture (ops/quant.py
+    QuantWeight makes them with the 4-bit kernel's)."""
+    buf = _LOCKS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1 << 12), dtype=torch.int32, device=device)
+        _LOCKS[device] = buf
+    return buf
+
+
 GROUP_MAX = 4      # column projections of one input that one launch can hold
 OUT_ALIGN = 64     # elements: where a grouped launch's outputs start in its buffer
 GROUP = os.environ.get("SPECFIRE_GEMV_GROUP", "1") != "0"   # bench/tp.py can turn grouping off
@@ -149,15 +164,18 @@ GROUP = os.environ.get("SPECFIRE_GEMV_GROUP", "1") != "0"   # bench/tp.py can tu
 
 @triton.jit(do_not_specialize=["M"])
 def _gemv_group_kernel(x_ptr, w_ptr, y_ptr, M, K, stride_xm, N0, N1, N2, N3, T1, T2, T3, DW1, DW2, DW3, O1, O2, O3,
-                       k_per_split, TOTAL, SEGS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       ROWS_: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr = False):
+                       k_per_split, TOTAL, fin_ptr, lock_ptr, SEGS: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, ROWS_: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr = False,
+                       SEM: tl.constexpr = False):
     """_gemv_kernel over up to 4 weights of one input in one launch: column tiles [0, T1) are
     weight 0's, [T1, T2) weight 1's, ... (weight s at w_ptr + DWs elements, each [Ns, K]
     contiguous); output s is [M, Ns] at y + M * Os. Every tile runs the same loop as a
     launch of its weight alone with these settings would: the same bits, more programs.
     PARTIAL (split-K over grid axis 2): split s stores its float32 partial at y + s * TOTAL + (the
     output's place), TOTAL = the outputs' whole length, and one _splitk_sum adds them in split
-    order, as gemv does for one weight."""
+    order, as gemv does for one weight; with SEM the last program of each tile to arrive (a counter
+    per tile) adds them in the same order and writes fin_ptr, so no second launch is needed. The
+    arrival order never enters the arithmetic."""
     pid_m = tl.program_id(0)
     pid_t = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -196,8 +214,20 @@ def _gemv_group_kernel(x_ptr, w_ptr, y_ptr, M, K, stride_xm, N0, N1, N2, N3, T1,
         else:
             acc = tl.dot(w, tl.trans(x), acc)
     if PARTIAL:
-        tl.store(y_ptr + pid_s * TOTAL + dy + offs_m[None, :] * n + offs_n[:, None], acc,
-                 mask=n_mask[:, None] & m_mask[None, :])
+        out_mask = n_mask[:, None] & m_mask[None, :]
+        p_ptrs = y_ptr + dy + offs_m[None, :] * n + offs_n[:, None]
+        tl.store(p_ptrs + pid_s * TOTAL, acc, mask=out_mask)
+        if SEM:
+            tl.debug_barrier()
+            lock_ptr += pid_m * tl.num_programs(1) + pid_t            # a counter per (row tile, column tile)
+            cnt = tl.atomic_add(lock_ptr, 1, sem="acq_rel", scope="gpu")
+            if cnt == tl.num_programs(2) - 1:
+                tot = tl.load(p_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
+                for sp in range(1, tl.num_programs(2)):
+                    tot += tl.load(p_ptrs + sp * TOTAL, mask=out_mask, other=0.0, cache_modifier=".cg")
+                tl.store(fin_ptr + dy + offs_m[None, :] * n + offs_n[:, None], tot.to(fin_ptr.dtype.element_ty),
+                         mask=out_mask)
+                tl.atomic_xchg(lock_ptr, 0, sem="relaxed", scope="gpu")
     else:
         tl.store(y_ptr + dy + offs_m[None, :] * n + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
                  mask=n_mask[:, None] & m_mask[None, :])
@@ -240,12 +270,18 @@ def gemv_group(x: torch.Tensor, ws: list[torch.Tensor], launch_ns: list[int | No
     total = m * offs[-1]
     out = y if split == 1 else torch.empty(split * total, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(m, tile), sum(tiles), split)
+    # split-K combined in the kernel (counters, zero between launches) where the counters exist or
+    # can be made now (never during a CUDA-graph capture), else by one _splitk_sum launch
+    have = _LOCKS.get(x.device)
+    sem = split > 1 and GROUP_SEM and ((have is not None and have.numel() >= grid[0] * grid[1])
+                                       or not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+    locks = _locks(x.device, grid[0] * grid[1]) if sem else y
     _gemv_group_kernel[grid](x, ws[0], out, m, k, x.stride(0), *ns, tiles[0], tiles[0] + tiles[1],
-                             tiles[0] + tiles[1] + tiles[2], *dws, *offs[1:4], k_per_split, total, SEGS=len(ws),
-                             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=tile, IEEE=x.dtype == torch.float32,
-                             PARTIAL=split > 1, num_warps=cfg.num_warps,
+                             tiles[0] + tiles[1] + tiles[2], *dws, *offs[1:4], k_per_split, total, y, locks,
+                             SEGS=len(ws), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=tile,
+                             IEEE=x.dtype == torch.float32, PARTIAL=split > 1, SEM=sem, num_warps=cfg.num_warps,
                              num_stages=fit_stages(cfg, tile, x.element_size()))
-    if split > 1:      # the padding between outputs is summed too (never read)
+    if split > 1 and not sem:      # the padding between outputs is summed too (never read)
         _splitk_sum[(triton.cdiv(total, 1024),)](out, y, total, SPLIT=split, BLOCK=1024)
     return [y[m * o:m * o + m * v].view(m, v) for v, o in zip(ns[:len(ws)], offs)]
 
