@@ -5,8 +5,10 @@ row equals the one-row result) in bf16 on the real 27B shapes; (2) a launch-conf
 shape (configs depend on the shape only, never on M); (3) timings against the stock paths
 (cuBLAS F.linear, torch's int4 mm when it works) with CUDA-graph replay over rotating weights
 larger than L2; (4) 4-bit quality (layer-output relative error) by group size and rotation;
-(5) end to end: a tiny model quantized, greedy MTP == AR on the GPU. Prints tables and one JSON
-line last.
+(5) end to end: a tiny model quantized, greedy MTP == AR on the GPU; (q4rows) the 4-bit launch
+settings of every 27B launch shape swept, checked bitwise and adopted (--adopt writes them as
+JSON for bench/quant_e2e.py --q4-configs); (bf16small) the same for the bf16 GDN gate group.
+Prints tables and one JSON line last.
 
     python bench/linear.py [--quick] [--out results.json]
 

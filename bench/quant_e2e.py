@@ -9,7 +9,9 @@ random bf16; the model and its MTP head are handed to `LLM` through the engine b
 factory (the weights are the only thing that does not come from a checkpoint), then:
 
 1. kernels: the projections of one input as one grouped launch (ops/triton_quant.py q4_group)
-   against one launch per weight, M = 1 / 4 / 16, and the single weights (down, o / out, lm_head):
+   against one launch per weight, M = 1, 2, 4, 8, 16, and the single weights (down, o / out,
+   lm_head), each checked first (grouped bits == each weight's own launch, every prefix M = 1..16
+   == the 16-row call):
    time (CUDA-graph replay over rotating weight copies larger than L2) and bytes read / time as a
    fraction of 4.17 TB/s;
 2. end to end, for grouped (the default) and ungrouped (SPECFIRE_GEMV_GROUP=0's path) projections:
@@ -24,6 +26,7 @@ every stage.
 
     python bench/quant_e2e.py [--shape 27B] [--budget 120] [--out DIR]
     BENCH_SMOKE=1 TRITON_INTERPRET=1 python bench/quant_e2e.py   # the logic on the CPU, tiny shape
+    --gates4: the GDN gate projections in_proj_b / in_proj_a 4-bit too (`specfire quantize --gates`)
 """
 from __future__ import annotations
 
@@ -96,7 +99,7 @@ def quantized_weight(n: int, k: int, gen: torch.Generator) -> QuantWeight:
     return QuantWeight.from_stored(q, s, z, False, DT, DEV)
 
 
-GATES4 = False    # --gates4: the GDN gate projections in_proj_b / in_proj_a 4-bit too (not the product's policy)
+GATES4 = False    # --gates4: the GDN gate projections in_proj_b / in_proj_a 4-bit too (`specfire quantize --gates`)
 
 
 def build(module_cls, cfg, seed: int):
@@ -105,8 +108,8 @@ def build(module_cls, cfg, seed: int):
     from specfire.model.qwen35 import Linear
     from specfire.quantize import _quantizable as policy
 
-    def _quantizable(name, shape, keep):
-        return policy(name, shape, keep) or (GATES4 and name.endswith(("in_proj_a.weight", "in_proj_b.weight")))
+    def _quantizable(name, shape, keep):          # --gates4: what `specfire quantize --gates` writes
+        return policy(name, shape, keep, gates=GATES4)
 
     gen = torch.Generator(device=DEV).manual_seed(seed)
     with torch.device("meta"):
@@ -416,8 +419,8 @@ def main() -> int:
     ap.add_argument("--warm", default="", help="worker: a 4-layer model through the calls of this variant")
     ap.add_argument("--skip", default="")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
-    ap.add_argument("--gates4", action="store_true", help="experiment: the GDN gate projections in_proj_b / "
-                    "in_proj_a 4-bit as well (they then join the 4-bit qkv + z launch); not what `specfire quantize` does")
+    ap.add_argument("--gates4", action="store_true", help="the GDN gate projections in_proj_b / in_proj_a 4-bit "
+                    "as well (`specfire quantize --gates`; they then join the 4-bit qkv + z launch)")
     ap.add_argument("--q4-configs", default="", help="JSON {'N,K': Q4Config fields, 'bf16:N,K': GemvConfig fields} "
                     "(bench/linear.py --adopt) taking the place of the committed settings for those shapes, in this run only")
     args = ap.parse_args()

@@ -129,6 +129,10 @@ def test_quantize_policy_covers_every_projection():
     for name in (gdn + "in_proj_a.weight", gdn + "in_proj_b.weight", "model.embed_tokens.weight", gdn + "norm.weight"):
         assert not _quantizable(name, (8, 8), False), name
     assert not _quantizable("lm_head.weight", (8, 8), True) and not _quantizable(gdn + "conv1d.weight", (8, 1, 4), False)
+    # `specfire quantize --gates`: the gates too (they then join the layer's 4-bit input launch)
+    assert _quantizable(gdn + "in_proj_a.weight", (8, 8), False, gates=True)
+    assert _quantizable(gdn + "in_proj_b.weight", (8, 8), False, gates=True)
+    assert not _quantizable("model.embed_tokens.weight", (8, 8), False, gates=True)
 
 
 def test_pick_group():
@@ -329,6 +333,30 @@ def test_mtp_equals_ar_on_quantized_model(ckpts):
         ar = llm.generate([3, 9, 27, 81], sp, spec=SpecPolicy(mode="off"))
         mtp = llm.generate([3, 9, 27, 81], sp, spec=SpecPolicy(mode="mtp", k=3))
     assert mtp.stats["route"] == "mtp" and mtp.token_ids == ar.token_ids
+
+
+def test_quantize_gates_option(ckpts, tmp_path):
+    """`specfire quantize --gates`: the GDN gate projections are written 4-bit too, load as 4-bit
+    weights and decode with greedy MTP == AR."""
+    from safetensors import safe_open
+
+    from specfire import LLM, SamplingParams, SpecPolicy
+    from specfire.cli import main
+    from specfire.ops.quant import QuantWeight
+
+    src, _ = ckpts
+    dst = str(tmp_path / "gates")
+    assert main(["quantize", src, dst, "--group-size", "64", "--device", "cpu", "--gates"]) == 0
+    with safe_open(os.path.join(dst, "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.0.linear_attn.in_proj_a.qweight" in names and "model.layers.0.linear_attn.in_proj_b.zeros" in names
+    assert "model.layers.0.linear_attn.in_proj_a.weight" not in names
+    sp = SamplingParams(max_tokens=16, temperature=0.0)
+    with LLM(dst, device="cpu", spec="auto") as llm:
+        assert isinstance(llm.engine.trunk.model.layers[0].linear_attn.in_proj_a.weight, QuantWeight)
+        ar = llm.generate([3, 9, 27, 81], sp, spec=SpecPolicy(mode="off"))
+        mtp = llm.generate([3, 9, 27, 81], sp, spec=SpecPolicy(mode="mtp", k=3))
+    assert mtp.token_ids == ar.token_ids
 
 
 def test_quantize_rejects_bad_input(ckpts, tmp_path, capsys):
