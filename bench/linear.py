@@ -5,8 +5,10 @@ row equals the one-row result) in bf16 on the real 27B shapes; (2) a launch-conf
 shape (configs depend on the shape only, never on M); (3) timings against the stock paths
 (cuBLAS F.linear, torch's int4 mm when it works) with CUDA-graph replay over rotating weights
 larger than L2; (4) 4-bit quality (layer-output relative error) by group size and rotation;
-(5) end to end: a tiny model quantized, greedy MTP == AR on the GPU. Prints tables and one JSON
-line last.
+(5) end to end: a tiny model quantized, greedy MTP == AR on the GPU; (q4rows) the 4-bit launch
+settings of every 27B launch shape swept, checked bitwise and adopted (--adopt writes them as
+JSON for bench/quant_e2e.py --q4-configs); (bf16small) the same for the bf16 GDN gate group.
+Prints tables and one JSON line last.
 
     python bench/linear.py [--quick] [--out results.json]
 
@@ -33,7 +35,7 @@ from specfire.ops import greedy, norm, rope  # noqa: E402
 from specfire.ops.act import silu_mul_ref  # noqa: E402
 from specfire.ops.quant import QuantWeight, hadamard_rotate, quantize_tensor  # noqa: E402
 from specfire.ops import triton_small as ts  # noqa: E402
-from specfire.ops.triton_gemv import GemvConfig, gemv, gemv_config  # noqa: E402
+from specfire.ops.triton_gemv import GemvConfig, gemv, gemv_config, gemv_group  # noqa: E402
 from specfire.ops.triton_quant import Q4Config, q4_config, q4_gemv  # noqa: E402
 
 PEAK = 4.17e12  # measured device-to-device copy bandwidth of the H200, bytes/s
@@ -242,66 +244,113 @@ def bench_q4(res: dict, quick: bool, groups=(128, 64), full: bool = True) -> Non
             break
 
 
-# the launch shapes of a 27B decode step (grouped projections launch with their concatenated N)
-Q4_LAUNCH = [(34816, 5120, "MLP gate+up"), (16384, 5120, "GDN qkv+z"), (14336, 5120, "attn q+gate,k,v"),
-             (5120, 17408, "MLP down"), (5120, 6144, "attn o / GDN out"), (248320, 5120, "lm_head")]
+# the launch shapes of a 27B decode step (grouped projections launch with their concatenated N),
+# most step time first, and the MTP head's fc (three times a k=3 cycle)
+Q4_LAUNCH = [(34816, 5120, "MLP gate+up"), (5120, 17408, "MLP down"), (16384, 5120, "GDN qkv+z"),
+             (5120, 6144, "attn o / GDN out"), (14336, 5120, "attn q+gate,k,v"), (248320, 5120, "lm_head"),
+             (5120, 10240, "MTP fc")]
 if SMOKE:
     Q4_LAUNCH = [(96, 512, "small"), (40, 256, "odd")]
+SMS = 132          # H200 streaming multiprocessors
+
+# (columns per CTA, warps, pipeline stages); every one with 8-row tiles and the codes as the MMA's A operand
+Q4_BASES = ((64, 2, 3), (128, 2, 3), (64, 2, 4), (128, 4, 3), (256, 4, 3), (32, 1, 4), (64, 2, 6), (64, 4, 4))
 
 
-Q4_BASES = ((64, 2, 3, 16), (64, 2, 3, 0), (64, 2, 4, 16), (128, 2, 3, 16), (32, 1, 4, 16))  # bn, warps, stages, zc
+def q4_splits(n: int, k: int, bn: int, per_sm=(3, 4.5, 6, 8, 12)) -> list[int]:
+    """Split-Ks (a function of the shape only) that put about `per_sm` CTAs on each SM, as the
+    kernel launches them (the groups cut into equal runs, the last one shorter), deduplicated."""
+    groups = k // 128 if not SMOKE else max(1, k // 64)
+    tiles = -(-n // bn)
+    if tiles >= 8 * SMS:
+        return [1]
+    out = []
+    for c in per_sm:
+        sp = max(1, min(groups, round(c * SMS / tiles)))
+        per = -(-groups // sp)
+        eff = -(-groups // per)
+        if eff not in out:
+            out.append(eff)
+    return out
 
 
 def q4_rows_candidates(n: int, k: int, base: Q4Config) -> list[Q4Config]:
-    """The committed config first, then 8-row-tile variants (columns per CTA, warps, stages, zero
-    term in or after the loop) at split-Ks giving about 2..12 CTAs per SM (132 SMs): the first base
-    at every such split, the others at the two nearest 4 and 8 per SM. A function of the shape only."""
-    out = [base, dataclasses.replace(base, rows=8)]
-    groups = k // 128 if not SMOKE else max(1, k // 64)
-    for i, (bn, nw, ns, zc) in enumerate(Q4_BASES):
-        tiles = -(-n // bn)
-        if tiles >= 1024:
-            splits = [1]
-        elif i == 0:
-            splits = [sp for sp in (1, 2, 3, 4, 6, 8, 12, 16) if 2 * 132 <= tiles * sp <= 13 * 132 and sp <= groups]
-        else:
-            splits = sorted({max(1, min(groups, round(c * 132 / tiles))) for c in (4, 8)})
-        out += [Q4Config(bn, sp, nw, ns, wa=True, rows=8, zc=zc) for sp in splits]
+    """Phase 1 (a function of the shape only): the committed config, the same with the zero term
+    after the loop (zc: no sum(x) launch) and with the split-K combined by a second launch, then
+    every base at the split-Ks of q4_splits. Phase 2 (bench_q4_rows) adds zc to the fastest three."""
+    out = [base, dataclasses.replace(base, zc=16)]
+    if base.split_k > 1:
+        out.append(dataclasses.replace(base, sem=False))
+    for bn, nw, ns in Q4_BASES:
+        out += [Q4Config(bn, sp, nw, ns, wa=True, rows=8) for sp in q4_splits(n, k, bn)]
     out = [c for i, c in enumerate(out) if c not in out[:i]]
-    return out[:3] if SMOKE else out
+    return out[:4] if SMOKE else out
 
 
 def warm_q4_rows(part: str) -> None:
-    """Compile worker (part 'i/n'): every i-th candidate kernel of bench_q4_rows on a small weight
-    with the same specialisations, so the sweep finds them in Triton's cache."""
+    """Compile worker (part 'i/n'): every i-th (shape, kernel) pair the q4rows sweep can launch
+    (phase 1 and 2 candidates, zc on and off, the 16-row tile of rows_hi), on a weight of the real
+    shape (uninitialised codes: Triton specialises on N, K and the tile counts), so the sweep finds
+    every kernel in Triton's cache."""
     i, n_parts = (int(v) for v in part.split("/"))
+    warm_bf16_small(i, n_parts)
     seen, j = set(), 0
     for n, k, _ in Q4_LAUNCH:
-        for cfg in q4_rows_candidates(n, k, q4_config(n, k, 128)):
-            key = (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.rows, cfg.zc, cfg.wa, cfg.split_k > 1 and cfg.sem)
-            if key in seen:
-                continue
-            seen.add(key)
-            j += 1
-            if j % n_parts == i:
-                qw = random_q4(256, k, 128, DEV)
-                q4_gemv(torch.randn(1, k, device=DEV, dtype=BF), qw, cfg)
+        qw = None
+        for c0 in q4_rows_candidates(n, k, q4_config(n, k, 128)):
+            for cfg, m in ((c0, 1), (dataclasses.replace(c0, zc=16), 1), (dataclasses.replace(c0, rows_hi=16), 16),
+                           (dataclasses.replace(c0, zc=16, rows_hi=16), 16)):
+                # what Triton specialises on: the constexprs, the buffers' types (split, combine) and
+                # whether the tile count divides by 16 (N, K / 2 and the strides do for every shape here)
+                key = (cfg.block_n, cfg.num_warps, cfg.num_stages, 16 if m > cfg.rows else cfg.rows, cfg.zc, cfg.wa,
+                       cfg.split_k > 1, cfg.sem and cfg.split_k > 1, -(-n // cfg.block_n) % 16 == 0)
+                if key in seen:
+                    continue
+                seen.add(key)
+                j += 1
+                if j % n_parts != i:
+                    continue
+                if qw is None:
+                    g = 128 if not SMOKE else 64
+                    s_ = torch.full((k // g, n), 1e-3, device=DEV, dtype=torch.bfloat16)
+                    qw = QuantWeight(torch.empty(n, k // 2, device=DEV, dtype=torch.uint8), s_, s_.clone(), False, BF)
+                try:
+                    q4_gemv(torch.randn(m, k, device=DEV, dtype=BF), qw, cfg)
+                except Exception as e:       # the sweep reports it where it is launched
+                    print(f"warm {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        del qw
     if not SMOKE:
         torch.cuda.synchronize()
+
+
+def _cfg_name(c: Q4Config) -> str:
+    return (f"bn{c.block_n} w{c.num_warps} s{c.num_stages} split{c.split_k}" + ("" if c.sem or c.split_k == 1 else " 2nd")
+            + (f" zc{c.zc}" if c.zc else "") + (f" hi{c.rows_hi}" if c.rows_hi else ""))
 
 
 def bench_q4_rows(res: dict, budget: float, adopt_path: str | None) -> None:
     """Per 27B launch shape: every candidate checked (parity against the float32 product, bitwise
     row invariance: every prefix M = 1..16 and every single row equal the 16-row call), timed at
-    M = 1 and 4; the fastest by t1 + t4 adopted; then the adopted and the committed config at
-    M = 1, 2, 4, 8, 16. Stops sweeping past `budget` seconds (the committed config stays)."""
-    print("\n== 4-bit GEMV, 8-row tiles vs the committed config (group 128), % of 4.17 TB/s ==", flush=True)
+    M = 1 and 4; phase 2 adds the zero term after the loop (zc) to the fastest three; the fastest by
+    t1 + t4 adopted; then the adopted config with rows_hi = 16 (M > 8 in one 16-row tile) is
+    checked the same way (its M <= 8 rows must equal its 16-row call) and adopted where faster at
+    M = 16; then the adopted and the committed config at M = 1, 2, 4, 8, 16. Each shape gets a
+    share of `budget` seconds (the committed config always runs); the adopted configs go to
+    `adopt_path` as JSON after every shape."""
+    print("\n== 4-bit GEMV per launch shape (group 128): sweep, adopted vs committed, % of 4.17 TB/s ==", flush=True)
     t0 = time.time()
     g = 128 if not SMOKE else 64
     adopted = {}
-    procs = [] if SMOKE else [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm-q4rows", f"{i}/6"])
-                              for i in range(6)]
-    for n, k, name in Q4_LAUNCH:
+    procs = [] if SMOKE else [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm-q4rows", f"{i}/12"])
+                              for i in range(12)]
+    for p in procs:      # compiled before anything is timed (timing beside 12 compilers is noise)
+        p.wait()
+    print(f"[q4 rows warm-up {time.time() - t0:.0f} s]", flush=True)
+    weights = {"MLP gate+up": 64, "MLP down": 64, "GDN qkv+z": 48, "attn o / GDN out": 64, "attn q+gate,k,v": 16,
+               "lm_head": 1, "MTP fc": 0}     # launches in a 27B AR step (the fc runs in the draft chain)
+    for si, (n, k, name) in enumerate(Q4_LAUNCH):
+        left = budget - (time.time() - t0)
+        end = time.time() + left / (len(Q4_LAUNCH) - si)      # this shape's share of what is left
         qw0 = random_q4(n, k, g, DEV)
         nbytes = qw0.nbytes()
         qws = [qw0] + [random_q4(n, k, g, DEV) for _ in range(n_copies(nbytes) - 1)]
@@ -309,51 +358,150 @@ def bench_q4_rows(res: dict, budget: float, adopt_path: str | None) -> None:
         ref = x16.float() @ qw0.dequantize().t()
         base = q4_config(n, k, g)
         sweep = []
-        for cfg in q4_rows_candidates(n, k, base):
-            if time.time() - t0 > budget and cfg != base:
-                sweep.append({"cfg": cfg.__dict__, "error": "budget"})
-                continue
+
+        def trial(cfg, timed=((1, "t1_us"), (4, "t4_us"))):
             try:
                 e = rel(q4_gemv(x16, qw0, cfg), ref)
                 inv = row_invariant(lambda t: q4_gemv(t, qw0, cfg), x16)
                 if not (e < 1e-2 and inv):
                     sweep.append({"cfg": cfg.__dict__, "error": f"parity {e:.2e} row-invariant {inv}"})
-                    print(f"  {name}: {cfg} REJECTED parity {e:.2e} row-invariant {inv}", flush=True)
-                    continue
-                t1 = graph_time([lambda w=w: q4_gemv(x16[:1], w, cfg) for w in qws])
-                t4 = graph_time([lambda w=w: q4_gemv(x16[:4], w, cfg) for w in qws])
+                    print(f"  {name}: {_cfg_name(cfg)} REJECTED parity {e:.2e} row-invariant {inv}", flush=True)
+                    return None
+                r = {"cfg": cfg.__dict__, "rel_err": e, "row_invariant": inv}
+                for m, key in timed:
+                    r[key] = graph_time([lambda w=w: q4_gemv(x16[:m], w, cfg) for w in qws]) * 1e6
             except Exception as ex:
                 sweep.append({"cfg": cfg.__dict__, "error": f"{type(ex).__name__}: {str(ex)[:100]}"})
-                print(f"  {name}: {cfg} failed {type(ex).__name__}: {str(ex)[:100]}", flush=True)
+                print(f"  {name}: {_cfg_name(cfg)} failed {type(ex).__name__}: {str(ex)[:100]}", flush=True)
+                return None
+            sweep.append(r)
+            print(f"  {name} {n}x{k} {_cfg_name(cfg)}: " + "  ".join(
+                f"M{m} {r[key]:6.1f} us ({nbytes / r[key] * 1e6 / PEAK:5.1%})" for m, key in timed), flush=True)
+            return r
+
+        cands = q4_rows_candidates(n, k, base)
+        for cfg in cands:
+            if time.time() > end and cfg != base:
+                sweep.append({"cfg": cfg.__dict__, "error": "budget"})
                 continue
-            sweep.append({"cfg": cfg.__dict__, "t1_us": t1 * 1e6, "t4_us": t4 * 1e6, "rel_err": e, "row_invariant": inv})
-            print(f"  {name} {n}x{k} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} split{cfg.split_k} rows{cfg.rows}: "
-                  f"M1 {t1 * 1e6:6.1f} us ({nbytes / t1 / PEAK:5.1%})  M4 {t4 * 1e6:6.1f} us ({nbytes / t4 / PEAK:5.1%})",
-                  flush=True)
+            trial(cfg)
+        ok = sorted((r for r in sweep if "t1_us" in r), key=lambda r: r["t1_us"] + r["t4_us"])
+        for r in ok[:3]:                                        # phase 2: zc on the fastest three
+            c = Q4Config(**r["cfg"])
+            if not c.zc and dataclasses.replace(c, zc=16) not in cands and time.time() < end + 5:
+                trial(dataclasses.replace(c, zc=16))
         ok = [r for r in sweep if "t1_us" in r]
         best = min(ok, key=lambda r: r["t1_us"] + r["t4_us"])
         best_cfg = Q4Config(**best["cfg"])
+        # rows_hi: M = 9..16 in one 16-row tile; adopted only if bitwise row-invariant and faster at M = 16
+        hi_cfg = dataclasses.replace(best_cfg, rows_hi=16)
+        hi = trial(hi_cfg, timed=((16, "t16_us"), (12, "t12_us")))
+        lo16 = graph_time([lambda w=w: q4_gemv(x16, w, best_cfg) for w in qws]) * 1e6
+        hi_rec = {"checked": hi is not None, "t16_us": hi["t16_us"] if hi else None, "two_tiles_t16_us": lo16}
+        if hi is not None and hi["t16_us"] < lo16:
+            best_cfg = hi_cfg
         table = []
         for m in (1, 2, 4, 8, 16):
             tb = graph_time([lambda w=w: q4_gemv(x16[:m], w, best_cfg) for w in qws])
-            tc = graph_time([lambda w=w: q4_gemv(x16[:m], w, base) for w in qws]) if m in (1, 16) else float("nan")
+            tc = graph_time([lambda w=w: q4_gemv(x16[:m], w, base) for w in qws]) if m in (1, 4, 16) else float("nan")
             table.append({"M": m, "adopted_us": tb * 1e6, "adopted_frac": nbytes / tb / PEAK,
                           "committed_us": tc * 1e6, "committed_frac": nbytes / tc / PEAK})
-        print(f"  => {name} {n}x{k} ({nbytes / 1e6:.1f} MB) adopted {best['cfg']}: " +
+        print(f"  => {name} {n}x{k} ({nbytes / 1e6:.1f} MB) adopted {_cfg_name(best_cfg)}: " +
               "  ".join(f"M{r['M']} {r['adopted_us']:.1f} us {r['adopted_frac']:.1%}" for r in table) +
-              f" | committed M1 {table[0]['committed_frac']:.1%} M16 {table[-1]['committed_frac']:.1%}", flush=True)
-        adopted[f"{n},{k}"] = best["cfg"]
-        res["q4_rows"].append({"name": name, "shape": [n, k], "bytes": nbytes, "adopted": best["cfg"],
-                               "committed": base.__dict__, "table": table, "sweep": sweep})
+              f" | committed ({_cfg_name(base)}) M1 {table[0]['committed_frac']:.1%} M4 {table[2]['committed_frac']:.1%}"
+              f" M16 {table[-1]['committed_frac']:.1%} | 16-row tile: {hi_rec} [{time.time() - t0:.0f} s]", flush=True)
+        adopted[f"{n},{k}"] = best_cfg.__dict__
+        res["q4_rows"].append({"name": name, "shape": [n, k], "bytes": nbytes, "adopted": best_cfg.__dict__,
+                               "committed": base.__dict__, "rows_hi": hi_rec, "table": table, "sweep": sweep,
+                               "per_step": weights.get(name, 0)})
+        if adopt_path:
+            with open(adopt_path, "w") as f:
+                json.dump(adopted, f, indent=1)
         del qws, qw0
         if not SMOKE:
             torch.cuda.empty_cache()
-    for p in procs:
-        p.wait()
+    step = sum(r["per_step"] * r["table"][0]["adopted_us"] for r in res["q4_rows"])
+    step_c = sum(r["per_step"] * r["table"][0]["committed_us"] for r in res["q4_rows"])
+    print(f"[q4 rows sweep {time.time() - t0:.0f} s; a 27B AR step's 4-bit GEMVs at M=1: adopted {step / 1e3:.2f} ms, "
+          f"committed {step_c / 1e3:.2f} ms]", flush=True)
+
+
+# the bf16 projections that stay beside the 4-bit ones: the GDN gate projections in_proj_b / in_proj_a
+# of the 27B shape (48 rows each, one grouped launch), whose default settings run 2 CTAs
+BF16_SMALL = (48, 5120) if not SMOKE else (24, 256)
+BF16_SMALL_CANDS = [GemvConfig(bn, bk, sp, nw, 3) for bn in (16, 32) for bk in (128, 256) for nw in (2, 4)
+                    for sp in (5, 10, 20)]
+
+
+def warm_bf16_small(i: int, n_parts: int) -> None:
+    from specfire.ops import triton_gemv
+
+    n, k = BF16_SMALL
+    ws = [torch.randn(n, k, device=DEV, dtype=BF) for _ in range(2)]
+    x = torch.randn(1, k, device=DEV, dtype=BF)
+    for j, cfg in enumerate(BF16_SMALL_CANDS):
+        if j % n_parts == i and cfg.split_k == 10:     # the split does not change the kernel
+            for sem in (True, False):
+                triton_gemv.GROUP_SEM = sem
+                gemv_group(x, ws, [None, None], cfg=cfg)
+    triton_gemv.GROUP_SEM = True
+
+
+def bench_bf16_small(res: dict, adopt_path: str | None) -> None:
+    """The GDN b + a group (2 x [48, 5120] bf16, one launch): the default settings against split-K
+    ones (one launch + one fixed-order sum), each checked (parity, bitwise row invariance), timed
+    at M = 1 and 4; the fastest by t1 + t4 is written beside the 4-bit configs as 'bf16:N,K'."""
+    print("\n== bf16 GDN b + a group: default vs split-K settings ==", flush=True)
+    n, k = BF16_SMALL
+    nb = 2 * n * k * 2
+    sets = [[torch.randn(n, k, device=DEV, dtype=BF) * k ** -0.5 for _ in range(2)] for _ in range(8)]
+    x16 = torch.randn(16, k, device=DEV, dtype=BF)
+    ref = [x16.float() @ w.float().t() for w in sets[0]]
+    from specfire.ops import triton_gemv
+
+    if not SMOKE:      # compile the candidates' kernels in parallel first
+        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm-bf16", f"{i}/8"]) for i in range(8)]
+        for p in procs:
+            p.wait()
+    base = gemv_config(n, k)
+    out = []
+    rule = GemvConfig(64, 256, 1, 4, 4)          # what gemv_config's rules gave before the measured entry
+    for cfg, sem in [(base, True), (rule, True)] + [(c, s) for c in BF16_SMALL_CANDS for s in (True, False)]:
+        if cfg.split_k == 1 and not sem:
+            continue
+        triton_gemv.GROUP_SEM = sem
+        fn = lambda t, c=cfg: gemv_group(t, sets[0], [None, None], cfg=c)  # noqa: E731
+        try:
+            e = max(rel(y, r) for y, r in zip(fn(x16), ref))
+            full = fn(x16)
+            inv = all(all(torch.equal(a, b[:m]) for a, b in zip(fn(x16[:m]), full)) for m in range(1, 17)) and all(
+                all(torch.equal(a[0], b[i]) for a, b in zip(fn(x16[i:i + 1]), full)) for i in range(16))
+            if not (e < 1e-2 and inv):
+                print(f"  {cfg} REJECTED parity {e:.2e} row-invariant {inv}", flush=True)
+                continue
+            t1 = graph_time([lambda ws=ws, c=cfg: gemv_group(x16[:1], ws, [None, None], cfg=c) for ws in sets]) * 1e6
+            t4 = graph_time([lambda ws=ws, c=cfg: gemv_group(x16[:4], ws, [None, None], cfg=c) for ws in sets]) * 1e6
+        except Exception as ex:
+            print(f"  {cfg} failed {type(ex).__name__}: {str(ex)[:100]}", flush=True)
+            continue
+        out.append({"cfg": cfg.__dict__, "sem": sem, "t1_us": t1, "t4_us": t4, "rel_err": e, "default": cfg == base})
+        print(f"  {'default ' if cfg == base else ''}{cfg} {'in-kernel' if sem else 'second-launch'} combine: "
+              f"M1 {t1:.2f} us ({nb / t1 * 1e6 / PEAK:.1%}) M4 {t4:.2f} us", flush=True)
+    triton_gemv.GROUP_SEM = True
+    best = min(out, key=lambda r: r["t1_us"] + r["t4_us"])
+    dflt = next((r for r in out if r["default"]), None)
+    print(f"  => adopted {best['cfg']} ({'in-kernel' if best['sem'] else 'second-launch'} combine): M1 "
+          f"{best['t1_us']:.2f} us, M4 {best['t4_us']:.2f} us (default: "
+          f"{dflt['t1_us'] if dflt else float('nan'):.2f} / {dflt['t4_us'] if dflt else float('nan'):.2f} us)", flush=True)
+    res["bf16_small"] = {"shape": [n, k], "weights": 2, "sweep": out, "adopted": best["cfg"]}
     if adopt_path:
+        adopted = {}
+        if os.path.exists(adopt_path):
+            with open(adopt_path) as f:
+                adopted = json.load(f)
+        adopted[f"bf16:{n},{k}"] = best["cfg"]
         with open(adopt_path, "w") as f:
             json.dump(adopted, f, indent=1)
-    print(f"[q4 rows sweep {time.time() - t0:.0f} s]", flush=True)
 
 
 def bench_quality(res: dict) -> None:
@@ -461,13 +609,18 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="default configs only, one group size")
     ap.add_argument("--sweep", default="gemv,q4", help="which kernels get the config sweep (comma list)")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--skip", default="", help="comma list of gemv,q4,q4rows,quality,small,e2e")
+    ap.add_argument("--skip", default="", help="comma list of gemv,q4,q4rows,bf16small,quality,small,e2e")
     ap.add_argument("--q4rows-budget", type=float, default=60.0, help="seconds of 8-row-tile sweep before it stops")
     ap.add_argument("--adopt", default=None, help="write the q4rows section's adopted configs (JSON) here")
     ap.add_argument("--warm-q4rows", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--warm-bf16", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.warm_q4rows:
         warm_q4_rows(args.warm_q4rows)
+        return 0
+    if args.warm_bf16:
+        warm_bf16_small(*(int(v) for v in args.warm_bf16.split("/")))
+        torch.cuda.synchronize()
         return 0
     torch.manual_seed(0)
     import triton
@@ -479,6 +632,7 @@ def main() -> int:
     for name, fn in (("gemv", lambda r: bench_gemv(r, args.quick or "gemv" not in args.sweep)),
                      ("q4", lambda r: bench_q4(r, args.quick or "q4" not in args.sweep, full=not args.quick)),
                      ("q4rows", lambda r: bench_q4_rows(r, args.q4rows_budget, args.adopt)),
+                     ("bf16small", lambda r: bench_bf16_small(r, args.adopt)),
                      ("small", bench_small), ("e2e", bench_e2e), ("quality", bench_quality)):
         if name in skip:
             continue

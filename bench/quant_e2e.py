@@ -9,7 +9,9 @@ random bf16; the model and its MTP head are handed to `LLM` through the engine b
 factory (the weights are the only thing that does not come from a checkpoint), then:
 
 1. kernels: the projections of one input as one grouped launch (ops/triton_quant.py q4_group)
-   against one launch per weight, M = 1 / 4 / 16, and the single weights (down, o / out, lm_head):
+   against one launch per weight, M = 1, 2, 4, 8, 16, and the single weights (down, o / out,
+   lm_head), each checked first (grouped bits == each weight's own launch, every prefix M = 1..16
+   == the 16-row call):
    time (CUDA-graph replay over rotating weight copies larger than L2) and bytes read / time as a
    fraction of 4.17 TB/s;
 2. end to end, for grouped (the default) and ungrouped (SPECFIRE_GEMV_GROUP=0's path) projections:
@@ -24,6 +26,7 @@ every stage.
 
     python bench/quant_e2e.py [--shape 27B] [--budget 120] [--out DIR]
     BENCH_SMOKE=1 TRITON_INTERPRET=1 python bench/quant_e2e.py   # the logic on the CPU, tiny shape
+    --gates4: the GDN gate projections in_proj_b / in_proj_a 4-bit too (`specfire quantize --gates`)
 """
 from __future__ import annotations
 
@@ -96,11 +99,17 @@ def quantized_weight(n: int, k: int, gen: torch.Generator) -> QuantWeight:
     return QuantWeight.from_stored(q, s, z, False, DT, DEV)
 
 
+GATES4 = False    # --gates4: the GDN gate projections in_proj_b / in_proj_a 4-bit too (`specfire quantize --gates`)
+
+
 def build(module_cls, cfg, seed: int):
     """module_cls(cfg) on the device: projections 4-bit (quantized here), the rest random bf16.
     Returns (module, 4-bit bytes, dense bytes a decode step reads)."""
     from specfire.model.qwen35 import Linear
-    from specfire.quantize import _quantizable
+    from specfire.quantize import _quantizable as policy
+
+    def _quantizable(name, shape, keep):          # --gates4: what `specfire quantize --gates` writes
+        return policy(name, shape, keep, gates=GATES4)
 
     gen = torch.Generator(device=DEV).manual_seed(seed)
     with torch.device("meta"):
@@ -206,7 +215,17 @@ def bench_kernels(res: dict, cfg, budget: float) -> None:
         copies = 1 if SMOKE else max(2, -(-int(120e6) // nbytes))       # rotate past the 60 MB L2
         sets = [[random_q4(n, k) for n, _ in shapes] for _ in range(copies)]
         rec = {"shapes": shapes, "bytes": nbytes}
-        for m in (1, 4, 16):
+        # bits first: the grouped launch gives each weight the bits of its own launch with the
+        # group's settings, and every prefix M = 1..16 the bits of the 16-row call
+        ws, cfgg = sets[0], tq.group_config([n for n, _ in shapes], k, GROUP)
+        x16 = x[:16, :k].contiguous()
+        full = tq.q4_group(x16, ws, cfgg)
+        same = all(torch.equal(a, tq.q4_group(x16, [w], cfgg)[0]) for a, w in zip(full, ws))
+        prefix = all(all(torch.equal(a, b[:m]) for a, b in zip(tq.q4_group(x16[:m], ws, cfgg), full)) for m in range(1, 17))
+        rec.update(config=cfgg.__dict__, grouped_equals_own_launches=same, row_invariant=prefix)
+        if not (same and prefix):
+            log(f"  {name}: BITS DIFFER: grouped == own launches {same}, every prefix == the 16-row call {prefix}")
+        for m in (1, 2, 4, 8, 16):
             xm = x[:m, :k].contiguous()
             fns = {"grouped": [lambda ws=ws: q4_rows(xm, ws, [None] * len(ws)) for ws in sets]}
             if len(shapes) > 1:
@@ -218,7 +237,8 @@ def bench_kernels(res: dict, cfg, budget: float) -> None:
         out[name] = rec
         sep = f", separate {rec['separate_M1_us']:.1f} us ({rec['separate_M1_frac']:.1%})" if len(shapes) > 1 else ""
         log(f"  {name:<18} M1 {rec['grouped_M1_us']:7.1f} us {rec['grouped_M1_frac']:6.1%} of 4.17 TB/s{sep}; "
-            f"M16 {rec['grouped_M16_us']:7.1f} us {rec['grouped_M16_frac']:6.1%}")
+            f"M4 {rec['grouped_M4_frac']:6.1%}; M16 {rec['grouped_M16_us']:7.1f} us {rec['grouped_M16_frac']:6.1%}; "
+            f"bits: grouped == own launches {same}, row-invariant {prefix}")
         del sets
     res["kernels"] = out
 
@@ -399,16 +419,24 @@ def main() -> int:
     ap.add_argument("--warm", default="", help="worker: a 4-layer model through the calls of this variant")
     ap.add_argument("--skip", default="")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
-    ap.add_argument("--q4-configs", default="", help="JSON {'N,K': Q4Config fields} (bench/linear.py --adopt) "
-                    "taking the place of the committed q4_config for those shapes, in this run only")
+    ap.add_argument("--gates4", action="store_true", help="the GDN gate projections in_proj_b / in_proj_a 4-bit "
+                    "as well (`specfire quantize --gates`; they then join the 4-bit qkv + z launch)")
+    ap.add_argument("--q4-configs", default="", help="JSON {'N,K': Q4Config fields, 'bf16:N,K': GemvConfig fields} "
+                    "(bench/linear.py --adopt) taking the place of the committed settings for those shapes, in this run only")
     args = ap.parse_args()
+    global GATES4
+    GATES4 = args.gates4
     torch.manual_seed(0)
     if args.q4_configs:
         from specfire.ops import triton_quant as tq
         with open(args.q4_configs) as f:
-            patch = {tuple(int(v) for v in key.split(",")): tq.Q4Config(**c) for key, c in json.load(f).items()}
+            table = json.load(f)
+        patch = {tuple(int(v) for v in key.split(",")): tq.Q4Config(**c) for key, c in table.items() if ":" not in key}
         tq._MEASURED.update(patch)
-        log(f"q4 configs from {args.q4_configs}: {len(patch)} shapes")
+        dense = {tuple(int(v) for v in key[5:].split(",")): triton_gemv.GemvConfig(**c)
+                 for key, c in table.items() if key.startswith("bf16:")}
+        triton_gemv._MEASURED.update(dense)
+        log(f"q4 configs from {args.q4_configs}: {len(patch)} 4-bit shapes, {len(dense)} bf16 shapes")
     if args.warm:   # compile every kernel the run will launch (the 27B dims on 4 layers, few tokens)
         args.tokens, args.prompts = 8, 1
         cfg = model_cfg(args.shape, 4)
@@ -418,14 +446,15 @@ def main() -> int:
     import triton
     res = {"gpu": "cpu-smoke" if SMOKE else torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "shape": args.shape, "prompt": args.prompt, "tokens": args.tokens}
+           "shape": args.shape, "prompt": args.prompt, "tokens": args.tokens, "gates4": args.gates4}
     log(f"{res['gpu']} torch {res['torch']} triton {res['triton']}")
     procs = []
     if not SMOKE and "warm" not in args.skip:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         logf = open(os.path.join(args.out or ".", "quant_e2e_warm.log"), "w")
         procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm", v, "--shape", args.shape,
-                                   "--prompt", "64", "--out", "", "--q4-configs", args.q4_configs],
+                                   "--prompt", "64", "--out", "", "--q4-configs", args.q4_configs]
+                                 + (["--gates4"] if args.gates4 else []),
                                   env=env, stdout=logf, stderr=subprocess.STDOUT)
                  for v in ("grouped", "ungrouped") if v not in args.skip.split(",")]
     cfg = model_cfg(args.shape)

@@ -78,6 +78,8 @@ def main() -> int:
     ap.add_argument("--accept-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--gates", action="store_true", help="quantize the GDN gate projections in_proj_a / in_proj_b "
+                    "as well (`specfire quantize --gates`)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     root = tempfile.mkdtemp()
@@ -131,7 +133,7 @@ def main() -> int:
     for g in (int(x) for x in args.groups.split(",")):
         for had in ((False,) if args.no_hadamard else (False, True)):
             dst = os.path.join(root, f"q{g}{'h' if had else ''}")
-            summary = quantize_checkpoint(src, dst, group=g, hadamard=had, device="cpu")
+            summary = quantize_checkpoint(src, dst, group=g, hadamard=had, device="cpu", gates=args.gates)
             with LLM(dst, device="cpu", dtype="float32", spec="auto", progress=False) as llm:
                 nll, cnt = nll_windows(llm, windows)
                 p = math.exp(nll / cnt)

@@ -35,13 +35,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="device for the rounding work (default: cuda if available)")
     p.add_argument("--shard-size", type=float, default=4.0, help="GiB per output file")
     p.add_argument("--mtp-path", default=None, help="MTP head sidecar (default: in or beside SRC)")
+    p.add_argument("--gates", action="store_true", help="also quantize the GDN gate projections in_proj_a / "
+                   "in_proj_b (kept bf16 by default; 4-bit they join the layer's 4-bit input launch: 27B on an "
+                   "H200 138.9 -> 142.8 tok/s, bundled-model perplexity +2.62%% instead of +2.49%%)")
 
 
-def _quantizable(name: str, shape: tuple[int, ...], keep_lm_head: bool) -> bool:
+def _quantizable(name: str, shape: tuple[int, ...], keep_lm_head: bool, gates: bool = False) -> bool:
     """A projection matrix: `*_proj`, the GDN input projections `in_proj_qkv` / `in_proj_z` (the
     largest of a GDN layer; they were missed while only `*_proj` names counted), the MTP `fc`, the
-    untied lm_head; never the per-head gate projections of KEEP_DENSE."""
-    if len(shape) != 2 or name.endswith(KEEP_DENSE):
+    untied lm_head; the per-head gate projections of KEEP_DENSE only with `gates`."""
+    if len(shape) != 2 or (name.endswith(KEEP_DENSE) and not gates):
         return False
     if name == "lm_head.weight":
         return not keep_lm_head
@@ -49,13 +52,13 @@ def _quantizable(name: str, shape: tuple[int, ...], keep_lm_head: bool) -> bool:
     return module.endswith("_proj") or module.startswith("in_proj_") or module == "fc"
 
 
-def _plan(srcs: list[tuple[loader.TensorSource, list[str]]], group: int, keep_lm_head: bool):
+def _plan(srcs: list[tuple[loader.TensorSource, list[str]]], group: int, keep_lm_head: bool, gates: bool = False):
     """[(source, normalised name, raw name, group or None, output bytes)] in source order."""
     out = []
     for src, names in srcs:
         for n in names:
             shape = src.shape(n)
-            g = pick_group(shape[1], group) if _quantizable(n, shape, keep_lm_head) else None
+            g = pick_group(shape[1], group) if _quantizable(n, shape, keep_lm_head, gates) else None
             if g is not None:
                 size = shape[0] * shape[1] // 2 + 4 * shape[0] * (shape[1] // g)
             else:
@@ -66,7 +69,7 @@ def _plan(srcs: list[tuple[loader.TensorSource, list[str]]], group: int, keep_lm
 
 def quantize_checkpoint(src_dir: str, dst_dir: str, group: int = DEFAULT_GROUP, hadamard: bool = False,
                         keep_lm_head: bool = False, device: str | None = None, shard_gib: float = 4.0,
-                        mtp_path: str | None = None, log=None) -> dict:
+                        mtp_path: str | None = None, log=None, gates: bool = False) -> dict:
     """Write the 4-bit checkpoint; returns a summary (tensors, bytes, mean weight error)."""
     from safetensors.torch import save_file
 
@@ -91,7 +94,7 @@ def quantize_checkpoint(src_dir: str, dst_dir: str, group: int = DEFAULT_GROUP, 
     msrc = loader.mtp_source(src_dir, src, mtp_path)
     if msrc is not None and msrc is not src:
         srcs.append((msrc, [n for n in msrc.names() if n.startswith("mtp.")]))
-    plan = _plan(srcs, group, keep_lm_head)
+    plan = _plan(srcs, group, keep_lm_head, gates)
 
     limit = int(shard_gib * 2 ** 30)
     shards: list[list[tuple]] = [[]]
@@ -153,7 +156,7 @@ def quantize_checkpoint(src_dir: str, dst_dir: str, group: int = DEFAULT_GROUP, 
 
 def main(args: argparse.Namespace) -> int:
     s = quantize_checkpoint(args.src, args.dst, args.group_size, args.hadamard, args.keep_lm_head, args.device,
-                            args.shard_size, args.mtp_path, log=lambda m: print(m, file=sys.stderr))
+                            args.shard_size, args.mtp_path, log=lambda m: print(m, file=sys.stderr), gates=args.gates)
     gib = 2 ** 30
     print(f"quantized {s['tensors_quantized']} of {s['tensors_total']} tensors: {s['bytes_in'] / gib:.2f} GiB -> "
           f"{s['bytes_out'] / gib:.2f} GiB, mean weight relative error {s['mean_weight_rel_error']:.4f}; "

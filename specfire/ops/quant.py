@@ -198,8 +198,10 @@ class QuantWeight:
         self.group_size = self.shape[1] // scales_t.shape[0]
         self._dense: torch.Tensor | None = None
         if self.qtiled.is_cuda:  # the kernel's split-K counters exist before any CUDA-graph capture
+            from .triton_gemv import _locks as _gemv_locks
             from .triton_quant import _locks
             _locks(self.qtiled.device, 0)
+            _gemv_locks(self.qtiled.device, 0)   # the bf16 weights launched beside (GDN b / a) split K
 
     @property
     def qweight(self) -> torch.Tensor:

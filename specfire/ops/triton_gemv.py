@@ -43,9 +43,17 @@ def fit_stages(cfg: GemvConfig, tile: int, elt: int) -> int:
     return stages
 
 
+# (N, K) -> measured settings that the rules below do not give (bench/linear.py bf16small, H200):
+# the 27B GDN gate projections in_proj_b / in_proj_a (48 rows each, one grouped launch beside the
+# 4-bit ones) ran 2 CTAs with the rule's settings, 10.8 us; split-K 10 over 16-row tiles: 4.7 us
+_MEASURED: dict = {(48, 5120): GemvConfig(block_n=16, block_k=128, split_k=10, num_warps=4, num_stages=3)}
+
+
 def gemv_config(n: int, k: int) -> GemvConfig:
     """The launch configuration for a weight [n, k]; depends on the shape only (never on M).
     Picked by the sweep in bench/linear.py on the H200 (27B shapes, K = 5120..17408)."""
+    if (n, k) in _MEASURED:
+        return _MEASURED[(n, k)]
     if n >= 65536:   # lm_head
         return GemvConfig(block_n=128, block_k=128, split_k=1, num_warps=8, num_stages=3)
     if n >= 16384:   # MLP gate / up
@@ -134,6 +142,21 @@ def gemv(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig | None = None, launch
     return y
 
 
+_LOCKS: dict = {}
+GROUP_SEM = True   # a grouped split-K launch combines its partials in the kernel (bench/linear.py compares)
+
+
+def _locks(device: torch.device, n: int) -> torch.Tensor:
+    """Per-device split-K arrival counters of the grouped launch (int32, zero between launches:
+    the last program of a tile resets its own). Made before any CUDA-graph capture (ops/quant.py
+    QuantWeight makes them with the 4-bit kernel's)."""
+    buf = _LOCKS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1 << 12), dtype=torch.int32, device=device)
+        _LOCKS[device] = buf
+    return buf
+
+
 GROUP_MAX = 4      # column projections of one input that one launch can hold
 OUT_ALIGN = 64     # elements: where a grouped launch's outputs start in its buffer
 GROUP = os.environ.get("SPECFIRE_GEMV_GROUP", "1") != "0"   # bench/tp.py can turn grouping off
@@ -141,14 +164,21 @@ GROUP = os.environ.get("SPECFIRE_GEMV_GROUP", "1") != "0"   # bench/tp.py can tu
 
 @triton.jit(do_not_specialize=["M"])
 def _gemv_group_kernel(x_ptr, w_ptr, y_ptr, M, K, stride_xm, N0, N1, N2, N3, T1, T2, T3, DW1, DW2, DW3, O1, O2, O3,
-                       SEGS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_: tl.constexpr,
-                       IEEE: tl.constexpr):
+                       k_per_split, TOTAL, fin_ptr, lock_ptr, SEGS: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, ROWS_: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr = False,
+                       SEM: tl.constexpr = False):
     """_gemv_kernel over up to 4 weights of one input in one launch: column tiles [0, T1) are
     weight 0's, [T1, T2) weight 1's, ... (weight s at w_ptr + DWs elements, each [Ns, K]
     contiguous); output s is [M, Ns] at y + M * Os. Every tile runs the same loop as a
-    launch of its weight alone with these settings would: the same bits, more programs."""
+    launch of its weight alone with these settings would: the same bits, more programs.
+    PARTIAL (split-K over grid axis 2): split s stores its float32 partial at y + s * TOTAL + (the
+    output's place), TOTAL = the outputs' whole length, and one _splitk_sum adds them in split
+    order, as gemv does for one weight; with SEM the last program of each tile to arrive (a counter
+    per tile) adds them in the same order and writes fin_ptr, so no second launch is needed. The
+    arrival order never enters the arithmetic."""
     pid_m = tl.program_id(0)
     pid_t = tl.program_id(1)
+    pid_s = tl.program_id(2)
     n = N0
     t0 = 0
     dw = DW1 * 0
@@ -171,9 +201,11 @@ def _gemv_group_kernel(x_ptr, w_ptr, y_ptr, M, K, stride_xm, N0, N1, N2, N3, T1,
     m_mask = offs_m < M
     wp = w_ptr + dw
     acc = tl.zeros((BLOCK_N, ROWS_), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = pid_s * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + offs_k
-        k_mask = kk < K
+        k_mask = kk < k_hi
         w = tl.load(wp + offs_n[:, None] * K + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_mask[:, None] & k_mask[None, :],
                     other=0.0)
@@ -181,8 +213,24 @@ def _gemv_group_kernel(x_ptr, w_ptr, y_ptr, M, K, stride_xm, N0, N1, N2, N3, T1,
             acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
         else:
             acc = tl.dot(w, tl.trans(x), acc)
-    tl.store(y_ptr + dy + offs_m[None, :] * n + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
-             mask=n_mask[:, None] & m_mask[None, :])
+    if PARTIAL:
+        out_mask = n_mask[:, None] & m_mask[None, :]
+        p_ptrs = y_ptr + dy + offs_m[None, :] * n + offs_n[:, None]
+        tl.store(p_ptrs + pid_s * TOTAL, acc, mask=out_mask)
+        if SEM:
+            tl.debug_barrier()
+            lock_ptr += pid_m * tl.num_programs(1) + pid_t            # a counter per (row tile, column tile)
+            cnt = tl.atomic_add(lock_ptr, 1, sem="acq_rel", scope="gpu")
+            if cnt == tl.num_programs(2) - 1:
+                tot = tl.load(p_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
+                for sp in range(1, tl.num_programs(2)):
+                    tot += tl.load(p_ptrs + sp * TOTAL, mask=out_mask, other=0.0, cache_modifier=".cg")
+                tl.store(fin_ptr + dy + offs_m[None, :] * n + offs_n[:, None], tot.to(fin_ptr.dtype.element_ty),
+                         mask=out_mask)
+                tl.atomic_xchg(lock_ptr, 0, sem="relaxed", scope="gpu")
+    else:
+        tl.store(y_ptr + dy + offs_m[None, :] * n + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=n_mask[:, None] & m_mask[None, :])
 
 
 def group_config(launch_ns: list[int], k: int) -> GemvConfig:
@@ -192,20 +240,22 @@ def group_config(launch_ns: list[int], k: int) -> GemvConfig:
 
 
 def gemv_group(x: torch.Tensor, ws: list[torch.Tensor], launch_ns: list[int | None],
-               tile: int = ROWS) -> list[torch.Tensor]:
+               tile: int = ROWS, cfg: GemvConfig | None = None) -> list[torch.Tensor]:
     """[x @ w.T for w in ws] in one launch with group_config's settings (launch_ns: each weight's
     whole N; None: its own). Each output is bit for bit gemv(x, w, group_config(...)). A column
     shard alone launches half the whole's programs; the shards of one input together fill the GPU
-    as the whole matrices do. SPECFIRE_GEMV_GROUP=0: one gemv per weight with its own settings."""
+    as the whole matrices do. SPECFIRE_GEMV_GROUP=0: one gemv per weight with its own settings.
+    A split-K config runs one launch and one fixed-order sum for the whole group. `cfg` replaces
+    group_config's settings (bench/linear.py sweeps)."""
     m, k = x.shape
     whole = [ln or w.shape[0] for w, ln in zip(ws, launch_ns)]
-    cfg = group_config(whole, k)
+    cfg = cfg or group_config(whole, k)
     esz = ws[0].element_size()
     plain = all(w.dim() == 2 and w.shape[1] == k and w.is_contiguous() and w.dtype == ws[0].dtype
                 and w.device == x.device and (w.data_ptr() - ws[0].data_ptr()) % esz == 0 for w in ws)
     if not GROUP or len(ws) == 1:
         return [gemv(x, w, launch_n=ln, tile=tile) for w, ln in zip(ws, launch_ns)]
-    if not (plain and len(ws) <= GROUP_MAX and cfg.split_k == 1):
+    if not (plain and len(ws) <= GROUP_MAX):
         return [gemv(x, w, cfg, tile=tile) for w in ws]
     x = x.contiguous()
     ns = [w.shape[0] for w in ws] + [0] * (GROUP_MAX - len(ws))
@@ -215,11 +265,24 @@ def gemv_group(x: torch.Tensor, ws: list[torch.Tensor], launch_ns: list[int | No
     for v in ns:                          # each output starts 128-byte aligned, like its own tensor
         offs.append(offs[-1] + triton.cdiv(v, OUT_ALIGN) * OUT_ALIGN)
     y = torch.empty(m * offs[-1], device=x.device, dtype=x.dtype)
-    grid = (triton.cdiv(m, tile), sum(tiles))
-    _gemv_group_kernel[grid](x, ws[0], y, m, k, x.stride(0), *ns, tiles[0], tiles[0] + tiles[1],
-                             tiles[0] + tiles[1] + tiles[2], *dws, *offs[1:4], SEGS=len(ws), BLOCK_N=cfg.block_n,
-                             BLOCK_K=cfg.block_k, ROWS_=tile, IEEE=x.dtype == torch.float32,
-                             num_warps=cfg.num_warps, num_stages=fit_stages(cfg, tile, x.element_size()))
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k   # as gemv splits
+    split = triton.cdiv(k, k_per_split)
+    total = m * offs[-1]
+    out = y if split == 1 else torch.empty(split * total, device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(m, tile), sum(tiles), split)
+    # split-K combined in the kernel (counters, zero between launches) where the counters exist or
+    # can be made now (never during a CUDA-graph capture), else by one _splitk_sum launch
+    have = _LOCKS.get(x.device)
+    sem = split > 1 and GROUP_SEM and ((have is not None and have.numel() >= grid[0] * grid[1])
+                                       or not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+    locks = _locks(x.device, grid[0] * grid[1]) if sem else y
+    _gemv_group_kernel[grid](x, ws[0], out, m, k, x.stride(0), *ns, tiles[0], tiles[0] + tiles[1],
+                             tiles[0] + tiles[1] + tiles[2], *dws, *offs[1:4], k_per_split, total, y, locks,
+                             SEGS=len(ws), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=tile,
+                             IEEE=x.dtype == torch.float32, PARTIAL=split > 1, SEM=sem, num_warps=cfg.num_warps,
+                             num_stages=fit_stages(cfg, tile, x.element_size()))
+    if split > 1 and not sem:      # the padding between outputs is summed too (never read)
+        _splitk_sum[(triton.cdiv(total, 1024),)](out, y, total, SPLIT=split, BLOCK=1024)
     return [y[m * o:m * o + m * v].view(m, v) for v, o in zip(ns[:len(ws)], offs)]
 
 

@@ -22,9 +22,17 @@ sm_90 compile: 301 instead of 390 loop instructions per 64 x 128 group on two wa
 float32 FMA dot over zc groups at a time, sum(x) made there from x's real rows, so no sum(x)
 launch comes first (a fixed ~1.8 us of every call before).
 
+Seventh session: the zero term's first chunk of scales and zeros (a split of at most zc groups:
+all of them) is loaded before the main loop, so the term after it waits only for x (in L2); with
+`rows_hi` = 16 a call of 9..16 rows runs one 16-row tile (the codes read once) instead of two
+8-row tiles: the MMA computes each output element alike for an n8 or an n16 tile, so the rows of
+a 16-row call have the bits of the 8-row calls (checked bitwise on the GPU before a config that
+uses it is adopted: bench/linear.py).
+
 Row invariance: a fixed 16- or 8-row tile, a launch configuration chosen from (N, K, G) only, M
 never specialised, group terms and split partials added in a fixed order, so every M runs the
-same machine code and a row's arithmetic never sees the other rows.
+same machine code (with rows_hi: every M above `rows` the wider tile's, bitwise checked equal)
+and a row's arithmetic never sees the other rows.
 """
 from __future__ import annotations
 
@@ -54,14 +62,25 @@ class Q4Config:
     wa: bool = False      # codes as the MMA's A operand (y^T = W x^T): fewer register moves in the sm_90 loop
     rows: int = 16        # row tile: 8 halves the MMAs, x fragments and epilogue FMAs per code word (M > 8: 2 tiles)
     zc: int = 0           # > 0: zero-point term after the loop, zc groups at a time, sum(x) made there (no launch first)
+    rows_hi: int = 0      # > rows: calls of more than `rows` rows run tiles of rows_hi rows (M = 9..16: one 16-row
+                          # tile reads the codes once, where two 8-row tiles read them twice); 0: tiles of `rows`
+
+    def __post_init__(self):
+        pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
+        if not pow2(self.rows) or self.rows < 8:
+            raise ValueError(f"Q4Config.rows must be a power of two >= 8, got {self.rows}")
+        if self.rows_hi and (not pow2(self.rows_hi) or self.rows_hi <= self.rows):
+            raise ValueError(f"Q4Config.rows_hi must be 0 or a power of two above rows={self.rows}, got {self.rows_hi}")
+        if self.zc and not pow2(self.zc):
+            raise ValueError(f"Q4Config.zc must be 0 or a power of two, got {self.zc}")
 
 
 # (N, K) at group 128 -> launch settings on the H200, codes in 64-row tiles (docs/BENCHMARKS.md).
-# The launch shapes of a 27B step (grouped projections launch with their concatenated N) are the
-# sixth session's sweep winners (bench/linear.py q4rows, least t(M=1) + t(M=4), all 8-row tiles,
-# every candidate bitwise row-invariant); the single weights keep the fourth session's sweep
-# settings with the row tile set to 8 (not timed alone: on every launch shape the same settings
-# with 8-row tiles were 1.18-1.30x faster at M = 1 and 4).
+# The launch shapes of a 27B step (grouped projections launch with their concatenated N) and the
+# MTP head's fc are the seventh session's sweep winners (bench/linear.py q4rows, least
+# t(M=1) + t(M=4) of 24-40 candidates a shape, all 8-row tiles, every candidate bitwise
+# row-invariant; rows_hi = 16 checked bitwise on each and 1.1-1.5x faster at M = 16); the single
+# weights keep the fourth session's settings with 8-row tiles (not timed alone).
 _MEASURED = {
     # single weights (SPECFIRE_GEMV_GROUP=0, or a group one launch cannot hold)
     (17408, 5120): Q4Config(128, split_k=3, num_warps=2, num_stages=3, wa=True, rows=8),   # MLP gate, up
@@ -69,13 +88,14 @@ _MEASURED = {
     (10240, 5120): Q4Config(64, split_k=4, num_warps=2, num_stages=3, wa=True, rows=8),    # GDN qkv
     (6144, 5120): Q4Config(64, split_k=8, num_warps=2, num_stages=3, wa=True, rows=8),     # GDN z
     (1024, 5120): Q4Config(32, split_k=18, num_warps=1, num_stages=4, wa=True, rows=8),    # attention k, v
-    # launch shapes of a 27B step, measured (sixth session)
-    (5120, 17408): Q4Config(64, split_k=13, num_warps=2, num_stages=3, wa=True, rows=8),   # MLP down
-    (5120, 6144): Q4Config(64, split_k=9, num_warps=2, num_stages=3, wa=True, rows=8),     # attention o, GDN out
-    (248320, 5120): Q4Config(64, split_k=1, num_warps=2, num_stages=3, wa=True, rows=8),   # lm_head
-    (34816, 5120): Q4Config(128, split_k=3, num_warps=2, num_stages=3, wa=True, rows=8),   # gate + up
-    (16384, 5120): Q4Config(64, split_k=3, num_warps=2, num_stages=3, wa=True, rows=8),    # GDN qkv + z
-    (14336, 5120): Q4Config(64, split_k=3, num_warps=2, num_stages=3, wa=True, rows=8),    # attention q + gate + k + v
+    # launch shapes of a 27B step and the MTP fc, measured (seventh session)
+    (5120, 17408): Q4Config(64, split_k=13, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),   # MLP down
+    (5120, 6144): Q4Config(64, split_k=10, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),    # attn o, GDN out
+    (248320, 5120): Q4Config(32, split_k=1, num_warps=1, num_stages=4, wa=True, rows=8, rows_hi=16),  # lm_head
+    (34816, 5120): Q4Config(64, split_k=3, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),   # gate + up
+    (16384, 5120): Q4Config(64, split_k=3, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),   # GDN qkv + z
+    (14336, 5120): Q4Config(128, split_k=7, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),  # attn q+g, k, v
+    (5120, 10240): Q4Config(64, split_k=9, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),   # MTP fc
 }
 
 
@@ -166,33 +186,54 @@ def _group_terms(s_ptr, z_ptr, xs_ptr, g, g_hi, N, n_groups, offs_n, n_mask, off
 
 
 @triton.jit
-def _zero_terms(acc, x_ptr, stride_xm, s_ptr, z_ptr, g_lo, g_hi, N, offs_n, n_mask, M, row0,
-                ZC: tl.constexpr, G: tl.constexpr, ROWS_: tl.constexpr, WA: tl.constexpr, IEEE: tl.constexpr):
-    """acc + sum over the split's groups of (z - 128 s) sum(x), ZC groups at a time; sum(x) of
-    the tile's real rows made here from x (one row at a time, the same code for every row), so no
-    launch comes first. Each output element sums its own products: row-invariant."""
+def _zc_scales(s_ptr, z_ptr, c0, g_hi, N, offs_n, n_mask, ZC: tl.constexpr):
+    """(z - 128 s) of groups c0 .. c0 + ZC - 1 (zeros past g_hi) for the tile's columns, float32
+    [BLOCK_N, ZC]: the zero-point term's weights."""
+    gc = c0 + tl.arange(0, ZC)
+    sz_off = gc[None, :] * N + offs_n[:, None]
+    sz_mask = n_mask[:, None] & (gc < g_hi)[None, :]
+    s2 = tl.load(s_ptr + sz_off, mask=sz_mask, other=0.0).to(tl.float32)
+    return tl.load(z_ptr + sz_off, mask=sz_mask, other=0.0).to(tl.float32) - 128.0 * s2
+
+
+@triton.jit
+def _zc_chunk(acc, zp, x_ptr, stride_xm, c0, g_hi, M, row0, ZC: tl.constexpr, G: tl.constexpr, ROWS_: tl.constexpr,
+              WA: tl.constexpr, IEEE: tl.constexpr):
+    """acc + (z - 128 s) sum(x) over groups c0 .. c0 + ZC - 1. sum(x) of each real row of the tile
+    is made here from x, one row at a time with the same [ZC, G] code whatever the row or the row
+    tile (a loop over the real rows: unrolled over the tile, the offline sm_90 compile staged the
+    rows through 78 KB of shared memory)."""
+    gc = c0 + tl.arange(0, ZC)
+    gm = gc < g_hi
     offs_r = tl.arange(0, ROWS_)
-    for c0 in range(g_lo, g_hi, ZC):
-        gc = c0 + tl.arange(0, ZC)
-        gm = gc < g_hi
-        sz_off = gc[None, :] * N + offs_n[:, None]                                      # [BLOCK_N, ZC]
-        sz_mask = n_mask[:, None] & gm[None, :]
-        s2 = tl.load(s_ptr + sz_off, mask=sz_mask, other=0.0).to(tl.float32)
-        zp = tl.load(z_ptr + sz_off, mask=sz_mask, other=0.0).to(tl.float32) - 128.0 * s2
-        xs2 = tl.zeros((ROWS_, ZC), dtype=tl.float32)                                   # [ROWS, ZC]
-        for r in range(0, tl.minimum(M - row0, ROWS_)):
-            xr = tl.load(x_ptr + (row0 + r) * stride_xm + gc[:, None] * G + tl.arange(0, G)[None, :],
-                         mask=gm[:, None], other=0.0)                                    # [ZC, G]
-            xs2 = tl.where(offs_r[:, None] == r, tl.sum(xr.to(tl.float32), axis=1)[None, :], xs2)
-        if IEEE:     # the interpreter (float32 tests): an explicit product-sum, as in _mm
-            if WA:
-                acc += tl.sum(zp[:, :, None] * tl.trans(xs2)[None, :, :], axis=1)
-            else:
-                acc += tl.sum(xs2[:, :, None] * tl.trans(zp)[None, :, :], axis=1)
-        elif WA:     # float32 FMA dot: each output element summed by one thread, in order
-            acc = tl.dot(zp, tl.trans(xs2), acc, input_precision="ieee")
+    xs2 = tl.zeros((ROWS_, ZC), dtype=tl.float32)                                       # [ROWS, ZC]
+    for r in range(0, tl.minimum(M - row0, ROWS_)):
+        xr = tl.load(x_ptr + (row0 + r) * stride_xm + gc[:, None] * G + tl.arange(0, G)[None, :],
+                     mask=gm[:, None], other=0.0)                                        # [ZC, G]
+        xs2 = tl.where(offs_r[:, None] == r, tl.sum(xr.to(tl.float32), axis=1)[None, :], xs2)
+    if IEEE:     # the interpreter (float32 tests): an explicit product-sum, as in _mm
+        if WA:
+            acc += tl.sum(zp[:, :, None] * tl.trans(xs2)[None, :, :], axis=1)
         else:
-            acc = tl.dot(xs2, tl.trans(zp), acc, input_precision="ieee")
+            acc += tl.sum(xs2[:, :, None] * tl.trans(zp)[None, :, :], axis=1)
+    elif WA:     # float32 FMA dot: each output element summed by one thread, in order
+        acc = tl.dot(zp, tl.trans(xs2), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(xs2, tl.trans(zp), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _zero_terms(acc, zp0, x_ptr, stride_xm, s_ptr, z_ptr, g_lo, g_hi, N, offs_n, n_mask, M, row0,
+                ZC: tl.constexpr, G: tl.constexpr, ROWS_: tl.constexpr, WA: tl.constexpr, IEEE: tl.constexpr):
+    """acc + sum over the split's groups of (z - 128 s) sum(x), ZC groups at a time in group order;
+    the first chunk's (z - 128 s) is zp0, loaded before the main loop (its latency hidden behind
+    it; a split of at most ZC groups loads nothing else here). Each output element sums its own
+    products: row-invariant."""
+    acc = _zc_chunk(acc, zp0, x_ptr, stride_xm, g_lo, g_hi, M, row0, ZC, G, ROWS_, WA, IEEE)
+    for c0 in range(g_lo + ZC, g_hi, ZC):
+        zp = _zc_scales(s_ptr, z_ptr, c0, g_hi, N, offs_n, n_mask, ZC)
+        acc = _zc_chunk(acc, zp, x_ptr, stride_xm, c0, g_hi, M, row0, ZC, G, ROWS_, WA, IEEE)
     return acc
 
 
@@ -229,9 +270,12 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
             sel = pid_n >= T3
             N, t0, o = tl.where(sel, N3, N), tl.where(sel, T3, t0), tl.where(sel, O3, o)
             dq, ds, dz = tl.where(sel, DQ3, dq), tl.where(sel, DS3, ds), tl.where(sel, DZ3, dz)
-        q_ptr += dq - BIAS
-        s_ptr += ds - BIAS
-        z_ptr += dz - BIAS
+        # the offsets between the weights' tensors are multiples of 16 bytes (_groupable): said so,
+        # the codes keep their 16-byte cp.async loads (without it an offline sm_90 compile loaded
+        # them byte by byte, and a grouped launch ran up to 1.13x slower than one weight of its size)
+        q_ptr += tl.multiple_of(dq - BIAS, 16)
+        s_ptr += tl.multiple_of(ds - BIAS, 8)
+        z_ptr += tl.multiple_of(dz - BIAS, 8)
         y_ptr += tl.multiple_of(M * o, 64)             # Os are multiples of OUT_ALIGN
         part_ptr += tl.multiple_of(split * M * o, 64)
     offs_n = (pid_n - t0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -253,6 +297,8 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
         q_step = TILE * HALF
     x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_c[None, :]
     s0, z0, xs0 = _group_terms(s_ptr, z_ptr, xs_ptr, g_lo, g_hi, N, n_groups, offs_n, n_mask, offs_m, m_mask, ZC)
+    if ZC > 0:      # the zero term's first chunk of scales / zeros: loaded now, used after the loop
+        zp0 = _zc_scales(s_ptr, z_ptr, g_lo, g_hi, N, offs_n, n_mask, ZC)
     for g in range(g_lo, g_hi):
         s1, z1, xs1 = _group_terms(s_ptr, z_ptr, xs_ptr, g + 1, g_hi, N, n_groups, offs_n, n_mask, offs_m, m_mask, ZC)
         qb = tl.load(q_rows + g * q_step, mask=n_mask[:, None], other=0)              # [BLOCK_N, HALF] bytes
@@ -276,7 +322,7 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
                 acc = tl.fma(xs0[:, None], z[None, :], acc)
         s0, z0, xs0 = s1, z1, xs1
     if ZC > 0:
-        acc = _zero_terms(acc, x_ptr, stride_xm, s_ptr, z_ptr, g_lo, g_hi, N, offs_n, n_mask, M, pid_r * ROWS_,
+        acc = _zero_terms(acc, zp0, x_ptr, stride_xm, s_ptr, z_ptr, g_lo, g_hi, N, offs_n, n_mask, M, pid_r * ROWS_,
                           ZC, G, ROWS_, WA, IEEE)
     if WA:
         acc = tl.trans(acc)
@@ -338,13 +384,14 @@ def group_config(whole_ns: list[int], k: int, group: int) -> Q4Config:
 
 def _groupable(x: torch.Tensor, qws: list) -> bool:
     """One launch can hold these weights: same K, group, code layout and device, offsets between
-    their tensors whole elements."""
+    their tensors multiples of 16 bytes (the kernel tells the compiler so)."""
     a = qws[0]
     return len(qws) <= GROUP_MAX and all(
         w.shape[1] == a.shape[1] and w.group_size == a.group_size and w.tile == a.tile and w.device == x.device
         and w.qtiled.is_contiguous() and w.scales_t.is_contiguous() and w.zeros_t.is_contiguous()
-        and (w.scales_t.data_ptr() - a.scales_t.data_ptr()) % 2 == 0
-        and (w.zeros_t.data_ptr() - a.zeros_t.data_ptr()) % 2 == 0 for w in qws)
+        and (w.qtiled.data_ptr() - a.qtiled.data_ptr()) % 16 == 0
+        and (w.scales_t.data_ptr() - a.scales_t.data_ptr()) % 16 == 0
+        and (w.zeros_t.data_ptr() - a.zeros_t.data_ptr()) % 16 == 0 for w in qws)
 
 
 def q4_gemv(x: torch.Tensor, qw, cfg: Q4Config | None = None) -> torch.Tensor:
@@ -378,7 +425,8 @@ def q4_group(x: torch.Tensor, qws: list, cfg: Q4Config | None = None) -> list[to
     tiles = [triton.cdiv(v, cfg.block_n) for v in ns]
     part = y if split == 1 else torch.empty(split * m * offs[-1], device=x.device, dtype=torch.float32)
     sem = cfg.sem and split > 1
-    row_tiles = triton.cdiv(m, cfg.rows)
+    rows = cfg.rows_hi if cfg.rows_hi > cfg.rows and m > cfg.rows else cfg.rows
+    row_tiles = triton.cdiv(m, rows)
     locks = _locks(x.device, sum(tiles) * row_tiles) if sem else y
     if cfg.zc:                            # the kernel sums x itself (xs is not read)
         xs = part if split > 1 else torch.empty(1, device=x.device, dtype=torch.float32)
@@ -394,7 +442,7 @@ def q4_group(x: torch.Tensor, qws: list, cfg: Q4Config | None = None) -> list[to
     _q4_kernel[(sum(tiles), split, row_tiles)](
         x, xs, a.qtiled, a.scales_t, a.zeros_t, y, part, locks, m, ns[0], k // 2, x.stride(0), n_groups, per, split,
         *(ns[1:] + pad), *bounds, *dq, *dsc, *dz, *(offs[1:len(ns)] + pad),
-        SEGS=len(qws), BLOCK_N=cfg.block_n, G=g, ROWS_=cfg.rows, TILE=a.tile, SEM=sem,
+        SEGS=len(qws), BLOCK_N=cfg.block_n, G=g, ROWS_=rows, TILE=a.tile, SEM=sem,
         ASM=x.dtype == torch.bfloat16 and not INTERPRET, IEEE=x.dtype == torch.float32, WA=cfg.wa, ZC=cfg.zc,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     outs = [y[m * o:m * o + m * v].view(m, v) for v, o in zip(ns, offs)]

@@ -38,6 +38,7 @@ def test_gemv_row_invariant_bitwise(m, n, k, cfg):
     (17408, 5120, GemvConfig(64, 128, 1, 8, 3)),        # MLP gate / up
     (8192, 5120, GemvConfig(64, 128, 1, 4, 4)),         # attention q, GDN qkv
     (5120, 17408, GemvConfig(64, 256, 1, 4, 4)),        # MLP down
+    (48, 5120, GemvConfig(16, 128, 10, 4, 3)),          # GDN b / a (measured: split-K, one grouped launch)
 ])
 def test_config_table(n, k, want):
     """The launch configuration is the swept table entry for the weight's shape (it takes no row
@@ -70,3 +71,30 @@ def test_linear_cpu_rows_path_is_reference():
         y = linear(x, ww, rows=True)
         torch.testing.assert_close(y, linear_rows_ref(x, ww), rtol=1e-5, atol=1e-5)
         assert all(torch.equal(linear(x[i:i + 1], ww, rows=True)[0], y[i]) for i in range(3))
+
+
+def test_grouped_split_k_equals_separate_split_launches():
+    """gemv_group with a split-K config (one launch, the partials added in split order by the last
+    program of each tile or by one sum launch for the whole group): each
+    output is bit for bit gemv with the same settings on its weight alone (odd N, a masked K tail
+    and a short last split), and every row equals its one-row call."""
+    from specfire.ops import triton_gemv
+    from specfire.ops.triton_gemv import _LOCKS, gemv_group
+
+    g = torch.Generator().manual_seed(5)
+    k = 330
+    ws = [torch.randn(n, k, generator=g) for n in (21, 48, 5)]
+    x = torch.randn(5, k, generator=g)
+    for cfg in (GemvConfig(16, 64, split_k=3, num_warps=1), GemvConfig(32, 128, split_k=2)):
+        got = gemv_group(x, ws, [None] * 3, cfg=cfg)          # partials combined in the kernel
+        assert all(int(b.abs().sum()) == 0 for b in _LOCKS.values())   # its counters are back at zero
+        triton_gemv.GROUP_SEM = False
+        try:                                                  # ... or by a second launch: the same bits
+            assert all(torch.equal(a, b) for a, b in zip(gemv_group(x, ws, [None] * 3, cfg=cfg), got))
+        finally:
+            triton_gemv.GROUP_SEM = True
+        for y, w in zip(got, ws):
+            assert torch.equal(y, gemv(x, w, cfg))
+            torch.testing.assert_close(y, linear_rows_ref(x, w), rtol=1e-5, atol=1e-4)
+        for i in (0, 3):
+            assert all(torch.equal(a[0], b[i]) for a, b in zip(gemv_group(x[i:i + 1], ws, [None] * 3, cfg=cfg), got))

@@ -1,6 +1,7 @@
 """The 4-bit format: kernel (TRITON_INTERPRET=1) vs reference, row invariance, quality, and the
 `specfire quantize` round trip through the loader."""
 
+import dataclasses
 import json
 import os
 
@@ -128,6 +129,10 @@ def test_quantize_policy_covers_every_projection():
     for name in (gdn + "in_proj_a.weight", gdn + "in_proj_b.weight", "model.embed_tokens.weight", gdn + "norm.weight"):
         assert not _quantizable(name, (8, 8), False), name
     assert not _quantizable("lm_head.weight", (8, 8), True) and not _quantizable(gdn + "conv1d.weight", (8, 1, 4), False)
+    # `specfire quantize --gates`: the gates too (they then join the layer's 4-bit input launch)
+    assert _quantizable(gdn + "in_proj_a.weight", (8, 8), False, gates=True)
+    assert _quantizable(gdn + "in_proj_b.weight", (8, 8), False, gates=True)
+    assert not _quantizable("model.embed_tokens.weight", (8, 8), False, gates=True)
 
 
 def test_pick_group():
@@ -151,6 +156,10 @@ CASES = [  # odd N, masked group tails (a split's last group range shorter), spl
     (11, 70, 640, 64, True, Q4Config(16, split_k=4, sem=False, wa=True, rows=8), 64),
     (13, 77, 384, 128, False, None, 64),
     (2, 150, 640, 128, False, Q4Config(128, split_k=3, num_warps=2, num_stages=3, wa=True), 64),
+    # the zero term after the loop (zc): splits of one group, of two and a short last one, zc chunks
+    # shorter than a split (the first chunk's scales / zeros loaded before the loop, the rest after)
+    (6, 40, 896, 128, True, Q4Config(16, split_k=7, sem=False, wa=True, rows=8, zc=2), 64),
+    (5, 29, 1280, 128, False, Q4Config(32, split_k=2, wa=True, rows=8, zc=2), 0),
 ]
 
 
@@ -178,6 +187,32 @@ def test_q4_kernel_prefixes_are_row_invariant():
         full = q4_gemv(x, qw, cfg)
         for m in range(1, 17):
             assert torch.equal(q4_gemv(x[:m], qw, cfg), full[:m]), (cfg, m)
+
+
+@pytest.mark.parametrize("cfg", [Q4Config(16, split_k=3, wa=True, rows=8, rows_hi=16),
+                                 Q4Config(32, split_k=2, sem=False, wa=True, rows=8, zc=2, rows_hi=16),
+                                 Q4Config(16, wa=True, rows=8, zc=4, rows_hi=16)])
+def test_q4_wide_row_tile_is_row_invariant(cfg):
+    """rows_hi: a call of more than 8 rows runs one 16-row tile instead of two 8-row tiles (the
+    codes read once); every prefix M = 1..16 and every single row give the bits of the 16-row call,
+    which equals the two-tile form; odd N, a masked group tail (5 groups in splits of 3 and 2 or
+    in zc chunks of 2 and 4)."""
+    qw = _qw(45, 640, 128, 26)
+    x = torch.randn(16, 640, generator=_g(27))
+    full = q4_gemv(x, qw, cfg)
+    assert torch.equal(full, q4_gemv(x, qw, dataclasses.replace(cfg, rows_hi=0)))
+    ref = linear_rows_ref(x, qw.dequantize())
+    assert float((full - ref).norm() / ref.norm()) < 3e-5
+    for m in range(1, 17):
+        assert torch.equal(q4_gemv(x[:m], qw, cfg), full[:m]), m
+    for i in (0, 5, 8, 15):
+        assert torch.equal(q4_gemv(x[i:i + 1], qw, cfg)[0], full[i]), i
+
+
+def test_q4_config_rejects_bad_values():
+    for bad in (dict(rows=12), dict(rows=8, rows_hi=8), dict(rows=8, rows_hi=24), dict(zc=3)):
+        with pytest.raises(ValueError, match="Q4Config"):
+            Q4Config(**bad)
 
 
 def test_tiled_storage_round_trip_and_both_layouts_agree():
@@ -300,6 +335,30 @@ def test_mtp_equals_ar_on_quantized_model(ckpts):
     assert mtp.stats["route"] == "mtp" and mtp.token_ids == ar.token_ids
 
 
+def test_quantize_gates_option(ckpts, tmp_path):
+    """`specfire quantize --gates`: the GDN gate projections are written 4-bit too, load as 4-bit
+    weights and decode with greedy MTP == AR."""
+    from safetensors import safe_open
+
+    from specfire import LLM, SamplingParams, SpecPolicy
+    from specfire.cli import main
+    from specfire.ops.quant import QuantWeight
+
+    src, _ = ckpts
+    dst = str(tmp_path / "gates")
+    assert main(["quantize", src, dst, "--group-size", "64", "--device", "cpu", "--gates"]) == 0
+    with safe_open(os.path.join(dst, "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.0.linear_attn.in_proj_a.qweight" in names and "model.layers.0.linear_attn.in_proj_b.zeros" in names
+    assert "model.layers.0.linear_attn.in_proj_a.weight" not in names
+    sp = SamplingParams(max_tokens=16, temperature=0.0)
+    with LLM(dst, device="cpu", spec="auto") as llm:
+        assert isinstance(llm.engine.trunk.model.layers[0].linear_attn.in_proj_a.weight, QuantWeight)
+        ar = llm.generate([3, 9, 27, 81], sp, spec=SpecPolicy(mode="off"))
+        mtp = llm.generate([3, 9, 27, 81], sp, spec=SpecPolicy(mode="mtp", k=3))
+    assert mtp.token_ids == ar.token_ids
+
+
 def test_quantize_rejects_bad_input(ckpts, tmp_path, capsys):
     from specfire.cli import main
 
@@ -411,3 +470,22 @@ def test_q4_rows_groups_shards_as_the_whole_and_falls_back(monkeypatch):
             assert torch.equal(y, q4_gemv(xr[:2], w))
     finally:
         triton_gemv.GROUP = True
+
+
+def test_q4_config_picks_the_measured_settings():
+    """The launch settings of a 27B step's 4-bit launches and the MTP fc are the seventh session's
+    measured winners (docs/BENCHMARKS.md, "Seventh wave"): one per (N, K), whatever M."""
+    from specfire.ops.triton_quant import group_config, q4_config
+
+    want = {(34816, 5120): Q4Config(64, 3, 2, 3, wa=True, rows=8, rows_hi=16),       # MLP gate + up
+            (16384, 5120): Q4Config(64, 3, 2, 3, wa=True, rows=8, rows_hi=16),       # GDN qkv + z
+            (14336, 5120): Q4Config(128, 7, 2, 3, wa=True, rows=8, rows_hi=16),      # attention q + gate, k, v
+            (5120, 17408): Q4Config(64, 13, 2, 3, wa=True, rows=8, rows_hi=16),      # MLP down
+            (5120, 6144): Q4Config(64, 10, 2, 3, wa=True, rows=8, rows_hi=16),       # attention o, GDN out
+            (248320, 5120): Q4Config(32, 1, 1, 4, wa=True, rows=8, rows_hi=16),      # lm_head
+            (5120, 10240): Q4Config(64, 9, 2, 3, wa=True, rows=8, rows_hi=16)}       # MTP fc
+    for (n, k), cfg in want.items():
+        assert q4_config(n, k, 128) == cfg, (n, k)
+    assert group_config([17408, 17408], 5120, 128) == want[(34816, 5120)]
+    assert group_config([12288, 1024, 1024], 5120, 128) == want[(14336, 5120)]
+    assert group_config([10240, 6144], 5120, 128) == want[(16384, 5120)]
