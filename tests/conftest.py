@@ -33,6 +33,18 @@ def ckpt_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def tiny_vocab(ckpt_cache) -> str:
+    """A tiny checkpoint with a vocabulary of 8: sampled speculation's distribution is checkable."""
+    from tinymodels import make_checkpoint
+
+    key = ("spec", "vocab8")
+    if key not in ckpt_cache["made"]:
+        ckpt_cache["made"][key] = make_checkpoint(os.path.join(ckpt_cache["root"], "spec_vocab8"), "base",
+                                                  vocab_size=8, seed=3)
+    return ckpt_cache["made"][key]
+
+
+@pytest.fixture(scope="module")
 def tok_path(ckpt_cache):
     """A tiny checkpoint with a small byte-level BPE tokenizer (tests/ckpts.py)."""
     from ckpts import tiny

@@ -9,7 +9,6 @@ the drafts are accepted as with the whole vocabulary.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -22,7 +21,6 @@ from specfire.runtime.graphs import DraftGraphs
 from specfire.runtime.rng import DeviceRng
 from specfire.runtime.sampling import probs
 from test_spec_sampled import BINS, chi2, chi2_critical, pit_chi2
-from tinymodels import make_checkpoint
 
 ALPHA_MIN, ALPHA_MAX = 14, 119          # the fitted model's alphabet (specfit._rule, vocab 131)
 
@@ -165,15 +163,6 @@ def test_accept_rule_with_a_narrow_q_preserves_the_target():
     assert c1 < crit and c2 < crit, (c1, c2, crit)
     c1, c2, crit = narrow_accept_stats(residual_inside_n_only)   # the check has teeth
     assert max(c1, c2) > crit, (c1, c2, crit)
-
-
-@pytest.fixture(scope="module")
-def tiny_vocab(ckpt_cache) -> str:
-    key = ("spec", "vocab8")
-    if key not in ckpt_cache["made"]:
-        ckpt_cache["made"][key] = make_checkpoint(os.path.join(ckpt_cache["root"], "spec_vocab8"), "base",
-                                                  vocab_size=8, seed=3)
-    return ckpt_cache["made"][key]
 
 
 def test_sampled_mtp_with_draft_vocab_matches_ar_distribution(tiny_vocab, monkeypatch):

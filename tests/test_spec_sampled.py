@@ -12,7 +12,6 @@ of the residual on rejection fails the accept-rule check.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -21,7 +20,6 @@ from specfire import LLM, SamplingParams
 from specfire.runtime import spec as spec_mod
 from specfire.runtime.rng import DeviceRng
 from specfire.runtime.sampling import pick, probs
-from tinymodels import make_checkpoint
 
 BINS = 10
 
@@ -114,15 +112,6 @@ def test_wrong_accept_rules_fail_the_same_check(rule, with_q):
 
 
 # ---- end to end on a tiny vocabulary ------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def tiny_vocab(ckpt_cache) -> str:
-    key = ("spec", "vocab8")
-    if key not in ckpt_cache["made"]:
-        ckpt_cache["made"][key] = make_checkpoint(os.path.join(ckpt_cache["root"], "spec_vocab8"), "base",
-                                                  vocab_size=8, seed=3)
-    return ckpt_cache["made"][key]
-
 
 def pit_chi2(llm: LLM, mode: str, sp_kw: dict, requests: int = 2, n: int = 300) -> tuple[float, dict]:
     """Chi-square of the PIT values of every generated token against Uniform(0, 1), in BINS bins."""
