@@ -10,9 +10,8 @@ accepted), loaded with `draft_vocab=N`. 512-token random prompt, 64 new tokens, 
 through `LLM.generate`.
 
 Per variant (switched in the process, the captured graphs dropped where a switch changes them):
-  before     main before this bench: the commit after the host read, two copy kernels per GDN layer
-  foreach    the commit as one multi-tensor copy (model/state.py COMMIT_FOREACH)
-  early      + the commit queued at launch from n on the device (LocalTrunk.commit_early): the default
+  before     main before this bench: the commit's two copy kernels per GDN layer
+  foreach    the commit as one multi-tensor copy (model/state.py COMMIT_FOREACH): the default
   gdn64/32   + the fused GDN kernel with a head's value columns split over 2 / 4 programs (bv 64 / 32,
              2 / 1 warps, the gated norm as its own kernel; ops/gdn_fused.py BV, NUM_WARPS)
 it reports: the AR step and the MTP k=3 cycle through `LLM.generate` (median of --reps runs each),
@@ -21,7 +20,11 @@ chain), the cycle's device phases (CUDA events around each call the engine makes
 the (n, tokens) copy, chain, commit, and the device time not inside any of them, which is idle time
 waiting for the host plus the few untimed copies), the host's path from the read to the next verify
 launch, and torch.profiler's device time by kernel family over replays of the 1-row and the 4-row
-graph. Then a random head (final norms +1: drafts rejected) checks MTP == AR with the default path.
+graph (after every timing: a profiler session leaves the host's launches slower for the rest of
+the process). --long N: one more AR and MTP run of N tokens on the first two variants (the
+per-request costs spread thinner), and the MTP head's prompt catch-up (`MtpDrafter.begin`, which
+the engine queues before the decode clock starts and the device runs after) timed alone. Then a
+random head (final norms +1: drafts rejected) checks MTP == AR with the default path.
 One JSON line per record on stdout and in OUT/cycle_profile.jsonl.
 """
 from __future__ import annotations
@@ -45,11 +48,10 @@ from tp import CEILING, _time_graph, job_ckpt, md5, smoke_shapes, step_bytes  # 
 
 MISSING = object()
 VARIANTS = {
-    "before": dict(foreach=False, early=False, gdn=(None, 4)),
-    "foreach": dict(foreach=True, early=False, gdn=(None, 4)),
-    "early": dict(foreach=True, early=True, gdn=(None, 4)),
-    "gdn64": dict(foreach=True, early=True, gdn=(64, 2)),
-    "gdn32": dict(foreach=True, early=True, gdn=(32, 1)),
+    "before": dict(foreach=False, gdn=(None, 4)),
+    "foreach": dict(foreach=True, gdn=(None, 4)),
+    "gdn64": dict(foreach=True, gdn=(64, 2)),
+    "gdn32": dict(foreach=True, gdn=(32, 1)),
 }
 FAMILIES = (("q4 GEMV", ("_q4_kernel",)), ("q4 sum(x)", ("_xsum",)), ("split-K sum", ("_splitk_sum",)),
             ("bf16 GEMV", ("_gemv",)), ("GDN", ("gdn",)), ("attention", ("attn",)),
@@ -183,20 +185,16 @@ def apply(llm, name: str, current: dict) -> None:
     state_mod.COMMIT_FOREACH = v["foreach"]
     gdn_fused.BV, gdn_fused.NUM_WARPS = v["gdn"]
     if trunk.graphs is not None:
-        trunk.commit_early = v["early"]
         if current.get("gdn") != v["gdn"] and (current or trunk.graphs.graphs):
             trunk.graphs = RowsGraphs(trunk.model, trunk.state)        # the rows graphs bake the kernel in
             torch.cuda.empty_cache()
         else:
             trunk.graphs.commits.clear()                               # commit graphs bake the copy form in
-    else:
-        trunk.commit_early = v["early"]                                # CPU smoke: the eager device-index commit
     current.clear()
     current.update(v)
 
 
-def measure(llm, ids, name: str, tokens: int, reps: int, cuda: bool, log: Log, nbytes, profile: bool,
-            deadline: float) -> dict:
+def measure(llm, ids, name: str, tokens: int, reps: int, cuda: bool, log: Log, nbytes, long: int) -> dict:
     from specfire import SamplingParams, SpecPolicy
     from specfire.runtime import spec
 
@@ -241,7 +239,6 @@ def measure(llm, ids, name: str, tokens: int, reps: int, cuda: bool, log: Log, n
     ph.wrap(mtp, "prepare", "chain")
     ph.wrap(mtp, "propose", "propose")
     ph.wrap(trunk, "commit", "commit")
-    ph.wrap(trunk, "commit_device", "commit")
     ph.wrap(spec.Launched, "read", "read")
     try:
         ph.on = True
@@ -250,15 +247,47 @@ def measure(llm, ids, name: str, tokens: int, reps: int, cuda: bool, log: Log, n
     finally:
         ph.undo()
     row["phases_us"] = ph.cycles(4)
-    if profile and cuda and trunk.graphs is not None and time.monotonic() < deadline:
-        prof = {}
-        for r in (1, 4):
-            gr = trunk.graphs.graphs.get(r)
-            if gr is not None:
-                prof[f"rows{r}"] = families(gr.graph.replay)
-        row["profile"] = prof
+    if long:
+        lsp = SamplingParams(max_tokens=long, ignore_eos=True)
+        a = llm.generate(ids, lsp, spec="off")
+        m = llm.generate(ids, lsp, spec=pol)
+        la = a.stats["decode_s"] / max(1, len(a.token_ids) - 1)
+        lc = m.stats["decode_s"] / max(1, m.stats["cycles"])
+        row["long"] = dict(tokens=long, ar_step_ms=round(la * 1e3, 3), ar_tok_s=round(1 / la, 1),
+                           mtp3_cycle_ms=round(lc * 1e3, 3), cycle_over_ar=round(lc / la, 4),
+                           mtp3_tok_s=round(m.stats["decode_tok_s"], 1), cycles=m.stats["cycles"],
+                           mtp_equals_ar=m.token_ids == a.token_ids)
+        prompt = torch.tensor(ids, device=trunk.device)
+        ts = []
+        for _ in range(3):
+            trunk.begin()
+            rows_ = trunk.prefill(prompt)
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            mtp.begin(prompt, rows_.hidden)
+            if cuda:
+                torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        row["head_prompt_catchup_ms"] = round(statistics.median(ts) * 1e3, 3)
     log("variant", **row)
     return row
+
+
+def profile_rows(llm, ids, name: str, log: Log) -> None:
+    """torch.profiler by kernel family over replays of the 1-row and the 4-row trunk graph."""
+    from specfire import SamplingParams, SpecPolicy
+
+    trunk = llm.engine.trunk
+    warm = SamplingParams(max_tokens=8, ignore_eos=True)
+    llm.generate(ids, warm, spec="off")
+    llm.generate(ids, warm, spec=SpecPolicy("mtp", k=3))
+    prof = {}
+    for r in (1, 4):
+        gr = trunk.graphs.graphs.get(r)
+        if gr is not None:
+            prof[f"rows{r}"] = families(gr.graph.replay)
+    log("profile", variant=name, **prof)
 
 
 def random_head_check(llm, ids, tokens: int, log: Log, label: str) -> None:
@@ -275,7 +304,7 @@ def random_head_check(llm, ids, tokens: int, log: Log, label: str) -> None:
         a = llm.generate(ids, sp, spec="off")
         m = llm.generate(ids, sp, spec=SpecPolicy("mtp", k=3))
         log("random_head", weights=label, mtp_equals_ar=m.token_ids == a.token_ids, tau=m.stats["mean_accept_len"],
-            accepted=m.stats["accepted"], cycles=m.stats["cycles"], commit_early=llm.engine.trunk.commit_early)
+            accepted=m.stats["accepted"], cycles=m.stats["cycles"])
     finally:
         with torch.no_grad():
             model.norm.weight.copy_(saved[0])
@@ -302,19 +331,30 @@ def run_model(path: str, label: str, vocab: int | None, names: list[str], device
             t1 = time.monotonic()
             try:
                 apply(llm, name, current)
-                measure(llm, ids, name, args.tokens, args.reps, cuda, log, nb, deadline=deadline,
-                        profile=i == 0 or VARIANTS[name]["gdn"] != VARIANTS["early"]["gdn"])
+                measure(llm, ids, name, args.tokens, args.reps, cuda, log, nb, long=args.long if i < 2 else 0)
             except Exception as e:                 # one variant's failure must not cost the call the others
                 import traceback
                 log("error", what=label, variant=name, error=repr(e), tb=traceback.format_exc()[-2000:])
                 current.clear()
             log("progress", what=label, variant=name, s=round(time.monotonic() - t1, 1))
         try:
-            apply(llm, "early", current)
+            apply(llm, "foreach", current)
             random_head_check(llm, ids, 32, log, label)
         except Exception as e:
             import traceback
             log("error", what=label, variant="random_head", error=repr(e), tb=traceback.format_exc()[-2000:])
+        if cuda:                                   # last: the profiler slows the host's later launches
+            seen = set()
+            for name in names:
+                if VARIANTS[name]["gdn"] in seen or time.monotonic() > deadline:
+                    continue
+                seen.add(VARIANTS[name]["gdn"])
+                try:
+                    apply(llm, name, current)
+                    profile_rows(llm, ids, name, log)
+                except Exception as e:
+                    import traceback
+                    log("error", what=label, variant=f"profile {name}", error=repr(e), tb=traceback.format_exc()[-2000:])
 
 
 def main() -> None:
@@ -324,8 +364,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3, help="AR and MTP runs per variant (median)")
+    ap.add_argument("--long", type=int, default=160, help="tokens of the longer runs (0: none); must fit max_seq")
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--bf16-variants", default="before,early", help="variants of the bf16 model (after the 4-bit one)")
+    ap.add_argument("--bf16-variants", default="before,foreach", help="variants of the bf16 model (after the 4-bit one)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip what would start past this")
     ap.add_argument("--bf16-need-s", type=float, default=95, help="start the bf16 model only with this much left")
     ap.add_argument("--commit", default=None)
@@ -339,15 +380,19 @@ def main() -> None:
             raise SystemExit(f"--variants: unknown variant {v!r} (known: {', '.join(VARIANTS)})")
     t_end = time.monotonic() + args.budget_s
     device = "cpu" if args.smoke else "cuda"
+
     import tp_mtp
     from draft_vocab import tie_norms
     if args.smoke:
         import decode
         smoke_shapes()
         decode.SHAPES["tiny"] = {**decode.SHAPES["tiny"], "intermediate_size": 128}
-        args.shape, args.prompt, args.tokens, args.vocab, args.reps = "tiny", 40, 12, 100, 1
+        args.shape, args.prompt, args.tokens, args.vocab, args.reps, args.long = "tiny", 40, 12, 100, 1, 20
         tp_mtp.GROUP = 32
         torch.set_num_threads(1)
+    if args.long and args.long > 2 * args.tokens + 56:
+        raise SystemExit(f"--long {args.long} does not fit max_seq (prompt + 2 x --tokens + 64): "
+                         f"at most {2 * args.tokens + 56}")
     from decode import make_cfg
     cfg = make_cfg(args.shape)
     log = Log(args.out)

@@ -129,32 +129,6 @@ def test_scripted_accept_patterns(ckpt_cache, name):
                 assert r.stats["cycles"] == len(cycles)
 
 
-@pytest.mark.parametrize("name", ["base", "gqa4"])
-def test_commit_queued_at_launch_is_exact(ckpt_cache, name):
-    """`commit_early` (the GPU's default under graphs: the commit queued at launch from n on the
-    device, runtime/spec.py): every accepted count of every cycle gives AR's tokens, greedy, and a
-    seeded sampled MTP request gives the tokens of the commit made after the read."""
-    path = ckpt(ckpt_cache, name)
-    with LLM(path, device="cpu", spec="auto", progress=False) as llm:
-        trunk, v = llm.engine.trunk, llm.cfg.vocab_size
-        p = random_prompts(v, 3, seed=6)[2]
-        ref = llm.generate(p, greedy(20), spec="off").token_ids
-        sampled = SamplingParams(max_tokens=16, temperature=0.9, seed=3, ignore_eos=True)
-        late = llm.generate(p, sampled, spec={"mode": "mtp", "k": 3}).token_ids
-        assert not trunk.commit_early
-        trunk.commit_early = True
-        try:
-            for right in range(0, 4):
-                watch = Steps()
-                r = scripted(llm, p, greedy(20), 3, Scripted(len(p), ref, right, v), watch)[-1].result
-                assert r.token_ids == ref, right
-                assert watch.cycles and all(n == min(right, d) for d, n in watch.cycles), (right, watch.cycles)
-            assert llm.generate(p, greedy(20), spec={"mode": "mtp", "k": 2}).token_ids == ref
-            assert llm.generate(p, sampled, spec={"mode": "mtp", "k": 3}).token_ids == late
-        finally:
-            trunk.commit_early = False
-
-
 # ---- the fitted model: drafts really get accepted ----------------------------------------------
 
 def test_fitted_mtp_accepts_and_equals_ar(fitted):

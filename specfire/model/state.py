@@ -99,20 +99,6 @@ class SequenceState:
             for d, s in zip(dst, src):
                 d.copy_(s)
 
-    @torch.inference_mode()
-    def commit_index(self, n: torch.Tensor) -> None:
-        """`commit(n)` (copying) with n a one-element int64 tensor on the state's device: no host
-        read, so it can be queued before the step's result reaches the host (runtime/spec.py) and
-        captured into a CUDA graph whatever n will be. Gathers row n's state and conv window."""
-        n = n.reshape(1)
-        idx = None
-        for lc in self._gdn_captured():
-            if idx is None:                                  # conv window rows n+1 .. n+K-1 of `full`
-                idx = n + torch.arange(1, lc.conv.shape[0] + 1, device=n.device)
-            torch.index_select(lc.cap_rec, 0, n, out=lc.rec.unsqueeze(0))
-            torch.index_select(lc.cap_conv, 0, idx, out=lc.conv)
-            lc.cap_conv = lc.cap_rec = None
-
     def _gdn_captured(self) -> list[LayerCache]:
         out = [lc for lc in self.layers if lc.rec is not None]
         if any(lc.cap_rec is None for lc in out):

@@ -42,8 +42,7 @@ class RowsGraphs:
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, _Graph] = {}
-        self.commits: dict[tuple[int, int | str], torch.cuda.CUDAGraph] = {}
-        self.n = torch.zeros(1, dtype=torch.long, device=dev)   # commit_device's row index, static
+        self.commits: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._rows = 0                      # row count of the last replay (whose captures commit reads)
 
     def run(self, ids: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,21 +70,13 @@ class RowsGraphs:
         """`SequenceState.commit(n)` after a replay, as one graph per (rows, n): the captures are
         the rows graph's fixed outputs and the live state is allocated once, so the copies of
         every Gated DeltaNet layer replay with one launch (one multi-tensor copy inside)."""
-        self._commit((self._rows, n), lambda: self.state.commit(n))
-
-    def commit_device(self, n: torch.Tensor) -> None:
-        """The same with n on the device (`SequenceState.commit_index`): one graph per row count,
-        queued before the host knows n (runtime/spec.py launch)."""
-        self.n.copy_(n.reshape(1))
-        self._commit((self._rows, "dev"), lambda: self.state.commit_index(self.n))
-
-    def _commit(self, key: tuple[int, int | str], record: Callable[[], None]) -> None:
+        key = (self._rows, n)
         g = self.commits.get(key)
         if g is None:
             with torch.cuda.device(self.pos.device):
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.pool):
-                    record()                       # recorded, not run; it detaches the captures
+                    self.state.commit(n)           # recorded, not run; it detaches the captures
         g.replay()
         self.commits[key] = g
         for lc in self.state.layers:

@@ -9,9 +9,7 @@
 Plain AR decoding is this step with no drafter (k = 0): one row, n = 0, out = [the target's pick].
 The step is split in two so the engine can keep the device busy: `launch` queues the device work
 and one asynchronous copy of (n, tokens) into pinned memory; `Launched.finish` waits for that
-copy (the step's one host read), then commits (where the trunk says `commit_early`, the commit
-is queued at launch from n on the device, so the host's path from the read to the next verify
-holds no commit). Every accept runs on the device: greedy prefix
+copy (the step's one host read), then commits. Every accept runs on the device: greedy prefix
 match, or rejection sampling over all positions at once drawing from a device-side random stream
 (runtime/rng.py), replayed from a CUDA graph per (k, sampling params) where the trunk uses graphs.
 The ids fed to verify live in static buffers (`StepBuffers`): no tensor is built from host data
@@ -147,7 +145,6 @@ class Launched:
     result: torch.Tensor | None = None   # host copy of (n, targets...) once the copy is done
     event: torch.cuda.Event | None = None
     got: tuple[int, list[int]] | None = None   # set at launch when the accept already read
-    committed: bool = False              # the trunk's commit is already queued (device-side n)
     decision: Any = None                 # what the route controller asked for (the engine's note)
 
     def read(self) -> tuple[int, list[int]]:
@@ -180,20 +177,17 @@ def launch(trunk: Trunk, drafter: Drafter | None, route: str, last: int, last_de
         res, ev = bufs.send(torch.cat([n.view(1), targets]))
         if kk and hasattr(drafter, "prepare"):    # the next chain drafts while the host reads this step
             drafter.prepare(rows.hidden, targets, n, pos, kk)
-    else:
-        with torch.inference_mode():
-            n, targets = bufs.accept(rows.logits, ids[1:], q, sp, gen)
-        res, ev = bufs.send(torch.cat([n.view(1), targets]))
-    early = bool(kk) and getattr(trunk, "commit_early", False)
-    if early:                                     # queued now; `finish` then has nothing to commit
-        trunk.commit_device(n)
-    return Launched(route, kk, pos, rows.hidden, targets, res, ev, committed=early)
+        return Launched(route, kk, pos, rows.hidden, targets, res, ev)
+    with torch.inference_mode():
+        n, targets = bufs.accept(rows.logits, ids[1:], q, sp, gen)
+    res, ev = bufs.send(torch.cat([n.view(1), targets]))
+    return Launched(route, kk, pos, rows.hidden, targets, res, ev)
 
 
 def finish(step: Launched, trunk: Trunk, drafters: Sequence[Drafter]) -> tuple[int, list[int]]:
     """Read the step's result (the one host read), commit the trunk and feed the drafters."""
     n, out = step.read()
-    if step.k and not step.committed:
+    if step.k:
         trunk.commit(n)
     for d in drafters:
         d.commit(out, step.hidden[:n + 1], step.targets[:n + 1])

@@ -11,7 +11,6 @@ layer, e.g. 4 x 151 MB over all layers of the 27B at k = 3.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -21,7 +20,6 @@ from ..config import ModelConfig, check_draft_vocab
 from ..model.qwen35 import Qwen35Trunk, SequenceState
 
 PREFILL_PIECE = 1024  # prompt rows per prefill forward (bounds attention-score memory)
-COMMIT_EARLY = os.environ.get("SPECFIRE_COMMIT_EARLY", "1") != "0"   # default of LocalTrunk.commit_early
 
 
 @dataclass
@@ -76,9 +74,6 @@ class LocalTrunk:
         if cuda_graphs:
             from .graphs import RowsGraphs
             self.graphs = RowsGraphs(model, self.state)
-        # a speculative step queues its commit on the device before its result is read (runtime/spec.py):
-        # where the trunk replays graphs, so the host's path from the read to the next verify is shorter
-        self.commit_early = self.graphs is not None and COMMIT_EARLY
 
     def begin(self) -> None:
         self.state.reset()
@@ -115,13 +110,6 @@ class LocalTrunk:
             self.graphs.commit(n)
         else:   # eager: the live state takes row n's capture itself (graphs keep the live state's address)
             self.state.commit(n, in_place=self.graphs is not None)
-
-    def commit_device(self, n: torch.Tensor) -> None:
-        """commit(n) with n a one-element tensor on the device, no host read (`commit_early`)."""
-        if self.graphs is not None and self.graphs.attached(self.state):
-            self.graphs.commit_device(n)
-        else:
-            self.state.commit_index(n)
 
     @torch.inference_mode()
     def score(self, ids: torch.Tensor) -> torch.Tensor:
