@@ -13,7 +13,8 @@ Per variant (switched in the process, the captured graphs dropped where a switch
   before     main before this bench: the commit's two copy kernels per GDN layer
   foreach    the commit as one multi-tensor copy (model/state.py COMMIT_FOREACH): the default
   gdn64/32   + the fused GDN kernel with a head's value columns split over 2 / 4 programs (bv 64 / 32,
-             2 / 1 warps, the gated norm as its own kernel; ops/gdn_fused.py BV, NUM_WARPS)
+             2 / 1 warps, the gated norm as its own kernel; ops/gdn_fused.py BV, NUM_WARPS);
+             gdn32w2 / gdn64w4 the same on 2 / 4 warps
 it reports: the AR step and the MTP k=3 cycle through `LLM.generate` (median of --reps runs each),
 MTP == AR, each captured graph replayed alone (1-row and 4-row trunk graphs, the commit graph, the
 chain), the cycle's device phases (CUDA events around each call the engine makes: verify, accept,
@@ -52,6 +53,8 @@ VARIANTS = {
     "foreach": dict(foreach=True, gdn=(None, 4)),
     "gdn64": dict(foreach=True, gdn=(64, 2)),
     "gdn32": dict(foreach=True, gdn=(32, 1)),
+    "gdn32w2": dict(foreach=True, gdn=(32, 2)),
+    "gdn64w4": dict(foreach=True, gdn=(64, 4)),
 }
 FAMILIES = (("q4 GEMV", ("_q4_kernel",)), ("q4 sum(x)", ("_xsum",)), ("split-K sum", ("_splitk_sum",)),
             ("bf16 GEMV", ("_gemv",)), ("GDN", ("gdn",)), ("attention", ("attn",)),
@@ -343,7 +346,7 @@ def run_model(path: str, label: str, vocab: int | None, names: list[str], device
         except Exception as e:
             import traceback
             log("error", what=label, variant="random_head", error=repr(e), tb=traceback.format_exc()[-2000:])
-        if cuda:                                   # last: the profiler slows the host's later launches
+        if cuda and args.profile:                  # last: the profiler slows the host's later launches
             seen = set()
             for name in names:
                 if VARIANTS[name]["gdn"] in seen or time.monotonic() > deadline:
@@ -364,8 +367,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3, help="AR and MTP runs per variant (median)")
+    ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip the kernel-family profiles")
     ap.add_argument("--long", type=int, default=160, help="tokens of the longer runs (0: none); must fit max_seq")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default="before,foreach,gdn64,gdn32")
     ap.add_argument("--bf16-variants", default="before,foreach", help="variants of the bf16 model (after the 4-bit one)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip what would start past this")
     ap.add_argument("--bf16-need-s", type=float, default=95, help="start the bf16 model only with this much left")
