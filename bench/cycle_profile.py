@@ -2,6 +2,7 @@
 4-bit then bf16), and what the cycle's fixed-cost changes buy, each measured in the same process.
 
     PYTHONPATH=$PWD python bench/cycle_profile.py --shape 27B --vocab 32768 --budget-s 200 --out $OUT
+    ... --variants before,foreach,gdn32,gdn64,gdn32w2 --bf16-variants "" --no-profile --long 160
     PYTHONPATH=$PWD python bench/cycle_profile.py --smoke          # the flow on the CPU, tiny shape
 
 Checkpoints: bench/tp_mtp.py's 4-bit one and bench/tp.py's bf16 one, both with final norms -1
@@ -10,11 +11,13 @@ accepted), loaded with `draft_vocab=N`. 512-token random prompt, 64 new tokens, 
 through `LLM.generate`.
 
 Per variant (switched in the process, the captured graphs dropped where a switch changes them):
-  before     main before this bench: the commit's two copy kernels per GDN layer
-  foreach    the commit as one multi-tensor copy (model/state.py COMMIT_FOREACH): the default
+  before     main before this bench: the commit's two copy kernels per GDN layer, whole-head GDN
+             programs (4 warps, the gated norm inside)
+  foreach    the commit as one multi-tensor copy (model/state.py COMMIT_FOREACH, the default now)
   gdn64/32   + the fused GDN kernel with a head's value columns split over 2 / 4 programs (bv 64 / 32,
              2 / 1 warps, the gated norm as its own kernel; ops/gdn_fused.py BV, NUM_WARPS);
-             gdn32w2 / gdn64w4 the same on 2 / 4 warps
+             gdn32w2 / gdn64w4 the same on 2 / 4 warps. gdn32w2 is the default now: this bench's
+             main figures, docs/BENCHMARKS.md "Seventh wave: where an MTP cycle's time goes".
 it reports: the AR step and the MTP k=3 cycle through `LLM.generate` (median of --reps runs each),
 MTP == AR, each captured graph replayed alone (1-row and 4-row trunk graphs, the commit graph, the
 chain), the cycle's device phases (CUDA events around each call the engine makes: verify, accept,
@@ -369,7 +372,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="AR and MTP runs per variant (median)")
     ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip the kernel-family profiles")
     ap.add_argument("--long", type=int, default=160, help="tokens of the longer runs (0: none); must fit max_seq")
-    ap.add_argument("--variants", default="before,foreach,gdn64,gdn32")
+    ap.add_argument("--variants", default="before,foreach,gdn32w2")
     ap.add_argument("--bf16-variants", default="before,foreach", help="variants of the bf16 model (after the 4-bit one)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip what would start past this")
     ap.add_argument("--bf16-need-s", type=float, default=95, help="start the bf16 model only with this much left")
