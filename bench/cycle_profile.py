@@ -28,7 +28,7 @@ graph (after every timing: a profiler session leaves the host's launches slower 
 the process). --long N: one more AR and MTP run of N tokens on the first two variants (the
 per-request costs spread thinner), and the MTP head's prompt catch-up (`MtpDrafter.begin`, which
 the engine queues before the decode clock starts and the device runs after) timed alone. Then a
-random head (final norms +1: drafts rejected) checks MTP == AR with the default path.
+random head (final norms +1: drafts rejected) checks MTP == AR on the last variant's path.
 One JSON line per record on stdout and in OUT/cycle_profile.jsonl.
 """
 from __future__ import annotations
@@ -297,8 +297,10 @@ def profile_rows(llm, ids, name: str, log: Log) -> None:
 
 
 def random_head_check(llm, ids, tokens: int, log: Log, label: str) -> None:
-    """Final norms +1 (a random head: drafts rejected, n = 0 mostly): MTP k=3 == AR on the default path."""
+    """Final norms +1 (a random head: drafts rejected, n = 0 mostly; the output now depends on the
+    bits, where the tied checkpoint's is token 0 whatever they are): MTP k=3 == AR."""
     from specfire import SamplingParams, SpecPolicy
+    from specfire.ops import gdn_fused
 
     model, head = llm.engine.trunk.model, llm.engine.drafters["mtp"].head
     saved = (model.norm.weight.clone(), head.norm.weight.clone())
@@ -309,8 +311,8 @@ def random_head_check(llm, ids, tokens: int, log: Log, label: str) -> None:
         sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
         a = llm.generate(ids, sp, spec="off")
         m = llm.generate(ids, sp, spec=SpecPolicy("mtp", k=3))
-        log("random_head", weights=label, mtp_equals_ar=m.token_ids == a.token_ids, tau=m.stats["mean_accept_len"],
-            accepted=m.stats["accepted"], cycles=m.stats["cycles"])
+        log("random_head", weights=label, gdn=(gdn_fused.BV, gdn_fused.NUM_WARPS), mtp_equals_ar=m.token_ids == a.token_ids,
+            tau=m.stats["mean_accept_len"], accepted=m.stats["accepted"], cycles=m.stats["cycles"])
     finally:
         with torch.no_grad():
             model.norm.weight.copy_(saved[0])
@@ -343,8 +345,7 @@ def run_model(path: str, label: str, vocab: int | None, names: list[str], device
                 log("error", what=label, variant=name, error=repr(e), tb=traceback.format_exc()[-2000:])
                 current.clear()
             log("progress", what=label, variant=name, s=round(time.monotonic() - t1, 1))
-        try:
-            apply(llm, "foreach", current)
+        try:                                       # on the last variant's form (the default: gdn32w2)
             random_head_check(llm, ids, 32, log, label)
         except Exception as e:
             import traceback
