@@ -311,7 +311,8 @@ def random_head_check(llm, ids, tokens: int, log: Log, label: str) -> None:
         sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
         a = llm.generate(ids, sp, spec="off")
         m = llm.generate(ids, sp, spec=SpecPolicy("mtp", k=3))
-        log("random_head", weights=label, gdn=(gdn_fused.BV, gdn_fused.NUM_WARPS), mtp_equals_ar=m.token_ids == a.token_ids,
+        log("random_head", weights=label, gdn=(gdn_fused.BV, gdn_fused.NUM_WARPS),
+            mtp_equals_ar=m.token_ids == a.token_ids,
             tau=m.stats["mean_accept_len"], accepted=m.stats["accepted"], cycles=m.stats["cycles"])
     finally:
         with torch.no_grad():
@@ -361,7 +362,8 @@ def run_model(path: str, label: str, vocab: int | None, names: list[str], device
                     profile_rows(llm, ids, name, log)
                 except Exception as e:
                     import traceback
-                    log("error", what=label, variant=f"profile {name}", error=repr(e), tb=traceback.format_exc()[-2000:])
+                    log("error", what=label, variant=f"profile {name}", error=repr(e),
+                        tb=traceback.format_exc()[-2000:])
 
 
 def main() -> None:
@@ -374,7 +376,8 @@ def main() -> None:
     ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip the kernel-family profiles")
     ap.add_argument("--long", type=int, default=160, help="tokens of the longer runs (0: none); must fit max_seq")
     ap.add_argument("--variants", default="before,foreach,gdn32w2")
-    ap.add_argument("--bf16-variants", default="before,foreach", help="variants of the bf16 model (after the 4-bit one)")
+    ap.add_argument("--bf16-variants", default="before,foreach,gdn32w2",
+                    help="variants of the bf16 model (after the 4-bit one)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip what would start past this")
     ap.add_argument("--bf16-need-s", type=float, default=95, help="start the bf16 model only with this much left")
     ap.add_argument("--commit", default=None)
