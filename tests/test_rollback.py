@@ -73,3 +73,35 @@ def test_commit_needs_a_rows_forward(ckpt_cache):
         trunk.prefill(torch.tensor([1, 2, 3]))
         with pytest.raises(RuntimeError, match="commit"):
             trunk.commit(0)
+
+
+@pytest.mark.parametrize("name", ["base", "kdim"])
+def test_multi_tensor_commit_equals_per_layer_copies(ckpt_cache, name, monkeypatch):
+    """The copying commit (CUDA graphs' form) as one multi-tensor copy gives, at every n, the bits
+    of the per-layer copies, written into the live tensors in place (graphs keep their addresses),
+    and row n's state, not another row's."""
+    from specfire.model import state as state_mod
+
+    with LLM(ckpt(ckpt_cache, name), device="cpu", spec="off", progress=False) as llm:
+        trunk = llm.engine.trunk
+        g = torch.Generator().manual_seed(7)
+        prompt = torch.randint(0, llm.cfg.vocab_size, (9,), generator=g)
+        rows_ids = torch.randint(0, llm.cfg.vocab_size, (K + 1,), generator=g)
+        prev = None
+        for n in range(K + 1):
+            got = {}
+            for foreach in (False, True):
+                monkeypatch.setattr(state_mod, "COMMIT_FOREACH", foreach)
+                trunk.begin()
+                trunk.prefill(prompt)
+                trunk.verify(rows_ids, prompt.shape[0])
+                st = trunk.state
+                live = [(lc.rec.data_ptr(), lc.conv.data_ptr()) for lc in st.layers if lc.rec is not None]
+                st.commit(n, in_place=True)
+                assert [(lc.rec.data_ptr(), lc.conv.data_ptr()) for lc in st.layers if lc.rec is not None] == live
+                assert all(lc.cap_rec is None and lc.cap_conv is None for lc in st.layers)
+                got[foreach] = gdn_state(trunk)
+            for (rec, conv), (rrec, rconv) in zip(got[True], got[False]):
+                assert torch.equal(rec, rrec) and torch.equal(conv, rconv), (name, n)
+            assert prev is None or not all(torch.equal(a[0], b[0]) for a, b in zip(got[True], prev))
+            prev = got[True]

@@ -2,12 +2,17 @@
 window + recurrent state with the per-row capture that rollback installs (Gated DeltaNet)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 
 from ..config import FULL, ModelConfig
 from ..ops import attention as attn_ops
+
+# A copying commit (under CUDA graphs) as one multi-tensor copy over every GDN layer instead of two
+# copy kernels a layer; SPECFIRE_COMMIT_FOREACH=0 keeps the per-layer copies (bench/cycle_profile.py).
+COMMIT_FOREACH = os.environ.get("SPECFIRE_COMMIT_FOREACH", "1") != "0"
 
 
 @dataclass
@@ -77,19 +82,28 @@ class SequenceState:
         """Make the recurrent state that after row n of the last rows-mode forward. `in_place`
         False: the live state becomes row n's capture itself (no copy; an eager forward's captures
         are fresh tensors), only where nothing keeps the live state's address (no captured graph)."""
-        for lc in self.layers:
-            if lc.rec is None:
-                continue
-            if lc.cap_rec is None:
-                raise RuntimeError("commit() without a preceding rows-mode forward")
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        for lc in self._gdn_captured():
             kk = lc.conv.shape[0] + 1
             rec, conv = lc.cap_rec[n], lc.cap_conv[n + 1:n + kk]
-            if in_place or not _same(rec, lc.rec) or not _same(conv, lc.conv):
-                lc.rec.copy_(rec)
-                lc.conv.copy_(conv)
-            else:
+            if not in_place and _same(rec, lc.rec) and _same(conv, lc.conv):
                 lc.rec, lc.conv = rec, conv
+            else:
+                dst += [lc.rec, lc.conv]
+                src += [rec, conv]
             lc.cap_conv = lc.cap_rec = None
+        if dst and COMMIT_FOREACH:
+            torch._foreach_copy_(dst, src)
+        else:
+            for d, s in zip(dst, src):
+                d.copy_(s)
+
+    def _gdn_captured(self) -> list[LayerCache]:
+        out = [lc for lc in self.layers if lc.rec is not None]
+        if any(lc.cap_rec is None for lc in out):
+            raise RuntimeError("commit() without a preceding rows-mode forward")
+        return out
 
 
 def _same(new: torch.Tensor, live: torch.Tensor) -> bool:

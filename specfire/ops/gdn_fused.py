@@ -5,7 +5,7 @@ the gated delta rule with per-row state capture, and (given z) the gated RMSNorm
 Why: unfused this stretch is ~27 small kernels per layer per step (casts, the gate chain, the
 l2norm chain, the key-head repeat, the output norm), ~1.3k launches of the 27B shape's step.
 
-By default one program owns a whole value head h (all dv columns, several warps): it computes its
+With bv = None one program owns a whole value head h (all dv columns, several warps): it computes its
 key head's q/k channels (h // rep; recomputed by the rep value heads of a key head: cheap, and it
 keeps programs independent), its v channels, its state, and then the gated norm over the head's
 dv outputs, which needs the whole head. So a program's result depends only on its head's inputs
@@ -16,7 +16,10 @@ and the conv chain is written as explicit FMAs; a first GPU run without these tw
 rows differ from chained single rows). Each channel of the conv window after the rows (`full`,
 which commit reads) is written by exactly one program; its stores come after the loads a row
 needs (a store right after its own load would hold the program for one memory latency per row).
-`bv` < dv splits a head's columns over programs (no norm then): the form of the first version.
+`bv` < dv splits a head's columns over programs (each recomputes its key head's q/k; no norm
+then: the gated norm is its own launch): the default (BV below), because a verify's per-row state
+captures are stores that whole-head programs issue from one SM per head (48 on the 27B shape);
+split, they spread over the GPU. Either way a build uses one form for every row count and shard.
 """
 from __future__ import annotations
 
@@ -28,9 +31,12 @@ from . import gdn as gdn_ops
 from . import lanes
 from .norm import gated_rms_norm_ref
 
-BV = None       # value columns per program; None: the whole head (then the gated norm runs inside)
-NUM_WARPS = 4   # whole-head programs, 27B heads (128 x 128), H200, cold states, gated norm included
-                # (bench/fuse.py sweep): 4 warps 6.9 us, 8 warps 17.6, 16 warps 19.5; split 32 / 1 warp
+BV = 32         # value columns per program; None: the whole head (then the gated norm runs inside)
+NUM_WARPS = 2   # 27B heads (128 x 128), H200, in the 4-bit 27B step (bench/cycle_profile.py): whole heads
+                # (48 programs) pay the per-row state captures on 48 SMs: 4 rows 826 us a step against
+                # 320 for one; 32 columns a program (192 programs) 558 / 269 us + the gated norm's own
+                # launch (70 us): the 4-row graph 0.17 ms faster, the 1-row 0.03 ms slower. Alone, one
+                # row (bench/fuse.py sweep): whole head 4 warps 6.9 us, 8 warps 17.6; split 32 / 1 warp
                 # + the norm kernel 7.5, split 64 / 2 warps + norm 7.9
 
 

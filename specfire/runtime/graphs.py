@@ -69,7 +69,7 @@ class RowsGraphs:
     def commit(self, n: int) -> None:
         """`SequenceState.commit(n)` after a replay, as one graph per (rows, n): the captures are
         the rows graph's fixed outputs and the live state is allocated once, so the copies of
-        every Gated DeltaNet layer replay with one launch instead of two per layer."""
+        every Gated DeltaNet layer replay with one launch (one multi-tensor copy inside)."""
         key = (self._rows, n)
         g = self.commits.get(key)
         if g is None:

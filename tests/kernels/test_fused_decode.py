@@ -76,12 +76,14 @@ def test_gdn_decode_gated_norm_matches_reference(t, hk, hv, dk, dv, kk, dtype):
     torch.testing.assert_close(o2.float(), ro.float(), rtol=2 ** -5, atol=2e-2)
 
 
-@pytest.mark.parametrize("norm", [False, True])
-def test_gdn_decode_rows_equal_chained_single_rows(norm):
+@pytest.mark.parametrize("norm,bv", [(False, 4), (True, None), (True, 4)])
+def test_gdn_decode_rows_equal_chained_single_rows(norm, bv):
+    """Whole heads with the norm inside, and split heads (the default form) with or without the
+    gated norm's own launch after them."""
     t, hk, hv, dk, dv, kk = 3, 1, 2, 6, 5, 4
     qkv, a, b, win, w, a_log, dtb, s = _gdn_inputs(t, hk, hv, dk, dv, kk, torch.bfloat16, seed=7)
     z, nw = _gate_inputs(t, hv, dv, torch.bfloat16, seed=7) if norm else (None, None)
-    kw = {"bv": None if norm else 4}
+    kw = {"bv": bv}
     o, caps, full = gdn_decode_triton(qkv, a, b, win, w, a_log, dtb, s, hk, dk, dv, z, nw, **kw)
     cur_s, cur_w = s, win
     for i in range(t):
@@ -103,12 +105,12 @@ def test_gdn_decode_compiles_one_binary_for_every_row_count():
     assert "n_rows" in (opts.get("do_not_specialize") or [])
 
 
-@pytest.mark.parametrize("norm", [False, True])
-def test_gdn_decode_head_shard_equals_whole(norm):
+@pytest.mark.parametrize("norm,bv", [(False, 2), (True, None), (True, 2)])
+def test_gdn_decode_head_shard_equals_whole(norm, bv):
     t, hk, hv, dk, dv, kk = 2, 2, 4, 4, 4, 4
     qkv, a, b, win, w, a_log, dtb, s = _gdn_inputs(t, hk, hv, dk, dv, kk, torch.bfloat16, seed=3)
     z, nw = _gate_inputs(t, hv, dv, torch.bfloat16, seed=3) if norm else (None, None)
-    kw = {"bv": None if norm else 2}
+    kw = {"bv": bv}
     o, caps, full = gdn_decode_triton(qkv, a, b, win, w, a_log, dtb, s, hk, dk, dv, z, nw, **kw)
     rep, kd = hv // hk, hk * dk
     for k0, k1 in ((0, 1), (1, 2)):                       # shards of key heads and their value heads

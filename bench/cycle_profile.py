@@ -1,0 +1,439 @@
+"""Where an MTP k=3 cycle's time goes beyond the draft chain, on one GPU (27B shape, random weights,
+4-bit then bf16), and what the cycle's fixed-cost changes buy, each measured in the same process.
+
+    PYTHONPATH=$PWD python bench/cycle_profile.py --shape 27B --vocab 32768 --budget-s 200 --out $OUT
+    ... --variants before,foreach,gdn32,gdn64,gdn32w2 --bf16-variants "" --no-profile --long 160
+    PYTHONPATH=$PWD python bench/cycle_profile.py --smoke          # the flow on the CPU, tiny shape
+
+Checkpoints: bench/tp_mtp.py's 4-bit one and bench/tp.py's bf16 one, both with final norms -1
+(every logit ties, greedy picks token 0, inside the draft vocabulary [0, N): every draft is
+accepted), loaded with `draft_vocab=N`. 512-token random prompt, 64 new tokens, greedy, CUDA graphs,
+through `LLM.generate`.
+
+Per variant (switched in the process, the captured graphs dropped where a switch changes them):
+  before     main before this bench: the commit's two copy kernels per GDN layer, whole-head GDN
+             programs (4 warps, the gated norm inside)
+  foreach    the commit as one multi-tensor copy (model/state.py COMMIT_FOREACH, the default now)
+  gdn64/32   + the fused GDN kernel with a head's value columns split over 2 / 4 programs (bv 64 / 32,
+             2 / 1 warps, the gated norm as its own kernel; ops/gdn_fused.py BV, NUM_WARPS);
+             gdn32w2 / gdn64w4 the same on 2 / 4 warps. gdn32w2 is the default now: this bench's
+             main figures, docs/BENCHMARKS.md "Seventh wave: where an MTP cycle's time goes".
+it reports: the AR step and the MTP k=3 cycle through `LLM.generate` (median of --reps runs each),
+MTP == AR, each captured graph replayed alone (1-row and 4-row trunk graphs, the commit graph, the
+chain), the cycle's device phases (CUDA events around each call the engine makes: verify, accept,
+the (n, tokens) copy, chain, commit, and the device time not inside any of them, which is idle time
+waiting for the host plus the few untimed copies), the host's path from the read to the next verify
+launch, and torch.profiler's device time by kernel family over replays of the 1-row and the 4-row
+graph (after every timing: a profiler session leaves the host's launches slower for the rest of
+the process). --long N: one more AR and MTP run of N tokens on the first two variants (the
+per-request costs spread thinner), and the MTP head's prompt catch-up (`MtpDrafter.begin`, which
+the engine queues before the decode clock starts and the device runs after) timed alone. Then a
+random head (final norms +1: drafts rejected) checks MTP == AR on the last variant's path.
+One JSON line per record on stdout and in OUT/cycle_profile.jsonl.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+
+from tp import CEILING, _time_graph, job_ckpt, md5, smoke_shapes, step_bytes  # noqa: E402
+
+MISSING = object()
+VARIANTS = {
+    "before": dict(foreach=False, gdn=(None, 4)),
+    "foreach": dict(foreach=True, gdn=(None, 4)),
+    "gdn64": dict(foreach=True, gdn=(64, 2)),
+    "gdn32": dict(foreach=True, gdn=(32, 1)),
+    "gdn32w2": dict(foreach=True, gdn=(32, 2)),
+    "gdn64w4": dict(foreach=True, gdn=(64, 4)),
+}
+FAMILIES = (("q4 GEMV", ("_q4_kernel",)), ("q4 sum(x)", ("_xsum",)), ("split-K sum", ("_splitk_sum",)),
+            ("bf16 GEMV", ("_gemv",)), ("GDN", ("gdn",)), ("attention", ("attn",)),
+            ("norms", ("norm",)), ("rotary/KV write", ("rope", "qk_")), ("argmax/accept", ("argmax", "accept")),
+            ("copies", ("copy", "Memcpy", "memcpy", "index", "gather", "elementwise")))
+
+
+class Log:
+    def __init__(self, out: str | None):
+        self.path = os.path.join(out, "cycle_profile.jsonl") if out else None
+
+    def __call__(self, stage: str, **kw) -> None:
+        row = {"stage": stage, **kw}
+        print(json.dumps(row), flush=True)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+class Phases:
+    """Each wrapped call's host span and, on CUDA, timing events before and after the work it
+    queues (label, host t0, host t1, event0, event1)."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.on = cuda, False
+        self.rec: list[tuple] = []
+        self._undo: list = []
+
+    def wrap(self, owner, attr: str, label) -> None:
+        fn, ph = getattr(owner, attr), self
+
+        def timed(*a, **kw):
+            if not ph.on:
+                return fn(*a, **kw)
+            lab = label(*a) if callable(label) else label
+            e0 = e1 = None
+            if ph.cuda:
+                e0 = torch.cuda.Event(enable_timing=True)
+                e0.record()
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*a, **kw)
+            finally:
+                t1 = time.perf_counter_ns()
+                if ph.cuda:
+                    e1 = torch.cuda.Event(enable_timing=True)
+                    e1.record()
+                ph.rec.append((lab, t0, t1, e0, e1))
+        self._undo.append((owner, attr, vars(owner).get(attr, MISSING)))
+        setattr(owner, attr, timed)
+
+    def undo(self) -> None:
+        for owner, attr, orig in reversed(self._undo):
+            if orig is MISSING:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, orig)
+        self._undo.clear()
+
+    def cycles(self, rows: int) -> dict:
+        """Medians (us) over the cycles from one `rows`-row verify to the next."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        rec = self.rec
+        starts = [i for i, r in enumerate(rec) if r[0] == f"verify{rows}"]
+        per = []
+        for i, j in zip(starts, starts[1:]):
+            inside = rec[i:j]
+            d: dict[str, float] = {}
+            reads = [r for r in inside if r[0] == "read"]
+            if reads:
+                d["host.read_wait"] = (reads[-1][2] - reads[-1][1]) / 1e3
+                d["host.read_end_to_next_verify"] = (rec[j][1] - reads[-1][2]) / 1e3
+            d["host.cycle"] = (rec[j][1] - rec[i][1]) / 1e3
+            for lab, t0, t1, *_ in inside:
+                d[f"host.{lab}"] = d.get(f"host.{lab}", 0.0) + (t1 - t0) / 1e3
+            if self.cuda:
+                span = rec[i][3].elapsed_time(rec[j][3]) * 1e3
+                d["dev.cycle"] = span
+                timed = 0.0
+                for lab, t0, t1, e0, e1 in inside:
+                    if lab in ("read", "propose"):
+                        continue                       # host-side calls: no device work of their own
+                    v = e0.elapsed_time(e1) * 1e3
+                    d[f"dev.{lab}"] = d.get(f"dev.{lab}", 0.0) + v
+                    timed += v
+                d["dev.untimed_or_idle"] = span - timed
+                # the device's wait for the host right before the next verify: last timed phase's end -> verify start
+                last = max((r for r in inside if r[0] not in ("read", "propose")), key=lambda r: r[2])
+                d["dev.wait_before_verify"] = last[4].elapsed_time(rec[j][3]) * 1e3
+            per.append(d)
+        keys = sorted({k for p in per for k in p})
+        return {k: round(statistics.median(p.get(k, 0.0) for p in per), 1) for k in keys} | {"cycles": len(per)}
+
+
+def families(replay, reps: int = 4) -> dict:
+    """torch.profiler device time per replay by kernel family, and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(reps):
+            replay()
+        torch.cuda.synchronize()
+    kern: dict[str, dict] = {}
+    for e in p.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        us = getattr(e, "self_cuda_time_total", 0) if us is None else us
+        if us > 0:
+            kern[e.key] = {"us": round(us / reps, 1), "calls": e.count / reps}
+    fam = {name: {"us": 0.0, "kernels": 0.0} for name, _ in FAMILIES}
+    fam["other"] = {"us": 0.0, "kernels": 0.0}
+    for name, v in kern.items():
+        key = next((f for f, pats in FAMILIES if any(pt in name for pt in pats)), "other")
+        fam[key]["us"] += v["us"]
+        fam[key]["kernels"] += v["calls"]
+    fam = {k: {"us": round(v["us"], 1), "kernels": round(v["kernels"])} for k, v in fam.items() if v["kernels"]}
+    top = dict(sorted(kern.items(), key=lambda kv: -kv[1]["us"])[:14])
+    return {"total_us": round(sum(v["us"] for v in fam.values()), 1), "families": fam, "top": top}
+
+
+def apply(llm, name: str, current: dict) -> None:
+    """Switch the process to variant `name`; drop the graphs the switch changes."""
+    from specfire.model import state as state_mod
+    from specfire.ops import gdn_fused
+    from specfire.runtime.graphs import RowsGraphs
+
+    v = VARIANTS[name]
+    trunk = llm.engine.trunk
+    state_mod.COMMIT_FOREACH = v["foreach"]
+    gdn_fused.BV, gdn_fused.NUM_WARPS = v["gdn"]
+    if trunk.graphs is not None:
+        if current.get("gdn") != v["gdn"] and (current or trunk.graphs.graphs):
+            trunk.graphs = RowsGraphs(trunk.model, trunk.state)        # the rows graphs bake the kernel in
+            torch.cuda.empty_cache()
+        else:
+            trunk.graphs.commits.clear()                               # commit graphs bake the copy form in
+    current.clear()
+    current.update(v)
+
+
+def measure(llm, ids, name: str, tokens: int, reps: int, cuda: bool, log: Log, nbytes, long: int) -> dict:
+    from specfire import SamplingParams, SpecPolicy
+    from specfire.runtime import spec
+
+    trunk, mtp = llm.engine.trunk, llm.engine.drafters["mtp"]
+    sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    warm = SamplingParams(max_tokens=8, ignore_eos=True)
+    pol = SpecPolicy("mtp", k=3)
+    llm.generate(ids, warm, spec="off")
+    llm.generate(ids, warm, spec=pol)
+    ar_s, cyc_s, ar_ids, eq, tau = [], [], None, True, 0.0
+    for _ in range(reps):
+        a = llm.generate(ids, sp, spec="off")
+        m = llm.generate(ids, sp, spec=pol)
+        ar_s.append(a.stats["decode_s"] / max(1, len(a.token_ids) - 1))
+        cyc_s.append(m.stats["decode_s"] / max(1, m.stats["cycles"]))
+        ar_ids = ar_ids or a.token_ids
+        eq = eq and m.token_ids == a.token_ids == ar_ids
+        tau = m.stats["mean_accept_len"]
+    ar, cyc = statistics.median(ar_s), statistics.median(cyc_s)
+    row = dict(variant=name, ar_step_ms=round(ar * 1e3, 3), ar_tok_s=round(1 / ar, 1),
+               ar_of_ceiling=round(nbytes / ar / CEILING, 4), mtp3_cycle_ms=round(cyc * 1e3, 3),
+               mtp3_tok_s=round(tau / cyc, 1), cycle_over_ar=round(cyc / ar, 4), tau=round(tau, 3),
+               mtp_equals_ar=eq, ar_md5=md5(ar_ids), ar_runs_ms=[round(x * 1e3, 3) for x in ar_s],
+               cycle_runs_ms=[round(x * 1e3, 3) for x in cyc_s])
+    if cuda and trunk.graphs is not None:
+        g = {f"rows{r}": round(_time_graph(gr.graph, 20) * 1e3, 3) for r, gr in sorted(trunk.graphs.graphs.items())}
+        for key, gr in trunk.graphs.commits.items():
+            g[f"commit{key[0]}_{key[1]}"] = round(_time_graph(gr, 20) * 1e3, 3)
+        if mtp.graphs is not None:
+            for key, gr in mtp.graphs.graphs.items():
+                if key == (4, 3, "after"):
+                    g["chain_after_4_3"] = round(_time_graph(gr, 20) * 1e3, 3)
+        row["graphs_ms"] = g
+        if "rows1" in g and "rows4" in g and "chain_after_4_3" in g:
+            row["cycle_minus_rows4_chain_ms"] = round(row["mtp3_cycle_ms"] - g["rows4"] - g["chain_after_4_3"], 3)
+            row["ar_minus_rows1_ms"] = round(row["ar_step_ms"] - g["rows1"], 3)
+    # one instrumented MTP run: the cycle's phases on the device and the host
+    ph = Phases(cuda)
+    ph.wrap(trunk, "verify", lambda ids_, pos: f"verify{ids_.shape[0]}")
+    ph.wrap(spec, "greedy_accept", "accept")
+    ph.wrap(spec.StepBuffers, "send", "stage")
+    ph.wrap(mtp, "prepare", "chain")
+    ph.wrap(mtp, "propose", "propose")
+    ph.wrap(trunk, "commit", "commit")
+    ph.wrap(spec.Launched, "read", "read")
+    try:
+        ph.on = True
+        llm.generate(ids, sp, spec=pol)
+        ph.on = False
+    finally:
+        ph.undo()
+    row["phases_us"] = ph.cycles(4)
+    if long:
+        lsp = SamplingParams(max_tokens=long, ignore_eos=True)
+        a = llm.generate(ids, lsp, spec="off")
+        m = llm.generate(ids, lsp, spec=pol)
+        la = a.stats["decode_s"] / max(1, len(a.token_ids) - 1)
+        lc = m.stats["decode_s"] / max(1, m.stats["cycles"])
+        row["long"] = dict(tokens=long, ar_step_ms=round(la * 1e3, 3), ar_tok_s=round(1 / la, 1),
+                           mtp3_cycle_ms=round(lc * 1e3, 3), cycle_over_ar=round(lc / la, 4),
+                           mtp3_tok_s=round(m.stats["decode_tok_s"], 1), cycles=m.stats["cycles"],
+                           mtp_equals_ar=m.token_ids == a.token_ids)
+        prompt = torch.tensor(ids, device=trunk.device)
+        ts = []
+        for _ in range(3):
+            trunk.begin()
+            rows_ = trunk.prefill(prompt)
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            mtp.begin(prompt, rows_.hidden)
+            if cuda:
+                torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        row["head_prompt_catchup_ms"] = round(statistics.median(ts) * 1e3, 3)
+    log("variant", **row)
+    return row
+
+
+def profile_rows(llm, ids, name: str, log: Log) -> None:
+    """torch.profiler by kernel family over replays of the 1-row and the 4-row trunk graph."""
+    from specfire import SamplingParams, SpecPolicy
+
+    trunk = llm.engine.trunk
+    warm = SamplingParams(max_tokens=8, ignore_eos=True)
+    llm.generate(ids, warm, spec="off")
+    llm.generate(ids, warm, spec=SpecPolicy("mtp", k=3))
+    prof = {}
+    for r in (1, 4):
+        gr = trunk.graphs.graphs.get(r)
+        if gr is not None:
+            prof[f"rows{r}"] = families(gr.graph.replay)
+    log("profile", variant=name, **prof)
+
+
+def random_head_check(llm, ids, tokens: int, log: Log, label: str) -> None:
+    """Final norms +1 (a random head: drafts rejected, n = 0 mostly; the output now depends on the
+    bits, where the tied checkpoint's is token 0 whatever they are): MTP k=3 == AR."""
+    from specfire import SamplingParams, SpecPolicy
+    from specfire.ops import gdn_fused
+
+    model, head = llm.engine.trunk.model, llm.engine.drafters["mtp"].head
+    saved = (model.norm.weight.clone(), head.norm.weight.clone())
+    try:
+        with torch.no_grad():
+            model.norm.weight.fill_(1.0)
+            head.norm.weight.fill_(1.0)
+        sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
+        a = llm.generate(ids, sp, spec="off")
+        m = llm.generate(ids, sp, spec=SpecPolicy("mtp", k=3))
+        log("random_head", weights=label, gdn=(gdn_fused.BV, gdn_fused.NUM_WARPS),
+            mtp_equals_ar=m.token_ids == a.token_ids,
+            tau=m.stats["mean_accept_len"], accepted=m.stats["accepted"], cycles=m.stats["cycles"])
+    finally:
+        with torch.no_grad():
+            model.norm.weight.copy_(saved[0])
+            head.norm.weight.copy_(saved[1])
+
+
+def run_model(path: str, label: str, vocab: int | None, names: list[str], device: str, log: Log, args,
+              nbytes, deadline: float) -> None:
+    from specfire import LLM
+
+    t0 = time.perf_counter()
+    cuda = device == "cuda"
+    g = torch.Generator().manual_seed(0)
+    with LLM(path, device=device, progress=False, max_seq_len=args.prompt + 2 * args.tokens + 64,
+             draft_vocab=vocab) as llm:
+        log("progress", what=label, loaded_s=round(time.perf_counter() - t0, 1))
+        ids = torch.randint(0, llm.cfg.vocab_size - 1, (args.prompt,), generator=g).tolist()
+        nb = nbytes(llm.cfg, args.prompt + args.tokens // 2)
+        current: dict = {}
+        for i, name in enumerate(names):
+            if time.monotonic() > deadline:
+                log("skipped", what=label, variant=name, why="time budget")
+                continue
+            t1 = time.monotonic()
+            try:
+                apply(llm, name, current)
+                measure(llm, ids, name, args.tokens, args.reps, cuda, log, nb, long=args.long if i < 2 else 0)
+            except Exception as e:                 # one variant's failure must not cost the call the others
+                import traceback
+                log("error", what=label, variant=name, error=repr(e), tb=traceback.format_exc()[-2000:])
+                current.clear()
+            log("progress", what=label, variant=name, s=round(time.monotonic() - t1, 1))
+        try:                                       # on the last variant's form (the default: gdn32w2)
+            random_head_check(llm, ids, 32, log, label)
+        except Exception as e:
+            import traceback
+            log("error", what=label, variant="random_head", error=repr(e), tb=traceback.format_exc()[-2000:])
+        if cuda and args.profile:                  # last: the profiler slows the host's later launches
+            seen = set()
+            for name in names:
+                if VARIANTS[name]["gdn"] in seen or time.monotonic() > deadline:
+                    continue
+                seen.add(VARIANTS[name]["gdn"])
+                try:
+                    apply(llm, name, current)
+                    profile_rows(llm, ids, name, log)
+                except Exception as e:
+                    import traceback
+                    log("error", what=label, variant=f"profile {name}", error=repr(e),
+                        tb=traceback.format_exc()[-2000:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="27B")
+    ap.add_argument("--vocab", type=int, default=32768, help="draft vocabulary (0: the whole one)")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3, help="AR and MTP runs per variant (median)")
+    ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip the kernel-family profiles")
+    ap.add_argument("--long", type=int, default=160, help="tokens of the longer runs (0: none); must fit max_seq")
+    ap.add_argument("--variants", default="before,foreach,gdn32w2")
+    ap.add_argument("--bf16-variants", default="before,foreach,gdn32w2",
+                    help="variants of the bf16 model (after the 4-bit one)")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="skip what would start past this")
+    ap.add_argument("--bf16-need-s", type=float, default=95, help="start the bf16 model only with this much left")
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shape: the flow, no timings worth keeping")
+    args = ap.parse_args()
+    names = [v for v in args.variants.split(",") if v]
+    bnames = [v for v in args.bf16_variants.split(",") if v]
+    for v in names + bnames:
+        if v not in VARIANTS:
+            raise SystemExit(f"--variants: unknown variant {v!r} (known: {', '.join(VARIANTS)})")
+    t_end = time.monotonic() + args.budget_s
+    device = "cpu" if args.smoke else "cuda"
+
+    import tp_mtp
+    from draft_vocab import tie_norms
+    if args.smoke:
+        import decode
+        smoke_shapes()
+        decode.SHAPES["tiny"] = {**decode.SHAPES["tiny"], "intermediate_size": 128}
+        args.shape, args.prompt, args.tokens, args.vocab, args.reps, args.long = "tiny", 40, 12, 100, 1, 20
+        tp_mtp.GROUP = 32
+        torch.set_num_threads(1)
+    if args.long and args.long > 2 * args.tokens + 56:
+        raise SystemExit(f"--long {args.long} does not fit max_seq (prompt + 2 x --tokens + 64): "
+                         f"at most {2 * args.tokens + 56}")
+    from decode import make_cfg
+    cfg = make_cfg(args.shape)
+    log = Log(args.out)
+    log("start", commit=args.commit, shape=args.shape, torch=torch.__version__, variants=names,
+        device=torch.cuda.get_device_name() if device == "cuda" else "cpu")
+    vocab = args.vocab or None
+    d = tempfile.mkdtemp(prefix="cycprof-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        t0 = time.perf_counter()
+        tp_mtp.job_q4ckpt(cfg, d, device, log)
+        tie_norms(os.path.join(d, "q4"), os.path.join(d, "q4tied"), cfg)
+        log("progress", what="q4ckpt", s=round(time.perf_counter() - t0, 1))
+        run_model(os.path.join(d, "q4tied"), "4-bit", vocab, names, device, log, args,
+                  lambda c, ctx: tp_mtp.q4_step_bytes(c, d, 1, ctx), t_end - 15)
+        shutil.rmtree(os.path.join(d, "q4tied"), ignore_errors=True)
+        shutil.rmtree(os.path.join(d, "q4"), ignore_errors=True)
+        left = t_end - time.monotonic()
+        if bnames and left >= args.bf16_need_s:
+            t0 = time.perf_counter()
+            job_ckpt(cfg, d, device, log)
+            shutil.rmtree(os.path.join(d, "normal"), ignore_errors=True)   # tied holds hard links to its shards
+            log("progress", what="ckpt", s=round(time.perf_counter() - t0, 1))
+            run_model(os.path.join(d, "tied"), "bf16", vocab, bnames, device, log, args,
+                      lambda c, ctx: step_bytes(c, 1, ctx), t_end - 10)
+        elif bnames:
+            log("skipped", what="bf16", why=f"{left:.0f} s left, need {args.bf16_need_s:.0f}")
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    log("done", seconds=round(time.monotonic() - (t_end - args.budget_s), 1))
+
+
+if __name__ == "__main__":
+    main()
