@@ -34,7 +34,6 @@ One JSON line per record on stdout and in OUT/cycle_profile.jsonl.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -48,7 +47,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
-from tp import CEILING, _time_graph, job_ckpt, md5, smoke_shapes, step_bytes  # noqa: E402
+from tp import CEILING, Log, _time_graph, job_ckpt, md5, smoke_shapes, step_bytes  # noqa: E402
 
 MISSING = object()
 VARIANTS = {
@@ -63,18 +62,6 @@ FAMILIES = (("q4 GEMV", ("_q4_kernel",)), ("q4 sum(x)", ("_xsum",)), ("split-K s
             ("bf16 GEMV", ("_gemv",)), ("GDN", ("gdn",)), ("attention", ("attn",)),
             ("norms", ("norm",)), ("rotary/KV write", ("rope", "qk_")), ("argmax/accept", ("argmax", "accept")),
             ("copies", ("copy", "Memcpy", "memcpy", "index", "gather", "elementwise")))
-
-
-class Log:
-    def __init__(self, out: str | None):
-        self.path = os.path.join(out, "cycle_profile.jsonl") if out else None
-
-    def __call__(self, stage: str, **kw) -> None:
-        row = {"stage": stage, **kw}
-        print(json.dumps(row), flush=True)
-        if self.path:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
 
 
 class Phases:
@@ -406,7 +393,7 @@ def main() -> None:
                          f"at most {2 * args.tokens + 56}")
     from decode import make_cfg
     cfg = make_cfg(args.shape)
-    log = Log(args.out)
+    log = Log(args.out, name="cycle_profile.jsonl")
     log("start", commit=args.commit, shape=args.shape, torch=torch.__version__, variants=names,
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu")
     vocab = args.vocab or None

@@ -57,8 +57,10 @@ JOBS = {"kernels": (40, 120), "bundled": (35, 120), "ckpt": (30, 100), "speed1":
 
 
 class Log:
-    def __init__(self, out: str | None, job: str = ""):
-        self.path = os.path.join(out, "tp.jsonl") if out else None
+    """One JSON line per record, on stdout and appended to OUT/<name> (the benches that share tp.py's jobs)."""
+
+    def __init__(self, out: str | None, job: str = "", name: str = "tp.jsonl"):
+        self.path = os.path.join(out, name) if out else None
         self.job = job
 
     def __call__(self, stage: str, **kw) -> None:
