@@ -61,16 +61,35 @@ MISSING = object()
 TOP = ("read", "commit", "drafter_commit", "propose", "verify", "accept", "stage", "prepare")
 
 
-class Clock:
+class Patches:
+    """Attributes replaced on objects or classes, put back by `undo` (in reverse order)."""
+
+    def __init__(self):
+        self._undo: list = []
+
+    def _patch(self, owner, attr: str, new) -> None:
+        self._undo.append((owner, attr, vars(owner).get(attr, MISSING)))
+        setattr(owner, attr, new)
+
+    def undo(self) -> None:
+        for owner, attr, orig in reversed(self._undo):
+            if orig is MISSING:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, orig)
+        self._undo.clear()
+
+
+class Clock(Patches):
     """Spans (label, depth, t0, t1) of wrapped calls while `on`."""
 
     def __init__(self):
+        super().__init__()
         self.spans: list[tuple[str, int, int, int]] = []
         self.sends: list[tuple[str, int, int]] = []
         self.events: list = []
         self.on = False
         self.depth = 0
-        self._undo: list = []
 
     def wrap(self, owner, attr: str, label: str) -> None:
         fn = getattr(owner, attr)
@@ -87,8 +106,7 @@ class Clock:
             finally:
                 clock.spans.append((label, d, t0, now()))
                 clock.depth = d
-        self._undo.append((owner, attr, vars(owner).get(attr, MISSING)))
-        setattr(owner, attr, timed)
+        self._patch(owner, attr, timed)
 
     def wrap_events(self, owner, attr: str) -> None:
         """CUDA: timing events around each call's device work (where the device starts and ends it)."""
@@ -104,8 +122,7 @@ class Clock:
             finally:
                 e1.record()
                 clock.events.append((e0, e1))
-        self._undo.append((owner, attr, vars(owner).get(attr, MISSING)))
-        setattr(owner, attr, timed)
+        self._patch(owner, attr, timed)
 
     def device(self) -> dict:
         """Medians (us) of each verify's device time and of the device's gap from one verify's end
@@ -133,15 +150,7 @@ class Clock:
                 clock.sends.append((name, t0, t1))
                 if clock.on:
                     clock.spans.append(("verify.send" if name == "verify" else f"send.{name}", clock.depth, t0, t1))
-        comm.send_command = send
-
-    def undo(self) -> None:
-        for owner, attr, orig in reversed(self._undo):
-            if orig is MISSING:
-                delattr(owner, attr)
-            else:
-                setattr(owner, attr, orig)
-        self._undo.clear()
+        self._patch(comm, "send_command", send)
 
 
 def instrument(llm, clock: Clock) -> None:

@@ -47,9 +47,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
+from cycle_host import Patches  # noqa: E402
 from tp import CEILING, Log, _time_graph, job_ckpt, md5, smoke_shapes, step_bytes  # noqa: E402
 
-MISSING = object()
 VARIANTS = {
     "before": dict(foreach=False, gdn=(None, 4)),
     "foreach": dict(foreach=True, gdn=(None, 4)),
@@ -64,14 +64,14 @@ FAMILIES = (("q4 GEMV", ("_q4_kernel",)), ("q4 sum(x)", ("_xsum",)), ("split-K s
             ("copies", ("copy", "Memcpy", "memcpy", "index", "gather", "elementwise")))
 
 
-class Phases:
+class Phases(Patches):
     """Each wrapped call's host span and, on CUDA, timing events before and after the work it
     queues (label, host t0, host t1, event0, event1)."""
 
     def __init__(self, cuda: bool):
+        super().__init__()
         self.cuda, self.on = cuda, False
         self.rec: list[tuple] = []
-        self._undo: list = []
 
     def wrap(self, owner, attr: str, label) -> None:
         fn, ph = getattr(owner, attr), self
@@ -93,16 +93,7 @@ class Phases:
                     e1 = torch.cuda.Event(enable_timing=True)
                     e1.record()
                 ph.rec.append((lab, t0, t1, e0, e1))
-        self._undo.append((owner, attr, vars(owner).get(attr, MISSING)))
-        setattr(owner, attr, timed)
-
-    def undo(self) -> None:
-        for owner, attr, orig in reversed(self._undo):
-            if orig is MISSING:
-                delattr(owner, attr)
-            else:
-                setattr(owner, attr, orig)
-        self._undo.clear()
+        self._patch(owner, attr, timed)
 
     def cycles(self, rows: int) -> dict:
         """Medians (us) over the cycles from one `rows`-row verify to the next."""

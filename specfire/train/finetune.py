@@ -117,14 +117,12 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, v
     probe), then the anneal phase if set (`_anneal`); `save(tag, pack_name)` exports a snapshot.
     Rollout prompts come from `train_docs` only; the rule scores `val_docs` (select.py). Returns
     the phase's metrics."""
-    from .train import mtp_losses, trunk_forward
+    from .train import mtp_losses, optimizer, trunk_forward
 
     dev = train_ids.device
     autocast = dev.type == "cuda"
     params = [p for m in (trunk, head) for p in m.parameters()]
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
-                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=tc.ul_lr, betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda")
+    opt = optimizer(params, tc.ul_lr, tc.weight_decay, dev)
     gen = torch.Generator(device="cpu").manual_seed(tc.seed + 7)
     offs = torch.arange(tc.seq_len, device=dev)
     sampler = Prompts(tok, train_docs, tc.seed)
@@ -417,7 +415,7 @@ def run_snippet_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held
     `snip_snapshots` snapshots are scored by the rule of select.py on validation prompts (`snip_val_kind`)
     and the phase ends on its pick. Returns the phase's metrics."""
     from .snippets import SnippetRows, corpus_blocks
-    from .train import mtp_losses, trunk_forward
+    from .train import mtp_losses, optimizer, trunk_forward
 
     dev = train_ids.device
     autocast = dev.type == "cuda"
@@ -430,9 +428,7 @@ def run_snippet_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held
                  "history": [], "snapshots": []}
     log("snippet phase: " + json.dumps(out["snippets"]))
     params = [p for m in (trunk, head) for p in m.parameters()]
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
-                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=tc.snip_lr, betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda")
+    opt = optimizer(params, tc.snip_lr, tc.weight_decay, dev)
     gen = torch.Generator(device="cpu").manual_seed(tc.seed + 11)
     offs = torch.arange(tc.seq_len, device=dev)
     held = Prompts(tok, held_docs, tc.seed + 1)

@@ -38,6 +38,14 @@ def trunk_forward(trunk, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return h, tm.lm_logits(trunk, h).float()
 
 
+def optimizer(params: list, lr: float, weight_decay: float, dev: torch.device) -> torch.optim.AdamW:
+    """AdamW (betas 0.9 / 0.95) with weight decay on the matrices only: every training phase's
+    optimizer, over the trunk's and the MTP head's parameters."""
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda")
+
+
 def mtp_losses(trunk, head, ids: torch.Tensor, h: torch.Tensor, logits: torch.Tensor, mtp_steps: int,
                distill: float, want_metrics: bool = False) -> tuple[list[torch.Tensor], dict]:
     """Per-step MTP losses (and metrics) given the trunk's hidden and logits for ids [B, T]."""
@@ -129,11 +137,7 @@ def _pretrain(tc: TrainConfig, trunk, head, train_ids: torch.Tensor, limit: floa
     dev = train_ids.device
     autocast = dev.type == "cuda"
     params = [p for m in (trunk, head) for p in m.parameters()]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=tc.lr, betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda")
+    opt = optimizer(params, tc.lr, tc.weight_decay, dev)
     gen = torch.Generator(device="cpu").manual_seed(tc.seed + 1)
     offs = torch.arange(tc.seq_len, device=dev)
     budget = limit if tc.deadline_s else 0.0   # fit the schedule to the deadline's budget only
