@@ -137,7 +137,6 @@ def stage_kernels(llm, rows: list[int], fused: list[str], reps: int, cuda: bool,
             row["dequant_kernel_alone"] = {"ms": round(td * 1e3, 4), "gb_s": round(nb / td / 1e9, 1),
                                            "of_4.17TB_s": round(nb / td / CEILING, 4)}
             log("kernel", **row)
-            del x, w16, ref, y_torch, y_dq
 
 
 def stage_e2e(llm, prompts: list[int], modes: list[str], reps: int, cuda: bool, log: Log, deadline: float,
@@ -183,7 +182,6 @@ def stage_exact(llm, prompts: list[int], modes: list[str], tokens: int, log: Log
     from specfire import SamplingParams, SpecPolicy
     from specfire.ops import triton_q4mm as T
 
-    g = torch.Generator().manual_seed(13)
     sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
     ar_torch = {}
     for mode in modes:
@@ -192,7 +190,8 @@ def stage_exact(llm, prompts: list[int], modes: list[str], tokens: int, log: Log
             if time.monotonic() > deadline:
                 log("skipped", stage="exact", mode=mode, prompt=t, why="time budget")
                 continue
-            ids = torch.randint(0, llm.cfg.vocab_size - 1, (t,), generator=torch.Generator().manual_seed(13 + t)).tolist()
+            gen = torch.Generator().manual_seed(13 + t)
+            ids = torch.randint(0, llm.cfg.vocab_size - 1, (t,), generator=gen).tolist()
             a = llm.generate(ids, sp, spec="off")
             m = llm.generate(ids, sp, spec=SpecPolicy("mtp", k=3))
             if mode == "torch":
@@ -201,11 +200,11 @@ def stage_exact(llm, prompts: list[int], modes: list[str], tokens: int, log: Log
                    "ar_md5": md5(a.token_ids), "tau": round(m.stats["mean_accept_len"], 3),
                    "ar_prefill_ms": round(a.stats["prefill_s"] * 1e3, 2),
                    "mtp_prefill_ms": round(m.stats["prefill_s"] * 1e3, 2),
-                   "ar_decode_tok_s": round(a.stats["decode_tok_s"], 1), "mtp_decode_tok_s": round(m.stats["decode_tok_s"], 1)}
+                   "ar_decode_tok_s": round(a.stats["decode_tok_s"], 1),
+                   "mtp_decode_tok_s": round(m.stats["decode_tok_s"], 1)}
             if t in ar_torch and mode != "torch":
                 row["ar_equals_torch_path_ar"] = a.token_ids == ar_torch[t]
             log("exact", **row)
-    del g
 
 
 def stage_bf16(llm, prompts: list[int], reps: int, cuda: bool, log: Log, deadline: float) -> None:

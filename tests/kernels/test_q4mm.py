@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from specfire.ops.quant import QuantWeight
-from specfire.ops.triton_q4mm import MM_LARGE, MM_SMALL, MMConfig, mm_config, q4_dequantize, q4_linear_dequant, q4_matmul
+from specfire.ops.triton_q4mm import (MM_LARGE, MM_SMALL, MMConfig, mm_config, q4_dequantize, q4_linear_dequant,
+                                      q4_matmul)
 
 
 def _g(seed):
