@@ -140,8 +140,9 @@ def stage_kernels(llm, rows: list[int], fused: list[str], reps: int, cuda: bool,
 
 
 def stage_e2e(llm, prompts: list[int], modes: list[str], reps: int, cuda: bool, log: Log, deadline: float,
-              keep: dict, label: str | None = None) -> None:
-    """trunk.prefill and the head catch-up per path (label: the bf16 model, its one path)."""
+              keep: dict, label: str | None = None, suffix: str = "") -> None:
+    """trunk.prefill and the head catch-up per path (label: the bf16 model, its one path; suffix:
+    added to the logged path name)."""
     from specfire.ops import triton_q4mm as T
 
     trunk, mtp = llm.engine.trunk, llm.engine.drafters["mtp"]
@@ -166,7 +167,8 @@ def stage_e2e(llm, prompts: list[int], modes: list[str], reps: int, cuda: bool, 
                 sync(cuda)
                 t2 = time.perf_counter()
                 best, head = min(best, t1 - t0), min(head, t2 - t1)
-            row = {"mode": mode, "prompt": t, "prefill_ms": round(best * 1e3, 2), "prefill_tok_s": round(t / best, 1),
+            row = {"mode": mode + suffix, "prompt": t, "prefill_ms": round(best * 1e3, 2),
+                   "prefill_tok_s": round(t / best, 1),
                    "head_catchup_ms": round(head * 1e3, 2), "first_token_with_head_ms": round((best + head) * 1e3, 2)}
             base = keep.get(t)
             if base is None and mode == "torch":
@@ -176,6 +178,45 @@ def stage_e2e(llm, prompts: list[int], modes: list[str], reps: int, cuda: bool, 
                 row["hidden_vs_torch"] = err(rows.hidden, base[1])
                 row["same_first_token_as_torch"] = int(rows.logits[-1].argmax()) == int(base[0].argmax())
             log("e2e", **row)
+
+
+DQ_SWEEP = [(64, 4, 4), (64, 1, 4), (64, 2, 4), (64, 8, 4), (128, 2, 4), (128, 4, 8), (32, 4, 2), (64, 4, 2),
+            (64, 2, 2), (128, 1, 4)]
+
+
+def stage_dqsweep(llm, reps: int, cuda: bool, log: Log, deadline: float) -> dict:
+    """The dequantize kernel per distinct prefill weight shape in each DQ_SWEEP setting (block_n,
+    gb, num_warps) and the current default (dequant_config): time, bytes / time; returns the
+    fastest setting per shape."""
+    from specfire.ops import triton_q4mm as T
+
+    shapes = {}
+    for name, lin in quant_linears(llm):
+        if "lm_head" not in name:
+            shapes.setdefault(tuple(lin.weight.shape), lin.weight)
+    best = {}
+    for (n, k), qw in shapes.items():
+        if time.monotonic() > deadline:
+            log("skipped", stage="dqsweep", shape=[n, k], why="time budget")
+            continue
+        w = T.q4_dequantize(qw, dtype=qw.dtype)
+        ref = w.clone()
+        nb = qw.nbytes() + n * k * w.element_size()
+        cur = T.dequant_config(n, k, qw.group_size)
+        row, top = {"shape": [n, k], "default": list(cur.__dict__.values())}, None
+        for c in [tuple(cur.__dict__.values())] + [c for c in DQ_SWEEP if c != tuple(cur.__dict__.values())]:
+            cfg = T.DequantConfig(*c)
+            w.zero_()
+            t = timed(lambda: T.q4_dequantize(qw, out=w, dtype=qw.dtype, cfg=cfg), reps, cuda)
+            ok = bool(torch.equal(w, ref))
+            row["x".join(map(str, c))] = {"us": round(t * 1e6, 1), "of_4.17TB_s": round(nb / t / CEILING, 4),
+                                          "equal": ok}
+            if ok and (top is None or t < top[0]):
+                top = (t, cfg)
+        best[(n, k)] = top[1]
+        row["best"] = list(top[1].__dict__.values())
+        log("dqsweep", **row)
+    return best
 
 
 def stage_exact(llm, prompts: list[int], modes: list[str], tokens: int, log: Log, deadline: float) -> None:
@@ -244,7 +285,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--kreps", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--stages", default="kernels,e2e,exact,bf16")
+    ap.add_argument("--stages", default="kernels,e2e,exact,bf16",
+                    help="of kernels, dqsweep (then e2e of dequant with the sweep's winners: 'dequant+tuned'), "
+                         "e2e, exact, bf16")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip what would start past this")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT"))
@@ -295,6 +338,12 @@ def main() -> None:
             if "e2e" in stages:
                 stage_e2e(llm, prompts, modes, args.reps, cuda, log, t_end - 60, keep)
                 log("progress", what="e2e", s=round(time.perf_counter() - t0, 1))
+            if "dqsweep" in stages:
+                won = stage_dqsweep(llm, args.kreps, cuda, log, t_end - 80)
+                T.DQ_MEASURED.update(won)
+                log("progress", what="dqsweep", s=round(time.perf_counter() - t0, 1),
+                    installed={f"{n}x{k}": list(c.__dict__.values()) for (n, k), c in won.items()})
+                stage_e2e(llm, prompts, ["dequant"], args.reps, cuda, log, t_end - 60, keep, suffix="+tuned")
             keep.clear()
             if "exact" in stages:
                 stage_exact(llm, prompts, [m for m in modes if m != default] + [default], args.tokens, log, t_end - 25)

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from specfire.ops.quant import QuantWeight
-from specfire.ops.triton_q4mm import (MM_LARGE, MM_SMALL, MMConfig, mm_config, q4_dequantize, q4_linear_dequant,
-                                      q4_matmul)
+from specfire.ops.triton_q4mm import (DQ_DEFAULT, MM_LARGE, MM_SMALL, DequantConfig, MMConfig, dequant_config,
+                                      mm_config, q4_dequantize, q4_linear_dequant, q4_matmul)
 
 
 def _g(seed):
@@ -35,7 +35,7 @@ def test_dequantize_kernel_equals_reference_bits(n, k, g, tile, rows, gb, dtype)
     qw = _qw(n, k, g, n + k, tile)
     ref = qw.dequantize(rows).to(dtype)
     out = torch.full((ref.numel() + 7,), float("nan"), dtype=dtype)     # a longer buffer, as the scratch is
-    w = q4_dequantize(qw, rows, out, dtype, block_n=16, gb=gb)
+    w = q4_dequantize(qw, rows, out, dtype, DequantConfig(16, gb, 1))
     assert w.shape == ref.shape and w.dtype == dtype
     assert torch.equal(w, ref)
     assert torch.isnan(out[ref.numel():]).all()                         # nothing written past the rows
@@ -43,7 +43,8 @@ def test_dequantize_kernel_equals_reference_bits(n, k, g, tile, rows, gb, dtype)
 
 def test_dequantize_kernel_default_blocks_and_empty_slice():
     qw = _qw(67, 256, 128, 3)
-    assert torch.equal(q4_dequantize(qw, dtype=torch.float32), qw.dequantize())
+    assert torch.equal(q4_dequantize(qw, dtype=torch.float32), qw.dequantize())     # 2 programs: 1 group each
+    assert torch.equal(q4_dequantize(qw, dtype=torch.float32, cfg=DQ_DEFAULT), qw.dequantize())
     assert q4_dequantize(qw, slice(10, 10), dtype=torch.float32).shape == (0, 256)
     with pytest.raises(ValueError, match="contiguous"):
         q4_dequantize(qw, slice(0, 10, 2))
@@ -99,6 +100,15 @@ def test_fused_kernel_bf16_activations_and_rotation():
     assert float((y.float() - ref).norm() / ref.norm()) < 4e-3          # bf16 output rounding (2^-9 relative)
     eff = F.linear(x.float(), qw.effective())                          # the unrotated weight, float32
     assert float((y.float() - eff).norm() / eff.norm()) < 2e-2          # + bf16 rounding of x, x H and W
+
+
+def test_dequant_config_spreads_small_weights():
+    """Programs of 4 groups while that leaves enough of them, else fewer groups a program."""
+    assert dequant_config(17408, 5120, 128) == DQ_DEFAULT                      # 272 x 10 programs
+    assert dequant_config(1024, 5120, 128) == DequantConfig(64, 1, 4)          # 16 x 40: still few, gb 1
+    assert dequant_config(2048, 5120, 128) == DequantConfig(64, 2, 4)          # 32 x 10 < 528 <= 32 x 20
+    assert dequant_config(5120, 6144, 128) == DQ_DEFAULT                       # 80 x 12
+    assert dequant_config(67, 256, 128) == DequantConfig(64, 1, 4)
 
 
 def test_mm_config_by_rows_and_bad_input():
