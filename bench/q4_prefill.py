@@ -107,7 +107,7 @@ def stage_kernels(llm, rows: list[int], fused: list[str], reps: int, cuda: bool,
     for (n, k), (name, qw) in shapes.items():
         for m in rows:
             if time.monotonic() > deadline:
-                log("skipped", stage="kernels", shape=[n, k], rows=m, why="time budget")
+                log("skipped", what="kernels", shape=[n, k], rows=m, why="time budget")
                 continue
             x = torch.randn(m, k, generator=g, device=qw.device, dtype=qw.dtype)
             flop = 2.0 * m * n * k
@@ -153,7 +153,7 @@ def stage_e2e(llm, prompts: list[int], modes: list[str], reps: int, cuda: bool, 
             T.MODE = mode
         for t, ids in ids_by_len.items():
             if time.monotonic() > deadline:
-                log("skipped", stage="e2e", mode=mode, prompt=t, why="time budget")
+                log("skipped", what="e2e", mode=mode, prompt=t, why="time budget")
                 continue
             best, head, rows = float("inf"), float("inf"), None
             for _ in range(reps):
@@ -197,7 +197,7 @@ def stage_dqsweep(llm, reps: int, cuda: bool, log: Log, deadline: float) -> dict
     best = {}
     for (n, k), qw in shapes.items():
         if time.monotonic() > deadline:
-            log("skipped", stage="dqsweep", shape=[n, k], why="time budget")
+            log("skipped", what="dqsweep", shape=[n, k], why="time budget")
             continue
         w = T.q4_dequantize(qw, dtype=qw.dtype)
         ref = w.clone()
@@ -229,7 +229,7 @@ def stage_exact(llm, prompts: list[int], modes: list[str], tokens: int, log: Log
         T.MODE = mode
         for t in prompts:
             if time.monotonic() > deadline:
-                log("skipped", stage="exact", mode=mode, prompt=t, why="time budget")
+                log("skipped", what="exact", mode=mode, prompt=t, why="time budget")
                 continue
             gen = torch.Generator().manual_seed(13 + t)
             ids = torch.randint(0, llm.cfg.vocab_size - 1, (t,), generator=gen).tolist()
