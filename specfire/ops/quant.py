@@ -267,19 +267,21 @@ class QuantWeight:
         up to ROW_PATH_MAX rows the GEMV too, more through ops/triton_q4mm.py (its MODE: the
         weight dequantized to bf16 in a scratch buffer + GEMM, the fused kernel, or "torch":
         `linear_dequantized`, the reference path, which also keeps the few-row prefill on it)."""
-        from . import triton_q4mm
         from .linear import ROW_PATH_MAX, linear_rows_ref
 
-        mode = triton_q4mm.MODE
-        if x.is_cuda and (rows or (x.shape[0] <= ROW_PATH_MAX and mode != "torch")):
-            return q4_rows(x, [self], [launch_n])[0]
-        xr = self.prepare_input(x)
-        if x.is_cuda:  # prefill: compute-bound, so the weight goes through the tensor cores in bf16
+        if x.is_cuda:  # (the CPU path imports no Triton module)
+            from . import triton_q4mm
+
+            mode = triton_q4mm.MODE
+            if rows or (x.shape[0] <= ROW_PATH_MAX and mode != "torch"):
+                return q4_rows(x, [self], [launch_n])[0]
+            xr = self.prepare_input(x)  # prefill: compute-bound, the weight goes through the tensor cores in bf16
             if mode == "dequant":
                 return triton_q4mm.q4_linear_dequant(xr, self)
             if mode == "fused":
                 return triton_q4mm.q4_matmul(xr, self)
             return self.linear_dequantized(xr)
+        xr = self.prepare_input(x)
         if self._dense is None or self._dense.dtype != x.dtype:
             self._dense = self.dequantize().to(x.dtype)  # the CPU reference keeps one dense copy
         return linear_rows_ref(xr, self._dense) if rows else F.linear(xr, self._dense)
