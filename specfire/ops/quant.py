@@ -263,14 +263,25 @@ class QuantWeight:
     def linear(self, x: torch.Tensor, rows: bool, launch_n: int | None = None) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype. rows=True is row-invariant (the Triton dequant-GEMV on
         CUDA, one batched row at a time elsewhere). `launch_n`: the whole matrix's N when this is
-        a column shard (the kernel takes the whole's settings)."""
-        from .linear import linear_rows_ref
+        a column shard (the kernel takes the whole's settings). A prefill (rows=False) on CUDA:
+        up to ROW_PATH_MAX rows the GEMV too, more through ops/triton_q4mm.py (its MODE: the
+        weight dequantized to bf16 in a scratch buffer + GEMM, the fused kernel, or "torch":
+        `linear_dequantized`, the reference path, which also keeps the few-row prefill on it)."""
+        from .linear import ROW_PATH_MAX, linear_rows_ref
 
-        if rows and x.is_cuda:
-            return q4_rows(x, [self], [launch_n])[0]
-        xr = self.prepare_input(x)
-        if x.is_cuda:  # prefill: compute-bound, so dequantise and use the stock GEMM
+        if x.is_cuda:  # (the CPU path imports no Triton module)
+            from . import triton_q4mm
+
+            mode = triton_q4mm.MODE
+            if rows or (x.shape[0] <= ROW_PATH_MAX and mode != "torch"):
+                return q4_rows(x, [self], [launch_n])[0]
+            xr = self.prepare_input(x)  # prefill: compute-bound, the weight goes through the tensor cores in bf16
+            if mode == "dequant":
+                return triton_q4mm.q4_linear_dequant(xr, self)
+            if mode == "fused":
+                return triton_q4mm.q4_matmul(xr, self)
             return self.linear_dequantized(xr)
+        xr = self.prepare_input(x)
         if self._dense is None or self._dense.dtype != x.dtype:
             self._dense = self.dequantize().to(x.dtype)  # the CPU reference keeps one dense copy
         return linear_rows_ref(xr, self._dense) if rows else F.linear(xr, self._dense)

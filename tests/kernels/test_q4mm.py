@@ -1,0 +1,128 @@
+"""4-bit products of many rows (ops/triton_q4mm.py) under TRITON_INTERPRET=1 against the PyTorch
+reference: the dequantize kernel gives the reference's weight bits, the scratch path and the fused
+kernel its products (odd sizes, masked row / column / group tails, both code layouts)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specfire.ops.quant import QuantWeight
+from specfire.ops.triton_q4mm import (DQ_DEFAULT, MM_LARGE, MM_SMALL, DequantConfig, MMConfig, dequant_config,
+                                      mm_config, q4_dequantize, q4_linear_dequant, q4_matmul)
+
+
+def _g(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _qw(n, k, g, seed, tile=64, had=False):
+    qw = QuantWeight.quantize(torch.randn(n, k, generator=_g(seed)), g, had)
+    return QuantWeight(qw.qweight, qw.scales_t, qw.zeros_t, had, torch.float32, tile)
+
+
+@pytest.mark.parametrize("n,k,g,tile,rows,gb", [
+    (37, 128, 32, 0, slice(None), 4),          # odd N, rows layout, 4 groups in one program
+    (70, 384, 64, 64, slice(5, 67), 4),        # tiles of 64 (N padded), a row slice across tiles, 6 groups: masked tail
+    (130, 640, 128, 64, slice(64, 130), 2),    # a slice starting on a tile, 5 groups in programs of 2
+    (45, 160, 32, 16, slice(3, 44), 3),        # 16-row tiles, 5 groups in programs of 3
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_kernel_equals_reference_bits(n, k, g, tile, rows, gb, dtype):
+    qw = _qw(n, k, g, n + k, tile)
+    ref = qw.dequantize(rows).to(dtype)
+    out = torch.full((ref.numel() + 7,), float("nan"), dtype=dtype)     # a longer buffer, as the scratch is
+    w = q4_dequantize(qw, rows, out, dtype, DequantConfig(16, gb, 1))
+    assert w.shape == ref.shape and w.dtype == dtype
+    assert torch.equal(w, ref)
+    assert torch.isnan(out[ref.numel():]).all()                         # nothing written past the rows
+
+
+def test_dequantize_kernel_default_blocks_and_empty_slice():
+    qw = _qw(67, 256, 128, 3)
+    assert torch.equal(q4_dequantize(qw, dtype=torch.float32), qw.dequantize())     # 2 programs: 1 group each
+    assert torch.equal(q4_dequantize(qw, dtype=torch.float32, cfg=DQ_DEFAULT), qw.dequantize())
+    assert q4_dequantize(qw, slice(10, 10), dtype=torch.float32).shape == (0, 256)
+    with pytest.raises(ValueError, match="contiguous"):
+        q4_dequantize(qw, slice(0, 10, 2))
+
+
+@pytest.mark.parametrize("limit", [None, 20 * 384, 7 * 384 + 5])
+def test_scratch_path_equals_dense_product(limit):
+    """Whole, and in chunks of 20 / 7 output rows (the last one short) through one reused buffer."""
+    qw = _qw(45, 384, 128, 5)
+    x = torch.randn(33, 384, generator=_g(6))
+    ref = F.linear(x, qw.dequantize())
+    y = q4_linear_dequant(x, qw, limit)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+FUSED = [  # (m, n, k, g, tile, cfg): odd M and N (masked row and column tiles), groups 32 / 64 / 128,
+    # both layouts, the weight tile as A or B operand, more row tiles than a band (launch order)
+    (37, 45, 384, 128, 64, MMConfig(16, 32, num_warps=1, num_stages=1, wa=True, group_m=2)),
+    (37, 45, 384, 128, 0, MMConfig(16, 32, num_warps=1, num_stages=1, wa=False, group_m=2)),
+    (21, 70, 640, 64, 64, MMConfig(32, 16, num_warps=1, num_stages=1, wa=True, group_m=8)),
+    (50, 33, 160, 32, 16, MMConfig(16, 16, num_warps=1, num_stages=1, wa=False, group_m=3)),
+    (17, 100, 256, 128, 64, None),             # the default small config (64 x 128)
+    (70, 130, 256, 128, 64, None),             # the default large config (128 x 128)
+]
+
+
+def _ref(x, qw):
+    """The product in float32 of x and the weight rounded to x's dtype (what the kernel multiplies)."""
+    return F.linear(x.float(), qw.dequantize().to(x.dtype).float())
+
+
+@pytest.mark.parametrize("m,n,k,g,tile,cfg", FUSED)
+def test_fused_kernel_matches_reference(m, n, k, g, tile, cfg):
+    qw = _qw(n, k, g, m + n, tile)
+    x = torch.randn(m, k, generator=_g(k + m))
+    y = q4_matmul(x, qw, cfg)
+    ref = _ref(x, qw)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    # float32 sums in another order than the reference's: a few float32 ulps
+    assert float((y - ref).norm() / ref.norm()) < 1e-5
+    assert float((y - ref).abs().max()) < 1e-4 * float(ref.abs().max())
+
+
+def test_fused_kernel_bf16_activations_and_rotation():
+    """bf16 x (converted to float32 right after loading in the interpreter) and a Hadamard-rotated
+    weight through QuantWeight.prepare_input: the bf16 output within bf16 rounding of the reference."""
+    qw = _qw(45, 384, 128, 8, 64, had=True)
+    x = torch.randn(29, 384, generator=_g(9)).to(torch.bfloat16)
+    xr = qw.prepare_input(x)
+    y = q4_matmul(xr, qw, MMConfig(16, 32, num_warps=1, num_stages=1))
+    assert y.dtype == torch.bfloat16
+    ref = _ref(xr, qw)
+    assert float((y.float() - ref).norm() / ref.norm()) < 4e-3          # bf16 output rounding (2^-9 relative)
+    eff = F.linear(x.float(), qw.effective())                          # the unrotated weight, float32
+    assert float((y.float() - eff).norm() / eff.norm()) < 2e-2          # + bf16 rounding of x, x H and W
+
+
+def test_dequant_config_spreads_small_weights():
+    """Programs of 4 groups while that leaves enough of them, else fewer groups a program."""
+    assert dequant_config(17408, 5120, 128) == DQ_DEFAULT                      # 272 x 10 programs
+    assert dequant_config(1024, 5120, 128) == DequantConfig(64, 1, 4)          # 16 x 40: still few, gb 1
+    assert dequant_config(2048, 5120, 128) == DequantConfig(64, 2, 4)          # 32 x 10 < 528 <= 32 x 20
+    assert dequant_config(5120, 6144, 128) == DQ_DEFAULT                       # 80 x 12
+    assert dequant_config(67, 256, 128) == DequantConfig(64, 1, 4)
+
+
+def test_mm_config_by_rows_and_bad_input():
+    assert mm_config(17) is MM_SMALL and mm_config(64) is MM_SMALL and mm_config(65) is MM_LARGE
+    qw = _qw(20, 256, 128, 10)
+    with pytest.raises(ValueError, match=r"x must be \[M, 256\]"):
+        q4_matmul(torch.randn(3, 128), qw)
+    with pytest.raises(ValueError, match=r"x must be \[M, 256\]"):
+        q4_linear_dequant(torch.randn(3, 255), qw)
+    assert q4_matmul(torch.randn(0, 256), qw).shape == (0, 20)
+
+
+def test_bad_mode_is_a_clear_error():
+    env = {**os.environ, "SPECFIRE_Q4_PREFILL": "fast"}
+    r = subprocess.run([sys.executable, "-c", "import specfire.ops.triton_q4mm"], env=env, capture_output=True,
+                       text=True)
+    assert r.returncode != 0 and "SPECFIRE_Q4_PREFILL must be one of dequant, fused, torch, got 'fast'" in r.stderr
