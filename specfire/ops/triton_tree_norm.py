@@ -12,30 +12,32 @@ SPIN_LIMIT = 1 << 26      # polls of the arrival counter before giving up (a dea
                           # then word 2 of the sync words is set and later waits on the buffer are skipped
 
 
-@triton.jit(do_not_specialize=["W", "M", "MN", "D1", "D2", "D4", "target"])
-def _tree_add_norm_kernel(p_ptr, x_ptr, w_ptr, s_ptr, y_ptr, sync_ptr, W, M, MN, D, D1, D2, D4, stride_x, eps, target,
-                          BLOCK: tl.constexpr, SPIN: tl.constexpr, FOLD: tl.constexpr = False):
-    row = tl.program_id(0)
-    if target > 0:                         # the peers' slots arrive by push: wait for every arrival
-        v = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="sys")
-        i = 0
-        if tl.load(sync_ptr + 2, volatile=True) != 0:
-            i = SPIN                       # a wait on this buffer timed out before: do not wait again
-        while (v < target) & (i < SPIN):
-            v = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="sys")
-            i += 1
-        if v < target:                     # timed out (a dead or lost peer): say so, sticky
-            tl.atomic_xchg(sync_ptr + 2, 1, sem="relaxed", scope="gpu")
-    offs = tl.arange(0, BLOCK)
-    mask = offs < D
-    base = p_ptr + row * D + offs
+@triton.jit
+def _ll_value(v):
+    return v.to(tl.int32).to(tl.float32, bitcast=True)        # the low 32 bits: the value
+
+
+@triton.jit
+def _slot(ptr, mask, LL: tl.constexpr):
+    """One slot's float32 values: plain float32, or the values of LL words (see the LL form below)."""
+    if LL:
+        v = _ll_value(tl.load(ptr, mask=mask, other=0, cache_modifier=".cg"))
+    else:
+        v = tl.load(ptr, mask=mask, other=0.0, cache_modifier=".cg")
+    return v
+
+
+@triton.jit
+def _slot_tree(base, offs, mask, W, MN, D1, D2, D4, FOLD: tl.constexpr, LL: tl.constexpr):
+    """The canonical tree over W slots (1, 2, 4, 8) of one row: the same additions in the same order
+    in both forms, so both give the same bits."""
     if FOLD:     # slots folded one by one like a binary counter: at most 4 live values an element
-        acc = tl.load(base, mask=mask, other=0.0, cache_modifier=".cg")
+        acc = _slot(base, mask, LL)
         s0 = acc
         s1 = acc
         s2 = acc
         for j in range(W):
-            acc = tl.load(base + j * MN, mask=mask, other=0.0, cache_modifier=".cg")
+            acc = _slot(base + j * MN, mask, LL)
             if j % 2 == 1:
                 acc = s0 + acc
                 if j % 4 == 3:
@@ -53,26 +55,52 @@ def _tree_add_norm_kernel(p_ptr, x_ptr, w_ptr, s_ptr, y_ptr, sync_ptr, W, M, MN,
         m1 = offs < D1                      # D1, D2, D4: D where W > 1, 2, 4, else 0 (slots absent)
         m2 = offs < D2
         m4 = offs < D4
-        p0 = tl.load(base, mask=mask, other=0.0, cache_modifier=".cg")
-        p1 = tl.load(base + MN, mask=m1, other=0.0, cache_modifier=".cg")
-        p2 = tl.load(base + 2 * MN, mask=m2, other=0.0, cache_modifier=".cg")
-        p3 = tl.load(base + 3 * MN, mask=m2, other=0.0, cache_modifier=".cg")
-        p4 = tl.load(base + 4 * MN, mask=m4, other=0.0, cache_modifier=".cg")
-        p5 = tl.load(base + 5 * MN, mask=m4, other=0.0, cache_modifier=".cg")
-        p6 = tl.load(base + 6 * MN, mask=m4, other=0.0, cache_modifier=".cg")
-        p7 = tl.load(base + 7 * MN, mask=m4, other=0.0, cache_modifier=".cg")
-        # the canonical tree over W slots (1, 2, 4, 8), absent levels selected away (never added)
+        p0 = _slot(base, mask, LL)
+        p1 = _slot(base + MN, m1, LL)
+        p2 = _slot(base + 2 * MN, m2, LL)
+        p3 = _slot(base + 3 * MN, m2, LL)
+        p4 = _slot(base + 4 * MN, m4, LL)
+        p5 = _slot(base + 5 * MN, m4, LL)
+        p6 = _slot(base + 6 * MN, m4, LL)
+        p7 = _slot(base + 7 * MN, m4, LL)
+        # absent levels selected away (never added)
         h = tl.where(W > 1, p0 + p1, p0)
         h = tl.where(W > 2, h + (p2 + p3), h)
         h = tl.where(W > 4, h + ((p4 + p5) + (p6 + p7)), h)
+    return h
+
+
+@triton.jit
+def _add_norm_row(h, x_ptr, w_ptr, s_ptr, y_ptr, row, offs, mask, D, stride_x, eps):
+    """Residual + the tree's sum (rounded to the model dtype first), stored; then its RMSNorm."""
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    r = h.to(x.dtype)                      # the float32 sum rounded to the model dtype first
+    r = h.to(x.dtype)
     x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
     tl.store(s_ptr + row * D + offs, x, mask=mask)
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
     wn = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * D + offs, (xf * inv * (1.0 + wn)).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["W", "M", "MN", "D1", "D2", "D4", "target"])
+def _tree_add_norm_kernel(p_ptr, x_ptr, w_ptr, s_ptr, y_ptr, sync_ptr, W, M, MN, D, D1, D2, D4, stride_x, eps, target,
+                          BLOCK: tl.constexpr, SPIN: tl.constexpr, FOLD: tl.constexpr = False):
+    row = tl.program_id(0)
+    if target > 0:                         # the peers' slots arrive by push: wait for every arrival
+        v = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="sys")
+        i = 0
+        if tl.load(sync_ptr + 2, volatile=True) != 0:
+            i = SPIN                       # a wait on this buffer timed out before: do not wait again
+        while (v < target) & (i < SPIN):
+            v = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="sys")
+            i += 1
+        if v < target:                     # timed out (a dead or lost peer): say so, sticky
+            tl.atomic_xchg(sync_ptr + 2, 1, sem="relaxed", scope="gpu")
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    h = _slot_tree(p_ptr + row * D + offs, offs, mask, W, MN, D1, D2, D4, FOLD, False)
+    _add_norm_row(h, x_ptr, w_ptr, s_ptr, y_ptr, row, offs, mask, D, stride_x, eps)
     if target > 0:                         # the last row program re-arms the slot for its next use
         done = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
         if done == M - 1:
@@ -171,11 +199,6 @@ def push_rows(src: torch.Tensor, push) -> None:
 
 # ---- the low-latency (LL) form: 8-byte (float32 value, 32-bit flag) words -----------------------
 
-@triton.jit
-def _ll_value(v):
-    return v.to(tl.int32).to(tl.float32, bitcast=True)        # the low 32 bits: the value
-
-
 @triton.jit(do_not_specialize=["W", "M", "MN", "D1", "D2", "D4", "wait"])
 def _tree_add_norm_ll_kernel(p_ptr, x_ptr, w_ptr, s_ptr, y_ptr, sync_ptr, W, M, MN, D, D1, D2, D4, stride_x, eps,
                              wait, BLOCK: tl.constexpr, SPIN: tl.constexpr, FOLD: tl.constexpr = False):
@@ -200,49 +223,8 @@ def _tree_add_norm_ll_kernel(p_ptr, x_ptr, w_ptr, s_ptr, y_ptr, sync_ptr, W, M, 
             i += 1
         if bad > 0:
             tl.atomic_xchg(sync_ptr + 2, 1, sem="relaxed", scope="gpu")
-    if FOLD:                               # as _tree_add_norm_kernel's FOLD
-        acc = _ll_value(tl.load(base, mask=mask, other=0, cache_modifier=".cg"))
-        s0 = acc
-        s1 = acc
-        s2 = acc
-        for j in range(W):
-            acc = _ll_value(tl.load(base + j * MN, mask=mask, other=0, cache_modifier=".cg"))
-            if j % 2 == 1:
-                acc = s0 + acc
-                if j % 4 == 3:
-                    acc = s1 + acc
-                    if j % 8 == 7:
-                        acc = s2 + acc
-                    else:
-                        s2 = acc
-                else:
-                    s1 = acc
-            else:
-                s0 = acc
-        h = acc
-    else:
-        m1 = offs < D1
-        m2 = offs < D2
-        m4 = offs < D4
-        p0 = _ll_value(tl.load(base, mask=mask, other=0, cache_modifier=".cg"))
-        p1 = _ll_value(tl.load(base + MN, mask=m1, other=0, cache_modifier=".cg"))
-        p2 = _ll_value(tl.load(base + 2 * MN, mask=m2, other=0, cache_modifier=".cg"))
-        p3 = _ll_value(tl.load(base + 3 * MN, mask=m2, other=0, cache_modifier=".cg"))
-        p4 = _ll_value(tl.load(base + 4 * MN, mask=m4, other=0, cache_modifier=".cg"))
-        p5 = _ll_value(tl.load(base + 5 * MN, mask=m4, other=0, cache_modifier=".cg"))
-        p6 = _ll_value(tl.load(base + 6 * MN, mask=m4, other=0, cache_modifier=".cg"))
-        p7 = _ll_value(tl.load(base + 7 * MN, mask=m4, other=0, cache_modifier=".cg"))
-        h = tl.where(W > 1, p0 + p1, p0)
-        h = tl.where(W > 2, h + (p2 + p3), h)
-        h = tl.where(W > 4, h + ((p4 + p5) + (p6 + p7)), h)
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    r = h.to(x.dtype)
-    x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-    tl.store(s_ptr + row * D + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
-    wn = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * D + offs, (xf * inv * (1.0 + wn)).to(y_ptr.dtype.element_ty), mask=mask)
+    h = _slot_tree(base, offs, mask, W, MN, D1, D2, D4, FOLD, True)
+    _add_norm_row(h, x_ptr, w_ptr, s_ptr, y_ptr, row, offs, mask, D, stride_x, eps)
     if wait > 0:
         done = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu")
         if done == M - 1:
