@@ -17,8 +17,9 @@ of GEMV launches, and what it buys the 27B step through `LLM.generate`, PDL on a
    (median of --reps `LLM.generate` runs), the 1-row graph replayed alone, the AR tokens equal to
    those of PDL off, and MTP k=3 == AR. Then the bf16 27B (bench/tp.py ckpt) the same way if the
    budget allows.
-Variants: off (SPECFIRE_PDL=0), on (PDL, 4-bit codes of the first 2 groups prefetched to L2
-before the wait: the default), on_pf0 (PDL, no prefetch), on_pf4 (4 groups).
+Variants: off (SPECFIRE_PDL=0); on (PDL, each kernel releases the next right after its own wait);
+on_pf2 / on_pf4 (+ the 4-bit GEMV asks L2 for its first 2 / 4 groups of codes before its wait);
+early / early_pf2 (each kernel releases the next before its wait: SPECFIRE_PDL_EARLY=1).
 One JSON line per record on stdout and in OUT/pdl.jsonl.
 """
 from __future__ import annotations
@@ -40,12 +41,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 from tp import CEILING, Log, _time_graph, job_ckpt, md5, smoke_shapes, step_bytes  # noqa: E402
 
-VARIANTS = {"off": (False, 0), "on": (True, 2), "on_pf0": (True, 0), "on_pf4": (True, 4)}
+# name -> (PDL on, 4-bit code groups prefetched to L2 before the wait, where a kernel releases the next)
+VARIANTS = {"off": (False, 0, 1), "on": (True, 0, 1), "on_pf2": (True, 2, 1), "on_pf4": (True, 4, 1),
+            "early": (True, 0, 2), "early_pf2": (True, 2, 2)}
 
 
 def apply(name: str) -> None:
     from specfire.ops import pdl, triton_quant
-    pdl.ENABLED, triton_quant.PDL_PREFETCH = VARIANTS[name]
+    pdl.ENABLED, triton_quant.PDL_PREFETCH, pdl.ORDER = VARIANTS[name]
 
 
 # ---- 1. does the captured graph keep the programmatic edge --------------------------------------
@@ -117,7 +120,7 @@ CHAIN = (("qkv+z", 5120, (10240, 6144)), ("gdn out", 6144, (5120,)), ("gate+up",
          ("down", 17408, (5120,)))
 
 
-def chain_bench(layers: int, reps: int, device: str, log: Log, smoke: bool) -> None:
+def chain_bench(layers: int, reps: int, device: str, log: Log, smoke: bool, chain_names: list[str]) -> None:
     from specfire.ops.quant import QuantWeight
     from specfire.ops.triton_quant import q4_group
 
@@ -143,7 +146,7 @@ def chain_bench(layers: int, reps: int, device: str, log: Log, smoke: bool) -> N
         return [y for layer in sets for x, ws in layer for y in q4_group(x, ws)]
 
     ref = None
-    for name in ("off", "on", "on_pf0", "on_pf4", "off"):
+    for name in chain_names:
         apply(name)
         if device != "cuda":
             outs = run()
@@ -233,7 +236,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--variants", default="off,on,on_pf0,on_pf4,off")
+    ap.add_argument("--variants", default="off,on,on_pf2,early,early_pf2,off")
+    ap.add_argument("--chain-variants", default="off,on,on_pf2,early,early_pf2,off")
     ap.add_argument("--bf16-variants", default="off,on")
     ap.add_argument("--chain-layers", type=int, default=8)
     ap.add_argument("--skip", default="", help="comma list of: edges, chain, q4, bf16")
@@ -245,7 +249,8 @@ def main() -> None:
     args = ap.parse_args()
     names = [v for v in args.variants.split(",") if v]
     bnames = [v for v in args.bf16_variants.split(",") if v]
-    for v in names + bnames:
+    cnames = [v for v in args.chain_variants.split(",") if v]
+    for v in names + bnames + cnames:
         if v not in VARIANTS:
             raise SystemExit(f"--variants: unknown variant {v!r} (known: {', '.join(VARIANTS)})")
     skip = set(s for s in args.skip.split(",") if s)
@@ -272,7 +277,7 @@ def main() -> None:
     if "chain" not in skip and not args.smoke:
         t0 = time.monotonic()
         try:
-            chain_bench(args.chain_layers, 5, device, log, args.smoke)
+            chain_bench(args.chain_layers, 5, device, log, args.smoke, cnames)
         except Exception as e:  # noqa: BLE001
             import traceback
             log("error", what="chain", error=repr(e), tb=traceback.format_exc()[-2000:])

@@ -74,12 +74,14 @@ def check(name: str, k, want_pdl: bool) -> list[str]:
         if not getattr(k.metadata, "launch_pdl", False):
             errs.append("launch_pdl option not set")
         before = ptx[:ptx.find("griddepcontrol.wait")] if has_wait else ""
+        if (ptx.find("griddepcontrol.launch_dependents") < ptx.find("griddepcontrol.wait")) != (want_pdl == 2):
+            errs.append("release / wait order not the one asked for")
         if MEM.search(before):
             errs.append(f"memory access before the wait: {MEM.search(before).group(0).strip()}")
     elif has_wait or has_rel:
         errs.append("griddepcontrol emitted with PDL off")
     pf = ptx.count("cp.async.bulk.prefetch.L2")
-    print(f"{'PDL' if want_pdl else 'off'} {name:24s} wait={has_wait} release={has_rel} l2_prefetch={pf} "
+    print(f"{['off', 'PDL wait-first', 'PDL release-first'][want_pdl]:17s} {name:24s} wait={has_wait} release={has_rel} l2_prefetch={pf} "
           f"regs={getattr(k, 'n_regs', '?')} {'OK' if not errs else 'FAIL: ' + '; '.join(errs)}")
     return errs
 
@@ -143,15 +145,16 @@ def launch_all(dev: str) -> None:
 
 
 def main() -> None:
-    from specfire.ops import pdl
+    from specfire.ops import pdl, triton_quant
 
     driver.set_active(_OfflineDriver())
     JITFunction.run = _compile_only
     pdl.supported = lambda device: True                # an H200 as far as the launchers know
-    pdl.on = lambda x: pdl.ENABLED                     # CPU tensors stand in for the device ones
+    pdl.on = lambda x: pdl.ORDER if pdl.ENABLED else 0  # CPU tensors stand in for the device ones
     errs = 0
-    for enabled in (True, False):
-        pdl.ENABLED = enabled
+    for enabled, order in ((True, pdl.WAIT_FIRST), (True, pdl.RELEASE_FIRST), (False, pdl.WAIT_FIRST)):
+        pdl.ENABLED, pdl.ORDER = enabled, order
+        triton_quant.PDL_PREFETCH = 2 if enabled else 0      # the prefetch variant compiled too
         COMPILED.clear()
         launch_all("cpu")
         seen = set()
@@ -160,7 +163,7 @@ def main() -> None:
             if key in seen:
                 continue
             seen.add(key)
-            errs += bool(check(name, k, enabled))
+            errs += bool(check(name, k, order if enabled else 0))
     print("FAILED" if errs else "all OK", f"({errs} failing variants)")
     sys.exit(1 if errs else 0)
 

@@ -29,6 +29,11 @@ import triton
 import triton.language as tl
 
 ENABLED = os.environ.get("SPECFIRE_PDL", "1") != "0"
+# where a PDL kernel releases its successor: WAIT_FIRST (1) right after its own wait, so launches
+# run at most one kernel ahead; RELEASE_FIRST (2) before its wait, so a chain of small kernels
+# launches through to the next GEMV, whose programs can prefetch while the GEMV before still runs
+WAIT_FIRST, RELEASE_FIRST = 1, 2
+ORDER = RELEASE_FIRST if os.environ.get("SPECFIRE_PDL_EARLY", "0") == "1" else WAIT_FIRST
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 try:   # Triton 3.4+: griddepcontrol builtins (emit nothing where PDL is off: they are never traced then)
@@ -62,12 +67,12 @@ def supported(device: torch.device) -> bool:
     return hit
 
 
-def on(x: torch.Tensor) -> bool:
-    """Launch the kernels that read x with PDL."""
-    return ENABLED and x.is_cuda and supported(x.device)
+def on(x: torch.Tensor) -> int:
+    """The PDL constexpr of the kernels that read x: 0 (launched without PDL), or ORDER."""
+    return ORDER if ENABLED and x.is_cuda and supported(x.device) else 0
 
 
-def launch(pdl: bool) -> dict:
+def launch(pdl: int) -> dict:
     """Launch options of a kernel whose PDL constexpr is `pdl`."""
     return {"launch_pdl": True} if pdl else {}
 
@@ -75,16 +80,21 @@ def launch(pdl: bool) -> dict:
 def kw(x: torch.Tensor) -> dict:
     """Keyword arguments of a launch reading x: the PDL constexpr and the launch option where PDL
     is on (nothing otherwise: the kernel's default PDL=False)."""
-    return {"PDL": True, "launch_pdl": True} if on(x) else {}
+    mode = on(x)
+    return {"PDL": mode, "launch_pdl": True} if mode else {}
 
 
 @triton.jit
 def wait(PDL: tl.constexpr):
-    """Every earlier kernel finished, its writes visible; then let the next kernel launch. Call it
+    """PDL 0: nothing. Else every earlier kernel finished and its writes visible when this returns,
+    and the next kernel released (after the wait: WAIT_FIRST, or before it: RELEASE_FIRST). Call it
     in every program before the first read of an earlier kernel's output and before any store."""
-    if PDL:
+    if PDL == 1:
         _gdc_wait()
         _gdc_release()
+    elif PDL == 2:
+        _gdc_release()
+        _gdc_wait()
 
 
 # inline PTX: one thread of the program asks L2 to fetch `nbytes` (a multiple of 16, 16-byte

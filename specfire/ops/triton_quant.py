@@ -55,7 +55,7 @@ _BIAS = 1 << 40
 BIAS = tl.constexpr(_BIAS)
 # launched with PDL (ops/pdl.py), a program asks L2 for its first PDL_PREFETCH groups of codes
 # before it waits for the kernel before it (codes in tiles only; 0: no prefetch)
-PDL_PREFETCH = int(os.environ.get("SPECFIRE_PDL_PREFETCH", "2"))
+PDL_PREFETCH = int(os.environ.get("SPECFIRE_PDL_PREFETCH", "0"))
 
 
 @dataclass(frozen=True)
