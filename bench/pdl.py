@@ -168,7 +168,6 @@ def chain_bench(layers: int, reps: int, device: str, log: Log, smoke: bool, chai
         log("chain", **row)
         if device == "cuda":
             del gr
-    del sets
 
 
 # ---- 3. end to end --------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ Prints one line per kernel variant and exits non-zero on any failure.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import sys
@@ -21,9 +22,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-try:                    # the package imports safetensors at import time; this check never loads a checkpoint
-    import safetensors  # noqa: F401
-except ImportError:
+if importlib.util.find_spec("safetensors") is None:   # imported by the package; no checkpoint is read here
     import types
     _st = types.ModuleType("safetensors")
     _st.safe_open = None
@@ -31,7 +30,6 @@ except ImportError:
     sys.modules["safetensors.torch"] = types.ModuleType("safetensors.torch")
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
@@ -81,8 +79,8 @@ def check(name: str, k, want_pdl: bool) -> list[str]:
     elif has_wait or has_rel:
         errs.append("griddepcontrol emitted with PDL off")
     pf = ptx.count("cp.async.bulk.prefetch.L2")
-    print(f"{['off', 'PDL wait-first', 'PDL release-first'][want_pdl]:17s} {name:24s} wait={has_wait} release={has_rel} l2_prefetch={pf} "
-          f"regs={getattr(k, 'n_regs', '?')} {'OK' if not errs else 'FAIL: ' + '; '.join(errs)}")
+    print(f"{['off', 'PDL wait-first', 'PDL release-first'][want_pdl]:17s} {name:24s} wait={has_wait} "
+          f"release={has_rel} l2_prefetch={pf} {'OK' if not errs else 'FAIL: ' + '; '.join(errs)}")
     return errs
 
 
