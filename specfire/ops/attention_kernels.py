@@ -19,6 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import wait as pdl_wait
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX in the interpreter
 
 # Chosen by bench/flash_rows.py on the H200 (docs/BENCHMARKS.md). None may depend on R or pos0.
@@ -111,7 +114,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
                        REP: tl.constexpr, D: tl.constexpr, G: tl.constexpr, Q8: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                        PREC: tl.constexpr, PREFETCH: tl.constexpr, POS_PTR: tl.constexpr,
-                       QMODE: tl.constexpr):
+                       QMODE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (ops/pdl.py)
     if POS_PTR:  # position read on the device (CUDA-graph replay with a new position)
         pos0 = tl.load(pos_ptr).to(tl.int32)
     mt = tl.program_id(0)        # tiles of one span run side by side, so later tiles read the span from L2
@@ -205,10 +209,11 @@ def _attn_q8t_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
                      sq_r, sq_h, sk_n, sk_h, sv_n, sv_h, sv_d, sks_n, sks_h, svs_n, svs_h,
                      REP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      SPLIT: tl.constexpr, POS_PTR: tl.constexpr, ASM: tl.constexpr,
-                     VT: tl.constexpr, VPAD: tl.constexpr):
+                     VT: tl.constexpr, VPAD: tl.constexpr, PDL: tl.constexpr = False):
     """The split kernel's contract for a Q8 cache with one scale per (position, KV head). VT: values
     key-minor (sv_n == 1); VPAD: the value storage covers every whole BLOCK_N block, so value loads
     need no mask (keys past a row's position get p = 0 exactly, and a finite code times 0 is 0)."""
+    pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (ops/pdl.py)
     if POS_PTR:
         pos0 = tl.load(pos_ptr).to(tl.int32)
     mt = tl.program_id(0)
@@ -263,10 +268,12 @@ def _attn_q8t_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
 
 @triton.jit
 def _attn_combine_kernel(acc_ptr, ml_ptr, out_ptr, pos0, pos_ptr, n_split, hq,
-                         D: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr, POS_PTR: tl.constexpr):
+                         D: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr, POS_PTR: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """One (row, query head): merge the row's own spans 0..pos//SPLIT. Spans are taken CHUNK at a
     time from fixed boundaries (a fixed-shape tree within a chunk, chunks in order); spans past the
     row's own are masked to exact zeros, so the sum depends on the row's position only."""
+    pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (ops/pdl.py)
     if POS_PTR:
         pos0 = tl.load(pos_ptr).to(tl.int32)
     pid = tl.program_id(0)
@@ -322,7 +329,7 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                     r_rows, n_keys, n_split, scale, (n_mt, n_split, hkv), block_m, split, block_n, num_warps,
                     num_stages, q8_mode, maxnreg)
         _attn_combine_kernel[(r_rows * hq,)](acc, ml, out, pos_int, pos_arg, n_split, hq, D=d, SPLIT=split,
-                                             CHUNK=chunk, POS_PTR=pos_ptr is not None, num_warps=4)
+                                             CHUNK=chunk, POS_PTR=pos_ptr is not None, num_warps=4, **pdl.kw(q))
         return out
     if v_cache.stride(-1) != 1 or k_cache.stride(-1) != 1:
         raise ValueError("attention rows: a bf16 / fp32 cache or grouped Q8 scales need head_dim contiguous "
@@ -344,9 +351,9 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
         REP=rep, D=d, G=(d // k_scale.shape[-1]) if q8 else 1, Q8=q8, BLOCK_M=block_m, BLOCK_N=block_n,
         SPLIT=split, PREC=prec, PREFETCH=prefetch, POS_PTR=pos_ptr is not None, QMODE=qmode,
-        num_warps=num_warps or 4, num_stages=num_stages)
+        num_warps=num_warps or 4, num_stages=num_stages, **pdl.kw(q))
     _attn_combine_kernel[(r_rows * hq,)](acc, ml, out, pos_int, pos_arg, n_split, hq, D=d, SPLIT=split,
-                                         CHUNK=chunk, POS_PTR=pos_ptr is not None, num_warps=4)
+                                         CHUNK=chunk, POS_PTR=pos_ptr is not None, num_warps=4, **pdl.kw(q))
     return out
 
 
@@ -373,4 +380,4 @@ def _q8t_launch(q, k_cache, v_cache, k_scale, v_scale, acc, ml, pos_int, pos_arg
         v_cache.stride(2), k_scale.stride(0), k_scale.stride(1), v_scale.stride(0), v_scale.stride(1),
         REP=q.shape[1] // k_cache.shape[1], D=d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split,
         POS_PTR=pos_on_device, ASM=asm, VT=vt, VPAD=vpad,
-        num_warps=num_warps or Q8T_WARPS, num_stages=num_stages or Q8T_STAGES, **extra)
+        num_warps=num_warps or Q8T_WARPS, num_stages=num_stages or Q8T_STAGES, **extra, **pdl.kw(q))

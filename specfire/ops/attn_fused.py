@@ -18,8 +18,9 @@ import triton
 import triton.language as tl
 
 from . import attention as attn_ops
-from . import lanes
+from . import lanes, pdl
 from .norm import rms_norm_ref
+from .pdl import wait as pdl_wait
 from .rope import apply_rope_ref
 
 
@@ -71,7 +72,8 @@ def _norm_rope(src, w_ptr, c_row, s_row, dst, D, R, eps, BLOCK: tl.constexpr, HA
 @triton.jit
 def _qk_kernel(qg_ptr, kx_ptr, vx_ptr, qw_ptr, kw_ptr, c_ptr, s_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr, pos_int,
                HQ, D, R, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ct, s_kc, s_kch, s_vc, s_vch, eps,
-               POS_PTR: tl.constexpr, BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr):
+               POS_PTR: tl.constexpr, BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (ops/pdl.py)
     t = tl.program_id(0)
     h = tl.program_id(1)
     c_row = c_ptr + t * s_ct
@@ -114,12 +116,14 @@ def qk_norm_rope_write_triton(qg: torch.Tensor, kx: torch.Tensor, vx: torch.Tens
             qg, kx, vx, qw, kw, cos, sin, q, k_cache, v_cache, pos0 if pos_t else q, 0 if pos_t else int(pos0),
             hq, d, r, qg.stride(0), qg.stride(1), kx.stride(0), kx.stride(1), vx.stride(0), vx.stride(1),
             cos.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), eps,
-            POS_PTR=pos_t, BLOCK=triton.next_power_of_2(d), HALF_BLOCK=triton.next_power_of_2(max(r // 2, 1)))
+            POS_PTR=pos_t, BLOCK=triton.next_power_of_2(d), HALF_BLOCK=triton.next_power_of_2(max(r // 2, 1)),
+            **pdl.kw(qg))
     return q
 
 
 @triton.jit
-def _gate_kernel(o_ptr, qg_ptr, y_ptr, HQ, D, s_qt, s_qh, BLOCK: tl.constexpr):
+def _gate_kernel(o_ptr, qg_ptr, y_ptr, HQ, D, s_qt, s_qh, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (ops/pdl.py)
     row = tl.program_id(0)
     t = row // HQ
     h = row % HQ
@@ -140,5 +144,6 @@ def out_gate_triton(o: torch.Tensor, qg: torch.Tensor) -> torch.Tensor:
     o = o.contiguous()
     y = torch.empty(t, hq * d, device=o.device, dtype=qg.dtype)
     if t:
-        _gate_kernel[(t * hq,)](o, qg, y, hq, d, qg.stride(0), qg.stride(1), BLOCK=triton.next_power_of_2(d))
+        _gate_kernel[(t * hq,)](o, qg, y, hq, d, qg.stride(0), qg.stride(1), BLOCK=triton.next_power_of_2(d),
+                                **pdl.kw(o))
     return y

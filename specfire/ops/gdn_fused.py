@@ -28,8 +28,9 @@ import triton
 import triton.language as tl
 
 from . import gdn as gdn_ops
-from . import lanes
+from . import lanes, pdl
 from .norm import gated_rms_norm_ref
+from .pdl import wait as pdl_wait
 
 BV = 32         # value columns per program; None: the whole head (then the gated norm runs inside)
 NUM_WARPS = 2   # 27B heads (128 x 128), H200, in the 4-bit 27B step (bench/cycle_profile.py): whole heads
@@ -90,7 +91,9 @@ def _conv_silu(x_ptr, win_ptr, w_ptr, t, ch, ok, sx, C, K: tl.constexpr):
 def _gdn_decode_kernel(x_ptr, a_ptr, b_ptr, win_ptr, w_ptr, alog_ptr, dtb_ptr, s_ptr, z_ptr, nw_ptr,
                        o_ptr, cap_ptr, full_ptr, n_rows, sx, sa, sb, sz, C, KEY_DIM, q_scale, eps,
                        REP: tl.constexpr, K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, KM1P: tl.constexpr, NORM: tl.constexpr):
+                       BK: tl.constexpr, BV: tl.constexpr, KM1P: tl.constexpr, NORM: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (ops/pdl.py)
     h = tl.program_id(0)
     vb = tl.program_id(1)
     hv = tl.num_programs(0)
@@ -179,7 +182,7 @@ def gdn_decode_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, windo
         qkv, a, b, window, w, a_log, dt_bias, state, zz, norm_w if norm else a_log, o, caps, full, t,
         qkv.stride(0), a.stride(0), b.stride(0), zz.stride(0), c, hk * dk, dk ** -0.5, eps,
         REP=hv // hk, K=kk, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv,
-        KM1P=triton.next_power_of_2(kk - 1), NORM=norm, num_warps=num_warps or NUM_WARPS)
+        KM1P=triton.next_power_of_2(kk - 1), NORM=norm, num_warps=num_warps or NUM_WARPS, **pdl.kw(qkv))
     if z is not None and not norm:      # split heads: the norm as its own launch
         from .triton_small import gated_rms_norm_triton
         o = gated_rms_norm_triton(o, z.view(t, hv, dv), norm_w, eps)

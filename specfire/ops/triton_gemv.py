@@ -18,6 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import wait as pdl_wait
+
 ROWS = 16          # the row tile of decode / verify
 PREFILL_ROWS = 64  # the row tile of a prefill (more than ROWS rows, not rows mode)
 
@@ -66,7 +69,8 @@ def gemv_config(n: int, k: int) -> GemvConfig:
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_: tl.constexpr,
-                 PARTIAL: tl.constexpr, IEEE: tl.constexpr):
+                 PARTIAL: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)                   # launched with PDL: the kernel before it done (ops/pdl.py)
     pid_m = tl.program_id(0)        # row tiles innermost: the tiles that read one weight tile run together
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -99,7 +103,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, 
 
 
 @triton.jit(do_not_specialize=["MN"])
-def _splitk_sum(p_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+def _splitk_sum(p_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
@@ -128,17 +133,18 @@ def gemv(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig | None = None, launch
     ieee = x.dtype == torch.float32
     grid = (triton.cdiv(m, tile), triton.cdiv(n, cfg.block_n), split)
     stages = fit_stages(cfg, tile, x.element_size())
+    on = pdl.on(x)
     if split == 1:
         _gemv_kernel[grid](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), k_per_split,
                            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=tile, PARTIAL=False, IEEE=ieee,
-                           num_warps=cfg.num_warps, num_stages=stages)
+                           PDL=on, num_warps=cfg.num_warps, num_stages=stages, **pdl.launch(on))
         return y
     part = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     _gemv_kernel[grid](x, w, part, m, n, k, x.stride(0), w.stride(0), n, k_per_split,
                        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=tile, PARTIAL=True, IEEE=ieee,
-                       num_warps=cfg.num_warps, num_stages=stages)
+                       PDL=on, num_warps=cfg.num_warps, num_stages=stages, **pdl.launch(on))
     blk = 1024
-    _splitk_sum[(triton.cdiv(m * n, blk),)](part, y, m * n, SPLIT=split, BLOCK=blk)
+    _splitk_sum[(triton.cdiv(m * n, blk),)](part, y, m * n, SPLIT=split, BLOCK=blk, PDL=on, **pdl.launch(on))
     return y
 
 
@@ -166,7 +172,7 @@ GROUP = os.environ.get("SPECFIRE_GEMV_GROUP", "1") != "0"   # bench/tp.py can tu
 def _gemv_group_kernel(x_ptr, w_ptr, y_ptr, M, K, stride_xm, N0, N1, N2, N3, T1, T2, T3, DW1, DW2, DW3, O1, O2, O3,
                        k_per_split, TOTAL, fin_ptr, lock_ptr, SEGS: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, ROWS_: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr = False,
-                       SEM: tl.constexpr = False):
+                       SEM: tl.constexpr = False, PDL: tl.constexpr = False):
     """_gemv_kernel over up to 4 weights of one input in one launch: column tiles [0, T1) are
     weight 0's, [T1, T2) weight 1's, ... (weight s at w_ptr + DWs elements, each [Ns, K]
     contiguous); output s is [M, Ns] at y + M * Os. Every tile runs the same loop as a
@@ -175,7 +181,8 @@ def _gemv_group_kernel(x_ptr, w_ptr, y_ptr, M, K, stride_xm, N0, N1, N2, N3, T1,
     output's place), TOTAL = the outputs' whole length, and one _splitk_sum adds them in split
     order, as gemv does for one weight; with SEM the last program of each tile to arrive (a counter
     per tile) adds them in the same order and writes fin_ptr, so no second launch is needed. The
-    arrival order never enters the arithmetic."""
+    arrival order never enters the arithmetic. PDL: launched with PDL, waits first (ops/pdl.py)."""
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_t = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -276,13 +283,15 @@ def gemv_group(x: torch.Tensor, ws: list[torch.Tensor], launch_ns: list[int | No
     sem = split > 1 and GROUP_SEM and ((have is not None and have.numel() >= grid[0] * grid[1])
                                        or not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
     locks = _locks(x.device, grid[0] * grid[1]) if sem else y
+    on = pdl.on(x)
     _gemv_group_kernel[grid](x, ws[0], out, m, k, x.stride(0), *ns, tiles[0], tiles[0] + tiles[1],
                              tiles[0] + tiles[1] + tiles[2], *dws, *offs[1:4], k_per_split, total, y, locks,
                              SEGS=len(ws), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=tile,
-                             IEEE=x.dtype == torch.float32, PARTIAL=split > 1, SEM=sem, num_warps=cfg.num_warps,
-                             num_stages=fit_stages(cfg, tile, x.element_size()))
+                             IEEE=x.dtype == torch.float32, PARTIAL=split > 1, SEM=sem, PDL=on,
+                             num_warps=cfg.num_warps, num_stages=fit_stages(cfg, tile, x.element_size()),
+                             **pdl.launch(on))
     if split > 1 and not sem:      # the padding between outputs is summed too (never read)
-        _splitk_sum[(triton.cdiv(total, 1024),)](out, y, total, SPLIT=split, BLOCK=1024)
+        _splitk_sum[(triton.cdiv(total, 1024),)](out, y, total, SPLIT=split, BLOCK=1024, PDL=on, **pdl.launch(on))
     return [y[m * o:m * o + m * v].view(m, v) for v, o in zip(ns[:len(ws)], offs)]
 
 

@@ -43,6 +43,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import prefetch_l2
+from .pdl import wait as pdl_wait
 from .triton_gemv import ROWS, _splitk_sum
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX in the interpreter
@@ -50,6 +53,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX in the in
 # integers (Triton types an int argument by its value: one kernel for any allocation distance)
 _BIAS = 1 << 40
 BIAS = tl.constexpr(_BIAS)
+# launched with PDL (ops/pdl.py), a program asks L2 for its first PDL_PREFETCH groups of codes
+# before it waits for the kernel before it (codes in tiles only; 0: no prefetch)
+PDL_PREFETCH = int(os.environ.get("SPECFIRE_PDL_PREFETCH", "0"))
 
 
 @dataclass(frozen=True)
@@ -237,12 +243,33 @@ def _zero_terms(acc, zp0, x_ptr, stride_xm, s_ptr, z_ptr, g_lo, g_hi, N, offs_n,
     return acc
 
 
+@triton.jit
+def _prefetch_codes(q_ptr, tile_n, N, KH, g_lo, g_hi, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
+                    HALF: tl.constexpr, PF: tl.constexpr):
+    """L2 prefetch of the program's codes of groups g_lo .. g_lo + PF - 1 (tiled codes: a group of
+    a tile is TILE * HALF contiguous bytes, and the groups of one tile follow each other). Weights
+    only: nothing an earlier kernel writes, so it may run before the PDL wait."""
+    n0 = tile_n * BLOCK_N
+    if BLOCK_N >= TILE:     # whole tiles: each one's PF groups in one request
+        ng = tl.minimum(g_hi - g_lo, PF)
+        for j in tl.static_range(BLOCK_N // TILE):
+            row = n0 + j * TILE
+            prefetch_l2(q_ptr + (row // TILE) * (KH * TILE) + g_lo * (TILE * HALF), ng * (TILE * HALF),
+                        ((row < N) & (ng > 0)).to(tl.int32))
+    else:                   # part of a tile: BLOCK_N rows of each group
+        for i in tl.static_range(PF):
+            g = g_lo + i
+            prefetch_l2(q_ptr + (n0 // TILE) * (KH * TILE) + (n0 % TILE) * HALF + g * (TILE * HALF),
+                        n0 * 0 + BLOCK_N * HALF, ((g < g_hi) & (n0 < N)).to(tl.int32))
+
+
 @triton.jit(do_not_specialize=["M", "n_groups", "groups_per_split", "split"])
 def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M, N0, KH, stride_xm,
                n_groups, groups_per_split, split, N1, N2, N3, T1, T2, T3, DQ1, DQ2, DQ3, DS1, DS2, DS3,
                DZ1, DZ2, DZ3, O1, O2, O3, SEGS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
                ROWS_: tl.constexpr, TILE: tl.constexpr, SEM: tl.constexpr, ASM: tl.constexpr,
-               IEEE: tl.constexpr, WA: tl.constexpr = False, ZC: tl.constexpr = 0):
+               IEEE: tl.constexpr, WA: tl.constexpr = False, ZC: tl.constexpr = 0, PDL: tl.constexpr = False,
+               PF: tl.constexpr = 0):
     # Kernel packing (ops/quant.py): in group g, byte j of a row holds codes g*G + j (low nibble)
     # and g*G + G/2 + j (high nibble), rows stored in tiles [N/TILE, K/G, TILE, G/2] (TILE = 0: rows
     # [N, K/2]); scales / zeros are [K/G, N]; KH = K / 2 bytes per row.
@@ -252,6 +279,8 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
     # part + split * M * Os. A tile runs the loop a launch of its weight alone would run. The Ds
     # come with BIAS added (always 64-bit: one compiled kernel whatever the allocations' distance).
     # Rows run in tiles of ROWS_ over grid axis 2, every tile the same code (row-invariant).
+    # PDL (ops/pdl.py): launched while the kernel before it runs; the codes of the first PF groups
+    # are requested before the wait, x, sum(x), the outputs, partials and counters only after it.
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_r = tl.program_id(2)
@@ -296,6 +325,9 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
         q_rows = q_ptr + ((offs_n // TILE) * (KH * TILE) + (offs_n % TILE) * HALF)[:, None] + offs_c[None, :]
         q_step = TILE * HALF
     x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_c[None, :]
+    if PDL and PF > 0 and TILE > 0:
+        _prefetch_codes(q_ptr, pid_n - t0, N, KH, g_lo, g_hi, BLOCK_N, TILE, HALF, PF)
+    pdl_wait(PDL)
     s0, z0, xs0 = _group_terms(s_ptr, z_ptr, xs_ptr, g_lo, g_hi, N, n_groups, offs_n, n_mask, offs_m, m_mask, ZC)
     if ZC > 0:      # the zero term's first chunk of scales / zeros: loaded now, used after the loop
         zp0 = _zc_scales(s_ptr, z_ptr, g_lo, g_hi, N, offs_n, n_mask, ZC)
@@ -348,8 +380,9 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
 
 
 @triton.jit(do_not_specialize=["M"])
-def _xsum_kernel(x_ptr, xs_ptr, K, stride_xm, G: tl.constexpr, GB: tl.constexpr):
+def _xsum_kernel(x_ptr, xs_ptr, K, stride_xm, G: tl.constexpr, GB: tl.constexpr, PDL: tl.constexpr = False):
     """xs[m, g] = sum of row m's inputs in group g, float32 (one program per row and GB groups)."""
+    pdl_wait(PDL)
     m = tl.program_id(0)
     n_groups = K // G
     offs_g = tl.program_id(1) * GB + tl.arange(0, GB)
@@ -414,6 +447,7 @@ def q4_group(x: torch.Tensor, qws: list, cfg: Q4Config | None = None) -> list[to
     if len(qws) > 1 and not _groupable(x, qws):
         return [q4_group(x, [w], cfg)[0] for w in qws]
     x = x.contiguous()
+    on = pdl.on(x)
     n_groups = k // g
     per = triton.cdiv(n_groups, cfg.split_k)
     split = triton.cdiv(n_groups, per)
@@ -432,7 +466,7 @@ def q4_group(x: torch.Tensor, qws: list, cfg: Q4Config | None = None) -> list[to
         xs = part if split > 1 else torch.empty(1, device=x.device, dtype=torch.float32)
     else:
         xs = torch.empty(m, n_groups, device=x.device, dtype=torch.float32)
-        _xsum_kernel[(m, triton.cdiv(n_groups, 16))](x, xs, k, x.stride(0), G=g, GB=16)
+        _xsum_kernel[(m, triton.cdiv(n_groups, 16))](x, xs, k, x.stride(0), G=g, GB=16, PDL=on, **pdl.launch(on))
     a = qws[0]
     pad = [0] * (GROUP_MAX - len(qws))
     bounds = [sum(tiles[:i]) for i in range(1, GROUP_MAX)]
@@ -444,9 +478,11 @@ def q4_group(x: torch.Tensor, qws: list, cfg: Q4Config | None = None) -> list[to
         *(ns[1:] + pad), *bounds, *dq, *dsc, *dz, *(offs[1:len(ns)] + pad),
         SEGS=len(qws), BLOCK_N=cfg.block_n, G=g, ROWS_=rows, TILE=a.tile, SEM=sem,
         ASM=x.dtype == torch.bfloat16 and not INTERPRET, IEEE=x.dtype == torch.float32, WA=cfg.wa, ZC=cfg.zc,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PDL=on, PF=PDL_PREFETCH if on and a.tile else 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl.launch(on))
     outs = [y[m * o:m * o + m * v].view(m, v) for v, o in zip(ns, offs)]
     if split > 1 and not sem:  # partials summed in split order by a second launch, per weight
         for v, o, yy in zip(ns, offs, outs):
-            _splitk_sum[(triton.cdiv(m * v, 1024),)](part[split * m * o:], yy, m * v, SPLIT=split, BLOCK=1024)
+            _splitk_sum[(triton.cdiv(m * v, 1024),)](part[split * m * o:], yy, m * v, SPLIT=split, BLOCK=1024,
+                                                     PDL=on, **pdl.launch(on))
     return outs

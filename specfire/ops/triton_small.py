@@ -13,6 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import wait as pdl_wait
+
 
 def _rows2d(x: torch.Tensor) -> torch.Tensor:
     """A [rows, D] view with unit stride along D (copies only when no such view exists)."""
@@ -36,7 +39,8 @@ def _norm_warps(d: int) -> int:
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, D, stride_x, stride_r, eps,
-                     BLOCK: tl.constexpr, RESIDUAL: tl.constexpr):
+                     BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (ops/pdl.py)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
@@ -57,7 +61,8 @@ def rms_norm_triton(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tenso
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, x2, w, y, y, d, x2.stride(0), 0, eps,
-                                         BLOCK=triton.next_power_of_2(d), RESIDUAL=False, num_warps=_norm_warps(d))
+                                         BLOCK=triton.next_power_of_2(d), RESIDUAL=False, num_warps=_norm_warps(d),
+                                         **pdl.kw(x))
     return y
 
 
@@ -69,12 +74,15 @@ def add_rms_norm_triton(x: torch.Tensor, h: torch.Tensor, w: torch.Tensor,
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, h2, w, y, s, d, x2.stride(0), h2.stride(0), eps,
-                                         BLOCK=triton.next_power_of_2(d), RESIDUAL=True, num_warps=_norm_warps(d))
+                                         BLOCK=triton.next_power_of_2(d), RESIDUAL=True, num_warps=_norm_warps(d),
+                                         **pdl.kw(x))
     return s, y
 
 
 @triton.jit
-def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, D, stride_x, stride_z, eps, BLOCK: tl.constexpr):
+def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, D, stride_x, stride_z, eps, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (ops/pdl.py)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
@@ -94,7 +102,7 @@ def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     if x2.shape[0]:
         _gated_rms_norm_kernel[(x2.shape[0],)](x2, z2, w, y, d, x2.stride(0), z2.stride(0), eps,
-                                               BLOCK=triton.next_power_of_2(d))
+                                               BLOCK=triton.next_power_of_2(d), **pdl.kw(x))
     return y
 
 
@@ -102,7 +110,8 @@ def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps
 
 @triton.jit
 def _rope_kernel(x_ptr, c_ptr, s_ptr, y_ptr, H, D, R, stride_t, stride_h, stride_c,
-                 BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr):
+                 BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (ops/pdl.py)
     row = tl.program_id(0)
     t = row // H
     h = row % H
@@ -139,14 +148,16 @@ def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     y = torch.empty(t, h, d, device=x.device, dtype=x.dtype)
     if t * h:
         _rope_kernel[(t * h,)](x, cos, sin, y, h, d, r, x.stride(0), x.stride(1), cos.stride(0),
-                               BLOCK=triton.next_power_of_2(d), HALF_BLOCK=triton.next_power_of_2(max(r // 2, 1)))
+                               BLOCK=triton.next_power_of_2(d), HALF_BLOCK=triton.next_power_of_2(max(r // 2, 1)),
+                               **pdl.kw(x))
     return y
 
 
 # ---- SiLU-mul -------------------------------------------------------------------------------
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, D, stride_g, stride_u, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, D, stride_g, stride_u, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (ops/pdl.py)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
@@ -163,7 +174,8 @@ def silu_mul_triton(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     y = torch.empty(g.shape, device=g.device, dtype=g.dtype)
     blk = min(1024, triton.next_power_of_2(d))
     if g2.shape[0]:
-        _silu_mul_kernel[(g2.shape[0], triton.cdiv(d, blk))](g2, u2, y, d, g2.stride(0), u2.stride(0), BLOCK=blk)
+        _silu_mul_kernel[(g2.shape[0], triton.cdiv(d, blk))](g2, u2, y, d, g2.stride(0), u2.stride(0), BLOCK=blk,
+                                                             **pdl.kw(g))
     return y
 
 

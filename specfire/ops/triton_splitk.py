@@ -12,6 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import wait as pdl_wait
+
 from .triton_gemv import ROWS, GemvConfig, fit_stages, gemv_config
 
 
@@ -53,8 +56,10 @@ def _chunk_acc(x_ptr, w_ptr, b_ptr, M, N, stride_xm, stride_wn,
 
 @triton.jit(do_not_specialize=["M"])
 def _chunk_kernel(x_ptr, w_ptr, p_ptr, b_ptr, M, N, stride_xm, stride_wn,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_: tl.constexpr, IEEE: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_: tl.constexpr, IEEE: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """Partial [c, M, N] float32 of chunk c = program_id(2), stored for a later tree_combine."""
+    pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (ops/pdl.py)
     acc, offs_n, offs_m, n_mask, m_mask, pid_c = _chunk_acc(x_ptr, w_ptr, b_ptr, M, N, stride_xm, stride_wn,
                                                             BLOCK_N, BLOCK_K, ROWS_, IEEE)
     base = p_ptr + pid_c * M * N
@@ -62,8 +67,9 @@ def _chunk_kernel(x_ptr, w_ptr, p_ptr, b_ptr, M, N, stride_xm, stride_wn,
 
 
 @triton.jit(do_not_specialize=["MN"])
-def _tree_kernel(p_ptr, y_ptr, MN, C: tl.constexpr, BLOCK: tl.constexpr):
+def _tree_kernel(p_ptr, y_ptr, MN, C: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """y = the canonical pairwise tree over C partials (C = 1, 2, 4, 8), cast to y's dtype."""
+    pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (ops/pdl.py)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     p0 = tl.load(p_ptr + offs, mask=mask, other=0.0)
@@ -94,7 +100,7 @@ def tree_combine(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         raise ValueError(f"tree_combine takes 1, 2, 4 or 8 partials, got {c}")
     y = torch.empty(m, n, device=parts.device, dtype=dtype)
     blk = 1024
-    _tree_kernel[(triton.cdiv(m * n, blk),)](parts, y, m * n, C=c, BLOCK=blk)
+    _tree_kernel[(triton.cdiv(m * n, blk),)](parts, y, m * n, C=c, BLOCK=blk, **pdl.kw(parts))
     return y
 
 
@@ -114,17 +120,18 @@ def chunk_partials(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor, tile:
     grid = (triton.cdiv(m, tile), triton.cdiv(n, cfg.block_n), c)
     _chunk_kernel[grid](x, w, part, bounds, m, n, x.stride(0), w.stride(0),
                         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=tile, IEEE=x.dtype == torch.float32,
-                        num_warps=cfg.num_warps, num_stages=fit_stages(cfg, tile, x.element_size()))
+                        num_warps=cfg.num_warps, num_stages=fit_stages(cfg, tile, x.element_size()), **pdl.kw(x))
     return part
 
 
 @triton.jit(do_not_specialize=["M"])
 def _chunk_tree_kernel(x_ptr, w_ptr, p_ptr, y_ptr, b_ptr, cnt_ptr, M, N, stride_xm, stride_wn,
                        C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_: tl.constexpr,
-                       IEEE: tl.constexpr):
+                       IEEE: tl.constexpr, PDL: tl.constexpr = False):
     """_chunk_kernel, then the last of the C chunk programs of a (row tile, column tile) to finish
     adds the C partials in the canonical tree and writes y: one launch, the same bits as
     chunk_partials + tree_combine (the order of the adds is fixed, not who does them)."""
+    pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (ops/pdl.py)
     acc, offs_n, offs_m, n_mask, m_mask, pid_c = _chunk_acc(x_ptr, w_ptr, b_ptr, M, N, stride_xm, stride_wn,
                                                             BLOCK_N, BLOCK_K, ROWS_, IEEE)
     mask = n_mask[:, None] & m_mask[None, :]
@@ -196,5 +203,5 @@ def gemv_chunks_fused(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor, ou
     _chunk_tree_kernel[grid](x, w, part, y, bounds, cnt, m, n, x.stride(0), w.stride(0),
                              C=c, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS_=tile,
                              IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps,
-                             num_stages=fit_stages(cfg, tile, x.element_size()))
+                             num_stages=fit_stages(cfg, tile, x.element_size()), **pdl.kw(x))
     return y

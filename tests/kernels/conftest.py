@@ -16,10 +16,10 @@ import sys
 
 import pytest
 
-KERNEL_MODULES = ("specfire.ops.triton_gemv", "specfire.ops.triton_splitk", "specfire.ops.triton_tree_loop",
-                  "specfire.ops.triton_small", "specfire.ops.triton_quant", "specfire.ops.attention_kernels",
-                  "specfire.ops.gdn_kernels", "specfire.ops.gdn_fused", "specfire.ops.attn_fused",
-                  "specfire.ops.triton_tree_norm", "specfire.ops.triton_q4mm")
+KERNEL_MODULES = ("specfire.ops.pdl", "specfire.ops.triton_gemv", "specfire.ops.triton_splitk",
+                  "specfire.ops.triton_tree_loop", "specfire.ops.triton_small", "specfire.ops.triton_quant",
+                  "specfire.ops.attention_kernels", "specfire.ops.gdn_kernels", "specfire.ops.gdn_fused",
+                  "specfire.ops.attn_fused", "specfire.ops.triton_tree_norm", "specfire.ops.triton_q4mm")
 
 
 def _interpreted(mod) -> bool:
