@@ -338,7 +338,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="CPU: torch threads of rank 0 (a mesh gives each rank cores // tp)")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT"))
-    ap.add_argument("--commit-cost", action="store_true", help="only time SequenceState.commit: copy vs take")
+    ap.add_argument("--commit-cost", action="store_true", help="only time SequenceState.commit (the logged rows replayed)")
     args = ap.parse_args()
     if args.commit_cost:
         torch.set_num_threads(args.threads)

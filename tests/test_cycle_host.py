@@ -52,7 +52,7 @@ def test_eager_commit_replays_the_log_in_place():
         assert torch.equal(la.rec, lb.rec) and torch.equal(la.conv, lb.conv)
         want = s0
         for t in range(n + 1):
-            want = torch.addcmul(want * log[2][t][:, None, None], log[0][t][:, :, None], log[1][t][:, None, :])
+            want = want * log[2][t][:, None, None] + log[0][t][:, :, None] * log[1][t][:, None, :]
         assert torch.equal(la.rec, want) and torch.equal(la.conv, log[3][n + 1:n + 4])
         a.reset()
         assert not a.layers[0].rec.any() and not a.layers[0].conv.any()

@@ -7,7 +7,8 @@ per forward (not per module call), norms as sum of squares + sqrt + divide (torc
 is a composite of ~8 calls), a rotary table with the rotation as one gather, the q/k norms of a
 layer in one call with the attention scale folded into the q-norm weight, the GDN gates as one
 sigmoid and one pow over a zero-padded 64-wide block of the in-projection (exp(-c softplus(z)) =
-sigmoid(-z)^c), the GDN state update as one addcmul per row.
+sigmoid(-z)^c), the GDN state update as a multiply and an add per row (ops/gdn.py `update`: the
+commit replays it for every layer at once).
 
 Row invariance (a verify row computes exactly what a one-row decode computes), how:
 * products: one `mm` per row on the same packed W^T (ops/linear.py linear_one_cpu);
@@ -128,13 +129,13 @@ def _gdn_pack(m) -> GdnPack:
 
 def _recurrence(q, k, v, dec, beta, s, t):
     """Per row: S = dec S; S += k (beta (v - S^T k))^T; o = S^T q. Returns (o [T, Hv, dv], each
-    row's delta = beta (v - S^T k) [T, Hv, dv]); the update is ops/gdn.py `update`'s operations on
-    the same shapes (commit replays it). q, k [T, Hv, dk], v [T, Hv, dv], dec, beta [T, Hv]."""
+    row's delta = beta (v - S^T k) [T, Hv, dv]); the update is ops/gdn.py `update`'s exactly rounded
+    operations (commit replays them). q, k [T, Hv, dk], v [T, Hv, dv], dec, beta [T, Hv]."""
     hv, dk, dv = k.shape[1], k.shape[2], v.shape[2]
     if t == 1:                    # a decode: the same calls as a verify row, without the row views
         s = s * dec.view(hv, 1, 1)
         d = (v.view(hv, 1, dv) - torch.bmm(k.view(hv, 1, dk), s)).mul_(beta.view(hv, 1, 1))
-        s = torch.addcmul(s, k.view(hv, dk, 1), d)
+        s = s + k.view(hv, dk, 1) * d
         return torch.bmm(q.view(hv, 1, dk), s).view(1, hv, dv), d.view(1, hv, dv)
     deltas = torch.empty(t, hv, 1, dv)
     out = torch.empty(t, hv, 1, dv)
@@ -144,7 +145,7 @@ def _recurrence(q, k, v, dec, beta, s, t):
     for qr, kr, kc, vr, de, be, d, o in rows:
         s = s * de
         torch.sub(vr, torch.bmm(kr, s), out=d).mul_(be)       # [Hv, 1, dv]
-        s = torch.addcmul(s, kc, d)
+        s = s + kc * d
         torch.bmm(qr, s, out=o)
     return out.view(t, hv, dv), deltas.view(t, hv, dv)
 

@@ -147,9 +147,8 @@ class SequenceState:
 
 
 def _stacked(book: RowsBook, layers: list[LayerCache], t: int) -> bool:
-    """Whether the layers' live states and logs are the book's, slot i at layer i (one launch then)."""
+    """Whether the layers' logs are the book's (then, as `allocate` laid them out, slot i of every
+    stacked buffer is layer i's, its live state included): one launch for every layer."""
     logs = book.logs[t]
     return len(layers) == book.rec.shape[0] and all(
-        lc.book is book and lc.slot == i and lc.rec.data_ptr() == book.rec[i].data_ptr()
-        and lc.conv.data_ptr() == book.conv[i].data_ptr()
-        and all(x.data_ptr() == y[i].data_ptr() for x, y in zip(lc.log, logs)) for i, lc in enumerate(layers))
+        lc.book is book and all(x._base is y for x, y in zip(lc.log, logs)) for lc in layers)

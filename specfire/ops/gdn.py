@@ -40,10 +40,11 @@ def conv_window_ref(x: torch.Tensor, window: torch.Tensor, w: torch.Tensor) -> t
 
 
 def update(s: torch.Tensor, dec: torch.Tensor, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """One row's state update S' = dec S + k delta^T, s [Hv, dk, dv], dec [Hv], k [Hv, dk], delta
-    [Hv, dv]: the one expression the CPU rows forwards and the CPU commit share (the same ops on
-    the same shapes give the same bits)."""
-    return torch.addcmul(s * dec[:, None, None], k[:, :, None], delta[:, None, :])
+    """One row's state update S' = dec S + k delta^T, s [..., Hv, dk, dv], dec [..., Hv], k [..., Hv,
+    dk], delta [..., Hv, dv]: three exactly rounded operations (no fused multiply-add), so the bits
+    do not depend on how torch splits or batches the work: the CPU rows forwards apply it layer by
+    layer and the CPU commit to every layer at once."""
+    return s * dec[..., None, None] + k[..., :, None] * delta[..., None, :]
 
 
 def gdn_rows_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -67,13 +68,15 @@ def gdn_rows_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
 
 def commit_rows_ref(states: torch.Tensor, k: torch.Tensor, delta: torch.Tensor, dec: torch.Tensor, rows: int) -> None:
     """Apply the first `rows` logged rows to the states in place: states [L, Hv, dk, dv] float32 (L
-    layers), k [L, T, Hv, dk], delta [L, T, Hv, dv], dec [L, T, Hv] as a rows forward logged them."""
-    for i in range(states.shape[0]):
-        s = states[i]
-        for t in range(rows):
-            s = update(s, dec[i, t], k[i, t], delta[i, t])
-        if rows:
-            states[i].copy_(s)
+    layers), k [L, T, Hv, dk], delta [L, T, Hv, dv], dec [L, T, Hv] as a rows forward logged them.
+    `update`'s operations, in place (the same bits; no temporary the size of every state per op)."""
+    if not rows:
+        return
+    kd = torch.empty_like(states)
+    for t in range(rows):
+        states.mul_(dec[:, t, :, None, None])
+        torch.mul(k[:, t, :, :, None], delta[:, t, :, None, :], out=kd)
+        states.add_(kd)
 
 
 def commit_rows(states: torch.Tensor, k: torch.Tensor, delta: torch.Tensor, dec: torch.Tensor, rows: int) -> None:
