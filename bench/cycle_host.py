@@ -13,7 +13,7 @@ timeline (SPECFIRE_HOSTCLOCK, parallel/control.py), on the same clock. Per cycle
 to the next's), medians in microseconds:
 
   read        Launched.read (GPU: read.wait = the event wait for the device, the rest is the copy-out)
-  commit      trunk.commit(n) (the live recurrent state := row n; .local: rank 0's own trunk; check:
+  commit      trunk.commit(n) (the live recurrent state := after row n; .local: rank 0's own trunk; check:
               the mesh's liveness check, before every call and commit)     drafter_commit   MtpDrafter.commit
   propose     MtpDrafter.propose (CPU: the chain runs here; GPU/--emulate: returns the queued chain)
   verify      trunk.verify: .header (the call built), .send (the command broadcast), .forward (rank 0's rows)
@@ -33,7 +33,7 @@ Without --shape: the tests' tiny Qwen3.5 (tests/tinymodels.py, 256 wide, 8 layer
 or --model bundled|PATH. With --shape (bench/decode.py's shapes): random weights whose final norms
 tie every logit, so every draft is accepted (bench/tp.py's "tied" checkpoint). One JSON line per tp
 on stdout and in OUT/cycle_host.jsonl; --profile prints rank 0's cProfile of the measured run;
---commit-cost times `SequenceState.commit` alone (copy vs taking the capture).
+--commit-cost times `SequenceState.commit` alone (the logged rows replayed).
 """
 from __future__ import annotations
 
@@ -295,9 +295,9 @@ def run_tp(path, ids, tp: int, args) -> dict:
     return row
 
 
-def commit_cost(reps: int = 300) -> None:
-    """SequenceState.commit alone, copying row n's capture vs taking it (the eager path), at the
-    GDN geometry of the tiny model and of the bundled one; median us over `reps` commits."""
+def commit_cost(reps: int = 400) -> None:
+    """SequenceState.commit alone (rows 0..n of a 4-row log replayed on the live state), at the GDN
+    geometry of the tiny model and of the bundled one; per n, min and median us over reps / 4."""
     from specfire.config import FULL, LINEAR, ModelConfig
     from specfire.model.state import SequenceState
 
@@ -308,20 +308,21 @@ def commit_cost(reps: int = 300) -> None:
                           layer_types=types, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
                           linear_num_key_heads=hv // 2, linear_num_value_heads=hv, linear_key_head_dim=dk,
                           linear_value_head_dim=dk)
-        row = dict(state=name, load=round(os.getloadavg()[0], 2))
-        for in_place in (True, False):
-            st = SequenceState.allocate(cfg, types, 8, torch.device("cpu"), torch.float32)
-            ts = []
-            for i in range(reps):
-                with torch.inference_mode():          # fresh captures of a 4-row verify, as a forward leaves them
-                    for lc in st.layers:
-                        if lc.rec is not None:
-                            lc.cap_rec = torch.randn((4,) + tuple(lc.rec.shape))
-                            lc.cap_conv = torch.randn(lc.conv.shape[0] + 4, lc.conv.shape[1])
-                t0 = time.perf_counter_ns()
-                st.commit(i % 4, in_place=in_place)
-                ts.append(time.perf_counter_ns() - t0)
-            row["copy_us" if in_place else "take_us"] = round(statistics.median(ts) / 1e3, 1)
+        row = dict(state=name, load=round(os.getloadavg()[0], 2), threads=torch.get_num_threads())
+        st = SequenceState.allocate(cfg, types, 8, torch.device("cpu"), torch.float32)
+        ts: dict[int, list[int]] = {n: [] for n in range(4)}
+        for i in range(reps):
+            with torch.inference_mode():              # a 4-row verify's log, as a forward leaves it
+                for lc in st.layers:
+                    if lc.rec is not None:
+                        lc.rec.uniform_(-0.1, 0.1)
+                        lc.set_log(torch.randn(4, hv, dk), torch.randn(4, hv, dk), torch.rand(4, hv),
+                                   torch.randn(lc.conv.shape[0] + 4, lc.conv.shape[1]))
+            t0 = time.perf_counter_ns()
+            st.commit(i % 4)
+            ts[i % 4].append(time.perf_counter_ns() - t0)
+        row["commit_us_min"] = {n: round(min(v) / 1e3, 1) for n, v in ts.items()}
+        row["commit_us_median"] = {n: round(statistics.median(v) / 1e3, 1) for n, v in ts.items()}
         print(json.dumps(row), flush=True)
 
 
@@ -339,7 +340,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="CPU: torch threads of rank 0 (a mesh gives each rank cores // tp)")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT"))
-    ap.add_argument("--commit-cost", action="store_true", help="only time SequenceState.commit: copy vs take")
+    ap.add_argument("--commit-cost", action="store_true", help="only time SequenceState.commit (the logged rows replayed)")
     args = ap.parse_args()
     if args.commit_cost:
         torch.set_num_threads(args.threads)

@@ -2,22 +2,29 @@
 4-bit then bf16), and what the cycle's fixed-cost changes buy, each measured in the same process.
 
     PYTHONPATH=$PWD python bench/cycle_profile.py --shape 27B --vocab 32768 --budget-s 200 --out $OUT
-    ... --variants before,foreach,gdn32,gdn64,gdn32w2 --bf16-variants "" --no-profile --long 160
+    ... --variants whole4,gdn32w2 --bf16-variants gdn32w2 --no-profile --long 160
     PYTHONPATH=$PWD python bench/cycle_profile.py --smoke          # the flow on the CPU, tiny shape
+    TRITON_INTERPRET=1 ... --smoke                                 # + the kernel bit check, interpreted
 
 Checkpoints: bench/tp_mtp.py's 4-bit one and bench/tp.py's bf16 one, both with final norms -1
 (every logit ties, greedy picks token 0, inside the draft vocabulary [0, N): every draft is
 accepted), loaded with `draft_vocab=N`. 512-token random prompt, 64 new tokens, greedy, CUDA graphs,
 through `LLM.generate`.
 
+First (on a GPU, or interpreted with TRITON_INTERPRET=1): the GDN kernels' bits on the shape's GDN
+geometry: the fused rows kernel over 4 rows == 4 single-row launches each committed (outputs and
+logs), commit(n) of the 4 rows == n+1 single rows committed, and the unfused rows kernel's own final
+state == its log replayed by the commit kernel; both program forms.
+
 Per variant (switched in the process, the captured graphs dropped where a switch changes them):
-  before     main before this bench: the commit's two copy kernels per GDN layer, whole-head GDN
-             programs (4 warps, the gated norm inside)
-  foreach    the commit as one multi-tensor copy (model/state.py COMMIT_FOREACH, the default now)
-  gdn64/32   + the fused GDN kernel with a head's value columns split over 2 / 4 programs (bv 64 / 32,
-             2 / 1 warps, the gated norm as its own kernel; ops/gdn_fused.py BV, NUM_WARPS);
-             gdn32w2 / gdn64w4 the same on 2 / 4 warps. gdn32w2 is the default now: this bench's
-             main figures, docs/BENCHMARKS.md "Seventh wave: where an MTP cycle's time goes".
+  whole4     the fused GDN kernel with one program per whole value head (4 warps, the gated norm
+             inside; ops/gdn_fused.py BV None, NUM_WARPS 4)
+  gdn64/32   a head's value columns split over 2 / 4 programs (bv 64 / 32, 2 / 1 warps, the gated
+             norm as its own kernel); gdn32w2 / gdn64w4 the same on 2 / 4 warps. gdn32w2 is the
+             default (docs/BENCHMARKS.md "Seventh wave: where an MTP cycle's time goes").
+The rows forward writes no state; the commit replays the logged rows (model/state.py, ops/gdn.py
+commit_rows). The earlier per-row state captures and copying commit are gone: their figures are
+the seventh wave's (docs/BENCHMARKS.md).
 it reports: the AR step and the MTP k=3 cycle through `LLM.generate` (median of --reps runs each),
 MTP == AR, each captured graph replayed alone (1-row and 4-row trunk graphs, the commit graph, the
 chain), the cycle's device phases (CUDA events around each call the engine makes: verify, accept,
@@ -28,7 +35,7 @@ graph (after every timing: a profiler session leaves the host's launches slower 
 the process). --long N: one more AR and MTP run of N tokens on the first two variants (the
 per-request costs spread thinner), and the MTP head's prompt catch-up (`MtpDrafter.begin`, which
 the engine queues before the decode clock starts and the device runs after) timed alone. Then a
-random head (final norms +1: drafts rejected) checks MTP == AR on the last variant's path.
+random head (final norms +1: drafts rejected) checks MTP == AR on each variant's path.
 One JSON line per record on stdout and in OUT/cycle_profile.jsonl.
 """
 from __future__ import annotations
@@ -51,12 +58,11 @@ from cycle_host import Patches  # noqa: E402
 from tp import CEILING, Log, _time_graph, job_ckpt, md5, smoke_shapes, step_bytes  # noqa: E402
 
 VARIANTS = {
-    "before": dict(foreach=False, gdn=(None, 4)),
-    "foreach": dict(foreach=True, gdn=(None, 4)),
-    "gdn64": dict(foreach=True, gdn=(64, 2)),
-    "gdn32": dict(foreach=True, gdn=(32, 1)),
-    "gdn32w2": dict(foreach=True, gdn=(32, 2)),
-    "gdn64w4": dict(foreach=True, gdn=(64, 4)),
+    "whole4": dict(gdn=(None, 4)),
+    "gdn64": dict(gdn=(64, 2)),
+    "gdn32": dict(gdn=(32, 1)),
+    "gdn32w2": dict(gdn=(32, 2)),
+    "gdn64w4": dict(gdn=(64, 4)),
 }
 FAMILIES = (("q4 GEMV", ("_q4_kernel",)), ("q4 sum(x)", ("_xsum",)), ("split-K sum", ("_splitk_sum",)),
             ("bf16 GEMV", ("_gemv",)), ("GDN", ("gdn",)), ("attention", ("attn",)),
@@ -160,20 +166,16 @@ def families(replay, reps: int = 4) -> dict:
 
 def apply(llm, name: str, current: dict) -> None:
     """Switch the process to variant `name`; drop the graphs the switch changes."""
-    from specfire.model import state as state_mod
     from specfire.ops import gdn_fused
     from specfire.runtime.graphs import RowsGraphs
 
     v = VARIANTS[name]
     trunk = llm.engine.trunk
-    state_mod.COMMIT_FOREACH = v["foreach"]
     gdn_fused.BV, gdn_fused.NUM_WARPS = v["gdn"]
     if trunk.graphs is not None:
         if current.get("gdn") != v["gdn"] and (current or trunk.graphs.graphs):
             trunk.graphs = RowsGraphs(trunk.model, trunk.state)        # the rows graphs bake the kernel in
             torch.cuda.empty_cache()
-        else:
-            trunk.graphs.commits.clear()                               # commit graphs bake the copy form in
     current.clear()
     current.update(v)
 
@@ -298,6 +300,65 @@ def random_head_check(llm, ids, tokens: int, log: Log, label: str) -> None:
             head.norm.weight.copy_(saved[1])
 
 
+def kernel_check(cfg, device: str, log: Log) -> bool:
+    """The GDN kernels' bits on cfg's GDN geometry (random bf16 projections, float32 state): see the
+    module docstring. Returns whether every comparison held."""
+    from specfire.ops import gdn as gdn_ops
+    from specfire.ops.gdn_fused import gdn_decode_ref, gdn_decode_triton
+    from specfire.ops.gdn_kernels import commit_rows_triton, gdn_rows_triton
+
+    hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    kk, t, c = cfg.linear_conv_kernel_dim, 4, 2 * hk * dk + hv * dv
+    g = torch.Generator(device=device).manual_seed(11)
+
+    def rnd(*shape, scale=1.0, dt=torch.bfloat16):
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dt)
+
+    qkv, a, b, z = rnd(t, c), rnd(t, hv, scale=3.0), rnd(t, hv), rnd(t, hv * dv, scale=2.0)
+    win, w, s = rnd(kk - 1, c, dt=torch.float32), rnd(c, kk, scale=0.5), rnd(hv, dk, dv, scale=0.3, dt=torch.float32)
+    a_log, dtb, nw = rnd(hv, scale=0.5), rnd(hv), (1 + rnd(dv, scale=0.2, dt=torch.float32)).to(torch.bfloat16)
+
+    def committed(s0, lg, rows):
+        st = s0[None].clone()
+        commit_rows_triton(st, *(x[None].contiguous() for x in lg), rows)
+        return st[0]
+
+    every = True
+    for bv, nwarps in ((32, 2), (None, 4)):
+        o, lg, full = gdn_decode_triton(qkv, a, b, win, w, a_log, dtb, s, hk, dk, dv, z, nw, 1e-6,
+                                        bv=bv, num_warps=nwarps)
+        rows_o = rows_log = state = True
+        cur_s, cur_w = s.clone(), win
+        for i in range(t):
+            o1, l1, _ = gdn_decode_triton(qkv[i:i + 1], a[i:i + 1], b[i:i + 1], cur_w, w, a_log, dtb, cur_s,
+                                          hk, dk, dv, z[i:i + 1], nw, 1e-6, bv=bv, num_warps=nwarps)
+            rows_o &= torch.equal(o1[0], o[i])
+            rows_log &= all(torch.equal(x[0], y[i]) for x, y in zip(l1, lg))
+            cur_s, cur_w = committed(cur_s, l1, 1), full[i + 1:i + kk]
+            state &= torch.equal(committed(s, lg, i + 1), cur_s)
+        ro, rlg, _ = gdn_decode_ref(qkv, a, b, win, w, a_log, dtb, s, hk, dk, dv, z, nw, 1e-6)
+        ref = s[None].clone()
+        gdn_ops.commit_rows_ref(ref, *(x[None].contiguous() for x in rlg), t)
+        diff = (committed(s, lg, t) - ref[0]).abs().max().item()
+        ok = rows_o and rows_log and state
+        every &= ok
+        log("kernel_check", form=[bv, nwarps], rows_equal_single_rows_o=rows_o, logs_equal=rows_log,
+            commit_n_equals_single_rows=state, state_max_abs_diff_vs_reference=diff,
+            o_max_abs_diff_vs_reference=(o.float() - ro.float()).abs().max().item(), ok=ok)
+    # the unfused rows kernel: its own final state == its log replayed by the commit kernel
+    q = torch.nn.functional.normalize(rnd(t, hv, dk, dt=torch.float32), dim=-1) * dk ** -0.5
+    k = torch.nn.functional.normalize(rnd(t, hv, dk, dt=torch.float32), dim=-1)
+    v, gg, beta = rnd(t, hv, dv, dt=torch.float32), -rnd(t, hv, dt=torch.float32).abs(), rnd(t, hv, dt=torch.float32).sigmoid()
+    same = True
+    for rows in range(1, t + 1):
+        _, final = gdn_rows_triton(q[:rows], k[:rows], v[:rows], gg[:rows], beta[:rows], s)
+        _, (delta, dec) = gdn_rows_triton(q, k, v, gg, beta, s, log=True)
+        same &= torch.equal(committed(s, (k, delta, dec), rows), final)
+    every &= same
+    log("kernel_check", form="unfused rows kernel", final_state_equals_commit=same, ok=same)
+    return every
+
+
 def run_model(path: str, label: str, vocab: int | None, names: list[str], device: str, log: Log, args,
               nbytes, deadline: float) -> None:
     from specfire import LLM
@@ -319,16 +380,12 @@ def run_model(path: str, label: str, vocab: int | None, names: list[str], device
             try:
                 apply(llm, name, current)
                 measure(llm, ids, name, args.tokens, args.reps, cuda, log, nb, long=args.long if i < 2 else 0)
+                random_head_check(llm, ids, 32, log, label)
             except Exception as e:                 # one variant's failure must not cost the call the others
                 import traceback
                 log("error", what=label, variant=name, error=repr(e), tb=traceback.format_exc()[-2000:])
                 current.clear()
             log("progress", what=label, variant=name, s=round(time.monotonic() - t1, 1))
-        try:                                       # on the last variant's form (the default: gdn32w2)
-            random_head_check(llm, ids, 32, log, label)
-        except Exception as e:
-            import traceback
-            log("error", what=label, variant="random_head", error=repr(e), tb=traceback.format_exc()[-2000:])
         if cuda and args.profile:                  # last: the profiler slows the host's later launches
             seen = set()
             for name in names:
@@ -353,8 +410,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="AR and MTP runs per variant (median)")
     ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip the kernel-family profiles")
     ap.add_argument("--long", type=int, default=160, help="tokens of the longer runs (0: none); must fit max_seq")
-    ap.add_argument("--variants", default="before,foreach,gdn32w2")
-    ap.add_argument("--bf16-variants", default="before,foreach,gdn32w2",
+    ap.add_argument("--variants", default="whole4,gdn32w2")
+    ap.add_argument("--bf16-variants", default="gdn32w2",
                     help="variants of the bf16 model (after the 4-bit one)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip what would start past this")
     ap.add_argument("--bf16-need-s", type=float, default=95, help="start the bf16 model only with this much left")
@@ -388,6 +445,12 @@ def main() -> None:
     log("start", commit=args.commit, shape=args.shape, torch=torch.__version__, variants=names,
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu")
     vocab = args.vocab or None
+    if device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        try:
+            kernel_check(cfg, device, log)
+        except Exception as e:
+            import traceback
+            log("error", what="kernel_check", error=repr(e), tb=traceback.format_exc()[-2000:])
     d = tempfile.mkdtemp(prefix="cycprof-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:
         t0 = time.perf_counter()

@@ -87,21 +87,23 @@ def stage_parity(rep: Report, dev: str, tiny: bool) -> None:
         z, nw = rnd(t, hv * dv, scale=2), 1 + rnd(dv, scale=0.2)
         for form, kw in (("split", dict(bv=min(32, dv), num_warps=1)), ("norm", dict(z=z, norm_w=nw))):
             zz = z if form == "norm" else None
-            o, caps, full = gdn_decode_triton(qkv, a, b, win, w, alog, dtb, s, hk, dk, dv, **kw)
-            ro, rcaps, rfull = gdn_decode_ref(qkv, a, b, win, w, alog, dtb, s, hk, dk, dv, zz, nw)
-            res[f"gdn_{form}_rows{t}"] = {"o_err": _err(o, ro), "caps_err": _err(caps, rcaps),
+            o, log, full = gdn_decode_triton(qkv, a, b, win, w, alog, dtb, s, hk, dk, dv, **kw)
+            ro, rlog, rfull = gdn_decode_ref(qkv, a, b, win, w, alog, dtb, s, hk, dk, dv, zz, nw)
+            res[f"gdn_{form}_rows{t}"] = {"o_err": _err(o, ro),
+                                          "state_err": _err(_committed(s, log, t), _committed(s, rlog, t)),
                                           "full_equal": torch.equal(full, rfull)}
             if t == 4:
-                res[f"gdn_{form}_rows_invariant"] = rows_detail(qkv, a, b, win, w, alog, dtb, s, hk, dk, dv, o, caps,
+                res[f"gdn_{form}_rows_invariant"] = rows_detail(qkv, a, b, win, w, alog, dtb, s, hk, dk, dv, o, log,
                                                                  full, zz, kw)
                 h2, k2 = hv // 2, hk // 2
                 ch = torch.cat([torch.arange(k2 * dk), hk * dk + torch.arange(k2 * dk),
                                 2 * hk * dk + torch.arange(h2 * dv)]).to(dev)
                 kw2 = dict(kw, z=z[:, :h2 * dv]) if form == "norm" else kw
-                o2, c2, _ = gdn_decode_triton(qkv[:, ch].contiguous(), a[:, :h2].contiguous(), b[:, :h2].contiguous(),
+                o2, l2, _ = gdn_decode_triton(qkv[:, ch].contiguous(), a[:, :h2].contiguous(), b[:, :h2].contiguous(),
                                               win[:, ch].contiguous(), w[ch].contiguous(), alog[:h2], dtb[:h2],
                                               s[:h2].contiguous(), k2, dk, dv, **kw2)
-                res[f"gdn_{form}_half_heads_equal"] = torch.equal(o2, o[:, :h2]) and torch.equal(c2, caps[:, :h2])
+                res[f"gdn_{form}_half_heads_equal"] = torch.equal(o2, o[:, :h2]) and all(
+                    torch.equal(x, y[:, :h2]) for x, y in zip(l2, log))
         qg, kx, vx = rnd(t, hq, 2 * d), rnd(t, hkv, d), rnd(t, hkv, d)
         qw, kw = rnd(d, scale=0.1), rnd(d, scale=0.1)
         f = (torch.arange(t, device=dev, dtype=torch.float32)[:, None] + 700) * torch.rand(r // 2, generator=g, device=dev)
@@ -134,19 +136,28 @@ def stage_parity(rep: Report, dev: str, tiny: bool) -> None:
     rep.put("parity", res)
 
 
-def rows_detail(qkv, a, b, win, w, alog, dtb, s, hk, dk, dv, o, caps, full, z, kw) -> dict:
-    """Which rows of a 4-row call differ from chained single rows, and whether a 2-row call equals
-    the first two rows of the 4-row call (no single-row binary involved)."""
+def _committed(s, log, rows):
+    """The state after the first `rows` rows of a log (the commit: ops/gdn.py commit_rows)."""
+    from specfire.ops.gdn import commit_rows
+    st = s[None].clone()
+    commit_rows(st, *(x[None].contiguous() for x in log), rows)
+    return st[0]
+
+
+def rows_detail(qkv, a, b, win, w, alog, dtb, s, hk, dk, dv, o, log, full, z, kw) -> dict:
+    """Which rows of a 4-row call differ from chained single rows (outputs; the state each commit
+    leaves), and whether a 2-row call equals the first two rows of the 4-row call (no single-row
+    binary involved)."""
     kk = w.shape[-1]
     det, cs, cw = {}, s, win
     for i in range(qkv.shape[0]):
         kwi = dict(kw, z=z[i:i + 1]) if z is not None else kw
-        o1, c1, _ = gdn_decode_triton(qkv[i:i + 1], a[i:i + 1], b[i:i + 1], cw, w, alog, dtb, cs, hk, dk, dv, **kwi)
-        det[f"row{i}"] = [bool(torch.equal(o1[0], o[i])), bool(torch.equal(c1[0], caps[i]))]
-        cs, cw = caps[i], full[i + 1:i + kk]
+        o1, l1, _ = gdn_decode_triton(qkv[i:i + 1], a[i:i + 1], b[i:i + 1], cw, w, alog, dtb, cs, hk, dk, dv, **kwi)
+        cs, cw = _committed(cs, l1, 1), full[i + 1:i + kk]
+        det[f"row{i}"] = [bool(torch.equal(o1[0], o[i])), bool(torch.equal(cs, _committed(s, log, i + 1)))]
     kw2 = dict(kw, z=z[:2]) if z is not None else kw
-    o2, c2, _ = gdn_decode_triton(qkv[:2], a[:2], b[:2], win, w, alog, dtb, s, hk, dk, dv, **kw2)
-    det["rows2_prefix"] = [bool(torch.equal(o2, o[:2])), bool(torch.equal(c2, caps[:2]))]
+    o2, l2, _ = gdn_decode_triton(qkv[:2], a[:2], b[:2], win, w, alog, dtb, s, hk, dk, dv, **kw2)
+    det["rows2_prefix"] = [bool(torch.equal(o2, o[:2])), all(bool(torch.equal(x, y[:2])) for x, y in zip(l2, log))]
     det["all"] = all(all(v) for v in det.values())
     return det
 
@@ -175,7 +186,7 @@ SWEEP = (("whole_w4", None, 4), ("whole_w8", None, 8), ("whole_w16", None, 16), 
 def stage_sweep(rep: Report, dev: str, tiny: bool) -> None:
     """Launch forms of the fused GDN layer (gated norm included: inside for whole heads, its own
     kernel after split heads) at the real shape, 1 row, in a CUDA graph over 16 rotating input
-    sets (~100 MB of states and captures: not L2-resident, as in a step); the fastest is kept."""
+    sets (~50 MB of states: not L2-resident, as in a step); the fastest is kept."""
     from specfire.ops import gdn_fused
     g = torch.Generator(device=dev).manual_seed(0)
     hk, hv, dk, dv, kk = (2, 4, 8, 8, 4) if tiny else (16, 48, 128, 128, 4)
@@ -194,8 +205,8 @@ def stage_sweep(rep: Report, dev: str, tiny: bool) -> None:
         outs[name] = fn(0)
         if dev == "cuda":
             times[name] = graph_time([lambda i=i, f=fn: f(i) for i in range(len(sets))], iters=32) * 1e6   # us per layer
-    ref = outs["whole_w8"]
-    same = {n: [bool(torch.equal(o[k], ref[k])) for k in range(3)] for n, o in outs.items()}
+    flat = {n: [o[0], *o[1], o[2]] for n, o in outs.items()}        # o, the log (k, delta, dec), full
+    same = {n: [bool(torch.equal(x, y)) for x, y in zip(f, flat["whole_w8"])] for n, f in flat.items()}
     res = {"gdn_layer_us": times, "bits_equal_whole_w8": same}
     if times:
         best = min(times, key=times.get)

@@ -1,4 +1,4 @@
-"""The host path of a cycle: the eager commit that takes row n's capture instead of copying it,
+"""The host path of a cycle: the eager commit that replays the log in place,
 a worker's riders run straight (commit(n)), and the clocked serve loop bench/cycle_host.py reads."""
 from __future__ import annotations
 
@@ -20,42 +20,42 @@ def _state() -> SequenceState:
     return SequenceState.allocate(cfg, (LINEAR, FULL), 16, torch.device("cpu"), torch.float32)
 
 
-def _capture(st: SequenceState, rows: int, seed: int) -> None:
+def _log(st: SequenceState, rows: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """A random log of `rows` rows, as a verify leaves it (in the state's buffers)."""
     g = torch.Generator().manual_seed(seed)
     lc = st.layers[0]
-    with torch.inference_mode():       # as a verify makes them
-        lc.cap_rec = torch.randn((rows,) + tuple(lc.rec.shape), generator=g)
-        lc.cap_conv = torch.randn(lc.conv.shape[0] + rows, lc.conv.shape[1], generator=g)
+    hv, dk, dv = lc.rec.shape
+    log = (torch.randn(rows, hv, dk, generator=g), torch.randn(rows, hv, dv, generator=g),
+           torch.rand(rows, hv, generator=g), torch.randn(lc.conv.shape[0] + rows, lc.conv.shape[1], generator=g))
+    with torch.inference_mode():
+        lc.set_log(*log)
+    return log
 
 
-def test_eager_commit_takes_the_capture_and_equals_the_copy():
+def test_eager_commit_replays_the_log_in_place():
+    """commit(n) applies rows 0..n of the log to the live state (dec S + k delta^T each), in place,
+    and takes the conv window after row n; a state without a book commits the same bits."""
     for n in range(4):
         a, b = _state(), _state()
-        _capture(a, 4, n)
-        _capture(b, 4, n)
-        cap = b.layers[0].cap_rec
+        b.book = None
+        b.layers[0].book = None
+        s0 = torch.randn(a.layers[0].rec.shape, generator=torch.Generator().manual_seed(n))
+        for st in (a, b):
+            st.layers[0].rec.copy_(s0)
+        log = _log(a, 4, n)
+        _log(b, 4, n)
+        live = a.layers[0].rec.data_ptr()
         a.commit(n)
-        b.commit(n, in_place=False)
+        b.commit(n)
         la, lb = a.layers[0], b.layers[0]
+        assert la.rec.data_ptr() == live and la.log is None and lb.log is None
         assert torch.equal(la.rec, lb.rec) and torch.equal(la.conv, lb.conv)
-        assert lb.rec.data_ptr() == cap[n].data_ptr()          # no copy: row n's capture itself
-        assert la.cap_rec is None and lb.cap_rec is None
-        _capture(b, 2, 10 + n)                                  # the next verify's captures are fresh
-        want = b.layers[0].cap_rec[1].clone()
-        b.commit(1, in_place=False)
-        assert torch.equal(b.layers[0].rec, want)
-        b.reset()                                               # zeroes an inference tensor: allowed
-        assert not b.layers[0].rec.any() and not b.layers[0].conv.any()
-
-
-def test_eager_commit_copies_a_mismatched_capture():
-    st = _state()
-    _capture(st, 3, 0)
-    lc = st.layers[0]
-    live = lc.rec
-    lc.cap_rec = lc.cap_rec.double()                           # another dtype: copied into the live state
-    st.commit(2, in_place=False)
-    assert lc.rec is live and lc.rec.dtype == torch.float32
+        want = s0
+        for t in range(n + 1):
+            want = want * log[2][t][:, None, None] + log[0][t][:, :, None] * log[1][t][:, None, :]
+        assert torch.equal(la.rec, want) and torch.equal(la.conv, log[3][n + 1:n + 4])
+        a.reset()
+        assert not a.layers[0].rec.any() and not a.layers[0].conv.any()
 
 
 class _Trunk:

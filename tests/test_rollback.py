@@ -1,4 +1,4 @@
-"""Rollback by per-row capture: after verify(k+1 rows) + commit(n), every Gated DeltaNet layer's
+"""Rollback by a logged replay: after verify(k+1 rows) + commit(n), every Gated DeltaNet layer's
 recurrent state and conv window are bit-identical (float32, CPU) to those after n+1 one-row
 decodes, and decoding continues identically (attention rows past the commit are never read)."""
 from __future__ import annotations
@@ -76,10 +76,10 @@ def test_commit_needs_a_rows_forward(ckpt_cache):
 
 
 @pytest.mark.parametrize("name", ["base", "kdim"])
-def test_multi_tensor_commit_equals_per_layer_copies(ckpt_cache, name, monkeypatch):
-    """The copying commit (CUDA graphs' form) as one multi-tensor copy gives, at every n, the bits
-    of the per-layer copies, written into the live tensors in place (graphs keep their addresses),
-    and row n's state, not another row's."""
+def test_one_launch_commit_equals_per_layer_commits(ckpt_cache, name):
+    """The commit over the state's stacked buffers (one launch on a GPU) gives, at every n, the
+    bits of the per-layer commit (a state without a book), written into the live tensors in place
+    (graphs keep their addresses), the log detached, and row n's state, not another row's."""
     from specfire.model import state as state_mod
 
     with LLM(ckpt(ckpt_cache, name), device="cpu", spec="off", progress=False) as llm:
@@ -88,20 +88,36 @@ def test_multi_tensor_commit_equals_per_layer_copies(ckpt_cache, name, monkeypat
         prompt = torch.randint(0, llm.cfg.vocab_size, (9,), generator=g)
         rows_ids = torch.randint(0, llm.cfg.vocab_size, (K + 1,), generator=g)
         prev = None
+        calls = []
+        real = state_mod._stacked
         for n in range(K + 1):
             got = {}
-            for foreach in (False, True):
-                monkeypatch.setattr(state_mod, "COMMIT_FOREACH", foreach)
-                trunk.begin()
-                trunk.prefill(prompt)
-                trunk.verify(rows_ids, prompt.shape[0])
-                st = trunk.state
-                live = [(lc.rec.data_ptr(), lc.conv.data_ptr()) for lc in st.layers if lc.rec is not None]
-                st.commit(n, in_place=True)
+            for stacked in (False, True):
+                state_mod._stacked = lambda *a, s=stacked: calls.append(s and real(*a)) or calls[-1]
+                try:
+                    trunk.begin()
+                    trunk.prefill(prompt)
+                    trunk.verify(rows_ids, prompt.shape[0])
+                    st = trunk.state
+                    live = [(lc.rec.data_ptr(), lc.conv.data_ptr()) for lc in st.layers if lc.rec is not None]
+                    st.commit(n)
+                finally:
+                    state_mod._stacked = real
                 assert [(lc.rec.data_ptr(), lc.conv.data_ptr()) for lc in st.layers if lc.rec is not None] == live
-                assert all(lc.cap_rec is None and lc.cap_conv is None for lc in st.layers)
-                got[foreach] = gdn_state(trunk)
+                assert all(lc.log is None for lc in st.layers)
+                got[stacked] = gdn_state(trunk)
             for (rec, conv), (rrec, rconv) in zip(got[True], got[False]):
                 assert torch.equal(rec, rrec) and torch.equal(conv, rconv), (name, n)
             assert prev is None or not all(torch.equal(a[0], b[0]) for a, b in zip(got[True], prev))
             prev = got[True]
+        assert calls == [False, True] * (K + 1)       # both forms ran: the stacked one really stacked
+
+
+def test_commit_rejects_a_row_the_forward_did_not_run(ckpt_cache):
+    with LLM(ckpt(ckpt_cache, "base"), device="cpu", spec="off", progress=False) as llm:
+        trunk = llm.engine.trunk
+        trunk.begin()
+        trunk.prefill(torch.tensor([1, 2, 3]))
+        trunk.verify(torch.tensor([4, 5]), 3)
+        with pytest.raises(ValueError, match=r"commit\(2\).*2 row"):
+            trunk.commit(2)

@@ -7,7 +7,8 @@ per forward (not per module call), norms as sum of squares + sqrt + divide (torc
 is a composite of ~8 calls), a rotary table with the rotation as one gather, the q/k norms of a
 layer in one call with the attention scale folded into the q-norm weight, the GDN gates as one
 sigmoid and one pow over a zero-padded 64-wide block of the in-projection (exp(-c softplus(z)) =
-sigmoid(-z)^c), the GDN state update as one addcmul per row.
+sigmoid(-z)^c), the GDN state update as a multiply and an add per row (ops/gdn.py `update`: the
+commit replays it for every layer at once).
 
 Row invariance (a verify row computes exactly what a one-row decode computes), how:
 * products: one `mm` per row on the same packed W^T (ops/linear.py linear_one_cpu);
@@ -127,25 +128,26 @@ def _gdn_pack(m) -> GdnPack:
 
 
 def _recurrence(q, k, v, dec, beta, s, t):
-    """Per row: S = dec S; S += k (beta (v - S^T k))^T; o = S^T q. Returns (o [T, Hv, dv], the
-    state after each row [T, Hv, dk, dv]). q, k [T, Hv, dk], v [T, Hv, dv], dec, beta [T, Hv]."""
+    """Per row: S = dec S; S += k (beta (v - S^T k))^T; o = S^T q. Returns (o [T, Hv, dv], each
+    row's delta = beta (v - S^T k) [T, Hv, dv]); the update is ops/gdn.py `update`'s exactly rounded
+    operations (commit replays them). q, k [T, Hv, dk], v [T, Hv, dv], dec, beta [T, Hv]."""
     hv, dk, dv = k.shape[1], k.shape[2], v.shape[2]
     if t == 1:                    # a decode: the same calls as a verify row, without the row views
         s = s * dec.view(hv, 1, 1)
         d = (v.view(hv, 1, dv) - torch.bmm(k.view(hv, 1, dk), s)).mul_(beta.view(hv, 1, 1))
-        s = torch.addcmul(s, k.view(hv, dk, 1), d)
-        return torch.bmm(q.view(hv, 1, dk), s).view(1, hv, dv), s.unsqueeze(0)
-    caps = torch.empty(t, hv, dk, dv)
+        s = s + k.view(hv, dk, 1) * d
+        return torch.bmm(q.view(hv, 1, dk), s).view(1, hv, dv), d.view(1, hv, dv)
+    deltas = torch.empty(t, hv, 1, dv)
     out = torch.empty(t, hv, 1, dv)
     rows = zip(q.unsqueeze(2).unbind(0), k.unsqueeze(2).unbind(0), k.unsqueeze(3).unbind(0),
                v.unsqueeze(2).unbind(0), dec[:, :, None, None].unbind(0), beta[:, :, None, None].unbind(0),
-               caps.unbind(0), out.unbind(0))
-    for qr, kr, kc, vr, de, be, cap, o in rows:
+               deltas.unbind(0), out.unbind(0))
+    for qr, kr, kc, vr, de, be, d, o in rows:
         s = s * de
-        d = (vr - torch.bmm(kr, s)).mul_(be)                  # [Hv, 1, dv]
-        s = torch.addcmul(s, kc, d, out=cap)
+        torch.sub(vr, torch.bmm(kr, s), out=d).mul_(be)       # [Hv, 1, dv]
+        s = s + kc * d
         torch.bmm(qr, s, out=o)
-    return out.view(t, hv, dv), caps
+    return out.view(t, hv, dv), deltas.view(t, hv, dv)
 
 
 def _gate(n: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -166,8 +168,9 @@ def gdn(p: GdnPack, x: torch.Tensor, lc) -> torch.Tensor:
         qk = qk.index_select(1, p.rep)
     q, k = qk.split(hv, 1)
     sg = torch.sigmoid(blk + p.off)                                   # [T, P]: beta | sigmoid(-(a + dt_bias))
-    o, lc.cap_rec = _recurrence(q, k, v.view(t, hv, dv), sg.pow(p.pw)[:, hv:2 * hv], sg[:, :hv], lc.rec, t)
-    lc.cap_conv = full
+    dec = sg.pow(p.pw)[:, hv:2 * hv]
+    o, delta = _recurrence(q, k, v.view(t, hv, dv), dec, sg[:, :hv], lc.rec, t)
+    lc.set_log(k, delta, dec, full)
     den = (o * o).sum(-1, keepdim=True).add_(p.eps_d).sqrt_()
     o = _rows(_gate, p.whole[1], (o / den).mul_(p.nw), z.view(t, hv, dv))
     return linear_one_cpu(o.view(t, vd), p.out_t, True)

@@ -5,8 +5,8 @@ Two forward modes share the weights and the math:
   recurrent state is advanced in place.
 * "rows": a few rows (decode = 1 row, verify = k+1 rows), computed row-invariantly so row r equals
   what a one-row decode at that position computes, bit for bit on the CPU. The live recurrent
-  state is left untouched; the state and conv window after every row are kept in the sequence
-  state (per-row capture) and `SequenceState.commit(n)` installs those of row n.
+  state is left untouched; each row's update terms and the conv window are logged in the
+  sequence state and `SequenceState.commit(n)` applies rows 0..n to the live state.
 
 Parameter names follow the HF checkpoint (without the `model.language_model.` prefix), so loading
 is a rename. Shapes are noted as [T, ...] for T rows of one sequence.
@@ -236,8 +236,10 @@ class GatedDeltaNet(nn.Module):
         w = self.conv1d.weight[:, 0, :]
         if rows and fusion.enabled(x):                   # GPU: ops/gdn_fused.py (the gated norm included)
             from ..ops.gdn_fused import gdn_decode_triton
-            o, lc.cap_rec, lc.cap_conv = gdn_decode_triton(qkv, a, b, lc.conv, w, self.A_log, self.dt_bias, lc.rec,
-                                                           self.hk, self.dk, self.dv, z, self.norm.weight, self.norm.eps)
+            o, log, full = gdn_decode_triton(qkv, a, b, lc.conv, w, self.A_log, self.dt_bias, lc.rec,
+                                             self.hk, self.dk, self.dv, z, self.norm.weight, self.norm.eps,
+                                             out=lc.log_buffers(t))
+            lc.set_log(*log, full)
             return self.out_proj(o.reshape(t, self.value_dim), rows)
         z = z.view(t, self.hv, self.dv)
         if rows and t > 1 and x.device.type == "cpu" and not (one_cpu(x) and whole_steps(qkv)):  # per row (ops/rowwise.py)
@@ -264,8 +266,8 @@ class GatedDeltaNet(nn.Module):
             if rep > 1:  # value head j reads key head j // rep
                 q = q.repeat_interleave(rep, dim=1)
                 k = k.repeat_interleave(rep, dim=1)
-            o, caps = gdn_ops.gdn_rows(q, k, v, g, beta, lc.rec, capture=True)
-            lc.cap_rec, lc.cap_conv = caps, full
+            o, (delta, dec) = gdn_ops.gdn_rows(q, k, v, g, beta, lc.rec, log=True)
+            lc.set_log(k, delta, dec, full)
         else:   # key heads grouped: the chunked form maps them (or its GPU library reads them in place)
             o, s = gdn_ops.gdn_chunked(q, k, v, g, beta, lc.rec, canonical=lanes.invariant_now())
             lc.rec.copy_(s)

@@ -1,26 +1,45 @@
 """What one sequence carries between forwards of the trunk: per-layer KV rows (attention) or conv
-window + recurrent state with the per-row capture that rollback installs (Gated DeltaNet)."""
+window + recurrent state with the log of the last rows-mode forward that commit replays (Gated
+DeltaNet)."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 
 from ..config import FULL, ModelConfig
 from ..ops import attention as attn_ops
+from ..ops import gdn as gdn_ops
 
-# A copying commit (under CUDA graphs) as one multi-tensor copy over every GDN layer instead of two
-# copy kernels a layer; SPECFIRE_COMMIT_FOREACH=0 keeps the per-layer copies (bench/cycle_profile.py).
-COMMIT_FOREACH = os.environ.get("SPECFIRE_COMMIT_FOREACH", "1") != "0"
+
+class RowsBook:
+    """Every GDN layer's live state and rows log of one sequence, stacked over the layers so that a
+    commit is one launch: rec [L, Hv, dk, dv] and conv [L, K-1, C] (each layer's `rec`, `conv` are
+    views), and per row count T (allocated on first use, then fixed: graphs keep the addresses)
+    k [L, T, Hv, dk], delta [L, T, Hv, dv], dec [L, T, Hv] and the full conv window [L, K-1+T, C]."""
+
+    def __init__(self, rec: torch.Tensor, conv: torch.Tensor):
+        self.rec, self.conv = rec, conv
+        self.logs: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def log(self, t: int) -> tuple[torch.Tensor, ...]:
+        got = self.logs.get(t)
+        if got is None:
+            n_l, hv, dk, dv = self.rec.shape
+            km1, c = self.conv.shape[1:]
+            with torch.inference_mode(False):   # normal tensors: written in and out of inference mode
+                got = self.logs[t] = tuple(torch.empty(sh, device=self.rec.device, dtype=torch.float32) for sh in (
+                    (n_l, t, hv, dk), (n_l, t, hv, dv), (n_l, t, hv), (n_l, km1 + t, c)))
+        return got
 
 
 @dataclass
 class LayerCache:
     """State of one layer for one sequence. Attention: k, v [max_seq, n_kv, D] (with a Q8 cache,
     int8 plus k_scale, v_scale [max_seq, n_kv, 1] float16, v stored key-minor under that view; see
-    ops/attention.py). GDN: conv window [K-1, conv_dim] and recurrent state [Hv, dk, dv], both float32, plus the per-row capture of
-    the last rows-mode forward (conv `full` [K-1+R, C] and states [R, Hv, dk, dv])."""
+    ops/attention.py). GDN: conv window [K-1, conv_dim] and recurrent state [Hv, dk, dv], both
+    float32, and `log`, what the last rows-mode forward left for commit: (k [R, Hv, dk], delta [R,
+    Hv, dv], dec [R, Hv], conv `full` [K-1+R, C]), in `book` (slot `slot`) when the state has one."""
 
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
@@ -28,17 +47,35 @@ class LayerCache:
     v_scale: torch.Tensor | None = None
     conv: torch.Tensor | None = None
     rec: torch.Tensor | None = None
-    cap_conv: torch.Tensor | None = None
-    cap_rec: torch.Tensor | None = None
+    log: tuple[torch.Tensor, ...] | None = None
+    book: RowsBook | None = None
+    slot: int = 0
+
+    def log_buffers(self, t: int) -> tuple[torch.Tensor, ...] | None:
+        """Where a rows forward of t rows writes its log (k, delta, dec, full), or None (fresh tensors)."""
+        return None if self.book is None else tuple(x[self.slot] for x in self.book.log(t))
+
+    def set_log(self, k: torch.Tensor, delta: torch.Tensor, dec: torch.Tensor, full: torch.Tensor) -> None:
+        """Keep a rows forward's log (copied into the book's buffers when they are not those already)."""
+        bufs = self.log_buffers(k.shape[0])
+        if bufs is None:
+            self.log = (k, delta, dec, full)
+            return
+        for dst, src in zip(bufs, (k, delta, dec, full)):
+            if dst.data_ptr() != src.data_ptr():
+                dst.copy_(src)
+        self.log = bufs
 
 
 @dataclass
 class SequenceState:
     """Everything one sequence carries between forwards. Attention rows are addressed by position,
-    so rollback of attention is free; GDN layers roll back through the per-row capture."""
+    so rollback of attention is free; a rows forward leaves GDN states as they were and commit
+    applies the rows accepted."""
 
     layers: list[LayerCache] = field(default_factory=list)
     max_seq: int = 0
+    book: RowsBook | None = None
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, n_layers_types: tuple[str, ...], max_seq: int,
@@ -48,6 +85,11 @@ class SequenceState:
         hv = n_v_heads if n_v_heads is not None else cfg.linear_num_value_heads
         cd = conv_dim if conv_dim is not None else cfg.conv_dim
         layers = []
+        n_gdn = sum(t != FULL for t in n_layers_types)
+        kk = cfg.linear_conv_kernel_dim
+        book = None if not n_gdn else RowsBook(
+            torch.zeros(n_gdn, hv, cfg.linear_key_head_dim, cfg.linear_value_head_dim, device=device, dtype=torch.float32),
+            torch.zeros(n_gdn, kk - 1, cd, device=device, dtype=torch.float32))
         for t in n_layers_types:
             if t == FULL:
                 lc = LayerCache(k=torch.zeros(max_seq, n_kv, cfg.head_dim, device=device, dtype=kv_dtype))
@@ -60,53 +102,53 @@ class SequenceState:
                     lc.v = torch.zeros(max_seq, n_kv, cfg.head_dim, device=device, dtype=kv_dtype)
                 layers.append(lc)
             else:
-                layers.append(LayerCache(
-                    conv=torch.zeros(cfg.linear_conv_kernel_dim - 1, cd, device=device, dtype=torch.float32),
-                    rec=torch.zeros(hv, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                                    device=device, dtype=torch.float32)))
-        return cls(layers=layers, max_seq=max_seq)
+                i = sum(lc.rec is not None for lc in layers)
+                layers.append(LayerCache(conv=book.conv[i], rec=book.rec[i], book=book, slot=i))
+        return cls(layers=layers, max_seq=max_seq, book=book)
 
     @torch.inference_mode()
     def reset(self) -> None:
         """Start a new sequence: zero the recurrent state. KV rows need no clearing (reads are
-        bounded by position). In inference mode: after an eager commit the live state is a
-        verify's capture, an inference tensor."""
+        bounded by position)."""
         for lc in self.layers:
             if lc.rec is not None:
                 lc.rec.zero_()
                 lc.conv.zero_()
-                lc.cap_conv = lc.cap_rec = None
+                lc.log = None
 
     @torch.inference_mode()
-    def commit(self, n: int, in_place: bool = True) -> None:
-        """Make the recurrent state that after row n of the last rows-mode forward. `in_place`
-        False: the live state becomes row n's capture itself (no copy; an eager forward's captures
-        are fresh tensors), only where nothing keeps the live state's address (no captured graph)."""
-        dst: list[torch.Tensor] = []
-        src: list[torch.Tensor] = []
-        for lc in self._gdn_captured():
-            kk = lc.conv.shape[0] + 1
-            rec, conv = lc.cap_rec[n], lc.cap_conv[n + 1:n + kk]
-            if not in_place and _same(rec, lc.rec) and _same(conv, lc.conv):
-                lc.rec, lc.conv = rec, conv
-            else:
-                dst += [lc.rec, lc.conv]
-                src += [rec, conv]
-            lc.cap_conv = lc.cap_rec = None
-        if dst and COMMIT_FOREACH:
-            torch._foreach_copy_(dst, src)
-        else:
-            for d, s in zip(dst, src):
-                d.copy_(s)
-
-    def _gdn_captured(self) -> list[LayerCache]:
-        out = [lc for lc in self.layers if lc.rec is not None]
-        if any(lc.cap_rec is None for lc in out):
+    def commit(self, n: int) -> None:
+        """Make the recurrent state that after row n of the last rows-mode forward: rows 0..n of its
+        log applied to the live state in place (ops/gdn.py commit_rows: the same float operations
+        as the forward, so the same bits), and the conv window after row n copied. With a book
+        (`allocate`) every layer goes in one launch and one copy."""
+        layers = [lc for lc in self.layers if lc.rec is not None]
+        if not layers:
+            return
+        if any(lc.log is None for lc in layers):
             raise RuntimeError("commit() without a preceding rows-mode forward")
-        return out
+        t = layers[0].log[0].shape[0]
+        if not 0 <= n < t or any(lc.log[0].shape[0] != t for lc in layers):
+            raise ValueError(f"commit({n}): the last rows-mode forward logged {t} row(s) (n must be in 0..{t - 1})")
+        kk = layers[0].conv.shape[0] + 1
+        book = self.book
+        if book is not None and t in book.logs and _stacked(book, layers, t):
+            k, delta, dec, full = book.logs[t]
+            gdn_ops.commit_rows(book.rec, k, delta, dec, n + 1)
+            book.conv.copy_(full[:, n + 1:n + kk])
+        else:
+            for lc in layers:
+                k, delta, dec, full = lc.log
+                gdn_ops.commit_rows(lc.rec[None], k[None].contiguous(), delta[None].contiguous(),
+                                    dec[None].contiguous(), n + 1)
+                lc.conv.copy_(full[n + 1:n + kk])
+        for lc in layers:
+            lc.log = None
 
 
-def _same(new: torch.Tensor, live: torch.Tensor) -> bool:
-    """`new` can stand for `live`: same dtype, contiguous (a forward makes its captures from the
-    live state: same shape and device)."""
-    return new.dtype == live.dtype and new.is_contiguous()
+def _stacked(book: RowsBook, layers: list[LayerCache], t: int) -> bool:
+    """Whether the layers' logs are the book's (then, as `allocate` laid them out, slot i of every
+    stacked buffer is layer i's, its live state included): one launch for every layer."""
+    logs = book.logs[t]
+    return len(layers) == book.rec.shape[0] and all(
+        lc.book is book and all(x._base is y for x, y in zip(lc.log, logs)) for lc in layers)

@@ -4,8 +4,11 @@ Shapes: q, k [T, Hv, dk] (key heads already mapped to value heads, L2-normalised
 v [T, Hv, dv], g (log decay) and beta [T, Hv], state S [Hv, dk, dv]; all float32.
 Per row t:  S = exp(g_t) S;  u = S^T k_t;  S += k_t (beta_t (v_t - u))^T;  o_t = S^T q_t.
 
-* `gdn_rows_ref`: the recurrence row by row. Used for decode and verify; optionally returns the
-  state after every row (per-row capture, which makes rollback a copy of one slot).
+* `gdn_rows_ref`: the recurrence row by row. Used for decode and verify; optionally returns, in
+  place of the final state, each row's update terms (the corrected values delta_t = beta_t (v_t -
+  S^T k_t) [T, Hv, dv] and the decay factors exp(g_t) [T, Hv]): with k_t they are all `commit_rows`
+  needs to rebuild the state after any row from the state before the rows, with the same float
+  operations (`update`), so bit for bit. A rows forward then writes no state at all.
 * `gdn_chunked_ref`: the chunked (WY) form of the same recurrence for prefill. Within a chunk of C
   rows with cumulative log decay G, the corrected values delta solve the unit lower-triangular
   system (I + A) delta = beta*v - beta*exp(G)*(K S0), A[t,s] = beta_t exp(G_t-G_s) k_t.k_s (s < t);
@@ -36,22 +39,55 @@ def conv_window_ref(x: torch.Tensor, window: torch.Tensor, w: torch.Tensor) -> t
     return lanes.silu(acc), full
 
 
+def update(s: torch.Tensor, dec: torch.Tensor, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """One row's state update S' = dec S + k delta^T, s [..., Hv, dk, dv], dec [..., Hv], k [..., Hv,
+    dk], delta [..., Hv, dv]: three exactly rounded operations (no fused multiply-add), so the bits
+    do not depend on how torch splits or batches the work: the CPU rows forwards apply it layer by
+    layer and the CPU commit to every layer at once."""
+    return s * dec[..., None, None] + k[..., :, None] * delta[..., None, :]
+
+
 def gdn_rows_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                 state: torch.Tensor, capture: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row-by-row recurrence. Returns (o [T, Hv, dv], states): states is [T, Hv, dk, dv] (state
-    after each row) if `capture`, else the final state [Hv, dk, dv]. `state` is not modified."""
+                 state: torch.Tensor, log: bool = False) -> tuple[torch.Tensor, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
+    """Row-by-row recurrence. Returns (o [T, Hv, dv], final state [Hv, dk, dv]), or with `log`
+    (o, (delta [T, Hv, dv], dec [T, Hv])): the update terms `commit_rows` replays. `state` is not
+    modified."""
     s = state
-    outs, caps = [], []
+    outs, deltas, decs = [], [], []
     for t in range(q.shape[0]):   # exp per row: a row's lanes then sit where a one-row decode's do
-        s = s * lanes.exp(g[t])[:, None, None]
-        u = torch.bmm(k[t].unsqueeze(1), s).squeeze(1)             # [Hv, dv]
+        dec = lanes.exp(g[t])
+        u = torch.bmm(k[t].unsqueeze(1), s * dec[:, None, None]).squeeze(1)      # [Hv, dv]
         delta = beta[t][:, None] * (v[t] - u)
-        s = s + k[t].unsqueeze(2) * delta.unsqueeze(1)              # [Hv, dk, dv]
+        s = update(s, dec, k[t], delta)                                         # [Hv, dk, dv]
         outs.append(torch.bmm(q[t].unsqueeze(1), s).squeeze(1))
-        if capture:
-            caps.append(s)
+        deltas.append(delta)
+        decs.append(dec)
     o = torch.stack(outs)
-    return o, (torch.stack(caps) if capture else s)
+    return o, ((torch.stack(deltas), torch.stack(decs)) if log else s)
+
+
+def commit_rows_ref(states: torch.Tensor, k: torch.Tensor, delta: torch.Tensor, dec: torch.Tensor, rows: int) -> None:
+    """Apply the first `rows` logged rows to the states in place: states [L, Hv, dk, dv] float32 (L
+    layers), k [L, T, Hv, dk], delta [L, T, Hv, dv], dec [L, T, Hv] as a rows forward logged them.
+    `update`'s operations, in place (the same bits; no temporary the size of every state per op)."""
+    if not rows:
+        return
+    kd = torch.empty_like(states)
+    for t in range(rows):
+        states.mul_(dec[:, t, :, None, None])
+        torch.mul(k[:, t, :, :, None], delta[:, t, :, None, :], out=kd)
+        states.add_(kd)
+
+
+def commit_rows(states: torch.Tensor, k: torch.Tensor, delta: torch.Tensor, dec: torch.Tensor, rows: int) -> None:
+    """`commit_rows_ref`'s contract; one Triton launch over every layer on CUDA."""
+    lo = k.shape[1]
+    if not 0 <= rows <= lo:
+        raise ValueError(f"commit: row count {rows} outside 0..{lo} (the rows the last forward logged)")
+    if states.is_cuda:
+        from .gdn_kernels import commit_rows_triton
+        return commit_rows_triton(states, k, delta, dec, rows)
+    return commit_rows_ref(states, k, delta, dec, rows)
 
 
 @dataclass
@@ -110,12 +146,12 @@ def gdn_chunked_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
 
 
 def gdn_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-             state: torch.Tensor, capture: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+             state: torch.Tensor, log: bool = False):
     """Decode / verify rows (contract of gdn_rows_ref); the Triton kernel on CUDA."""
     if q.is_cuda:
         from .gdn_kernels import gdn_rows_triton
-        return gdn_rows_triton(q, k, v, g, beta, state, capture)
-    return gdn_rows_ref(q, k, v, g, beta, state, capture)
+        return gdn_rows_triton(q, k, v, g, beta, state, log)
+    return gdn_rows_ref(q, k, v, g, beta, state, log)
 
 
 def conv_window(x: torch.Tensor, window: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

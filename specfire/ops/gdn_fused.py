@@ -1,6 +1,6 @@
 """One Triton kernel for a Gated DeltaNet layer's rows forward (decode, verify) from the
 projections to what out_proj reads: conv window + SiLU, q/k L2 norms, the gates (beta, log decay),
-the gated delta rule with per-row state capture, and (given z) the gated RMSNorm of the output.
+the gated delta rule, and (given z) the gated RMSNorm of the output.
 
 Why: unfused this stretch is ~27 small kernels per layer per step (casts, the gate chain, the
 l2norm chain, the key-head repeat, the output norm), ~1.3k launches of the 27B shape's step.
@@ -10,16 +10,18 @@ key head's q/k channels (h // rep; recomputed by the rep value heads of a key he
 keeps programs independent), its v channels, its state, and then the gated norm over the head's
 dv outputs, which needs the whole head. So a program's result depends only on its head's inputs
 (tensor-parallel shards by heads give the same bits), and rows are applied in order from the state
-in registers exactly as a one-row call applies them from the stored capture (verify rows equal
+in registers exactly as a one-row call applies them from the committed state (verify rows equal
 decode rows bit for bit: the row count is not specialised, so a one-row call runs the same binary,
 and the conv chain is written as explicit FMAs; a first GPU run without these two measures had
-rows differ from chained single rows). Each channel of the conv window after the rows (`full`,
-which commit reads) is written by exactly one program; its stores come after the loads a row
-needs (a store right after its own load would hold the program for one memory latency per row).
-`bv` < dv splits a head's columns over programs (each recomputes its key head's q/k; no norm
-then: the gated norm is its own launch): the default (BV below), because a verify's per-row state
-captures are stores that whole-head programs issue from one SM per head (48 on the 27B shape);
-split, they spread over the GPU. Either way a build uses one form for every row count and shard.
+rows differ from chained single rows). The launch writes no state: per row it logs what the state
+update needs (k_t, delta_t = beta_t (v_t - S^T k_t), exp(g_t)), and commit(n) replays rows 0..n on
+the live state (ops/gdn_kernels.py `_gdn_commit_kernel`) with the same operations, the update
+being an explicit FMA in both kernels, so the committed state is the one this launch carried.
+Each channel of the conv window after the rows (`full`, which commit reads) is written by exactly
+one program; its stores come after the loads a row needs (a store right after its own load would
+hold the program for one memory latency per row). `bv` < dv splits a head's columns over programs
+(each recomputes its key head's q/k; no norm then: the gated norm is its own launch): the default
+(BV below). Either way a build uses one form for every row count and shard.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from .pdl import wait as pdl_wait
 
 BV = 32         # value columns per program; None: the whole head (then the gated norm runs inside)
 NUM_WARPS = 2   # 27B heads (128 x 128), H200, in the 4-bit 27B step (bench/cycle_profile.py): whole heads
-                # (48 programs) pay the per-row state captures on 48 SMs: 4 rows 826 us a step against
+                # (48 programs) paid the then per-row state captures on 48 SMs: 4 rows 826 us a step against
                 # 320 for one; 32 columns a program (192 programs) 558 / 269 us + the gated norm's own
                 # launch (70 us): the 4-row graph 0.17 ms faster, the 1-row 0.03 ms slower. Alone, one
                 # row (bench/fuse.py sweep): whole head 4 warps 6.9 us, 8 warps 17.6; split 32 / 1 warp
@@ -48,7 +50,8 @@ def gdn_decode_ref(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, window: 
     """The unfused composition (model/qwen35.py GatedDeltaNet, rows mode). qkv [T, C] projections,
     a, b [T, Hv], window [K-1, C] float32, w [C, K], state [Hv, dk, dv] float32, optionally z
     [T, Hv * dv] and the gated norm's weight [dv] -> (o [T, Hv, dv] in qkv's dtype, normed when z
-    is given; states after every row [T, Hv, dk, dv]; full window [K-1+T, C])."""
+    is given; the rows' log (k [T, Hv, dk], delta [T, Hv, dv], dec [T, Hv]) that ops/gdn.py
+    commit_rows replays; full window [K-1+T, C])."""
     t, hv = qkv.shape[0], a.shape[1]
     conv_out, full = gdn_ops.conv_window_ref(qkv.float(), window, w)
     q, k, v = torch.split(conv_out, [hk * dk, hk * dk, hv * dv], dim=-1)
@@ -59,11 +62,11 @@ def gdn_decode_ref(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, window: 
     k = k * lanes.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
     rep = hv // hk
     q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
-    o, caps = gdn_ops.gdn_rows_ref(q, k, v, g, beta, state, capture=True)
+    o, (delta, dec) = gdn_ops.gdn_rows_ref(q, k, v, g, beta, state, log=True)
     o = o.to(qkv.dtype)
     if z is not None:
         o = gated_rms_norm_ref(o, z.reshape(t, hv, dv), norm_w, eps)
-    return o, caps, full
+    return o, (k, delta, dec), full
 
 
 @triton.jit
@@ -89,7 +92,7 @@ def _conv_silu(x_ptr, win_ptr, w_ptr, t, ch, ok, sx, C, K: tl.constexpr):
 
 @triton.jit(do_not_specialize=["n_rows"])   # one binary for every row count: row t runs the same code
 def _gdn_decode_kernel(x_ptr, a_ptr, b_ptr, win_ptr, w_ptr, alog_ptr, dtb_ptr, s_ptr, z_ptr, nw_ptr,
-                       o_ptr, cap_ptr, full_ptr, n_rows, sx, sa, sb, sz, C, KEY_DIM, q_scale, eps,
+                       o_ptr, klog_ptr, dlog_ptr, declog_ptr, full_ptr, n_rows, sx, sa, sb, sz, C, KEY_DIM, q_scale, eps,
                        REP: tl.constexpr, K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, KM1P: tl.constexpr, NORM: tl.constexpr,
                        PDL: tl.constexpr = False):
@@ -105,6 +108,7 @@ def _gdn_decode_kernel(x_ptr, a_ptr, b_ptr, win_ptr, w_ptr, alog_ptr, dtb_ptr, s
     ck = KEY_DIM + cq
     cv = 2 * KEY_DIM + h * DV + offs_v
     own = offs_k < DK * ((vb + h % REP) == 0).to(tl.int32)   # one program writes a key head's q/k window
+    first_k = offs_k < DK * (vb == 0).to(tl.int32)           # one program writes a value head's logged k
     # the window rows of `full` (its first K-1 rows): loaded now, stored after the rows
     offs_r = tl.arange(0, KM1P)
     r_ok = offs_r < K - 1
@@ -132,10 +136,11 @@ def _gdn_decode_kernel(x_ptr, a_ptr, b_ptr, win_ptr, w_ptr, alog_ptr, dtb_ptr, s
         g = neg_a * tl.where(at > 20.0, at, tl.log(1.0 + tl.exp(at)))          # softplus, threshold 20
         if NORM:
             zt = tl.load(z_ptr + t * sz + h * DV + offs_v, mask=v_ok, other=0.0).to(tl.float32)
-        s = s * tl.exp(g)
+        dec = tl.exp(g)
+        s = s * dec
         u = tl.sum(k[:, None] * s, 0)                                          # [BV] = S^T k
         delta = beta * (v - u)
-        s = s + k[:, None] * delta[None, :]
+        s = tl.fma(k[:, None], delta[None, :], s)                              # as _gdn_commit_kernel
         o = tl.sum(q[:, None] * s, 0)                                          # [BV] = S^T q
         dt = o_ptr.dtype.element_ty
         if NORM:   # the gated RMSNorm with ops/triton_small.py's rounding points (o rounded first)
@@ -143,7 +148,9 @@ def _gdn_decode_kernel(x_ptr, a_ptr, b_ptr, win_ptr, w_ptr, alog_ptr, dtb_ptr, s
             n = (ob * (1.0 / tl.sqrt(tl.sum(ob * ob, 0) / DV + eps))).to(dt).to(tl.float32)
             o = (nw * n).to(dt).to(tl.float32) * (zt / (1.0 + tl.exp(-zt)))
         tl.store(o_ptr + (t * hv + h) * DV + offs_v, o.to(dt), mask=v_ok)
-        tl.store(cap_ptr + (t * hv + h) * hs + s_off, s, mask=sm)
+        tl.store(dlog_ptr + (t * hv + h) * DV + offs_v, delta, mask=v_ok)
+        tl.store(klog_ptr + (t * hv + h) * DK + offs_k, k, mask=first_k)
+        tl.store(declog_ptr + t * hv + h, dec, mask=vb == 0)
         tl.store(full_ptr + (K - 1 + t) * C + cv, xv, mask=v_ok)
         tl.store(full_ptr + (K - 1 + t) * C + cq, xq, mask=own)
         tl.store(full_ptr + (K - 1 + t) * C + ck, xk, mask=own)
@@ -155,8 +162,10 @@ def _gdn_decode_kernel(x_ptr, a_ptr, b_ptr, win_ptr, w_ptr, alog_ptr, dtb_ptr, s
 def gdn_decode_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, window: torch.Tensor, w: torch.Tensor,
                       a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, hk: int, dk: int, dv: int,
                       z: torch.Tensor | None = None, norm_w: torch.Tensor | None = None, eps: float = 1e-6,
-                      bv: int | None = None, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Contract of gdn_decode_ref. bv (default BV; None: the whole head) splits a head's value
+                      bv: int | None = None, num_warps: int | None = None,
+                      out: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, tuple, torch.Tensor]:
+    """Contract of gdn_decode_ref. `out`: where to write the log and the full window, (k [T, Hv,
+    dk], delta [T, Hv, dv], dec [T, Hv], full [K-1+T, C]), contiguous float32 (default: new). bv (default BV; None: the whole head) splits a head's value
     columns over programs and num_warps (default NUM_WARPS) the reductions' lanes: neither changes
     a row's dependence on other rows or heads. The gated norm (z given) runs inside the launch on
     whole heads, else as ops/triton_small.py's kernel after it."""
@@ -175,15 +184,23 @@ def gdn_decode_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, windo
     norm = z is not None and bv >= dv
     window, w, state = window.contiguous(), w.contiguous(), state.contiguous()
     o = torch.empty(t, hv, dv, device=qkv.device, dtype=qkv.dtype)
-    caps = torch.empty(t, hv, dk, dv, device=qkv.device, dtype=torch.float32)
-    full = torch.empty(kk - 1 + t, c, device=qkv.device, dtype=torch.float32)
+    if out is None:
+        out = (torch.empty(t, hv, dk, device=qkv.device, dtype=torch.float32),
+               torch.empty(t, hv, dv, device=qkv.device, dtype=torch.float32),
+               torch.empty(t, hv, device=qkv.device, dtype=torch.float32),
+               torch.empty(kk - 1 + t, c, device=qkv.device, dtype=torch.float32))
+    shapes = ((t, hv, dk), (t, hv, dv), (t, hv), (kk - 1 + t, c))
+    if any(tuple(x.shape) != sh or x.dtype != torch.float32 or not x.is_contiguous() for x, sh in zip(out, shapes)):
+        raise ValueError(f"gdn_decode: out must be contiguous float32 of shapes {shapes}, "
+                         f"got {[tuple(x.shape) for x in out]}")
+    klog, dlog, declog, full = out
     zz = z if norm else o
     _gdn_decode_kernel[(hv, triton.cdiv(dv, bv))](
-        qkv, a, b, window, w, a_log, dt_bias, state, zz, norm_w if norm else a_log, o, caps, full, t,
+        qkv, a, b, window, w, a_log, dt_bias, state, zz, norm_w if norm else a_log, o, klog, dlog, declog, full, t,
         qkv.stride(0), a.stride(0), b.stride(0), zz.stride(0), c, hk * dk, dk ** -0.5, eps,
         REP=hv // hk, K=kk, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv,
         KM1P=triton.next_power_of_2(kk - 1), NORM=norm, num_warps=num_warps or NUM_WARPS, **pdl.kw(qkv))
     if z is not None and not norm:      # split heads: the norm as its own launch
         from .triton_small import gated_rms_norm_triton
         o = gated_rms_norm_triton(o, z.view(t, hv, dv), norm_w, eps)
-    return o, caps, full
+    return o, (klog, dlog, declog), full

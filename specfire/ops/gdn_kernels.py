@@ -1,11 +1,14 @@
-"""Triton kernels for the Gated DeltaNet rows path (decode, verify): the recurrence and the conv window.
+"""Triton kernels for the Gated DeltaNet rows path (decode, verify): the recurrence, the commit
+that replays logged rows, and the conv window.
 
 The recurrence kernel reads the state once into registers (one program per value head and BV
 value columns; columns of S evolve independently), applies the rows in order, and writes each
-row's output and, with capture, the state after every row ([T, Hv, dk, dv] float32) so that
-commit(n) is a copy. Every row runs the same instructions in the same order whatever T is, and a
-later row starts from exactly the state an earlier row wrote, so verify rows equal decode rows
-bit for bit.
+row's output and either the final state or (log) each row's update terms: delta_t [dv] and the
+decay factor exp(g_t). The state is never written by a rows forward; `commit_rows_triton` applies
+rows 0..n to the live state from those terms (and k_t) with the same float operations, an
+explicit FMA in both kernels, so it reproduces the state the rows kernel carried after row n bit
+for bit. Every row runs the same instructions in the same order whatever T is, so verify rows
+equal decode rows bit for bit.
 """
 from __future__ import annotations
 
@@ -15,14 +18,16 @@ import triton.language as tl
 
 BV = 16         # value columns per program
 NUM_WARPS = 1   # with BV = 16: measured best on the H200 for 2..16 rows (docs/BENCHMARKS.md)
+COMMIT_BV = 32  # value columns per program of the commit (27B heads: 48 layers x 48 heads x 4 programs)
 
 
 @triton.jit
-def _gdn_rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, s_ptr, o_ptr, cap_ptr, n_rows,
+def _gdn_rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, s_ptr, o_ptr, out_ptr, dec_ptr, n_rows,
                      sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sb_t, so_t, so_h,
                      DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                     CAPTURE: tl.constexpr):
+                     LOG: tl.constexpr):
     h = tl.program_id(0)
+    hv = tl.num_programs(0)
     offs_k = tl.arange(0, BK)
     offs_v = tl.program_id(1) * BV + tl.arange(0, BV)
     k_ok = offs_k < DK
@@ -37,22 +42,25 @@ def _gdn_rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, s_ptr, o_ptr, cap_ptr, n
         vt = tl.load(v_ptr + t * sv_t + h * sv_h + offs_v, mask=v_ok, other=0.0).to(tl.float32)
         gt = tl.load(g_ptr + t * sg_t + h).to(tl.float32)
         bt = tl.load(b_ptr + t * sb_t + h).to(tl.float32)
-        s = s * tl.exp(gt)
+        dec = tl.exp(gt)
+        s = s * dec
         u = tl.sum(kt[:, None] * s, 0)                                         # [BV] = S^T k
         delta = bt * (vt - u)
-        s = s + kt[:, None] * delta[None, :]
+        s = tl.fma(kt[:, None], delta[None, :], s)                             # as _gdn_commit_kernel
         o = tl.sum(qt[:, None] * s, 0)                                         # [BV] = S^T q
         tl.store(o_ptr + t * so_t + h * so_h + offs_v, o, mask=v_ok)
-        if CAPTURE:
-            tl.store(cap_ptr + (t * tl.num_programs(0) + h) * hs + s_off, s, mask=sm)
-    if not CAPTURE:
-        tl.store(cap_ptr + h * hs + s_off, s, mask=sm)
+        if LOG:
+            tl.store(out_ptr + (t * hv + h) * DV + offs_v, delta, mask=v_ok)
+            tl.store(dec_ptr + t * hv + h, dec, mask=tl.program_id(1) == 0)
+    if not LOG:
+        tl.store(out_ptr + h * hs + s_off, s, mask=sm)
 
 
 def gdn_rows_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    state: torch.Tensor, capture: bool = False, bv: int = BV,
-                    num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
-    """Contract of gdn_rows_ref: (o [T, Hv, dv] float32, states [T, Hv, dk, dv] or final [Hv, dk, dv])."""
+                    state: torch.Tensor, log: bool = False, bv: int = BV,
+                    num_warps: int = NUM_WARPS):
+    """Contract of gdn_rows_ref: (o [T, Hv, dv] float32, final [Hv, dk, dv]) or with `log`
+    (o, (delta [T, Hv, dv], dec [T, Hv]))."""
     t, hv, dk = k.shape
     dv = v.shape[-1]
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -62,14 +70,57 @@ def gdn_rows_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     beta = beta.contiguous()
     state = state.contiguous()
     o = torch.empty(t, hv, dv, device=q.device, dtype=torch.float32)
-    out_s = torch.empty((t, hv, dk, dv) if capture else (hv, dk, dv), device=q.device, dtype=torch.float32)
+    out = torch.empty((t, hv, dv) if log else (hv, dk, dv), device=q.device, dtype=torch.float32)
+    dec = torch.empty(t, hv, device=q.device, dtype=torch.float32) if log else out
     bv = min(bv, triton.next_power_of_2(dv))
     _gdn_rows_kernel[(hv, triton.cdiv(dv, bv))](
-        q, k, v, g, beta, state, o, out_s, t,
+        q, k, v, g, beta, state, o, out, dec, t,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         o.stride(0), o.stride(1),
-        DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, CAPTURE=capture, num_warps=num_warps)
-    return o, out_s
+        DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, LOG=log, num_warps=num_warps)
+    return o, ((out, dec) if log else out)
+
+
+@triton.jit(do_not_specialize=["n_rows"])   # one binary for every row count
+def _gdn_commit_kernel(s_ptr, k_ptr, d_ptr, dec_ptr, n_rows, T, HV,
+                       DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Program (layer * HV + head, column block): S := the state after the first n_rows logged rows."""
+    lh = tl.program_id(0).to(tl.int64)
+    layer = lh // HV
+    h = lh % HV
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.program_id(1) * BV + tl.arange(0, BV)
+    k_ok = offs_k < DK
+    v_ok = offs_v < DV
+    sm = k_ok[:, None] & v_ok[None, :]
+    ptrs = s_ptr + lh * (DK * DV) + offs_k[:, None] * DV + offs_v[None, :]
+    s = tl.load(ptrs, mask=sm, other=0.0)
+    for t in range(n_rows):
+        row = (layer * T + t) * HV + h
+        dec = tl.load(dec_ptr + row)
+        kt = tl.load(k_ptr + row * DK + offs_k, mask=k_ok, other=0.0)
+        dt = tl.load(d_ptr + row * DV + offs_v, mask=v_ok, other=0.0)
+        s = tl.fma(kt[:, None], dt[None, :], s * dec)       # the rows kernels' update, operation for operation
+    tl.store(ptrs, s, mask=sm)
+
+
+def commit_rows_triton(states: torch.Tensor, k: torch.Tensor, delta: torch.Tensor, dec: torch.Tensor, rows: int,
+                       bv: int = COMMIT_BV, num_warps: int = 2) -> None:
+    """Contract of ops/gdn.py commit_rows_ref (states modified in place), one launch for every layer."""
+    n_l, hv, dk, dv = states.shape
+    t = k.shape[1]
+    if (tuple(k.shape) != (n_l, t, hv, dk) or tuple(delta.shape) != (n_l, t, hv, dv)
+            or tuple(dec.shape) != (n_l, t, hv)):
+        raise ValueError(f"commit: logs k {list(k.shape)}, delta {list(delta.shape)}, dec {list(dec.shape)} "
+                         f"do not match states {list(states.shape)}")
+    for name, x in (("states", states), ("k", k), ("delta", delta), ("dec", dec)):
+        if not x.is_contiguous() or x.dtype != torch.float32:
+            raise ValueError(f"commit: {name} must be contiguous float32")
+    if rows == 0:
+        return
+    bv = min(bv, triton.next_power_of_2(dv))
+    _gdn_commit_kernel[(n_l * hv, triton.cdiv(dv, bv))](
+        states, k, delta, dec, rows, t, hv, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, num_warps=num_warps)
 
 
 @triton.jit

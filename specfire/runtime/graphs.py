@@ -6,8 +6,9 @@ docs/BENCHMARKS.md), far above the bandwidth bound. Replaying one captured graph
 
 What makes the forward capturable: the position is a device tensor (read by the rotary, the KV
 write and the attention kernel), every kernel's launch shape depends only on the row count and
-the cache size, and the per-row state capture buffers that `commit()` reads are graph outputs,
-re-attached to the sequence state after each replay. The live recurrent state is only changed
+the cache size, and the rows' log that `commit()` replays (each GDN layer's k, delta, decay and
+conv window, in the sequence state's fixed buffers per row count) is re-attached to the sequence
+state after each replay. The live recurrent state is only changed
 by `commit()`, outside the graph, so capture and warm-up never disturb a sequence.
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ class _Graph:
     ids: torch.Tensor                       # [R] static input
     hidden: torch.Tensor                    # [R, H] static outputs
     logits: torch.Tensor                    # [R, V]
-    caps: list[tuple[torch.Tensor | None, torch.Tensor | None]]
+    logs: list[tuple[torch.Tensor, ...] | None]
 
 
 class RowsGraphs:
@@ -43,7 +44,7 @@ class RowsGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, _Graph] = {}
         self.commits: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._rows = 0                      # row count of the last replay (whose captures commit reads)
+        self._rows = 0                      # row count of the last replay (whose log commit reads)
 
     def run(self, ids: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         r = ids.shape[0]
@@ -58,29 +59,29 @@ class RowsGraphs:
         return g.hidden.clone(), g.logits.clone()
 
     def _attach(self, g: _Graph) -> None:
-        for lc, (cap_rec, cap_conv) in zip(self.state.layers, g.caps):
+        for lc, log in zip(self.state.layers, g.logs):
             if lc.rec is not None:
-                lc.cap_rec, lc.cap_conv = cap_rec, cap_conv
+                lc.log = log
 
     def attached(self, state: SequenceState) -> bool:
-        """Whether the state holds the captures of a replay not yet committed."""
-        return self._rows > 0 and any(lc.cap_rec is not None for lc in state.layers)
+        """Whether the state holds the log of a replay not yet committed."""
+        return self._rows > 0 and any(lc.log is not None for lc in state.layers)
 
     def commit(self, n: int) -> None:
-        """`SequenceState.commit(n)` after a replay, as one graph per (rows, n): the captures are
-        the rows graph's fixed outputs and the live state is allocated once, so the copies of
-        every Gated DeltaNet layer replay with one launch (one multi-tensor copy inside)."""
+        """`SequenceState.commit(n)` after a replay, as one graph per (rows, n): the log is in the
+        state's fixed buffers and the live state is allocated once, so the commit of every Gated
+        DeltaNet layer replays as one launch (and one conv window copy)."""
         key = (self._rows, n)
         g = self.commits.get(key)
         if g is None:
             with torch.cuda.device(self.pos.device):
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.pool):
-                    self.state.commit(n)           # recorded, not run; it detaches the captures
+                    self.state.commit(n)           # recorded, not run; it detaches the log
         g.replay()
         self.commits[key] = g
         for lc in self.state.layers:
-            lc.cap_rec = lc.cap_conv = None
+            lc.log = None
 
     def _capture(self, ids: torch.Tensor) -> _Graph:
         with torch.cuda.device(ids.device):  # streams and the capture belong to the model's device
@@ -97,9 +98,9 @@ class RowsGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             hidden, logits = self.model(ids_buf, self.pos, self.state, rows=True, logits="all")
-        caps = [(lc.cap_rec, lc.cap_conv) for lc in self.state.layers]
+        logs = [lc.log for lc in self.state.layers]
         log.info("captured a CUDA graph for %d row(s)", ids.shape[0])
-        return _Graph(graph, ids_buf, hidden, logits, caps)
+        return _Graph(graph, ids_buf, hidden, logits, logs)
 
 
 @dataclass

@@ -59,7 +59,7 @@ def restore(state: SequenceState, snap: Snapshot) -> None:
             r, c = next(irec)
             lc.rec.copy_(r)
             lc.conv.copy_(c)
-            lc.cap_conv = lc.cap_rec = None
+            lc.log = None
         else:
             live = [t for t in (lc.k, lc.v, lc.k_scale, lc.v_scale) if t is not None]
             for dst, src in zip(live, next(ikv)):

@@ -1,13 +1,13 @@
 """The Trunk interface (the target model wherever it runs) and the single-device trunk.
 
-Rollback choice: per-row state capture. A rows-mode forward (decode = 1 row, verify = k+1 rows)
-leaves the live Gated DeltaNet state untouched and keeps the state and conv window after every
-row; `commit(n)` copies slot n into the live state (eagerly, the live state becomes slot n
-itself: no copy, the captures being fresh each forward; one graph replay under CUDA graphs). Measured on the CPU (bench/spec_cpu.py,
-docs/BENCHMARKS.md): a commit costs one state copy per GDN layer, 0.3-1% of a verify of k+1 rows
-(k = 1..4; 0.12 ms vs 32-46 ms on a 512-wide 8-layer model), while snapshot + replay would re-run
-up to k rows of every GDN layer after each partial accept. Memory: (k+1) captured states per GDN
-layer, e.g. 4 x 151 MB over all layers of the 27B at k = 3.
+Rollback choice: a logged replay. A rows-mode forward (decode = 1 row, verify = k+1 rows) leaves
+the live Gated DeltaNet state untouched and logs, per row, the state update's terms (k_t, delta_t,
+exp(g_t): a few KB per layer) and the conv window; `commit(n)` applies rows 0..n of that log to
+the live state in place, with the forward's own float operations (ops/gdn.py commit_rows: one
+launch over every layer on a GPU, one graph replay under CUDA graphs). Its traffic is one state
+read and write per GDN layer whatever n; the forward writes no state (an earlier design stored the
+state after every row, 151 MB a row on the 27B, and made commit a copy). Re-running whole rows
+(snapshot + replay) would cost every projection again.
 """
 from __future__ import annotations
 
@@ -108,8 +108,8 @@ class LocalTrunk:
     def commit(self, n: int) -> None:
         if self.graphs is not None and self.graphs.attached(self.state):
             self.graphs.commit(n)
-        else:   # eager: the live state takes row n's capture itself (graphs keep the live state's address)
-            self.state.commit(n, in_place=self.graphs is not None)
+        else:
+            self.state.commit(n)
 
     @torch.inference_mode()
     def score(self, ids: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,23 @@ import torch
 
 from specfire.ops.attn_fused import (out_gate_ref, out_gate_triton, qk_norm_rope_write_ref,
                                      qk_norm_rope_write_triton)
+from specfire.ops.gdn import commit_rows_ref
 from specfire.ops.gdn_fused import gdn_decode_ref, gdn_decode_triton
+from specfire.ops.gdn_kernels import commit_rows_triton
+
+
+def _commit(s, log, rows, kernel=commit_rows_triton):
+    """The state after the first `rows` logged rows (the commit kernel, or the reference)."""
+    st = s.clone()[None]
+    kernel(st, *(x[None].contiguous() for x in log), rows)
+    return st[0]
+
+
+def _close_logs(log, rlog, s):
+    for x, rx in zip(log, rlog):
+        torch.testing.assert_close(x, rx, rtol=1e-5, atol=1e-5)
+    t = log[0].shape[0]
+    torch.testing.assert_close(_commit(s, log, t), _commit(s, rlog, t, commit_rows_ref), rtol=1e-5, atol=1e-5)
 
 
 def _gdn_inputs(t, hk, hv, dk, dv, kk, dtype, seed):
@@ -43,12 +59,13 @@ def test_gdn_decode_matches_reference(t, hk, hv, dk, dv, kk, bv, dtype):
     """bv < dv: a head's columns split over programs (no norm); bv 16: whole heads."""
     args = _gdn_inputs(t, hk, hv, dk, dv, kk, dtype, seed=t * 31 + dk + dv)
     s0 = args[-1].clone()
-    o, caps, full = gdn_decode_triton(*args, hk, dk, dv, bv=bv)
-    ro, rcaps, rfull = gdn_decode_ref(*args, hk, dk, dv)
+    o, log, full = gdn_decode_triton(*args, hk, dk, dv, bv=bv)
+    ro, rlog, rfull = gdn_decode_ref(*args, hk, dk, dv)
     assert torch.equal(args[-1], s0)                          # the live state is not modified
-    assert o.dtype == dtype and o.shape == (t, hv, dv) and caps.shape == (t, hv, dk, dv)
+    assert o.dtype == dtype and o.shape == (t, hv, dv)
+    assert [tuple(x.shape) for x in log] == [(t, hv, dk), (t, hv, dv), (t, hv)]
     assert torch.equal(full, rfull)                            # the window is copied, not computed
-    torch.testing.assert_close(caps, rcaps, rtol=1e-5, atol=1e-5)
+    _close_logs(log, rlog, s0)
     if dtype == torch.float32:
         torch.testing.assert_close(o, ro, rtol=1e-5, atol=1e-5)
     else:   # one rounding of a float32 value that differs by reduction order: within 2 units
@@ -62,36 +79,38 @@ def test_gdn_decode_gated_norm_matches_reference(t, hk, hv, dk, dv, kk, dtype):
     tails: dv 12 / 10 / 7 in a block of 16 / 16 / 8 lanes)."""
     args = _gdn_inputs(t, hk, hv, dk, dv, kk, dtype, seed=t * 17 + dk + dv)
     z, nw = _gate_inputs(t, hv, dv, dtype, seed=t + dv)
-    o, caps, full = gdn_decode_triton(*args, hk, dk, dv, z, nw, 1e-6)
-    ro, rcaps, rfull = gdn_decode_ref(*args, hk, dk, dv, z, nw, 1e-6)
+    o, log, full = gdn_decode_triton(*args, hk, dk, dv, z, nw, 1e-6)
+    ro, rlog, rfull = gdn_decode_ref(*args, hk, dk, dv, z, nw, 1e-6)
     assert o.dtype == dtype and o.shape == (t, hv, dv)
     assert torch.equal(full, rfull)
-    torch.testing.assert_close(caps, rcaps, rtol=1e-5, atol=1e-5)
+    _close_logs(log, rlog, args[-1])
     if dtype == torch.float32:
         torch.testing.assert_close(o, ro, rtol=1e-5, atol=1e-5)
     else:   # the norm rounds three times; a unit's difference in o can move a value by a few units
         torch.testing.assert_close(o.float(), ro.float(), rtol=2 ** -5, atol=2e-2)
-    o2, caps2, _ = gdn_decode_triton(*args, hk, dk, dv, z, nw, 1e-6, bv=4)   # split heads: the norm after
-    torch.testing.assert_close(caps2, rcaps, rtol=1e-5, atol=1e-5)
+    o2, log2, _ = gdn_decode_triton(*args, hk, dk, dv, z, nw, 1e-6, bv=4)   # split heads: the norm after
+    _close_logs(log2, rlog, args[-1])
     torch.testing.assert_close(o2.float(), ro.float(), rtol=2 ** -5, atol=2e-2)
 
 
 @pytest.mark.parametrize("norm,bv", [(False, 4), (True, None), (True, 4)])
 def test_gdn_decode_rows_equal_chained_single_rows(norm, bv):
     """Whole heads with the norm inside, and split heads (the default form) with or without the
-    gated norm's own launch after them."""
+    gated norm's own launch after them: rows at once == single rows, each from the state commit
+    left after the previous one (so commit(i) == i+1 single rows committed), bit for bit."""
     t, hk, hv, dk, dv, kk = 3, 1, 2, 6, 5, 4
     qkv, a, b, win, w, a_log, dtb, s = _gdn_inputs(t, hk, hv, dk, dv, kk, torch.bfloat16, seed=7)
     z, nw = _gate_inputs(t, hv, dv, torch.bfloat16, seed=7) if norm else (None, None)
     kw = {"bv": bv}
-    o, caps, full = gdn_decode_triton(qkv, a, b, win, w, a_log, dtb, s, hk, dk, dv, z, nw, **kw)
+    o, log, full = gdn_decode_triton(qkv, a, b, win, w, a_log, dtb, s, hk, dk, dv, z, nw, **kw)
     cur_s, cur_w = s, win
     for i in range(t):
         zi = z[i:i + 1] if norm else None
-        o1, c1, f1 = gdn_decode_triton(qkv[i:i + 1], a[i:i + 1], b[i:i + 1], cur_w, w, a_log, dtb, cur_s,
+        o1, l1, f1 = gdn_decode_triton(qkv[i:i + 1], a[i:i + 1], b[i:i + 1], cur_w, w, a_log, dtb, cur_s,
                                        hk, dk, dv, zi, nw, **kw)
-        assert torch.equal(o1[0], o[i]) and torch.equal(c1[0], caps[i]), i
-        cur_s, cur_w = caps[i], full[i + 1:i + kk]             # what commit(i) installs
+        assert torch.equal(o1[0], o[i]) and all(torch.equal(x[0], y[i]) for x, y in zip(l1, log)), i
+        cur_s, cur_w = _commit(cur_s, l1, 1), full[i + 1:i + kk]      # commit(0) of the single row
+        assert torch.equal(cur_s, _commit(s, log, i + 1)), i           # commit(i) of the rows
         assert torch.equal(f1[1:], cur_w)
 
 
@@ -111,17 +130,18 @@ def test_gdn_decode_head_shard_equals_whole(norm, bv):
     qkv, a, b, win, w, a_log, dtb, s = _gdn_inputs(t, hk, hv, dk, dv, kk, torch.bfloat16, seed=3)
     z, nw = _gate_inputs(t, hv, dv, torch.bfloat16, seed=3) if norm else (None, None)
     kw = {"bv": bv}
-    o, caps, full = gdn_decode_triton(qkv, a, b, win, w, a_log, dtb, s, hk, dk, dv, z, nw, **kw)
+    o, log, full = gdn_decode_triton(qkv, a, b, win, w, a_log, dtb, s, hk, dk, dv, z, nw, **kw)
     rep, kd = hv // hk, hk * dk
     for k0, k1 in ((0, 1), (1, 2)):                       # shards of key heads and their value heads
         h0, h1 = k0 * rep, k1 * rep
         ch = torch.cat([torch.arange(k0 * dk, k1 * dk), kd + torch.arange(k0 * dk, k1 * dk),
                         2 * kd + torch.arange(h0 * dv, h1 * dv)])
         z2 = z[:, h0 * dv:h1 * dv] if norm else None
-        o2, c2, f2 = gdn_decode_triton(qkv[:, ch].contiguous(), a[:, h0:h1].contiguous(), b[:, h0:h1].contiguous(),
+        o2, l2, f2 = gdn_decode_triton(qkv[:, ch].contiguous(), a[:, h0:h1].contiguous(), b[:, h0:h1].contiguous(),
                                        win[:, ch].contiguous(), w[ch].contiguous(), a_log[h0:h1], dtb[h0:h1],
                                        s[h0:h1].contiguous(), k1 - k0, dk, dv, z2, nw, **kw)
-        assert torch.equal(o2, o[:, h0:h1]) and torch.equal(c2, caps[:, h0:h1]) and torch.equal(f2, full[:, ch])
+        assert torch.equal(o2, o[:, h0:h1]) and torch.equal(f2, full[:, ch])
+        assert all(torch.equal(x, y[:, h0:h1]) for x, y in zip(l2, log))
 
 
 def test_gdn_decode_rejects_bad_shapes():
@@ -131,6 +151,9 @@ def test_gdn_decode_rejects_bad_shapes():
     z, nw = _gate_inputs(2, 2, 12, torch.float32, seed=1)
     with pytest.raises(ValueError, match="z of shape"):
         gdn_decode_triton(*args, 1, 8, 12, z[:, :20], nw)
+    with pytest.raises(ValueError, match="out must be"):
+        gdn_decode_triton(*args, 1, 8, 12, out=(torch.empty(2, 2, 8), torch.empty(2, 2, 12), torch.empty(2, 2),
+                                                torch.empty(3, 40)))
 
 
 def _attn_inputs(t, hq, hkv, d, r, dtype, seed, max_seq=16):
@@ -203,7 +226,8 @@ def test_out_gate_matches_reference(t, hq, d, dtype):
 
 def test_model_rows_forward_fused_matches_unfused(monkeypatch):
     """The call sites in model/qwen35.py: a 3-row verify through the fused kernels (forced on, CPU
-    tensors in the interpreter) gives the unfused logits, KV rows and per-row captures."""
+    tensors in the interpreter) gives the unfused logits, KV rows and rows' log, and commit(1)
+    the same state."""
     from specfire.config import ModelConfig
     from specfire.model.qwen35 import Qwen35Trunk
     from specfire.ops import fusion
@@ -225,7 +249,8 @@ def test_model_rows_forward_fused_matches_unfused(monkeypatch):
         m(ids, 0, st, rows=False)
         h, logits = m(draft, 6, st, rows=True)
         lin, att = st.layers
-        outs.append((logits, lin.cap_rec, lin.cap_conv, att.k[6:9].clone(), att.v[6:9].clone()))
-        st.commit(1)                                   # the captures install as before
+        outs.append((logits, *(x.clone() for x in lin.log), att.k[6:9].clone(), att.v[6:9].clone()))
+        st.commit(1)                                   # the log replays into the state's own buffers
+        outs[-1] += (lin.rec.clone(), lin.conv.clone())
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
