@@ -20,6 +20,9 @@ guarded figure closes both exits: a completion of fewer than 2 complete non-blan
 (a model the checked one was not trained from scratch against, e.g. the previous weights) exceeds
 --junk-ppl (word salad; the default 40 is several times what real code and the shipped model's
 completions score, see MODEL_CARD.md).
+`--repetition-penalty R --frequency-penalty F --presence-penalty P` decode with those penalties
+(SamplingParams; vLLM's semantics, neutral by default): greedy with penalties is NOT plain greedy,
+so its figures answer "what would a penalised default give", not the plain-greedy target.
 `--natural N` applies the same measure to real code instead of the model's completions: N
 definitions (`def` / `class` lines) of the held-out packages and stdlib modules, each followed by
 the next --max-tokens tokens of its file (what repetition real code has: the measure's floor).
@@ -28,6 +31,7 @@ the next --max-tokens tokens of its file (what repetition real code has: the mea
     PYTHONPATH=. python bench/bundled_loops.py --model NEW --ref-model OLD     # + the junk guard
     PYTHONPATH=. python bench/bundled_loops.py --natural 400
     PYTHONPATH=. python bench/bundled_loops.py --cut-block-end     # as if the model ended after the definition
+    PYTHONPATH=. python bench/bundled_loops.py --repetition-penalty 1.2 --ref-model specfire/bundled
 Prints a per-prompt table, sample completions, and one JSON line last.
 """
 from __future__ import annotations
@@ -110,11 +114,16 @@ def model_samples(args) -> list[dict]:
     out = []
     for i, p in enumerate(PROMPTS):
         sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.seed + i, ignore_eos=args.ignore_eos)
+                            seed=args.seed + i, ignore_eos=args.ignore_eos, **penalties(args))
         r = llm.generate(p, sp, spec="off")
         out.append({"prompt": p, "text": r.text, "ids": r.token_ids, "finish": r.finish_reason})
     llm.close()
     return out
+
+
+def penalties(args) -> dict[str, float]:
+    return {"repetition_penalty": args.repetition_penalty, "presence_penalty": args.presence_penalty,
+            "frequency_penalty": args.frequency_penalty}
 
 
 def natural_samples(args) -> list[dict]:
@@ -147,6 +156,9 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the target's setting)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (per prompt: seed + index)")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0, help="1: off (the target's setting)")
+    ap.add_argument("--presence-penalty", type=float, default=0.0, help="0: off (the target's setting)")
+    ap.add_argument("--frequency-penalty", type=float, default=0.0, help="0: off (the target's setting)")
     ap.add_argument("--ignore-eos", action="store_true",
                     help="write all --max-tokens tokens even past the end-of-text token (default: stop there, "
                          "as `specfire run` does)")
@@ -220,7 +232,7 @@ def main() -> int:
         print("\n" + "-" * 60 + "\n" + smp["prompt"] + "\u2502" + smp["text"])
     print(json.dumps({"bench": "bundled_loops", "model": args.model or "bundled", "natural": args.natural,
                       "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-                      "ignore_eos": args.ignore_eos, "prompts": len(samples), **summary,
+                      "ignore_eos": args.ignore_eos, **penalties(args), "prompts": len(samples), **summary,
                       "per_prompt": [] if args.natural else [{k: v for k, v in r.items() if k != "text"}
                                                             for r in rows]}))
     return 0
