@@ -96,6 +96,14 @@ def test_run_penalty_flags(model, llm, cli_run):
     assert out["token_ids"] == ref.token_ids and "penalties" in out["stats"]["route_reason"]
 
 
+def test_serve_penalty_flags_checked_before_the_port_and_the_model(model, cli_run):
+    p = cli_run("serve", model, "--presence-penalty", "5", "--port", "1")
+    assert p.returncode == 2 and p.stderr.strip() == "specfire: error: --presence-penalty must be <= 2.0, got 5.0"
+    p = cli_run("serve", "--help")
+    assert p.returncode == 0 and all(f in p.stdout for f in ("--repetition-penalty", "--presence-penalty",
+                                                               "--frequency-penalty"))
+
+
 def test_run_default_route(model, cli_run):
     """Without --spec the load-time policy is auto; the answer is still one JSON object."""
     p = cli_run("run", "--model", model, "--prompt", "x", "-n", "4", "--json")
