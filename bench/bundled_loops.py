@@ -9,6 +9,10 @@ the end-of-text token, as `specfire run` does, unless --ignore-eos); the figures
 - distinct 4-grams: distinct token 4-grams / all token 4-grams of the completion;
 - long lines only: the repeated share among lines of at least 8 non-blank characters (so `else:`,
   `pass`, `return`, closing quotes or `)` never count), beside the main figure;
+- prompt names reused: of the identifiers in the prompt (3+ characters; not keywords, builtins
+  or `self`), the share the completion mentions again, summed over prompts (does it still write
+  about what it was asked? a repetition penalty, which counts the prompt, pushes these away;
+  added with the penalty options, 2026-12-01);
 - phrase-loop lines: the share of complete non-blank lines in which a run of 3 words occurs twice
   (`a directory of the directory of the directory`, `all all all`): loops inside a line, which the
   repeated-line figure cannot see (measured beside it since 2026-12-01).
@@ -37,8 +41,11 @@ Prints a per-prompt table, sample completions, and one JSON line last.
 from __future__ import annotations
 
 import argparse
+import builtins
 import json
+import keyword
 import os
+import re
 import sys
 
 import torch
@@ -49,6 +56,16 @@ from specfire.api import LLM                         # noqa: E402
 from specfire.config import SamplingParams           # noqa: E402
 from specfire.train.select import LOOP_PROMPTS as PROMPTS, guarded   # noqa: E402  (the prompts, the guard)
 from specfire.train.unlikelihood import line_stats, phrase_loop_lines   # noqa: E402  (the measures)
+
+NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+COMMON = set(keyword.kwlist) | set(dir(builtins)) | {"self", "cls", "os"}
+
+
+def prompt_names(prompt: str, text: str) -> tuple[int, int]:
+    """(identifiers of the prompt, those the completion uses again)."""
+    names = {w for w in NAME.findall(prompt) if len(w) >= 3 and w not in COMMON}
+    return len(names), len(names & set(NAME.findall(text)))
+
 
 def distinct_4grams(ids: list[int]) -> tuple[int, int]:
     grams = [tuple(ids[i:i + 4]) for i in range(len(ids) - 3)]
@@ -185,7 +202,7 @@ def main() -> int:
     refs = reference_ppl(args.ref_model, samples) if args.ref_model else [float("nan")] * len(samples)
     rows = []
     tot = {"lines": 0, "rep": 0, "rep_all": 0, "g_distinct": 0, "g_all": 0, "long": 0, "rep_long": 0,
-           "g_lines": 0, "g_rep": 0, "p_lines": 0, "p_loops": 0}
+           "g_lines": 0, "g_rep": 0, "p_lines": 0, "p_loops": 0, "names": 0, "names_used": 0}
     for smp, ref in zip(samples, refs):
         cut = smp["finish"] == "length"
         n, rep, rep_all = line_stats(smp["prompt"], smp["text"], cut=cut)
@@ -193,12 +210,13 @@ def main() -> int:
         nl, rl = long_line_stats(smp["text"], cut)
         gn, gr = guarded(n, rep, ref > args.junk_ppl)     # nan (no reference) is never junk
         pn, pl = phrase_loop_lines(smp["text"], cut)
-        for k, v in zip(tot, (n, rep, rep_all, gd, ga, nl, rl, gn, gr, pn, pl)):
+        nn, nu = prompt_names(smp["prompt"], smp["text"])
+        for k, v in zip(tot, (n, rep, rep_all, gd, ga, nl, rl, gn, gr, pn, pl, nn, nu)):
             tot[k] += v
         rows.append({"prompt": smp["prompt"].split("\n")[0].strip(), "lines": n, "repeated": rep,
                      "repeated_with_prompt": rep_all, "long_lines": nl, "long_repeated": rl,
                      "distinct_4grams": gd / max(1, ga), "tokens": len(smp["ids"]), "finish": smp["finish"],
-                     "ref_ppl": ref, "phrase_loop_lines": pl,
+                     "ref_ppl": ref, "phrase_loop_lines": pl, "prompt_names": nn, "prompt_names_used": nu,
                      "text": smp["text"]})
     if not args.natural:
         print(f"{'prompt':<44} {'tokens':>6} {'finish':>6} {'lines':>5} {'rep':>4} {'rep+p':>5} {'long':>4} "
@@ -212,6 +230,7 @@ def main() -> int:
                "repeated_long_line_frac": tot["rep_long"] / max(1, tot["long"]),
                "repeated_line_frac_guarded": tot["g_rep"] / max(1, tot["g_lines"]),
                "phrase_loop_line_frac": tot["p_loops"] / max(1, tot["p_lines"]),
+               "prompt_names_reused_frac": tot["names_used"] / max(1, tot["names"]),
                "junk_guard": args.ref_model, "junk_ppl": args.junk_ppl,
                "junk_completions": sum(r["ref_ppl"] > args.junk_ppl for r in rows),
                "distinct_4gram_frac": tot["g_distinct"] / max(1, tot["g_all"]), "lines": tot["lines"],
@@ -223,7 +242,8 @@ def main() -> int:
           f"{100 * summary['repeated_long_line_frac']:.1f}% of {tot['long']}), distinct 4-grams "
           f"{100 * summary['distinct_4gram_frac']:.1f}%, over {tot['lines']} lines of {what}; "
           f"{summary['prompts_without_a_line']} wrote no complete line, {summary['stopped_early']} ended "
-          f"(end-of-text) before --max-tokens; phrase-loop lines {100 * summary['phrase_loop_line_frac']:.1f}%")
+          f"(end-of-text) before --max-tokens; phrase-loop lines {100 * summary['phrase_loop_line_frac']:.1f}%; "
+          f"prompt names reused {100 * summary['prompt_names_reused_frac']:.0f}% of {tot['names']}")
     guard = (f"; {summary['junk_completions']} over perplexity {args.junk_ppl:g} under {args.ref_model}"
              if args.ref_model else " (no --ref-model: no junk guard)")
     print(f"guarded: {100 * summary['repeated_line_frac_guarded']:.1f}% (a completion of < 2 lines counts as 2 "
