@@ -122,8 +122,6 @@ class Engine:
         fed = [drafters[r] for r in ctl.candidates if r in drafters]   # drafters that see every token
         trunk, bufs, dev = self.trunk, self.bufs, self.trunk.device
         gen = None if sp.greedy else bufs.rng.seed(sp.seed)   # device-side stream: graphs replay fresh draws
-        prompt = torch.tensor(ids, device=dev)
-        pen = bufs.penalties(trunk.cfg.vocab_size, prompt) if sp.penalized else None   # reset per request
         max_new = min(sp.max_tokens, trunk.max_seq - len(ids))
         out = OutputBuilder(sp, self.eos_ids, self.tokenizer, max_new)
         stats = SpecStats(on_cycle=on_cycle)
@@ -137,6 +135,8 @@ class Engine:
             return step
 
         t0 = time.perf_counter()
+        prompt = torch.tensor(ids, device=dev)
+        pen = bufs.penalties(trunk.cfg.vocab_size, prompt) if sp.penalized else None   # reset per request
         cached = 0
         if self.prefix is not None:
             rows, cached = self.prefix.prefill(ids, prompt)
