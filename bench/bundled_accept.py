@@ -10,6 +10,7 @@ decode on the CPU (alternating prompt by prompt) with the default drafter; `--fe
 MTP self-feed variants whose acceptance is measured.
 
     PYTHONPATH=. python bench/bundled_accept.py [--model DIR] [--source packages|stdlib] [--threads 2] [--max-tokens 128]
+        [--repetition-penalty R] [--presence-penalty P] [--frequency-penalty F]   # greedy with penalties
 Prints a table and one JSON line last.
 """
 from __future__ import annotations
@@ -74,10 +75,15 @@ def main() -> int:
     ap.add_argument("--speed-k", type=int, default=0, help="k for the speed test (0: the best measured)")
     ap.add_argument("--speed-reps", type=int, default=3)
     ap.add_argument("--feeds", default="post,pre", help="MTP self-feed variants to measure")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0, help="1: off")
+    ap.add_argument("--presence-penalty", type=float, default=0.0, help="0: off")
+    ap.add_argument("--frequency-penalty", type=float, default=0.0, help="0: off")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     prompts = held_out_prompts(args.prompts, args.lines, args.source)
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    pen = {"repetition_penalty": args.repetition_penalty, "presence_penalty": args.presence_penalty,
+           "frequency_penalty": args.frequency_penalty}
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, **pen)
     llm = LLM(args.model, device="cpu", dtype="float32", spec="auto", progress=False)
     if not llm.mtp_loaded:
         print("the model has no MTP head", file=sys.stderr)
@@ -103,7 +109,8 @@ def main() -> int:
             rows.append({"feed": feed, "k": k, "mean_accept_len": 1 + accepted / cycles, "cycles": cycles,
                          "accept_per_pos": [p / cycles for p in per_pos], "identical_to_ar": identical})
     drafter.feed = default_feed                  # the speed test runs the default drafter
-    print(f"{len(prompts)} held-out {args.source} prompts ({', '.join(r for r, _ in prompts)}), {args.max_tokens} new tokens, greedy")
+    print(f"{len(prompts)} held-out {args.source} prompts ({', '.join(r for r, _ in prompts)}), {args.max_tokens} new tokens, "
+          f"greedy{'; ' + sp.penalty_text() if sp.penalized else ''}")
     print(f"{'feed':>5} {'k':>2} {'mean_accept_len':>16} {'identical':>9}  per-position acceptance")
     for r in rows:
         print(f"{r['feed']:>5} {r['k']:>2} {r['mean_accept_len']:>16.3f} {str(r['identical_to_ar']):>9}  "
@@ -143,6 +150,7 @@ def main() -> int:
     print("".join(prompts[0][1].splitlines(keepends=True)[-4:]) + "\u2502" + sample)
     llm.close()
     print(json.dumps({"bench": "bundled_accept", "source": args.source, "threads": args.threads, "max_tokens": args.max_tokens,
+                      **pen,
                       "prompts": len(prompts), "accept": rows, "speed_k": speed_k, "speed_feed": default_feed, "ar_tok_s": ar_med,
                       "mtp_tok_s": mtp_med, "speedup_best": mtp_med / ar_med, "speedup_median_ratio": ratio,
                       "speed_identical": same}))

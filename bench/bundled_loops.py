@@ -9,6 +9,10 @@ the end-of-text token, as `specfire run` does, unless --ignore-eos); the figures
 - distinct 4-grams: distinct token 4-grams / all token 4-grams of the completion;
 - long lines only: the repeated share among lines of at least 8 non-blank characters (so `else:`,
   `pass`, `return`, closing quotes or `)` never count), beside the main figure;
+- prompt names reused: of the identifiers in the prompt (3+ characters; not keywords, builtins
+  or `self`), the share the completion mentions again, summed over prompts (does it still write
+  about what it was asked? a repetition penalty, which counts the prompt, pushes these away;
+  added with the penalty options, 2026-12-01);
 - phrase-loop lines: the share of complete non-blank lines in which a run of 3 words occurs twice
   (`a directory of the directory of the directory`, `all all all`): loops inside a line, which the
   repeated-line figure cannot see (measured beside it since 2026-12-01).
@@ -20,6 +24,9 @@ guarded figure closes both exits: a completion of fewer than 2 complete non-blan
 (a model the checked one was not trained from scratch against, e.g. the previous weights) exceeds
 --junk-ppl (word salad; the default 40 is several times what real code and the shipped model's
 completions score, see MODEL_CARD.md).
+`--repetition-penalty R --frequency-penalty F --presence-penalty P` decode with those penalties
+(SamplingParams; vLLM's semantics, neutral by default): greedy with penalties is NOT plain greedy,
+so its figures answer "what would a penalised default give", not the plain-greedy target.
 `--natural N` applies the same measure to real code instead of the model's completions: N
 definitions (`def` / `class` lines) of the held-out packages and stdlib modules, each followed by
 the next --max-tokens tokens of its file (what repetition real code has: the measure's floor).
@@ -28,13 +35,17 @@ the next --max-tokens tokens of its file (what repetition real code has: the mea
     PYTHONPATH=. python bench/bundled_loops.py --model NEW --ref-model OLD     # + the junk guard
     PYTHONPATH=. python bench/bundled_loops.py --natural 400
     PYTHONPATH=. python bench/bundled_loops.py --cut-block-end     # as if the model ended after the definition
+    PYTHONPATH=. python bench/bundled_loops.py --repetition-penalty 1.2 --ref-model specfire/bundled
 Prints a per-prompt table, sample completions, and one JSON line last.
 """
 from __future__ import annotations
 
 import argparse
+import builtins
 import json
+import keyword
 import os
+import re
 import sys
 
 import torch
@@ -45,6 +56,16 @@ from specfire.api import LLM                         # noqa: E402
 from specfire.config import SamplingParams           # noqa: E402
 from specfire.train.select import LOOP_PROMPTS as PROMPTS, guarded   # noqa: E402  (the prompts, the guard)
 from specfire.train.unlikelihood import line_stats, phrase_loop_lines   # noqa: E402  (the measures)
+
+NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+COMMON = set(keyword.kwlist) | set(dir(builtins)) | {"self", "cls", "os"}
+
+
+def prompt_names(prompt: str, text: str) -> tuple[int, int]:
+    """(identifiers of the prompt, those the completion uses again)."""
+    names = {w for w in NAME.findall(prompt) if len(w) >= 3 and w not in COMMON}
+    return len(names), len(names & set(NAME.findall(text)))
+
 
 def distinct_4grams(ids: list[int]) -> tuple[int, int]:
     grams = [tuple(ids[i:i + 4]) for i in range(len(ids) - 3)]
@@ -110,11 +131,16 @@ def model_samples(args) -> list[dict]:
     out = []
     for i, p in enumerate(PROMPTS):
         sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.seed + i, ignore_eos=args.ignore_eos)
+                            seed=args.seed + i, ignore_eos=args.ignore_eos, **penalties(args))
         r = llm.generate(p, sp, spec="off")
         out.append({"prompt": p, "text": r.text, "ids": r.token_ids, "finish": r.finish_reason})
     llm.close()
     return out
+
+
+def penalties(args) -> dict[str, float]:
+    return {"repetition_penalty": args.repetition_penalty, "presence_penalty": args.presence_penalty,
+            "frequency_penalty": args.frequency_penalty}
 
 
 def natural_samples(args) -> list[dict]:
@@ -147,6 +173,9 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the target's setting)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (per prompt: seed + index)")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0, help="1: off (the target's setting)")
+    ap.add_argument("--presence-penalty", type=float, default=0.0, help="0: off (the target's setting)")
+    ap.add_argument("--frequency-penalty", type=float, default=0.0, help="0: off (the target's setting)")
     ap.add_argument("--ignore-eos", action="store_true",
                     help="write all --max-tokens tokens even past the end-of-text token (default: stop there, "
                          "as `specfire run` does)")
@@ -173,7 +202,7 @@ def main() -> int:
     refs = reference_ppl(args.ref_model, samples) if args.ref_model else [float("nan")] * len(samples)
     rows = []
     tot = {"lines": 0, "rep": 0, "rep_all": 0, "g_distinct": 0, "g_all": 0, "long": 0, "rep_long": 0,
-           "g_lines": 0, "g_rep": 0, "p_lines": 0, "p_loops": 0}
+           "g_lines": 0, "g_rep": 0, "p_lines": 0, "p_loops": 0, "names": 0, "names_used": 0}
     for smp, ref in zip(samples, refs):
         cut = smp["finish"] == "length"
         n, rep, rep_all = line_stats(smp["prompt"], smp["text"], cut=cut)
@@ -181,12 +210,13 @@ def main() -> int:
         nl, rl = long_line_stats(smp["text"], cut)
         gn, gr = guarded(n, rep, ref > args.junk_ppl)     # nan (no reference) is never junk
         pn, pl = phrase_loop_lines(smp["text"], cut)
-        for k, v in zip(tot, (n, rep, rep_all, gd, ga, nl, rl, gn, gr, pn, pl)):
+        nn, nu = prompt_names(smp["prompt"], smp["text"])
+        for k, v in zip(tot, (n, rep, rep_all, gd, ga, nl, rl, gn, gr, pn, pl, nn, nu)):
             tot[k] += v
         rows.append({"prompt": smp["prompt"].split("\n")[0].strip(), "lines": n, "repeated": rep,
                      "repeated_with_prompt": rep_all, "long_lines": nl, "long_repeated": rl,
                      "distinct_4grams": gd / max(1, ga), "tokens": len(smp["ids"]), "finish": smp["finish"],
-                     "ref_ppl": ref, "phrase_loop_lines": pl,
+                     "ref_ppl": ref, "phrase_loop_lines": pl, "prompt_names": nn, "prompt_names_used": nu,
                      "text": smp["text"]})
     if not args.natural:
         print(f"{'prompt':<44} {'tokens':>6} {'finish':>6} {'lines':>5} {'rep':>4} {'rep+p':>5} {'long':>4} "
@@ -200,6 +230,7 @@ def main() -> int:
                "repeated_long_line_frac": tot["rep_long"] / max(1, tot["long"]),
                "repeated_line_frac_guarded": tot["g_rep"] / max(1, tot["g_lines"]),
                "phrase_loop_line_frac": tot["p_loops"] / max(1, tot["p_lines"]),
+               "prompt_names_reused_frac": tot["names_used"] / max(1, tot["names"]),
                "junk_guard": args.ref_model, "junk_ppl": args.junk_ppl,
                "junk_completions": sum(r["ref_ppl"] > args.junk_ppl for r in rows),
                "distinct_4gram_frac": tot["g_distinct"] / max(1, tot["g_all"]), "lines": tot["lines"],
@@ -211,7 +242,8 @@ def main() -> int:
           f"{100 * summary['repeated_long_line_frac']:.1f}% of {tot['long']}), distinct 4-grams "
           f"{100 * summary['distinct_4gram_frac']:.1f}%, over {tot['lines']} lines of {what}; "
           f"{summary['prompts_without_a_line']} wrote no complete line, {summary['stopped_early']} ended "
-          f"(end-of-text) before --max-tokens; phrase-loop lines {100 * summary['phrase_loop_line_frac']:.1f}%")
+          f"(end-of-text) before --max-tokens; phrase-loop lines {100 * summary['phrase_loop_line_frac']:.1f}%; "
+          f"prompt names reused {100 * summary['prompt_names_reused_frac']:.0f}% of {tot['names']}")
     guard = (f"; {summary['junk_completions']} over perplexity {args.junk_ppl:g} under {args.ref_model}"
              if args.ref_model else " (no --ref-model: no junk guard)")
     print(f"guarded: {100 * summary['repeated_line_frac_guarded']:.1f}% (a completion of < 2 lines counts as 2 "
@@ -220,7 +252,7 @@ def main() -> int:
         print("\n" + "-" * 60 + "\n" + smp["prompt"] + "\u2502" + smp["text"])
     print(json.dumps({"bench": "bundled_loops", "model": args.model or "bundled", "natural": args.natural,
                       "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-                      "ignore_eos": args.ignore_eos, "prompts": len(samples), **summary,
+                      "ignore_eos": args.ignore_eos, **penalties(args), "prompts": len(samples), **summary,
                       "per_prompt": [] if args.natural else [{k: v for k, v in r.items() if k != "text"}
                                                             for r in rows]}))
     return 0

@@ -37,11 +37,30 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
                         "unchanged, acceptance may drop); default: the whole vocabulary")
 
 
+def add_penalty_args(p: argparse.ArgumentParser, what: str = "") -> None:
+    """--repetition-penalty / --presence-penalty / --frequency-penalty (vLLM's meanings; neutral by default)."""
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide the positive logits of token ids already in the prompt or output by this "
+                        "(multiply negative ones); 1 is off" + what)
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract this from the logit of every token id already generated (-2..2; 0 is off)" + what)
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this times its count from the logit of every token id already generated "
+                        "(-2..2; 0 is off)" + what)
+
+
+def penalty_kw(args: argparse.Namespace) -> dict[str, float]:
+    return {"repetition_penalty": args.repetition_penalty, "presence_penalty": args.presence_penalty,
+            "frequency_penalty": args.frequency_penalty}
+
+
 # the flag behind each field a ValueError names first, so CLI errors speak of flags
 FLAGS = {"max_tokens": "-n/--max-tokens", "temperature": "-t/--temperature", "top_p": "--top-p",
          "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed", "stop": "--stop", "spec.k": "--spec-k",
          "spec.mode": "--spec", "tp": "--tp", "device": "--device", "dtype": "--dtype", "kv_dtype": "--kv-dtype",
-         "max_seq_len": "--max-seq-len", "ngram": "--ngram-n", "draft_vocab": "--draft-vocab"}
+         "max_seq_len": "--max-seq-len", "ngram": "--ngram-n", "draft_vocab": "--draft-vocab",
+         "repetition_penalty": "--repetition-penalty", "presence_penalty": "--presence-penalty",
+         "frequency_penalty": "--frequency-penalty"}
 
 
 def flagged(e: ValueError) -> ValueError:
@@ -93,6 +112,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p times the likeliest")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_penalty_args(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
 
@@ -100,7 +120,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     try:
         sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop)
+                            top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop, **penalty_kw(args))
     except ValueError as e:
         raise flagged(e) from None
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()

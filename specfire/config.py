@@ -265,9 +265,18 @@ def _check_number(name: str, v: Any, lo: float | None = None, hi: float | None =
 MAX_SEED = 2 ** 63 - 1   # torch generators take a signed 64-bit seed
 
 
+MAX_OPENAI_PENALTY = 2.0   # presence / frequency penalty range, as OpenAI and vLLM allow
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. temperature 0 means greedy; top_k 0 means no top-k truncation."""
+    """How to pick tokens. temperature 0 means greedy; top_k 0 means no top-k truncation.
+
+    Penalties (vLLM's semantics, applied to the logits before temperature, greedy included;
+    runtime/sampling.py `penalize`): `repetition_penalty` r > 0 (1 = off) divides the positive
+    logit of every token id that occurs in the prompt or the output so far by r and multiplies a
+    negative one by r; `presence_penalty` and `frequency_penalty` in [-2, 2] (0 = off) subtract
+    presence * [count > 0] + frequency * count, counts over the generated tokens only."""
 
     max_tokens: int = 64
     temperature: float = 0.0
@@ -277,6 +286,9 @@ class SamplingParams:
     seed: int | None = None
     stop: Sequence[str] = field(default_factory=tuple)
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         _check_number("max_tokens", self.max_tokens, lo=1, integer=True)
@@ -286,6 +298,9 @@ class SamplingParams:
         _check_number("min_p", self.min_p, lo=0.0, hi=1.0)
         if self.seed is not None:
             _check_number("seed", self.seed, lo=0, hi=MAX_SEED, integer=True)
+        _check_number("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_number(name, getattr(self, name), lo=-MAX_OPENAI_PENALTY, hi=MAX_OPENAI_PENALTY)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         stop = self.stop
@@ -298,6 +313,19 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits (every one at its neutral value: no)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def penalty_text(self) -> str:
+        """The penalties in force, for route reasons and logs ('' when none is)."""
+        parts = [f"{name}={v:g}" for name, v, off in (("repetition_penalty", self.repetition_penalty, 1.0),
+                                                       ("presence_penalty", self.presence_penalty, 0.0),
+                                                       ("frequency_penalty", self.frequency_penalty, 0.0))
+                 if v != off]
+        return ", ".join(parts)
 
 
 SPEC_MODES = ("off", "auto", "mtp", "ngram")

@@ -86,6 +86,24 @@ def test_run_sampling_flags_and_chat(model, llm, cli_run):
     assert out["stats"]["prompt_tokens"] == len(ref.prompt_token_ids)
 
 
+def test_run_penalty_flags(model, llm, cli_run):
+    p = cli_run("run", "--model", model, "--prompt", "def add(a, b):", "-n", "12", "--repetition-penalty", "1.4",
+                "--presence-penalty", "0.5", "--frequency-penalty", "0.7", "--spec", "mtp", "--json")
+    assert p.returncode == 0, p.stderr
+    ref = llm.generate("def add(a, b):", SamplingParams(max_tokens=12, repetition_penalty=1.4, presence_penalty=0.5,
+                                                        frequency_penalty=0.7))
+    out = json.loads(p.stdout)
+    assert out["token_ids"] == ref.token_ids and "penalties" in out["stats"]["route_reason"]
+
+
+def test_serve_penalty_flags_checked_before_the_port_and_the_model(model, cli_run):
+    p = cli_run("serve", model, "--presence-penalty", "5", "--port", "1")
+    assert p.returncode == 2 and p.stderr.strip() == "specfire: error: --presence-penalty must be <= 2.0, got 5.0"
+    p = cli_run("serve", "--help")
+    assert p.returncode == 0 and all(f in p.stdout for f in ("--repetition-penalty", "--presence-penalty",
+                                                               "--frequency-penalty"))
+
+
 def test_run_default_route(model, cli_run):
     """Without --spec the load-time policy is auto; the answer is still one JSON object."""
     p = cli_run("run", "--model", model, "--prompt", "x", "-n", "4", "--json")
@@ -176,6 +194,10 @@ BAD_ARGS = [
     (["--draft-vocab", "0"], r"--draft-vocab must be an integer in 1\.\.\d+ \(the model's vocabulary\), got 0"),
     (["--draft-vocab", "999999"], r"--draft-vocab must be an integer in 1\.\.\d+ .*got 999999"),
     (["--draft-vocab", "half"], r"argument --draft-vocab: invalid int value: 'half'"),
+    (["--repetition-penalty", "0"], r"--repetition-penalty must be > 0\.0, got 0\.0"),
+    (["--presence-penalty", "3"], r"--presence-penalty must be <= 2\.0, got 3\.0"),
+    (["--frequency-penalty", "-2.5"], r"--frequency-penalty must be >= -2\.0, got -2\.5"),
+    (["--frequency-penalty", "lots"], r"argument --frequency-penalty: invalid float value: 'lots'"),
     (["--bogus"], r"unrecognized arguments: --bogus"),
 ]
 

@@ -227,6 +227,30 @@ def test_errors_carry_attempt_id_and_bad_seed_is_refused_before_gen_start(loaded
     assert ev["type"] == "error" and ev["attempt_id"] == 8
 
 
+def test_generate_with_penalties(loaded, ckpt):
+    """The penalty fields reach the engine (the text equals the in-process one) and bad values are
+    refused before gen_start, naming the field."""
+    from specfire import LLM, SamplingParams
+
+    d = loaded
+    pen = {"repetition_penalty": 1.5, "frequency_penalty": 0.8, "presence_penalty": 0.3}
+    d.send({"type": "generate", "id": "p", "attempt_id": 20, "prompt": "def add(a, b):", "max_tokens": 16,
+            "ignore_eos": True, "speculation": {"mode": "mtp", "k": 2}, **pen})
+    evs = d.until("done")
+    assert evs[-1]["type"] == "done", evs
+    text = "".join(e["text"] for e in evs if e["type"] == "token")
+    with LLM(ckpt, progress=False) as llm:
+        want = llm.generate("def add(a, b):", SamplingParams(max_tokens=16, ignore_eos=True, **pen), spec="off")
+        plain = llm.generate("def add(a, b):", SamplingParams(max_tokens=16, ignore_eos=True), spec="off")
+    assert text == want.text != plain.text
+    for field, value, word in (("repetition_penalty", 0, "> 0.0"), ("presence_penalty", -2.5, ">= -2.0"),
+                               ("frequency_penalty", [1], "a number")):
+        d.send({"type": "generate", "id": "pb", "attempt_id": 21, "prompt": "hi", field: value})
+        ev = d.recv()
+        assert ev["type"] == "error" and ev["class"] == "invalid_request" and ev["attempt_id"] == 21, ev
+        assert field in ev["message"] and word in ev["message"], ev
+
+
 LONG = {"type": "generate", "prompt": "hello", "max_tokens": 2000, "ignore_eos": True}
 
 

@@ -238,6 +238,25 @@ class TestMeshOfTwo:
         assert r.token_ids == ar
 
 
+    def test_penalties_on_mesh_equal_ar(self, base):
+        """Penalties are applied on rank 0 to the gathered verify rows: greedy AR, MTP and n-gram on
+        the mesh equal one device's AR with each penalty (and the penalty changes the output)."""
+        one, mesh = base
+        ids = prompt(one.cfg.vocab_size, 30, seed=6)
+        plain = one.generate(ids, SamplingParams(max_tokens=40), spec="off").token_ids
+        for kw in (dict(repetition_penalty=1.3), dict(frequency_penalty=0.6, presence_penalty=0.4)):
+            sp = SamplingParams(max_tokens=40, **kw)
+            ar = one.generate(ids, sp, spec="off").token_ids
+            assert ar != plain
+            assert mesh.generate(ids, sp, spec="off").token_ids == ar
+            for k in (1, 3, 5):
+                r = mesh.generate(ids, sp, spec=SpecPolicy("mtp", k=k))
+                assert r.stats["route"] == "mtp" and r.stats["drafted"] > 0 and "penalties" in r.stats["route_reason"]
+                assert r.token_ids == ar, (kw, k)
+            r = mesh.generate(ids, sp, spec=SpecPolicy("ngram", k=4))
+            assert r.stats["route"] == "ngram" and r.stats["drafted"] > 0
+            assert r.token_ids == ar, kw
+
     def test_policy_per_request_reaches_every_rank(self, base):
         """Every rank runs exactly the verify rows rank 0's route asks for: one row per step with
         speculation off, k+1 rows with MTP at k."""

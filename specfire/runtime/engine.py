@@ -13,7 +13,7 @@ from .drafters import Drafter
 from .output import OutputBuilder
 from .prefix import PrefixCache
 from .route import Acceptance, CostTable, Decision, RouteController, select_route
-from .sampling import pick
+from .sampling import penalize, pick
 from .spec import Launched, OnCycle, SpecStats, StepBuffers, finish, launch
 from .trunk import Trunk
 
@@ -66,7 +66,16 @@ class Engine:
         n = self.trunk.draft_vocab
         if n is not None and self.mtp_loaded and route in ("mtp", "auto"):
             reason += f"; MTP drafts from token ids 0..{n - 1} of {self.trunk.cfg.vocab_size} (draft_vocab={n})"
+        if sp.penalized:
+            reason += f"; {self.penalty_note(sp)}"
         return route, reason
+
+    def penalty_note(self, sp: SamplingParams) -> str:
+        """How a penalised request is served (the route reason and the `penalties` stat say it)."""
+        note = f"penalties {sp.penalty_text()} on every verify row (drafts are not penalised)"
+        if not sp.greedy and self.bufs.graphs is not None:
+            note += "; the sampled accept runs eagerly, not from its CUDA graph"
+        return note
 
     def controller(self, route: str, policy: SpecPolicy, sp: SamplingParams) -> RouteController:
         """`auto`: measured choices among AR and the loaded drafters; otherwise the route as asked.
@@ -121,19 +130,22 @@ class Engine:
 
         def start(d: Decision, last: int, last_dev: torch.Tensor, pos: int, room: int) -> Launched:
             k = max(0, min(d.k, room - 1, trunk.max_seq - pos - 1))
-            step = launch(trunk, drafters.get(d.route), d.route, last, last_dev, pos, k, sp, gen, bufs)
+            step = launch(trunk, drafters.get(d.route), d.route, last, last_dev, pos, k, sp, gen, bufs, pen)
             step.decision = d
             return step
 
         t0 = time.perf_counter()
         prompt = torch.tensor(ids, device=dev)
+        pen = bufs.penalties(trunk.cfg.vocab_size, prompt) if sp.penalized else None   # reset per request
         cached = 0
         if self.prefix is not None:
             rows, cached = self.prefix.prefill(ids, prompt)
         else:
             trunk.begin()
             rows = trunk.prefill(prompt)
-        first = pick(rows.logits[-1:], sp, gen)
+        first = pick(penalize(rows.logits[-1:], pen, sp), sp, gen)
+        if pen is not None:
+            pen.add(first)
         for d in fed:
             d.begin(prompt, rows.hidden)
         last = int(first)
@@ -187,6 +199,7 @@ class Engine:
             "cycles": stats.cycles, "drafted": stats.drafted, "accepted": stats.accepted,
             "mean_accept_len": stats.mean_accept_len, "accept_per_pos": stats.accept_per_pos,
             "accepted_per_pos": list(stats.accepted_per_pos),
+            "penalties": self.penalty_note(sp) if sp.penalized else None,
             "prefill_s": prefill_s, "decode_s": decode_s,
             "prefill_tok_s": len(ids) / prefill_s if prefill_s > 0 else 0.0,
             "decode_tok_s": (n_gen - 1) / decode_s if decode_s > 0 and n_gen > 1 else 0.0,

@@ -1,7 +1,15 @@
-"""The one target distribution: temperature, top-k, top-p, min-p applied to float32 logits.
+"""The one target distribution: penalties, then temperature, top-k, top-p, min-p, on float32 logits.
 
 The AR route samples from `probs(...)`; the speculative accept rule tests drafts against exactly
 the same distribution, so both routes produce the same output distribution.
+
+Penalties (`penalize`, vLLM's definitions and order: before temperature and truncation, and
+before the greedy argmax too) depend on the tokens before each row. A verify's row i conditions
+on the prompt, the output so far and the drafts of rows 0..i-1, so it is penalised with exactly
+those counts: when the drafts are accepted they are the counts AR decoding would have had at that
+token, so greedy speculation still equals AR and sampled speculation still tests the drafts
+against AR's (penalised) distribution. The counts live in device tensors (`Penalties`), updated
+on the device after each step's accept; no host read.
 """
 from __future__ import annotations
 
@@ -9,6 +17,64 @@ import torch
 
 from ..config import SamplingParams
 from .rng import DeviceRng, race_sample
+
+
+class Penalties:
+    """One request's token statistics on the device: `prompt` [V] bool (the ids in the prompt)
+    and `counts` [V] float32 (how often each id was generated so far; exact integers).
+    `begin` resets both for a new request, so nothing carries over from the last one."""
+
+    def __init__(self, vocab: int, device: torch.device | str):
+        self.prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+
+    def begin(self, prompt: torch.Tensor) -> "Penalties":
+        self.prompt.zero_()
+        self.prompt[prompt.to(self.prompt.device)] = True
+        self.counts.zero_()
+        return self
+
+    def add(self, tokens: torch.Tensor, n: torch.Tensor | None = None) -> None:
+        """Count generated tokens [m] (int64, on the device): all of them, or the first n + 1 (n a
+        0-d device tensor, a step's accepted drafts; the rest were not emitted)."""
+        w = torch.ones(tokens.shape[0], dtype=torch.float32, device=tokens.device)
+        if n is not None:
+            w = (torch.arange(tokens.shape[0], device=tokens.device) <= n).to(torch.float32)
+        self.counts.index_add_(0, tokens, w)
+
+
+def penalize(logits: torch.Tensor, pen: Penalties | None, sp: SamplingParams,
+             draft: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [R, V] of rows conditioned on the request so far plus draft[:i] (row i; draft [R-1]
+    int64 on the device, None or empty for one row) -> float32 penalised logits, a new tensor.
+    For the ids seen in the prompt or in row i's output (counts + drafts before i): a positive
+    logit is divided by repetition_penalty, a negative one multiplied; then, with c the output
+    count, logit -= frequency_penalty * c and presence_penalty * [c > 0]. Fixed shapes, no host
+    read. The same function serves the first token, the AR step and every verify row, so a row's
+    result depends only on its own context. Returns the logits as they are when `pen` is None or
+    the request has no penalty."""
+    if pen is None or not sp.penalized:
+        return logits
+    x = logits.float()
+    r, v = x.shape
+    counts = pen.counts.view(1, v).expand(r, v)
+    k = 0 if draft is None else draft.shape[0]
+    if k:
+        if k != r - 1:
+            raise ValueError(f"penalize: {r} rows need {r - 1} drafts, got {k}")
+        rows = torch.arange(r, device=x.device).view(r, 1)
+        before = (rows > torch.arange(k, device=x.device).view(1, k)).to(torch.float32)   # [R, k]: draft j precedes row i
+        counts = counts.clone().scatter_add_(1, draft.view(1, k).expand(r, k), before)
+    out = x
+    if sp.repetition_penalty != 1.0:
+        seen = pen.prompt.view(1, v) | (counts > 0)
+        rp = float(sp.repetition_penalty)
+        out = torch.where(seen, torch.where(out > 0, out / rp, out * rp), out)
+    if sp.frequency_penalty != 0.0:
+        out = out - float(sp.frequency_penalty) * counts
+    if sp.presence_penalty != 0.0:
+        out = out - float(sp.presence_penalty) * (counts > 0).to(torch.float32)
+    return out
 
 
 def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:

@@ -26,7 +26,7 @@ from ..config import MAX_SPEC_K, SamplingParams
 from ..ops.greedy import greedy_accept
 from .drafters import NO_DRAFT, Drafter
 from .rng import DeviceRng
-from .sampling import probs, sample, sampling_key
+from .sampling import Penalties, penalize, probs, sample, sampling_key
 from .trunk import Trunk
 
 
@@ -101,11 +101,18 @@ class StepBuffers:
             self.stage = torch.zeros(2, kmax + 2, dtype=torch.long, pin_memory=True)
             self.slots = [torch.zeros(kmax + 2, dtype=torch.long, pin_memory=True) for _ in range(self.SLOTS)]
         self._slot = 0
+        self.pen: Penalties | None = None       # token statistics of a penalised request (made on first use)
+
+    def penalties(self, vocab: int, prompt: torch.Tensor) -> Penalties:
+        """The penalty statistics, reset for a new request with this prompt."""
+        if self.pen is None or self.pen.counts.shape[0] != vocab:
+            self.pen = Penalties(vocab, self.device)
+        return self.pen.begin(prompt)
 
     def accept(self, logits: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None, sp: SamplingParams,
-               rng: DeviceRng | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`accept_device`, replayed from a graph when this engine captures them."""
-        if self.graphs is None or rng is None:
+               rng: DeviceRng | None, graph: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """`accept_device`, replayed from a graph when this engine captures them (and `graph`)."""
+        if self.graphs is None or rng is None or not graph:
             return accept_device(logits, draft, q, sp, rng)
         key = ("accept", draft.shape[0], None if q is None else q.shape[-1], sampling_key(sp), rng.state.data_ptr())
         ins = (logits, draft) if q is None else (logits, draft, q)
@@ -157,9 +164,15 @@ class Launched:
 
 
 def launch(trunk: Trunk, drafter: Drafter | None, route: str, last: int, last_dev: torch.Tensor, pos: int, k: int,
-           sp: SamplingParams, gen: DeviceRng | None, bufs: StepBuffers) -> Launched:
+           sp: SamplingParams, gen: DeviceRng | None, bufs: StepBuffers, pen: Penalties | None = None) -> Launched:
     """Queue one draft -> verify -> accept. `last` (host) and `last_dev` ([1], device) are the
-    newest token, at `pos`. An AR step (no drafter or k = 0) also commits here: n = 0."""
+    newest token, at `pos`. An AR step (no drafter or k = 0) also commits here: n = 0.
+
+    `pen` (a request with penalties): the verify rows are penalised (`sampling.penalize`, row i
+    with the counts of the output so far plus drafts 0..i-1) before either accept rule, and the
+    emitted tokens are counted on the device afterwards. Drafters ignore penalties (their drafts
+    only change what is accepted, never what is emitted). The sampled accept then runs eagerly,
+    not from its CUDA graph (the route reason says so)."""
     draft, q = drafter.propose(last, pos, k, sp, gen) if drafter is not None and k > 0 else (NO_DRAFT, None)
     kk = draft.shape[0]
     ids = bufs.ids[:kk + 1]
@@ -172,14 +185,22 @@ def launch(trunk: Trunk, drafter: Drafter | None, route: str, last: int, last_de
     rows = trunk.verify(ids, pos)
     if kk == 0:
         trunk.commit(0)
+    logits = rows.logits
+    if pen is not None:
+        with torch.inference_mode():
+            logits = penalize(logits, pen, sp, ids[1:])
     if sp.greedy:
-        targets, n = greedy_accept(rows.logits, ids[1:])
+        targets, n = greedy_accept(logits, ids[1:])
+        if pen is not None:
+            pen.add(targets, n)
         res, ev = bufs.send(torch.cat([n.view(1), targets]))
         if kk and hasattr(drafter, "prepare"):    # the next chain drafts while the host reads this step
             drafter.prepare(rows.hidden, targets, n, pos, kk)
         return Launched(route, kk, pos, rows.hidden, targets, res, ev)
     with torch.inference_mode():
-        n, targets = bufs.accept(rows.logits, ids[1:], q, sp, gen)
+        n, targets = bufs.accept(logits, ids[1:], q, sp, gen, graph=pen is None)
+        if pen is not None:
+            pen.add(targets, n)
     res, ev = bufs.send(torch.cat([n.view(1), targets]))
     return Launched(route, kk, pos, rows.hidden, targets, res, ev)
 

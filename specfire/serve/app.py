@@ -35,6 +35,7 @@ class ServeState:
     metrics: Metrics = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
     worker: EngineWorker | None = None
+    sampling_defaults: dict[str, float] = field(default_factory=dict)   # penalties a request leaves out
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.model_name)
@@ -45,14 +46,21 @@ class ServeState:
 
 
 def build_app(llm: "LLM", model_name: str, api_key: str | None = None, close_llm: bool = False,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              sampling_defaults: dict[str, float] | None = None) -> FastAPI:
     """The app serving `llm` as `model_name`. Its lifespan starts the engine worker and, on
-    shutdown, cancels running work and (with close_llm) frees the model."""
+    shutdown, cancels running work and (with close_llm) frees the model. `sampling_defaults`:
+    penalty values (repetition_penalty, presence_penalty, frequency_penalty) for requests that
+    leave them out."""
     from . import handlers
 
     if max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
-    st = ServeState(llm, model_name, api_key, max_request_bytes)
+    from ..config import SamplingParams
+
+    defaults = dict(sampling_defaults or {})
+    SamplingParams(**defaults)                      # a bad default is refused here, not per request
+    st = ServeState(llm, model_name, api_key, max_request_bytes, sampling_defaults=defaults)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -22,9 +22,10 @@ __all__ = ["add_arguments", "main", "build_app", "bind", "default_model_name"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..cli import add_model_args
+    from ..cli import add_model_args, add_penalty_args
 
     add_model_args(p, positional=True)
+    add_penalty_args(p, what=" (the default of requests that leave the field out)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=os.environ.get("SPECFIRE_API_KEY"),
@@ -78,10 +79,16 @@ def bind(host: str, port: int) -> socket.socket:
 def main(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from ..cli import load_model
+    from ..cli import flagged, load_model, penalty_kw
+    from ..config import SamplingParams
 
     if args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    try:
+        defaults = penalty_kw(args)
+        SamplingParams(**defaults)                # range errors before the port and the model
+    except ValueError as e:
+        raise flagged(e) from None
     sock = bind(args.host, args.port)             # before the model: a taken port fails fast
     try:
         llm = load_model(args)
@@ -95,7 +102,8 @@ def main(args: argparse.Namespace) -> int:
         sock.close()
         raise
     name = args.served_model_name or default_model_name(llm)
-    app = build_app(llm, name, args.api_key, close_llm=True, max_request_bytes=args.max_request_bytes)
+    app = build_app(llm, name, args.api_key, close_llm=True, max_request_bytes=args.max_request_bytes,
+                    sampling_defaults=defaults)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
                             access_log=args.log_level in ("info", "debug"))
 

@@ -171,8 +171,9 @@ class SamplingBody(_Strict):
     ignore_eos: bool | None = None
     n: Any = None
     best_of: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     logprobs: Any = None
     echo: Any = None
     speculation: Any = None
@@ -193,13 +194,6 @@ class SamplingBody(_Strict):
     def check_one(cls, v: Any) -> Any:
         if v is not None and (type(v) is not int or v != 1):
             raise ValueError(f"must be 1 (one completion per request), got {_short(v)}")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def check_zero(cls, v: Any) -> Any:
-        if v is not None and (type(v) not in (int, float) or v != 0):
-            raise ValueError(f"is not supported; it must be 0 or absent, got {_short(v)}")
         return v
 
     @field_validator("logprobs", "echo")
@@ -294,9 +288,15 @@ def validate(model: type[BaseModel], body: dict[str, Any]) -> Any:
 
 # ---- typed values ---------------------------------------------------------------------------------
 
-def sampling_params(b: SamplingBody, default_max_tokens: int, default_temperature: float = 1.0) -> SamplingParams:
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def sampling_params(b: SamplingBody, default_max_tokens: int, default_temperature: float = 1.0,
+                    defaults: dict[str, float] | None = None) -> SamplingParams:
     """SamplingParams from a validated body; `max_completion_tokens` (the newer name) wins over
-    `max_tokens`; top_k -1 means no top-k (vLLM). Range errors name the field as the client wrote it."""
+    `max_tokens`; top_k -1 means no top-k (vLLM); a penalty the body leaves out takes the server's
+    default (`defaults`, from `specfire serve --repetition-penalty` etc.; else neutral). Range
+    errors name the field as the client wrote it."""
     mt_name = "max_completion_tokens" if b.max_completion_tokens is not None else "max_tokens"
     max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
     kw: dict[str, Any] = dict(
@@ -305,6 +305,12 @@ def sampling_params(b: SamplingBody, default_max_tokens: int, default_temperatur
         top_p=1.0 if b.top_p is None else b.top_p,
         top_k=0 if b.top_k in (None, -1) else b.top_k,
         min_p=0.0 if b.min_p is None else b.min_p, seed=b.seed, stop=b.stop or [], ignore_eos=bool(b.ignore_eos))
+    for name in PENALTIES:
+        v = getattr(b, name)
+        if v is None:
+            v = (defaults or {}).get(name)
+        if v is not None:
+            kw[name] = v
     try:
         return SamplingParams(**kw)
     except ValueError as e:
