@@ -2,7 +2,7 @@
 4-bit then bf16), and what the cycle's fixed-cost changes buy, each measured in the same process.
 
     PYTHONPATH=$PWD python bench/cycle_profile.py --shape 27B --vocab 32768 --budget-s 200 --out $OUT
-    ... --variants whole4,gdn32w2 --bf16-variants gdn32w2 --no-profile --long 160
+    ... --variants gdn32w2,gdn32w2p --bf16-variants gdn32w2p --no-profile --long 160
     PYTHONPATH=$PWD python bench/cycle_profile.py --smoke          # the flow on the CPU, tiny shape
     TRITON_INTERPRET=1 ... --smoke                                 # + the kernel bit check, interpreted
 
@@ -20,10 +20,11 @@ Per variant (switched in the process, the captured graphs dropped where a switch
   whole4     the fused GDN kernel with one program per whole value head (4 warps, the gated norm
              inside; ops/gdn_fused.py BV None, NUM_WARPS 4)
   gdn64/32   a head's value columns split over 2 / 4 programs (bv 64 / 32, 2 / 1 warps, the gated
-             norm as its own kernel); gdn32w2 / gdn64w4 the same on 2 / 4 warps. gdn32w2 is the
-             default (docs/BENCHMARKS.md "Seventh wave: where an MTP cycle's time goes").
+             norm as its own kernel); gdn32w2 / gdn64w4 the same on 2 / 4 warps (docs/BENCHMARKS.md
+             "Seventh wave: where an MTP cycle's time goes"). These run the plain row loop (PIPE off).
   ...p       (gdn32w2p, whole4p) the same with the row loop software-pipelined (ops/gdn_fused.py PIPE:
-             each row's projections, a, b, z loaded one row ahead); the others with PIPE off.
+             each row's projections, a, b, z loaded one row ahead). gdn32w2p is the default
+             (docs/BENCHMARKS.md "Eighth wave: the Gated DeltaNet row loop software-pipelined").
 The rows forward writes no state; the commit replays the logged rows (model/state.py, ops/gdn.py
 commit_rows). The earlier per-row state captures and copying commit are gone: their figures are
 the seventh wave's (docs/BENCHMARKS.md).
@@ -426,8 +427,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="AR and MTP runs per variant (median)")
     ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip the kernel-family profiles")
     ap.add_argument("--long", type=int, default=160, help="tokens of the longer runs (0: none); must fit max_seq")
-    ap.add_argument("--variants", default="whole4,gdn32w2")
-    ap.add_argument("--bf16-variants", default="gdn32w2",
+    ap.add_argument("--variants", default="gdn32w2,gdn32w2p")
+    ap.add_argument("--bf16-variants", default="gdn32w2p",
                     help="variants of the bf16 model (after the 4-bit one)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip what would start past this")
     ap.add_argument("--bf16-need-s", type=float, default=95, help="start the bf16 model only with this much left")

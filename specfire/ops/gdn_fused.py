@@ -22,6 +22,14 @@ one program; its stores come after the loads a row needs (a store right after it
 hold the program for one memory latency per row). `bv` < dv splits a head's columns over programs
 (each recomputes its key head's q/k; no norm then: the gated norm is its own launch): the default
 (BV below). Either way a build uses one form for every row count and shard.
+
+The row loop is software-pipelined (PIPE, the default): row t+1's own inputs (its projections,
+a, b and z) are loaded, masked past the last row, before row t's math and stores, so their memory
+latency overlaps a row's work instead of following the previous row's stores (a load cannot move
+above a store that may alias it). Row t's arithmetic is the same code in the same order, its last
+conv tap the prefetched value instead of a fresh load of the same element: the same bits as the
+plain loop (checked on the GPU by bench/cycle_profile.py and in the tests), the same for every row
+count. Launched with PDL the first of those loads still follows the wait.
 """
 from __future__ import annotations
 
@@ -35,7 +43,9 @@ from .norm import gated_rms_norm_ref
 from .pdl import wait as pdl_wait
 
 BV = 32         # value columns per program; None: the whole head (then the gated norm runs inside)
-PIPE = False    # software-pipelined row loop: row t+1's projections, a, b, z loaded before row t's math
+PIPE = True     # software-pipelined row loop: row t+1's projections, a, b, z loaded before row t's math
+                # (same arithmetic, same bits). 4-bit 27B, H200 (bench/cycle_profile.py gdn32w2 vs
+                # gdn32w2p, one process): 4-row graph 7.248 -> 7.183 ms, 1-row 6.803 -> 6.793
 NUM_WARPS = 2   # 27B heads (128 x 128), H200, in the 4-bit 27B step (bench/cycle_profile.py): whole heads
                 # (48 programs) paid the then per-row state captures on 48 SMs: 4 rows 826 us a step against
                 # 320 for one; 32 columns a program (192 programs) 558 / 269 us + the gated norm's own

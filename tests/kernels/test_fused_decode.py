@@ -151,8 +151,9 @@ def test_gdn_decode_compiles_one_binary_for_every_row_count():
     assert "n_rows" in (opts.get("do_not_specialize") or [])
 
 
+@pytest.mark.parametrize("pipe", [False, True])
 @pytest.mark.parametrize("norm,bv", [(False, 2), (True, None), (True, 2)])
-def test_gdn_decode_head_shard_equals_whole(norm, bv):
+def test_gdn_decode_head_shard_equals_whole(norm, bv, pipe):
     t, hk, hv, dk, dv, kk = 2, 2, 4, 4, 4, 4
     qkv, a, b, win, w, a_log, dtb, s = _gdn_inputs(t, hk, hv, dk, dv, kk, torch.bfloat16, seed=3)
     z, nw = _gate_inputs(t, hv, dv, torch.bfloat16, seed=3) if norm else (None, None)
