@@ -2,7 +2,7 @@
 4-bit then bf16), and what the cycle's fixed-cost changes buy, each measured in the same process.
 
     PYTHONPATH=$PWD python bench/cycle_profile.py --shape 27B --vocab 32768 --budget-s 200 --out $OUT
-    ... --variants whole4,gdn32w2 --bf16-variants gdn32w2 --no-profile --long 160
+    ... --variants gdn32w2,gdn32w2p --bf16-variants gdn32w2p --no-profile --long 160
     PYTHONPATH=$PWD python bench/cycle_profile.py --smoke          # the flow on the CPU, tiny shape
     TRITON_INTERPRET=1 ... --smoke                                 # + the kernel bit check, interpreted
 
@@ -20,8 +20,11 @@ Per variant (switched in the process, the captured graphs dropped where a switch
   whole4     the fused GDN kernel with one program per whole value head (4 warps, the gated norm
              inside; ops/gdn_fused.py BV None, NUM_WARPS 4)
   gdn64/32   a head's value columns split over 2 / 4 programs (bv 64 / 32, 2 / 1 warps, the gated
-             norm as its own kernel); gdn32w2 / gdn64w4 the same on 2 / 4 warps. gdn32w2 is the
-             default (docs/BENCHMARKS.md "Seventh wave: where an MTP cycle's time goes").
+             norm as its own kernel); gdn32w2 / gdn64w4 the same on 2 / 4 warps (docs/BENCHMARKS.md
+             "Seventh wave: where an MTP cycle's time goes"). These run the plain row loop (PIPE off).
+  ...p       (gdn32w2p, whole4p) the same with the row loop software-pipelined (ops/gdn_fused.py PIPE:
+             each row's projections, a, b, z loaded one row ahead). gdn32w2p is the default
+             (docs/BENCHMARKS.md "Eighth wave: the Gated DeltaNet row loop software-pipelined").
 The rows forward writes no state; the commit replays the logged rows (model/state.py, ops/gdn.py
 commit_rows). The earlier per-row state captures and copying commit are gone: their figures are
 the seventh wave's (docs/BENCHMARKS.md).
@@ -58,11 +61,13 @@ from cycle_host import Patches  # noqa: E402
 from tp import CEILING, Log, _time_graph, job_ckpt, md5, smoke_shapes, step_bytes  # noqa: E402
 
 VARIANTS = {
-    "whole4": dict(gdn=(None, 4)),
-    "gdn64": dict(gdn=(64, 2)),
-    "gdn32": dict(gdn=(32, 1)),
-    "gdn32w2": dict(gdn=(32, 2)),
-    "gdn64w4": dict(gdn=(64, 4)),
+    "whole4": dict(gdn=(None, 4), pipe=False),
+    "gdn64": dict(gdn=(64, 2), pipe=False),
+    "gdn32": dict(gdn=(32, 1), pipe=False),
+    "gdn32w2": dict(gdn=(32, 2), pipe=False),
+    "gdn64w4": dict(gdn=(64, 4), pipe=False),
+    "gdn32w2p": dict(gdn=(32, 2), pipe=True),
+    "whole4p": dict(gdn=(None, 4), pipe=True),
 }
 FAMILIES = (("q4 GEMV", ("_q4_kernel",)), ("q4 sum(x)", ("_xsum",)), ("split-K sum", ("_splitk_sum",)),
             ("bf16 GEMV", ("_gemv",)), ("GDN", ("gdn",)), ("attention", ("attn",)),
@@ -172,8 +177,9 @@ def apply(llm, name: str, current: dict) -> None:
     v = VARIANTS[name]
     trunk = llm.engine.trunk
     gdn_fused.BV, gdn_fused.NUM_WARPS = v["gdn"]
+    gdn_fused.PIPE = v["pipe"]
     if trunk.graphs is not None:
-        if current.get("gdn") != v["gdn"] and (current or trunk.graphs.graphs):
+        if current != v and (current or trunk.graphs.graphs):
             trunk.graphs = RowsGraphs(trunk.model, trunk.state)        # the rows graphs bake the kernel in
             torch.cuda.empty_cache()
     current.clear()
@@ -291,7 +297,7 @@ def random_head_check(llm, ids, tokens: int, log: Log, label: str) -> None:
         sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
         a = llm.generate(ids, sp, spec="off")
         m = llm.generate(ids, sp, spec=SpecPolicy("mtp", k=3))
-        log("random_head", weights=label, gdn=(gdn_fused.BV, gdn_fused.NUM_WARPS),
+        log("random_head", weights=label, gdn=(gdn_fused.BV, gdn_fused.NUM_WARPS), pipe=gdn_fused.PIPE,
             mtp_equals_ar=m.token_ids == a.token_ids,
             tau=m.stats["mean_accept_len"], accepted=m.stats["accepted"], cycles=m.stats["cycles"])
     finally:
@@ -324,14 +330,25 @@ def kernel_check(cfg, device: str, log: Log) -> bool:
         return st[0]
 
     every = True
-    for bv, nwarps in ((32, 2), (None, 4)):
+    for bv, nwarps, pipe in ((32, 2, False), (None, 4, False), (32, 2, True), (None, 4, True)):
         o, lg, full = gdn_decode_triton(qkv, a, b, win, w, a_log, dtb, s, hk, dk, dv, z, nw, 1e-6,
-                                        bv=bv, num_warps=nwarps)
+                                        bv=bv, num_warps=nwarps, pipe=pipe)
+        if pipe:   # the pipelined loop: the unpipelined one's bits (outputs, logs, window), 4 rows and 1
+            o0, lg0, full0 = gdn_decode_triton(qkv, a, b, win, w, a_log, dtb, s, hk, dk, dv, z, nw, 1e-6,
+                                               bv=bv, num_warps=nwarps, pipe=False)
+            o1, lg1, _ = gdn_decode_triton(qkv[:1], a[:1], b[:1], win, w, a_log, dtb, s, hk, dk, dv, z[:1], nw, 1e-6,
+                                           bv=bv, num_warps=nwarps, pipe=True)
+            o10, lg10, _ = gdn_decode_triton(qkv[:1], a[:1], b[:1], win, w, a_log, dtb, s, hk, dk, dv, z[:1], nw,
+                                             1e-6, bv=bv, num_warps=nwarps, pipe=False)
+            same = (torch.equal(o, o0) and torch.equal(full, full0) and torch.equal(o1, o10)
+                    and all(torch.equal(x, y) for x, y in zip(lg + lg1, lg0 + lg10)))
+            every &= same
+            log("kernel_check", form=[bv, nwarps, "pipe"], pipe_equals_unpipelined=same, ok=same)
         rows_o = rows_log = state = True
         cur_s, cur_w = s.clone(), win
         for i in range(t):
             o1, l1, _ = gdn_decode_triton(qkv[i:i + 1], a[i:i + 1], b[i:i + 1], cur_w, w, a_log, dtb, cur_s,
-                                          hk, dk, dv, z[i:i + 1], nw, 1e-6, bv=bv, num_warps=nwarps)
+                                          hk, dk, dv, z[i:i + 1], nw, 1e-6, bv=bv, num_warps=nwarps, pipe=pipe)
             rows_o &= torch.equal(o1[0], o[i])
             rows_log &= all(torch.equal(x[0], y[i]) for x, y in zip(l1, lg))
             cur_s, cur_w = committed(cur_s, l1, 1), full[i + 1:i + kk]
@@ -342,7 +359,7 @@ def kernel_check(cfg, device: str, log: Log) -> bool:
         diff = (committed(s, lg, t) - ref[0]).abs().max().item()
         ok = rows_o and rows_log and state
         every &= ok
-        log("kernel_check", form=[bv, nwarps], rows_equal_single_rows_o=rows_o, logs_equal=rows_log,
+        log("kernel_check", form=[bv, nwarps] + (["pipe"] if pipe else []), rows_equal_single_rows_o=rows_o, logs_equal=rows_log,
             commit_n_equals_single_rows=state, state_max_abs_diff_vs_reference=diff,
             o_max_abs_diff_vs_reference=(o.float() - ro.float()).abs().max().item(), ok=ok)
     # the unfused rows kernel: its own final state == its log replayed by the commit kernel
@@ -389,9 +406,9 @@ def run_model(path: str, label: str, vocab: int | None, names: list[str], device
         if cuda and args.profile:                  # last: the profiler slows the host's later launches
             seen = set()
             for name in names:
-                if VARIANTS[name]["gdn"] in seen or time.monotonic() > deadline:
+                if (VARIANTS[name]["gdn"], VARIANTS[name]["pipe"]) in seen or time.monotonic() > deadline:
                     continue
-                seen.add(VARIANTS[name]["gdn"])
+                seen.add((VARIANTS[name]["gdn"], VARIANTS[name]["pipe"]))
                 try:
                     apply(llm, name, current)
                     profile_rows(llm, ids, name, log)
@@ -410,8 +427,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="AR and MTP runs per variant (median)")
     ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip the kernel-family profiles")
     ap.add_argument("--long", type=int, default=160, help="tokens of the longer runs (0: none); must fit max_seq")
-    ap.add_argument("--variants", default="whole4,gdn32w2")
-    ap.add_argument("--bf16-variants", default="gdn32w2",
+    ap.add_argument("--variants", default="gdn32w2,gdn32w2p")
+    ap.add_argument("--bf16-variants", default="gdn32w2p",
                     help="variants of the bf16 model (after the 4-bit one)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip what would start past this")
     ap.add_argument("--bf16-need-s", type=float, default=95, help="start the bf16 model only with this much left")

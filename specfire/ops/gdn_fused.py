@@ -22,6 +22,14 @@ one program; its stores come after the loads a row needs (a store right after it
 hold the program for one memory latency per row). `bv` < dv splits a head's columns over programs
 (each recomputes its key head's q/k; no norm then: the gated norm is its own launch): the default
 (BV below). Either way a build uses one form for every row count and shard.
+
+The row loop is software-pipelined (PIPE, the default): row t+1's own inputs (its projections,
+a, b and z) are loaded, masked past the last row, before row t's math and stores, so their memory
+latency overlaps a row's work instead of following the previous row's stores (a load cannot move
+above a store that may alias it). Row t's arithmetic is the same code in the same order, its last
+conv tap the prefetched value instead of a fresh load of the same element: the same bits as the
+plain loop (checked on the GPU by bench/cycle_profile.py and in the tests), the same for every row
+count. Launched with PDL the first of those loads still follows the wait.
 """
 from __future__ import annotations
 
@@ -35,6 +43,9 @@ from .norm import gated_rms_norm_ref
 from .pdl import wait as pdl_wait
 
 BV = 32         # value columns per program; None: the whole head (then the gated norm runs inside)
+PIPE = True     # software-pipelined row loop: row t+1's projections, a, b, z loaded before row t's math
+                # (same arithmetic, same bits). 4-bit 27B, H200 (bench/cycle_profile.py gdn32w2 vs
+                # gdn32w2p, one process): 4-row graph 7.248 -> 7.183 ms, 1-row 6.803 -> 6.793
 NUM_WARPS = 2   # 27B heads (128 x 128), H200, in the 4-bit 27B step (bench/cycle_profile.py): whole heads
                 # (48 programs) paid the then per-row state captures on 48 SMs: 4 rows 826 us a step against
                 # 320 for one; 32 columns a program (192 programs) 558 / 269 us + the gated norm's own
@@ -90,12 +101,27 @@ def _conv_silu(x_ptr, win_ptr, w_ptr, t, ch, ok, sx, C, K: tl.constexpr):
     return acc / (1.0 + tl.exp(-acc)), last
 
 
+@triton.jit
+def _conv_silu_pre(x_ptr, win_ptr, w_ptr, t, ch, ok, sx, C, K: tl.constexpr, pre):
+    """_conv_silu with its last tap (projection row t in float32) loaded earlier and passed in as
+    `pre`: the same values through the same FMA chain, so the same bits."""
+    acc = _tap(x_ptr, win_ptr, t, ch, ok, sx, C, K - 1) * tl.load(w_ptr + ch * K, mask=ok, other=0.0).to(tl.float32)
+    last = acc
+    for j in tl.static_range(1, K):
+        if j == K - 1:
+            last = pre
+        else:
+            last = _tap(x_ptr, win_ptr, t + j, ch, ok, sx, C, K - 1)
+        acc = tl.fma(last, tl.load(w_ptr + ch * K + j, mask=ok, other=0.0).to(tl.float32), acc)
+    return acc / (1.0 + tl.exp(-acc)), last
+
+
 @triton.jit(do_not_specialize=["n_rows"])   # one binary for every row count: row t runs the same code
 def _gdn_decode_kernel(x_ptr, a_ptr, b_ptr, win_ptr, w_ptr, alog_ptr, dtb_ptr, s_ptr, z_ptr, nw_ptr,
                        o_ptr, klog_ptr, dlog_ptr, declog_ptr, full_ptr, n_rows, sx, sa, sb, sz, C, KEY_DIM, q_scale, eps,
                        REP: tl.constexpr, K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, KM1P: tl.constexpr, NORM: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       PIPE: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (ops/pdl.py)
     h = tl.program_id(0)
     vb = tl.program_id(1)
@@ -125,17 +151,51 @@ def _gdn_decode_kernel(x_ptr, a_ptr, b_ptr, win_ptr, w_ptr, alog_ptr, dtb_ptr, s
     dtb = tl.load(dtb_ptr + h).to(tl.float32)
     if NORM:
         nw = tl.load(nw_ptr + offs_v, mask=v_ok, other=0.0).to(tl.float32)
+    if PIPE:   # row 0's own inputs (its projections, a, b, z), loaded ahead as every later row's are
+        go = (h * 0 < n_rows).to(tl.int32)      # a tensor (also interpreted); vector masks as int products
+        gk = k_ok & (offs_k < BK * go)
+        gv = v_ok & (tl.arange(0, BV) < BV * go)
+        pq = tl.load(x_ptr + cq, mask=gk, other=0.0).to(tl.float32)
+        pk = tl.load(x_ptr + ck, mask=gk, other=0.0).to(tl.float32)
+        pv = tl.load(x_ptr + cv, mask=gv, other=0.0).to(tl.float32)
+        pa = tl.load(a_ptr + h, mask=go > 0, other=0.0).to(tl.float32)
+        pb = tl.load(b_ptr + h, mask=go > 0, other=0.0).to(tl.float32)
+        if NORM:
+            pz = tl.load(z_ptr + h * DV + offs_v, mask=gv, other=0.0).to(tl.float32)
     for t in range(n_rows):
-        q, xq = _conv_silu(x_ptr, win_ptr, w_ptr, t, cq, k_ok, sx, C, K)
-        k, xk = _conv_silu(x_ptr, win_ptr, w_ptr, t, ck, k_ok, sx, C, K)
-        v, xv = _conv_silu(x_ptr, win_ptr, w_ptr, t, cv, v_ok, sx, C, K)
+        if PIPE:
+            # software pipeline: take row t's inputs loaded one row ahead and issue row t+1's loads
+            # now (masked past the last row), before row t's math and stores, so their memory latency
+            # overlaps this row's work; row t's arithmetic below is the unpipelined code, op for op
+            xq_t, xk_t, xv_t, a_t, b_t = pq, pk, pv, pa, pb
+            if NORM:
+                zt = pz
+            go = (h * 0 + t + 1 < n_rows).to(tl.int32)
+            gk = k_ok & (offs_k < BK * go)
+            gv = v_ok & (tl.arange(0, BV) < BV * go)
+            pq = tl.load(x_ptr + (t + 1) * sx + cq, mask=gk, other=0.0).to(tl.float32)
+            pk = tl.load(x_ptr + (t + 1) * sx + ck, mask=gk, other=0.0).to(tl.float32)
+            pv = tl.load(x_ptr + (t + 1) * sx + cv, mask=gv, other=0.0).to(tl.float32)
+            pa = tl.load(a_ptr + (t + 1) * sa + h, mask=go > 0, other=0.0).to(tl.float32)
+            pb = tl.load(b_ptr + (t + 1) * sb + h, mask=go > 0, other=0.0).to(tl.float32)
+            if NORM:
+                pz = tl.load(z_ptr + (t + 1) * sz + h * DV + offs_v, mask=gv, other=0.0).to(tl.float32)
+            q, xq = _conv_silu_pre(x_ptr, win_ptr, w_ptr, t, cq, k_ok, sx, C, K, xq_t)
+            k, xk = _conv_silu_pre(x_ptr, win_ptr, w_ptr, t, ck, k_ok, sx, C, K, xk_t)
+            v, xv = _conv_silu_pre(x_ptr, win_ptr, w_ptr, t, cv, v_ok, sx, C, K, xv_t)
+        else:
+            q, xq = _conv_silu(x_ptr, win_ptr, w_ptr, t, cq, k_ok, sx, C, K)
+            k, xk = _conv_silu(x_ptr, win_ptr, w_ptr, t, ck, k_ok, sx, C, K)
+            v, xv = _conv_silu(x_ptr, win_ptr, w_ptr, t, cv, v_ok, sx, C, K)
+            b_t = tl.load(b_ptr + t * sb + h).to(tl.float32)
+            a_t = tl.load(a_ptr + t * sa + h).to(tl.float32)
+            if NORM:
+                zt = tl.load(z_ptr + t * sz + h * DV + offs_v, mask=v_ok, other=0.0).to(tl.float32)
         q = q * (1.0 / tl.sqrt(tl.sum(q * q, 0) + 1e-6)) * q_scale
         k = k * (1.0 / tl.sqrt(tl.sum(k * k, 0) + 1e-6))
-        beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + t * sb + h).to(tl.float32)))
-        at = tl.load(a_ptr + t * sa + h).to(tl.float32) + dtb
+        beta = 1.0 / (1.0 + tl.exp(-b_t))
+        at = a_t + dtb
         g = neg_a * tl.where(at > 20.0, at, tl.log(1.0 + tl.exp(at)))          # softplus, threshold 20
-        if NORM:
-            zt = tl.load(z_ptr + t * sz + h * DV + offs_v, mask=v_ok, other=0.0).to(tl.float32)
         dec = tl.exp(g)
         s = s * dec
         u = tl.sum(k[:, None] * s, 0)                                          # [BV] = S^T k
@@ -163,12 +223,14 @@ def gdn_decode_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, windo
                       a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, hk: int, dk: int, dv: int,
                       z: torch.Tensor | None = None, norm_w: torch.Tensor | None = None, eps: float = 1e-6,
                       bv: int | None = None, num_warps: int | None = None,
-                      out: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, tuple, torch.Tensor]:
+                      out: tuple[torch.Tensor, ...] | None = None,
+                      pipe: bool | None = None) -> tuple[torch.Tensor, tuple, torch.Tensor]:
     """Contract of gdn_decode_ref. `out`: where to write the log and the full window, (k [T, Hv,
     dk], delta [T, Hv, dv], dec [T, Hv], full [K-1+T, C]), contiguous float32 (default: new). bv (default BV; None: the whole head) splits a head's value
     columns over programs and num_warps (default NUM_WARPS) the reductions' lanes: neither changes
     a row's dependence on other rows or heads. The gated norm (z given) runs inside the launch on
-    whole heads, else as ops/triton_small.py's kernel after it."""
+    whole heads, else as ops/triton_small.py's kernel after it. pipe (default PIPE): the row loop
+    software-pipelined (each row's input loads issued one row ahead; the same arithmetic, the same bits)."""
     t, c = qkv.shape
     hv, kk = a.shape[1], w.shape[-1]
     if c != 2 * hk * dk + hv * dv or hv % hk or kk < 2:
@@ -199,7 +261,8 @@ def gdn_decode_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, windo
         qkv, a, b, window, w, a_log, dt_bias, state, zz, norm_w if norm else a_log, o, klog, dlog, declog, full, t,
         qkv.stride(0), a.stride(0), b.stride(0), zz.stride(0), c, hk * dk, dk ** -0.5, eps,
         REP=hv // hk, K=kk, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv,
-        KM1P=triton.next_power_of_2(kk - 1), NORM=norm, num_warps=num_warps or NUM_WARPS, **pdl.kw(qkv))
+        KM1P=triton.next_power_of_2(kk - 1), NORM=norm, PIPE=PIPE if pipe is None else pipe,
+        num_warps=num_warps or NUM_WARPS, **pdl.kw(qkv))
     if z is not None and not norm:      # split heads: the norm as its own launch
         from .triton_small import gated_rms_norm_triton
         o = gated_rms_norm_triton(o, z.view(t, hv, dv), norm_w, eps)

@@ -93,15 +93,16 @@ def test_gdn_decode_gated_norm_matches_reference(t, hk, hv, dk, dv, kk, dtype):
     torch.testing.assert_close(o2.float(), ro.float(), rtol=2 ** -5, atol=2e-2)
 
 
+@pytest.mark.parametrize("pipe", [False, True])
 @pytest.mark.parametrize("norm,bv", [(False, 4), (True, None), (True, 4)])
-def test_gdn_decode_rows_equal_chained_single_rows(norm, bv):
+def test_gdn_decode_rows_equal_chained_single_rows(norm, bv, pipe):
     """Whole heads with the norm inside, and split heads (the default form) with or without the
     gated norm's own launch after them: rows at once == single rows, each from the state commit
     left after the previous one (so commit(i) == i+1 single rows committed), bit for bit."""
     t, hk, hv, dk, dv, kk = 3, 1, 2, 6, 5, 4
     qkv, a, b, win, w, a_log, dtb, s = _gdn_inputs(t, hk, hv, dk, dv, kk, torch.bfloat16, seed=7)
     z, nw = _gate_inputs(t, hv, dv, torch.bfloat16, seed=7) if norm else (None, None)
-    kw = {"bv": bv}
+    kw = {"bv": bv, "pipe": pipe}
     o, log, full = gdn_decode_triton(qkv, a, b, win, w, a_log, dtb, s, hk, dk, dv, z, nw, **kw)
     cur_s, cur_w = s, win
     for i in range(t):
@@ -114,6 +115,32 @@ def test_gdn_decode_rows_equal_chained_single_rows(norm, bv):
         assert torch.equal(f1[1:], cur_w)
 
 
+@pytest.mark.parametrize("t,hk,hv,dk,dv,kk,bv,norm", [(1, 1, 2, 8, 12, 4, None, True), (4, 2, 4, 6, 10, 4, 4, True),
+                                                    (3, 1, 3, 5, 7, 3, None, False), (5, 1, 1, 5, 7, 2, 2, False),
+                                                    (2, 2, 2, 4, 9, 4, 8, True)])
+def test_gdn_decode_pipelined_equals_unpipelined(t, hk, hv, dk, dv, kk, bv, norm):
+    """The software-pipelined row loop (each row's projections, a, b, z loaded one row ahead, masked
+    past the last row) computes what the plain loop does, bit for bit: outputs, logs, the window;
+    odd sizes, masked tails, conv widths 2..4, strided z, whole and split heads."""
+    args = _gdn_inputs(t, hk, hv, dk, dv, kk, torch.bfloat16, seed=t * 13 + dk + dv + kk)
+    z, nw = _gate_inputs(t, hv, dv, torch.bfloat16, seed=t + dv) if norm else (None, None)
+    o0, log0, full0 = gdn_decode_triton(*args, hk, dk, dv, z, nw, 1e-6, bv=bv, pipe=False)
+    o1, log1, full1 = gdn_decode_triton(*args, hk, dk, dv, z, nw, 1e-6, bv=bv, pipe=True)
+    assert torch.equal(o0, o1) and torch.equal(full0, full1)
+    assert all(torch.equal(x, y) for x, y in zip(log0, log1))
+    ro, _, rfull = gdn_decode_ref(*args, hk, dk, dv, z, nw, 1e-6)
+    assert torch.equal(full1, rfull)
+    torch.testing.assert_close(o1.float(), ro.float(), rtol=2 ** -5, atol=2e-2)
+
+
+def test_gdn_decode_pipelined_zero_rows():
+    """No row: the pipelined loop's prologue loads are masked off and nothing but the window is written."""
+    args = _gdn_inputs(1, 1, 2, 4, 6, 4, torch.bfloat16, seed=5)
+    qkv, a, b = args[0][:0], args[1][:0], args[2][:0]
+    o, log, full = gdn_decode_triton(qkv, a, b, *args[3:], 1, 4, 6, bv=2, pipe=True)
+    assert o.shape == (0, 2, 6) and torch.equal(full, args[3])
+
+
 def test_gdn_decode_compiles_one_binary_for_every_row_count():
     """On the GPU a row count of 1 specialised as a constant changed FMA contraction in the one-row
     binary and broke row invariance (first H200 run, docs/BENCHMARKS.md); the interpreter cannot
@@ -124,12 +151,13 @@ def test_gdn_decode_compiles_one_binary_for_every_row_count():
     assert "n_rows" in (opts.get("do_not_specialize") or [])
 
 
+@pytest.mark.parametrize("pipe", [False, True])
 @pytest.mark.parametrize("norm,bv", [(False, 2), (True, None), (True, 2)])
-def test_gdn_decode_head_shard_equals_whole(norm, bv):
+def test_gdn_decode_head_shard_equals_whole(norm, bv, pipe):
     t, hk, hv, dk, dv, kk = 2, 2, 4, 4, 4, 4
     qkv, a, b, win, w, a_log, dtb, s = _gdn_inputs(t, hk, hv, dk, dv, kk, torch.bfloat16, seed=3)
     z, nw = _gate_inputs(t, hv, dv, torch.bfloat16, seed=3) if norm else (None, None)
-    kw = {"bv": bv}
+    kw = {"bv": bv, "pipe": pipe}
     o, log, full = gdn_decode_triton(qkv, a, b, win, w, a_log, dtb, s, hk, dk, dv, z, nw, **kw)
     rep, kd = hv // hk, hk * dk
     for k0, k1 in ((0, 1), (1, 2)):                       # shards of key heads and their value heads
