@@ -40,9 +40,9 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
 
 def add_generation_config_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--generation-config", default="auto", choices=GENERATION_CONFIG_MODES,
-                   help="auto: the checkpoint's generation_config.json supplies the default sampling (temperature, "
-                        "top_p, top_k, min_p, the penalties, max_new_tokens) of what a request or flag leaves "
-                        "unset; none: specfire's built-in defaults (vLLM's --generation-config vllm)")
+                   help="auto: the checkpoint's generation_config.json sets the sampling (temperature, top_p, "
+                        "top_k, min_p, the penalties, max_new_tokens) that a request or flag leaves unset; none: "
+                        "specfire's built-in values (what vLLM's 'vllm' setting does)")
 
 
 def add_penalty_args(p: argparse.ArgumentParser, what: str = "") -> None:
