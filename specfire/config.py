@@ -335,10 +335,10 @@ class SamplingParams:
 GENERATION_CONFIG_MODES = ("auto", "none")
 # generation_config.json key -> SamplingParams field. The first six are the keys vLLM reads with
 # `--generation-config auto` (max_new_tokens is HF's name for max_tokens); presence_penalty and
-# frequency_penalty are specfire's own keys (HF generate has no such fields).
+# frequency_penalty are specfire's own keys (HF's generate has no such fields).
 GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                   "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
-                   "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+                   "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                   "frequency_penalty": "frequency_penalty", "max_new_tokens": "max_tokens"}
 
 
 @dataclass(frozen=True)
