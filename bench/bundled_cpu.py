@@ -1,7 +1,8 @@
 """`specfire run` decode speed on the CPU: AR on 2 threads, AR vs MTP vs auto on 1 thread.
 
 Every measurement is one `specfire run` request made in this process exactly as the command makes
-it (the flags parsed by specfire's own parser, `load_model`, then `llm.stream`), and the figure is
+it (the flags parsed by specfire's own parser, `load_model`, then `llm.stream`; the sampling is
+plain greedy with no penalty, not the model's generation_config.json defaults), and the figure is
 the request's `decode_tok_s` (what `specfire run --json` prints). Modes alternate within each
 repeat so load changes hit them alike; the median over repeats is reported. Pin the process to
 cores from outside (`taskset -c 0,1`) to measure a 2-core machine on a bigger one.
@@ -34,7 +35,9 @@ def one_run(model: str | None, threads: int, mode: str, prompt: str, n: int, k: 
         argv += ["--model", model]
     args = cli.build_parser().parse_args(argv)
     cli._set_threads(args.threads)
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    # plain greedy, no penalty: the model's own speed, not its generation_config.json defaults
+    # (the sampling flags are unset here, so `specfire run` would take those)
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     with cli.load_model(args) as llm:
         res = None
         for chunk in llm.stream(prompt, sp):

@@ -8,7 +8,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .config import ModelConfig, SamplingParams, SpecPolicy, check_draft_vocab
+from .config import (GenerationDefaults, ModelConfig, SamplingParams, SpecPolicy, check_draft_vocab,
+                     check_generation_config)
 from .errors import CheckpointError, PromptError, SpecfireError
 from .ops.attention import Q8_KV
 from .report import RequestFigures
@@ -57,8 +58,11 @@ class LLM:
     def __init__(self, model: str | None = None, tp: int = 1, device: Any = None, dtype: Any = None,
                  kv_dtype: str = "auto", max_seq_len: int | None = None, spec: SpecPolicy | dict | str | None = None,
                  mtp_path: str | None = None, progress: bool | None = None, cuda_graphs: bool | None = None,
-                 ngram: tuple[int, int] = (1, 4), draft_vocab: int | None = None):
+                 ngram: tuple[int, int] = (1, 4), draft_vocab: int | None = None, generation_config: str = "auto"):
         self._closed = True                   # until the engine is built
+        # "auto": the checkpoint's generation_config.json supplies the default sampling of a
+        # request that passes no SamplingParams (get_default_sampling_params); "none": built-in
+        self.generation_config = check_generation_config(generation_config)
         if progress is None:  # a loading bar only where someone watches a terminal
             progress = sys.stderr.isatty()
         self.spec = SpecPolicy.coerce(spec)
@@ -81,6 +85,7 @@ class LLM:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.cfg = ModelConfig.from_dir(self.path)
+        self.generation_defaults = GenerationDefaults.from_dir(self.path, self.generation_config)
         self.tp = tp
         # the MTP drafter scores token ids 0..draft_vocab-1 only (None: the whole vocabulary); the
         # verify scores them all, so output is unchanged (docs/ARCHITECTURE.md, draft vocabulary)
@@ -128,6 +133,15 @@ class LLM:
         return self.engine.mtp_loaded
 
     # ---- requests ------------------------------------------------------------------------------
+    def get_default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        """SamplingParams of a request that sets only `overrides` (None values count as not
+        set): the model's generation_config.json defaults (`generation_defaults`; none with
+        generation_config="none") over SamplingParams' built-in ones. generate() and stream()
+        use it when no params are given; an explicit SamplingParams(...) is taken as it is."""
+        kw = self.generation_defaults.as_dict()
+        kw.update({k: v for k, v in overrides.items() if v is not None})
+        return SamplingParams(**kw)
+
     def _ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -144,7 +158,7 @@ class LLM:
         """Yield StreamChunk(text, token_ids); the last chunk carries `result`. `on_cycle(k, n,
         emitted)` is called after every decoding step (k drafted, n accepted; k = 0 for AR)."""
         self._check_open()
-        sp = params if params is not None else SamplingParams()
+        sp = params if params is not None else self.get_default_sampling_params()
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(sp).__name__}")
         policy = SpecPolicy.coerce(spec, self.spec)

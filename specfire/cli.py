@@ -11,7 +11,7 @@ import sys
 import traceback
 from typing import Callable, NoReturn
 
-from .config import SamplingParams, SpecPolicy, SPEC_MODES
+from .config import GENERATION_CONFIG_MODES, SamplingParams, SpecPolicy, SPEC_MODES
 from .errors import SpecfireError
 
 
@@ -35,23 +35,45 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="the MTP drafter scores token ids 0..N-1 only (a cheaper draft lm_head; output is "
                         "unchanged, acceptance may drop); default: the whole vocabulary")
+    add_generation_config_arg(p)
+
+
+def add_generation_config_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--generation-config", default="auto", choices=GENERATION_CONFIG_MODES,
+                   help="auto: the checkpoint's generation_config.json sets the sampling (temperature, top_p, "
+                        "top_k, min_p, the penalties, max_new_tokens) that a request or flag leaves unset; none: "
+                        "specfire's built-in values (what vLLM's 'vllm' setting does)")
 
 
 def add_penalty_args(p: argparse.ArgumentParser, what: str = "") -> None:
-    """--repetition-penalty / --presence-penalty / --frequency-penalty (vLLM's meanings; neutral by default)."""
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
+    """--repetition-penalty / --presence-penalty / --frequency-penalty (vLLM's meanings). Unset,
+    each takes the model's generation_config.json value, else its neutral value."""
+    model = ", else the model's generation_config.json value, else "
+    p.add_argument("--repetition-penalty", type=float, default=None,
                    help="divide the positive logits of token ids already in the prompt or output by this "
-                        "(multiply negative ones); 1 is off" + what)
-    p.add_argument("--presence-penalty", type=float, default=0.0,
-                   help="subtract this from the logit of every token id already generated (-2..2; 0 is off)" + what)
-    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                        "(multiply negative ones); 1 is off" + what + model + "1")
+    p.add_argument("--presence-penalty", type=float, default=None,
+                   help="subtract this from the logit of every token id already generated (-2..2; 0 is off)"
+                        + what + model + "0")
+    p.add_argument("--frequency-penalty", type=float, default=None,
                    help="subtract this times its count from the logit of every token id already generated "
-                        "(-2..2; 0 is off)" + what)
+                        "(-2..2; 0 is off)" + what + model + "0")
 
 
 def penalty_kw(args: argparse.Namespace) -> dict[str, float]:
-    return {"repetition_penalty": args.repetition_penalty, "presence_penalty": args.presence_penalty,
-            "frequency_penalty": args.frequency_penalty}
+    """The penalty flags given (a flag left out is not in the dict)."""
+    kw = {"repetition_penalty": args.repetition_penalty, "presence_penalty": args.presence_penalty,
+          "frequency_penalty": args.frequency_penalty}
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+def model_defaults_line(llm, fields: list[str], off: str = "--generation-config none") -> str:
+    """The startup line that says which defaults the model's generation_config.json set (as vLLM
+    logs that the model's generation config overrode its default sampling parameters)."""
+    gd = llm.generation_defaults
+    notes = "".join(f"; {n}" for n in gd.notes if "temperature" in fields)
+    return (f"[specfire] default sampling from the model's generation_config.json: {gd.text(fields)}{notes} "
+            f"({off} for the built-in defaults)")
 
 
 # the flag behind each field a ValueError names first, so CLI errors speak of flags
@@ -85,7 +107,8 @@ def load_model(args: argparse.Namespace):
         ngram = _ngram_range(args.ngram_n)
         return LLM(model_path(args), tp=args.tp, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
                    max_seq_len=args.max_seq_len, spec=spec, mtp_path=args.mtp_path, progress=sys.stderr.isatty(),
-                   cuda_graphs=False if args.eager else None, ngram=ngram, draft_vocab=args.draft_vocab)
+                   cuda_graphs=False if args.eager else None, ngram=ngram, draft_vocab=args.draft_vocab,
+                   generation_config=getattr(args, "generation_config", "auto"))
     except SpecfireError:
         raise
     except ValueError as e:
@@ -105,11 +128,16 @@ def _ngram_range(text: str) -> tuple[int, int]:
 def _run_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--prompt", "-p", default=None, help="prompt text (default: read stdin)")
-    p.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens to generate at most")
-    p.add_argument("-t", "--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: all)")
-    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p times the likeliest")
+    # unset sampling flags take the model's generation_config.json value, else RUN_DEFAULTS
+    p.add_argument("-n", "--max-tokens", type=int, default=None,
+                   help="tokens to generate at most (default: the model's max_new_tokens, else 128)")
+    p.add_argument("-t", "--temperature", type=float, default=None,
+                   help="0 is greedy (default: the model's, else 0)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: the model's, else 1)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="keep the k likeliest tokens (0: all; default: the model's, else 0)")
+    p.add_argument("--min-p", type=float, default=None,
+                   help="drop tokens below min-p times the likeliest (default: the model's, else 0)")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_penalty_args(p)
@@ -117,16 +145,33 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
 
 
+# `specfire run`'s built-in sampling: greedy, 128 tokens, no truncation, no penalty
+RUN_DEFAULTS = {"max_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+def run_given(args: argparse.Namespace) -> dict:
+    """The sampling fields `specfire run`'s flags set (a flag left out is not in the dict)."""
+    kw = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+          "top_k": args.top_k, "min_p": args.min_p, **penalty_kw(args)}
+    return {k: v for k, v in kw.items() if v is not None}
+
+
 def _run(args: argparse.Namespace) -> int:
+    given = run_given(args)
     try:
-        sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop, **penalty_kw(args))
+        SamplingParams(**given, seed=args.seed, stop=args.stop)   # bad flags fail before the model loads
     except ValueError as e:
         raise flagged(e) from None
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt:
         raise SpecfireError("empty prompt: pass --prompt TEXT or pipe text on stdin")
     with load_model(args) as llm:
+        gd = llm.generation_defaults
+        sp = SamplingParams(**{**RUN_DEFAULTS, **gd.as_dict(), **given}, seed=args.seed, stop=args.stop)
+        from_model = gd.overriding(given, RUN_DEFAULTS)
+        if from_model:
+            print(model_defaults_line(llm, from_model), file=sys.stderr, flush=True)
         if args.chat:
             prompt = llm.render_chat([{"role": "user", "content": prompt}])
         res = None

@@ -328,6 +328,111 @@ class SamplingParams:
         return ", ".join(parts)
 
 
+# ---------------------------------------------------------------------------------------------
+# The model's default sampling (generation_config.json)
+# ---------------------------------------------------------------------------------------------
+
+GENERATION_CONFIG_MODES = ("auto", "none")
+# generation_config.json key -> SamplingParams field. The first six are the keys vLLM reads with
+# `--generation-config auto` (max_new_tokens is HF's name for max_tokens); presence_penalty and
+# frequency_penalty are specfire's own keys (HF's generate has no such fields).
+GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                   "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                   "frequency_penalty": "frequency_penalty", "max_new_tokens": "max_tokens"}
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """The default sampling parameters a checkpoint's generation_config.json sets: `values` maps
+    SamplingParams fields to the file's values (only the keys the file sets); `source` is the file
+    (None: no file, or defaults turned off); `notes` says how `do_sample` was read.
+
+    A field a request leaves out takes, in order: the front end's setting (a flag), these values,
+    the front end's built-in default. `do_sample: false` means greedy (Hugging Face's meaning):
+    the default temperature becomes 0 whatever `temperature` says; `do_sample: true` without a
+    temperature samples at 1.0 (HF's default temperature). vLLM reads the same keys but ignores
+    `do_sample`."""
+
+    values: tuple[tuple[str, Any], ...] = ()
+    source: str | None = None
+    notes: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.values)
+
+    def __bool__(self) -> bool:
+        return bool(self.values)
+
+    def overriding(self, given: Any = (), builtin: dict[str, Any] | None = None) -> list[str]:
+        """The fields whose value comes from the model and differs from the front end's built-in
+        default (`builtin`, default SamplingParams()'s), leaving out those in `given` (set by the
+        request or a flag): what a front end reports as the model's doing."""
+        base = {k: getattr(SamplingParams(), k) for k, _ in self.values}
+        base.update(builtin or {})
+        return [k for k, v in self.values if k not in given and base.get(k) != v]
+
+    def text(self, fields: Sequence[str] | None = None) -> str:
+        """'repetition_penalty=1.05, frequency_penalty=0.7' (only `fields`, when given)."""
+        return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                         for k, v in self.values if fields is None or k in fields)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "generation_config.json") -> "GenerationDefaults":
+        """Read and check the sampling keys of a generation_config.json body. A malformed value
+        raises ConfigError naming the file and the key: a default that is silently dropped would
+        change every completion without a word (`--generation-config none` loads the model
+        anyway, with the built-in defaults)."""
+        def bad(key: str, why: str) -> ConfigError:
+            return ConfigError(f"{source}: '{key}' {why}; fix the file, or ignore its sampling defaults with "
+                               f"generation_config 'none' (--generation-config none)")
+
+        vals: dict[str, Any] = {}
+        for key, fld in GENERATION_KEYS.items():
+            v = raw.get(key)
+            if v is None:                       # absent or null: not set (as vLLM and HF read it)
+                continue
+            if fld == "top_k" and v == -1 and not isinstance(v, bool):
+                v = 0                           # -1 and 0 both mean no top-k
+            try:
+                SamplingParams(**{fld: v})      # the same checks as a request's field
+            except ValueError as e:
+                raise bad(key, str(e).split(" ", 1)[1]) from None
+            vals[fld] = v
+        notes: list[str] = []
+        do_sample = raw.get("do_sample")
+        if do_sample is not None and not isinstance(do_sample, bool):
+            raise bad("do_sample", f"must be true or false, got {do_sample!r}")
+        if do_sample is False:
+            t = vals.get("temperature")
+            if t not in (None, 0, 0.0):
+                notes.append(f"do_sample false: greedy (temperature {t:g} is ignored)")
+            else:
+                notes.append("do_sample false: greedy")
+            vals["temperature"] = 0.0
+        elif do_sample is True and "temperature" not in vals:
+            notes.append("do_sample true without a temperature: temperature 1")
+            vals["temperature"] = 1.0
+        order = list(GENERATION_KEYS.values())
+        return cls(tuple(sorted(vals.items(), key=lambda kv: order.index(kv[0]))), source, tuple(notes))
+
+    @classmethod
+    def from_dir(cls, path: str, mode: str = "auto") -> "GenerationDefaults":
+        """The defaults of the checkpoint in `path`: mode 'auto' reads its generation_config.json
+        (none there: no defaults); 'none' ignores the file's sampling keys (the eos ids still
+        come from it)."""
+        check_generation_config(mode)
+        gen_path = os.path.join(path, "generation_config.json")
+        if mode == "none" or not os.path.exists(gen_path):
+            return cls()
+        return cls.from_dict(_read_json(gen_path), gen_path)
+
+
+def check_generation_config(mode: Any) -> str:
+    if mode not in GENERATION_CONFIG_MODES:
+        raise ValueError(f"generation_config must be one of {', '.join(GENERATION_CONFIG_MODES)}, got {mode!r}")
+    return mode
+
+
 SPEC_MODES = ("off", "auto", "mtp", "ngram")
 MAX_SPEC_K = 10
 

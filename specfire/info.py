@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .config import FULL, ModelConfig
+from .config import FULL, GenerationDefaults, ModelConfig
 from .parallel.shard import valid_tp_degrees
 from .errors import CheckpointError
 from .model import loader
@@ -18,6 +18,7 @@ def describe(path: str | None) -> dict[str, Any]:
         raise CheckpointError(f"model path {path} is not a directory" if path != BUNDLED_MODEL else
                               f"the bundled model is missing from {path}; pass a checkpoint path")
     cfg = ModelConfig.from_dir(path)
+    gen = GenerationDefaults.from_dir(path)
     src = loader.open_checkpoint(path)
     trunk = [n for n in src.names() if not n.startswith("mtp.")]
     n_params = 0
@@ -66,6 +67,8 @@ def describe(path: str | None) -> dict[str, Any]:
             cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
             + (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim),
         "tp_degrees": degrees, "tp_note": "4-bit checkpoints load with tp=1 only" if packed else None,
+        # the default sampling the checkpoint's generation_config.json sets (--generation-config auto)
+        "sampling_defaults": gen.as_dict(), "sampling_notes": list(gen.notes),
     }
 
 
@@ -136,5 +139,10 @@ def format_info(d: dict[str, Any]) -> str:
         "kv cache     " + ", ".join(f"{k} {_size(v)}" for k, v in d["kv_bytes_per_token"].items()) +
         f" per token; Gated DeltaNet state {_size(d['recurrent_state_bytes'])} per sequence (float32)",
         f"tp degrees   {', '.join(map(str, d['tp_degrees']))}" + (f" ({d['tp_note']})" if d.get("tp_note") else ""),
+        "sampling     " + (("defaults from generation_config.json: " + ", ".join(
+            f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in d["sampling_defaults"].items())
+            + "".join(f"; {n}" for n in d["sampling_notes"])
+            + " (--generation-config none: built-in defaults)")
+            if d.get("sampling_defaults") else "built-in defaults (generation_config.json sets none)"),
     ]
     return "\n".join(lines)

@@ -242,8 +242,11 @@ def test_help_shows_defaults(capsys):
         cli.main(["run", "--help"])
     out = capsys.readouterr().out
     opts = " ".join(out[out.index("options:"):].split())
-    for flag, default in (("--max-tokens", "128"), ("--temperature", "0.0"), ("--spec-k", "3"),
-                          ("--spec", "auto"), ("--top-p", "1.0"), ("--ngram-n", "1:4"), ("--kv-dtype", "auto")):
+    # the sampling flags default to the model's generation_config.json, else the built-in value
+    for flag, default in (("--max-tokens", "the model's max_new_tokens, else 128"),
+                          ("--temperature", "the model's, else 0"), ("--spec-k", "3"),
+                          ("--spec", "auto"), ("--top-p", "the model's, else 1"), ("--ngram-n", "1:4"),
+                          ("--kv-dtype", "auto"), ("--generation-config", "auto")):
         entry = opts[opts.index(flag + " "):]
         entry = entry[:entry.find(" --", len(flag))]          # up to the next flag
         assert f"(default: {default})" in entry, (flag, entry)

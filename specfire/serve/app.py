@@ -6,7 +6,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -35,7 +35,8 @@ class ServeState:
     metrics: Metrics = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
     worker: EngineWorker | None = None
-    sampling_defaults: dict[str, float] = field(default_factory=dict)   # penalties a request leaves out
+    # what a request leaves out: the serve flags over the model's generation_config.json values
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.model_name)
@@ -47,19 +48,20 @@ class ServeState:
 
 def build_app(llm: "LLM", model_name: str, api_key: str | None = None, close_llm: bool = False,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              sampling_defaults: dict[str, float] | None = None) -> FastAPI:
+              sampling_defaults: dict[str, Any] | None = None) -> FastAPI:
     """The app serving `llm` as `model_name`. Its lifespan starts the engine worker and, on
     shutdown, cancels running work and (with close_llm) frees the model. `sampling_defaults`:
-    penalty values (repetition_penalty, presence_penalty, frequency_penalty) for requests that
-    leave them out."""
+    sampling fields (the penalties from `specfire serve`'s flags) for requests that leave them
+    out; they override the model's own defaults (`llm.generation_defaults`, from its
+    generation_config.json), which override the built-in ones."""
     from . import handlers
 
     if max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
     from ..config import SamplingParams
 
-    defaults = dict(sampling_defaults or {})
-    SamplingParams(**defaults)                      # a bad default is refused here, not per request
+    SamplingParams(**dict(sampling_defaults or {}))   # a bad default is refused here, not per request
+    defaults = {**llm.generation_defaults.as_dict(), **(sampling_defaults or {})}
     st = ServeState(llm, model_name, api_key, max_request_bytes, sampling_defaults=defaults)
 
     @asynccontextmanager

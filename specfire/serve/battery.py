@@ -71,8 +71,11 @@ def md5(s: str) -> str:
 
 
 def request_body(prompt: str, max_tokens: int, spec: dict[str, Any] | None) -> dict[str, Any]:
+    # plain greedy with every penalty off, whatever defaults the served model's
+    # generation_config.json sets: the battery measures the model, as run_local does
     body: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+                            "temperature": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                            "frequency_penalty": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     if spec is not None:
         body["speculation"] = spec
     return body

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("specfire")
 
 LOAD_PARAMS = ("tp", "device", "dtype", "kv_dtype", "max_seq_len", "spec", "mtp_path", "prefix_cache_mb",
-               "prefill_piece", "draft_vocab")
+               "prefill_piece", "draft_vocab", "generation_config")
 PREFIX_CACHE_MB = 1024
 DEFAULT_MAX_TOKENS = 256
 EOF = None
@@ -58,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="default draft_vocab of every load: the MTP drafter scores token ids 0..N-1 only "
                         "(a load message's params.draft_vocab overrides it)")
+    p.add_argument("--generation-config", default=None, choices=("auto", "none"),
+                   help="default generation_config of every load (a load message's params.generation_config "
+                        "overrides it): auto, the checkpoint's generation_config.json supplies the default "
+                        "sampling of a generate message; none, the built-in defaults (default: auto)")
 
 
 def is_int(v: Any) -> bool:
@@ -65,9 +69,10 @@ def is_int(v: Any) -> bool:
 
 
 class Daemon:
-    def __init__(self, out: IO[bytes], draft_vocab: int | None = None):
+    def __init__(self, out: IO[bytes], draft_vocab: int | None = None, generation_config: str | None = None):
         self.out = out
         self.draft_vocab = draft_vocab         # --draft-vocab: the default of every load
+        self.generation_config = generation_config   # --generation-config: the default of every load
         self.llm: "LLM | None" = None
         self.lines: queue.Queue[bytes | None] = queue.Queue()
         self.pending: collections.deque[bytes] = collections.deque()  # read during a generation, not yet handled
@@ -207,6 +212,8 @@ class Daemon:
         params = dict(params)
         if self.draft_vocab is not None:
             params.setdefault("draft_vocab", self.draft_vocab)
+        if self.generation_config is not None:
+            params.setdefault("generation_config", self.generation_config)
         cache_mb = params.pop("prefix_cache_mb", PREFIX_CACHE_MB)
         piece = params.pop("prefill_piece", None)
         if not is_int(cache_mb) or cache_mb < 0:
@@ -229,6 +236,7 @@ class Daemon:
                    "layers": cfg.num_hidden_layers, "vocab": cfg.vocab_size, "mtp": bool(llm.mtp_loaded),
                    "tp": llm.tp, "max_seq_len": llm.max_model_len, "device": str(llm.device),
                    "dtype": str(llm.dtype).replace("torch.", ""), "chat": llm.tokenizer is not None,
+                   "sampling_defaults": llm.generation_defaults.as_dict(),
                    "load_ms": 1000.0 * (time.perf_counter() - t0)})
 
     def _unload(self) -> bool:
@@ -261,8 +269,8 @@ class Daemon:
             ids = encode(llm, llm.render_chat(b.messages), "messages")
         else:
             ids = encode(llm, b.prompt, "prompt")
-        sp = sampling_params(b, default_max_tokens=min(DEFAULT_MAX_TOKENS, llm.max_model_len - len(ids)),
-                             default_temperature=0.0)
+        sp = sampling_params(b, default_max_tokens=DEFAULT_MAX_TOKENS, default_temperature=0.0,
+                             defaults=llm.generation_defaults.as_dict(), room=llm.max_model_len - len(ids))
         policy = spec_policy(b.speculation, llm.spec)
         check_route(llm, sp, policy)
 
@@ -333,7 +341,7 @@ def main(args: argparse.Namespace) -> int:
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)                      # fd 1 (C libraries) and sys.stdout now write to stderr
     real_stdout, sys.stdout = sys.stdout, sys.stderr
-    d = Daemon(out, getattr(args, "draft_vocab", None))
+    d = Daemon(out, getattr(args, "draft_vocab", None), getattr(args, "generation_config", None))
     try:
         if args.model is not None:
             d.handle_line(json.dumps({"type": "load", "model": None if args.model == "bundled" else args.model})

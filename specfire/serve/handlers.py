@@ -121,8 +121,8 @@ def prepare(st: ServeState, raw: bytes, chat: bool) -> Prepared:
         assert isinstance(b, CompletionBody)
         ids = encode(llm, b.prompt, "prompt")
         default_max = COMPLETIONS_DEFAULT_MAX_TOKENS
-    sp = sampling_params(b, default_max_tokens=min(default_max, llm.max_model_len - len(ids)),
-                         defaults=st.sampling_defaults)
+    sp = sampling_params(b, default_max_tokens=default_max, defaults=st.sampling_defaults,
+                         room=llm.max_model_len - len(ids))
     policy = spec_policy(b.speculation, llm.spec)
     check_route(llm, sp, policy)
     so = b.stream_options

@@ -79,7 +79,7 @@ def bind(host: str, port: int) -> socket.socket:
 def main(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from ..cli import flagged, load_model, penalty_kw
+    from ..cli import flagged, load_model, model_defaults_line, penalty_kw
     from ..config import SamplingParams
 
     if args.max_request_bytes < 1:
@@ -113,6 +113,11 @@ def main(args: argparse.Namespace) -> int:
             super().handle_exit(sig, frame)
 
     server = Server(config)
+    # the fields a request leaves out that the model's generation_config.json sets (HTTP's
+    # built-in temperature is OpenAI's 1; its max_tokens, the rest of the context)
+    from_model = llm.generation_defaults.overriding(defaults, {"temperature": 1.0, "max_tokens": None})
+    if from_model:
+        print(model_defaults_line(llm, from_model), file=sys.stderr, flush=True)
     print(f"[specfire] serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     # uvicorn handles SIGINT / SIGTERM (stop accepting, end streams, run the lifespan shutdown) and then
     # re-raises the signal with the handler that was installed before it; a no-op one makes a SIGTERM

@@ -291,26 +291,32 @@ def validate(model: type[BaseModel], body: dict[str, Any]) -> Any:
 PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p") + PENALTIES
+
+
 def sampling_params(b: SamplingBody, default_max_tokens: int, default_temperature: float = 1.0,
-                    defaults: dict[str, float] | None = None) -> SamplingParams:
+                    defaults: dict[str, Any] | None = None, room: int | None = None) -> SamplingParams:
     """SamplingParams from a validated body; `max_completion_tokens` (the newer name) wins over
-    `max_tokens`; top_k -1 means no top-k (vLLM); a penalty the body leaves out takes the server's
-    default (`defaults`, from `specfire serve --repetition-penalty` etc.; else neutral). Range
-    errors name the field as the client wrote it."""
+    `max_tokens`; top_k -1 means no top-k (vLLM). A field the body leaves out takes `defaults`
+    (the serve flags over the model's generation_config.json values; any of max_tokens,
+    temperature, top_p, top_k, min_p and the penalties), else the built-in default
+    (`default_max_tokens`, `default_temperature`, SamplingParams'). A default max_tokens is
+    capped at `room` (what the context leaves). Range errors name the field as the client wrote it."""
+    d = defaults or {}
     mt_name = "max_completion_tokens" if b.max_completion_tokens is not None else "max_tokens"
     max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
-    kw: dict[str, Any] = dict(
-        max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-        temperature=default_temperature if b.temperature is None else b.temperature,
-        top_p=1.0 if b.top_p is None else b.top_p,
-        top_k=0 if b.top_k in (None, -1) else b.top_k,
-        min_p=0.0 if b.min_p is None else b.min_p, seed=b.seed, stop=b.stop or [], ignore_eos=bool(b.ignore_eos))
-    for name in PENALTIES:
+    if max_tokens is None:
+        max_tokens = d.get("max_tokens", default_max_tokens)
+        if room is not None:
+            max_tokens = min(max_tokens, room)
+    kw: dict[str, Any] = dict(max_tokens=max_tokens, temperature=default_temperature, seed=b.seed,
+                              stop=b.stop or [], ignore_eos=bool(b.ignore_eos))
+    for name in SAMPLING_FIELDS:
         v = getattr(b, name)
         if v is None:
-            v = (defaults or {}).get(name)
+            v = d.get(name)
         if v is not None:
-            kw[name] = v
+            kw[name] = 0 if name == "top_k" and v == -1 else v
     try:
         return SamplingParams(**kw)
     except ValueError as e:
