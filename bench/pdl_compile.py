@@ -158,6 +158,7 @@ def main() -> None:
     for enabled, order, folded in ((True, pdl.WAIT_FIRST, True), (True, pdl.RELEASE_FIRST, True),
                                    (False, pdl.WAIT_FIRST, True), (True, pdl.WAIT_FIRST, False)):
         pdl.ENABLED, pdl.ORDER, fold["on"] = enabled, order, folded
+        os.environ["SPECFIRE_XSUM_FOLD"] = "1" if folded else "0"      # the GEMV's sum(x) kernel: tree / plain
         triton_quant.PDL_PREFETCH = 2 if enabled else 0      # the prefetch variant compiled too
         COMPILED.clear()
         launch_all("cpu")

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import pdl, xsum
 from .pdl import prefetch_l2
 from .pdl import wait as pdl_wait
 from .triton_gemv import ROWS, _splitk_sum
@@ -381,17 +381,18 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
 
 
 @triton.jit(do_not_specialize=["M"])
-def _xsum_kernel(x_ptr, xs_ptr, K, stride_xm, G: tl.constexpr, GB: tl.constexpr, PDL: tl.constexpr = False):
-    """xs[m, g] = sum of row m's inputs in group g, float32 (one program per row and GB groups), by
-    the pairwise tree of ops/xsum.py (G a power of two up to 256; else tl.sum): the bits of the
-    sums a producer kernel folds into its launch."""
+def _xsum_kernel(x_ptr, xs_ptr, K, stride_xm, G: tl.constexpr, GB: tl.constexpr, PDL: tl.constexpr = False,
+                 TREE: tl.constexpr = False):
+    """xs[m, g] = sum of row m's inputs in group g, float32 (one program per row and GB groups).
+    TREE (the sum(x) fold on, ops/xsum.py; G a power of two up to 256): by the fold's pairwise
+    tree, the bits of the sums a producer kernel folds into its launch; else tl.sum."""
     pdl_wait(PDL)
     m = tl.program_id(0)
     n_groups = K // G
     offs_g = tl.program_id(1) * GB + tl.arange(0, GB)
     ok = offs_g < n_groups
     x = tl.load(x_ptr + m * stride_xm + offs_g[:, None] * G + tl.arange(0, G)[None, :], mask=ok[:, None], other=0.0)
-    if G <= 256 and (G & (G - 1)) == 0:
+    if TREE:
         tl.store(xs_ptr + m * n_groups + offs_g, group_sums(x.to(tl.float32), GB, G), mask=ok)
     else:
         tl.store(xs_ptr + m * n_groups + offs_g, tl.sum(x.to(tl.float32), 1), mask=ok)
@@ -477,7 +478,9 @@ def q4_group(x: torch.Tensor, qws: list, cfg: Q4Config | None = None,
         xs = part if split > 1 else torch.empty(1, device=x.device, dtype=torch.float32)
     elif xs is None:
         xs = torch.empty(m, n_groups, device=x.device, dtype=torch.float32)
-        _xsum_kernel[(m, triton.cdiv(n_groups, 16))](x, xs, k, x.stride(0), G=g, GB=16, PDL=on, **pdl.launch(on))
+        tree = xsum.enabled() and g <= 256 and g & (g - 1) == 0    # the folded sums' bits (ops/xsum.py)
+        _xsum_kernel[(m, triton.cdiv(n_groups, 16))](x, xs, k, x.stride(0), G=g, GB=16, PDL=on,
+                                                     **({"TREE": True} if tree else {}), **pdl.launch(on))
     a = qws[0]
     pad = [0] * (GROUP_MAX - len(qws))
     bounds = [sum(tiles[:i]) for i in range(1, GROUP_MAX)]

@@ -16,14 +16,16 @@ None and the GEMV sums x itself, as before. No
 global state: the sums live and die with the tensor; under CUDA-graph capture they are one more
 buffer of the graph's pool, written by the captured producer and read by the captured GEMV.
 
-Bits: every group sum, here and in the GEMV's own sum(x) kernel, is the same fixed pairwise tree
-(adjacent pairs, then pairs of those, ... : `group_sums_ref` below; the kernels' `group_sums` in
-ops/triton_small.py), each addition a float32 elementwise add, so it does not depend on a
-kernel's thread layout: the folded sums equal the GEMV's own bit for bit, and a row's sums never
-depend on the other rows (row-invariant).
+Bits: with the fold on, every group sum, in a producer and in the GEMV's own sum(x) kernel, is
+the same fixed pairwise tree (adjacent pairs, then pairs of those, ... : `group_sums_ref` below;
+the kernels' `group_sums` in ops/triton_small.py), each addition a float32 elementwise add, so it
+does not depend on a kernel's thread layout: the folded sums equal the GEMV's own bit for bit,
+and a row's sums never depend on the other rows (row-invariant). The tree's order differs from
+the plain reduction (tl.sum) the sum(x) kernel uses with the fold off, so outputs can differ in
+the last bits between the two settings (greedy MTP == AR holds in each).
 
-SPECFIRE_XSUM_FOLD=0 turns the fold off (read at each call, so one process can A/B; a captured
-graph keeps what it captured).
+SPECFIRE_XSUM_FOLD=1 turns the fold on (read at each call, so one process can A/B; a captured
+graph keeps what it captured). Off by default: measured slower (`enabled`).
 """
 from __future__ import annotations
 
@@ -36,7 +38,9 @@ MAX_ROWS = 16    # producers fold only for at most this many rows (ops/linear.py
 
 
 def enabled() -> bool:
-    return os.environ.get("SPECFIRE_XSUM_FOLD", "1") != "0"
+    """The fold is off by default: on the H200 it made the 4-bit 27B step slower (6.92 -> 7.08 ms,
+    docs/BENCHMARKS.md "Eighth wave: the sum(x) fold"); SPECFIRE_XSUM_FOLD=1 turns it on."""
+    return os.environ.get("SPECFIRE_XSUM_FOLD", "0") == "1"
 
 
 def want(y: torch.Tensor, d: int) -> bool:

@@ -17,6 +17,12 @@ def _g(seed):
     return torch.Generator().manual_seed(seed)
 
 
+@pytest.fixture(autouse=True)
+def fold_on(monkeypatch):
+    """The fold is off by default (ops/xsum.py enabled); these tests turn it on unless they say."""
+    monkeypatch.setenv("SPECFIRE_XSUM_FOLD", "1")
+
+
 def _sums(y):
     hit = getattr(y, "_specfire_xs", None)
     return None if hit is None else hit[0]
@@ -110,8 +116,11 @@ def test_take_only_the_producers_tensor_unchanged():
 def test_gemv_sum_kernel_is_the_tree(g, gb, k):
     x = torch.randn(3, k, generator=_g(7))
     xs = torch.empty(3, k // g)
-    tq._xsum_kernel[(3, -(-(k // g) // gb))](x, xs, k, x.stride(0), G=g, GB=gb)
+    tq._xsum_kernel[(3, -(-(k // g) // gb))](x, xs, k, x.stride(0), G=g, GB=gb, TREE=True)
     assert torch.equal(xs.reshape(-1), xsum.group_sums_ref(x, g))
+    plain = torch.empty(3, k // g)
+    tq._xsum_kernel[(3, -(-(k // g) // gb))](x, plain, k, x.stride(0), G=g, GB=gb)     # the fold off: tl.sum
+    torch.testing.assert_close(plain, xs, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("m,n,k,cfg", [
@@ -147,14 +156,44 @@ def test_q4_rows_takes_the_producers_sums(monkeypatch):
     y = ts.rms_norm_triton(x, w, 1e-6)
     folded = q4_rows(y, qws, [None, None])
     assert calls == []
+    own = q4_rows(y.clone(), qws, [None, None])          # a copy carries no sums: the GEMV's own (tree)
+    assert len(calls) == 1
+    for a, b in zip(folded, own):
+        assert torch.equal(a, b)
     monkeypatch.setenv("SPECFIRE_XSUM_FOLD", "0")
     y0 = ts.rms_norm_triton(x, w, 1e-6)
     assert torch.equal(y0, y) and xsum.take(y0, 128) is None
-    plain = q4_rows(y0, qws, [None, None])
-    assert len(calls) == 1
-    for a, b in zip(folded, plain):
-        assert torch.equal(a, b)
+    plain = q4_rows(y0, qws, [None, None])               # the fold off: main's plain reduction
+    assert len(calls) == 2
+    for a, b in zip(folded, plain):                      # the sums' order only: last bits
+        assert float((a - b).norm() / b.norm()) < 3e-6
     monkeypatch.setenv("SPECFIRE_XSUM_FOLD", "1")
     had = QuantWeight.quantize(torch.randn(40, 384, generator=g), 128, hadamard=True)
     q4_rows(ts.rms_norm_triton(x, w, 1e-6), [had], [None])
-    assert len(calls) == 2
+    assert len(calls) == 3
+
+
+def test_default_is_off_and_unchanged(monkeypatch):
+    """Without SPECFIRE_XSUM_FOLD the producers attach nothing and the GEMV's sum(x) launch is
+    main's (no TREE argument: the plain reduction)."""
+    monkeypatch.delenv("SPECFIRE_XSUM_FOLD")
+    assert not xsum.enabled()
+    g = _g(11)
+    y = ts.rms_norm_triton(torch.randn(2, 256, generator=g), torch.randn(256, generator=g), 1e-6)
+    assert _sums(y) is None and xsum.take(y, 128) is None
+    kws = []
+    real = tq._xsum_kernel
+
+    class Rec:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                kws.append(kw)
+                return real[grid](*a, **kw)
+            return launch
+    monkeypatch.setattr(tq, "_xsum_kernel", Rec())
+    qw = QuantWeight.quantize(torch.randn(30, 256, generator=g), 128)
+    tq.q4_gemv(y, qw)
+    assert len(kws) == 1 and "TREE" not in kws[0]
+    monkeypatch.setenv("SPECFIRE_XSUM_FOLD", "1")
+    tq.q4_gemv(y, qw)                       # fold on, no sums handed (y made with it off): the tree
+    assert kws[1].get("TREE") is True
