@@ -26,9 +26,10 @@ Per variant (switched in the process, the captured graphs dropped where a switch
              each row's projections, a, b, z loaded one row ahead). gdn32w2p is the default
              (docs/BENCHMARKS.md "Eighth wave: the Gated DeltaNet row loop software-pipelined").
   fold / nofold  gdn32w2p with the 4-bit GEMVs' sum(x) folded into the kernels that write their
-             inputs (ops/xsum.py) / made by the GEMV's own launch (SPECFIRE_XSUM_FOLD=1 / 0; the
-             trunk's and the MTP chain's graphs recaptured on a switch). A variant without the key
-             leaves the fold as the environment has it.
+             inputs (ops/xsum.py, the pairwise tree) / made by the GEMV's own launch
+             (SPECFIRE_XSUM_FOLD=1 / 0; the trunk's and the MTP chain's graphs recaptured on a
+             switch); foldplain the fold with tl.sum in the producers (SPECFIRE_XSUM_FOLD=plain).
+             A variant without the key leaves the fold as the environment has it.
 The rows forward writes no state; the commit replays the logged rows (model/state.py, ops/gdn.py
 commit_rows). The earlier per-row state captures and copying commit are gone: their figures are
 the seventh wave's (docs/BENCHMARKS.md).
@@ -74,8 +75,9 @@ VARIANTS = {
     "whole4p": dict(gdn=(None, 4), pipe=True),
     # the default GDN form with the 4-bit GEMV inputs' group sums folded into their producers
     # (ops/xsum.py, SPECFIRE_XSUM_FOLD) or made by the GEMV's own sum(x) launch
-    "fold": dict(gdn=(32, 2), pipe=True, fold=True),
-    "nofold": dict(gdn=(32, 2), pipe=True, fold=False),
+    "fold": dict(gdn=(32, 2), pipe=True, fold="1"),
+    "nofold": dict(gdn=(32, 2), pipe=True, fold="0"),
+    "foldplain": dict(gdn=(32, 2), pipe=True, fold="plain"),
 }
 FAMILIES = (("q4 GEMV", ("_q4_kernel",)), ("q4 sum(x)", ("_xsum",)), ("split-K sum", ("_splitk_sum",)),
             ("bf16 GEMV", ("_gemv",)), ("GDN", ("gdn",)), ("attention", ("attn",)),
@@ -203,7 +205,7 @@ def apply(llm, name: str, current: dict) -> None:
     gdn_fused.PIPE = v["pipe"]
     fold_changed = "fold" in v and current.get("fold") != v["fold"]
     if "fold" in v:
-        os.environ["SPECFIRE_XSUM_FOLD"] = "1" if v["fold"] else "0"     # read at each launch (ops/xsum.py)
+        os.environ["SPECFIRE_XSUM_FOLD"] = v["fold"]                    # read at each launch (ops/xsum.py)
     if trunk.graphs is not None:
         if current != v and (current or trunk.graphs.graphs):
             trunk.graphs = RowsGraphs(trunk.model, trunk.state)        # the rows graphs bake the kernel in

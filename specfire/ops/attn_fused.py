@@ -124,7 +124,7 @@ def qk_norm_rope_write_triton(qg: torch.Tensor, kx: torch.Tensor, vx: torch.Tens
 
 @triton.jit
 def _gate_kernel(o_ptr, qg_ptr, y_ptr, HQ, D, s_qt, s_qh, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
-                 xs_ptr=None, XS: tl.constexpr = False):
+                 xs_ptr=None, XS: tl.constexpr = 0):
     pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (ops/pdl.py)
     row = tl.program_id(0)
     t = row // HQ
@@ -137,8 +137,8 @@ def _gate_kernel(o_ptr, qg_ptr, y_ptr, HQ, D, s_qt, s_qh, BLOCK: tl.constexpr, P
     sg = (1.0 / (1.0 + tl.exp(-z))).to(dt).to(tl.float32)
     y = (o * sg).to(dt)
     tl.store(y_ptr + row * D + offs, y, mask=m)
-    if XS:   # the group sums of the written values (ops/xsum.py); D a multiple of the group
-        store_group_sums(xs_ptr, tl.where(m, y.to(tl.float32), 0.0), row * (D // XG), D // XG, BLOCK)
+    if XS > 0:   # the group sums of the written values (ops/xsum.py); D a multiple of the group
+        store_group_sums(xs_ptr, tl.where(m, y.to(tl.float32), 0.0), row * (D // XG), D // XG, BLOCK, XS)
 
 
 def out_gate_triton(o: torch.Tensor, qg: torch.Tensor) -> torch.Tensor:
@@ -148,7 +148,7 @@ def out_gate_triton(o: torch.Tensor, qg: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"out_gate: qg {tuple(qg.shape)} does not fit o {tuple(o.shape)} (unit last stride)")
     o = o.contiguous()
     y = torch.empty(t, hq * d, device=o.device, dtype=qg.dtype)
-    fold = xsum.want(y, d)
+    fold = xsum.mode() if xsum.want(y, d) else 0
     xs = xsum.new(y) if fold else y
     if t:
         _gate_kernel[(t * hq,)](o, qg, y, hq, d, qg.stride(0), qg.stride(1), BLOCK=triton.next_power_of_2(d),

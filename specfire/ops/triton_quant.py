@@ -478,7 +478,7 @@ def q4_group(x: torch.Tensor, qws: list, cfg: Q4Config | None = None,
         xs = part if split > 1 else torch.empty(1, device=x.device, dtype=torch.float32)
     elif xs is None:
         xs = torch.empty(m, n_groups, device=x.device, dtype=torch.float32)
-        tree = xsum.enabled() and g <= 256 and g & (g - 1) == 0    # the folded sums' bits (ops/xsum.py)
+        tree = xsum.mode() == xsum.TREE and g <= 256 and g & (g - 1) == 0    # the folded sums' bits (ops/xsum.py)
         _xsum_kernel[(m, triton.cdiv(n_groups, 16))](x, xs, k, x.stride(0), G=g, GB=16, PDL=on,
                                                      **({"TREE": True} if tree else {}), **pdl.launch(on))
     a = qws[0]

@@ -40,10 +40,24 @@ def _pair_step(v, NG: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def group_sums(v, NG: tl.constexpr, G: tl.constexpr):
-    """v (NG * G float32 values, group after group) -> [NG] group sums by the fixed pairwise tree
-    of ops/xsum.py group_sums_ref (G a power of two, 2..256): elementwise adds only, so the bits
-    never depend on the thread layout of the kernel that calls it."""
+def group_sums(v, NG: tl.constexpr, G: tl.constexpr, MODE: tl.constexpr = 1):
+    """v (NG * G float32 values, group after group) -> [NG] group sums. MODE 1 (xsum.TREE): by the
+    fixed pairwise tree of ops/xsum.py group_sums_ref (G a power of two, 2..256): elementwise adds
+    only, so the bits never depend on the thread layout of the kernel that calls it (an offline
+    sm_90 compile: ~300-400 more instructions and up to 8 shared-memory round trips in a norm).
+    MODE 2 (xsum.PLAIN): tl.sum over each group, in the order the calling kernel's layout gives
+    (the same code for every row, so still row-invariant; the last bits may differ from the GEMV's
+    own sum(x))."""
+    if MODE == 2:
+        out = tl.sum(tl.reshape(v, (NG, G)), 1)
+    else:
+        out = _tree_sums(v, NG, G)
+    return out
+
+
+@triton.jit
+def _tree_sums(v, NG: tl.constexpr, G: tl.constexpr):
+    """group_sums' pairwise tree."""
     tl.static_assert(G >= 2 and G <= 256 and (G & (G - 1)) == 0, "group_sums: G must be a power of two in 2..256")
     v = tl.reshape(v, (NG, G))
     if G >= 256:
@@ -65,19 +79,20 @@ def group_sums(v, NG: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
-def store_group_sums(xs_ptr, y, base_group, n_groups, BLOCK: tl.constexpr):
+def store_group_sums(xs_ptr, y, base_group, n_groups, BLOCK: tl.constexpr, MODE: tl.constexpr):
     """Store the group sums of y ([BLOCK] float32, the values written, zero past the row) at
-    xs_ptr + base_group + i for the block's groups i below n_groups."""
+    xs_ptr + base_group + i for the block's groups i below n_groups (MODE: group_sums')."""
     NG: tl.constexpr = BLOCK // XG
     gi = tl.arange(0, NG)
-    tl.store(xs_ptr + base_group + gi, group_sums(y, NG, XG), mask=gi < n_groups)
+    tl.store(xs_ptr + base_group + gi, group_sums(y, NG, XG, MODE), mask=gi < n_groups)
 
 
 def _sums_for(y: torch.Tensor, d: int):
-    """(xs buffer or a placeholder, XS flag) for a producer writing y in rows of d (ops/xsum.py)."""
+    """(xs buffer or a placeholder, XS mode: 0 none, else xsum.mode()) for a producer writing y in
+    rows of d (ops/xsum.py)."""
     if xsum.want(y, d):
-        return xsum.new(y), True
-    return y, False
+        return xsum.new(y), xsum.mode()
+    return y, 0
 
 
 # ---- RMSNorm --------------------------------------------------------------------------------
@@ -92,7 +107,7 @@ def _norm_warps(d: int) -> int:
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, D, stride_x, stride_r, eps,
                      BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr = False,
-                     xs_ptr=None, XS: tl.constexpr = False):
+                     xs_ptr=None, XS: tl.constexpr = 0):
     pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (ops/pdl.py)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -107,8 +122,8 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, D, stride_x, stride_r, e
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = (xf * inv * (1.0 + w)).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * D + offs, y, mask=mask)
-    if XS:   # the group sums of the rounded row (ops/xsum.py); D a multiple of XG
-        store_group_sums(xs_ptr, tl.where(mask, y.to(tl.float32), 0.0), row * (D // XG), D // XG, BLOCK)
+    if XS > 0:   # the group sums of the rounded row (ops/xsum.py); D a multiple of XG
+        store_group_sums(xs_ptr, tl.where(mask, y.to(tl.float32), 0.0), row * (D // XG), D // XG, BLOCK, XS)
 
 
 def rms_norm_triton(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -139,7 +154,7 @@ def add_rms_norm_triton(x: torch.Tensor, h: torch.Tensor, w: torch.Tensor,
 
 @triton.jit
 def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, D, stride_x, stride_z, eps, BLOCK: tl.constexpr,
-                           PDL: tl.constexpr = False, xs_ptr=None, XS: tl.constexpr = False):
+                           PDL: tl.constexpr = False, xs_ptr=None, XS: tl.constexpr = 0):
     pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (ops/pdl.py)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -153,8 +168,8 @@ def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, D, stride_x, stride_z, ep
     z = tl.load(z_ptr + row * stride_z + offs, mask=mask, other=0.0).to(tl.float32)
     y = (wn * (z / (1.0 + tl.exp(-z)))).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * D + offs, y, mask=mask)
-    if XS:
-        store_group_sums(xs_ptr, tl.where(mask, y.to(tl.float32), 0.0), row * (D // XG), D // XG, BLOCK)
+    if XS > 0:
+        store_group_sums(xs_ptr, tl.where(mask, y.to(tl.float32), 0.0), row * (D // XG), D // XG, BLOCK, XS)
 
 
 def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -219,7 +234,7 @@ def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, D, stride_g, stride_u, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
-                     xs_ptr=None, XS: tl.constexpr = False):
+                     xs_ptr=None, XS: tl.constexpr = 0):
     pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (ops/pdl.py)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -230,10 +245,10 @@ def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, D, stride_g, stride_u, BLOCK: tl.const
     a = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)   # silu rounded, as F.silu does
     y = (a * u).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * D + offs, y, mask=mask)
-    if XS:   # this block's groups (BLOCK a multiple of XG)
+    if XS > 0:   # this block's groups (BLOCK a multiple of XG)
         store_group_sums(xs_ptr, tl.where(mask, y.to(tl.float32), 0.0),
                          row * (D // XG) + tl.program_id(1) * (BLOCK // XG), D // XG - tl.program_id(1) * (BLOCK // XG),
-                         BLOCK)
+                         BLOCK, XS)
 
 
 def silu_mul_triton(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

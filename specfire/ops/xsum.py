@@ -25,7 +25,10 @@ the plain reduction (tl.sum) the sum(x) kernel uses with the fold off, so output
 the last bits between the two settings (greedy MTP == AR holds in each).
 
 SPECFIRE_XSUM_FOLD=1 turns the fold on (read at each call, so one process can A/B; a captured
-graph keeps what it captured). Off by default: measured slower (`enabled`).
+graph keeps what it captured). Off by default: measured slower (`mode`). SPECFIRE_XSUM_FOLD=plain
+sums each group with tl.sum in the producer instead of the tree: cheaper in the producer, still
+row-invariant (each row's program runs the same code whatever the row count), its last bits
+possibly not the GEMV's own sum(x) kernel's; not measured on the GPU yet.
 """
 from __future__ import annotations
 
@@ -37,10 +40,24 @@ G = 128          # the group of the sums: the 4-bit format's default group (ops/
 MAX_ROWS = 16    # producers fold only for at most this many rows (ops/linear.py ROW_PATH_MAX: decode, verify)
 
 
+OFF, TREE, PLAIN = 0, 1, 2
+_MODES = {"0": OFF, "": OFF, "1": TREE, "tree": TREE, "plain": PLAIN}
+
+
+def mode() -> int:
+    """SPECFIRE_XSUM_FOLD: unset / 0 off (the default: the tree form made the 4-bit 27B step slower
+    on the H200, 6.92 -> 7.08 ms, docs/BENCHMARKS.md "Eighth wave: the sum(x) fold"); 1 / tree:
+    the producers' sums by the pairwise tree, bit for bit the GEMV's own (GPU-checked); plain: by
+    tl.sum in each producer (far fewer instructions; row-invariant, last bits may differ from the
+    GEMV's own sums; not yet measured or checked on the GPU)."""
+    v = os.environ.get("SPECFIRE_XSUM_FOLD", "0").strip().lower()
+    if v not in _MODES:
+        raise ValueError(f"SPECFIRE_XSUM_FOLD must be 0, 1 / tree or plain, got {v!r}")
+    return _MODES[v]
+
+
 def enabled() -> bool:
-    """The fold is off by default: on the H200 it made the 4-bit 27B step slower (6.92 -> 7.08 ms,
-    docs/BENCHMARKS.md "Eighth wave: the sum(x) fold"); SPECFIRE_XSUM_FOLD=1 turns it on."""
-    return os.environ.get("SPECFIRE_XSUM_FOLD", "0") == "1"
+    return mode() != OFF
 
 
 def want(y: torch.Tensor, d: int) -> bool:

@@ -28,14 +28,25 @@ def _sums(y):
     return None if hit is None else hit[0]
 
 
-def _check(y):
+def _check(y, rows_alone=None):
+    """y's attached sums: the reference tree's bits (mode tree) or near the plain sum (mode plain),
+    and, given rows_alone (the producer's output for each leading row alone), each row's sums
+    those of the row made alone (row-invariant)."""
     xs = _sums(y)
     assert xs is not None, "the producer attached no sums"
     ref = xsum.group_sums_ref(y)
     assert xs.dtype == torch.float32 and xs.shape == ref.shape
-    assert torch.equal(xs, ref)
-    # the tree differs from a plain sum only by rounding
+    if xsum.mode() == xsum.TREE:
+        assert torch.equal(xs, ref)
+    # the tree (or tl.sum's order) differs from a plain sum only by rounding
     torch.testing.assert_close(xs, y.float().reshape(-1, xsum.G).sum(1), rtol=1e-5, atol=1e-4)
+    if rows_alone is not None:
+        per = xs.view(y.shape[0], -1)
+        for i, yi in enumerate(rows_alone):
+            assert torch.equal(yi, y[i:i + 1]) and torch.equal(_sums(yi), per[i]), f"row {i}"
+
+
+MODES = pytest.mark.parametrize("mode", ["1", "plain"])
 
 
 def test_reference_tree_is_pairwise():
@@ -45,47 +56,56 @@ def test_reference_tree_is_pairwise():
     assert torch.equal(xsum.group_sums_ref(v, 8), b[:, 0] + b[:, 1])
 
 
+@MODES
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 128), (3, 384), (5, 640), (2, 3, 256)])   # masked block tails (384, 640)
-def test_rms_norm_sums(shape, dtype):
+def test_rms_norm_sums(shape, dtype, mode, monkeypatch):
+    monkeypatch.setenv("SPECFIRE_XSUM_FOLD", mode)
     g = _g(1)
     x = (torch.randn(shape, generator=g) * 3).to(dtype)
     w = torch.randn(shape[-1], generator=g) * 0.3
-    _check(ts.rms_norm_triton(x, w, 1e-6))
+    _check(ts.rms_norm_triton(x, w, 1e-6), [ts.rms_norm_triton(x[i:i + 1], w, 1e-6) for i in range(shape[0])])
     h = torch.randn(shape, generator=g)
     s, y = ts.add_rms_norm_triton(x, h, w, 1e-6)
-    _check(y)
+    _check(y, [ts.add_rms_norm_triton(x[i:i + 1], h[i:i + 1], w, 1e-6)[1] for i in range(shape[0])])
     assert _sums(s) is None                      # the residual feeds no GEMV
 
 
+@MODES
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,h,d", [(1, 3, 128), (3, 5, 128), (2, 2, 256)])
-def test_gated_norm_sums(t, h, d, dtype):
+def test_gated_norm_sums(t, h, d, dtype, mode, monkeypatch):
+    monkeypatch.setenv("SPECFIRE_XSUM_FOLD", mode)
     g = _g(2)
     x = torch.randn(t, h, d, generator=g).to(dtype)
     z = torch.randn(t, h, d, generator=g).to(dtype)
-    y = ts.gated_rms_norm_triton(x, z, torch.randn(d, generator=g).to(dtype), 1e-6)
-    _check(y)
+    nw = torch.randn(d, generator=g).to(dtype)
+    y = ts.gated_rms_norm_triton(x, z, nw, 1e-6)
+    _check(y, [ts.gated_rms_norm_triton(x[i:i + 1], z[i:i + 1], nw, 1e-6) for i in range(t)])
     y2 = xsum.reshaped(y, (t, h * d))            # what the model hands out_proj
-    assert torch.equal(xsum.take(y2, 128), xsum.group_sums_ref(y).view(t, h * d // 128))
+    assert torch.equal(xsum.take(y2, 128), _sums(y).view(t, h * d // 128))
 
 
+@MODES
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,d", [(1, 128), (3, 1152), (2, 2432)])   # blocks of 1024: a short last block
-def test_silu_mul_sums(t, d, dtype):
+def test_silu_mul_sums(t, d, dtype, mode, monkeypatch):
+    monkeypatch.setenv("SPECFIRE_XSUM_FOLD", mode)
     g = _g(3)
     a, b = torch.randn(t, d, generator=g).to(dtype), torch.randn(t, d, generator=g).to(dtype)
-    _check(ts.silu_mul_triton(a, b))
+    _check(ts.silu_mul_triton(a, b), [ts.silu_mul_triton(a[i:i + 1], b[i:i + 1]) for i in range(t)])
 
 
+@MODES
 @pytest.mark.parametrize("t,hq,d", [(1, 2, 256), (3, 3, 128)])
-def test_out_gate_sums(t, hq, d):
+def test_out_gate_sums(t, hq, d, mode, monkeypatch):
+    monkeypatch.setenv("SPECFIRE_XSUM_FOLD", mode)
     g = _g(4)
     o = torch.randn(t, hq, d, generator=g)
     qg = torch.randn(t, hq, 2 * d, generator=g)
     y = attn_fused.out_gate_triton(o, qg)
     torch.testing.assert_close(y, attn_fused.out_gate_ref(o, qg))
-    _check(y)
+    _check(y, [attn_fused.out_gate_triton(o[i:i + 1], qg[i:i + 1]) for i in range(t)])
 
 
 def test_no_sums_where_they_cannot_serve(monkeypatch):
@@ -197,3 +217,28 @@ def test_default_is_off_and_unchanged(monkeypatch):
     monkeypatch.setenv("SPECFIRE_XSUM_FOLD", "1")
     tq.q4_gemv(y, qw)                       # fold on, no sums handed (y made with it off): the tree
     assert kws[1].get("TREE") is True
+
+
+def test_mode_values(monkeypatch):
+    for v, want in (("0", xsum.OFF), ("1", xsum.TREE), ("tree", xsum.TREE), ("plain", xsum.PLAIN)):
+        monkeypatch.setenv("SPECFIRE_XSUM_FOLD", v)
+        assert xsum.mode() == want
+    monkeypatch.setenv("SPECFIRE_XSUM_FOLD", "yes")
+    with pytest.raises(ValueError, match="SPECFIRE_XSUM_FOLD"):
+        xsum.mode()
+
+
+def test_plain_mode_gemv_near_its_own(monkeypatch):
+    """plain: the GEMV handed the producer's tl.sum sums agrees with its own sum(x) to the sums'
+    rounding (the sum(x) kernel then runs main's tl.sum, not the tree)."""
+    monkeypatch.setenv("SPECFIRE_XSUM_FOLD", "plain")
+    g = _g(12)
+    x, w = torch.randn(5, 640, generator=g), torch.randn(640, generator=g) * 0.2
+    qw = QuantWeight.quantize(torch.randn(60, 640, generator=g), 128)
+    y = ts.rms_norm_triton(x, w, 1e-6)
+    folded = q4_rows(y, [qw], [None])[0]
+    own = q4_rows(y.clone(), [qw], [None])[0]
+    assert float((folded - own).norm() / own.norm()) < 3e-6
+    for i in range(5):                                   # row-invariant: each row as made alone
+        yi = ts.rms_norm_triton(x[i:i + 1], w, 1e-6)
+        assert torch.equal(q4_rows(yi, [qw], [None])[0][0], folded[i])
