@@ -314,6 +314,7 @@ def q4_rows(x: torch.Tensor, qws: list, launch_ns: list) -> list[torch.Tensor]:
         return [q4_rows(x, [w], [n])[0] for w, n in zip(qws, launch_ns)]
     xr = a.prepare_input(x)
     # the group sums of x when the kernel that wrote x made them (ops/xsum.py); never for a rotated x
+    xsum.consumer_on(x.device)
     xs = None if a.hadamard else xsum.take(x, a.group_size)
     cfg = group_config([n or w.shape[0] for w, n in zip(qws, launch_ns)], x.shape[1], a.group_size)
     parts = [q4_group(xr[i:i + ROW_PATH_MAX], qws, cfg, None if xs is None else xs[i:i + ROW_PATH_MAX])

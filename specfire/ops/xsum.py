@@ -24,11 +24,13 @@ and a row's sums never depend on the other rows (row-invariant). The tree's orde
 the plain reduction (tl.sum) the sum(x) kernel uses with the fold off, so outputs can differ in
 the last bits between the two settings (greedy MTP == AR holds in each).
 
-SPECFIRE_XSUM_FOLD=1 turns the fold on (read at each call, so one process can A/B; a captured
-graph keeps what it captured). Off by default: measured slower (`mode`). SPECFIRE_XSUM_FOLD=plain
-sums each group with tl.sum in the producer instead of the tree: cheaper in the producer, still
-row-invariant (each row's program runs the same code whatever the row count), its last bits
-possibly not the GEMV's own sum(x) kernel's; not measured on the GPU yet.
+SPECFIRE_XSUM_FOLD picks the form (read at each call, so one process can A/B; a captured graph
+keeps what it captured): `plain` (the default) sums each group with tl.sum in the producer: few
+instructions, row-invariant (each row's program runs the same code whatever the row count), its
+last bits possibly not those of the GEMV's own sum(x) kernel; `1` / `tree` the pairwise tree above
+(bit for bit the GEMV's own, but ~300-400 more instructions a producer); `0` off. Measured on the
+H200 (docs/BENCHMARKS.md "Eighth wave: the sum(x) fold"): the 4-bit 27B step 6.92 ms off, 7.08
+tree, 6.72 plain (144.5 -> 148.9 tok/s), MTP == AR in every form.
 """
 from __future__ import annotations
 
@@ -41,16 +43,15 @@ MAX_ROWS = 16    # producers fold only for at most this many rows (ops/linear.py
 
 
 OFF, TREE, PLAIN = 0, 1, 2
-_MODES = {"0": OFF, "": OFF, "1": TREE, "tree": TREE, "plain": PLAIN}
+_MODES = {"0": OFF, "1": TREE, "tree": TREE, "": PLAIN, "plain": PLAIN}
 
 
 def mode() -> int:
-    """SPECFIRE_XSUM_FOLD: unset / 0 off (the default: the tree form made the 4-bit 27B step slower
-    on the H200, 6.92 -> 7.08 ms, docs/BENCHMARKS.md "Eighth wave: the sum(x) fold"); 1 / tree:
-    the producers' sums by the pairwise tree, bit for bit the GEMV's own (GPU-checked); plain: by
-    tl.sum in each producer (far fewer instructions; row-invariant, last bits may differ from the
-    GEMV's own sums; not yet measured or checked on the GPU)."""
-    v = os.environ.get("SPECFIRE_XSUM_FOLD", "0").strip().lower()
+    """SPECFIRE_XSUM_FOLD: unset / plain (the default: tl.sum in each producer; the 4-bit 27B step
+    6.92 -> 6.72 ms on the H200, MTP == AR, docs/BENCHMARKS.md "Eighth wave: the sum(x) fold"); 1 /
+    tree: the producers' sums by the pairwise tree, bit for bit the GEMV's own (GPU-checked; slower,
+    7.08 ms); 0: off (every 4-bit GEMV sums its input in its own launch)."""
+    v = os.environ.get("SPECFIRE_XSUM_FOLD", "plain").strip().lower()
     if v not in _MODES:
         raise ValueError(f"SPECFIRE_XSUM_FOLD must be 0, 1 / tree or plain, got {v!r}")
     return _MODES[v]
@@ -60,12 +61,26 @@ def enabled() -> bool:
     return mode() != OFF
 
 
+# Devices on which a 4-bit GEMV has run: only there do producers fold, so a model without 4-bit
+# weights (bf16) never pays for sums nobody reads. Only a cost switch: a fold that no GEMV takes, or
+# a GEMV that finds none, computes the same result.
+_CONSUMERS: set[str] = set()
+
+
+def consumer_on(device: torch.device) -> None:
+    """A 4-bit GEMV runs on `device` (ops/quant.py q4_rows): producers there fold from now on
+    (the eager warm-up forwards before a CUDA-graph capture make the captured graphs fold)."""
+    _CONSUMERS.add(str(device))
+
+
 def want(y: torch.Tensor, d: int) -> bool:
     """Whether a producer writing y (rows of d elements) should also write its group sums: CUDA
-    (or the CPU tests' Triton interpreter), the fold on, d a whole number of groups, a decode /
-    verify-sized output (at most MAX_ROWS tokens: y's leading dimension)."""
+    (or the CPU tests' Triton interpreter), the fold on, a 4-bit GEMV seen on y's device
+    (`consumer_on`), d a whole number of groups, a decode / verify-sized output (at most MAX_ROWS
+    tokens: y's leading dimension)."""
     return ((y.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and enabled() and d > 0 and d % G == 0
-            and y.dim() >= 1 and 0 < y.shape[0] <= MAX_ROWS and y.numel() > 0)
+            and y.dim() >= 1 and 0 < y.shape[0] <= MAX_ROWS and y.numel() > 0
+            and str(y.device) in _CONSUMERS)
 
 
 def new(y: torch.Tensor) -> torch.Tensor:

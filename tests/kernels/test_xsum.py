@@ -19,8 +19,10 @@ def _g(seed):
 
 @pytest.fixture(autouse=True)
 def fold_on(monkeypatch):
-    """The fold is off by default (ops/xsum.py enabled); these tests turn it on unless they say."""
+    """These tests take the tree form unless they say (the default is `plain`: ops/xsum.py mode),
+    on a device where a 4-bit GEMV has run."""
     monkeypatch.setenv("SPECFIRE_XSUM_FOLD", "1")
+    monkeypatch.setattr(xsum, "_CONSUMERS", {"cpu"})
 
 
 def _sums(y):
@@ -193,10 +195,21 @@ def test_q4_rows_takes_the_producers_sums(monkeypatch):
     assert len(calls) == 3
 
 
-def test_default_is_off_and_unchanged(monkeypatch):
-    """Without SPECFIRE_XSUM_FOLD the producers attach nothing and the GEMV's sum(x) launch is
-    main's (no TREE argument: the plain reduction)."""
-    monkeypatch.delenv("SPECFIRE_XSUM_FOLD")
+def test_default_is_plain():
+    """Without SPECFIRE_XSUM_FOLD the fold is on in its plain form (the measured faster one)."""
+    import os
+    saved = os.environ.pop("SPECFIRE_XSUM_FOLD", None)
+    try:
+        assert xsum.mode() == xsum.PLAIN and xsum.enabled()
+    finally:
+        if saved is not None:
+            os.environ["SPECFIRE_XSUM_FOLD"] = saved
+
+
+def test_off_is_unchanged(monkeypatch):
+    """SPECFIRE_XSUM_FOLD=0: the producers attach nothing and the GEMV's sum(x) launch is the
+    plain reduction (no TREE argument)."""
+    monkeypatch.setenv("SPECFIRE_XSUM_FOLD", "0")
     assert not xsum.enabled()
     g = _g(11)
     y = ts.rms_norm_triton(torch.randn(2, 256, generator=g), torch.randn(256, generator=g), 1e-6)
@@ -242,3 +255,16 @@ def test_plain_mode_gemv_near_its_own(monkeypatch):
     for i in range(5):                                   # row-invariant: each row as made alone
         yi = ts.rms_norm_triton(x[i:i + 1], w, 1e-6)
         assert torch.equal(q4_rows(yi, [qw], [None])[0][0], folded[i])
+
+
+def test_no_fold_before_a_4bit_gemv(monkeypatch):
+    """A producer folds only on a device where a 4-bit GEMV has run (a bf16 model pays nothing);
+    the first q4 GEMV there turns it on."""
+    monkeypatch.setattr(xsum, "_CONSUMERS", set())
+    g = _g(12)
+    x, w = torch.randn(3, 256, generator=g), torch.randn(256, generator=g)
+    assert _sums(ts.rms_norm_triton(x, w, 1e-6)) is None
+    qw = QuantWeight.quantize(torch.randn(20, 256, generator=g), 128)
+    q4_rows(x, [qw], [None])
+    y = ts.rms_norm_triton(x, w, 1e-6)
+    assert _sums(y) is not None and torch.equal(_sums(y), xsum.group_sums_ref(y))
