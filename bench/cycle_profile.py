@@ -25,6 +25,11 @@ Per variant (switched in the process, the captured graphs dropped where a switch
   ...p       (gdn32w2p, whole4p) the same with the row loop software-pipelined (ops/gdn_fused.py PIPE:
              each row's projections, a, b, z loaded one row ahead). gdn32w2p is the default
              (docs/BENCHMARKS.md "Eighth wave: the Gated DeltaNet row loop software-pipelined").
+  fold / nofold  gdn32w2p with the 4-bit GEMVs' sum(x) folded into the kernels that write their
+             inputs (ops/xsum.py, the pairwise tree) / made by the GEMV's own launch
+             (SPECFIRE_XSUM_FOLD=1 / 0; the trunk's and the MTP chain's graphs recaptured on a
+             switch); foldplain the fold with tl.sum in the producers (SPECFIRE_XSUM_FOLD=plain).
+             A variant without the key leaves the fold as the environment has it.
 The rows forward writes no state; the commit replays the logged rows (model/state.py, ops/gdn.py
 commit_rows). The earlier per-row state captures and copying commit are gone: their figures are
 the seventh wave's (docs/BENCHMARKS.md).
@@ -68,11 +73,31 @@ VARIANTS = {
     "gdn64w4": dict(gdn=(64, 4), pipe=False),
     "gdn32w2p": dict(gdn=(32, 2), pipe=True),
     "whole4p": dict(gdn=(None, 4), pipe=True),
+    # the default GDN form with the 4-bit GEMV inputs' group sums folded into their producers
+    # (ops/xsum.py, SPECFIRE_XSUM_FOLD) or made by the GEMV's own sum(x) launch
+    "fold": dict(gdn=(32, 2), pipe=True, fold="1"),
+    "nofold": dict(gdn=(32, 2), pipe=True, fold="0"),
+    "foldplain": dict(gdn=(32, 2), pipe=True, fold="plain"),
 }
 FAMILIES = (("q4 GEMV", ("_q4_kernel",)), ("q4 sum(x)", ("_xsum",)), ("split-K sum", ("_splitk_sum",)),
             ("bf16 GEMV", ("_gemv",)), ("GDN", ("gdn",)), ("attention", ("attn",)),
             ("norms", ("norm",)), ("rotary/KV write", ("rope", "qk_")), ("argmax/accept", ("argmax", "accept")),
             ("copies", ("copy", "Memcpy", "memcpy", "index", "gather", "elementwise")))
+
+
+class LaunchCount:
+    """Counts the launches of a Triton kernel made through it (captures and eager runs: a graph
+    replay launches without Python), e.g. the 4-bit GEMV's own sum(x) kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.n = kernel, 0
+
+    def __getitem__(self, grid):
+        self.n += 1
+        return self.kernel[grid]
+
+
+XSUM_COUNT: LaunchCount | None = None
 
 
 class Phases(Patches):
@@ -178,10 +203,16 @@ def apply(llm, name: str, current: dict) -> None:
     trunk = llm.engine.trunk
     gdn_fused.BV, gdn_fused.NUM_WARPS = v["gdn"]
     gdn_fused.PIPE = v["pipe"]
+    fold_changed = "fold" in v and current.get("fold") != v["fold"]
+    if "fold" in v:
+        os.environ["SPECFIRE_XSUM_FOLD"] = v["fold"]                    # read at each launch (ops/xsum.py)
     if trunk.graphs is not None:
         if current != v and (current or trunk.graphs.graphs):
             trunk.graphs = RowsGraphs(trunk.model, trunk.state)        # the rows graphs bake the kernel in
             torch.cuda.empty_cache()
+    mtp = llm.engine.drafters.get("mtp")
+    if fold_changed and mtp is not None and mtp.graphs is not None:
+        mtp.graphs.clear()                                              # the chain's GEMVs too
     current.clear()
     current.update(v)
 
@@ -194,8 +225,10 @@ def measure(llm, ids, name: str, tokens: int, reps: int, cuda: bool, log: Log, n
     sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
     warm = SamplingParams(max_tokens=8, ignore_eos=True)
     pol = SpecPolicy("mtp", k=3)
+    n0 = XSUM_COUNT.n if XSUM_COUNT else 0
     llm.generate(ids, warm, spec="off")
     llm.generate(ids, warm, spec=pol)
+    xsum_launches = XSUM_COUNT.n - n0 if XSUM_COUNT else None   # prefill + the graphs' captures
     ar_s, cyc_s, ar_ids, eq, tau = [], [], None, True, 0.0
     for _ in range(reps):
         a = llm.generate(ids, sp, spec="off")
@@ -210,7 +243,7 @@ def measure(llm, ids, name: str, tokens: int, reps: int, cuda: bool, log: Log, n
                ar_of_ceiling=round(nbytes / ar / CEILING, 4), mtp3_cycle_ms=round(cyc * 1e3, 3),
                mtp3_tok_s=round(tau / cyc, 1), cycle_over_ar=round(cyc / ar, 4), tau=round(tau, 3),
                mtp_equals_ar=eq, ar_md5=md5(ar_ids), ar_runs_ms=[round(x * 1e3, 3) for x in ar_s],
-               cycle_runs_ms=[round(x * 1e3, 3) for x in cyc_s])
+               cycle_runs_ms=[round(x * 1e3, 3) for x in cyc_s], xsum_launches_warmup=xsum_launches)
     if cuda and trunk.graphs is not None:
         g = {f"rows{r}": round(_time_graph(gr.graph, 20) * 1e3, 3) for r, gr in sorted(trunk.graphs.graphs.items())}
         for key, gr in trunk.graphs.commits.items():
@@ -298,6 +331,7 @@ def random_head_check(llm, ids, tokens: int, log: Log, label: str) -> None:
         a = llm.generate(ids, sp, spec="off")
         m = llm.generate(ids, sp, spec=SpecPolicy("mtp", k=3))
         log("random_head", weights=label, gdn=(gdn_fused.BV, gdn_fused.NUM_WARPS), pipe=gdn_fused.PIPE,
+            xsum_fold=os.environ.get("SPECFIRE_XSUM_FOLD", "1"),
             mtp_equals_ar=m.token_ids == a.token_ids,
             tau=m.stats["mean_accept_len"], accepted=m.stats["accepted"], cycles=m.stats["cycles"])
     finally:
@@ -396,7 +430,8 @@ def run_model(path: str, label: str, vocab: int | None, names: list[str], device
             t1 = time.monotonic()
             try:
                 apply(llm, name, current)
-                measure(llm, ids, name, args.tokens, args.reps, cuda, log, nb, long=args.long if i < 2 else 0)
+                measure(llm, ids, name, args.tokens, args.reps, cuda, log, nb,
+                        long=args.long if i < args.long_variants else 0)
                 random_head_check(llm, ids, 32, log, label)
             except Exception as e:                 # one variant's failure must not cost the call the others
                 import traceback
@@ -427,6 +462,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="AR and MTP runs per variant (median)")
     ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip the kernel-family profiles")
     ap.add_argument("--long", type=int, default=160, help="tokens of the longer runs (0: none); must fit max_seq")
+    ap.add_argument("--long-variants", type=int, default=2, help="how many of the first variants get --long runs")
     ap.add_argument("--variants", default="gdn32w2,gdn32w2p")
     ap.add_argument("--bf16-variants", default="gdn32w2p",
                     help="variants of the bf16 model (after the 4-bit one)")
@@ -460,8 +496,12 @@ def main() -> None:
     cfg = make_cfg(args.shape)
     log = Log(args.out, name="cycle_profile.jsonl")
     log("start", commit=args.commit, shape=args.shape, torch=torch.__version__, variants=names,
+        xsum_fold_env=os.environ.get("SPECFIRE_XSUM_FOLD"),
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu")
     vocab = args.vocab or None
+    global XSUM_COUNT
+    from specfire.ops import triton_quant
+    XSUM_COUNT = triton_quant._xsum_kernel = LaunchCount(triton_quant._xsum_kernel)
     if device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         try:
             kernel_check(cfg, device, log)

@@ -145,15 +145,21 @@ def launch_all(dev: str) -> None:
 
 
 def main() -> None:
-    from specfire.ops import pdl, triton_quant
+    from specfire.ops import pdl, triton_quant, xsum
+
+    # the producers' folded group sums (ops/xsum.py) for CPU stand-in tensors, as on the GPU
+    xsum.want = lambda y, d: xsum.enabled() and d % xsum.G == 0 and 0 < y.shape[0] <= xsum.MAX_ROWS
 
     driver.set_active(_OfflineDriver())
     JITFunction.run = _compile_only
     pdl.supported = lambda device: True                # an H200 as far as the launchers know
     pdl.on = lambda x: pdl.ORDER if pdl.ENABLED else 0  # CPU tensors stand in for the device ones
     errs = 0
-    for enabled, order in ((True, pdl.WAIT_FIRST), (True, pdl.RELEASE_FIRST), (False, pdl.WAIT_FIRST)):
+    for enabled, order, fold in ((True, pdl.WAIT_FIRST, "1"), (True, pdl.RELEASE_FIRST, "1"),
+                                 (False, pdl.WAIT_FIRST, "1"), (True, pdl.WAIT_FIRST, "plain"),
+                                 (False, pdl.WAIT_FIRST, "plain"), (True, pdl.WAIT_FIRST, "0")):
         pdl.ENABLED, pdl.ORDER = enabled, order
+        os.environ["SPECFIRE_XSUM_FOLD"] = fold       # sum(x) fold: tree, plain, off (ops/xsum.py)
         triton_quant.PDL_PREFETCH = 2 if enabled else 0      # the prefetch variant compiled too
         COMPILED.clear()
         launch_all("cpu")

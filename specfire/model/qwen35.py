@@ -25,6 +25,7 @@ from ..ops import lanes
 from ..ops import norm as norm_ops
 from ..ops import onecpu
 from ..ops import tree_norm
+from ..ops import xsum
 from ..ops.act import silu_mul
 from ..ops.linear import linear, linear_fused, linear_group, linear_prefix, one_cpu
 from ..ops.splitk import ChunkCache, KSplit, subtree
@@ -240,7 +241,7 @@ class GatedDeltaNet(nn.Module):
                                              self.hk, self.dk, self.dv, z, self.norm.weight, self.norm.eps,
                                              out=lc.log_buffers(t))
             lc.set_log(*log, full)
-            return self.out_proj(o.reshape(t, self.value_dim), rows)
+            return self.out_proj(xsum.reshaped(o, (t, self.value_dim)), rows)   # the norm's group sums kept
         z = z.view(t, self.hv, self.dv)
         if rows and t > 1 and x.device.type == "cpu" and not (one_cpu(x) and whole_steps(qkv)):  # per row (ops/rowwise.py)
             xf = qkv.float()

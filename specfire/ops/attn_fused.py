@@ -18,9 +18,10 @@ import triton
 import triton.language as tl
 
 from . import attention as attn_ops
-from . import lanes, pdl
+from . import lanes, pdl, xsum
 from .norm import rms_norm_ref
 from .pdl import wait as pdl_wait
+from .triton_small import XG, store_group_sums
 from .rope import apply_rope_ref
 
 
@@ -122,7 +123,8 @@ def qk_norm_rope_write_triton(qg: torch.Tensor, kx: torch.Tensor, vx: torch.Tens
 
 
 @triton.jit
-def _gate_kernel(o_ptr, qg_ptr, y_ptr, HQ, D, s_qt, s_qh, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _gate_kernel(o_ptr, qg_ptr, y_ptr, HQ, D, s_qt, s_qh, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+                 xs_ptr=None, XS: tl.constexpr = 0):
     pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (ops/pdl.py)
     row = tl.program_id(0)
     t = row // HQ
@@ -133,7 +135,10 @@ def _gate_kernel(o_ptr, qg_ptr, y_ptr, HQ, D, s_qt, s_qh, BLOCK: tl.constexpr, P
     o = tl.load(o_ptr + row * D + offs, mask=m, other=0.0).to(tl.float32).to(dt).to(tl.float32)
     z = tl.load(qg_ptr + t * s_qt + h * s_qh + D + offs, mask=m, other=0.0).to(tl.float32)
     sg = (1.0 / (1.0 + tl.exp(-z))).to(dt).to(tl.float32)
-    tl.store(y_ptr + row * D + offs, (o * sg).to(dt), mask=m)
+    y = (o * sg).to(dt)
+    tl.store(y_ptr + row * D + offs, y, mask=m)
+    if XS > 0:   # the group sums of the written values (ops/xsum.py); D a multiple of the group
+        store_group_sums(xs_ptr, tl.where(m, y.to(tl.float32), 0.0), row * (D // XG), D // XG, BLOCK, XS)
 
 
 def out_gate_triton(o: torch.Tensor, qg: torch.Tensor) -> torch.Tensor:
@@ -143,7 +148,9 @@ def out_gate_triton(o: torch.Tensor, qg: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"out_gate: qg {tuple(qg.shape)} does not fit o {tuple(o.shape)} (unit last stride)")
     o = o.contiguous()
     y = torch.empty(t, hq * d, device=o.device, dtype=qg.dtype)
+    fold = xsum.mode() if xsum.want(y, d) else 0
+    xs = xsum.new(y) if fold else y
     if t:
         _gate_kernel[(t * hq,)](o, qg, y, hq, d, qg.stride(0), qg.stride(1), BLOCK=triton.next_power_of_2(d),
-                                **pdl.kw(o))
-    return y
+                                xs_ptr=xs, XS=fold, **pdl.kw(o))
+    return xsum.attach(y, xs) if fold else y

@@ -304,7 +304,7 @@ def q4_rows(x: torch.Tensor, qws: list, launch_ns: list) -> list[torch.Tensor]:
     launch per 16 rows (ops/triton_quant.py q4_group: x rotated and its group sums made once,
     settings from the whole matrices' shapes, so shards compute every element as the whole does).
     SPECFIRE_GEMV_GROUP=0 (ops/triton_gemv.py GROUP): one launch per weight, its own settings."""
-    from . import triton_gemv
+    from . import triton_gemv, xsum
     from .linear import ROW_PATH_MAX
     from .triton_quant import group_config, q4_group
 
@@ -313,6 +313,10 @@ def q4_rows(x: torch.Tensor, qws: list, launch_ns: list) -> list[torch.Tensor]:
                                                         for w in qws)):
         return [q4_rows(x, [w], [n])[0] for w, n in zip(qws, launch_ns)]
     xr = a.prepare_input(x)
+    # the group sums of x when the kernel that wrote x made them (ops/xsum.py); never for a rotated x
+    xsum.consumer_on(x.device)
+    xs = None if a.hadamard else xsum.take(x, a.group_size)
     cfg = group_config([n or w.shape[0] for w, n in zip(qws, launch_ns)], x.shape[1], a.group_size)
-    parts = [q4_group(xr[i:i + ROW_PATH_MAX], qws, cfg) for i in range(0, xr.shape[0], ROW_PATH_MAX)]
+    parts = [q4_group(xr[i:i + ROW_PATH_MAX], qws, cfg, None if xs is None else xs[i:i + ROW_PATH_MAX])
+             for i in range(0, xr.shape[0], ROW_PATH_MAX)]
     return parts[0] if len(parts) == 1 else [torch.cat(p) for p in zip(*parts)]

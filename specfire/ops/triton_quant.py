@@ -29,6 +29,9 @@ all of them) is loaded before the main loop, so the term after it waits only for
 a 16-row call have the bits of the 8-row calls (checked bitwise on the GPU before a config that
 uses it is adopted: bench/linear.py).
 
+Eighth session: the kernel that wrote x may hand its group sums along (ops/xsum.py, off by
+default: measured slower in its exact tree form); q4_group then skips the sum(x) launch.
+
 Row invariance: a fixed 16- or 8-row tile, a launch configuration chosen from (N, K, G) only, M
 never specialised, group terms and split partials added in a fixed order, so every M runs the
 same machine code (with rows_hi: every M above `rows` the wider tile's, bitwise checked equal)
@@ -43,10 +46,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import pdl, xsum
 from .pdl import prefetch_l2
 from .pdl import wait as pdl_wait
 from .triton_gemv import ROWS, _splitk_sum
+from .triton_small import group_sums
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX in the interpreter
 # added to a grouped launch's offsets between weights, so they are always passed as 64-bit
@@ -380,15 +384,21 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
 
 
 @triton.jit(do_not_specialize=["M"])
-def _xsum_kernel(x_ptr, xs_ptr, K, stride_xm, G: tl.constexpr, GB: tl.constexpr, PDL: tl.constexpr = False):
-    """xs[m, g] = sum of row m's inputs in group g, float32 (one program per row and GB groups)."""
+def _xsum_kernel(x_ptr, xs_ptr, K, stride_xm, G: tl.constexpr, GB: tl.constexpr, PDL: tl.constexpr = False,
+                 TREE: tl.constexpr = False):
+    """xs[m, g] = sum of row m's inputs in group g, float32 (one program per row and GB groups).
+    TREE (the sum(x) fold on, ops/xsum.py; G a power of two up to 256): by the fold's pairwise
+    tree, the bits of the sums a producer kernel folds into its launch; else tl.sum."""
     pdl_wait(PDL)
     m = tl.program_id(0)
     n_groups = K // G
     offs_g = tl.program_id(1) * GB + tl.arange(0, GB)
     ok = offs_g < n_groups
     x = tl.load(x_ptr + m * stride_xm + offs_g[:, None] * G + tl.arange(0, G)[None, :], mask=ok[:, None], other=0.0)
-    tl.store(xs_ptr + m * n_groups + offs_g, tl.sum(x.to(tl.float32), 1), mask=ok)
+    if TREE:
+        tl.store(xs_ptr + m * n_groups + offs_g, group_sums(x.to(tl.float32), GB, G), mask=ok)
+    else:
+        tl.store(xs_ptr + m * n_groups + offs_g, tl.sum(x.to(tl.float32), 1), mask=ok)
 
 
 _LOCKS: dict = {}
@@ -427,15 +437,18 @@ def _groupable(x: torch.Tensor, qws: list) -> bool:
         and (w.zeros_t.data_ptr() - a.zeros_t.data_ptr()) % 16 == 0 for w in qws)
 
 
-def q4_gemv(x: torch.Tensor, qw, cfg: Q4Config | None = None) -> torch.Tensor:
+def q4_gemv(x: torch.Tensor, qw, cfg: Q4Config | None = None, xs: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= 16, already rotated if the weight is) @ dequant(qw)^T -> [M, N] in x's dtype."""
-    return q4_group(x, [qw], cfg)[0]
+    return q4_group(x, [qw], cfg, xs)[0]
 
 
-def q4_group(x: torch.Tensor, qws: list, cfg: Q4Config | None = None) -> list[torch.Tensor]:
+def q4_group(x: torch.Tensor, qws: list, cfg: Q4Config | None = None,
+             xs: torch.Tensor | None = None) -> list[torch.Tensor]:
     """[q4_gemv(x, w, cfg) for w in qws], the same bits, in one launch (one sum(x) pass and one
     GEMV grid over every weight's column tiles: fewer, larger calls). cfg defaults to
-    group_config of the weights' own N. Weights one launch cannot hold run one launch each."""
+    group_config of the weights' own N. Weights one launch cannot hold run one launch each.
+    xs: x's group sums [M, K / G] float32 as the kernel that wrote x made them (ops/xsum.py; the
+    same bits as the sum(x) launch, which is then skipped)."""
     m, k = x.shape
     if m > ROWS:
         raise ValueError(f"q4_gemv serves at most {ROWS} rows, got M={m}")
@@ -444,8 +457,10 @@ def q4_group(x: torch.Tensor, qws: list, cfg: Q4Config | None = None) -> list[to
             raise ValueError(f"q4_gemv: x has K={k} but the weight is {list(w.shape)}")
     g = qws[0].group_size
     cfg = cfg or group_config([w.shape[0] for w in qws], k, g)
+    if xs is not None and (tuple(xs.shape) != (m, k // g) or xs.dtype != torch.float32 or not xs.is_contiguous()):
+        raise ValueError(f"q4_group: xs must be contiguous float32 [{m}, {k // g}], got {xs.dtype} {list(xs.shape)}")
     if len(qws) > 1 and not _groupable(x, qws):
-        return [q4_group(x, [w], cfg)[0] for w in qws]
+        return [q4_group(x, [w], cfg, xs)[0] for w in qws]
     x = x.contiguous()
     on = pdl.on(x)
     n_groups = k // g
@@ -464,9 +479,11 @@ def q4_group(x: torch.Tensor, qws: list, cfg: Q4Config | None = None) -> list[to
     locks = _locks(x.device, sum(tiles) * row_tiles) if sem else y
     if cfg.zc:                            # the kernel sums x itself (xs is not read)
         xs = part if split > 1 else torch.empty(1, device=x.device, dtype=torch.float32)
-    else:
+    elif xs is None:
         xs = torch.empty(m, n_groups, device=x.device, dtype=torch.float32)
-        _xsum_kernel[(m, triton.cdiv(n_groups, 16))](x, xs, k, x.stride(0), G=g, GB=16, PDL=on, **pdl.launch(on))
+        tree = xsum.mode() == xsum.TREE and g <= 256 and g & (g - 1) == 0    # the folded sums' bits (ops/xsum.py)
+        _xsum_kernel[(m, triton.cdiv(n_groups, 16))](x, xs, k, x.stride(0), G=g, GB=16, PDL=on,
+                                                     **({"TREE": True} if tree else {}), **pdl.launch(on))
     a = qws[0]
     pad = [0] * (GROUP_MAX - len(qws))
     bounds = [sum(tiles[:i]) for i in range(1, GROUP_MAX)]
