@@ -25,7 +25,7 @@ from ckpts import tiny
 from specfire import LLM, SamplingParams
 from specfire.api import BUNDLED_MODEL
 from specfire.runtime import spec as spec_mod
-from specfire.runtime.sampling import Penalties, penalize, probs
+from specfire.runtime.sampling import Penalties, penalize, penalize_draft, probs
 from test_spec_sampled import BINS, chi2, chi2_critical
 
 SETTINGS = {
@@ -343,3 +343,112 @@ def test_server_accepts_and_validates_penalties(tok_llm):
         assert r.json()["choices"][0]["text"] == plain.text
     with pytest.raises(ValueError, match="presence_penalty must be <= 2.0"):
         build_app(llm, "t", sampling_defaults={"presence_penalty": 9})
+
+
+# ---- penalty-aware MTP drafting (greedy) -----------------------------------------------------------
+
+def test_penalize_draft_matches_verify_rows():
+    """Draft step j penalised with the counts plus drafts 0..j-1 gives the verify row j's logits, on
+    the whole vocabulary and cut to a draft vocabulary (drafts inside it)."""
+    g = torch.Generator().manual_seed(5)
+    v, n_draft = 37, 20
+    pen = Penalties(v, "cpu").begin(torch.tensor([1, 4, 4, 30]))
+    pen.add(torch.tensor([2, 4, 9, 9, 19]))
+    drafts = torch.tensor([9, 3, 9, 17])
+    logits = torch.randn(5, v, generator=g) * 3
+    for kw in SETTINGS.values():
+        sp = SamplingParams(**kw)
+        rows = penalize(logits, pen, sp, drafts)
+        for j in range(5):
+            before = [drafts[i:i + 1] for i in range(j)]
+            assert torch.equal(penalize_draft(logits[j:j + 1], pen, sp, before), rows[j:j + 1]), (kw, j)
+            assert torch.equal(penalize_draft(logits[j:j + 1, :n_draft], pen, sp, before), rows[j:j + 1, :n_draft])
+    assert penalize_draft(logits[:1], pen, SamplingParams(), []) is not None
+
+
+def accept_runs(llm, prompts, n: int, kw: dict, k: int, aware: bool, monkeypatch) -> tuple[int, int]:
+    """(drafts accepted, cycles) of greedy MTP k with the penalties, drafts penalty-aware or not;
+    every output equals AR's."""
+    from specfire.runtime.drafters import MtpDrafter
+    monkeypatch.setattr(MtpDrafter, "penalty_aware", aware)
+    acc = cyc = 0
+    for p in prompts:
+        ref = llm.generate(p, greedy(n, **kw), spec="off")
+        r = llm.generate(p, greedy(n, **kw), spec={"mode": "mtp", "k": k})
+        assert r.token_ids == ref.token_ids, (p, k, kw, aware)
+        assert ("MTP drafts are picked penalised too" in r.stats["route_reason"]) == aware
+        acc, cyc = acc + r.stats["accepted"], cyc + r.stats["cycles"]
+    return acc, cyc
+
+
+def test_penalty_aware_drafts_bundled_defaults(bundled, monkeypatch):
+    """The bundled model with its default penalties (repetition 1.05, frequency 0.7): aware drafts
+    accept more than drafts that ignore the penalties (equal counts would fail), exact either way."""
+    kw = dict(repetition_penalty=1.05, frequency_penalty=0.7)
+    a_acc, a_cyc = accept_runs(bundled, BUNDLED_PROMPTS, 64, kw, 3, True, monkeypatch)
+    u_acc, u_cyc = accept_runs(bundled, BUNDLED_PROMPTS, 64, kw, 3, False, monkeypatch)
+    assert a_acc / a_cyc > u_acc / u_cyc, (a_acc, a_cyc, u_acc, u_cyc)
+
+
+def first_drafts(llm, prompt: str, k: int, sp: SamplingParams, pen: Penalties | None, graphs: bool = False):
+    """The MTP drafter's first k drafts after the prompt's prefill and first token (as the engine
+    runs them), eager or with the chain in emulated graphs."""
+    from specfire.runtime.graphs import DraftGraphs
+    d, trunk = llm.engine.drafters["mtp"], llm.engine.trunk
+    ids = torch.tensor(llm.tokenizer.encode(prompt))
+    trunk.begin()
+    rows = trunk.prefill(ids)
+    d.graphs = DraftGraphs(d._chain_for, d.head.fc.weight.device, emulate=True) if graphs else None
+    try:
+        d.begin(ids, rows.hidden)
+        first = rows.logits[-1:].argmax(-1)
+        d.commit(first.tolist(), rows.hidden[:0], first)
+        return d.propose(int(first), ids.shape[0], k, sp, None, pen)[0].tolist()
+    finally:
+        d.graphs = None
+
+
+def test_penalty_aware_drafts_avoid_penalised_argmax(bundled):
+    """Constructed: the head's unpenalised first draft is given a count of 100 under a frequency
+    penalty of 1, so a penalty-aware chain must draft another id there, the same eagerly and from
+    the (emulated) captured chain; without the statistics it keeps the penalised-away id."""
+    p, v = "def read_lines(path):", bundled.cfg.vocab_size
+    sp = SamplingParams(frequency_penalty=1.0)
+    plain = first_drafts(bundled, p, 3, sp, None)
+    pen = Penalties(v, "cpu").begin(torch.tensor(bundled.tokenizer.encode(p)))
+    pen.counts[plain[0]] = 100.0
+    aware = first_drafts(bundled, p, 3, sp, pen)
+    assert aware[0] != plain[0], (plain, aware)
+    assert first_drafts(bundled, p, 3, sp, pen, graphs=True) == aware
+    assert first_drafts(bundled, p, 3, SamplingParams(), pen) == plain            # no penalties: unchanged
+    assert first_drafts(bundled, p, 3, SamplingParams(temperature=0.0, frequency_penalty=1.0), pen) == aware
+
+
+def test_penalty_aware_drafts_in_emulated_graphs(fitted):
+    """The chain in emulated graphs (the captured greedy path, `prepare`'s chain after a verify
+    included) with penalties: output equals AR and the drafts equal the eager chain's."""
+    from specfire.runtime.graphs import DraftGraphs
+    kw = dict(presence_penalty=2.0, repetition_penalty=1.2)
+    with LLM(fitted, device="cpu", progress=False) as llm:
+        d = llm.engine.drafters["mtp"]
+        prompts = specfit.prompts(2, seed=3)
+        logs = []
+        for graphs in (False, True):
+            d.graphs = DraftGraphs(d._chain_for, d.head.fc.weight.device, emulate=True) if graphs else None
+            log, real = [], d.propose
+
+            def wrapped(*a):
+                out, q = real(*a)
+                log.append(out.tolist())
+                return out, q
+            d.propose = wrapped
+            try:
+                for p in prompts:
+                    ref = llm.generate(p, greedy(24, **kw), spec="off")
+                    r = llm.generate(p, greedy(24, **kw), spec={"mode": "mtp", "k": 3})
+                    assert r.token_ids == ref.token_ids, graphs
+            finally:
+                d.graphs = None
+                del d.propose
+            logs.append(log)
+        assert logs[0] == logs[1] and len(logs[0]) > 0

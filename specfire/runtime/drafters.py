@@ -16,7 +16,7 @@ import torch
 from ..config import SamplingParams
 from ..model.qwen35 import MtpHead, SequenceState
 from .rng import DeviceRng
-from .sampling import probs, sample
+from .sampling import Penalties, penalize_draft, probs, sample
 from .trunk import Trunk
 
 
@@ -71,6 +71,28 @@ def _picked(tok: torch.Tensor) -> torch.Tensor:
     return tok
 
 
+def penalized_argmax(pen: Penalties, sp: SamplingParams) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A greedy chain's pick that applies the request's penalties: step j takes the argmax of
+    its logits penalised with the request's counts plus drafts 0..j-1 (`penalize_draft`), the
+    counts the verify's row j uses. A fresh closure per chain (it keeps the chain's picks)."""
+    picked: list[torch.Tensor] = []
+
+    def choose(logits: torch.Tensor) -> torch.Tensor:
+        tok = penalize_draft(logits, pen, sp, picked).argmax(-1)
+        picked.append(tok)
+        return tok
+    return choose
+
+
+def penalty_key(pen: Penalties | None, sp: SamplingParams | None) -> tuple | None:
+    """What a captured penalty-aware greedy chain bakes in: the penalty values and the device
+    statistics it reads (fixed buffers, updated in place); None for a chain without penalties."""
+    if pen is None or sp is None or not sp.penalized:
+        return None
+    return (float(sp.repetition_penalty), float(sp.frequency_penalty), float(sp.presence_penalty),
+            pen.counts.data_ptr(), pen.prompt.data_ptr())
+
+
 class MtpDrafter:
     """The model's own MTP head, chained k times (`draft_chain`).
 
@@ -90,9 +112,18 @@ class MtpDrafter:
     (tests/specfit.py) pre 2.149/2.255/2.269 vs post 2.131/2.161/2.168; on the first-wave bundled
     model (its head trained chained with the post feed) pre 2.461/3.006/3.303 vs post
     2.449/3.000/3.303. Not re-measured on the model shipped now.
+
+    Penalties (`propose(..., pen=)`, a greedy request with repetition / frequency / presence
+    penalties): each greedy step picks the argmax of its logits penalised as the verify row it
+    becomes will be (`penalized_argmax`), eagerly and in the captured chains (keyed by the penalty
+    values and the statistics' buffers, which the graph reads in place). Not on a mesh or with
+    sharded picks (there the picks stay unpenalised), and never for sampled drafts: their q must
+    stay the distribution they were drawn from. Drafts only change what is accepted, never what
+    is emitted.
     """
 
     name = "mtp"
+    penalty_aware = True                           # `launch` passes a penalised request's statistics
 
     def __init__(self, head: MtpHead, trunk: Trunk, kv_dtype: torch.dtype, feed: str = "pre",
                  mesh_head: bool = True):
@@ -128,26 +159,33 @@ class MtpDrafter:
         if self.graphs is not None:
             self.graphs.clear()
 
-    def _chain(self, toks, hidden, pos, k, choose=None, n=None) -> torch.Tensor:
+    def _chain(self, toks, hidden, pos, k, choose=None, n=None, pen=None, sp=None) -> torch.Tensor:
         """draft_chain with this drafter's head; `choose` None: the greedy pick, scored by every
-        rank's vocabulary rows on a mesh (parallel/draft.py, argmax's token), else argmax."""
+        rank's vocabulary rows on a mesh (parallel/draft.py, argmax's token), else argmax, or the
+        penalised argmax when `pen` and `sp` carry penalties (single device, unsharded picks)."""
         if self.mesh is not None:
             return self.mesh.chain(k, self.feed, toks.shape[0], self.trunk.embed(toks), hidden, pos, n, choose,
                                    self.trunk.embed, self.trunk.lm_logits)
         lm = self.trunk.lm_logits
         if choose is None:
-            lm, choose = (self.trunk.shard_argmax, _picked) if self._sharded else (lm, argmax)
+            if self._sharded:
+                lm, choose = self.trunk.shard_argmax, _picked
+            elif penalty_key(pen, sp) is not None:
+                choose = penalized_argmax(pen, sp)
+            else:
+                choose = argmax
         return draft_chain(self.head, self.trunk.embed, lm, self.state, toks, hidden, pos, k, self.feed, choose, n)
 
-    def _chain_after(self, toks, hidden, pos, n, k) -> torch.Tensor:
+    def _chain_after(self, toks, hidden, pos, n, k, pen=None, sp=None) -> torch.Tensor:
         """The greedy chain from row n of a verify's k+1 rows (`prepare`)."""
-        return self._chain(toks, hidden, pos, k, n=n)
+        return self._chain(toks, hidden, pos, k, n=n, pen=pen, sp=sp)
 
     def _chain_for(self, toks, hidden, pos, k, sp: SamplingParams | None,
-                   rng: DeviceRng | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The chain greedy (sp None or greedy), or sampled from `rng` with the distributions kept."""
+                   rng: DeviceRng | None, pen: Penalties | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The chain greedy (sp None or greedy; penalised picks when `pen` is given and sp has
+        penalties), or sampled from `rng` with the distributions kept (never penalised)."""
         if sp is None or sp.greedy:
-            return self._chain(toks, hidden, pos, k), None
+            return self._chain(toks, hidden, pos, k, pen=pen, sp=sp), None
         qs: list[torch.Tensor] = []
 
         def choose(logits: torch.Tensor) -> torch.Tensor:
@@ -167,12 +205,16 @@ class MtpDrafter:
 
     @torch.inference_mode()
     def propose(self, last: int, pos: int, k: int, sp: SamplingParams,
-                gen: DeviceRng | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                gen: DeviceRng | None, pen: Penalties | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`pen`: the request's penalty statistics (greedy requests with penalties pick penalised)."""
         if k <= 0:
             return NO_DRAFT, None
         self._check_mode()
+        if not sp.greedy or self._sharded or self.mesh is not None:
+            pen = None                             # sampled drafts, a mesh's and sharded picks stay unpenalised
         pre, self._pre = self._pre, None
-        if pre is not None and pre[0] == (k, self._pos0) and sp.greedy and len(self._hidden) == 1:
+        if (pre is not None and pre[0] == (k, self._pos0, penalty_key(pen, sp)) and sp.greedy
+                and len(self._hidden) == 1):
             # queued by `prepare` over exactly these pending rows (this k, this position): the same chain
             self._hidden, self._tokens, self._pos0 = [], [], self._pos0 + self._hidden[0].shape[0]
             return pre[1], None
@@ -191,10 +233,11 @@ class MtpDrafter:
             if sharded:
                 fresh = not self.graphs.captured(toks.shape[0], k)
                 self.trunk.draft_rounds(k, self.graphs.warmup if fresh else 0, 1)
-            return self.graphs.draft(toks, hidden, pos0, k, None if sp.greedy else sp, gen)
+            return self.graphs.draft(toks, hidden, pos0, k, None if sp.greedy else sp, gen,
+                                     pen=pen, pen_sp=sp)
         if sharded:
             self.trunk.draft_rounds(k, 1, 0)
-        return self._chain_for(toks, hidden, pos0, k, sp, gen)
+        return self._chain_for(toks, hidden, pos0, k, sp, gen, pen)
 
     def _prefill(self, emb: torch.Tensor, hidden: torch.Tensor, pos0: int) -> None:
         """The head over rows in prefill mode (on every rank of a mesh holding its shards)."""
@@ -219,12 +262,15 @@ class MtpDrafter:
         return self._chain_for(toks, hidden, pos0, k, sp, gen)
 
     @torch.inference_mode()
-    def prepare(self, hidden: torch.Tensor, targets: torch.Tensor, n: torch.Tensor, pos: int, k: int) -> None:
+    def prepare(self, hidden: torch.Tensor, targets: torch.Tensor, n: torch.Tensor, pos: int, k: int,
+                pen: Penalties | None = None, sp: SamplingParams | None = None) -> None:
         """Queue the next greedy chain (k drafts) right after a verify of k drafts at `pos`, before its
         result is read: over all k+1 rows (hidden, targets) from row n (the accepted count, still on
         the device). The next `propose` returns it when its pending rows are exactly this verify's
         and it asks for k drafts; otherwise it is dropped. Where the chain replays CUDA graphs, so
-        the device drafts while the host reads the step and commits (no idle gap between them)."""
+        the device drafts while the host reads the step and commits (no idle gap between them).
+        `pen`, `sp`: a penalised greedy request's statistics (already counting this step's emitted
+        tokens, queued before) and parameters: the chain picks penalised, as `propose` would."""
         self._pre = None
         if not self.ahead or self.graphs is None or k <= 0 or pos + 2 * k > self.trunk.max_seq:   # its steps reach pos + n + k - 1
             return
@@ -233,14 +279,22 @@ class MtpDrafter:
             fresh = not self.graphs.captured(k + 1, k, "after")
             chain = (k + 1, False, self.feed) if self.mesh is not None else ()
             self.trunk.draft_rounds(k, self.graphs.warmup if fresh else 0, 1, now=True, chain=chain)
-        drafts = self.graphs.draft_after(self._chain_after, targets, hidden, pos, n.view(1), k)
-        self._pre = ((k, pos), drafts)
+        if self.mesh is not None or self._sharded:
+            pen = None
+        pkey = penalty_key(pen, sp)
+        drafts = self.graphs.draft_after(self._chain_after, targets, hidden, pos, n.view(1), k,
+                                         pen=pen if pkey is not None else None, pen_sp=sp)
+        self._pre = ((k, pos, pkey), drafts)
 
     def _check_mode(self) -> None:
         """Captured greedy chains keep the picks they were captured with: a changed mode drops them."""
         if self.graphs is not None and self.mesh is None and self._sharded != self._graphs_sharded:
             self.graphs.clear()
             self._graphs_sharded = self._sharded
+
+    def penalises(self, sp: SamplingParams) -> bool:
+        """Whether this drafter picks a request's drafts penalised (greedy, single device, unsharded)."""
+        return self.penalty_aware and sp.greedy and sp.penalized and self.mesh is None and not self._sharded
 
     @property
     def _sharded(self) -> bool:

@@ -72,7 +72,10 @@ class Engine:
 
     def penalty_note(self, sp: SamplingParams) -> str:
         """How a penalised request is served (the route reason and the `penalties` stat say it)."""
-        note = f"penalties {sp.penalty_text()} on every verify row (drafts are not penalised)"
+        note = f"penalties {sp.penalty_text()} on every verify row"
+        mtp = self.drafters.get("mtp")
+        aware = mtp is not None and getattr(mtp, "penalises", lambda sp: False)(sp)
+        note += "; MTP drafts are picked penalised too" if aware else "; drafts are not penalised"
         if not sp.greedy and self.bufs.graphs is not None:
             note += "; the sampled accept runs eagerly, not from its CUDA graph"
         return note

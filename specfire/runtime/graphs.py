@@ -196,26 +196,40 @@ class DraftGraphs:
         return (m, k, kind) in self.fns.graphs
 
     def draft_after(self, chain, toks: torch.Tensor, hidden: torch.Tensor, pos0: int, n: torch.Tensor,
-                    k: int) -> torch.Tensor:
+                    k: int, pen=None, pen_sp=None) -> torch.Tensor:
         """The greedy chain(toks, hidden, pos tensor, n, k) -> drafts [k] over all of a verify's rows
-        from row n ([1], on the device), replayed from a graph per (rows, k)."""
+        from row n ([1], on the device), replayed from a graph per (rows, k). `pen`, `pen_sp`: a
+        penalised request's statistics and parameters; its graph is keyed by their values and
+        buffers (`drafters.penalty_key`) and reads the statistics in place at every replay."""
+        from .drafters import penalty_key
+
+        pkey = penalty_key(pen, pen_sp)
         self.pos.fill_(pos0)
-        key = (toks.shape[0], k, "after")
-        return self.fns.run(key, lambda t, h, p, nn: (chain(t, h, p, nn, k),), (toks, hidden, self.pos, n))[0]
+        key = (toks.shape[0], k, "after") if pkey is None else (toks.shape[0], k, "after", pkey)
+        return self.fns.run(key, lambda t, h, p, nn: (chain(t, h, p, nn, k, pen, pen_sp),),
+                            (toks, hidden, self.pos, n))[0]
 
     def clear(self) -> None:
         self.fns.clear()
 
     def draft(self, toks: torch.Tensor, hidden: torch.Tensor, pos0: int, k: int, sp=None,
-              rng=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(drafts [k], the distributions they were drawn from [k, V] or None when greedy) on the device."""
+              rng=None, pen=None, pen_sp=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(drafts [k], the distributions they were drawn from [k, V] or None when greedy) on the device.
+        `pen`, `pen_sp` (greedy only): penalised picks, one graph per penalty key (as `draft_after`)."""
+        from .drafters import penalty_key
         from .sampling import sampling_key
 
         skey = None if sp is None else sampling_key(sp)
         self.pos.fill_(pos0)
         if skey is None:
-            key = (toks.shape[0], k, None)
-            out = self.fns.run(key, lambda t, h, p: (self.chain(t, h, p, k, None, None)[0],), (toks, hidden, self.pos))
+            pkey = penalty_key(pen, pen_sp)
+            if pkey is None:
+                key = (toks.shape[0], k, None)
+                fn = lambda t, h, p: (self.chain(t, h, p, k, None, None)[0],)    # noqa: E731
+            else:
+                key = (toks.shape[0], k, None, pkey)
+                fn = lambda t, h, p: (self.chain(t, h, p, k, pen_sp, None, pen)[0],)    # noqa: E731
+            out = self.fns.run(key, fn, (toks, hidden, self.pos))
             return out[0], None
         key = (toks.shape[0], k, skey, rng.state.data_ptr())
         out = self.fns.run(key, lambda t, h, p: self.chain(t, h, p, k, sp, rng), (toks, hidden, self.pos),

@@ -77,6 +77,26 @@ def penalize(logits: torch.Tensor, pen: Penalties | None, sp: SamplingParams,
     return out
 
 
+def penalize_draft(logits: torch.Tensor, pen: Penalties | None, sp: SamplingParams,
+                   before: list[torch.Tensor]) -> torch.Tensor:
+    """One draft step's logits [1, N] penalised as the verify will penalise its row: with the
+    request's counts plus the drafts picked before it in this chain (`before`, [1] int64 each, on
+    the device). N may be a draft vocabulary (ids 0..N-1 of V): the statistics are cut to it.
+    The same arithmetic as `penalize` (counts are exact integers), so a draft step whose head
+    agrees with the trunk picks what the verify row picks. Fixed shapes, no host read
+    (capturable)."""
+    if pen is None or not sp.penalized:
+        return logits
+    n = logits.shape[-1]
+    counts = pen.counts[:n]
+    if before:
+        d = torch.cat(before)
+        counts = counts.clone().index_add_(0, d, torch.ones(d.shape[0], dtype=torch.float32, device=d.device))
+    view = Penalties.__new__(Penalties)
+    view.prompt, view.counts = pen.prompt[:n], counts
+    return penalize(logits, view, sp)
+
+
 def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     """logits [R, V] float32 -> probabilities [R, V] after temperature, top-k, top-p and min-p."""
     x = logits.float() / max(sp.temperature, 1e-6)
