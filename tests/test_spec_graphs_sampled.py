@@ -71,6 +71,21 @@ def test_fn_graphs_copy_inputs_in():
     assert torch.equal(g.run("k", lambda a: (a * 2,), (x + 1,))[0], (x + 1) * 2)
 
 
+def test_fn_graphs_keep_at_most_max_graphs_least_recent_out(monkeypatch):
+    """Keys come from requests' sampling / penalty values: the cache is bounded, the least
+    recently used graph goes first, and an evicted key is recaptured and still right."""
+    monkeypatch.setattr(FnGraphs, "MAX_GRAPHS", 3)
+    g = FnGraphs(torch.device("cpu"), emulate=True)
+    x = torch.arange(4.0)
+    for i in range(3):
+        g.run(i, lambda a, i=i: (a + i,), (x,))
+    g.run(0, lambda a: (a + 0,), (x,))                    # 0 is now the most recent
+    g.run(3, lambda a: (a + 3,), (x,))                    # evicts 1, the least recent
+    assert list(g.graphs) == [2, 0, 3]
+    assert torch.equal(g.run(1, lambda a: (a + 1,), (x,))[0], x + 1)
+    assert len(g.graphs) == 3 and 2 not in g.graphs
+
+
 @pytest.fixture(scope="module")
 def bundled():
     with LLM(device="cpu", progress=False) as llm:

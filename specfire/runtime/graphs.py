@@ -14,6 +14,7 @@ by `commit()`, outside the graph, so capture and warm-up never disturb a sequenc
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -118,11 +119,13 @@ class FnGraphs:
     tests): the same protocol run eagerly, so a CPU test can compare it with the eager path."""
 
     WARMUP = 2          # eager runs before a capture (compile and autotune every kernel)
+    MAX_GRAPHS = 64     # keys are per sampling / penalty values, which requests choose: the least
+                        # recently used graph goes past this many (a later request recaptures it)
 
     def __init__(self, device: torch.device, emulate: bool = False):
         self.device, self.emulate = torch.device(device), emulate
         self.pool = None if emulate else torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple, _FnGraph] = {}
+        self.graphs: OrderedDict[tuple, _FnGraph] = OrderedDict()
 
     def clear(self) -> None:
         self.graphs.clear()
@@ -131,8 +134,12 @@ class FnGraphs:
             keep: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, ...]:
         g = self.graphs.get(key)
         if g is None:
+            while len(self.graphs) >= self.MAX_GRAPHS:
+                self.graphs.popitem(last=False)
             g = self.graphs[key] = self._capture(fn, inputs, keep)
             log.info("captured a graph for %s", key)
+        else:
+            self.graphs.move_to_end(key)
         for dst, src in zip(g.inputs, inputs):
             dst.copy_(src)
         g.replay()
