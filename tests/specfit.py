@@ -183,3 +183,17 @@ def variant(src: str, dst: str, eos: int | None = None, tokenizer: bool = False,
         from specfire.config import ModelConfig
         add_char_tokenizer(dst, ModelConfig.from_dir(dst).vocab_size)
     return dst
+
+
+def spy_drafts(llm) -> tuple[object, list[list[int]]]:
+    """Record every draft the MTP drafter proposes: (the drafter, the log: one list of draft ids per
+    propose). Undo with `del drafter.propose` (the spy is an instance attribute over the method)."""
+    d = llm.engine.drafters["mtp"]
+    log, real = [], d.propose
+
+    def wrapped(*a):
+        out, q = real(*a)
+        log.append(out.tolist())
+        return out, q
+    d.propose = wrapped
+    return d, log

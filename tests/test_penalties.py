@@ -25,8 +25,9 @@ from ckpts import tiny
 from specfire import LLM, SamplingParams
 from specfire.api import BUNDLED_MODEL
 from specfire.runtime import spec as spec_mod
-from specfire.runtime.sampling import Penalties, penalize, penalize_draft, probs
-from test_spec_sampled import BINS, chi2, chi2_critical
+from specfire.runtime.sampling import Penalties, penalize, penalize_draft
+from test_spec_sampled import BINS, chi2_critical
+from test_spec_sampled import pit_chi2 as spec_sampled_pit_chi2
 
 SETTINGS = {
     "rep1.3": dict(repetition_penalty=1.3),
@@ -215,31 +216,12 @@ def test_counts_do_not_leak_between_requests(fitted):
 
 # ---- sampled speculation draws from the penalised AR distribution -------------------------------
 
-def pit_chi2(llm: LLM, mode: str, sp_kw: dict, requests: int = 2, n: int = 300) -> tuple[float, dict]:
-    """As test_spec_sampled.pit_chi2, with the AR distribution of each position penalised by the
-    plain reference over the prompt and the tokens generated before it. acc["outside"]: tokens
-    emitted outside that distribution's support (the chi-square ignores them)."""
-    us = []
-    acc = {"cycles": 0, "accepted": 0, "outside": 0}
-    ug = torch.Generator().manual_seed(99)
-    for r in range(requests):
-        prompt = [1, 2, 3, 1, 2, 3, 1, 2][: 3 + r]
-        sp = SamplingParams(max_tokens=n, seed=2000 + r, ignore_eos=True, **sp_kw)
-        res = llm.generate(prompt, sp, spec={"mode": mode, "k": 3})
-        acc["cycles"] += res.stats["cycles"]
-        acc["accepted"] += res.stats["accepted"]
-        seq = prompt + res.token_ids
-        raw = llm.score(seq)[len(prompt) - 1:-1]
-        rows = torch.stack([penalize_ref(raw[i], prompt, res.token_ids[:i], sp) for i in range(len(res.token_ids))])
-        p = probs(rows.float(), sp)
-        x = torch.tensor(res.token_ids)
-        px = p.gather(1, x[:, None])[:, 0]
-        acc["outside"] += int((px == 0).sum())
-        before = (p.cumsum(-1) - p).gather(1, x[:, None])[:, 0]
-        us.append(before + torch.rand(len(x), generator=ug) * px)
-    u = torch.cat(us)
-    counts = torch.histc(u, bins=BINS, min=0.0, max=1.0)
-    return chi2(counts, torch.full((BINS,), len(u) / BINS)), acc
+def pit_chi2(llm: LLM, mode: str, sp_kw: dict) -> tuple[float, dict]:
+    """test_spec_sampled.pit_chi2 with the AR distribution of each position penalised by the plain
+    reference over the prompt and the tokens generated before it."""
+    def penalised(raw, prompt, out, sp):
+        return torch.stack([penalize_ref(raw[i], prompt, out[:i], sp) for i in range(len(out))]).float()
+    return spec_sampled_pit_chi2(llm, mode, sp_kw, target=penalised, seed=2000)
 
 
 SAMPLED = {"rep_freq": dict(temperature=0.8, repetition_penalty=1.5, frequency_penalty=0.02),
@@ -435,13 +417,7 @@ def test_penalty_aware_drafts_in_emulated_graphs(fitted):
         logs = []
         for graphs in (False, True):
             d.graphs = DraftGraphs(d._chain_for, d.head.fc.weight.device, emulate=True) if graphs else None
-            log, real = [], d.propose
-
-            def wrapped(*a):
-                out, q = real(*a)
-                log.append(out.tolist())
-                return out, q
-            d.propose = wrapped
+            _, log = specfit.spy_drafts(llm)
             try:
                 for p in prompts:
                     ref = llm.generate(p, greedy(24, **kw), spec="off")

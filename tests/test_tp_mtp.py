@@ -4,8 +4,8 @@ one device (canonical mode), with the drafts of one device's whole head."""
 from __future__ import annotations
 
 import pytest
-import torch
 
+import specfit
 from tinymodels import make_checkpoint
 
 from specfire import LLM, SamplingParams, SpecPolicy
@@ -32,18 +32,6 @@ def monkeypatch_module():
     mp.undo()
 
 
-def spy(llm):
-    d = llm.engine.drafters["mtp"]
-    log, real = [], d.propose
-
-    def wrapped(*a):
-        out, q = real(*a)
-        log.append(out.tolist())
-        return out, q
-    d.propose = wrapped
-    return d, real, log
-
-
 def test_sharded_head_drafts_equal_one_device(pair):
     """Greedy MTP k=3 on the mesh (every rank holding a shard of the head) == AR on one device,
     and the drafts equal one device's whole head's, eager and with the chain in emulated graphs."""
@@ -56,12 +44,13 @@ def test_sharded_head_drafts_equal_one_device(pair):
     ar = one.generate(ids, sp, spec="off").token_ids
     runs = {}
     for name, llm, graphs in (("one", one, False), ("mesh", mesh, False), ("mesh_graphs", mesh, True)):
-        d, real, log = spy(llm)
+        d, log = specfit.spy_drafts(llm)
         d.graphs = DraftGraphs(d._chain_for, d.head.fc.weight.device, emulate=True) if graphs else None
         try:
             runs[name] = (llm.generate(ids, sp, spec=SpecPolicy("mtp", k=3)).token_ids, log)
         finally:
-            d.propose, d.graphs = real, None
+            del d.propose
+            d.graphs = None
     assert runs["one"][0] == runs["mesh"][0] == runs["mesh_graphs"][0] == ar
     assert runs["one"][1] == runs["mesh"][1] == runs["mesh_graphs"][1] and len(runs["one"][1]) > 2
 
