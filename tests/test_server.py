@@ -234,6 +234,9 @@ def test_disconnect_mid_stream_stops_generation(server, client):
 def test_metrics(server, client):
     client.completions.create(model=NAME, prompt="x", max_tokens=6, temperature=0,
                               extra_body={"speculation": {"mode": "mtp", "k": 3}})
+    bad = httpx.post(server["base"] + "/v1/completions", json={"model": NAME, "prompt": "x", "temperature": -1},
+                     headers={"Authorization": f"Bearer {KEY}"}, timeout=30)     # its own 400: any test order
+    assert bad.status_code == 400
     text = httpx.get(server["base"] + "/metrics").text
     assert "# TYPE specfire:time_to_first_token_seconds histogram" in text
     assert "# TYPE specfire:inter_token_latency_seconds histogram" in text
