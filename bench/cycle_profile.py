@@ -78,7 +78,13 @@ VARIANTS = {
     "fold": dict(gdn=(32, 2), pipe=True, fold="1"),
     "nofold": dict(gdn=(32, 2), pipe=True, fold="0"),
     "foldplain": dict(gdn=(32, 2), pipe=True, fold="plain"),
+    # the merged-reduction row loop (ops/gdn_fused.py MERGED): split 32 / 2 warps, 32 / 1, 16 / 1, 64 / 2
+    "m32w2": dict(gdn=(32, 2), pipe=True, merged=True),
+    "m32w1": dict(gdn=(32, 1), pipe=True, merged=True),
+    "m16w1": dict(gdn=(16, 1), pipe=True, merged=True),
+    "m64w2": dict(gdn=(64, 2), pipe=True, merged=True),
 }
+MERGED_CHECK = ((32, 2), (32, 1), (16, 1), (64, 2), (None, 4))   # merged forms the kernel check runs
 FAMILIES = (("q4 GEMV", ("_q4_kernel",)), ("q4 sum(x)", ("_xsum",)), ("split-K sum", ("_splitk_sum",)),
             ("bf16 GEMV", ("_gemv",)), ("GDN", ("gdn",)), ("attention", ("attn",)),
             ("norms", ("norm",)), ("rotary/KV write", ("rope", "qk_")), ("argmax/accept", ("argmax", "accept")),
@@ -203,6 +209,7 @@ def apply(llm, name: str, current: dict) -> None:
     trunk = llm.engine.trunk
     gdn_fused.BV, gdn_fused.NUM_WARPS = v["gdn"]
     gdn_fused.PIPE = v["pipe"]
+    gdn_fused.MERGED = v.get("merged", False)
     fold_changed = "fold" in v and current.get("fold") != v["fold"]
     if "fold" in v:
         os.environ["SPECFIRE_XSUM_FOLD"] = v["fold"]                    # read at each launch (ops/xsum.py)
@@ -331,7 +338,7 @@ def random_head_check(llm, ids, tokens: int, log: Log, label: str) -> None:
         a = llm.generate(ids, sp, spec="off")
         m = llm.generate(ids, sp, spec=SpecPolicy("mtp", k=3))
         log("random_head", weights=label, gdn=(gdn_fused.BV, gdn_fused.NUM_WARPS), pipe=gdn_fused.PIPE,
-            xsum_fold=os.environ.get("SPECFIRE_XSUM_FOLD", "plain"),
+            merged=gdn_fused.MERGED, xsum_fold=os.environ.get("SPECFIRE_XSUM_FOLD", "plain"),
             mtp_equals_ar=m.token_ids == a.token_ids,
             tau=m.stats["mean_accept_len"], accepted=m.stats["accepted"], cycles=m.stats["cycles"])
     finally:
@@ -364,16 +371,18 @@ def kernel_check(cfg, device: str, log: Log) -> bool:
         return st[0]
 
     every = True
-    for bv, nwarps, pipe in ((32, 2, False), (None, 4, False), (32, 2, True), (None, 4, True)):
+    forms = [(32, 2, False, False), (None, 4, False, False), (32, 2, True, False), (None, 4, True, False)]
+    forms += [(bv, nwarps, True, True) for bv, nwarps in MERGED_CHECK]
+    for bv, nwarps, pipe, merged in forms:
         o, lg, full = gdn_decode_triton(qkv, a, b, win, w, a_log, dtb, s, hk, dk, dv, z, nw, 1e-6,
-                                        bv=bv, num_warps=nwarps, pipe=pipe)
-        if pipe:   # the pipelined loop: the unpipelined one's bits (outputs, logs, window), 4 rows and 1
+                                        bv=bv, num_warps=nwarps, pipe=pipe, merged=merged)
+        if pipe and not merged:   # the pipelined loop: the unpipelined one's bits (outputs, logs, window), 4 rows and 1
             o0, lg0, full0 = gdn_decode_triton(qkv, a, b, win, w, a_log, dtb, s, hk, dk, dv, z, nw, 1e-6,
-                                               bv=bv, num_warps=nwarps, pipe=False)
+                                               bv=bv, num_warps=nwarps, pipe=False, merged=False)
             o1, lg1, _ = gdn_decode_triton(qkv[:1], a[:1], b[:1], win, w, a_log, dtb, s, hk, dk, dv, z[:1], nw, 1e-6,
-                                           bv=bv, num_warps=nwarps, pipe=True)
+                                           bv=bv, num_warps=nwarps, pipe=True, merged=False)
             o10, lg10, _ = gdn_decode_triton(qkv[:1], a[:1], b[:1], win, w, a_log, dtb, s, hk, dk, dv, z[:1], nw,
-                                             1e-6, bv=bv, num_warps=nwarps, pipe=False)
+                                             1e-6, bv=bv, num_warps=nwarps, pipe=False, merged=False)
             same = (torch.equal(o, o0) and torch.equal(full, full0) and torch.equal(o1, o10)
                     and all(torch.equal(x, y) for x, y in zip(lg + lg1, lg0 + lg10)))
             every &= same
@@ -382,7 +391,8 @@ def kernel_check(cfg, device: str, log: Log) -> bool:
         cur_s, cur_w = s.clone(), win
         for i in range(t):
             o1, l1, _ = gdn_decode_triton(qkv[i:i + 1], a[i:i + 1], b[i:i + 1], cur_w, w, a_log, dtb, cur_s,
-                                          hk, dk, dv, z[i:i + 1], nw, 1e-6, bv=bv, num_warps=nwarps, pipe=pipe)
+                                          hk, dk, dv, z[i:i + 1], nw, 1e-6, bv=bv, num_warps=nwarps, pipe=pipe,
+                                          merged=merged)
             rows_o &= torch.equal(o1[0], o[i])
             rows_log &= all(torch.equal(x[0], y[i]) for x, y in zip(l1, lg))
             cur_s, cur_w = committed(cur_s, l1, 1), full[i + 1:i + kk]
@@ -393,7 +403,7 @@ def kernel_check(cfg, device: str, log: Log) -> bool:
         diff = (committed(s, lg, t) - ref[0]).abs().max().item()
         ok = rows_o and rows_log and state
         every &= ok
-        log("kernel_check", form=[bv, nwarps] + (["pipe"] if pipe else []), rows_equal_single_rows_o=rows_o, logs_equal=rows_log,
+        log("kernel_check", form=[bv, nwarps] + (["merged"] if merged else ["pipe"] if pipe else []), rows_equal_single_rows_o=rows_o, logs_equal=rows_log,
             commit_n_equals_single_rows=state, state_max_abs_diff_vs_reference=diff,
             o_max_abs_diff_vs_reference=(o.float() - ro.float()).abs().max().item(), ok=ok)
     # the unfused rows kernel: its own final state == its log replayed by the commit kernel
@@ -441,9 +451,10 @@ def run_model(path: str, label: str, vocab: int | None, names: list[str], device
         if cuda and args.profile:                  # last: the profiler slows the host's later launches
             seen = set()
             for name in names:
-                if (VARIANTS[name]["gdn"], VARIANTS[name]["pipe"]) in seen or time.monotonic() > deadline:
+                form = (VARIANTS[name]["gdn"], VARIANTS[name]["pipe"], VARIANTS[name].get("merged", False))
+                if form in seen or time.monotonic() > deadline:
                     continue
-                seen.add((VARIANTS[name]["gdn"], VARIANTS[name]["pipe"]))
+                seen.add(form)
                 try:
                     apply(llm, name, current)
                     profile_rows(llm, ids, name, log)
