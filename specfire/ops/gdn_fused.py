@@ -372,21 +372,17 @@ def _gdn_merged_kernel(x_ptr, a_ptr, b_ptr, win_ptr, w_ptr, alog_ptr, dtb_ptr, s
         nb = tl.load(b_ptr + (t + 2) * sb + h, mask=go > 0, other=0.0).to(tl.float32)
         if NORM:
             nz = tl.load(z_ptr + (t + 2) * sz + h * DV + offs_v, mask=gv, other=0.0).to(tl.float32)
-        # row t: the update (its u, norms and gates came with the previous reduce)
-        q, k, dec, beta = qn, kn, decn, betan
+        # row t's inputs (its u, norms and gates came with the previous reduce); its window row stored
+        q, k, dec, beta, v, su_t, rk_t, rq_t = qn, kn, decn, betan, vn, su, rk, rq
         if NORM:
             zt = zn
-        rq_t = rq
-        delta = beta * (vn - su * rk)                                          # [BV]
-        s = tl.fma(k * rk[None, :], delta[None, :], s_dec)                                       # as _gdn_commit_kernel
-        # from the state's layout: the [BK, BV] broadcast, its first key row stored (no layout change)
-        tl.store(dlog_ptr + (t * hv + h) * DV + offs_v[None, :] + 0 * offs_k[:, None],
-                 tl.broadcast_to(delta[None, :], (BK, BV)), mask=(offs_k[:, None] == 0) & v_ok[None, :])
-        tl.store(declog_ptr + t * hv + h, dec, mask=vb == 0)
+            zn = pz
+            pz = nz
         tl.store(full_ptr + (K - 1 + t) * C + cv, v3, mask=v_ok)
         tl.store(full_ptr + (K - 1 + t) * C + cq, q3, mask=own)
         tl.store(full_ptr + (K - 1 + t) * C + ck, k3, mask=own)
-        # row t+1's state-free terms
+        # row t+1's state-free terms first: their loads came a row earlier, and their layout changes
+        # (shared memory) overlap row t's update below instead of following it
         qn = _conv_taps(q1, q2, q3, pq, wq0, wq1, wq2, wq3, K)
         kn = _conv_taps(k1, k2, k3, pk, wk0, wk1, wk2, wk3, K)
         vn = _conv_taps(v1, v2, v3, pv, wv0, wv1, wv2, wv3, K)
@@ -394,27 +390,31 @@ def _gdn_merged_kernel(x_ptr, a_ptr, b_ptr, win_ptr, w_ptr, alog_ptr, dtb_ptr, s
         at = pa + dtb
         decn = tl.exp(neg_a * tl.where(at > 20.0, at, tl.log(1.0 + tl.exp(at))))
         betan = 1.0 / (1.0 + tl.exp(-pb))
-        if NORM:
-            zn = pz
-        s_dec = s * decn
-        # one reduce: row t+1's norms and S^T k, row t's S^T q
         kk2 = tl.broadcast_to(kn[:, None], (BK, BV))
         qq2 = tl.broadcast_to(qn[:, None], (BK, BV))
+        # row t: the update
+        delta = beta * (v - su_t * rk_t)                                       # [BV]
+        s = tl.fma(k * rk_t[None, :], delta[None, :], s_dec)                  # as _gdn_commit_kernel
+        # from the state's layout: the [BK, BV] broadcast, its first key row stored (no layout change)
+        tl.store(dlog_ptr + (t * hv + h) * DV + offs_v[None, :] + 0 * offs_k[:, None],
+                 tl.broadcast_to(delta[None, :], (BK, BV)), mask=(offs_k[:, None] == 0) & v_ok[None, :])
+        tl.store(declog_ptr + t * hv + h, dec, mask=vb == 0)
+        s_dec = s * decn
+        # one reduce: row t+1's norms and S^T k, row t's S^T q
         sq, sk, su, so = tl.reduce((qq2 * qq2, kk2 * kk2, kk2 * s_dec, tl.broadcast_to(q, (BK, BV)) * s), 0, _add4)
         rq = 1.0 / tl.sqrt(sq + 1e-6)
         rk = 1.0 / tl.sqrt(sk + 1e-6)
-        tl.store(klog_ptr + ((t + 1) * hv + h) * DK + offs_k, kn * tl.max(rk, 0),
-                 mask=first_k & (offs_k < BK * (h * 0 + t + 1 < n_rows).to(tl.int32)))
-        qn = qn[:, None]
-        kn = kn[:, None]
         o = so * (rq_t * q_scale)                                              # [BV]
         dt = o_ptr.dtype.element_ty
         if NORM:   # the gated RMSNorm with ops/triton_small.py's rounding points (o rounded first)
             ob = o.to(dt).to(tl.float32)
             n = (ob * (1.0 / tl.sqrt(tl.sum(ob * ob, 0) / DV + eps))).to(dt).to(tl.float32)
             o = (nw * n).to(dt).to(tl.float32) * (zt / (1.0 + tl.exp(-zt)))
-            pz = nz
         tl.store(o_ptr + (t * hv + h) * DV + offs_v, o.to(dt), mask=v_ok)
+        tl.store(klog_ptr + ((t + 1) * hv + h) * DK + offs_k, kn * tl.max(rk, 0),
+                 mask=first_k & (offs_k < BK * (h * 0 + t + 1 < n_rows).to(tl.int32)))
+        qn = qn[:, None]
+        kn = kn[:, None]
         pq, pk, pv, pa, pb = nq, nk, nv, na, nb
     tl.store(full_ptr + offs_r[:, None] * C + cv[None, :], win_v, mask=wm_v)
     tl.store(full_ptr + offs_r[:, None] * C + cq[None, :], win_q, mask=wm_k)
