@@ -2,7 +2,7 @@
 4-bit then bf16), and what the cycle's fixed-cost changes buy, each measured in the same process.
 
     PYTHONPATH=$PWD python bench/cycle_profile.py --shape 27B --vocab 32768 --budget-s 200 --out $OUT
-    ... --variants gdn32w2,gdn32w2p --bf16-variants gdn32w2p --no-profile --long 160
+    ... --variants gdn32w2p,m32w2,m16w1,gdn32w2p --bf16-variants "" --long 0 --reps 2
     PYTHONPATH=$PWD python bench/cycle_profile.py --smoke          # the flow on the CPU, tiny shape
     TRITON_INTERPRET=1 ... --smoke                                 # + the kernel bit check, interpreted
 
@@ -23,8 +23,11 @@ Per variant (switched in the process, the captured graphs dropped where a switch
              norm as its own kernel); gdn32w2 / gdn64w4 the same on 2 / 4 warps (docs/BENCHMARKS.md
              "Seventh wave: where an MTP cycle's time goes"). These run the plain row loop (PIPE off).
   ...p       (gdn32w2p, whole4p) the same with the row loop software-pipelined (ops/gdn_fused.py PIPE:
-             each row's projections, a, b, z loaded one row ahead). gdn32w2p is the default
-             (docs/BENCHMARKS.md "Eighth wave: the Gated DeltaNet row loop software-pipelined").
+             each row's projections, a, b, z loaded one row ahead); gdn32w2p was the default until the
+             merged form (docs/BENCHMARKS.md "Eighth wave: the Gated DeltaNet row loop software-pipelined").
+  m32w2 ...  the merged-reduction row loop (ops/gdn_fused.py MERGED, _gdn_merged_kernel: one four-operand
+             reduce a row, the conv window in registers) at bv / warps 32/2 (the default), 32/1, 16/1,
+             16/2, 8/1, 64/2 (docs/BENCHMARKS.md "Ninth wave: the Gated DeltaNet rows ...").
   fold / nofold  gdn32w2p with the 4-bit GEMVs' sum(x) folded into the kernels that write their
              inputs (ops/xsum.py, the pairwise tree) / made by the GEMV's own launch
              (SPECFIRE_XSUM_FOLD=1 / 0; the trunk's and the MTP chain's graphs recaptured on a
@@ -78,13 +81,16 @@ VARIANTS = {
     "fold": dict(gdn=(32, 2), pipe=True, fold="1"),
     "nofold": dict(gdn=(32, 2), pipe=True, fold="0"),
     "foldplain": dict(gdn=(32, 2), pipe=True, fold="plain"),
-    # the merged-reduction row loop (ops/gdn_fused.py MERGED): split 32 / 2 warps, 32 / 1, 16 / 1, 64 / 2
+    # the merged-reduction row loop (ops/gdn_fused.py MERGED): split 32 / 2 warps (the default), 32 / 1,
+    # 16 / 1, 16 / 2, 8 / 1, 64 / 2
     "m32w2": dict(gdn=(32, 2), pipe=True, merged=True),
     "m32w1": dict(gdn=(32, 1), pipe=True, merged=True),
     "m16w1": dict(gdn=(16, 1), pipe=True, merged=True),
+    "m16w2": dict(gdn=(16, 2), pipe=True, merged=True),
+    "m8w1": dict(gdn=(8, 1), pipe=True, merged=True),
     "m64w2": dict(gdn=(64, 2), pipe=True, merged=True),
 }
-MERGED_CHECK = ((32, 2), (32, 1), (16, 1), (None, 4))   # merged forms the kernel check runs
+MERGED_CHECK = ((32, 2), (16, 1), (16, 2), (8, 1), (None, 4))   # merged forms the kernel check runs
 FAMILIES = (("q4 GEMV", ("_q4_kernel",)), ("q4 sum(x)", ("_xsum",)), ("split-K sum", ("_splitk_sum",)),
             ("bf16 GEMV", ("_gemv",)), ("GDN", ("gdn",)), ("attention", ("attn",)),
             ("norms", ("norm",)), ("rotary/KV write", ("rope", "qk_")), ("argmax/accept", ("argmax", "accept")),
@@ -474,8 +480,8 @@ def main() -> None:
     ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip the kernel-family profiles")
     ap.add_argument("--long", type=int, default=160, help="tokens of the longer runs (0: none); must fit max_seq")
     ap.add_argument("--long-variants", type=int, default=2, help="how many of the first variants get --long runs")
-    ap.add_argument("--variants", default="gdn32w2,gdn32w2p")
-    ap.add_argument("--bf16-variants", default="gdn32w2p",
+    ap.add_argument("--variants", default="gdn32w2p,m32w2")
+    ap.add_argument("--bf16-variants", default="m32w2",
                     help="variants of the bf16 model (after the 4-bit one)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip what would start past this")
     ap.add_argument("--bf16-need-s", type=float, default=95, help="start the bf16 model only with this much left")

@@ -43,7 +43,9 @@ from .norm import gated_rms_norm_ref
 from .pdl import wait as pdl_wait
 
 BV = 32         # value columns per program; None: the whole head (then the gated norm runs inside)
-MERGED = False  # the merged-reduction row loop (_gdn_merged_kernel; conv K <= 4, else the loop below)
+MERGED = True   # the merged-reduction row loop (_gdn_merged_kernel; conv K <= 4, else the loop below).
+                # 4-bit 27B, H200, one process (bench/cycle_profile.py m32w2 vs gdn32w2p): 4-row graph
+                # 7.035 -> 6.913 ms, 1-row 6.600 -> 6.587, device cycle 1.158x -> 1.143x an AR step
 PIPE = True     # software-pipelined row loop: row t+1's projections, a, b, z loaded before row t's math
                 # (same arithmetic, same bits). 4-bit 27B, H200 (bench/cycle_profile.py gdn32w2 vs
                 # gdn32w2p, one process): 4-row graph 7.248 -> 7.183 ms, 1-row 6.803 -> 6.793
