@@ -30,6 +30,18 @@ above a store that may alias it). Row t's arithmetic is the same code in the sam
 conv tap the prefetched value instead of a fresh load of the same element: the same bits as the
 plain loop (checked on the GPU by bench/cycle_profile.py and in the tests), the same for every row
 count. Launched with PDL the first of those loads still follows the wait.
+
+The merged-reduction form (MERGED, the default; `_gdn_merged_kernel`, conv widths up to 4) goes
+further: a row's serial part is the state, so everything else about row t+1 (its conv output from
+the window held in registers with the hoisted weights, SiLU, beta, exp(g)) is made while row t is
+still in flight, and the four reductions over the key axis a row used to run one after the other
+(sum q^2, sum k^2, S^T k, S^T q, each a cross-warp round trip, with layout changes between them)
+run as one four-operand reduce: row t+1's sum q^2, sum k^2 and sum(k * S_t exp(g_t+1)) with row
+t's sum(q * S_t). Its roundings differ from the loop's (u is rsqrt(sum k^2) times the unnormalised
+k against the state, o likewise), the same ones for every row count and shard, and the state update
+is the commit kernel's fma(k_hat, delta, S exp(g)) with the logged k_hat. On the 4-bit 27B step it
+takes 0.1 ms off the 4-row verify graph and nothing off or onto the 1-row one (docs/BENCHMARKS.md,
+"Ninth wave: the Gated DeltaNet rows ...").
 """
 from __future__ import annotations
 
