@@ -331,9 +331,15 @@ def _gdn_merged_kernel(x_ptr, a_ptr, b_ptr, win_ptr, w_ptr, alog_ptr, dtb_ptr, s
     wk2, wk3 = _w_tap(w_ptr, ck, k_ok, 2, K), _w_tap(w_ptr, ck, k_ok, 3, K)
     wv0, wv1 = _w_tap(w_ptr, cv, v_ok, 0, K), _w_tap(w_ptr, cv, v_ok, 1, K)
     wv2, wv3 = _w_tap(w_ptr, cv, v_ok, 2, K), _w_tap(w_ptr, cv, v_ok, 3, K)
-    q1, q2, q3 = _win_row(win_ptr, K - 4, cq, k_ok, C), _win_row(win_ptr, K - 3, cq, k_ok, C), _win_row(win_ptr, K - 2, cq, k_ok, C)
-    k1, k2, k3 = _win_row(win_ptr, K - 4, ck, k_ok, C), _win_row(win_ptr, K - 3, ck, k_ok, C), _win_row(win_ptr, K - 2, ck, k_ok, C)
-    v1, v2, v3 = _win_row(win_ptr, K - 4, cv, v_ok, C), _win_row(win_ptr, K - 3, cv, v_ok, C), _win_row(win_ptr, K - 2, cv, v_ok, C)
+    q1 = _win_row(win_ptr, K - 4, cq, k_ok, C)
+    q2 = _win_row(win_ptr, K - 3, cq, k_ok, C)
+    q3 = _win_row(win_ptr, K - 2, cq, k_ok, C)
+    k1 = _win_row(win_ptr, K - 4, ck, k_ok, C)
+    k2 = _win_row(win_ptr, K - 3, ck, k_ok, C)
+    k3 = _win_row(win_ptr, K - 2, ck, k_ok, C)
+    v1 = _win_row(win_ptr, K - 4, cv, v_ok, C)
+    v2 = _win_row(win_ptr, K - 3, cv, v_ok, C)
+    v3 = _win_row(win_ptr, K - 2, cv, v_ok, C)
     # rows 0 and 1's own inputs (projections, a, b, z), masked past the last row; int-product masks
     go0 = (h * 0 < n_rows).to(tl.int32)
     go = go0
@@ -408,7 +414,7 @@ def _gdn_merged_kernel(x_ptr, a_ptr, b_ptr, win_ptr, w_ptr, alog_ptr, dtb_ptr, s
         qq2 = tl.broadcast_to(qn[:, None], (BK, BV))
         # row t: the update
         delta = beta * (v - su_t * rk_t)                                       # [BV]
-        s = tl.fma(k * rk_t[None, :], delta[None, :], s_dec)                  # as _gdn_commit_kernel
+        s = tl.fma(k * rk_t[None, :], delta[None, :], s_dec)                   # as _gdn_commit_kernel
         # from the state's layout: the [BK, BV] broadcast, its first key row stored (no layout change)
         tl.store(dlog_ptr + (t * hv + h) * DV + offs_v[None, :] + 0 * offs_k[:, None],
                  tl.broadcast_to(delta[None, :], (BK, BV)), mask=(offs_k[:, None] == 0) & v_ok[None, :])
