@@ -2,7 +2,7 @@
 4-bit then bf16), and what the cycle's fixed-cost changes buy, each measured in the same process.
 
     PYTHONPATH=$PWD python bench/cycle_profile.py --shape 27B --vocab 32768 --budget-s 200 --out $OUT
-    ... --variants gdn32w2,gdn32w2p --bf16-variants gdn32w2p --no-profile --long 160
+    ... --variants gdn32w2p,m32w2,m16w1,gdn32w2p --bf16-variants "" --long 0 --reps 2
     PYTHONPATH=$PWD python bench/cycle_profile.py --smoke          # the flow on the CPU, tiny shape
     TRITON_INTERPRET=1 ... --smoke                                 # + the kernel bit check, interpreted
 
@@ -23,8 +23,11 @@ Per variant (switched in the process, the captured graphs dropped where a switch
              norm as its own kernel); gdn32w2 / gdn64w4 the same on 2 / 4 warps (docs/BENCHMARKS.md
              "Seventh wave: where an MTP cycle's time goes"). These run the plain row loop (PIPE off).
   ...p       (gdn32w2p, whole4p) the same with the row loop software-pipelined (ops/gdn_fused.py PIPE:
-             each row's projections, a, b, z loaded one row ahead). gdn32w2p is the default
-             (docs/BENCHMARKS.md "Eighth wave: the Gated DeltaNet row loop software-pipelined").
+             each row's projections, a, b, z loaded one row ahead); gdn32w2p was the default until the
+             merged form (docs/BENCHMARKS.md "Eighth wave: the Gated DeltaNet row loop software-pipelined").
+  m32w2 ...  the merged-reduction row loop (ops/gdn_fused.py MERGED, _gdn_merged_kernel: one four-operand
+             reduce a row, the conv window in registers) at bv / warps 32/2 (the default), 32/1, 16/1,
+             16/2, 8/1, 64/2 (docs/BENCHMARKS.md "Ninth wave: the Gated DeltaNet rows ...").
   fold / nofold  gdn32w2p with the 4-bit GEMVs' sum(x) folded into the kernels that write their
              inputs (ops/xsum.py, the pairwise tree) / made by the GEMV's own launch
              (SPECFIRE_XSUM_FOLD=1 / 0; the trunk's and the MTP chain's graphs recaptured on a
@@ -78,7 +81,16 @@ VARIANTS = {
     "fold": dict(gdn=(32, 2), pipe=True, fold="1"),
     "nofold": dict(gdn=(32, 2), pipe=True, fold="0"),
     "foldplain": dict(gdn=(32, 2), pipe=True, fold="plain"),
+    # the merged-reduction row loop (ops/gdn_fused.py MERGED): split 32 / 2 warps (the default), 32 / 1,
+    # 16 / 1, 16 / 2, 8 / 1, 64 / 2
+    "m32w2": dict(gdn=(32, 2), pipe=True, merged=True),
+    "m32w1": dict(gdn=(32, 1), pipe=True, merged=True),
+    "m16w1": dict(gdn=(16, 1), pipe=True, merged=True),
+    "m16w2": dict(gdn=(16, 2), pipe=True, merged=True),
+    "m8w1": dict(gdn=(8, 1), pipe=True, merged=True),
+    "m64w2": dict(gdn=(64, 2), pipe=True, merged=True),
 }
+MERGED_CHECK = ((32, 2), (16, 1), (16, 2), (8, 1), (None, 4))   # merged forms the kernel check runs
 FAMILIES = (("q4 GEMV", ("_q4_kernel",)), ("q4 sum(x)", ("_xsum",)), ("split-K sum", ("_splitk_sum",)),
             ("bf16 GEMV", ("_gemv",)), ("GDN", ("gdn",)), ("attention", ("attn",)),
             ("norms", ("norm",)), ("rotary/KV write", ("rope", "qk_")), ("argmax/accept", ("argmax", "accept")),
@@ -203,6 +215,7 @@ def apply(llm, name: str, current: dict) -> None:
     trunk = llm.engine.trunk
     gdn_fused.BV, gdn_fused.NUM_WARPS = v["gdn"]
     gdn_fused.PIPE = v["pipe"]
+    gdn_fused.MERGED = v.get("merged", False)
     fold_changed = "fold" in v and current.get("fold") != v["fold"]
     if "fold" in v:
         os.environ["SPECFIRE_XSUM_FOLD"] = v["fold"]                    # read at each launch (ops/xsum.py)
@@ -331,7 +344,7 @@ def random_head_check(llm, ids, tokens: int, log: Log, label: str) -> None:
         a = llm.generate(ids, sp, spec="off")
         m = llm.generate(ids, sp, spec=SpecPolicy("mtp", k=3))
         log("random_head", weights=label, gdn=(gdn_fused.BV, gdn_fused.NUM_WARPS), pipe=gdn_fused.PIPE,
-            xsum_fold=os.environ.get("SPECFIRE_XSUM_FOLD", "plain"),
+            merged=gdn_fused.MERGED, xsum_fold=os.environ.get("SPECFIRE_XSUM_FOLD", "plain"),
             mtp_equals_ar=m.token_ids == a.token_ids,
             tau=m.stats["mean_accept_len"], accepted=m.stats["accepted"], cycles=m.stats["cycles"])
     finally:
@@ -364,16 +377,18 @@ def kernel_check(cfg, device: str, log: Log) -> bool:
         return st[0]
 
     every = True
-    for bv, nwarps, pipe in ((32, 2, False), (None, 4, False), (32, 2, True), (None, 4, True)):
+    forms = [(32, 2, False, False), (None, 4, False, False), (32, 2, True, False), (None, 4, True, False)]
+    forms += [(bv, nwarps, True, True) for bv, nwarps in MERGED_CHECK]
+    for bv, nwarps, pipe, merged in forms:
         o, lg, full = gdn_decode_triton(qkv, a, b, win, w, a_log, dtb, s, hk, dk, dv, z, nw, 1e-6,
-                                        bv=bv, num_warps=nwarps, pipe=pipe)
-        if pipe:   # the pipelined loop: the unpipelined one's bits (outputs, logs, window), 4 rows and 1
+                                        bv=bv, num_warps=nwarps, pipe=pipe, merged=merged)
+        if pipe and not merged:   # the pipelined loop: the unpipelined one's bits (outputs, logs, window), 4 rows and 1
             o0, lg0, full0 = gdn_decode_triton(qkv, a, b, win, w, a_log, dtb, s, hk, dk, dv, z, nw, 1e-6,
-                                               bv=bv, num_warps=nwarps, pipe=False)
+                                               bv=bv, num_warps=nwarps, pipe=False, merged=False)
             o1, lg1, _ = gdn_decode_triton(qkv[:1], a[:1], b[:1], win, w, a_log, dtb, s, hk, dk, dv, z[:1], nw, 1e-6,
-                                           bv=bv, num_warps=nwarps, pipe=True)
+                                           bv=bv, num_warps=nwarps, pipe=True, merged=False)
             o10, lg10, _ = gdn_decode_triton(qkv[:1], a[:1], b[:1], win, w, a_log, dtb, s, hk, dk, dv, z[:1], nw,
-                                             1e-6, bv=bv, num_warps=nwarps, pipe=False)
+                                             1e-6, bv=bv, num_warps=nwarps, pipe=False, merged=False)
             same = (torch.equal(o, o0) and torch.equal(full, full0) and torch.equal(o1, o10)
                     and all(torch.equal(x, y) for x, y in zip(lg + lg1, lg0 + lg10)))
             every &= same
@@ -382,7 +397,8 @@ def kernel_check(cfg, device: str, log: Log) -> bool:
         cur_s, cur_w = s.clone(), win
         for i in range(t):
             o1, l1, _ = gdn_decode_triton(qkv[i:i + 1], a[i:i + 1], b[i:i + 1], cur_w, w, a_log, dtb, cur_s,
-                                          hk, dk, dv, z[i:i + 1], nw, 1e-6, bv=bv, num_warps=nwarps, pipe=pipe)
+                                          hk, dk, dv, z[i:i + 1], nw, 1e-6, bv=bv, num_warps=nwarps, pipe=pipe,
+                                          merged=merged)
             rows_o &= torch.equal(o1[0], o[i])
             rows_log &= all(torch.equal(x[0], y[i]) for x, y in zip(l1, lg))
             cur_s, cur_w = committed(cur_s, l1, 1), full[i + 1:i + kk]
@@ -393,7 +409,7 @@ def kernel_check(cfg, device: str, log: Log) -> bool:
         diff = (committed(s, lg, t) - ref[0]).abs().max().item()
         ok = rows_o and rows_log and state
         every &= ok
-        log("kernel_check", form=[bv, nwarps] + (["pipe"] if pipe else []), rows_equal_single_rows_o=rows_o, logs_equal=rows_log,
+        log("kernel_check", form=[bv, nwarps] + (["merged"] if merged else ["pipe"] if pipe else []), rows_equal_single_rows_o=rows_o, logs_equal=rows_log,
             commit_n_equals_single_rows=state, state_max_abs_diff_vs_reference=diff,
             o_max_abs_diff_vs_reference=(o.float() - ro.float()).abs().max().item(), ok=ok)
     # the unfused rows kernel: its own final state == its log replayed by the commit kernel
@@ -441,9 +457,10 @@ def run_model(path: str, label: str, vocab: int | None, names: list[str], device
         if cuda and args.profile:                  # last: the profiler slows the host's later launches
             seen = set()
             for name in names:
-                if (VARIANTS[name]["gdn"], VARIANTS[name]["pipe"]) in seen or time.monotonic() > deadline:
+                form = (VARIANTS[name]["gdn"], VARIANTS[name]["pipe"], VARIANTS[name].get("merged", False))
+                if form in seen or time.monotonic() > deadline:
                     continue
-                seen.add((VARIANTS[name]["gdn"], VARIANTS[name]["pipe"]))
+                seen.add(form)
                 try:
                     apply(llm, name, current)
                     profile_rows(llm, ids, name, log)
@@ -463,8 +480,8 @@ def main() -> None:
     ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip the kernel-family profiles")
     ap.add_argument("--long", type=int, default=160, help="tokens of the longer runs (0: none); must fit max_seq")
     ap.add_argument("--long-variants", type=int, default=2, help="how many of the first variants get --long runs")
-    ap.add_argument("--variants", default="gdn32w2,gdn32w2p")
-    ap.add_argument("--bf16-variants", default="gdn32w2p",
+    ap.add_argument("--variants", default="gdn32w2p,m32w2")
+    ap.add_argument("--bf16-variants", default="m32w2",
                     help="variants of the bf16 model (after the 4-bit one)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip what would start past this")
     ap.add_argument("--bf16-need-s", type=float, default=95, help="start the bf16 model only with this much left")

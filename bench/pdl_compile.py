@@ -121,12 +121,12 @@ def launch_all(dev: str) -> None:
     # Gated DeltaNet decode (27B: 16 key heads x 128, 48 value heads x 128, conv 4), split heads as default
     hk, hv, dk, dv, kc = 16, 48, 128, 128, 4
     ch = 2 * hk * dk + hv * dv
-    for pipe in (False, True):     # the row loop as written and software-pipelined (gdn_fused.PIPE)
+    for pipe, merged in ((False, False), (True, False), (True, True)):   # as written, pipelined, merged
         gdn_fused.gdn_decode_triton(torch.randn(1, ch).to(bf), torch.randn(1, hv).to(bf), torch.randn(1, hv).to(bf),
                                     torch.randn(kc - 1, ch).to(bf), torch.randn(ch, kc).to(bf), torch.randn(hv),
                                     torch.randn(hv), torch.randn(hv, dk, dv), hk, dk, dv,
                                     z=torch.randn(1, hv * dv).to(bf), norm_w=torch.randn(dv).to(bf), eps=1e-6,
-                                    pipe=pipe)
+                                    pipe=pipe, merged=merged)
     # attention (24 query heads, 4 KV heads, head 256): q/k norm + rotary + KV write, split + combine, gate
     hq, hkv, d, L = 24, 4, 256, 704
     kcache, vcache = torch.zeros(L, hkv, d).to(bf), torch.zeros(L, hkv, d).to(bf)
