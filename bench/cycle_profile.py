@@ -25,10 +25,11 @@ Per variant (switched in the process, the captured graphs dropped where a switch
   ...p       (gdn32w2p, whole4p) the same with the row loop software-pipelined (ops/gdn_fused.py PIPE:
              each row's projections, a, b, z loaded one row ahead). gdn32w2p is the default
              (docs/BENCHMARKS.md "Eighth wave: the Gated DeltaNet row loop software-pipelined").
-  q4off / q4disc / q4mt / q4ilp / q4all  gdn32w2p with the 4-bit GEMV's ninth-wave switches
+  q4off / q4disc / q4mt / q4ilp / q4dil / q4all  gdn32w2p with the 4-bit GEMV's ninth-wave switches
              (ops/triton_quant.py) all off / DISCARD only (split-K partials dropped from L2 after the
              combine) / M_TILES only (--q4-mtiles: per-(N, K, M) tiles from bench/q4_rows4.py) /
-             COMBINE_ILP only (the combine's loads four at a time) / all on (every graph recaptured)
+             COMBINE_ILP only (the combine's loads four at a time) / DISCARD + COMBINE_ILP / all on
+             (every graph recaptured on a switch)
   fold / nofold  gdn32w2p with the 4-bit GEMVs' sum(x) folded into the kernels that write their
              inputs (ops/xsum.py, the pairwise tree) / made by the GEMV's own launch
              (SPECFIRE_XSUM_FOLD=1 / 0; the trunk's and the MTP chain's graphs recaptured on a
@@ -89,6 +90,7 @@ VARIANTS = {
     "q4disc": dict(gdn=(32, 2), pipe=True, q4=(True, False, False)),
     "q4mt": dict(gdn=(32, 2), pipe=True, q4=(False, True, False)),
     "q4ilp": dict(gdn=(32, 2), pipe=True, q4=(False, False, True)),
+    "q4dil": dict(gdn=(32, 2), pipe=True, q4=(True, False, True)),
     "q4all": dict(gdn=(32, 2), pipe=True, q4=(True, True, True)),
 }
 Q4_MTILES: dict = {}        # --q4-mtiles: (N, K, M) -> (block_n, num_warps, num_stages)

@@ -14,7 +14,10 @@ Per launch shape of a 27B step (one weight of the launch's whole shape, random c
    fastest (>= 2% under q4_config's M = 4 time, both flags on) adopted for M = 4 (`--adopt` JSON: "N,K,M" -> [block_n,
    num_warps, num_stages], read by bench/cycle_profile.py --q4-mtiles and by ops/triton_quant.py
    M_TILES), then checked again through q4_gemv's default path (launch_config) bit for bit.
-3. A step-like chain: 8 GDN-like layers (qkv+z, out, gate+up, down, distinct weights: 1.6 GB),
+3. The MTP draft chain's lm_head over a 32,768-token draft vocabulary (M = 1; q4_config's
+   fallback for it): tile candidates at its split-K, bits checked, the fastest adopted for M = 1
+   ("32768,5120,1") where >= 2% faster.
+4. A step-like chain: 8 GDN-like layers (qkv+z, out, gate+up, down, distinct weights: 1.6 GB),
    one CUDA graph per (variant, M), M = 1 and 4, variants in the order base (every switch off),
    all (DISCARD, COMBINE_ILP, the adopted tiles), ilp, discard, tiles, base, all: the M = 4 premium
    of a chain of launches and what each switch buys at M = 1 and 4.
@@ -50,6 +53,11 @@ SHAPES = [(34816, 5120, "MLP gate+up"), (5120, 17408, "MLP down"), (16384, 5120,
 TILES = [(32, 1, 4), (64, 2, 3), (64, 2, 4), (128, 2, 3), (128, 4, 3), (256, 4, 3)]
 CHAIN = [(16384, 5120), (5120, 6144), (34816, 5120), (5120, 17408)]
 LAYERS = 8
+# the MTP draft chain's lm_head over a 32,768-token draft vocabulary (M = 1, three a k=3 chain):
+# q4_config has no measured entry for it (its fallback: 64 columns, 2 warps, 3 stages, no split)
+DRAFT = (32768, 5120)
+DRAFT_TILES = [(16, 1, 4), (32, 1, 3), (32, 1, 4), (32, 2, 4), (64, 2, 3), (64, 2, 4), (64, 4, 4), (128, 4, 3),
+               (128, 4, 4)]
 # (DISCARD, COMBINE_ILP) of ops/triton_quant.py
 FLAGS = {"base": (False, False), "disc": (True, False), "ilp": (False, True), "dilp": (True, True)}
 if SMOKE:
@@ -57,16 +65,18 @@ if SMOKE:
     TILES = [(32, 1, 2), (64, 2, 2)]
     CHAIN = [(96, 256), (64, 512)]
     LAYERS = 2
+    DRAFT = (128, 256)
+    DRAFT_TILES = [(16, 1, 2), (32, 1, 2)]
 
 
 def base_cfg(n: int, k: int) -> Q4Config:
     return q4_config(n, k, G)
 
 
-def cands(n: int, k: int) -> list[Q4Config]:
+def cands(n: int, k: int, tiles=None) -> list[Q4Config]:
     b = base_cfg(n, k)
     out = []
-    for bn, nw, ns in TILES:
+    for bn, nw, ns in tiles or (DRAFT_TILES if (n, k) == DRAFT else TILES):
         c = Q4Config(bn, b.split_k, nw, ns, b.sem, b.wa, b.rows, b.zc, b.rows_hi)
         if c != b and c not in out:
             out.append(c)
@@ -94,7 +104,7 @@ def warm(part: str) -> None:
 
     i, n_parts = (int(v) for v in part.split("/"))
     j = 0
-    for ns, k in [([n], k) for n, k, _ in SHAPES] + [([n], k) for n, k in CHAIN] + MODEL:
+    for ns, k in [([n], k) for n, k, _ in SHAPES] + [([n], k) for n, k in CHAIN] + MODEL + [([DRAFT[0]], DRAFT[1])]:
         qws = None
         for c in [base_cfg(sum(ns), k)] + cands(sum(ns), k):
             for disc, ilp in FLAGS.values():
@@ -199,6 +209,44 @@ def per_shape(log: Log, adopted: dict, deadline: float) -> bool:
     return every
 
 
+def draft(log: Log, adopted: dict) -> bool:
+    """The draft lm_head (DRAFT) at M = 1: q4_config's fallback against DRAFT_TILES (the same
+    split-K, so the same bits: checked), DISCARD and COMBINE_ILP on (no split: they do nothing);
+    the fastest adopted for M = 1 where >= 2% faster."""
+    n, k = DRAFT
+    qw0 = random_q4(n, k, G, DEV)
+    nbytes = qw0.nbytes()
+    qws = [qw0] + [random_q4(n, k, G, DEV) for _ in range(n_copies(nbytes) - 1)]
+    x8 = torch.randn(8, k, device=DEV, dtype=BF)
+    b = base_cfg(n, k)
+    tq.M_TILES.clear()
+    full = q4_gemv(x8, qw0, b)
+    bits = {"base_rows": same_rows(lambda t: q4_gemv(t, qw0, b), x8, full)}
+    cs = cands(n, k)
+    for c in cs:
+        bits[name(c)] = same_rows(lambda t, c=c: q4_gemv(t, qw0, c), x8, full)
+    t = {}
+    for rep_ in range(2):                  # every candidate twice, in turn: the best of the two
+        for c in [b] + cs:
+            if bits[name(c) if c != b else "base_rows"]:
+                v = t_us([lambda w=w, c=c: q4_gemv(x8[:1], w, c) for w in qws])
+                t[name(c)] = min(v, t.get(name(c), v))
+    best = min(t, key=t.get)
+    rec = {"shape": [n, k], "mb": round(nbytes / 1e6, 1), "base": name(b), "bits": bits, "ok": all(bits.values()),
+           "m1_us": {kk: round(v, 2) for kk, v in t.items()},
+           "m1_frac": {kk: round(nbytes / (v * 1e-6) / PEAK, 4) for kk, v in t.items()}}
+    if best != name(b) and t[best] < 0.98 * t[name(b)] and rec["ok"]:
+        c = next(c for c in cs if name(c) == best)
+        tq.M_TILES[(n, k, 1)] = (c.block_n, c.num_warps, c.num_stages)
+        again = torch.equal(q4_gemv(x8[:1], qw0), full[:1])          # the default path (launch_config)
+        rec["adopted_m1"] = {"tile": best, "us": round(t[best], 2), "default_path_bits": again}
+        if again:
+            adopted[f"{n},{k},1"] = [c.block_n, c.num_warps, c.num_stages]
+        tq.M_TILES.clear()
+    log("draft", **rec)
+    return rec["ok"]
+
+
 def chain(log: Log, adopted: dict, deadline: float) -> None:
     """LAYERS x CHAIN launches with distinct weights, one graph per (variant, M)."""
     ws = [[random_q4(n, k, G, DEV) for n, k in CHAIN] for _ in range(LAYERS)]
@@ -240,7 +288,9 @@ def main() -> None:
     ap.add_argument("--warm", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--phases", default="shapes,draft,chain", help="comma list of shapes, draft, chain")
     args = ap.parse_args()
+    phases = set(args.phases.split(","))
     if args.warm:
         warm(args.warm)
         return
@@ -258,12 +308,15 @@ def main() -> None:
     adopted: dict = {}
     saved = (tq.DISCARD, tq.COMBINE_ILP, dict(tq.M_TILES))
     try:
-        ok = per_shape(log, adopted, deadline - 25)
+        ok = per_shape(log, adopted, deadline - 25) if "shapes" in phases else True
+        if "draft" in phases:
+            ok &= draft(log, adopted)
         if args.adopt:
             with open(args.adopt, "w") as f:
                 json.dump(adopted, f, indent=1)
         log("adopted", m_tiles=adopted, every_bit_check_held=ok)
-        chain(log, adopted, deadline)
+        if "chain" in phases:
+            chain(log, adopted, deadline)
     finally:
         tq.DISCARD, tq.COMBINE_ILP = saved[0], saved[1]
         tq.M_TILES.clear()
