@@ -32,10 +32,19 @@ uses it is adopted: bench/linear.py).
 Eighth session: the kernel that wrote x may hand its group sums along (ops/xsum.py; by default
 the plain form, measured faster on the H200); q4_group then skips the sum(x) launch.
 
-Row invariance: a fixed 16- or 8-row tile, a launch configuration chosen from (N, K, G) only, M
-never specialised, group terms and split partials added in a fixed order, so every M runs the
-same machine code (with rows_hi: every M above `rows` the wider tile's, bitwise checked equal)
-and a row's arithmetic never sees the other rows.
+Ninth session: the last CTA of a split-K tile loads the partials four at a time (COMBINE_ILP; it
+waited for one L2 round trip after another), drops their L2 lines once summed (DISCARD), and a
+launch may take another tile width / warps / stages per row count (M_TILES, never another split-K);
+the bits stay those of the plain launch. On the H200 they cut the MTP cycle on the device by ~50 us
+(1.159-1.164x -> 1.152-1.156x an AR step), the AR step unchanged; the 4-bit GEMV's M = 4 premium
+(2-3% over a chain of launches alone, ~0.11-0.15 ms a 27B step) shrank by about a quarter and is not
+an occupancy loss: no other tile won at M = 4.
+
+Row invariance: a fixed 16- or 8-row tile, the split-K and the group order chosen from (N, K, G)
+only, M never specialised, group terms and split partials added in a fixed order, so every M runs
+the same arithmetic for each output element (with rows_hi: every M above `rows` the wider tile's,
+bitwise checked equal; M_TILES may give an M another tile width, warps or stages, which move no
+element's arithmetic, bitwise checked equal) and a row's arithmetic never sees the other rows.
 """
 from __future__ import annotations
 
@@ -61,11 +70,10 @@ BIAS = tl.constexpr(_BIAS)
 # launched with PDL (ops/pdl.py), a program asks L2 for its first PDL_PREFETCH groups of codes
 # before it waits for the kernel before it (codes in tiles only; 0: no prefetch)
 PDL_PREFETCH = int(os.environ.get("SPECFIRE_PDL_PREFETCH", "0"))
-# Ninth session. DISCARD: the last CTA of a split-K tile, once it has summed the partials, tells L2
-# their lines are dead (PTX discard.global.L2: no write-back to DRAM of 4 x ~73 MB of float32
-# partials a 4-row 27B step, ~73 MB at 1 row); the bits do not change. M_TILES: per (N, K, M)
-# the tile width, warps and pipeline depth of a launch (never the split-K, the group order or
-# the row tile: every output element's arithmetic stays the same, so the bits do not change).
+# Ninth session (docs/BENCHMARKS.md "Ninth wave"; none of the three changes a bit). DISCARD: the
+# last CTA of a split-K tile, once it has summed the partials, tells L2 their lines are dead (PTX
+# discard.global.L2: the float32 partials, ~73 MB a row over a 27B step, need no write-back to
+# DRAM). M_TILES (below): per (N, K, M) the tile width, warps and pipeline depth of a launch.
 DISCARD = os.environ.get("SPECFIRE_Q4_DISCARD", "1") != "0"
 # COMBINE_ILP: the last CTA of a split-K tile loads the partials four at a time (was: one L2 round
 # trip after the other, split - 1 of them on the launch's tail); the additions keep their order
@@ -121,11 +129,15 @@ _MEASURED = {
 
 
 # (N, K, M) -> (block_n, num_warps, num_stages) for a launch of M rows of a shape whose settings are
-# q4_config's (bench/q4_rows4.py; empty: every M runs q4_config's). Only these three fields move:
-# each output element is the same MMA chain over its groups in the same order, the same split-K
-# partials summed in the same order, so the bits are those of q4_config's launch (checked bitwise
-# on the GPU for every entry before it is adopted, and by tests/kernels/test_quant.py on the CPU).
-M_TILES: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+# q4_config's (bench/q4_rows4.py). Only these three fields move: each output element is the same
+# MMA chain over its groups in the same order, the same split-K partials summed in the same order,
+# so the bits are those of q4_config's launch (checked bitwise on the GPU for every entry before it
+# is adopted, and by tests/kernels/test_quant.py on the CPU). Measured (ninth session, H200): no
+# other tile beat q4_config's at M = 4 on the step's launch shapes (the M = 4 premium is not an
+# occupancy loss); the MTP draft chain's lm_head over a 32,768-token draft vocabulary (M = 1, no
+# measured entry before: the fallback's 64 columns on 2 warps) runs 32 columns on one warp, 3
+# stages: 33.2 -> 31.5 us a call (docs/BENCHMARKS.md "Ninth wave").
+M_TILES: dict[tuple[int, int, int], tuple[int, int, int]] = {(32768, 5120, 1): (32, 1, 3)}
 
 
 def launch_config(cfg: Q4Config, n: int, k: int, group: int, m: int) -> Q4Config:

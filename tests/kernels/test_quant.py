@@ -489,6 +489,13 @@ def test_q4_config_picks_the_measured_settings():
     assert group_config([17408, 17408], 5120, 128) == want[(34816, 5120)]
     assert group_config([12288, 1024, 1024], 5120, 128) == want[(14336, 5120)]
     assert group_config([10240, 6144], 5120, 128) == want[(16384, 5120)]
+    # the tiles per row count (ninth wave): the draft lm_head of a 32,768-token draft vocabulary at
+    # M = 1 runs 32 columns on one warp, 3 stages, its split-K (1) unchanged; other M as q4_config
+    from specfire.ops.triton_quant import M_TILES, launch_config
+    assert M_TILES == {(32768, 5120, 1): (32, 1, 3)}
+    d = q4_config(32768, 5120, 128)
+    assert launch_config(d, 32768, 5120, 128, 1) == dataclasses.replace(d, block_n=32, num_warps=1, num_stages=3)
+    assert launch_config(d, 32768, 5120, 128, 4) == d
 
 
 # ---- ninth wave: the split-K combine's loads four at a time, tiles per row count, partials dropped
