@@ -28,6 +28,11 @@ Per variant (switched in the process, the captured graphs dropped where a switch
   m32w2 ...  the merged-reduction row loop (ops/gdn_fused.py MERGED, _gdn_merged_kernel: one four-operand
              reduce a row, the conv window in registers) at bv / warps 32/2 (the default), 32/1, 16/1,
              16/2, 8/1, 64/2 (docs/BENCHMARKS.md "Ninth wave: the Gated DeltaNet rows ...").
+  q4off / q4disc / q4mt / q4ilp / q4dil / q4all  gdn32w2p (the plain pipelined loop, as measured) with the 4-bit GEMV's ninth-wave switches
+             (ops/triton_quant.py) all off / DISCARD only (split-K partials dropped from L2 after the
+             combine) / M_TILES only (--q4-mtiles: per-(N, K, M) tiles from bench/q4_rows4.py) /
+             COMBINE_ILP only (the combine's loads four at a time) / DISCARD + COMBINE_ILP / all on
+             (every graph recaptured on a switch)
   fold / nofold  gdn32w2p with the 4-bit GEMVs' sum(x) folded into the kernels that write their
              inputs (ops/xsum.py, the pairwise tree) / made by the GEMV's own launch
              (SPECFIRE_XSUM_FOLD=1 / 0; the trunk's and the MTP chain's graphs recaptured on a
@@ -89,8 +94,18 @@ VARIANTS = {
     "m16w2": dict(gdn=(16, 2), pipe=True, merged=True),
     "m8w1": dict(gdn=(8, 1), pipe=True, merged=True),
     "m64w2": dict(gdn=(64, 2), pipe=True, merged=True),
+    # the 4-bit GEMV's ninth-wave switches (ops/triton_quant.py): (DISCARD: split-K partials' L2 lines
+    # dropped after the combine, M_TILES: the --q4-mtiles per-(N, K, M) tiles, COMBINE_ILP: the
+    # combine's loads four at a time), the eighth wave's GDN form (gdn32w2p)
+    "q4off": dict(gdn=(32, 2), pipe=True, q4=(False, False, False)),
+    "q4disc": dict(gdn=(32, 2), pipe=True, q4=(True, False, False)),
+    "q4mt": dict(gdn=(32, 2), pipe=True, q4=(False, True, False)),
+    "q4ilp": dict(gdn=(32, 2), pipe=True, q4=(False, False, True)),
+    "q4dil": dict(gdn=(32, 2), pipe=True, q4=(True, False, True)),
+    "q4all": dict(gdn=(32, 2), pipe=True, q4=(True, True, True)),
 }
 MERGED_CHECK = ((32, 2), (16, 1), (16, 2), (8, 1), (None, 4))   # merged forms the kernel check runs
+Q4_MTILES: dict = {}        # --q4-mtiles: (N, K, M) -> (block_n, num_warps, num_stages)
 FAMILIES = (("q4 GEMV", ("_q4_kernel",)), ("q4 sum(x)", ("_xsum",)), ("split-K sum", ("_splitk_sum",)),
             ("bf16 GEMV", ("_gemv",)), ("GDN", ("gdn",)), ("attention", ("attn",)),
             ("norms", ("norm",)), ("rotary/KV write", ("rope", "qk_")), ("argmax/accept", ("argmax", "accept")),
@@ -217,6 +232,13 @@ def apply(llm, name: str, current: dict) -> None:
     gdn_fused.PIPE = v["pipe"]
     gdn_fused.MERGED = v.get("merged", False)
     fold_changed = "fold" in v and current.get("fold") != v["fold"]
+    if "q4" in v:
+        from specfire.ops import triton_quant
+        fold_changed |= current.get("q4") != v["q4"]                    # the chain's GEMVs change too
+        triton_quant.DISCARD, triton_quant.COMBINE_ILP = v["q4"][0], v["q4"][2]
+        triton_quant.M_TILES.clear()
+        if v["q4"][1]:
+            triton_quant.M_TILES.update(Q4_MTILES)
     if "fold" in v:
         os.environ["SPECFIRE_XSUM_FOLD"] = v["fold"]                    # read at each launch (ops/xsum.py)
     if trunk.graphs is not None:
@@ -332,7 +354,7 @@ def random_head_check(llm, ids, tokens: int, log: Log, label: str) -> None:
     """Final norms +1 (a random head: drafts rejected, n = 0 mostly; the output now depends on the
     bits, where the tied checkpoint's is token 0 whatever they are): MTP k=3 == AR."""
     from specfire import SamplingParams, SpecPolicy
-    from specfire.ops import gdn_fused
+    from specfire.ops import gdn_fused, triton_quant
 
     model, head = llm.engine.trunk.model, llm.engine.drafters["mtp"].head
     saved = (model.norm.weight.clone(), head.norm.weight.clone())
@@ -345,6 +367,7 @@ def random_head_check(llm, ids, tokens: int, log: Log, label: str) -> None:
         m = llm.generate(ids, sp, spec=SpecPolicy("mtp", k=3))
         log("random_head", weights=label, gdn=(gdn_fused.BV, gdn_fused.NUM_WARPS), pipe=gdn_fused.PIPE,
             merged=gdn_fused.MERGED, xsum_fold=os.environ.get("SPECFIRE_XSUM_FOLD", "plain"),
+            q4_discard=triton_quant.DISCARD, q4_mtiles=len(triton_quant.M_TILES), q4_ilp=triton_quant.COMBINE_ILP,
             mtp_equals_ar=m.token_ids == a.token_ids,
             tau=m.stats["mean_accept_len"], accepted=m.stats["accepted"], cycles=m.stats["cycles"])
     finally:
@@ -457,10 +480,13 @@ def run_model(path: str, label: str, vocab: int | None, names: list[str], device
         if cuda and args.profile:                  # last: the profiler slows the host's later launches
             seen = set()
             for name in names:
-                form = (VARIANTS[name]["gdn"], VARIANTS[name]["pipe"], VARIANTS[name].get("merged", False))
-                if form in seen or time.monotonic() > deadline:
+                if args.profile_variants is not None and name not in args.profile_variants.split(","):
                     continue
-                seen.add(form)
+                key = (VARIANTS[name]["gdn"], VARIANTS[name]["pipe"], VARIANTS[name].get("merged", False),
+                       VARIANTS[name].get("q4"))
+                if key in seen or time.monotonic() > deadline:
+                    continue
+                seen.add(key)
                 try:
                     apply(llm, name, current)
                     profile_rows(llm, ids, name, log)
@@ -486,10 +512,16 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip what would start past this")
     ap.add_argument("--bf16-need-s", type=float, default=95, help="start the bf16 model only with this much left")
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--profile-variants", default=None, help="comma list: profile only these (default: all)")
+    ap.add_argument("--q4-mtiles", default=None, help="JSON of bench/q4_rows4.py --adopt: the q4mt / q4all tiles")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shape: the flow, no timings worth keeping")
     args = ap.parse_args()
     names = [v for v in args.variants.split(",") if v]
+    if args.q4_mtiles:
+        import json
+        with open(args.q4_mtiles) as f:
+            Q4_MTILES.update({tuple(int(a) for a in key.split(",")): tuple(v) for key, v in json.load(f).items()})
     bnames = [v for v in args.bf16_variants.split(",") if v]
     for v in names + bnames:
         if v not in VARIANTS:

@@ -32,13 +32,23 @@ uses it is adopted: bench/linear.py).
 Eighth session: the kernel that wrote x may hand its group sums along (ops/xsum.py; by default
 the plain form, measured faster on the H200); q4_group then skips the sum(x) launch.
 
-Row invariance: a fixed 16- or 8-row tile, a launch configuration chosen from (N, K, G) only, M
-never specialised, group terms and split partials added in a fixed order, so every M runs the
-same machine code (with rows_hi: every M above `rows` the wider tile's, bitwise checked equal)
-and a row's arithmetic never sees the other rows.
+Ninth session: the last CTA of a split-K tile loads the partials four at a time (COMBINE_ILP; it
+waited for one L2 round trip after another), drops their L2 lines once summed (DISCARD), and a
+launch may take another tile width / warps / stages per row count (M_TILES, never another split-K);
+the bits stay those of the plain launch. On the H200 they cut the MTP cycle on the device by ~50 us
+(1.159-1.164x -> 1.152-1.156x an AR step), the AR step unchanged; the 4-bit GEMV's M = 4 premium
+(2-3% over a chain of launches alone, ~0.11-0.15 ms a 27B step) shrank by about a quarter and is not
+an occupancy loss: no other tile won at M = 4.
+
+Row invariance: a fixed 16- or 8-row tile, the split-K and the group order chosen from (N, K, G)
+only, M never specialised, group terms and split partials added in a fixed order, so every M runs
+the same arithmetic for each output element (with rows_hi: every M above `rows` the wider tile's,
+bitwise checked equal; M_TILES may give an M another tile width, warps or stages, which move no
+element's arithmetic, bitwise checked equal) and a row's arithmetic never sees the other rows.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -60,6 +70,15 @@ BIAS = tl.constexpr(_BIAS)
 # launched with PDL (ops/pdl.py), a program asks L2 for its first PDL_PREFETCH groups of codes
 # before it waits for the kernel before it (codes in tiles only; 0: no prefetch)
 PDL_PREFETCH = int(os.environ.get("SPECFIRE_PDL_PREFETCH", "0"))
+# Ninth session (docs/BENCHMARKS.md "Ninth wave"; none of the three changes a bit). DISCARD: the
+# last CTA of a split-K tile, once it has summed the partials, tells L2 their lines are dead (PTX
+# discard.global.L2: the float32 partials, ~73 MB a row over a 27B step, need no write-back to
+# DRAM). M_TILES (below): per (N, K, M) the tile width, warps and pipeline depth of a launch.
+DISCARD = os.environ.get("SPECFIRE_Q4_DISCARD", "1") != "0"
+# COMBINE_ILP: the last CTA of a split-K tile loads the partials four at a time (was: one L2 round
+# trip after the other, split - 1 of them on the launch's tail); the additions keep their order
+COMBINE_ILP = os.environ.get("SPECFIRE_Q4_COMBINE_ILP", "1") != "0"
+M_TILES_ON = os.environ.get("SPECFIRE_Q4_MTILES", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -107,6 +126,27 @@ _MEASURED = {
     (14336, 5120): Q4Config(128, split_k=7, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),  # attn q+g, k, v
     (5120, 10240): Q4Config(64, split_k=9, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),   # MTP fc
 }
+
+
+# (N, K, M) -> (block_n, num_warps, num_stages) for a launch of M rows of a shape whose settings are
+# q4_config's (bench/q4_rows4.py). Only these three fields move: each output element is the same
+# MMA chain over its groups in the same order, the same split-K partials summed in the same order,
+# so the bits are those of q4_config's launch (checked bitwise on the GPU for every entry before it
+# is adopted, and by tests/kernels/test_quant.py on the CPU). Measured (ninth session, H200): no
+# other tile beat q4_config's at M = 4 on the step's launch shapes (the M = 4 premium is not an
+# occupancy loss); the MTP draft chain's lm_head over a 32,768-token draft vocabulary (M = 1, no
+# measured entry before: the fallback's 64 columns on 2 warps) runs 32 columns on one warp, 3
+# stages: 33.2 -> 31.5 us a call (docs/BENCHMARKS.md "Ninth wave").
+M_TILES: dict[tuple[int, int, int], tuple[int, int, int]] = {(32768, 5120, 1): (32, 1, 3)}
+
+
+def launch_config(cfg: Q4Config, n: int, k: int, group: int, m: int) -> Q4Config:
+    """cfg for an M-row launch of a weight (or group) of N x K: M_TILES' tile for (N, K, M) when cfg
+    is that shape's q4_config, else cfg itself."""
+    t = M_TILES.get((n, k, m)) if M_TILES_ON else None
+    if t is None or cfg != q4_config(n, k, group):
+        return cfg
+    return dataclasses.replace(cfg, block_n=t[0], num_warps=t[1], num_stages=t[2])
 
 
 def q4_config(n: int, k: int, group: int) -> Q4Config:
@@ -267,13 +307,35 @@ def _prefetch_codes(q_ptr, tile_n, N, KH, g_lo, g_hi, BLOCK_N: tl.constexpr, TIL
                         n0 * 0 + BLOCK_N * HALF, ((g < g_hi) & (n0 < N)).to(tl.int32))
 
 
+# one 128-byte L2 line made dead (no write-back); $2 = 0: nothing (masked)
+_ASM_DISCARD = tl.constexpr("""{
+.reg .pred p;
+setp.ne.b32 p, $2, 0;
+@p discard.global.L2 [$1], 128;
+mov.b32 $0, 0;
+}""")
+
+
+@triton.jit
+def _discard_partials(part_ptr, offs_m, m_mask, n0, N, M, split, BLOCK_N: tl.constexpr):
+    """Drop the L2 lines of this tile's split partials (rows offs_m < M, columns n0 .. n0 + BLOCK_N,
+    every split) once they are read: each line holds 32 float32 of one row of one tile (the host
+    asks for this only when N, BLOCK_N and the buffer keep whole lines inside a tile)."""
+    offs_l = n0 + tl.arange(0, BLOCK_N // 32) * 32
+    ok = (m_mask[:, None] & (offs_l < N)[None, :]).to(tl.int32)
+    base = part_ptr + offs_m[:, None] * N + offs_l[None, :]
+    for sp in range(0, split):
+        tl.inline_asm_elementwise(_ASM_DISCARD, "=r,l,r", [(base + sp * M * N).to(tl.int64), ok], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
 @triton.jit(do_not_specialize=["M", "n_groups", "groups_per_split", "split"])
 def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M, N0, KH, stride_xm,
                n_groups, groups_per_split, split, N1, N2, N3, T1, T2, T3, DQ1, DQ2, DQ3, DS1, DS2, DS3,
                DZ1, DZ2, DZ3, O1, O2, O3, SEGS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
                ROWS_: tl.constexpr, TILE: tl.constexpr, SEM: tl.constexpr, ASM: tl.constexpr,
                IEEE: tl.constexpr, WA: tl.constexpr = False, ZC: tl.constexpr = 0, PDL: tl.constexpr = False,
-               PF: tl.constexpr = 0):
+               PF: tl.constexpr = 0, DISCARD: tl.constexpr = False, ILP4: tl.constexpr = False):
     # Kernel packing (ops/quant.py): in group g, byte j of a row holds codes g*G + j (low nibble)
     # and g*G + G/2 + j (high nibble), rows stored in tiles [N/TILE, K/G, TILE, G/2] (TILE = 0: rows
     # [N, K/2]); scales / zeros are [K/G, N]; KH = K / 2 bytes per row.
@@ -377,9 +439,26 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
             cnt = tl.atomic_add(lock_ptr, 1, sem="acq_rel", scope="gpu")
             if cnt == split - 1:
                 tot = tl.load(p_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
-                for sp in range(1, split):
-                    tot += tl.load(p_ptrs + sp * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+                if ILP4:    # four partials' loads in flight at a time, added in the same order (same bits)
+                    for sp in range(1, split, 4):
+                        ok2 = (offs_m[:, None] * 0 + sp + 1) < split         # [ROWS, 1]: the split exists
+                        ok3 = (offs_m[:, None] * 0 + sp + 2) < split
+                        ok4 = (offs_m[:, None] * 0 + sp + 3) < split
+                        v1 = tl.load(p_ptrs + sp * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+                        v2 = tl.load(p_ptrs + (sp + 1) * M * N, mask=out_mask & ok2, other=0.0, cache_modifier=".cg")
+                        v3 = tl.load(p_ptrs + (sp + 2) * M * N, mask=out_mask & ok3, other=0.0, cache_modifier=".cg")
+                        v4 = tl.load(p_ptrs + (sp + 3) * M * N, mask=out_mask & ok4, other=0.0, cache_modifier=".cg")
+                        tot += v1
+                        tot = tl.where(ok2, tot + v2, tot)       # past the last split: tot as it was
+                        tot = tl.where(ok3, tot + v3, tot)
+                        tot = tl.where(ok4, tot + v4, tot)
+                else:       # one partial at a time: each load waits for the one before (an L2 round trip each)
+                    for sp in range(1, split):
+                        tot += tl.load(p_ptrs + sp * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
                 tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=out_mask)
+                if DISCARD:     # every thread's loads of the partials are done (their sums stored)
+                    tl.debug_barrier()
+                    _discard_partials(part_ptr, offs_m, m_mask, (pid_n - t0) * BLOCK_N, N, M, split, BLOCK_N)
                 tl.atomic_xchg(lock_ptr, 0, sem="relaxed", scope="gpu")
 
 
@@ -437,6 +516,14 @@ def _groupable(x: torch.Tensor, qws: list) -> bool:
         and (w.zeros_t.data_ptr() - a.zeros_t.data_ptr()) % 16 == 0 for w in qws)
 
 
+def discard_ok(on: bool, block_n: int, ns: list[int], part_ptr: int) -> bool:
+    """Whether a launch may drop its split-K partials' L2 lines after the combine (DISCARD): only
+    where every 128-byte line (32 float32) of the partials lies inside one row of one column tile,
+    so no line holds a value another tile still has to read: the tile width, every weight's N and
+    the buffer's start on 32-float boundaries (the weights' outputs start OUT_ALIGN apart)."""
+    return bool(on and block_n % 32 == 0 and all(v % 32 == 0 for v in ns) and part_ptr % 128 == 0)
+
+
 def q4_gemv(x: torch.Tensor, qw, cfg: Q4Config | None = None, xs: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= 16, already rotated if the weight is) @ dequant(qw)^T -> [M, N] in x's dtype."""
     return q4_group(x, [qw], cfg, xs)[0]
@@ -462,6 +549,7 @@ def q4_group(x: torch.Tensor, qws: list, cfg: Q4Config | None = None,
     if len(qws) > 1 and not _groupable(x, qws):
         return [q4_group(x, [w], cfg, xs)[0] for w in qws]
     x = x.contiguous()
+    cfg = launch_config(cfg, sum(w.shape[0] for w in qws), k, g, m)
     on = pdl.on(x)
     n_groups = k // g
     per = triton.cdiv(n_groups, cfg.split_k)
@@ -477,6 +565,7 @@ def q4_group(x: torch.Tensor, qws: list, cfg: Q4Config | None = None,
     rows = cfg.rows_hi if cfg.rows_hi > cfg.rows and m > cfg.rows else cfg.rows
     row_tiles = triton.cdiv(m, rows)
     locks = _locks(x.device, sum(tiles) * row_tiles) if sem else y
+    discard = discard_ok(DISCARD and sem and not INTERPRET and x.is_cuda, cfg.block_n, ns, part.data_ptr())
     if cfg.zc:                            # the kernel sums x itself (xs is not read)
         xs = part if split > 1 else torch.empty(1, device=x.device, dtype=torch.float32)
     elif xs is None:
@@ -495,8 +584,9 @@ def q4_group(x: torch.Tensor, qws: list, cfg: Q4Config | None = None,
         *(ns[1:] + pad), *bounds, *dq, *dsc, *dz, *(offs[1:len(ns)] + pad),
         SEGS=len(qws), BLOCK_N=cfg.block_n, G=g, ROWS_=rows, TILE=a.tile, SEM=sem,
         ASM=x.dtype == torch.bfloat16 and not INTERPRET, IEEE=x.dtype == torch.float32, WA=cfg.wa, ZC=cfg.zc,
-        PDL=on, PF=PDL_PREFETCH if on and a.tile else 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl.launch(on))
+        PDL=on, PF=PDL_PREFETCH if on and a.tile else 0, **({"DISCARD": True} if discard else {}),
+        **({"ILP4": True} if sem and COMBINE_ILP else {}),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(on))
     outs = [y[m * o:m * o + m * v].view(m, v) for v, o in zip(ns, offs)]
     if split > 1 and not sem:  # partials summed in split order by a second launch, per weight
         for v, o, yy in zip(ns, offs, outs):

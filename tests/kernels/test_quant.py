@@ -489,3 +489,79 @@ def test_q4_config_picks_the_measured_settings():
     assert group_config([17408, 17408], 5120, 128) == want[(34816, 5120)]
     assert group_config([12288, 1024, 1024], 5120, 128) == want[(14336, 5120)]
     assert group_config([10240, 6144], 5120, 128) == want[(16384, 5120)]
+    # the tiles per row count (ninth wave): the draft lm_head of a 32,768-token draft vocabulary at
+    # M = 1 runs 32 columns on one warp, 3 stages, its split-K (1) unchanged; other M as q4_config
+    from specfire.ops.triton_quant import M_TILES, launch_config
+    assert M_TILES == {(32768, 5120, 1): (32, 1, 3)}
+    d = q4_config(32768, 5120, 128)
+    assert launch_config(d, 32768, 5120, 128, 1) == dataclasses.replace(d, block_n=32, num_warps=1, num_stages=3)
+    assert launch_config(d, 32768, 5120, 128, 4) == d
+
+
+# ---- ninth wave: the split-K combine's loads four at a time, tiles per row count, partials dropped
+
+@pytest.mark.parametrize("split", [2, 3, 5, 6, 10])
+def test_q4_combine_ilp_keeps_the_bits(split):
+    """COMBINE_ILP: the last CTA of a tile loads the partials four at a time and adds them in split
+    order, so every split count (split - 1 not a multiple of 4: masked loads past the last split)
+    gives the bits of the one-at-a-time combine; rows == single rows; odd N, 10 groups of 32."""
+    from specfire.ops import triton_quant
+
+    qw = _qw(45, 320, 32, 50 + split)
+    x = torch.randn(5, 320, generator=_g(51))
+    cfg = Q4Config(16, split_k=split, wa=True, rows=8)
+    saved = triton_quant.COMBINE_ILP
+    try:
+        triton_quant.COMBINE_ILP = False
+        plain = q4_gemv(x, qw, cfg)
+        triton_quant.COMBINE_ILP = True
+        got = q4_gemv(x, qw, cfg)
+        assert torch.equal(got, plain)
+        for i in range(x.shape[0]):
+            assert torch.equal(q4_gemv(x[i:i + 1], qw, cfg)[0], got[i]), i
+    finally:
+        triton_quant.COMBINE_ILP = saved
+    ref = linear_rows_ref(x, qw.dequantize())
+    assert float((got - ref).norm() / ref.norm()) < 3e-5
+
+
+def test_q4_m_tiles_change_the_tile_not_the_bits(monkeypatch):
+    """M_TILES: an M-row launch of a shape may run another tile width / warps / stages than
+    q4_config's (never another split-K or row tile): launch_config applies it only to that (N, K, M)
+    and only where the settings are q4_config's, and the outputs keep the bits of q4_config's launch
+    (odd N, split-K over a short last split, rows == single rows)."""
+    from specfire.ops import triton_quant
+    from specfire.ops.triton_quant import launch_config, q4_config
+
+    n, k, g = 77, 640, 64
+    base = q4_config(n, k, g)
+    assert base.split_k > 1
+    qw = _qw(n, k, g, 52)
+    x = torch.randn(4, k, generator=_g(53))
+    want = q4_gemv(x, qw, base)
+    monkeypatch.setattr(triton_quant, "M_TILES", {(n, k, 4): (16, 1, 2), (n, k, 2): (32, 4, 3)})
+    monkeypatch.setattr(triton_quant, "M_TILES_ON", True)
+    got = launch_config(base, n, k, g, 4)
+    assert (got.block_n, got.num_warps, got.num_stages) == (16, 1, 2)
+    assert dataclasses.replace(got, block_n=base.block_n, num_warps=base.num_warps,
+                               num_stages=base.num_stages) == base
+    assert launch_config(base, n, k, g, 3) == base                       # no entry for M = 3
+    other = dataclasses.replace(base, split_k=base.split_k + 1)
+    assert launch_config(other, n, k, g, 4) == other                     # not q4_config's settings
+    assert torch.equal(q4_gemv(x, qw), want)                             # M = 4 through the tile of M_TILES
+    assert torch.equal(q4_gemv(x[:2], qw), want[:2])                     # M = 2 through its own
+    for i in range(4):
+        assert torch.equal(q4_gemv(x[i:i + 1], qw)[0], want[i]), i
+    monkeypatch.setattr(triton_quant, "M_TILES_ON", False)
+    assert launch_config(base, n, k, g, 4) == base
+
+
+def test_q4_discard_only_where_lines_stay_inside_a_tile():
+    """DISCARD drops a partial line only if no other tile's value can share it."""
+    from specfire.ops.triton_quant import discard_ok
+
+    assert discard_ok(True, 64, [17408, 17408], 1 << 20)
+    assert not discard_ok(False, 64, [17408], 1 << 20)                  # switched off / no split-K / CPU
+    assert not discard_ok(True, 16, [17408], 1 << 20)                   # a tile narrower than a line
+    assert not discard_ok(True, 64, [17408, 1000], 1 << 20)             # an N off the line grid
+    assert not discard_ok(True, 64, [17408], (1 << 20) + 64)            # a buffer off the line grid
