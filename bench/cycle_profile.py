@@ -25,6 +25,10 @@ Per variant (switched in the process, the captured graphs dropped where a switch
   ...p       (gdn32w2p, whole4p) the same with the row loop software-pipelined (ops/gdn_fused.py PIPE:
              each row's projections, a, b, z loaded one row ahead). gdn32w2p is the default
              (docs/BENCHMARKS.md "Eighth wave: the Gated DeltaNet row loop software-pipelined").
+  chain0 / chain1 / chain1np  the default form with the MTP head's fused rows step off / on
+             (ops/head_fused.py, SPECFIRE_CHAIN_FUSE; only the chain's graphs recaptured on a
+             switch); chain1np: on without the fused greedy pick / row select (SPECFIRE_CHAIN_PICK=0).
+             The profile then also lists the chain graph's kernels one by one.
   fold / nofold  gdn32w2p with the 4-bit GEMVs' sum(x) folded into the kernels that write their
              inputs (ops/xsum.py, the pairwise tree) / made by the GEMV's own launch
              (SPECFIRE_XSUM_FOLD=1 / 0; the trunk's and the MTP chain's graphs recaptured on a
@@ -82,6 +86,7 @@ VARIANTS = {
     # SPECFIRE_CHAIN_FUSE; only the chain's graphs are recaptured on a switch)
     "chain0": dict(gdn=(32, 2), pipe=True, chain="0"),
     "chain1": dict(gdn=(32, 2), pipe=True, chain="1"),
+    "chain1np": dict(gdn=(32, 2), pipe=True, chain="1", pick="0"),     # without the fused pick / select
 }
 FAMILIES = (("q4 GEMV", ("_q4_kernel",)), ("q4 sum(x)", ("_xsum",)), ("split-K sum", ("_splitk_sum",)),
             ("bf16 GEMV", ("_gemv",)), ("GDN", ("gdn",)), ("attention", ("attn",)),
@@ -209,11 +214,12 @@ def apply(llm, name: str, current: dict) -> None:
     gdn_fused.BV, gdn_fused.NUM_WARPS = v["gdn"]
     gdn_fused.PIPE = v["pipe"]
     fold_changed = "fold" in v and current.get("fold") != v["fold"]
-    chain_changed = current.get("chain", "1") != v.get("chain", "1")
+    chain_changed = (current.get("chain", "1"), current.get("pick", "1")) != (v.get("chain", "1"), v.get("pick", "1"))
     if "fold" in v:
         os.environ["SPECFIRE_XSUM_FOLD"] = v["fold"]                    # read at each launch (ops/xsum.py)
     os.environ["SPECFIRE_CHAIN_FUSE"] = v.get("chain", "1")             # read at each head step (ops/head_fused.py)
-    trunk_keys = lambda d: {k: x for k, x in d.items() if k != "chain"}    # noqa: E731
+    os.environ["SPECFIRE_CHAIN_PICK"] = v.get("pick", "1")              # read at each chain
+    trunk_keys = lambda d: {k: x for k, x in d.items() if k not in ("chain", "pick")}    # noqa: E731
     if trunk.graphs is not None:
         if trunk_keys(current) != trunk_keys(v) and (current or trunk.graphs.graphs):
             trunk.graphs = RowsGraphs(trunk.model, trunk.state)        # the rows graphs bake the kernel in
@@ -468,9 +474,22 @@ def head_check(cfg, device: str, log: Log) -> bool:
         q2 = qk_norm_rope_write_triton(qg, kx, vx, we[:d], wh[:d], 1e-6, cos[37:37 + t], sin[37:37 + t],
                                        kc2, vc2, pos)
         qk_same &= torch.equal(q, q2) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
-    ok = fc_same and rope_same and qk_same
+    pick_same = True                                    # the chain's pick == torch.argmax; select == index_select
+    out = torch.zeros(3, dtype=torch.long, device=device)
+    for i in range(6):
+        lg = rnd(1, 32768 if i < 4 else 248320, scale=4.0)
+        if i % 2:
+            lg = lg.round()                                   # many ties
+        tok, p = head_fused.pick_triton(lg, out, i % 3, torch.tensor([9], device=device))
+        pick_same &= bool(tok.item() == lg.argmax(-1).item() == lg.float().argmax(-1).item() and p.item() == 10)
+    pre, post = rnd(4, h), rnd(4, h)
+    for i in range(4):
+        n = torch.tensor([i], device=device)
+        a, b, p = head_fused.select_triton(pre, post, n, torch.tensor([5], device=device))
+        pick_same &= torch.equal(a, pre[i:i + 1]) and torch.equal(b, post[i:i + 1]) and p.item() == 5 + i
+    ok = fc_same and rope_same and qk_same and pick_same
     log("head_check", fc_input_equals_norm_kernels=fc_same, rope_table_equals_rope_cos_sin=rope_same,
-        qk_table_equals_gathered_rows=qk_same, ok=ok)
+        qk_table_equals_gathered_rows=qk_same, pick_and_select_equal_torch=pick_same, ok=ok)
     return ok
 
 
@@ -506,7 +525,7 @@ def run_model(path: str, label: str, vocab: int | None, names: list[str], device
             seen, seen_rows = set(), set()
             for name in names:
                 v = VARIANTS[name]
-                key = (v["gdn"], v["pipe"], v.get("fold"), v.get("chain", "1"))
+                key = (v["gdn"], v["pipe"], v.get("fold"), v.get("chain", "1"), v.get("pick", "1"))
                 if key in seen or time.monotonic() > deadline:
                     continue
                 seen.add(key)

@@ -142,6 +142,11 @@ def launch_all(dev: str) -> None:
     # the MTP head's fc input: embedding gather + both norms + cat (+ group sums) in one kernel
     head_fused.fc_input_triton(torch.zeros(4, dtype=torch.int64), torch.randn(64, k).to(bf),
                                torch.randn(4, k).to(bf), wn, wn, 1e-6, 1e-6)
+    # the chain's greedy pick (32,768-row draft vocabulary) and its row-n selection
+    drafts = torch.zeros(3, dtype=torch.int64)
+    head_fused.pick_triton(torch.randn(1, 32768).to(bf), drafts, 0, pos)
+    head_fused.pick_triton(torch.randn(1, 32768).to(bf), drafts, 2, None)
+    head_fused.select_triton(torch.randn(4, k).to(bf), torch.randn(4, k).to(bf), pos, pos)
     o = ak.attention_rows_triton(q, kcache, vcache, pos, d ** -0.5)
     attn_fused.out_gate_triton(o.to(bf), torch.randn(1, hq, 2 * d).to(bf))
     # canonical split-K chunk kernels (mesh-equal mode)

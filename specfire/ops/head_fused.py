@@ -17,9 +17,15 @@ go here:
   positions (ops/attn_fused.py, `table=True`). About nine launches a step (positions, the
   frequencies, cos, sin) become none.
 
+* `pick` / `select` (a greedy chain's argmax picks, runtime/drafters.py draft_chain `fused_pick`):
+  the argmax of the lm_head's unwidened scores, its write into the drafts and the next position
+  in one launch (torch: argmax, a position add, and the drafts' cat at the end); row n of the
+  head's outputs and its position in one (torch: two index_selects and an add). Picks equal
+  torch.argmax's (first index of the maximum, NaN first).
+
 `enabled(x)`: CUDA and SPECFIRE_CHAIN_FUSE not 0 (the default on; a captured chain keeps what
 it was captured with); `set_enabled` overrides it (the CPU tests force it on in the interpreter).
-The CPU's paths never take it (their bits unchanged).
+`pick_on()`: SPECFIRE_CHAIN_PICK not 0. The CPU's paths never take them (their bits unchanged).
 """
 from __future__ import annotations
 
@@ -48,6 +54,12 @@ def enabled(x: torch.Tensor) -> bool:
     if _forced is not None:
         return _forced
     return x.is_cuda and os.environ.get("SPECFIRE_CHAIN_FUSE", "1") != "0"
+
+
+def pick_on() -> bool:
+    """With the fused step on, whether a greedy chain also picks through `pick` / `select`
+    (SPECFIRE_CHAIN_PICK, default on; 0: torch's argmax, index_select and position adds)."""
+    return os.environ.get("SPECFIRE_CHAIN_PICK", "1") != "0"
 
 
 # ---- the fc's input -------------------------------------------------------------------------
@@ -140,3 +152,110 @@ def rope_table(device: torch.device, rotary_dim: int, theta: float, n: int) -> R
             return None
         got = _TABLES[key] = RopeTable(rope_cos_sin(torch.arange(n, device=device), rotary_dim, theta))
     return got
+
+
+# ---- the chain's greedy pick and row selection ------------------------------------------------
+
+def pick_ref(logits: torch.Tensor, out: torch.Tensor, step: int, pos):
+    """logits [1, N] -> out[step] = argmax (the first index of the maximum; a NaN counts as the
+    maximum, the first NaN wins, as torch.argmax); returns (out[step:step + 1], pos + 1)."""
+    out[step] = logits[0].argmax()
+    return out[step:step + 1], None if pos is None else pos + 1
+
+
+@triton.jit
+def _pick_kernel(x_ptr, out_ptr, pos_ptr, pos_out_ptr, N, step, BLOCK: tl.constexpr, POS: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    """One program: the argmax of x[0:N] (lanes keep their first maximum, then the lowest index among
+    the lanes' maxima; the first NaN overrides) into out[step]; pos_out = pos + 1 when POS."""
+    pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (ops/pdl.py)
+    offs = tl.arange(0, BLOCK)
+    m0 = offs < N
+    best_v = tl.load(x_ptr + offs, mask=m0, other=float("-inf")).to(tl.float32)
+    best_i = tl.where(m0, offs, 2147483647)
+    nan_i = tl.min(tl.where(m0 & (best_v != best_v), offs, 2147483647), axis=0)
+    for k0 in range(BLOCK, N, BLOCK):
+        idx = k0 + offs
+        mk = idx < N
+        v = tl.load(x_ptr + idx, mask=mk, other=float("-inf")).to(tl.float32)
+        take = v > best_v                                   # strict: a lane keeps its earlier index on ties
+        best_v = tl.where(take, v, best_v)
+        best_i = tl.where(take, idx, best_i)
+        nan_i = tl.minimum(nan_i, tl.min(tl.where(mk & (v != v), idx, 2147483647), axis=0))
+    best_v = tl.where(best_v != best_v, float("-inf"), best_v)    # a NaN lane start: its NaN is counted above
+    m = tl.max(best_v, axis=0)
+    i = tl.min(tl.where(best_v == m, best_i, 2147483647), axis=0)
+    i = tl.where(nan_i < 2147483647, nan_i, i)
+    tl.store(out_ptr + step, i.to(tl.int64))
+    if POS:
+        tl.store(pos_out_ptr, tl.load(pos_ptr) + 1)
+
+
+PICK_BLOCK = 8192     # elements a loop step (the program's 16 warps hold 16 each)
+
+
+def pick_triton(logits: torch.Tensor, out: torch.Tensor, step: int, pos):
+    """Contract of pick_ref, one launch (pos an int: pos + 1 on the host; a one-element device tensor:
+    written by the same launch; None: none)."""
+    if logits.dim() != 2 or logits.shape[0] != 1 or logits.stride(-1) != 1:
+        raise ValueError(f"pick: logits must be one contiguous row [1, N], got {tuple(logits.shape)}")
+    if out.dtype != torch.int64 or out.dim() != 1 or not 0 <= step < out.shape[0]:
+        raise ValueError(f"pick: out must be int64 [k] with step < k, got {out.dtype} {tuple(out.shape)}, step {step}")
+    n = logits.shape[1]
+    pos_t = isinstance(pos, torch.Tensor)
+    nxt = torch.empty_like(pos) if pos_t else None
+    _pick_kernel[(1,)](logits, out, pos if pos_t else out, nxt if pos_t else out, n, step,
+                       BLOCK=min(PICK_BLOCK, triton.next_power_of_2(max(n, 1))), POS=pos_t, num_warps=16,
+                       **pdl.kw(logits))
+    return out[step:step + 1], (nxt if pos_t else None if pos is None else pos + 1)
+
+
+def select_ref(pre: torch.Tensor, post: torch.Tensor, n: torch.Tensor, pos):
+    """Rows n ([1], device) of pre and post [R, H], and pos + n."""
+    return pre.index_select(0, n), post.index_select(0, n), pos + n
+
+
+@triton.jit
+def _select_kernel(pre_ptr, post_ptr, n_ptr, pos_ptr, a_ptr, b_ptr, p_ptr, pos_int, H, s_pre, s_post,
+                   BLOCK: tl.constexpr, POS_PTR: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (ops/pdl.py)
+    n = tl.load(n_ptr).to(tl.int64)
+    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = c < H
+    tl.store(a_ptr + c, tl.load(pre_ptr + n * s_pre + c, mask=m), mask=m)
+    tl.store(b_ptr + c, tl.load(post_ptr + n * s_post + c, mask=m), mask=m)
+    if tl.program_id(0) == 0:
+        if POS_PTR:
+            tl.store(p_ptr, tl.load(pos_ptr) + n)
+        else:
+            tl.store(p_ptr, pos_int + n)
+
+
+def select_triton(pre: torch.Tensor, post: torch.Tensor, n: torch.Tensor, pos):
+    """Contract of select_ref, one launch (rows copied as they are)."""
+    if pre.shape != post.shape or pre.dim() != 2 or pre.stride(-1) != 1 or post.stride(-1) != 1:
+        raise ValueError(f"select: pre {tuple(pre.shape)} and post {tuple(post.shape)} must be [R, H], unit last stride")
+    if n.numel() != 1:
+        raise ValueError(f"select: n must hold one row index, got {tuple(n.shape)}")
+    h = pre.shape[1]
+    a = torch.empty(1, h, device=pre.device, dtype=pre.dtype)
+    b = torch.empty(1, h, device=post.device, dtype=post.dtype)
+    pos_t = isinstance(pos, torch.Tensor)
+    p = torch.empty(1, device=n.device, dtype=torch.int64)
+    blk = 1024
+    _select_kernel[(triton.cdiv(h, blk),)](pre, post, n, pos if pos_t else p, a, b, p, 0 if pos_t else int(pos), h,
+                                           pre.stride(0), post.stride(0), BLOCK=blk, POS_PTR=pos_t,
+                                           **pdl.kw(pre))
+    return a, b, p
+
+
+def _triton_here(x: torch.Tensor) -> bool:
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pick(logits: torch.Tensor, out: torch.Tensor, step: int, pos):
+    return (pick_triton if _triton_here(logits) else pick_ref)(logits, out, step, pos)
+
+
+def select(pre: torch.Tensor, post: torch.Tensor, n: torch.Tensor, pos):
+    return (select_triton if _triton_here(pre) else select_ref)(pre, post, n, pos)

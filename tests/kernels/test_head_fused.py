@@ -190,3 +190,56 @@ def test_greedy_mtp_with_the_fused_head_step_equals_ar(ckpt_cache, attn_fused, m
     for out, acc, drafts in (eager, graphed):
         assert out == ar
         assert drafts == base[2] and acc == base[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,block", [(1, 64), (37, 64), (200, 64), (1000, 128), (513, 8192)])
+def test_pick_is_argmax(n, block, dtype, monkeypatch):
+    """The chain's pick (argmax + the draft's write + the next position), over loops of blocks and
+    masked tails: ties to the first index, a NaN wins (the first one), all -inf picks 0."""
+    monkeypatch.setattr(head_fused, "PICK_BLOCK", block)
+    g = _g(n + block)
+    cases = [torch.randn(n, generator=g)]
+    x = torch.randint(-3, 3, (n,), generator=g).float()        # many ties
+    cases.append(x)
+    if n > 5:
+        y = torch.randn(n, generator=g)
+        y[n // 2], y[n - 2] = float("nan"), float("nan")
+        cases.append(y)
+        cases.append(torch.full((n,), float("-inf")))
+        z = torch.randn(n, generator=g)
+        z[n - 1] = 50.0                                        # the maximum in the masked tail's block
+        cases.append(z)
+    for c in cases:
+        logits = c.to(dtype)[None]
+        out, ref_out = torch.full((3,), -1, dtype=torch.long), torch.full((3,), -1, dtype=torch.long)
+        for pos in (7, torch.tensor([7]), None):
+            tok, p = head_fused.pick_triton(logits, out, 1, pos)
+            rtok, rp = head_fused.pick_ref(logits, ref_out, 1, pos)
+            assert torch.equal(out, ref_out) and out[0] == -1 and out[2] == -1
+            assert tok.data_ptr() == out[1:].data_ptr() and torch.equal(tok, rtok)
+            if pos is None:
+                assert p is None
+            else:
+                assert int(p) == 8 and isinstance(p, torch.Tensor) == isinstance(pos, torch.Tensor)
+
+
+def test_pick_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="one contiguous row"):
+        head_fused.pick_triton(torch.randn(2, 8), torch.zeros(3, dtype=torch.long), 0, 1)
+    with pytest.raises(ValueError, match="int64"):
+        head_fused.pick_triton(torch.randn(1, 8), torch.zeros(3, dtype=torch.long), 3, 1)
+
+
+@pytest.mark.parametrize("r,h", [(4, 1500), (1, 64), (3, 2049)])
+@pytest.mark.parametrize("tensor_pos", [False, True])
+def test_select_is_index_select(r, h, tensor_pos):
+    g = _g(r * h)
+    pre = torch.randn(r, h + 3, generator=g).to(torch.bfloat16)[:, :h]        # a row stride past h
+    post = torch.randn(r, h, generator=g).to(torch.bfloat16)
+    for i in range(r):
+        n = torch.tensor([i])
+        pos = torch.tensor([11]) if tensor_pos else 11
+        a, b, p = head_fused.select_triton(pre, post, n, pos)
+        ra, rb, rp = head_fused.select_ref(pre, post, n, pos)
+        assert torch.equal(a, ra) and torch.equal(b, rb) and torch.equal(p.reshape(-1), torch.as_tensor(rp).reshape(-1))
