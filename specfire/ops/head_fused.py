@@ -253,8 +253,14 @@ def _triton_here(x: torch.Tensor) -> bool:
     return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+PICK_MAX = 65536     # columns one program scans (a draft vocabulary); past it torch's multi-block argmax
+
+
 def pick(logits: torch.Tensor, out: torch.Tensor, step: int, pos):
-    return (pick_triton if _triton_here(logits) else pick_ref)(logits, out, step, pos)
+    """pick_triton for a draft vocabulary's scores (at most PICK_MAX columns, measured at 32,768);
+    the whole vocabulary goes to torch's argmax (pick_ref: the same pick, more launches)."""
+    fast = _triton_here(logits) and logits.shape[-1] <= PICK_MAX
+    return (pick_triton if fast else pick_ref)(logits, out, step, pos)
 
 
 def select(pre: torch.Tensor, post: torch.Tensor, n: torch.Tensor, pos):

@@ -243,3 +243,16 @@ def test_select_is_index_select(r, h, tensor_pos):
         a, b, p = head_fused.select_triton(pre, post, n, pos)
         ra, rb, rp = head_fused.select_ref(pre, post, n, pos)
         assert torch.equal(a, ra) and torch.equal(b, rb) and torch.equal(p.reshape(-1), torch.as_tensor(rp).reshape(-1))
+
+
+def test_pick_dispatch_sends_a_whole_vocabulary_to_torch(monkeypatch):
+    calls = []
+    real = head_fused.pick_triton
+    monkeypatch.setattr(head_fused, "pick_triton", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(head_fused, "PICK_MAX", 100)
+    out = torch.zeros(2, dtype=torch.long)
+    x = torch.randn(1, 150)
+    tok, p = head_fused.pick(x, out, 0, 4)
+    assert calls == [] and int(tok) == int(x.argmax()) and p == 5 and tok.data_ptr() == out.data_ptr()
+    tok, p = head_fused.pick(x[:, :100].contiguous(), out, 1, None)
+    assert calls == [1] and int(tok) == int(x[:, :100].argmax()) and p is None
