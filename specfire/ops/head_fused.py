@@ -139,17 +139,21 @@ class RopeTable(tuple):
 
 
 _TABLES: dict[tuple, RopeTable] = {}
+_RETIRED: list[RopeTable] = []   # outgrown tables stay allocated: captured graphs hold their addresses
 
 
 def rope_table(device: torch.device, rotary_dim: int, theta: float, n: int) -> RopeTable | None:
     """The table for positions 0..n-1 or more, built on first use (by `rope_cos_sin`'s ops over
     all positions); None where it would have to be built inside a CUDA-graph capture (the
-    eager warm-up before every capture builds it)."""
+    eager warm-up before every capture builds it). A table outgrown by a longer cache is kept
+    allocated (a graph captured with it reads its memory at every replay)."""
     key = (str(device), int(rotary_dim), float(theta))
     got = _TABLES.get(key)
     if got is None or got[0].shape[0] < n:
         if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
+        if got is not None:
+            _RETIRED.append(got)
         got = _TABLES[key] = RopeTable(rope_cos_sin(torch.arange(n, device=device), rotary_dim, theta))
     return got
 

@@ -81,6 +81,7 @@ def test_rope_table_rows_are_rope_cos_sin():
         assert torch.equal(cos[p:p + 1], c) and torch.equal(sin[p:p + 1], s)
     assert head_fused.rope_table(torch.device("cpu"), 10, 1e6, 20)[0] is cos     # a longer one serves
     assert head_fused.rope_table(torch.device("cpu"), 10, 1e6, 60)[0].shape[0] == 60
+    assert any(t[0] is cos for t in head_fused._RETIRED)       # the outgrown one stays allocated
 
 
 @pytest.mark.parametrize("t,hq,hkv,d,r", [(1, 4, 2, 16, 8), (3, 6, 2, 12, 6), (4, 3, 1, 20, 20)])
