@@ -121,9 +121,11 @@ class LocalTrunk:
         return self.model.embed_tokens(ids)
 
     @property
-    def embed_weight(self) -> torch.Tensor:
-        """The table `embed` looks up (the MTP head gathers from it inside its fused step)."""
-        return self.model.embed_tokens.weight
+    def embed_weight(self) -> torch.Tensor | None:
+        """The table `embed` looks up (the MTP head gathers from it inside its fused step), when
+        `embed` is that plain lookup (not a mesh rank's vocabulary shard); else None."""
+        e = self.model.embed_tokens
+        return e.weight if type(e) is torch.nn.Embedding else None
 
     @torch.inference_mode()
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -257,3 +257,19 @@ def test_pick_dispatch_sends_a_whole_vocabulary_to_torch(monkeypatch):
     assert calls == [] and int(tok) == int(x.argmax()) and p == 5 and tok.data_ptr() == out.data_ptr()
     tok, p = head_fused.pick(x[:, :100].contiguous(), out, 1, None)
     assert calls == [1] and int(tok) == int(x[:, :100].argmax()) and p is None
+
+
+def test_local_trunk_hands_only_a_plain_embedding():
+    """A mesh rank's vocabulary-parallel embedding is not a table the head may gather from."""
+    import types
+
+    from specfire.runtime.trunk import LocalTrunk
+
+    plain = torch.nn.Embedding(5, 4)
+    t = types.SimpleNamespace(model=types.SimpleNamespace(embed_tokens=plain))
+    assert LocalTrunk.embed_weight.fget(t) is plain.weight
+
+    class Sharded(torch.nn.Embedding):
+        pass
+    t.model.embed_tokens = Sharded(5, 4)
+    assert LocalTrunk.embed_weight.fget(t) is None
