@@ -33,6 +33,10 @@ Per variant (switched in the process, the captured graphs dropped where a switch
              combine) / M_TILES only (--q4-mtiles: per-(N, K, M) tiles from bench/q4_rows4.py) /
              COMBINE_ILP only (the combine's loads four at a time) / DISCARD + COMBINE_ILP / all on
              (every graph recaptured on a switch)
+  chain0 / chain1 / chain1np  gdn32w2p (as measured) with the MTP head's fused rows step off / on
+             (ops/head_fused.py, SPECFIRE_CHAIN_FUSE; only the chain's graphs recaptured on a
+             switch); chain1np: on without the fused greedy pick / row select (SPECFIRE_CHAIN_PICK=0).
+             The profile then also lists the chain graph's kernels one by one.
   fold / nofold  gdn32w2p with the 4-bit GEMVs' sum(x) folded into the kernels that write their
              inputs (ops/xsum.py, the pairwise tree) / made by the GEMV's own launch
              (SPECFIRE_XSUM_FOLD=1 / 0; the trunk's and the MTP chain's graphs recaptured on a
@@ -103,6 +107,11 @@ VARIANTS = {
     "q4ilp": dict(gdn=(32, 2), pipe=True, q4=(False, False, True)),
     "q4dil": dict(gdn=(32, 2), pipe=True, q4=(True, False, True)),
     "q4all": dict(gdn=(32, 2), pipe=True, q4=(True, True, True)),
+    # the default form with the MTP head's fused rows step off / on (ops/head_fused.py,
+    # SPECFIRE_CHAIN_FUSE; only the chain's graphs are recaptured on a switch)
+    "chain0": dict(gdn=(32, 2), pipe=True, chain="0"),
+    "chain1": dict(gdn=(32, 2), pipe=True, chain="1"),
+    "chain1np": dict(gdn=(32, 2), pipe=True, chain="1", pick="0"),     # without the fused pick / select
 }
 MERGED_CHECK = ((32, 2), (16, 1), (16, 2), (8, 1), (None, 4))   # merged forms the kernel check runs
 Q4_MTILES: dict = {}        # --q4-mtiles: (N, K, M) -> (block_n, num_warps, num_stages)
@@ -194,8 +203,9 @@ class Phases(Patches):
         return {k: round(statistics.median(p.get(k, 0.0) for p in per), 1) for k in keys} | {"cycles": len(per)}
 
 
-def families(replay, reps: int = 4) -> dict:
-    """torch.profiler device time per replay by kernel family, and the top kernels."""
+def families(replay, reps: int = 4, top: int = 14) -> dict:
+    """torch.profiler device time per replay by kernel family, and the `top` kernels (name:
+    device us and launches per replay)."""
     from torch.profiler import ProfilerActivity, profile
 
     replay()
@@ -217,7 +227,7 @@ def families(replay, reps: int = 4) -> dict:
         fam[key]["us"] += v["us"]
         fam[key]["kernels"] += v["calls"]
     fam = {k: {"us": round(v["us"], 1), "kernels": round(v["kernels"])} for k, v in fam.items() if v["kernels"]}
-    top = dict(sorted(kern.items(), key=lambda kv: -kv[1]["us"])[:14])
+    top = dict(sorted(kern.items(), key=lambda kv: -kv[1]["us"])[:top])
     return {"total_us": round(sum(v["us"] for v in fam.values()), 1), "families": fam, "top": top}
 
 
@@ -239,15 +249,19 @@ def apply(llm, name: str, current: dict) -> None:
         triton_quant.M_TILES.clear()
         if v["q4"][1]:
             triton_quant.M_TILES.update(Q4_MTILES)
+    chain_changed = (current.get("chain", "1"), current.get("pick", "1")) != (v.get("chain", "1"), v.get("pick", "1"))
     if "fold" in v:
         os.environ["SPECFIRE_XSUM_FOLD"] = v["fold"]                    # read at each launch (ops/xsum.py)
+    os.environ["SPECFIRE_CHAIN_FUSE"] = v.get("chain", "1")             # read at each head step (ops/head_fused.py)
+    os.environ["SPECFIRE_CHAIN_PICK"] = v.get("pick", "1")              # read at each chain
+    trunk_keys = lambda d: {k: x for k, x in d.items() if k not in ("chain", "pick")}    # noqa: E731
     if trunk.graphs is not None:
-        if current != v and (current or trunk.graphs.graphs):
+        if trunk_keys(current) != trunk_keys(v) and (current or trunk.graphs.graphs):
             trunk.graphs = RowsGraphs(trunk.model, trunk.state)        # the rows graphs bake the kernel in
             torch.cuda.empty_cache()
     mtp = llm.engine.drafters.get("mtp")
-    if fold_changed and mtp is not None and mtp.graphs is not None:
-        mtp.graphs.clear()                                              # the chain's GEMVs too
+    if (fold_changed or chain_changed) and mtp is not None and mtp.graphs is not None:
+        mtp.graphs.clear()                                              # the chain's GEMVs / head step too
     current.clear()
     current.update(v)
 
@@ -334,8 +348,10 @@ def measure(llm, ids, name: str, tokens: int, reps: int, cuda: bool, log: Log, n
     return row
 
 
-def profile_rows(llm, ids, name: str, log: Log) -> None:
-    """torch.profiler by kernel family over replays of the 1-row and the 4-row trunk graph."""
+def profile_rows(llm, ids, name: str, log: Log, rows: bool = True) -> None:
+    """torch.profiler by kernel family over replays of the 1-row and the 4-row trunk graph (rows
+    False: not those), and kernel by kernel over replays of the MTP draft chain's graph (k=3 after
+    a 4-row verify)."""
     from specfire import SamplingParams, SpecPolicy
 
     trunk = llm.engine.trunk
@@ -345,8 +361,11 @@ def profile_rows(llm, ids, name: str, log: Log) -> None:
     prof = {}
     for r in (1, 4):
         gr = trunk.graphs.graphs.get(r)
-        if gr is not None:
+        if gr is not None and rows:
             prof[f"rows{r}"] = families(gr.graph.replay)
+    mtp = llm.engine.drafters["mtp"]
+    if mtp.graphs is not None and (4, 3, "after") in mtp.graphs.graphs:   # the chain after a 4-row verify
+        prof["chain_after_4_3"] = families(mtp.graphs.graphs[(4, 3, "after")].replay, reps=8, top=60)
     log("profile", variant=name, **prof)
 
 
@@ -449,6 +468,70 @@ def kernel_check(cfg, device: str, log: Log) -> bool:
     return every
 
 
+def head_check(cfg, device: str, log: Log) -> bool:
+    """The MTP head's fused rows step (ops/head_fused.py) on cfg's shapes: the fc-input kernel ==
+    the two RMSNorm kernels over the gathered and the hidden rows, bit for bit (1 and 4 rows); the
+    rotary table's rows == rope_cos_sin at those positions (single positions and 4-row runs); the
+    fused q/k kernel reading the table == reading the gathered rows."""
+    from specfire.model.qwen35 import positions
+    from specfire.ops import head_fused
+    from specfire.ops import triton_small as ts
+    from specfire.ops.attn_fused import qk_norm_rope_write_triton
+    from specfire.ops.rope import rope_cos_sin
+
+    g = torch.Generator(device=device).manual_seed(5)
+    h, bf = cfg.hidden_size, torch.bfloat16
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(bf)
+
+    table, we, wh = rnd(1000, h, scale=0.05), rnd(h, scale=0.2), rnd(h, scale=0.2)
+    fc_same = True
+    for r in (1, 4):
+        ids = torch.randint(0, 1000, (r,), generator=g, device=device)
+        hid = rnd(r, h, scale=3.0)
+        y = head_fused.fc_input_triton(ids, table, hid, we, wh, cfg.rms_norm_eps, cfg.rms_norm_eps)
+        ref = torch.cat([ts.rms_norm_triton(table[ids], we, cfg.rms_norm_eps),
+                         ts.rms_norm_triton(hid, wh, cfg.rms_norm_eps)], -1)
+        fc_same &= torch.equal(y, ref)
+    n = 4096
+    head_fused._TABLES.clear()
+    cos, sin = head_fused.rope_table(torch.device(device), cfg.rotary_dim, cfg.rope_theta, n)
+    rope_same = True
+    for p in list(range(0, n - 4, 61)) + [n - 4]:
+        for t in (1, 4):
+            c, s_ = rope_cos_sin(positions(torch.tensor([p], device=device), t, device), cfg.rotary_dim, cfg.rope_theta)
+            rope_same &= torch.equal(c, cos[p:p + t]) and torch.equal(s_, sin[p:p + t])
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    qk_same = True
+    for t in (1, 4):
+        qg, kx, vx = rnd(t, hq, 2 * d), rnd(t, hkv, d), rnd(t, hkv, d)
+        kc, vc = rnd(64, hkv, d), rnd(64, hkv, d)
+        kc2, vc2 = kc.clone(), vc.clone()
+        pos = torch.tensor([37], device=device)
+        q = qk_norm_rope_write_triton(qg, kx, vx, we[:d], wh[:d], 1e-6, cos, sin, kc, vc, pos, table=True)
+        q2 = qk_norm_rope_write_triton(qg, kx, vx, we[:d], wh[:d], 1e-6, cos[37:37 + t], sin[37:37 + t],
+                                       kc2, vc2, pos)
+        qk_same &= torch.equal(q, q2) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    pick_same = True                                    # the chain's pick == torch.argmax; select == index_select
+    out = torch.zeros(3, dtype=torch.long, device=device)
+    for i in range(6):
+        lg = rnd(1, 32768 if i < 4 else 248320, scale=4.0)
+        if i % 2:
+            lg = lg.round()                                   # many ties
+        tok, p = head_fused.pick_triton(lg, out, i % 3, torch.tensor([9], device=device))
+        pick_same &= bool(tok.item() == lg.argmax(-1).item() == lg.float().argmax(-1).item() and p.item() == 10)
+    pre, post = rnd(4, h), rnd(4, h)
+    for i in range(4):
+        n = torch.tensor([i], device=device)
+        a, b, p = head_fused.select_triton(pre, post, n, torch.tensor([5], device=device))
+        pick_same &= torch.equal(a, pre[i:i + 1]) and torch.equal(b, post[i:i + 1]) and p.item() == 5 + i
+    ok = fc_same and rope_same and qk_same and pick_same
+    log("head_check", fc_input_equals_norm_kernels=fc_same, rope_table_equals_rope_cos_sin=rope_same,
+        qk_table_equals_gathered_rows=qk_same, pick_and_select_equal_torch=pick_same, ok=ok)
+    return ok
+
+
 def run_model(path: str, label: str, vocab: int | None, names: list[str], device: str, log: Log, args,
               nbytes, deadline: float) -> None:
     from specfire import LLM
@@ -478,18 +561,20 @@ def run_model(path: str, label: str, vocab: int | None, names: list[str], device
                 current.clear()
             log("progress", what=label, variant=name, s=round(time.monotonic() - t1, 1))
         if cuda and args.profile:                  # last: the profiler slows the host's later launches
-            seen = set()
+            seen, seen_rows = set(), set()
             for name in names:
                 if args.profile_variants is not None and name not in args.profile_variants.split(","):
                     continue
-                key = (VARIANTS[name]["gdn"], VARIANTS[name]["pipe"], VARIANTS[name].get("merged", False),
-                       VARIANTS[name].get("q4"))
+                v = VARIANTS[name]
+                key = (v["gdn"], v["pipe"], v.get("merged", False), v.get("q4"), v.get("fold"), v.get("chain", "1"),
+                       v.get("pick", "1"))
                 if key in seen or time.monotonic() > deadline:
                     continue
                 seen.add(key)
                 try:
                     apply(llm, name, current)
-                    profile_rows(llm, ids, name, log)
+                    profile_rows(llm, ids, name, log, rows=key[:3] not in seen_rows)
+                    seen_rows.add(key[:3])
                 except Exception as e:
                     import traceback
                     log("error", what=label, variant=f"profile {name}", error=repr(e),
@@ -552,11 +637,12 @@ def main() -> None:
     from specfire.ops import triton_quant
     XSUM_COUNT = triton_quant._xsum_kernel = LaunchCount(triton_quant._xsum_kernel)
     if device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        try:
-            kernel_check(cfg, device, log)
-        except Exception as e:
-            import traceback
-            log("error", what="kernel_check", error=repr(e), tb=traceback.format_exc()[-2000:])
+        for check in (kernel_check, head_check):
+            try:
+                check(cfg, device, log)
+            except Exception as e:
+                import traceback
+                log("error", what=check.__name__, error=repr(e), tb=traceback.format_exc()[-2000:])
     d = tempfile.mkdtemp(prefix="cycprof-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:
         t0 = time.perf_counter()

@@ -86,7 +86,7 @@ def check(name: str, k, want_pdl: bool) -> list[str]:
 
 def launch_all(dev: str) -> None:
     from specfire.ops import attention_kernels as ak
-    from specfire.ops import attn_fused, gdn_fused, triton_gemv, triton_quant, triton_small, triton_splitk
+    from specfire.ops import attn_fused, gdn_fused, head_fused, triton_gemv, triton_quant, triton_small, triton_splitk
     from specfire.ops.quant import QuantWeight
 
     g = torch.Generator().manual_seed(0)
@@ -135,6 +135,18 @@ def launch_all(dev: str) -> None:
                                              torch.randn(1, hkv, d).to(bf), torch.randn(d).to(bf),
                                              torch.randn(d).to(bf), 1e-6, torch.randn(1, 64), torch.randn(1, 64),
                                              kcache, vcache, pos)
+    attn_fused.qk_norm_rope_write_triton(torch.randn(4, hq, 2 * d).to(bf), torch.randn(4, hkv, d).to(bf),
+                                         torch.randn(4, hkv, d).to(bf), torch.randn(d).to(bf),
+                                         torch.randn(d).to(bf), 1e-6, torch.randn(L, 64), torch.randn(L, 64),
+                                         kcache, vcache, pos, table=True)      # the MTP head's rotary table
+    # the MTP head's fc input: embedding gather + both norms + cat (+ group sums) in one kernel
+    head_fused.fc_input_triton(torch.zeros(4, dtype=torch.int64), torch.randn(64, k).to(bf),
+                               torch.randn(4, k).to(bf), wn, wn, 1e-6, 1e-6)
+    # the chain's greedy pick (32,768-row draft vocabulary) and its row-n selection
+    drafts = torch.zeros(3, dtype=torch.int64)
+    head_fused.pick_triton(torch.randn(1, 32768).to(bf), drafts, 0, pos)
+    head_fused.pick_triton(torch.randn(1, 32768).to(bf), drafts, 2, None)
+    head_fused.select_triton(torch.randn(4, k).to(bf), torch.randn(4, k).to(bf), pos, pos)
     o = ak.attention_rows_triton(q, kcache, vcache, pos, d ** -0.5)
     attn_fused.out_gate_triton(o.to(bf), torch.randn(1, hq, 2 * d).to(bf))
     # canonical split-K chunk kernels (mesh-equal mode)

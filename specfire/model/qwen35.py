@@ -21,6 +21,7 @@ from ..config import FULL, ModelConfig
 from ..ops import attention as attn_ops
 from ..ops import fusion
 from ..ops import gdn as gdn_ops
+from ..ops import head_fused
 from ..ops import lanes
 from ..ops import norm as norm_ops
 from ..ops import onecpu
@@ -185,9 +186,12 @@ class GatedAttention(nn.Module):
             from ..ops import attn_fused as af
             q = af.qk_norm_rope_write_triton(qg, k.view(t, self.n_kv, d), v.view(t, self.n_kv, d),
                                              self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                             *cos_sin, lc.k, lc.v, pos0)
+                                             *cos_sin, lc.k, lc.v, pos0,
+                                             table=isinstance(cos_sin, head_fused.RopeTable))
             o = attn_ops.attention_rows(q, lc.k, lc.v, pos0, self.scale)
             return self.o_proj(af.out_gate_triton(o, qg), rows)
+        if isinstance(cos_sin, head_fused.RopeTable):
+            raise ValueError("GatedAttention: a rotary table is read by the fused rows kernel only")
         q, gate = qg[..., :d], qg[..., d:]
         q = rowwise(self.q_norm, rows, q, batch=one_cpu(x))
         k = rowwise(self.k_norm, rows, k.view(t, self.n_kv, d), batch=one_cpu(x))
@@ -346,12 +350,12 @@ class Qwen35Trunk(nn.Module):
         dev = self.embed_tokens.weight.device
         return SequenceState.allocate(self.cfg, self.cfg.layer_types, max_seq, dev, kv_dtype)
 
-    def logits(self, h: torch.Tensor, rows: bool, vocab: int | None = None) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, rows: bool, vocab: int | None = None, widen: bool = True) -> torch.Tensor:
         """h [T, H] post-norm -> float32 logits [T, V]; `vocab` n: over token ids 0..n-1 only, [T, n]
-        (the MTP drafter's reduced vocabulary: ops/linear.py linear_prefix reads no other row)."""
-        if vocab is not None:
-            return linear_prefix(h, self.lm_weight, vocab, rows).float()
-        return linear(h, self.lm_weight, rows).float()
+        (the MTP drafter's reduced vocabulary: ops/linear.py linear_prefix reads no other row).
+        widen False: in the product's own dtype (a greedy pick's argmax is the same)."""
+        y = linear_prefix(h, self.lm_weight, vocab, rows) if vocab is not None else linear(h, self.lm_weight, rows)
+        return y.float() if widen else y
 
     def forward(self, ids: torch.Tensor, pos0: int, state: SequenceState, rows: bool,
                 logits: str = "all") -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -394,22 +398,45 @@ class MtpHead(nn.Module):
     def new_state(self, max_seq: int, kv_dtype: torch.dtype) -> SequenceState:
         return SequenceState.allocate(self.cfg, (FULL,), max_seq, self.fc.weight.device, kv_dtype)
 
-    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, pos0: int, state: SequenceState,
-                rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, emb: torch.Tensor | None, hidden: torch.Tensor, pos0: int, state: SequenceState,
+                rows: bool, ids: torch.Tensor | None = None,
+                embed_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """emb [R, H] embeddings of tokens at p+1, hidden [R, H] at p (positions pos0..) ->
-        (pre-norm block output [R, H], post-norm output [R, H] that the lm_head scores)."""
+        (pre-norm block output [R, H], post-norm output [R, H] that the lm_head scores).
+        emb None: the tokens `ids` [R] (device) and the trunk's embedding `embed_weight` [V, H]
+        instead; a rows step with the fused head step on (ops/head_fused.py) gathers them inside
+        its fc-input kernel, else they are looked up here."""
+        if emb is None:
+            if ids is None or embed_weight is None:
+                raise ValueError("MtpHead: give emb, or ids and embed_weight")
+        elif ids is not None:
+            raise ValueError("MtpHead: give emb or ids, not both")
         with lanes.invariant(splitk_enabled()):
-            return self._forward(emb, hidden, pos0, state, rows)
+            return self._forward(emb, hidden, pos0, state, rows, ids, embed_weight)
 
-    def _forward(self, emb: torch.Tensor, hidden: torch.Tensor, pos0: int, state: SequenceState,
-                 rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        if rows and (got := cpu_rows.mtp_rows(self, emb, hidden, pos0, state)) is not None:
+    def _forward(self, emb: torch.Tensor | None, hidden: torch.Tensor, pos0: int, state: SequenceState,
+                 rows: bool, ids: torch.Tensor | None = None,
+                 embed_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        lc = state.layers[0]
+        fused = rows and head_fused.enabled(hidden) and not lanes.invariant_now()
+        if emb is None and not (fused and isinstance(embed_weight, torch.Tensor)
+                                and embed_weight.dtype == hidden.dtype):
+            emb, ids = F.embedding(ids, embed_weight), None
+        if rows and emb is not None and (got := cpu_rows.mtp_rows(self, emb, hidden, pos0, state)) is not None:
             return got                                                  # one CPU device (model/cpu_rows.py)
-        x = torch.cat([rowwise(self.pre_fc_norm_embedding, rows, emb),
-                       rowwise(self.pre_fc_norm_hidden, rows, hidden)], dim=-1)
+        if emb is None:      # gather + both norms + cat + the fc's group sums: one launch
+            e, hn = self.pre_fc_norm_embedding, self.pre_fc_norm_hidden
+            x = head_fused.fc_input(ids, embed_weight, hidden, e.weight, hn.weight, e.eps, hn.eps)
+        else:
+            x = torch.cat([rowwise(self.pre_fc_norm_embedding, rows, emb),
+                           rowwise(self.pre_fc_norm_hidden, rows, hidden)], dim=-1)
         x = self.fc(x, rows)
         t = x.shape[0]
-        pos = positions(pos0, t, x.device)
-        cos_sin = _rope(pos, self.cfg, rows)
-        x, mlp = self.layers[0](x, pos0, cos_sin, state.layers[0], rows)
+        cos_sin = None
+        if fused and lc.k_scale is None and fusion.enabled(x):      # the fused q/k kernel reads the table
+            cos_sin = head_fused.rope_table(x.device, self.cfg.rotary_dim, self.cfg.rope_theta, lc.k.shape[0])
+        if cos_sin is None:
+            pos = positions(pos0, t, x.device)
+            cos_sin = _rope(pos, self.cfg, rows)
+        x, mlp = self.layers[0](x, pos0, cos_sin, lc, rows)
         return _add_norm(self.norm, rows, x, mlp)

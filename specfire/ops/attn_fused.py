@@ -73,12 +73,21 @@ def _norm_rope(src, w_ptr, c_row, s_row, dst, D, R, eps, BLOCK: tl.constexpr, HA
 @triton.jit
 def _qk_kernel(qg_ptr, kx_ptr, vx_ptr, qw_ptr, kw_ptr, c_ptr, s_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr, pos_int,
                HQ, D, R, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ct, s_kc, s_kch, s_vc, s_vch, eps,
-               POS_PTR: tl.constexpr, BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+               POS_PTR: tl.constexpr, BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+               TABLE: tl.constexpr = False):
     pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (ops/pdl.py)
     t = tl.program_id(0)
     h = tl.program_id(1)
-    c_row = c_ptr + t * s_ct
-    s_row = s_ptr + t * s_ct
+    if TABLE:   # cos / sin rows by position (ops/head_fused.py rope_table), not by row
+        if POS_PTR:
+            pc = tl.load(pos_ptr).to(tl.int64) + t
+        else:
+            pc = pos_int + t
+        c_row = c_ptr + pc * s_ct
+        s_row = s_ptr + pc * s_ct
+    else:
+        c_row = c_ptr + t * s_ct
+        s_row = s_ptr + t * s_ct
     if h < HQ:
         _norm_rope(qg_ptr + t * s_qt + h * s_qh, qw_ptr, c_row, s_row, qo_ptr + (t * HQ + h) * D, D, R, eps,
                    BLOCK, HALF_BLOCK)
@@ -98,8 +107,10 @@ def _qk_kernel(qg_ptr, kx_ptr, vx_ptr, qw_ptr, kw_ptr, c_ptr, s_ptr, qo_ptr, kc_
 
 def qk_norm_rope_write_triton(qg: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, qw: torch.Tensor,
                               kw: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                              k_cache: torch.Tensor, v_cache: torch.Tensor, pos0) -> torch.Tensor:
-    """Contract of qk_norm_rope_write_ref, one launch. `pos0`: an int or a one-element device tensor."""
+                              k_cache: torch.Tensor, v_cache: torch.Tensor, pos0, table: bool = False) -> torch.Tensor:
+    """Contract of qk_norm_rope_write_ref, one launch. `pos0`: an int or a one-element device tensor.
+    `table`: cos / sin are [n, R] tables over positions 0..n-1 (ops/head_fused.py rope_table) and
+    row t reads their row pos0 + t: the bits of the reference given those rows."""
     t, hq, d2 = qg.shape
     hkv, d = kx.shape[1], kx.shape[2]
     r = cos.shape[-1]
@@ -112,13 +123,16 @@ def qk_norm_rope_write_triton(qg: torch.Tensor, kx: torch.Tensor, vx: torch.Tens
     cos, sin = cos.contiguous(), sin.contiguous()
     q = torch.empty(t, hq, d, device=qg.device, dtype=qg.dtype)
     pos_t = isinstance(pos0, torch.Tensor)
+    if table and not pos_t and int(pos0) + t > cos.shape[0]:
+        raise ValueError(f"qk_norm_rope_write: rows at {int(pos0)}..{int(pos0) + t - 1} past the rotary table "
+                         f"({cos.shape[0]} positions)")
     if t:
         _qk_kernel[(t, hq + hkv)](
             qg, kx, vx, qw, kw, cos, sin, q, k_cache, v_cache, pos0 if pos_t else q, 0 if pos_t else int(pos0),
             hq, d, r, qg.stride(0), qg.stride(1), kx.stride(0), kx.stride(1), vx.stride(0), vx.stride(1),
             cos.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), eps,
             POS_PTR=pos_t, BLOCK=triton.next_power_of_2(d), HALF_BLOCK=triton.next_power_of_2(max(r // 2, 1)),
-            **pdl.kw(qg))
+            **({"TABLE": True} if table else {}), **pdl.kw(qg))
     return q
 
 

@@ -15,6 +15,7 @@ import torch
 
 from ..config import SamplingParams
 from ..model.qwen35 import MtpHead, SequenceState
+from ..ops import head_fused
 from .rng import DeviceRng
 from .sampling import Penalties, penalize_draft, probs, sample
 from .trunk import Trunk
@@ -35,22 +36,44 @@ NO_DRAFT = torch.empty(0, dtype=torch.long)
 def draft_chain(head: MtpHead, embed: Callable[[torch.Tensor], torch.Tensor],
                 lm_logits: Callable[[torch.Tensor], torch.Tensor], state: SequenceState, toks: torch.Tensor,
                 hidden: torch.Tensor, pos: int | torch.Tensor, k: int, feed: str,
-                choose: Callable[[torch.Tensor], torch.Tensor], n: torch.Tensor | None = None) -> torch.Tensor:
+                choose: Callable[[torch.Tensor], torch.Tensor], n: torch.Tensor | None = None,
+                embed_weight: torch.Tensor | None = None, fused_pick: bool = False) -> torch.Tensor:
     """The MTP draft chain, written once: run eagerly, and captured into a CUDA graph (greedy)
     by runtime/graphs.py. Catch-up over the pending rows (hidden [m, H] at positions pos.., toks
     [m] the tokens after them), then k steps of `choose(logits [1, V]) -> [1]` each feeding the
     head its own output (`feed`) and its own draft. `pos` is an int, or a one-element device
     tensor under capture. `n` (device, [1]): chain from row n, not the last (the rows after it
     are a verify's rejected ones: their KV entries lie past row n and are rewritten before any
-    step reads them, as a rejected draft's are). Returns the drafts [k], int64, on the device:
-    no host read."""
-    pre, post = head(embed(toks), hidden, pos, state, rows=True)
+    step reads them, as a rejected draft's are). `embed_weight`: the table `embed` looks up, where
+    the head may gather from it itself (one device: MtpHead's fused rows step, ops/head_fused.py).
+    `fused_pick` (greedy argmax picks only, `choose` unused): each pick, its write into the drafts
+    and the next position in one launch, and row n with its position in one
+    (ops/head_fused.py pick / select): the same drafts in fewer launches.
+    Returns the drafts [k], int64, on the device: no host read."""
+    def run(tk: torch.Tensor, hid: torch.Tensor, p) -> tuple[torch.Tensor, torch.Tensor]:
+        if embed_weight is not None:
+            return head(None, hid, p, state, rows=True, ids=tk, embed_weight=embed_weight)
+        return head(embed(tk), hid, p, state, rows=True)
+
+    pre, post = run(toks, hidden, pos)
     if n is None:
         h_pre, h_post = pre[-1:], post[-1:]
         p = pos + (toks.shape[0] - 1)                                         # position of the last row
+    elif fused_pick:
+        h_pre, h_post, p = head_fused.select(pre, post, n, pos)
     else:
         h_pre, h_post = pre.index_select(0, n), post.index_select(0, n)
         p = pos + n
+    if fused_pick:
+        out = torch.empty(k, dtype=torch.long, device=h_post.device)
+        for step in range(k):
+            last = step + 1 == k
+            tok, p = head_fused.pick(lm_logits(h_post), out, step, None if last else p)
+            if last:
+                break
+            fed = h_post if feed == "post" else h_pre
+            h_pre, h_post = run(tok, fed, p)
+        return out
     drafts = []
     for step in range(k):
         tok = choose(lm_logits(h_post))                                       # [1]
@@ -59,7 +82,7 @@ def draft_chain(head: MtpHead, embed: Callable[[torch.Tensor], torch.Tensor],
             break
         p = p + 1
         fed = h_post if feed == "post" else h_pre
-        h_pre, h_post = head(embed(tok), fed, p, state, rows=True)
+        h_pre, h_post = run(tok, fed, p)
     return torch.cat(drafts)
 
 
@@ -174,7 +197,13 @@ class MtpDrafter:
                 choose = penalized_argmax(pen, sp)
             else:
                 choose = argmax
-        return draft_chain(self.head, self.trunk.embed, lm, self.state, toks, hidden, pos, k, self.feed, choose, n)
+                if head_fused.enabled(hidden) and hasattr(self.trunk, "lm_scores"):
+                    lm = self.trunk.lm_scores      # the argmax of the unwidened logits: the same pick
+                    return draft_chain(self.head, self.trunk.embed, lm, self.state, toks, hidden, pos, k, self.feed,
+                                       choose, n, getattr(self.trunk, "embed_weight", None),
+                                       fused_pick=head_fused.pick_on())
+        return draft_chain(self.head, self.trunk.embed, lm, self.state, toks, hidden, pos, k, self.feed, choose, n,
+                           getattr(self.trunk, "embed_weight", None))
 
     def _chain_after(self, toks, hidden, pos, n, k, pen=None, sp=None) -> torch.Tensor:
         """The greedy chain from row n of a verify's k+1 rows (`prepare`)."""

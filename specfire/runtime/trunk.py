@@ -120,11 +120,24 @@ class LocalTrunk:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(ids)
 
+    @property
+    def embed_weight(self) -> torch.Tensor | None:
+        """The table `embed` looks up (the MTP head gathers from it inside its fused step), when
+        `embed` is that plain lookup (not a mesh rank's vocabulary shard); else None."""
+        e = self.model.embed_tokens
+        return e.weight if type(e) is torch.nn.Embedding else None
+
     @torch.inference_mode()
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.draft_vocab is None:
             return self.model.logits(h, rows=True)
         return self.model.logits(h, rows=True, vocab=self.draft_vocab)
+
+    @torch.inference_mode()
+    def lm_scores(self, h: torch.Tensor) -> torch.Tensor:
+        """lm_logits in the lm_head product's own dtype, not widened to float32: for a greedy
+        pick, whose argmax (first index of the maximum) is the same; one launch less."""
+        return self.model.logits(h, rows=True, vocab=self.draft_vocab, widen=False)
 
     def close(self) -> None:
         self.graphs = None

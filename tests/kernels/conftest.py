@@ -19,7 +19,8 @@ import pytest
 KERNEL_MODULES = ("specfire.ops.pdl", "specfire.ops.triton_gemv", "specfire.ops.triton_splitk",
                   "specfire.ops.triton_tree_loop", "specfire.ops.triton_small", "specfire.ops.triton_quant",
                   "specfire.ops.attention_kernels", "specfire.ops.gdn_kernels", "specfire.ops.gdn_fused",
-                  "specfire.ops.attn_fused", "specfire.ops.triton_tree_norm", "specfire.ops.triton_q4mm")
+                  "specfire.ops.attn_fused", "specfire.ops.triton_tree_norm", "specfire.ops.triton_q4mm",
+                  "specfire.ops.head_fused")
 
 
 def _interpreted(mod) -> bool:
