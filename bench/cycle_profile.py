@@ -119,6 +119,15 @@ VARIANTS = {
 }
 MERGED_CHECK = ((32, 2), (16, 1), (16, 2), (8, 1), (None, 4))   # merged forms the kernel check runs
 Q4_MTILES: dict = {}        # --q4-mtiles: (N, K, M) -> (block_n, num_warps, num_stages)
+
+def _q4_defaults():
+    """The 4-bit GEMV's switches as the module starts (the environment's), restored for variants
+    without a "q4" key (before: they kept the previous variant's switches)."""
+    from specfire.ops import triton_quant
+    return (triton_quant.DISCARD, True, triton_quant.COMBINE_ILP), dict(triton_quant.M_TILES)
+
+
+Q4_DEFAULT, Q4_DEFAULT_TILES = _q4_defaults()
 FAMILIES = (("q4 GEMV", ("_q4_kernel",)), ("q4 sum(x)", ("_xsum",)), ("split-K sum", ("_splitk_sum",)),
             ("bf16 GEMV", ("_gemv",)), ("GDN", ("gdn",)), ("attention", ("attn",)),
             ("norms", ("norm",)), ("rotary/KV write", ("rope", "qk_")), ("argmax/accept", ("argmax", "accept")),
@@ -246,13 +255,13 @@ def apply(llm, name: str, current: dict) -> None:
     gdn_fused.PIPE = v["pipe"]
     gdn_fused.MERGED = v.get("merged", False)
     fold_changed = "fold" in v and current.get("fold") != v["fold"]
-    if "q4" in v:
-        from specfire.ops import triton_quant
-        fold_changed |= current.get("q4") != v["q4"]                    # the chain's GEMVs change too
-        triton_quant.DISCARD, triton_quant.COMBINE_ILP = v["q4"][0], v["q4"][2]
+    from specfire.ops import triton_quant
+    if "q4" in v or "q4" in current:            # a variant without the key runs the module's defaults
+        q4 = v.get("q4", Q4_DEFAULT)
+        fold_changed |= current.get("q4", Q4_DEFAULT) != q4               # the chain's GEMVs change too
+        triton_quant.DISCARD, triton_quant.COMBINE_ILP = q4[0], q4[2]
         triton_quant.M_TILES.clear()
-        if v["q4"][1]:
-            triton_quant.M_TILES.update(Q4_MTILES)
+        triton_quant.M_TILES.update(Q4_DEFAULT_TILES if q4 is Q4_DEFAULT else Q4_MTILES if q4[1] else {})
     chain_changed = (current.get("chain", "1"), current.get("pick", "1")) != (v.get("chain", "1"), v.get("pick", "1"))
     if "fold" in v:
         os.environ["SPECFIRE_XSUM_FOLD"] = v["fold"]                    # read at each launch (ops/xsum.py)
