@@ -228,7 +228,7 @@ class MtpDrafter:
     def begin(self, prompt: torch.Tensor, hidden: torch.Tensor) -> None:
         t = prompt.shape[0]
         if t > 1:  # rows 0..t-2: (h_p, x_{p+1})
-            self._prefill(self.trunk.embed(prompt[1:]), hidden[:-1], 0)
+            self._prefill(prompt[1:], hidden[:-1], 0)
         self._hidden, self._tokens, self._pos0 = [hidden[-1:]], [], t - 1
         self._pre = None
 
@@ -252,7 +252,7 @@ class MtpDrafter:
         pos0, m = self._pos0, hidden.shape[0]
         if m > k + 1:  # rows piled up while other routes ran: catch up all but the last in one prefill-mode
             # forward, so the draft graphs only ever see the pending-row counts an MTP cycle leaves (1..k+1)
-            self._prefill(self.trunk.embed(toks[:-1]), hidden[:-1], pos0)
+            self._prefill(toks[:-1], hidden[:-1], pos0)
             pos0, hidden, toks = pos0 + m - 1, hidden[-1:], toks[-1:]
         self._hidden, self._tokens, self._pos0 = [], [], self._pos0 + m
         if self.mesh is not None:                  # every rank runs the chain: tell them first
@@ -268,12 +268,20 @@ class MtpDrafter:
             self.trunk.draft_rounds(k, 1, 0)
         return self._chain_for(toks, hidden, pos0, k, sp, gen, pen)
 
-    def _prefill(self, emb: torch.Tensor, hidden: torch.Tensor, pos0: int) -> None:
-        """The head over rows in prefill mode (on every rank of a mesh holding its shards)."""
+    def _prefill(self, toks: torch.Tensor, hidden: torch.Tensor, pos0: int) -> None:
+        """The head over rows in prefill mode (on every rank of a mesh holding its shards): hidden
+        [m, H] at positions pos0.., toks [m] the tokens after them. One device with the catch-up's
+        fused kernels on (ops/head_fused.py catchup_enabled): the head gathers the embedding rows
+        itself (`fc_input`), else they are looked up here."""
         if self.mesh is None:
-            self.head(emb, hidden, pos0, self.state, rows=False)
+            ew = getattr(self.trunk, "embed_weight", None)
+            if isinstance(ew, torch.Tensor) and head_fused.catchup_enabled(hidden):
+                self.head(None, hidden, pos0, self.state, rows=False, ids=toks, embed_weight=ew)
+            else:
+                self.head(self.trunk.embed(toks), hidden, pos0, self.state, rows=False)
             return
         from ..parallel.mtp import PREFILL
+        emb = self.trunk.embed(toks)
         self.trunk.draft_rounds(PREFILL, emb.shape[0], pos0, now=True)
         self.mesh.prefill(emb, hidden, emb.shape[0], pos0)
 
