@@ -163,6 +163,9 @@ class MtpDrafter:
         self._pos0 = 0                             # position of the first pending row
         self._pre = None                           # ((k, pos), drafts) queued by `prepare`
         self.ahead = True                          # `prepare` queues the next chain (off: after the read)
+        # a queued chain of more drafts than asked serves a shorter cycle with its first k (off: it is
+        # dropped, and the pending rows are caught up in prefill mode before a new chain)
+        self.prefix = True
         self._graphs_sharded = False               # the pick mode the captured greedy chains hold
         if trunk.graphs_enabled:
             from .graphs import DraftGraphs
@@ -242,11 +245,13 @@ class MtpDrafter:
         if not sp.greedy or self._sharded or self.mesh is not None:
             pen = None                             # sampled drafts, a mesh's and sharded picks stay unpenalised
         pre, self._pre = self._pre, None
-        if (pre is not None and pre[0] == (k, self._pos0, penalty_key(pen, sp)) and sp.greedy
-                and len(self._hidden) == 1):
-            # queued by `prepare` over exactly these pending rows (this k, this position): the same chain
+        if (pre is not None and (pre[0][0] == k or (self.prefix and pre[0][0] > k))
+                and pre[0][1:] == (self._pos0, penalty_key(pen, sp)) and sp.greedy and len(self._hidden) == 1):
+            # queued by `prepare` over exactly these pending rows (this position): the same chain; one
+            # queued for more drafts (a request's last, shorter cycle) gives its first k, those of a
+            # k-draft chain (`prefix`: each step sees only the steps before it)
             self._hidden, self._tokens, self._pos0 = [], [], self._pos0 + self._hidden[0].shape[0]
-            return pre[1], None
+            return (pre[1] if pre[0][0] == k else pre[1][:k]), None
         hidden = self._hidden[0] if len(self._hidden) == 1 else torch.cat(self._hidden)
         toks = self._tokens[0] if len(self._tokens) == 1 else torch.cat(self._tokens)
         pos0, m = self._pos0, hidden.shape[0]
