@@ -15,7 +15,9 @@ every logit ties, greedy picks token 0, every draft accepted), loaded with `draf
    included), the host's time to return from the call (its launches), and the wall time to the
    end of the device work; medians and minima. The head's KV rows after it, compared across the
    modes (bitwise, and the largest difference).
-2. End to end through `LLM.generate` per mode: AR and MTP k=3 at --tokens and --long new tokens
+2. End to end through `LLM.generate` per --e2e-modes entry (main: both changes off; fused: the
+   catch-up's kernels; fused_prefix: and `MtpDrafter.prefix`, a request's shorter last cycle
+   taking the first drafts of the chain queued for k): AR and MTP k=3 at --tokens and --long new tokens
    (median of --e2e-reps at --tokens), cycle / AR, MTP == AR, time to the first token; whether
    the catch-up's device work had ended when the decode clock started (an event recorded after
    `begin`, queried at the drafter's first commit); per-cycle host intervals of one MTP run.
@@ -45,6 +47,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 from tp import CEILING, Log, _time_graph, md5, smoke_shapes  # noqa: E402
 
 MODES = (("unfused", False), ("fused", True))
+# end to end: (the catch-up's fused kernels, MtpDrafter.prefix: a shorter last cycle takes the first
+# drafts of the chain queued for k); "main" is the path before both
+E2E_MODES = {"main": (False, False), "fused": (True, False), "fused_prefix": (True, True),
+             "prefix": (False, True)}
 
 
 def _sync(cuda: bool) -> None:
@@ -118,7 +124,7 @@ def graph_begin(llm, prompt, on: bool) -> float:
         head_fused.set_catchup(None)
 
 
-def e2e(llm, ids, on: bool, tokens: int, long: int, reps: int, cuda: bool, nbytes) -> dict:
+def e2e(llm, ids, on: bool, prefix: bool, tokens: int, long: int, reps: int, cuda: bool, nbytes) -> dict:
     from specfire import SamplingParams, SpecPolicy
     from specfire.ops import head_fused
 
@@ -143,6 +149,7 @@ def e2e(llm, ids, on: bool, tokens: int, long: int, reps: int, cuda: bool, nbyte
 
     head_fused.set_catchup(on)
     mtp.begin, mtp.commit = begin, commit
+    mtp.prefix = prefix
     try:
         sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
         llm.generate(ids, SamplingParams(max_tokens=8, ignore_eos=True), spec=pol)
@@ -189,6 +196,7 @@ def e2e(llm, ids, on: bool, tokens: int, long: int, reps: int, cuda: bool, nbyte
         return row
     finally:
         head_fused.set_catchup(None)
+        mtp.prefix = True
         del mtp.begin, mtp.commit
 
 
@@ -277,6 +285,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--long", type=int, default=160)
     ap.add_argument("--e2e-reps", type=int, default=3)
+    ap.add_argument("--e2e-modes", default="main,fused,fused_prefix", help=f"of {', '.join(E2E_MODES)}")
     ap.add_argument("--stages", default="time,graph,e2e,profile")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip a stage that would start past this")
     ap.add_argument("--commit", default=None)
@@ -284,6 +293,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shape: the flow, no timings worth keeping")
     args = ap.parse_args()
     stages = set(args.stages.split(","))
+    for m in args.e2e_modes.split(","):
+        if m not in E2E_MODES:
+            raise SystemExit(f"--e2e-modes: unknown {m!r} (known: {', '.join(E2E_MODES)})")
     bad = stages - {"time", "graph", "e2e", "profile"}
     if bad:
         raise SystemExit(f"--stages: unknown {sorted(bad)} (known: time, graph, e2e, profile)")
@@ -355,11 +367,13 @@ def run(path: str, args, stages: set, device: str, log: Log, t_end: float, nbyte
                 k_max_diff=float((ku.float() - kf.float()).abs().max()),
                 v_max_diff=float((vu.float() - vf.float()).abs().max()))
         if "e2e" in stages:
-            for name, on in MODES:
+            for name in args.e2e_modes.split(","):
+                on, prefix = E2E_MODES[name]
                 if not left(f"e2e {name}", 12):
                     continue
                 try:
-                    log("e2e", mode=name, **e2e(llm, ids, on, args.tokens, args.long, args.e2e_reps, cuda, nb))
+                    log("e2e", mode=name, catchup_fused=on, prefix=prefix,
+                        **e2e(llm, ids, on, prefix, args.tokens, args.long, args.e2e_reps, cuda, nb))
                 except Exception as e:
                     import traceback
                     log("error", what=f"e2e {name}", error=repr(e), tb=traceback.format_exc()[-1500:])
