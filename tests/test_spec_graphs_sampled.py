@@ -120,3 +120,43 @@ def test_greedy_mtp_with_graphed_chain_equals_ar(bundled):
     sp = SamplingParams(max_tokens=24, ignore_eos=True)
     ar = bundled.generate("def add(a, b):\n    return", sp, spec="off").token_ids
     assert _run(bundled, True, sp)[0] == ar
+
+
+def test_shorter_last_cycle_takes_the_queued_chains_first_drafts(bundled):
+    """A request's last cycle drafts fewer than k when few tokens are left: with `prefix` on it
+    takes the first drafts of the chain queued after the previous verify (the same drafts a
+    shorter chain gives: each step sees only the steps before it) instead of dropping it and
+    catching its pending rows up in prefill mode; greedy MTP == AR either way, at every length
+    tried, and the drafts it proposes are those of the chain queued for them."""
+    d = bundled.engine.drafters["mtp"]
+    prompt = "def add(a, b):\n    return"
+    catchups, reused = {}, {}
+    real_prefill, real_propose = d._prefill, d.propose
+
+    def prefill(toks, hidden, pos0):
+        if pos0 > 0:                                   # a propose's catch-up (the prompt's starts at 0)
+            catchups[mode] += 1
+        return real_prefill(toks, hidden, pos0)
+
+    def propose(last, pos, k, sp, gen, *a):
+        pre = d._pre
+        out, q = real_propose(last, pos, k, sp, gen, *a)
+        if pre is not None and pre[0][0] > k and out.data_ptr() == pre[1].data_ptr():   # the queued chain's own drafts
+            reused[mode] += 1
+            assert torch.equal(out, pre[1][:k]) and out.shape[0] == k
+        return out, q
+
+    d._prefill, d.propose = prefill, propose
+    try:
+        for mode in (False, True):
+            catchups[mode] = reused[mode] = 0
+            d.prefix = mode
+            for n in range(9, 17):
+                sp = SamplingParams(max_tokens=n, ignore_eos=True)
+                ar = bundled.generate(prompt, sp, spec="off").token_ids
+                assert _run(bundled, True, sp)[0] == ar, (mode, n)
+    finally:
+        d.prefix = True
+        del d._prefill, d.propose
+    assert reused[False] == 0 and reused[True] > 0, reused
+    assert catchups[True] < catchups[False], catchups

@@ -182,16 +182,22 @@ class GatedAttention(nn.Module):
         d = self.head_dim
         qg, k, v = project(x, rows, self, self.q_proj, self.k_proj, self.v_proj)
         qg = qg.view(t, self.n_heads, 2 * d)                              # [T, Hq, 2D]
-        if rows and lc.k_scale is None and fusion.enabled(x):          # GPU: ops/attn_fused.py
+        table = isinstance(cos_sin, head_fused.RopeTable)
+        # GPU: ops/attn_fused.py; in prefill mode only where the caller handed a rotary table
+        # (the MTP head's prompt catch-up, MtpHead._forward), never the trunk's prefill
+        if (rows or table) and lc.k_scale is None and fusion.enabled(x):
             from ..ops import attn_fused as af
             q = af.qk_norm_rope_write_triton(qg, k.view(t, self.n_kv, d), v.view(t, self.n_kv, d),
                                              self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                             *cos_sin, lc.k, lc.v, pos0,
-                                             table=isinstance(cos_sin, head_fused.RopeTable))
-            o = attn_ops.attention_rows(q, lc.k, lc.v, pos0, self.scale)
+                                             *cos_sin, lc.k, lc.v, pos0, table=table)
+            if rows:
+                o = attn_ops.attention_rows(q, lc.k, lc.v, pos0, self.scale)
+            else:
+                o = attn_ops.attention_prefill(q, lc.k, lc.v, pos0, self.scale,
+                                               q_block=_canon_block(self.whole_heads))
             return self.o_proj(af.out_gate_triton(o, qg), rows)
-        if isinstance(cos_sin, head_fused.RopeTable):
-            raise ValueError("GatedAttention: a rotary table is read by the fused rows kernel only")
+        if table:
+            raise ValueError("GatedAttention: a rotary table is read by the fused q/k kernel only")
         q, gate = qg[..., :d], qg[..., d:]
         q = rowwise(self.q_norm, rows, q, batch=one_cpu(x))
         k = rowwise(self.k_norm, rows, k.view(t, self.n_kv, d), batch=one_cpu(x))
@@ -419,6 +425,9 @@ class MtpHead(nn.Module):
                  embed_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         lc = state.layers[0]
         fused = rows and head_fused.enabled(hidden) and not lanes.invariant_now()
+        # the prompt catch-up (prefill mode): the rows step's kernels around the GEMMs
+        # (ops/head_fused.py catchup_enabled), fewer launches, the same values
+        fused = fused or (not rows and head_fused.catchup_enabled(hidden) and not lanes.invariant_now())
         if emb is None and not (fused and isinstance(embed_weight, torch.Tensor)
                                 and embed_weight.dtype == hidden.dtype):
             emb, ids = F.embedding(ids, embed_weight), None

@@ -56,6 +56,27 @@ def enabled(x: torch.Tensor) -> bool:
     return x.is_cuda and os.environ.get("SPECFIRE_CHAIN_FUSE", "1") != "0"
 
 
+_catchup_forced: bool | None = None
+
+
+def set_catchup(on: bool | None) -> None:
+    """True / False force the prompt catch-up's fused kernels on or off (any device); None: the
+    default rule (`catchup_enabled`)."""
+    global _catchup_forced
+    _catchup_forced = on
+
+
+def catchup_enabled(x: torch.Tensor) -> bool:
+    """Whether the head's prefill-mode forward (the prompt catch-up, runtime/drafters.py
+    MtpDrafter.begin) takes the kernels of the fused rows step around its GEMMs: `fc_input`
+    (gather, both norms, cat), the rotary table with the fused q/k norm + rotary + KV write, and
+    the fused output gate (ops/attn_fused.py). CUDA and SPECFIRE_CATCHUP_FUSE not 0 (read at each
+    call: a bench can A/B in one process); `set_catchup` overrides it."""
+    if _catchup_forced is not None:
+        return _catchup_forced
+    return x.is_cuda and os.environ.get("SPECFIRE_CATCHUP_FUSE", "1") != "0"
+
+
 def pick_on() -> bool:
     """With the fused step on, whether a greedy chain also picks through `pick` / `select`
     (SPECFIRE_CHAIN_PICK, default on; 0: torch's argmax, index_select and position adds)."""

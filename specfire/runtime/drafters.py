@@ -163,6 +163,9 @@ class MtpDrafter:
         self._pos0 = 0                             # position of the first pending row
         self._pre = None                           # ((k, pos), drafts) queued by `prepare`
         self.ahead = True                          # `prepare` queues the next chain (off: after the read)
+        # a queued chain of more drafts than asked serves a shorter cycle with its first k (off: it is
+        # dropped, and the pending rows are caught up in prefill mode before a new chain)
+        self.prefix = True
         self._graphs_sharded = False               # the pick mode the captured greedy chains hold
         if trunk.graphs_enabled:
             from .graphs import DraftGraphs
@@ -228,7 +231,7 @@ class MtpDrafter:
     def begin(self, prompt: torch.Tensor, hidden: torch.Tensor) -> None:
         t = prompt.shape[0]
         if t > 1:  # rows 0..t-2: (h_p, x_{p+1})
-            self._prefill(self.trunk.embed(prompt[1:]), hidden[:-1], 0)
+            self._prefill(prompt[1:], hidden[:-1], 0)
         self._hidden, self._tokens, self._pos0 = [hidden[-1:]], [], t - 1
         self._pre = None
 
@@ -242,17 +245,19 @@ class MtpDrafter:
         if not sp.greedy or self._sharded or self.mesh is not None:
             pen = None                             # sampled drafts, a mesh's and sharded picks stay unpenalised
         pre, self._pre = self._pre, None
-        if (pre is not None and pre[0] == (k, self._pos0, penalty_key(pen, sp)) and sp.greedy
-                and len(self._hidden) == 1):
-            # queued by `prepare` over exactly these pending rows (this k, this position): the same chain
+        if (pre is not None and (pre[0][0] == k or (self.prefix and pre[0][0] > k))
+                and pre[0][1:] == (self._pos0, penalty_key(pen, sp)) and sp.greedy and len(self._hidden) == 1):
+            # queued by `prepare` over exactly these pending rows (this position): the same chain; one
+            # queued for more drafts (a request's last, shorter cycle) gives its first k, those of a
+            # k-draft chain (`prefix`: each step sees only the steps before it)
             self._hidden, self._tokens, self._pos0 = [], [], self._pos0 + self._hidden[0].shape[0]
-            return pre[1], None
+            return (pre[1] if pre[0][0] == k else pre[1][:k]), None
         hidden = self._hidden[0] if len(self._hidden) == 1 else torch.cat(self._hidden)
         toks = self._tokens[0] if len(self._tokens) == 1 else torch.cat(self._tokens)
         pos0, m = self._pos0, hidden.shape[0]
         if m > k + 1:  # rows piled up while other routes ran: catch up all but the last in one prefill-mode
             # forward, so the draft graphs only ever see the pending-row counts an MTP cycle leaves (1..k+1)
-            self._prefill(self.trunk.embed(toks[:-1]), hidden[:-1], pos0)
+            self._prefill(toks[:-1], hidden[:-1], pos0)
             pos0, hidden, toks = pos0 + m - 1, hidden[-1:], toks[-1:]
         self._hidden, self._tokens, self._pos0 = [], [], self._pos0 + m
         if self.mesh is not None:                  # every rank runs the chain: tell them first
@@ -268,12 +273,20 @@ class MtpDrafter:
             self.trunk.draft_rounds(k, 1, 0)
         return self._chain_for(toks, hidden, pos0, k, sp, gen, pen)
 
-    def _prefill(self, emb: torch.Tensor, hidden: torch.Tensor, pos0: int) -> None:
-        """The head over rows in prefill mode (on every rank of a mesh holding its shards)."""
+    def _prefill(self, toks: torch.Tensor, hidden: torch.Tensor, pos0: int) -> None:
+        """The head over rows in prefill mode (on every rank of a mesh holding its shards): hidden
+        [m, H] at positions pos0.., toks [m] the tokens after them. One device with the catch-up's
+        fused kernels on (ops/head_fused.py catchup_enabled): the head gathers the embedding rows
+        itself (`fc_input`), else they are looked up here."""
         if self.mesh is None:
-            self.head(emb, hidden, pos0, self.state, rows=False)
+            ew = getattr(self.trunk, "embed_weight", None)
+            if isinstance(ew, torch.Tensor) and head_fused.catchup_enabled(hidden):
+                self.head(None, hidden, pos0, self.state, rows=False, ids=toks, embed_weight=ew)
+            else:
+                self.head(self.trunk.embed(toks), hidden, pos0, self.state, rows=False)
             return
         from ..parallel.mtp import PREFILL
+        emb = self.trunk.embed(toks)
         self.trunk.draft_rounds(PREFILL, emb.shape[0], pos0, now=True)
         self.mesh.prefill(emb, hidden, emb.shape[0], pos0)
 

@@ -9,6 +9,7 @@ import torch
 
 from specfire.ops import head_fused, xsum
 from specfire.ops import triton_small as ts
+from specfire.ops import attn_fused as af
 from specfire.ops.attn_fused import qk_norm_rope_write_triton
 from specfire.ops.rope import rope_cos_sin
 
@@ -146,6 +147,75 @@ def test_head_rows_step_fused_equals_unfused(monkeypatch):
         head(embed[ids[:1]], hid[:1], 2, st, rows=True, ids=ids[:1], embed_weight=embed)
 
 
+@pytest.mark.parametrize("t,pos0", [(7, 0), (5, 3)])
+def test_head_prompt_catchup_fused_equals_unfused(t, pos0, monkeypatch):
+    """MtpHead's prefill-mode forward (the prompt catch-up) with the catch-up's kernels forced on
+    (ids + embedding through fc_input, the rotary table, the fused q/k kernel, the fused output
+    gate around the prefill attention) gives the unfused prefill path's outputs and KV rows, at an
+    odd row count and a later start; the head's next rows step reads them alike."""
+    from specfire.config import ModelConfig
+    from specfire.model.qwen35 import MtpHead
+    from specfire.ops import fusion
+
+    cfg = ModelConfig(vocab_size=40, hidden_size=64, intermediate_size=48, num_hidden_layers=1,
+                      layer_types=("full_attention",), num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2,
+                      linear_key_head_dim=8, linear_value_head_dim=8, partial_rotary_factor=0.5)
+    torch.manual_seed(1)
+    head = MtpHead(cfg)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape) * (0.1 if p.dim() == 1 else p.shape[-1] ** -0.5))
+    embed = torch.randn(40, 64)
+    ids, hid = torch.randint(0, 40, (t + 1,)), torch.randn(t + 1, 64)
+    head_fused._TABLES.clear()
+    calls = []
+    real_fc, real_gate = head_fused.fc_input, af.out_gate_triton
+    monkeypatch.setattr(head_fused, "fc_input", lambda *a: calls.append("fc") or real_fc(*a))
+    monkeypatch.setattr(af, "out_gate_triton", lambda *a: calls.append("gate") or real_gate(*a))
+    monkeypatch.setattr(fusion, "enabled", lambda x: True)    # the fused attention kernels, interpreted
+    outs = []
+    for on in (False, True):
+        head_fused.set_catchup(on)
+        head_fused.set_enabled(False)        # the rows step below: the unfused one both times
+        try:
+            st = head.new_state(16, torch.float32)
+            if pos0:                          # earlier KV rows, as a later catch-up finds them
+                head(embed[ids[:pos0]], hid[:pos0], 0, st, rows=False)
+            a = head(None, hid[pos0:t], pos0, st, rows=False, ids=ids[pos0:t], embed_weight=embed)
+            b = head(embed[ids[t:]], a[1][-1:], t, st, rows=True)
+            outs.append((*a, *b, st.layers[0].k[:t + 1].clone(), st.layers[0].v[:t + 1].clone()))
+        finally:
+            head_fused.set_catchup(None)
+            head_fused.set_enabled(None)
+        if not on:
+            assert not calls, "the catch-up took the fused kernels while switched off"
+    assert "fc" in calls and "gate" in calls, f"the fused catch-up did not run its kernels: {calls}"
+    assert head_fused._TABLES, "the fused catch-up built no rotary table"
+    for x, y in zip(*outs):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_trunk_prefill_never_takes_the_catchup_kernels(monkeypatch):
+    """A rotary table in prefill mode is the head's catch-up alone: the trunk's prefill keeps its
+    own path (its attention layers see cos / sin, not a table), and a table given to a layer
+    whose fused kernels are off is refused."""
+    from specfire.config import ModelConfig
+    from specfire.model.qwen35 import GatedAttention, SequenceState
+    from specfire.ops import fusion
+
+    cfg = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                      layer_types=("full_attention",), num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2,
+                      linear_key_head_dim=8, linear_value_head_dim=8)
+    attn = GatedAttention(cfg)
+    st = SequenceState.allocate(cfg, ("full_attention",), 8, torch.device("cpu"), torch.float32)
+    table = head_fused.RopeTable(rope_cos_sin(torch.arange(8), cfg.rotary_dim, cfg.rope_theta))
+    monkeypatch.setattr(fusion, "enabled", lambda x: False)
+    with pytest.raises(ValueError, match="rotary table"):
+        attn(torch.randn(3, 32), 0, table, st.layers[0], rows=False)
+
+
 @pytest.mark.parametrize("attn_fused", [False, True])
 def test_greedy_mtp_with_the_fused_head_step_equals_ar(ckpt_cache, attn_fused, monkeypatch):
     """The drafter's wiring (the trunk's embedding handed to the head, the unwidened lm_head
@@ -181,13 +251,18 @@ def test_greedy_mtp_with_the_fused_head_step_equals_ar(ckpt_cache, attn_fused, m
         monkeypatch.setattr(head_fused, "fc_input", lambda *a: calls.append(1) or real_fc(*a))
         head_fused.set_enabled(True)
         try:
-            if attn_fused:       # the trunk's fused kernels too (interpreted): only the head reads the table
-                monkeypatch.setattr(fusion, "enabled", lambda x: True)
+            if attn_fused:       # the trunk's fused kernels too (interpreted): only the head reads the table;
+                monkeypatch.setattr(fusion, "enabled", lambda x: True)   # and the prompt catch-up's kernels
+                head_fused.set_catchup(True)
+                monkeypatch.setattr(head_fused, "fc_input", lambda *a: calls.append(a[0].shape[0]) or real_fc(*a))
             eager, graphed = run(False), run(True)
         finally:
             head_fused.set_enabled(None)
+            head_fused.set_catchup(None)
     assert base[0] == ar and base[1] > 0
     assert calls, "the fused head step never ran"
+    if attn_fused:
+        assert max(calls) > 3, "the prompt catch-up never took the fused kernels"
     for out, acc, drafts in (eager, graphed):
         assert out == ar
         assert drafts == base[2] and acc == base[1]
