@@ -37,7 +37,8 @@ Per variant (switched in the process, the captured graphs dropped where a switch
              (ops/head_fused.py, SPECFIRE_CHAIN_FUSE; only the chain's graphs recaptured on a
              switch); chain1np: on without the fused greedy pick / row select (SPECFIRE_CHAIN_PICK=0).
              The profile then also lists the chain graph's kernels one by one.
-  eighth     the eighth wave's path (gdn32w2p, q4off, chain0 together): the ninth wave's baseline.
+  eighth     the eighth wave's path (gdn32w2p, q4off, chain0 together, the head's prompt catch-up
+             unfused and no queued-chain prefix for a shorter last cycle): the ninth wave's baseline.
   fold / nofold  gdn32w2p with the 4-bit GEMVs' sum(x) folded into the kernels that write their
              inputs (ops/xsum.py, the pairwise tree) / made by the GEMV's own launch
              (SPECFIRE_XSUM_FOLD=1 / 0; the trunk's and the MTP chain's graphs recaptured on a
@@ -115,7 +116,7 @@ VARIANTS = {
     "chain1np": dict(gdn=(32, 2), pipe=True, chain="1", pick="0"),     # without the fused pick / select
     # the eighth wave's whole path (main before the ninth wave's three changes): the pipelined loop, the
     # 4-bit GEMV's switches off, the unfused chain
-    "eighth": dict(gdn=(32, 2), pipe=True, q4=(False, False, False), chain="0"),
+    "eighth": dict(gdn=(32, 2), pipe=True, q4=(False, False, False), chain="0", catchup=False),
 }
 MERGED_CHECK = ((32, 2), (16, 1), (16, 2), (8, 1), (None, 4))   # merged forms the kernel check runs
 Q4_MTILES: dict = {}        # --q4-mtiles: (N, K, M) -> (block_n, num_warps, num_stages)
@@ -275,6 +276,10 @@ def apply(llm, name: str, current: dict) -> None:
     mtp = llm.engine.drafters.get("mtp")
     if (fold_changed or chain_changed) and mtp is not None and mtp.graphs is not None:
         mtp.graphs.clear()                                              # the chain's GEMVs / head step too
+    from specfire.ops import head_fused
+    head_fused.set_catchup(None if v.get("catchup", True) else False)   # the head's prompt catch-up kernels
+    if mtp is not None:
+        mtp.prefix = v.get("catchup", True)             # a shorter last cycle takes the queued chain's drafts
     current.clear()
     current.update(v)
 
