@@ -220,7 +220,9 @@ class TestMeshOfTwo:
 
     def test_penalties_on_mesh_equal_ar(self, base):
         """Penalties are applied on rank 0 to the gathered verify rows: greedy AR, MTP and n-gram on
-        the mesh equal one device's AR with each penalty (and the penalty changes the output)."""
+        the mesh equal one device's AR with each penalty (and the penalty changes the output). One
+        MTP k: this random model accepts almost no draft, so every k re-checks rank 0's penalised
+        row 0 (the rows' arithmetic at each k, with drafts accepted, is test_penalties.py's)."""
         one, mesh = base
         ids = prompt(one.cfg.vocab_size, 30, seed=6)
         plain = one.generate(ids, SamplingParams(max_tokens=40), spec="off").token_ids
@@ -229,7 +231,7 @@ class TestMeshOfTwo:
             ar = one.generate(ids, sp, spec="off").token_ids
             assert ar != plain
             assert mesh.generate(ids, sp, spec="off").token_ids == ar
-            for k in (1, 3, 5):
+            for k in (3,):
                 r = mesh.generate(ids, sp, spec=SpecPolicy("mtp", k=k))
                 assert r.stats["route"] == "mtp" and r.stats["drafted"] > 0 and "penalties" in r.stats["route_reason"]
                 assert r.token_ids == ar, (kw, k)
