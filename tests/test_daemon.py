@@ -87,14 +87,6 @@ def _bad(d: Pipe, line, cls: str, word: str, mid=None):
     assert d.recv() == {"type": "pong", "id": "alive"}
 
 
-def test_ping_and_generate_before_load():
-    daemon = Pipe()
-    daemon.send({"type": "ping", "id": 1})
-    assert daemon.recv() == {"type": "pong", "id": 1}
-    _bad(daemon, {"type": "generate", "id": "g0", "attempt_id": 0, "prompt": "hi"}, "not_loaded", "load", "g0")
-    daemon.close()
-
-
 def test_load(daemon, ckpt):
     _bad(daemon, {"type": "load", "id": "l0", "model": "/nonexistent/model"}, "load_error", "nonexistent", "l0")
     _bad(daemon, {"type": "load", "id": "l1", "model": ckpt, "params": {"bogus": 1}}, "invalid_request", "bogus", "l1")
@@ -183,8 +175,15 @@ def test_bad_lines(loaded, line, cls, word):
     _bad(daemon, line, cls, word, mid)
 
 
-def test_unload_then_exit(ckpt):
-    daemon = Pipe("--model", ckpt)
+def test_ping_and_generate_before_load_then_unload_then_exit(ckpt):
+    """One daemon's life: answers before any model is loaded, a generate then is not_loaded; load,
+    unload, not_loaded again; the end of its input ends it with status 0. (A model loaded at
+    start-up by --model: test_end_of_input_stops_the_generation.)"""
+    daemon = Pipe()
+    daemon.send({"type": "ping", "id": 1})
+    assert daemon.recv() == {"type": "pong", "id": 1}
+    _bad(daemon, {"type": "generate", "id": "g0", "attempt_id": 0, "prompt": "hi"}, "not_loaded", "load", "g0")
+    daemon.send({"type": "load", "id": "l", "model": ckpt})
     assert daemon.recv()["type"] == "loaded"
     daemon.send({"type": "unload", "id": "u"})
     assert daemon.recv() == {"type": "unloaded", "id": "u", "was_loaded": True}

@@ -169,9 +169,24 @@ def test_sampled_mtp_with_draft_vocab_matches_ar_distribution(tiny_vocab, monkey
 
 # ---- the tensor-parallel mesh (gloo, 2 ranks) ------------------------------------------------------
 
+@pytest.fixture(scope="module")
+def canonical_ar(fitted) -> list[list[int]]:
+    """One device's greedy AR outputs of the fitted prompts in the canonical mode (what a mesh
+    reproduces), computed once for the mesh cases."""
+    from specfire.ops import splitk
+
+    splitk.set_enabled(True)
+    try:
+        with LLM(fitted, device="cpu", progress=False) as one:
+            return [one.generate(p, SamplingParams(max_tokens=24, ignore_eos=True), spec="off").token_ids
+                    for p in specfit.prompts(3, seed=7)]
+    finally:
+        splitk.set_enabled(None)
+
+
 @pytest.mark.parametrize("n,head", [(ALPHA_MIN, False), (69, False), (69, True)],
                          ids=["inside_rank0", "both_ranks", "sharded_head"])
-def test_mesh_draft_vocab_equals_ar(fitted, monkeypatch, n, head):
+def test_mesh_draft_vocab_equals_ar(fitted, canonical_ar, monkeypatch, n, head):
     """Greedy MTP on tp2 with sharded picks: N = 14 lies in rank 0's shard (66 rows) and needs no pick
     collective (the trunk does not shard the picks); N = 69 has rank 1 score its rows 66..68 only
     (alphabet ids 81..119 lie in its shard past N: a rank scoring its whole shard would draft them),
@@ -182,10 +197,8 @@ def test_mesh_draft_vocab_equals_ar(fitted, monkeypatch, n, head):
     if head:
         monkeypatch.setenv("SPECFIRE_TP_MTP", "shard")
     splitk.set_enabled(True)
+    ar = canonical_ar
     try:
-        with LLM(fitted, device="cpu", progress=False) as one:
-            ar = [one.generate(p, SamplingParams(max_tokens=24, ignore_eos=True), spec="off").token_ids
-                  for p in specfit.prompts(3, seed=7)]
         with LLM(fitted, tp=2, device="cpu", progress=False, draft_vocab=n) as mesh:
             trunk = mesh.engine.trunk
             assert trunk.draft_sharded == (n > trunk._local.model.plan.vocab_shard)

@@ -191,28 +191,8 @@ def test_info_lists_valid_degrees(ckpt_cache):
 
 # ---- numerics: the mesh equals one device ---------------------------------------------------------
 
-@pytest.mark.parametrize("name,tp", [("tp4", 4), ("kv1", 2)])
-def test_score_and_greedy_match_one_device(ckpt_cache, canonical, name, tp):
-    """Odd vocabularies (padded), replicated KV heads (2 KV heads on 4 ranks, 1 on 2), tied and
-    untied embeddings, uneven MLP rows. Each mesh is opened and closed; none may leave a process
-    behind."""
-    path = ckpt(ckpt_cache, name)
-    before = children()
-    with LLM(path, tp=1, device="cpu", progress=False) as one:
-        ids = prompt(one.cfg.vocab_size, 40, seed=tp)
-        ref = one.score(ids)
-        ar = one.generate(ids, GREEDY, spec="off").token_ids
-    with LLM(path, tp=tp, device="cpu", progress=False) as mesh:
-        pids = mesh.engine.trunk.worker_pids
-        assert len(pids) == tp - 1
-        got = mesh.score(ids)
-        assert got.shape == ref.shape == (len(ids), one.cfg.vocab_size)
-        assert rel_err(got, ref) < 1e-5
-        assert mesh.generate(ids, GREEDY, spec="off").token_ids == ar
-        assert mesh.generate(ids, GREEDY, spec=SpecPolicy("mtp", k=3)).token_ids == ar
-    assert wait_gone(pids, 10.0)
-    assert children() == before
-
+# One device's logits and tokens on the tp4 and kv1 configs at every degree, bit for bit (canonical
+# mode), with the workers counted and gone after close: tests/kernels/test_tp_invariance.py.
 
 class TestMeshOfTwo:
     """Checks sharing one 2-rank mesh of the base config (closed when the class is done)."""
@@ -240,7 +220,9 @@ class TestMeshOfTwo:
 
     def test_penalties_on_mesh_equal_ar(self, base):
         """Penalties are applied on rank 0 to the gathered verify rows: greedy AR, MTP and n-gram on
-        the mesh equal one device's AR with each penalty (and the penalty changes the output)."""
+        the mesh equal one device's AR with each penalty (and the penalty changes the output). One
+        MTP k: this random model accepts almost no draft, so every k re-checks rank 0's penalised
+        row 0 (the rows' arithmetic at each k, with drafts accepted, is test_penalties.py's)."""
         one, mesh = base
         ids = prompt(one.cfg.vocab_size, 30, seed=6)
         plain = one.generate(ids, SamplingParams(max_tokens=40), spec="off").token_ids
@@ -249,7 +231,7 @@ class TestMeshOfTwo:
             ar = one.generate(ids, sp, spec="off").token_ids
             assert ar != plain
             assert mesh.generate(ids, sp, spec="off").token_ids == ar
-            for k in (1, 3, 5):
+            for k in (3,):
                 r = mesh.generate(ids, sp, spec=SpecPolicy("mtp", k=k))
                 assert r.stats["route"] == "mtp" and r.stats["drafted"] > 0 and "penalties" in r.stats["route_reason"]
                 assert r.token_ids == ar, (kw, k)

@@ -5,6 +5,7 @@ the launchers pass the PDL constexpr and the launch option together, and nothing
 and the captured graph's programmatic edges; bench/pdl_compile.py compiles them for sm_90.)"""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -63,13 +64,36 @@ def test_this_triton_has_the_launch_option():
     assert pdl._has_launch_option() == pdl.HAVE_GDC
 
 
-@pytest.mark.parametrize("env, enabled, order", [({}, True, 1), ({"SPECFIRE_PDL": "0"}, False, 1),
-                                                 ({"SPECFIRE_PDL_EARLY": "1"}, True, 2)])
-def test_environment_switches(env, enabled, order):
-    code = "from specfire.ops import pdl; print(pdl.ENABLED, pdl.ORDER)"
+ENV_CASES = [({}, True, 1), ({"SPECFIRE_PDL": "0"}, False, 1), ({"SPECFIRE_PDL_EARLY": "1"}, True, 2)]
+
+
+@pytest.fixture(scope="module")
+def env_switches() -> list[list[str]]:
+    """(ENABLED, ORDER) as the module reads them at import under each case's environment, in one
+    fresh interpreter (not this one, which imported it interpreted): the case's variables set,
+    then the module imported anew (importlib.reload runs its top level again)."""
+    code = """if True:
+        import importlib, json, os, sys
+        out = []
+        for env in json.loads(sys.argv[1]):
+            for k in ("SPECFIRE_PDL", "SPECFIRE_PDL_EARLY"):
+                os.environ.pop(k, None)
+            os.environ.update(env)
+            import specfire.ops.pdl as pdl
+            pdl = importlib.reload(pdl)
+            out.append([str(pdl.ENABLED), str(pdl.ORDER)])
+        print(json.dumps(out))
+    """
     e = {k: v for k, v in os.environ.items() if k not in ("SPECFIRE_PDL", "SPECFIRE_PDL_EARLY", "TRITON_INTERPRET")}
-    out = subprocess.run([sys.executable, "-c", code], env={**e, **env}, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == [str(enabled), str(order)]
+    out = subprocess.run([sys.executable, "-c", code, json.dumps([env for env, _, _ in ENV_CASES])], env=e,
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("case", range(len(ENV_CASES)), ids=["default", "pdl_off", "early"])
+def test_environment_switches(env_switches, case):
+    _, enabled, order = ENV_CASES[case]
+    assert env_switches[case] == [str(enabled), str(order)]
 
 
 class Recorder:

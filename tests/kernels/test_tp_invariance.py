@@ -206,6 +206,11 @@ CASES = [  # (config, degrees): KV heads replicated (2 on 4 ranks), odd vocabula
 
 @pytest.mark.parametrize("name,degrees", CASES)
 def test_mesh_bits_equal_one_device(ckpt_cache, canonical, name, degrees):
+    """Odd vocabularies (padded), replicated KV heads (2 KV heads on 4 ranks, 1 on 2), tied and
+    untied embeddings, uneven MLP rows: every degree gives one device's logits bit for bit and its
+    tokens. Each mesh starts tp - 1 workers and leaves no process behind when closed."""
+    from test_tp import children, wait_gone
+
     path = str(ckpt_cache["root"] / f"tpinv-{name}")
     if path not in ckpt_cache["made"].values():
         ckpt_cache["made"][f"tpinv-{name}"] = make_checkpoint(path, name, seed=11)
@@ -218,12 +223,16 @@ def test_mesh_bits_equal_one_device(ckpt_cache, canonical, name, degrees):
         assert one.generate(ids, sp, spec=SpecPolicy("mtp", k=3)).token_ids == ar
         sampled = one.generate(ids, samp, spec="off").token_ids
     for tp in degrees:
+        before = children()
         with LLM(path, tp=tp, device="cpu", progress=False) as mesh:
+            pids = mesh.engine.trunk.worker_pids
+            assert len(pids) == tp - 1
             symm = mesh.engine.trunk._mesh.comm.symm         # the captured forward's collectives
             calls = []
             real_tree = symm.tree
             symm.tree = lambda x: calls.append(x.shape) or real_tree(x)
             got = mesh.score(ids)
+            assert got.shape == ref.shape == (len(ids), mesh.cfg.vocab_size)
             assert torch.equal(got, ref), f"tp={tp}: max diff {(got - ref).abs().max().item()}"
             assert mesh.generate(ids, sp, spec="off").token_ids == ar
             r = mesh.generate(ids, sp, spec=SpecPolicy("mtp", k=3))
@@ -239,6 +248,8 @@ def test_mesh_bits_equal_one_device(ckpt_cache, canonical, name, degrees):
             n_rows = 2 * mesh.cfg.num_hidden_layers
             assert len(calls) >= n_rows and len(calls) % n_rows == 0 and all(c[0] <= 5 for c in calls)
             assert symm.reserved == len(calls)       # each subtree written straight into the send buffer
+        assert wait_gone(pids, 10.0)
+        assert children() == before
 
 
 def test_four_bit_mesh_bits_equal_one_device(ckpt_cache, tmp_path, canonical):
