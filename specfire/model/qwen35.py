@@ -424,10 +424,9 @@ class MtpHead(nn.Module):
                  rows: bool, ids: torch.Tensor | None = None,
                  embed_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         lc = state.layers[0]
-        fused = rows and head_fused.enabled(hidden) and not lanes.invariant_now()
-        # the prompt catch-up (prefill mode): the rows step's kernels around the GEMMs
-        # (ops/head_fused.py catchup_enabled), fewer launches, the same values
-        fused = fused or (not rows and head_fused.catchup_enabled(hidden) and not lanes.invariant_now())
+        # a rows step (the draft chain), or the prompt catch-up in prefill mode: the fused step's
+        # kernels around the GEMMs (ops/head_fused.py), fewer launches, the same values
+        fused = not lanes.invariant_now() and (head_fused.enabled(hidden) if rows else head_fused.catchup_enabled(hidden))
         if emb is None and not (fused and isinstance(embed_weight, torch.Tensor)
                                 and embed_weight.dtype == hidden.dtype):
             emb, ids = F.embedding(ids, embed_weight), None

@@ -83,6 +83,10 @@ def pick_on() -> bool:
     return os.environ.get("SPECFIRE_CHAIN_PICK", "1") != "0"
 
 
+def _triton_here(x: torch.Tensor) -> bool:
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 # ---- the fc's input -------------------------------------------------------------------------
 
 def fc_input_ref(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor, we: torch.Tensor,
@@ -147,9 +151,7 @@ def fc_input_triton(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor
 
 
 def fc_input(ids, table, hidden, we, wh, eps_e, eps_h) -> torch.Tensor:
-    if hidden.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
-        return fc_input_triton(ids, table, hidden, we, wh, eps_e, eps_h)
-    return fc_input_ref(ids, table, hidden, we, wh, eps_e, eps_h)
+    return (fc_input_triton if _triton_here(hidden) else fc_input_ref)(ids, table, hidden, we, wh, eps_e, eps_h)
 
 
 # ---- the rotary table -----------------------------------------------------------------------
@@ -272,10 +274,6 @@ def select_triton(pre: torch.Tensor, post: torch.Tensor, n: torch.Tensor, pos):
                                            pre.stride(0), post.stride(0), BLOCK=blk, POS_PTR=pos_t,
                                            **pdl.kw(pre))
     return a, b, p
-
-
-def _triton_here(x: torch.Tensor) -> bool:
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 PICK_MAX = 65536     # columns one program scans (a draft vocabulary); past it torch's multi-block argmax
