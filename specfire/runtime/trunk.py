@@ -129,6 +129,8 @@ class LocalTrunk:
 
     @torch.inference_mode()
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        if self.draft_vocab is None:      # a mesh rank's sharded model takes no `vocab`
+            return self.model.logits(h, rows=True)
         return self.model.logits(h, rows=True, vocab=self.draft_vocab)
 
     @torch.inference_mode()
