@@ -1,0 +1,257 @@
+"""How fast can a launch of a 27B layer's size read its bytes at all? The 4-bit GEMV against a
+plain read of the same bytes, per launch shape (issue 12: the GEMV >= 80% of 4.17 TB/s target).
+
+    PYTHONPATH=$PWD python bench/q4_floor.py --out $OUT                        # GPU
+    BENCH_SMOKE=1 TRITON_INTERPRET=1 PYTHONPATH=$PWD python bench/q4_floor.py   # CPU, the flow
+
+Per launch shape of a 27B step (one weight of the launch's whole shape, random codes, group 128),
+every figure the same harness as bench/q4_rows4.py (CUDA-graph replay over copies rotated past L2,
+so a graph is up to 8 launches of the shape back to back, each launched with PDL like the model's):
+- read: a kernel that only reads the same number of bytes (int32 words, xor-folded, one word out
+  per program, PDL wait / release like the GEMV), best of a sweep of programs x block x warps:
+  what a launch of this size can stream on this GPU, the ceiling the GEMV's own % sits under;
+- empty: one program per SM that only waits (PDL) and stores a word: the per-launch floor;
+- the GEMV as the model launches it (its group sums handed along by the kernel that wrote x, so no
+  sum(x) launch: ops/xsum.py), at M = 1, 2, 4, 8 and 16, q4_config's settings (and at M = 1 with
+  its own sum(x) launch);
+- the GEMV with its split-K partials written but not combined (timing only: the output is not
+  made), which prices the combine (the atomic, the last program's partial reads, its store);
+- a chain of 8 GDN-like layers (qkv+z, out, gate+up, down, distinct weights) as the model launches
+  them, against read kernels of the same bytes in the same order: what a GEMV that streamed like
+  a plain read would give a step's worth of launches.
+Bits: each shape's launch is checked row-invariant (every prefix and every row of an 8-row call,
+bitwise) before it is timed; the read kernel's xor of the whole buffer is checked against numpy.
+One JSON line per record on stdout and in OUT/q4_floor.jsonl.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import linear  # noqa: E402
+from linear import PEAK, SMOKE, graph_time, n_copies, random_q4  # noqa: E402
+
+from specfire.ops import pdl  # noqa: E402
+from specfire.ops import triton_quant as tq  # noqa: E402
+from specfire.ops.pdl import wait as pdl_wait  # noqa: E402
+from specfire.ops.triton_quant import Q4Config, q4_config, q4_group  # noqa: E402
+
+DEV = linear.DEV
+BF = linear.BF
+G = 64 if SMOKE else 128
+SHAPES = [(34816, 5120, "MLP gate+up"), (5120, 17408, "MLP down"), (16384, 5120, "GDN qkv+z"),
+          (5120, 6144, "attn o / GDN out"), (14336, 5120, "attn q+gate,k,v"), (248320, 5120, "lm_head")]
+# read kernel sweep: (programs per SM, int32 words per program per step, warps)
+READ = [(p, b, w) for p in (2, 4, 8, 16) for b, w in ((1024, 4), (2048, 4), (4096, 8))]
+CHAIN = [(16384, 5120), (5120, 6144), (34816, 5120), (5120, 17408)]
+LAYERS = 8
+if SMOKE:
+    SHAPES = [(96, 256, "a"), (64, 512, "b")]
+    READ = [(1, 64, 1), (2, 128, 2)]
+    CHAIN = [(96, 256), (64, 512)]
+    LAYERS = 2
+
+
+@triton.jit
+def _read_kernel(src_ptr, out_ptr, n_words, per_prog, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Program p xor-folds int32 words [p * per_prog, (p + 1) * per_prog) of src, BLOCK at a time."""
+    pid = tl.program_id(0)
+    pdl_wait(PDL)
+    lo = pid * per_prog
+    hi = tl.minimum(lo + per_prog, n_words)
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for off in range(lo, hi, BLOCK):
+        o = off + tl.arange(0, BLOCK)
+        acc ^= tl.load(src_ptr + o, mask=o < hi, other=0)
+    tl.store(out_ptr + pid, tl.xor_sum(acc, 0))
+
+
+@triton.jit
+def _empty_kernel(out_ptr, PDL: tl.constexpr):
+    pdl_wait(PDL)
+    tl.store(out_ptr + tl.program_id(0), 1)
+
+
+def sms() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 4
+
+
+class Log:
+    def __init__(self, out: str | None):
+        self.f = open(os.path.join(out, "q4_floor.jsonl"), "a") if out else None
+
+    def __call__(self, kind: str, **kw) -> None:
+        line = json.dumps({"kind": kind, **kw})
+        print(line, flush=True)
+        if self.f:
+            self.f.write(line + "\n")
+            self.f.flush()
+
+
+def t_us(fns) -> float:
+    return graph_time(fns) * 1e6
+
+
+def read_time(nbytes: int, log: Log, label: str) -> dict:
+    words = nbytes // 4
+    bufs = [torch.randint(-2 ** 31, 2 ** 31 - 1, (words,), device=DEV, dtype=torch.int32)
+            for _ in range(n_copies(nbytes))]
+    on = pdl.on(bufs[0])
+    res = {}
+    for p, b, w in READ:
+        progs = p * sms()
+        per = triton.cdiv(triton.cdiv(words, progs), b) * b
+        grid = (triton.cdiv(words, per),)
+        out = torch.empty(grid[0], device=DEV, dtype=torch.int32)
+        fns = [lambda s=s: _read_kernel[grid](s, out, words, per, BLOCK=b, PDL=on, num_warps=w, **pdl.launch(on))
+               for s in bufs]
+        res[f"p{p} b{b} w{w}"] = t_us(fns)
+    best = min(res, key=res.get)
+    p, b, w = (int(v[1:]) for v in best.split())
+    per = triton.cdiv(triton.cdiv(words, p * sms()), b) * b
+    out = torch.empty(triton.cdiv(words, per), device=DEV, dtype=torch.int32)
+    _read_kernel[(out.numel(),)](bufs[0], out, words, per, BLOCK=b, PDL=on, num_warps=w, **pdl.launch(on))
+    check = int(np.bitwise_xor.reduce(out.cpu().numpy())) == int(np.bitwise_xor.reduce(bufs[0].cpu().numpy()))
+    # the copy of the same bytes (half read, half written), the 4.17 TB/s figure's own kind of launch
+    srcs = [s[:words // 2] for s in bufs]
+    dst = torch.empty(words // 2, device=DEV, dtype=torch.int32)
+    copy_us = t_us([lambda s=s: dst.copy_(s) for s in srcs])
+    rec = {"what": label, "mb": round(nbytes / 1e6, 1), "best": best, "best_us": round(res[best], 2),
+           "best_frac": round(nbytes / (res[best] * 1e-6) / PEAK, 4),
+           "all_us": {k: round(v, 2) for k, v in res.items()}, "xor_equal_torch": check,
+           "copy_us": round(copy_us, 2), "copy_frac": round(words // 2 * 8 / (copy_us * 1e-6) / PEAK, 4)}
+    log("read", **rec)
+    return rec
+
+
+def empty_time(log: Log) -> None:
+    out = torch.empty(sms(), device=DEV, dtype=torch.int32)
+    on = pdl.on(out)
+    fns = [lambda: _empty_kernel[(sms(),)](out, PDL=on, **pdl.launch(on)) for _ in range(8)]
+    log("empty", us=round(t_us(fns), 2), pdl=bool(on))
+
+
+def row_invariant(fn, x: torch.Tensor) -> bool:
+    full = fn(x)
+    ok = all(torch.equal(fn(x[:m]), full[:m]) for m in range(1, x.shape[0] + 1))
+    return ok and all(torch.equal(fn(x[i:i + 1])[0], full[i]) for i in range(x.shape[0]))
+
+
+def gsums(x: torch.Tensor) -> torch.Tensor:
+    """x's group sums as the kernel that wrote x hands them along (float32 [M, K / G])."""
+    return x.float().view(x.shape[0], -1, G).sum(-1).contiguous()
+
+
+class NoCombine:
+    """Stands in for the split-K sum launch: the partials stay uncombined (timing only)."""
+    def __getitem__(self, grid):
+        return lambda *a, **k: None
+
+
+def read_launch(buf: torch.Tensor, cfg: tuple) -> callable:
+    """One read kernel launch over buf with (programs per SM, block, warps)."""
+    p, b, w = cfg
+    words = buf.numel()
+    per = triton.cdiv(triton.cdiv(words, p * sms()), b) * b
+    out = torch.empty(triton.cdiv(words, per), device=DEV, dtype=torch.int32)
+    on = pdl.on(buf)
+    return lambda: _read_kernel[(out.numel(),)](buf, out, words, per, BLOCK=b, PDL=on, num_warps=w, **pdl.launch(on))
+
+
+def per_shape(log: Log, deadline: float, best_read: dict) -> None:
+    for n, k, label in SHAPES:
+        if time.monotonic() > deadline:
+            log("skipped", shape=[n, k], why="budget")
+            continue
+        qw0 = random_q4(n, k, G, DEV)
+        nbytes = qw0.nbytes()
+        qws = [qw0] + [random_q4(n, k, G, DEV) for _ in range(n_copies(nbytes) - 1)]
+        x16 = torch.randn(16, k, device=DEV, dtype=BF)
+        xs16 = gsums(x16)
+        b = q4_config(n, k, G)
+        x8 = x16[:8].contiguous()
+        rec = {"shape": [n, k], "name": label, "mb": round(nbytes / 1e6, 1), "cfg": str(b),
+               "row_invariant": row_invariant(lambda xx: q4_group(xx, [qw0], b, gsums(xx))[0], x8)}
+        t = {}
+        t_us([lambda w=w: q4_group(x16[:1], [w], b, xs16[:1]) for w in qws])       # warm-up (first timing runs slow)
+        for m in (1, 2, 4, 8, 16):
+            xm, xsm = x16[:m].contiguous(), xs16[:m].contiguous()
+            t[f"m{m}"] = t_us([lambda w=w, xm=xm, xsm=xsm: q4_group(xm, [w], b, xsm) for w in qws])
+        t["m1_with_sumx_launch"] = t_us([lambda w=w: q4_group(x16[:1], [w], b) for w in qws])
+        if b.split_k > 1:
+            nc = Q4Config(b.block_n, b.split_k, b.num_warps, b.num_stages, False, b.wa, b.rows, b.zc, b.rows_hi)
+            saved = tq._splitk_sum
+            tq._splitk_sum = NoCombine()
+            try:
+                t["m1_no_combine"] = t_us([lambda w=w: q4_group(x16[:1], [w], nc, xs16[:1]) for w in qws])
+            finally:
+                tq._splitk_sum = saved
+        rec["us"] = {kk: round(v, 2) for kk, v in t.items()}
+        rec["frac"] = {kk: round(nbytes / (v * 1e-6) / PEAK, 4) for kk, v in t.items()}
+        rec["read"] = read_time(nbytes, log, label)
+        best_read[(n, k)] = tuple(int(v[1:]) for v in rec["read"]["best"].split())
+        rec["m1_over_read"] = round(t["m1"] / rec["read"]["best_us"], 3)
+        log("shape", **rec)
+        qws = qw0 = None
+        if not SMOKE:
+            torch.cuda.empty_cache()
+
+
+def chain(log: Log, best_read: dict) -> None:
+    """LAYERS GDN-like layers (qkv+z, out, gate+up, down; distinct weights), the GEMVs as the model
+    launches them at M = 1, against read kernels of the same bytes in the same order (each size's
+    best read setting): what a GEMV streaming like a plain read would give a chain of launches."""
+    ws = [[random_q4(n, k, G, DEV) for n, k in CHAIN] for _ in range(LAYERS)]
+    xs = [torch.randn(1, k, device=DEV, dtype=BF) for _, k in CHAIN]
+    sums = [gsums(x) for x in xs]
+    nbytes = sum(w.nbytes() for lay in ws for w in lay)
+    bufs = [[torch.randint(-2 ** 31, 2 ** 31 - 1, (w.nbytes() // 4,), device=DEV, dtype=torch.int32) for w in lay]
+            for lay in ws]
+    reads = [[read_launch(bf, best_read.get((n, k), (16, 1024, 4))) for bf, (n, k) in zip(lay, CHAIN)] for lay in bufs]
+    rec = {"layers": LAYERS, "mb": round(nbytes / 1e6, 1)}
+    for rep in range(2):
+        g_us = t_us([lambda lay=lay: [q4_group(x, [w], None, s) for x, w, s in zip(xs, lay, sums)] for lay in ws]) * len(ws)
+        r_us = t_us([lambda lay=lay: [f() for f in lay] for lay in reads]) * len(ws)
+        rec[f"gemv_us_{rep}"], rec[f"read_us_{rep}"] = round(g_us, 1), round(r_us, 1)
+        rec[f"gemv_frac_{rep}"] = round(nbytes / (g_us * 1e-6) / PEAK, 4)
+        rec[f"read_frac_{rep}"] = round(nbytes / (r_us * 1e-6) / PEAK, 4)
+    log("chain", **rec)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    ap.add_argument("--budget-s", type=float, default=120)
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--sizes-mb", default="4,8,16,32,64,128,256,700",
+                    help="plain reads of these sizes too (MB), the read ceiling's curve")
+    args = ap.parse_args()
+    t0 = time.monotonic()
+    log = Log(args.out)
+    log("start", commit=args.commit, torch=torch.__version__, triton=triton.__version__,
+        device=torch.cuda.get_device_name() if DEV == "cuda" else "cpu")
+    empty_time(log)
+    best_read: dict = {}
+    per_shape(log, t0 + args.budget_s - 40, best_read)
+    chain(log, best_read)
+    for mb in ([] if SMOKE else [float(v) for v in args.sizes_mb.split(",") if v]):
+        if time.monotonic() > t0 + args.budget_s:
+            break
+        read_time(int(mb * 1e6) // 64 * 64, log, f"{mb:g} MB")
+    log("done", seconds=round(time.monotonic() - t0, 1))
+
+
+if __name__ == "__main__":
+    main()
