@@ -26,7 +26,9 @@ One JSON line per record on stdout and in OUT/q4_floor.jsonl.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import subprocess
 import os
 import sys
 import time
@@ -57,11 +59,18 @@ SHAPES = [(34816, 5120, "MLP gate+up"), (5120, 17408, "MLP down"), (16384, 5120,
 READ = [(p, b, w) for p in (2, 4, 8, 16) for b, w in ((1024, 4), (2048, 4), (4096, 8))]
 CHAIN = [(16384, 5120), (5120, 6144), (34816, 5120), (5120, 17408)]
 LAYERS = 8
+# sweep: register caps (0: the compiler's), (warps, cap) over q4_config's tile, split-K factors
+SWEEP_MAXNREG = [96, 88, 80]
+SWEEP_WARPS = [(4, 0), (4, 64)]
+SWEEP_SPLIT = [0.5, 1.5, 2.0]
 if SMOKE:
     SHAPES = [(96, 256, "a"), (64, 512, "b")]
     READ = [(1, 64, 1), (2, 128, 2)]
     CHAIN = [(96, 256), (64, 512)]
     LAYERS = 2
+    SWEEP_MAXNREG = [96]
+    SWEEP_WARPS = [(4, 0)]
+    SWEEP_SPLIT = [2.0]
 
 
 @triton.jit
@@ -230,6 +239,111 @@ def chain(log: Log, best_read: dict) -> None:
     log("chain", **rec)
 
 
+def candidates(n: int, k: int) -> list[Q4Config]:
+    """q4_config's launch of (N, K) and others that keep more programs resident per SM: registers
+    per thread capped (maxnreg; the base kernel takes 126 on 2 warps, so 8 programs an SM), 4 warps
+    over the same tile, and more / fewer split-K ways with them. Every one is row-invariant by
+    construction (a function of the shape only) and checked bitwise before it is timed; only the
+    ones with q4_config's split-K and warps' arithmetic keep its bits."""
+    b = q4_config(n, k, G)
+    groups = k // G
+    out = [b]
+
+    def add(**kw):
+        c = dataclasses.replace(b, **kw)
+        if c not in out and c.split_k <= groups:
+            out.append(c)
+    for mr in SWEEP_MAXNREG:
+        add(maxnreg=mr)
+    for nw, mr in SWEEP_WARPS:
+        add(num_warps=nw, maxnreg=mr)
+    if b.split_k > 1:
+        for f in SWEEP_SPLIT:
+            sk = max(2, round(b.split_k * f))
+            for mr in SWEEP_MAXNREG[:1]:
+                add(split_k=sk, maxnreg=mr)
+            for nw, mr in SWEEP_WARPS[:1]:
+                add(split_k=sk, num_warps=nw, maxnreg=mr)
+    return out
+
+
+def cfg_name(c: Q4Config) -> str:
+    return f"bn{c.block_n} split{c.split_k} w{c.num_warps} s{c.num_stages}" + (f" r{c.maxnreg}" if c.maxnreg else "")
+
+
+def warm(part: str) -> None:
+    """Compile worker (part 'i/n'): every i-th candidate kernel of the sweep, rows 1 and 16."""
+    i, n_parts = (int(v) for v in part.split("/"))
+    j = 0
+    for n, k, _ in SHAPES:
+        qw = None
+        for c in candidates(n, k):
+            j += 1
+            if j % n_parts != i:
+                continue
+            qw = qw or random_q4(n, k, G, DEV)
+            x = torch.randn(16, k, device=DEV, dtype=BF)
+            for m in (1, 16):
+                try:
+                    q4_group(x[:m], [qw], c, gsums(x[:m]))
+                except Exception as e:  # noqa: BLE001 - reported again (and skipped) by the sweep
+                    print(f"warm {n}x{k} {cfg_name(c)}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+    torch.cuda.synchronize()
+
+
+def sweep(log: Log, deadline: float, adopt: str | None) -> None:
+    """Per shape: every candidate's bits (row-invariant over 16 rows), then t(M = 1, 4, 16); the one
+    with the least t(M=1) + t(M=4), where >= 2% under q4_config's, adopted (JSON in the form of
+    bench/quant_e2e.py --q4-configs)."""
+    table = {}
+    for n, k, label in SHAPES:
+        if time.monotonic() > deadline:
+            log("skipped", what="sweep", shape=[n, k], why="budget")
+            continue
+        qw0 = random_q4(n, k, G, DEV)
+        nbytes = qw0.nbytes()
+        qws = [qw0] + [random_q4(n, k, G, DEV) for _ in range(n_copies(nbytes) - 1)]
+        x16 = torch.randn(16, k, device=DEV, dtype=BF)
+        base = q4_config(n, k, G)
+        ref = q4_group(x16, [qw0], base, gsums(x16))[0]
+        rows = {}
+        for c in candidates(n, k):
+            key = cfg_name(c)
+            try:
+                inv = row_invariant(lambda xx, c=c: q4_group(xx, [qw0], c, gsums(xx))[0], x16)
+                same = torch.equal(q4_group(x16, [qw0], c, gsums(x16))[0], ref)
+                t = {}
+                for m in (1, 4, 16):
+                    xm = x16[:m].contiguous()
+                    sm = gsums(xm)
+                    t[m] = t_us([lambda w=w, xm=xm, sm=sm, c=c: q4_group(xm, [w], c, sm) for w in qws])
+                rows[key] = {"row_invariant": inv, "bits_of_base": same, "m1_us": round(t[1], 2),
+                             "m4_us": round(t[4], 2), "m16_us": round(t[16], 2),
+                             "m1_frac": round(nbytes / (t[1] * 1e-6) / PEAK, 4), "cfg": c}
+            except Exception as e:  # noqa: BLE001 - a setting that does not compile or launch here
+                rows[key] = {"error": repr(e)[:200]}
+            if time.monotonic() > deadline:
+                break
+        ok = {kk: v for kk, v in rows.items() if v.get("row_invariant")}
+        score = {kk: v["m1_us"] + v["m4_us"] for kk, v in ok.items()}
+        bkey = cfg_name(base)
+        best = min(score, key=score.get) if score else None
+        rec = {"shape": [n, k], "name": label, "mb": round(nbytes / 1e6, 1), "base": bkey,
+               "rows": {kk: {a: b for a, b in v.items() if a != "cfg"} for kk, v in rows.items()}}
+        if best and bkey in score and best != bkey and score[best] < 0.98 * score[bkey]:
+            c = rows[best]["cfg"]
+            table[f"{n},{k}"] = dataclasses.asdict(c)
+            rec["adopted"] = {"cfg": best, "m1_us": rows[best]["m1_us"], "m4_us": rows[best]["m4_us"],
+                              "gain_pct": round(100 * (1 - score[best] / score[bkey]), 2)}
+        log("sweep", **rec)
+        qws = qw0 = None
+        torch.cuda.empty_cache() if not SMOKE else None
+    if adopt:
+        with open(adopt, "w") as f:
+            json.dump(table, f, indent=1)
+    log("adopted", table=table)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT"))
@@ -237,16 +351,34 @@ def main() -> None:
     ap.add_argument("--commit", default=None)
     ap.add_argument("--sizes-mb", default="4,8,16,32,64,128,256,700",
                     help="plain reads of these sizes too (MB), the read ceiling's curve")
+    ap.add_argument("--phases", default="floor,chain,sizes", help="comma list of floor, chain, sizes, sweep")
+    ap.add_argument("--adopt", default=None, help="sweep: write the adopted settings here (quant_e2e --q4-configs)")
+    ap.add_argument("--warm", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--workers", type=int, default=12)
     args = ap.parse_args()
+    if args.warm:
+        warm(args.warm)
+        return
+    phases = set(args.phases.split(","))
     t0 = time.monotonic()
     log = Log(args.out)
     log("start", commit=args.commit, torch=torch.__version__, triton=triton.__version__,
         device=torch.cuda.get_device_name() if DEV == "cuda" else "cpu")
-    empty_time(log)
+    if "sweep" in phases:
+        if not SMOKE:
+            procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm", f"{i}/{args.workers}"])
+                     for i in range(args.workers)]
+            for p in procs:
+                p.wait()
+            log("progress", what="compiled", s=round(time.monotonic() - t0, 1))
+        sweep(log, t0 + args.budget_s, args.adopt)
     best_read: dict = {}
-    per_shape(log, t0 + args.budget_s - 40, best_read)
-    chain(log, best_read)
-    for mb in ([] if SMOKE else [float(v) for v in args.sizes_mb.split(",") if v]):
+    if "floor" in phases:
+        empty_time(log)
+        per_shape(log, t0 + args.budget_s - 40, best_read)
+    if "chain" in phases:
+        chain(log, best_read)
+    for mb in ([] if SMOKE or "sizes" not in phases else [float(v) for v in args.sizes_mb.split(",") if v]):
         if time.monotonic() > t0 + args.budget_s:
             break
         read_time(int(mb * 1e6) // 64 * 64, log, f"{mb:g} MB")

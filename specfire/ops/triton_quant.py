@@ -93,6 +93,7 @@ class Q4Config:
     zc: int = 0           # > 0: zero-point term after the loop, zc groups at a time, sum(x) made there (no launch first)
     rows_hi: int = 0      # > rows: calls of more than `rows` rows run tiles of rows_hi rows (M = 9..16: one 16-row
                           # tile reads the codes once, where two 8-row tiles read them twice); 0: tiles of `rows`
+    maxnreg: int = 0      # > 0: registers per thread capped there (more programs resident per SM); 0: the compiler's
 
     def __post_init__(self):
         pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
@@ -102,6 +103,8 @@ class Q4Config:
             raise ValueError(f"Q4Config.rows_hi must be 0 or a power of two above rows={self.rows}, got {self.rows_hi}")
         if self.zc and not pow2(self.zc):
             raise ValueError(f"Q4Config.zc must be 0 or a power of two, got {self.zc}")
+        if self.maxnreg and not (24 <= self.maxnreg <= 255 and self.maxnreg % 8 == 0):
+            raise ValueError(f"Q4Config.maxnreg must be 0 or a multiple of 8 in 24..255, got {self.maxnreg}")
 
 
 # (N, K) at group 128 -> launch settings on the H200, codes in 64-row tiles (docs/BENCHMARKS.md).
@@ -586,7 +589,8 @@ def q4_group(x: torch.Tensor, qws: list, cfg: Q4Config | None = None,
         ASM=x.dtype == torch.bfloat16 and not INTERPRET, IEEE=x.dtype == torch.float32, WA=cfg.wa, ZC=cfg.zc,
         PDL=on, PF=PDL_PREFETCH if on and a.tile else 0, **({"DISCARD": True} if discard else {}),
         **({"ILP4": True} if sem and COMBINE_ILP else {}),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(on))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(on),
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not INTERPRET else {}))
     outs = [y[m * o:m * o + m * v].view(m, v) for v, o in zip(ns, offs)]
     if split > 1 and not sem:  # partials summed in split order by a second launch, per weight
         for v, o, yy in zip(ns, offs, outs):
