@@ -210,7 +210,8 @@ def test_q4_wide_row_tile_is_row_invariant(cfg):
 
 
 def test_q4_config_rejects_bad_values():
-    for bad in (dict(rows=12), dict(rows=8, rows_hi=8), dict(rows=8, rows_hi=24), dict(zc=3)):
+    for bad in (dict(rows=12), dict(rows=8, rows_hi=8), dict(rows=8, rows_hi=24), dict(zc=3), dict(maxnreg=20),
+                dict(maxnreg=100), dict(maxnreg=256)):
         with pytest.raises(ValueError, match="Q4Config"):
             Q4Config(**bad)
 
