@@ -19,8 +19,17 @@ added in split order by the last program of a tile. Within one MMA the k order d
 engine kernel's (k_width 8 against 2), so the bits may differ from it; each kernel is row-invariant
 by itself (checked here bitwise, every prefix and every row of an 8-row call).
 
-Per shape: max |gluon - engine| relative to |engine|, row invariance, then t(M = 1, 4, 8) of both
-(CUDA-graph replay over copies rotated past L2, as bench/q4_floor.py), one JSON line each.
+Per shape: max |gluon - engine| relative to max |engine|, row invariance, then t(M = 1, 4, 8) of
+both (CUDA-graph replay over copies rotated past L2, as bench/q4_floor.py), one JSON line each.
+
+Measured on one H200 (docs/BENCHMARKS.md, "Tenth wave"): it works (every output within one bf16
+step of the engine kernel's, row-invariant on every shape and setting) and runs at the engine
+kernel's speed, 0.94-1.12x its time on the big launches at M = 1 and the same on the small one;
+two groups of loads in flight instead of one is 1.1-1.4x slower (168 registers: fewer warps). So
+the shared-memory staging and the barriers are not what holds the engine kernel under a plain
+read: both loops issue ~300 instructions a warp per 64 x 128 group, 128 of them the nibble
+conversion, which no layout choice removes. Gluon kernels do not run in Triton's CPU interpreter,
+so this kernel has no CPU test: one more reason it stays a bench experiment.
 """
 from __future__ import annotations
 
@@ -76,9 +85,27 @@ def _words_to_k(o0, o1, o2, o3):
 
 
 @gluon.jit
+def _loads(q_ptr, x_ptr, s_ptr, z_ptr, xs_ptr, q_off, q_msk, x_off, x_msk, rn_c, n_ok, rm_c, m_ok, g, N, n_groups,
+           G: gl.constexpr, TILE: gl.constexpr, EVEN_N: gl.constexpr):
+    """Group g's codes (words), x halves, scales, zeros and sum(x), each in its use's layout."""
+    HALF: gl.constexpr = G // 2
+    if EVEN_N:
+        qb = gl.load(q_ptr + q_off + g * (TILE * HALF // 4))
+    else:
+        qb = gl.load(q_ptr + q_off + g * (TILE * HALF // 4), mask=q_msk, other=0)
+    xe = gl.load(x_ptr + x_off + g * G, mask=x_msk, other=0.0)
+    xo = gl.load(x_ptr + x_off + g * G + HALF, mask=x_msk, other=0.0)
+    s = gl.load(s_ptr + g * N + rn_c, mask=n_ok, other=0.0)
+    z = gl.load(z_ptr + g * N + rn_c, mask=n_ok, other=0.0)
+    xs = gl.load(xs_ptr + rm_c * n_groups + g, mask=m_ok, other=0.0)
+    return qb, xe, xo, s, z, xs
+
+
+@gluon.jit
 def _q4_gl_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M, N, KH, stride_xm,
                   n_groups, per, split, BLOCK_N: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr,
-                  W: gl.constexpr, KW: gl.constexpr, EVEN_N: gl.constexpr):
+                  W: gl.constexpr, KW: gl.constexpr, EVEN_N: gl.constexpr,
+                  DEPTH: gl.constexpr = 1):
     HALF: gl.constexpr = G // 2
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)
@@ -115,27 +142,17 @@ def _q4_gl_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr,
     g_lo = pid_s * per
     g_hi = gl.minimum(g_lo + per, n_groups)
     acc = gl.zeros([BLOCK_N, 8], gl.float32, layout=mma)
-    # group g_lo's loads, then in each step the next group's before this group's arithmetic
-    if EVEN_N:
-        qb = gl.load(q_ptr + q_off + g_lo * (TILE * HALF // 4))
-    else:
-        qb = gl.load(q_ptr + q_off + g_lo * (TILE * HALF // 4), mask=q_msk, other=0)
-    xe = gl.load(x_ptr + x_off + g_lo * G, mask=x_msk, other=0.0)
-    xo = gl.load(x_ptr + x_off + g_lo * G + HALF, mask=x_msk, other=0.0)
-    s = gl.load(s_ptr + g_lo * N + rn_c, mask=n_ok, other=0.0)
-    z = gl.load(z_ptr + g_lo * N + rn_c, mask=n_ok, other=0.0)
-    xs = gl.load(xs_ptr + rm_c * n_groups + g_lo, mask=m_ok, other=0.0)
+    # group g_lo's loads (and g_lo + 1's with DEPTH 2), then in each step the loads DEPTH groups
+    # ahead before this group's arithmetic; past the split's last group the last one again (unused)
+    qb, xe, xo, s, z, xs = _loads(q_ptr, x_ptr, s_ptr, z_ptr, xs_ptr, q_off, q_msk, x_off, x_msk, rn_c, n_ok, rm_c,
+                                  m_ok, g_lo, N, n_groups, G, TILE, EVEN_N)
+    if DEPTH == 2:
+        qb2, xe2, xo2, s2, z2, xs2 = _loads(q_ptr, x_ptr, s_ptr, z_ptr, xs_ptr, q_off, q_msk, x_off, x_msk, rn_c, n_ok,
+                                            rm_c, m_ok, gl.minimum(g_lo + 1, g_hi - 1), N, n_groups, G, TILE, EVEN_N)
     for g in range(g_lo, g_hi):
-        gn = gl.minimum(g + 1, g_hi - 1)        # past the split's last group: that group again (unused)
-        if EVEN_N:
-            qb1 = gl.load(q_ptr + q_off + gn * (TILE * HALF // 4))
-        else:
-            qb1 = gl.load(q_ptr + q_off + gn * (TILE * HALF // 4), mask=q_msk, other=0)
-        xe1 = gl.load(x_ptr + x_off + gn * G, mask=x_msk, other=0.0)
-        xo1 = gl.load(x_ptr + x_off + gn * G + HALF, mask=x_msk, other=0.0)
-        s1 = gl.load(s_ptr + gn * N + rn_c, mask=n_ok, other=0.0)
-        z1 = gl.load(z_ptr + gn * N + rn_c, mask=n_ok, other=0.0)
-        xs1 = gl.load(xs_ptr + rm_c * n_groups + gn, mask=m_ok, other=0.0)
+        gn = gl.minimum(g + DEPTH, g_hi - 1)
+        qb1, xe1, xo1, s1, z1, xs1 = _loads(q_ptr, x_ptr, s_ptr, z_ptr, xs_ptr, q_off, q_msk, x_off, x_msk, rn_c, n_ok,
+                                            rm_c, m_ok, gn, N, n_groups, G, TILE, EVEN_N)
         l0, l1, l2, l3, h0, h1, h2, h3 = gl.inline_asm_elementwise(
             ASM_W, "=h,=h,=h,=h,=h,=h,=h,=h,r", [qb], dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
         lo = gl.convert_layout(_words_to_k(l0, l1, l2, l3), la, assert_trivial=True)
@@ -146,7 +163,11 @@ def _q4_gl_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr,
         zf = z.to(gl.float32) - 128.0 * sf
         acc = gl.fma(t, gl.expand_dims(sf, 1), acc)
         acc = gl.fma(gl.expand_dims(zf, 1), gl.expand_dims(xs, 0), acc)
-        qb, xe, xo, s, z, xs = qb1, xe1, xo1, s1, z1, xs1
+        if DEPTH == 2:
+            qb, xe, xo, s, z, xs = qb2, xe2, xo2, s2, z2, xs2
+            qb2, xe2, xo2, s2, z2, xs2 = qb1, xe1, xo1, s1, z1, xs1
+        else:
+            qb, xe, xo, s, z, xs = qb1, xe1, xo1, s1, z1, xs1
     out_off = gl.expand_dims(rm_c, 0) * N + gl.expand_dims(rn_c, 1)          # y [M, N]: element (n, m)
     out_msk = gl.expand_dims(n_ok, 1) & gl.expand_dims(m_ok, 0)
     if split == 1:
@@ -164,7 +185,7 @@ def _q4_gl_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr,
 
 
 def q4_gluon(x: torch.Tensor, qw, xs: torch.Tensor, block_n: int = 64, split_k: int = 1, warps: int = 2,
-             kw: int = 8) -> torch.Tensor:
+             kw: int = 8, depth: int = 1) -> torch.Tensor:
     """x [M <= 8, K] bf16 @ dequant(qw)^T -> [M, N] bf16; xs: x's group sums float32 [M, K / G]."""
     m, k = x.shape
     n = qw.shape[0]
@@ -177,7 +198,7 @@ def q4_gluon(x: torch.Tensor, qw, xs: torch.Tensor, block_n: int = 64, split_k: 
     locks = _locks(x.device, tiles)
     _q4_gl_kernel[(tiles, split)](x, xs, qw.qtiled.view(torch.int32), qw.scales_t, qw.zeros_t, y, part, locks, m, n, k // 2,
                                   x.stride(0), n_groups, per, split, BLOCK_N=block_n, G=G, TILE=qw.tile,
-                                  W=warps, KW=kw, EVEN_N=n % block_n == 0, num_warps=warps)
+                                  W=warps, KW=kw, EVEN_N=n % block_n == 0, DEPTH=depth, num_warps=warps)
     return y
 
 
@@ -194,8 +215,8 @@ def row_invariant(fn, x: torch.Tensor) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT"))
-    ap.add_argument("--configs", default="64,2,1;64,2,2;64,4,1;64,4,2;32,1,1;128,4,1",
-                    help="block_n,warps,split-K factor of q4_config's (x: scaled) ; ...")
+    ap.add_argument("--configs", default="64,2,1,1;64,2,2,1;64,4,1,1;32,1,1,1;128,4,1,1;64,2,1,2",
+                    help="block_n,warps,factor on q4_config's split-K,prefetch depth (groups) ; ...")
     ap.add_argument("--budget-s", type=float, default=150)
     ap.add_argument("--commit", default=None)
     args = ap.parse_args()
@@ -227,19 +248,20 @@ def main() -> None:
             sm = gsums(xm)
             rec["t_us"][f"engine_m{m}"] = round(graph_time([lambda w=w: q4_group(xm, [w], base, sm) for w in qws]) * 1e6, 2)
         rec["gluon"] = {}
-        for bn, nw, fsk in cfgs:
-            bn, nw = int(bn), int(nw)
+        for c in cfgs:
+            bn, nw, fsk = int(c[0]), int(c[1]), c[2]
+            dp = int(c[3]) if len(c) > 3 else 1
             sk = max(1, round(base.split_k * fsk)) if base.split_k > 1 else 1
-            key = f"bn{bn} w{nw} split{sk}"
+            key = f"bn{bn} w{nw} split{sk} depth{dp}"
             try:
-                got = q4_gluon(x8, qw0, gsums(x8), bn, sk, nw)
+                got = q4_gluon(x8, qw0, gsums(x8), bn, sk, nw, 8, dp)
                 err = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
-                inv = row_invariant(lambda xx: q4_gluon(xx, qw0, gsums(xx), bn, sk, nw), x8)
+                inv = row_invariant(lambda xx: q4_gluon(xx, qw0, gsums(xx), bn, sk, nw, 8, dp), x8)
                 r = {"rel_err_vs_engine": err, "bits_equal_engine": torch.equal(got, ref), "row_invariant": inv}
                 for m in (1, 4, 8):
                     xm = x8[:m].contiguous()
                     sm = gsums(xm)
-                    t = graph_time([lambda w=w: q4_gluon(xm, w, sm, bn, sk, nw) for w in qws]) * 1e6
+                    t = graph_time([lambda w=w: q4_gluon(xm, w, sm, bn, sk, nw, 8, dp) for w in qws]) * 1e6
                     r[f"m{m}_us"] = round(t, 2)
                     r[f"m{m}_frac"] = round(nbytes / (t * 1e-6) / PEAK, 4)
             except Exception as e:  # noqa: BLE001 - a setting that does not compile or launch
