@@ -74,6 +74,15 @@ mov.b32 {$4, $5}, v0;
 mov.b32 {$6, $7}, v1;
 }""")
 
+# diagnostic only (wrong outputs): the code word's halves passed on as they are, no conversion; the
+# loop then issues everything but the nibble conversion, to price it (--diag)
+ASM_RAW = gl.constexpr("""{
+mov.b32 {$0, $1}, $8;
+mov.b32 {$2, $3}, $8;
+mov.b32 {$4, $5}, $8;
+mov.b32 {$6, $7}, $8;
+}""")
+
 
 @gluon.jit
 def _words_to_k(o0, o1, o2, o3):
@@ -86,15 +95,21 @@ def _words_to_k(o0, o1, o2, o3):
 
 @gluon.jit
 def _loads(q_ptr, x_ptr, s_ptr, z_ptr, xs_ptr, q_off, q_msk, x_off, x_msk, rn_c, n_ok, rm_c, m_ok, g, N, n_groups,
-           G: gl.constexpr, TILE: gl.constexpr, EVEN_N: gl.constexpr):
-    """Group g's codes (words), x halves, scales, zeros and sum(x), each in its use's layout."""
+           G: gl.constexpr, TILE: gl.constexpr, EVEN_N: gl.constexpr, SZ: gl.constexpr = 0):
+    """Group g's codes (words), x halves, scales, zeros and sum(x), each in its use's layout.
+    SZ (diagnostics, wrong outputs): 1 the scales / zeros / sum(x) of group 0 for every group (their
+    loads hit L2 after the first), 2 those of group 0 and x of group 0 too."""
     HALF: gl.constexpr = G // 2
+    gq = g
+    if SZ > 0:
+        g = g * 0
+    gx = g if SZ == 2 else gq
     if EVEN_N:
-        qb = gl.load(q_ptr + q_off + g * (TILE * HALF // 4))
+        qb = gl.load(q_ptr + q_off + gq * (TILE * HALF // 4))
     else:
-        qb = gl.load(q_ptr + q_off + g * (TILE * HALF // 4), mask=q_msk, other=0)
-    xe = gl.load(x_ptr + x_off + g * G, mask=x_msk, other=0.0)
-    xo = gl.load(x_ptr + x_off + g * G + HALF, mask=x_msk, other=0.0)
+        qb = gl.load(q_ptr + q_off + gq * (TILE * HALF // 4), mask=q_msk, other=0)
+    xe = gl.load(x_ptr + x_off + gx * G, mask=x_msk, other=0.0)
+    xo = gl.load(x_ptr + x_off + gx * G + HALF, mask=x_msk, other=0.0)
     s = gl.load(s_ptr + g * N + rn_c, mask=n_ok, other=0.0)
     z = gl.load(z_ptr + g * N + rn_c, mask=n_ok, other=0.0)
     xs = gl.load(xs_ptr + rm_c * n_groups + g, mask=m_ok, other=0.0)
@@ -105,7 +120,7 @@ def _loads(q_ptr, x_ptr, s_ptr, z_ptr, xs_ptr, q_off, q_msk, x_off, x_msk, rn_c,
 def _q4_gl_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M, N, KH, stride_xm,
                   n_groups, per, split, BLOCK_N: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr,
                   W: gl.constexpr, KW: gl.constexpr, EVEN_N: gl.constexpr,
-                  DEPTH: gl.constexpr = 1):
+                  DEPTH: gl.constexpr = 1, RAW: gl.constexpr = False, SZ: gl.constexpr = 0):
     HALF: gl.constexpr = G // 2
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)
@@ -145,16 +160,20 @@ def _q4_gl_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr,
     # group g_lo's loads (and g_lo + 1's with DEPTH 2), then in each step the loads DEPTH groups
     # ahead before this group's arithmetic; past the split's last group the last one again (unused)
     qb, xe, xo, s, z, xs = _loads(q_ptr, x_ptr, s_ptr, z_ptr, xs_ptr, q_off, q_msk, x_off, x_msk, rn_c, n_ok, rm_c,
-                                  m_ok, g_lo, N, n_groups, G, TILE, EVEN_N)
+                                  m_ok, g_lo, N, n_groups, G, TILE, EVEN_N, SZ)
     if DEPTH == 2:
         qb2, xe2, xo2, s2, z2, xs2 = _loads(q_ptr, x_ptr, s_ptr, z_ptr, xs_ptr, q_off, q_msk, x_off, x_msk, rn_c, n_ok,
-                                            rm_c, m_ok, gl.minimum(g_lo + 1, g_hi - 1), N, n_groups, G, TILE, EVEN_N)
+                                            rm_c, m_ok, gl.minimum(g_lo + 1, g_hi - 1), N, n_groups, G, TILE, EVEN_N, SZ)
     for g in range(g_lo, g_hi):
         gn = gl.minimum(g + DEPTH, g_hi - 1)
         qb1, xe1, xo1, s1, z1, xs1 = _loads(q_ptr, x_ptr, s_ptr, z_ptr, xs_ptr, q_off, q_msk, x_off, x_msk, rn_c, n_ok,
-                                            rm_c, m_ok, gn, N, n_groups, G, TILE, EVEN_N)
-        l0, l1, l2, l3, h0, h1, h2, h3 = gl.inline_asm_elementwise(
-            ASM_W, "=h,=h,=h,=h,=h,=h,=h,=h,r", [qb], dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
+                                            rm_c, m_ok, gn, N, n_groups, G, TILE, EVEN_N, SZ)
+        if RAW:
+            l0, l1, l2, l3, h0, h1, h2, h3 = gl.inline_asm_elementwise(
+                ASM_RAW, "=h,=h,=h,=h,=h,=h,=h,=h,r", [qb], dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
+        else:
+            l0, l1, l2, l3, h0, h1, h2, h3 = gl.inline_asm_elementwise(
+                ASM_W, "=h,=h,=h,=h,=h,=h,=h,=h,r", [qb], dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
         lo = gl.convert_layout(_words_to_k(l0, l1, l2, l3), la, assert_trivial=True)
         hi = gl.convert_layout(_words_to_k(h0, h1, h2, h3), la, assert_trivial=True)
         t = mma_v2(lo, xe, gl.zeros([BLOCK_N, 8], gl.float32, layout=mma))
@@ -185,7 +204,7 @@ def _q4_gl_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr,
 
 
 def q4_gluon(x: torch.Tensor, qw, xs: torch.Tensor, block_n: int = 64, split_k: int = 1, warps: int = 2,
-             kw: int = 8, depth: int = 1) -> torch.Tensor:
+             kw: int = 8, depth: int = 1, raw: bool = False, sz: int = 0) -> torch.Tensor:
     """x [M <= 8, K] bf16 @ dequant(qw)^T -> [M, N] bf16; xs: x's group sums float32 [M, K / G]."""
     m, k = x.shape
     n = qw.shape[0]
@@ -198,7 +217,7 @@ def q4_gluon(x: torch.Tensor, qw, xs: torch.Tensor, block_n: int = 64, split_k: 
     locks = _locks(x.device, tiles)
     _q4_gl_kernel[(tiles, split)](x, xs, qw.qtiled.view(torch.int32), qw.scales_t, qw.zeros_t, y, part, locks, m, n, k // 2,
                                   x.stride(0), n_groups, per, split, BLOCK_N=block_n, G=G, TILE=qw.tile,
-                                  W=warps, KW=kw, EVEN_N=n % block_n == 0, DEPTH=depth, num_warps=warps)
+                                  W=warps, KW=kw, EVEN_N=n % block_n == 0, DEPTH=depth, RAW=raw, SZ=sz, num_warps=warps)
     return y
 
 
@@ -219,6 +238,7 @@ def main() -> None:
                     help="block_n,warps,factor on q4_config's split-K,prefetch depth (groups) ; ...")
     ap.add_argument("--budget-s", type=float, default=150)
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--diag", action="store_true", help="also time the loop without the nibble conversion")
     args = ap.parse_args()
     t0 = time.monotonic()
     f = open(os.path.join(args.out, "q4_gluon.jsonl"), "a") if args.out else None
@@ -267,6 +287,15 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - a setting that does not compile or launch
                 r = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             rec["gluon"][key] = r
+        if args.diag:       # the nibble conversion left out (outputs wrong): what the rest of the loop costs
+            bn, nw = 64, 2
+            sk = base.split_k
+            xm, sm = x8[:1].contiguous(), gsums(x8[:1])
+            for name, raw, sz in (("no_conversion", True, 0), ("group0_terms", False, 1),
+                                  ("group0_terms_and_x", False, 2), ("no_conversion_group0_terms", True, 1)):
+                t = graph_time([lambda w=w: q4_gluon(xm, w, sm, bn, sk, nw, 8, 1, raw, sz) for w in qws]) * 1e6
+                rec[f"{name}_m1"] = {"cfg": f"bn{bn} w{nw} split{sk}", "us": round(t, 2),
+                                     "frac": round(nbytes / (t * 1e-6) / PEAK, 4)}
         rec["engine_m1_frac"] = round(nbytes / (rec["t_us"]["engine_m1"] * 1e-6) / PEAK, 4)
         log("shape", **rec)
         qws = qw0 = None
