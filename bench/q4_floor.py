@@ -63,6 +63,7 @@ LAYERS = 8
 SWEEP_MAXNREG = [96, 88, 80]
 SWEEP_WARPS = [(4, 0), (4, 64)]
 SWEEP_SPLIT = [0.5, 1.5, 2.0]
+NCU_SHAPES = [(34816, 5120, "MLP gate+up"), (5120, 6144, "attn o / GDN out"), (248320, 5120, "lm_head")]
 if SMOKE:
     SHAPES = [(96, 256, "a"), (64, 512, "b")]
     READ = [(1, 64, 1), (2, 128, 2)]
@@ -344,6 +345,22 @@ def sweep(log: Log, deadline: float, adopt: str | None) -> None:
     log("adopted", table=table)
 
 
+def ncu_targets(log: Log) -> None:
+    """Eager launches for a profiler (ncu): per shape of NCU_SHAPES, the GEMV as the model launches it at
+    M = 1 (three times: profile the last) and the read kernel over the same bytes (p8 b1024 w4)."""
+    for n, k, label in NCU_SHAPES:
+        qw = random_q4(n, k, G, DEV)
+        x = torch.randn(1, k, device=DEV, dtype=BF)
+        xs = gsums(x)
+        buf = torch.randint(-2 ** 31, 2 ** 31 - 1, (qw.nbytes() // 4,), device=DEV, dtype=torch.int32)
+        rd = read_launch(buf, (8, 1024, 4))
+        for _ in range(3):
+            q4_group(x, [qw], None, xs)
+            rd()
+        torch.cuda.synchronize()
+        log("ncu_target", shape=[n, k], name=label, mb=round(qw.nbytes() / 1e6, 1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT"))
@@ -351,7 +368,7 @@ def main() -> None:
     ap.add_argument("--commit", default=None)
     ap.add_argument("--sizes-mb", default="4,8,16,32,64,128,256,700",
                     help="plain reads of these sizes too (MB), the read ceiling's curve")
-    ap.add_argument("--phases", default="floor,chain,sizes", help="comma list of floor, chain, sizes, sweep")
+    ap.add_argument("--phases", default="floor,chain,sizes", help="comma list of floor, chain, sizes, sweep, ncu")
     ap.add_argument("--adopt", default=None, help="sweep: write the adopted settings here (quant_e2e --q4-configs)")
     ap.add_argument("--warm", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--workers", type=int, default=12)
@@ -372,6 +389,8 @@ def main() -> None:
                 p.wait()
             log("progress", what="compiled", s=round(time.monotonic() - t0, 1))
         sweep(log, t0 + args.budget_s, args.adopt)
+    if "ncu" in phases:
+        ncu_targets(log)
     best_read: dict = {}
     if "floor" in phases:
         empty_time(log)
