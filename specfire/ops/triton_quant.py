@@ -40,6 +40,11 @@ the bits stay those of the plain launch. On the H200 they cut the MTP cycle on t
 (2-3% over a chain of launches alone, ~0.11-0.15 ms a 27B step) shrank by about a quarter and is not
 an occupancy loss: no other tile won at M = 4.
 
+Tenth session: `maxnreg` caps the registers a thread (more programs resident per SM). Measured on the
+H200 (bench/q4_floor.py --phases sweep): slower on every 27B launch shape at 96, 88 and 80, so 0 (the
+compiler's choice) everywhere; the field stays so the sweep can be re-run. The same wave measured
+how far the kernel is from a plain read of its bytes (docs/BENCHMARKS.md "Tenth wave").
+
 Row invariance: a fixed 16- or 8-row tile, the split-K and the group order chosen from (N, K, G)
 only, M never specialised, group terms and split partials added in a fixed order, so every M runs
 the same arithmetic for each output element (with rows_hi: every M above `rows` the wider tile's,
