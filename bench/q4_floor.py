@@ -63,6 +63,7 @@ LAYERS = 8
 SWEEP_MAXNREG = [96, 88, 80]
 SWEEP_WARPS = [(4, 0), (4, 64)]
 SWEEP_SPLIT = [0.5, 1.5, 2.0]
+CANDS = "caps"      # the sweep's candidate family (--cands)
 NCU_SHAPES = [(34816, 5120, "MLP gate+up"), (5120, 6144, "attn o / GDN out"), (248320, 5120, "lm_head")]
 if SMOKE:
     SHAPES = [(96, 256, "a"), (64, 512, "b")]
@@ -241,11 +242,13 @@ def chain(log: Log, best_read: dict) -> None:
 
 
 def candidates(n: int, k: int) -> list[Q4Config]:
-    """q4_config's launch of (N, K) and others that keep more programs resident per SM: registers
-    per thread capped (maxnreg; the base kernel takes 126 on 2 warps, so 8 programs an SM), 4 warps
-    over the same tile, and more / fewer split-K ways with them. Every one is row-invariant by
-    construction (a function of the shape only) and checked bitwise before it is timed; only the
-    ones with q4_config's split-K and warps' arithmetic keep its bits."""
+    """q4_config's launch of (N, K) and others that keep more programs resident per SM. CANDS "caps":
+    registers per thread capped (maxnreg; the base kernel takes 126 on 2 warps, so 8 programs an
+    SM), 4 warps over the same tile, and more / fewer split-K ways with them. CANDS "tiles": fewer
+    code rows a warp instead (32 columns on 2 warps: 80 registers, 12 programs an SM; 64 columns on
+    4 warps with 8-row tiles only: 79 registers), at q4_config's split-K and 1.5x / 2x it, 3 or 4
+    stages. Every one is a function of the shape only and checked bitwise row-invariant before it
+    is timed; another split-K or tile gives other bits than q4_config's (a new default, not an equal one)."""
     b = q4_config(n, k, G)
     groups = k // G
     out = [b]
@@ -254,6 +257,13 @@ def candidates(n: int, k: int) -> list[Q4Config]:
         c = dataclasses.replace(b, **kw)
         if c not in out and c.split_k <= groups:
             out.append(c)
+    if CANDS == "tiles":
+        splits = [b.split_k] + ([max(2, round(b.split_k * f)) for f in (1.5, 2.0)] if b.split_k > 1 else [])
+        for sk in splits:
+            for ns in (3, 4):
+                add(block_n=32, num_warps=2, num_stages=ns, split_k=sk)
+                add(block_n=64, num_warps=4, num_stages=ns, split_k=sk, rows_hi=0)
+        return out
     for mr in SWEEP_MAXNREG:
         add(maxnreg=mr)
     for nw, mr in SWEEP_WARPS:
@@ -372,7 +382,10 @@ def main() -> None:
     ap.add_argument("--adopt", default=None, help="sweep: write the adopted settings here (quant_e2e --q4-configs)")
     ap.add_argument("--warm", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--workers", type=int, default=12)
+    ap.add_argument("--cands", default="caps", choices=["caps", "tiles"], help="sweep: the candidate family")
     args = ap.parse_args()
+    global CANDS
+    CANDS = args.cands
     if args.warm:
         warm(args.warm)
         return
@@ -383,7 +396,8 @@ def main() -> None:
         device=torch.cuda.get_device_name() if DEV == "cuda" else "cpu")
     if "sweep" in phases:
         if not SMOKE:
-            procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm", f"{i}/{args.workers}"])
+            procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm", f"{i}/{args.workers}",
+                                      "--cands", args.cands])
                      for i in range(args.workers)]
             for p in procs:
                 p.wait()
