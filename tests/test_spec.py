@@ -279,6 +279,36 @@ def test_max_tokens_mid_cycle_and_k_clamped(ckpt_cache):
                 assert r.token_ids == ref[:m]
 
 
+def test_first_token_goes_out_before_the_drafter_begins(ckpt_cache):
+    """The first token (the prefill's) is streamed before the drafter catches up on the prompt, and
+    a request that ends at its first token never begins the drafter; the output is the same."""
+    base = ckpt(ckpt_cache, "base")
+    with LLM(base, device="cpu", progress=False) as llm:
+        v = llm.cfg.vocab_size
+        p = random_prompts(v, 3, seed=8)[0]
+        ref = llm.generate(p, greedy(6), spec="off").token_ids
+
+        class Recording(Scripted):
+            def __init__(self, *a):
+                super().__init__(*a)
+                self.begun_after: list[int] = []      # tokens streamed when begin was called
+
+            def begin(self, prompt, hidden) -> None:
+                super().begin(prompt, hidden)
+                self.begun_after.append(len(streamed))
+
+        streamed: list[int] = []
+        d = Recording(len(p), ref, 2, v)
+        for chunk in llm.engine.stream(list(p), greedy(6), SpecPolicy("auto", 2), drafter=d):
+            streamed += chunk.token_ids
+        assert streamed == ref and d.begun_after == [1]
+        streamed = []
+        d = Recording(len(p), ref, 2, v)
+        chunks = list(llm.engine.stream(list(p), greedy(1), SpecPolicy("auto", 2), drafter=d))
+        assert [t for c in chunks for t in c.token_ids] == ref[:1] and d.begun_after == []
+        assert chunks[-1].result.token_ids == ref[:1] and len(chunks) == 1     # one final chunk, as before
+
+
 def test_context_limit_clamps_k(ckpt_cache):
     base = ckpt(ckpt_cache, "base")
     with LLM(base, device="cpu", max_seq_len=24, progress=False) as llm:

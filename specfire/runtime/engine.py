@@ -149,16 +149,13 @@ class Engine:
         first = pick(penalize(rows.logits[-1:], pen, sp), sp, gen)
         if pen is not None:
             pen.add(first)
-        for d in fed:
-            d.begin(prompt, rows.hidden)
         last = int(first)
-        for d in fed:
-            d.commit([last], rows.hidden[:0], first)
         t1 = t_prev = time.perf_counter()
         pos, last_dev, toks = len(ids), first, [last]
         cur: Launched | None = None
         ahead: Launched | None = None
         suspended = 0.0
+        begun = False
         while True:
             n_before = len(out.token_ids)
             text = "".join(out.add(t) for t in toks if not out.done)
@@ -168,6 +165,16 @@ class Engine:
                 suspended += time.perf_counter() - ts
             if out.done:
                 break
+            if not begun:
+                # the drafters catch up on the prompt only once the first token is out (the MTP
+                # head's catch-up is a prefill of its own: speculation never delays the first
+                # token, and a request that ends at it starts no drafter)
+                for d in fed:
+                    d.begin(prompt, rows.hidden)
+                for d in fed:
+                    d.commit([last], rows.hidden[:0], first)
+                begun = True
+                t_prev, suspended = time.perf_counter(), 0.0
             if cur is None:
                 cur = start(ctl.decide(), last, last_dev, pos, out.remaining)
             if ahead is None and cur.k == 0 and out.remaining >= 2 and bufs.pinned:   # (a CPU runs at launch)
