@@ -154,6 +154,7 @@ def e2e(llm, ids, on: bool, prefix: bool, tokens: int, long: int, reps: int, cud
         sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
         llm.generate(ids, SamplingParams(max_tokens=8, ignore_eos=True), spec=pol)
         ar_s, cyc_s, ttft_ar, ttft_m, eq, done, ar_ids, tau = [], [], [], [], True, [], None, 0.0
+        req_ar, req_m = [], []                # the whole request: prefill_s + decode_s
         for _ in range(reps):
             a = llm.generate(ids, sp, spec="off")
             m = llm.generate(ids, sp, spec=pol)
@@ -162,6 +163,8 @@ def e2e(llm, ids, on: bool, prefix: bool, tokens: int, long: int, reps: int, cud
             cyc_s.append(m.stats["decode_s"] / max(1, m.stats["cycles"]))
             ttft_ar.append(a.stats["prefill_s"])
             ttft_m.append(m.stats["prefill_s"])
+            req_ar.append(a.stats["prefill_s"] + a.stats["decode_s"])
+            req_m.append(m.stats["prefill_s"] + m.stats["decode_s"])
             ar_ids = ar_ids or a.token_ids
             eq = eq and m.token_ids == a.token_ids == ar_ids
             tau = m.stats["mean_accept_len"]
@@ -173,6 +176,8 @@ def e2e(llm, ids, on: bool, prefix: bool, tokens: int, long: int, reps: int, cud
                    ar_runs_ms=[round(x * 1e3, 3) for x in ar_s],
                    prefill_ms_ar=round(statistics.median(ttft_ar) * 1e3, 3),
                    prefill_ms_mtp=round(statistics.median(ttft_m) * 1e3, 3),
+                   request_ms_ar=round(statistics.median(req_ar) * 1e3, 3),
+                   request_ms_mtp=round(statistics.median(req_m) * 1e3, 3),
                    catchup_done_when_decode_clock_starts=done)
         # one MTP run's cycles on the host: from the decode clock's start (the first commit) to each
         ts: list[float] = []
