@@ -44,6 +44,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import linear  # noqa: E402
 from linear import PEAK, SMOKE, graph_time, n_copies, random_q4  # noqa: E402
+from q4_rows4 import CHAIN, LAYERS, SHAPES  # noqa: E402  (the 27B launch shapes and the GDN-like chain)
+from tp import Log as _Log  # noqa: E402
 
 from specfire.ops import pdl  # noqa: E402
 from specfire.ops import triton_quant as tq  # noqa: E402
@@ -53,12 +55,8 @@ from specfire.ops.triton_quant import Q4Config, q4_config, q4_group  # noqa: E40
 DEV = linear.DEV
 BF = linear.BF
 G = 64 if SMOKE else 128
-SHAPES = [(34816, 5120, "MLP gate+up"), (5120, 17408, "MLP down"), (16384, 5120, "GDN qkv+z"),
-          (5120, 6144, "attn o / GDN out"), (14336, 5120, "attn q+gate,k,v"), (248320, 5120, "lm_head")]
 # read kernel sweep: (programs per SM, int32 words per program per step, warps)
 READ = [(p, b, w) for p in (2, 4, 8, 16) for b, w in ((1024, 4), (2048, 4), (4096, 8))]
-CHAIN = [(16384, 5120), (5120, 6144), (34816, 5120), (5120, 17408)]
-LAYERS = 8
 # sweep: register caps (0: the compiler's), (warps, cap) over q4_config's tile, split-K factors
 SWEEP_MAXNREG = [96, 88, 80]
 SWEEP_WARPS = [(4, 0), (4, 64)]
@@ -66,10 +64,7 @@ SWEEP_SPLIT = [0.5, 1.5, 2.0]
 CANDS = "caps"      # the sweep's candidate family (--cands)
 NCU_SHAPES = [(34816, 5120, "MLP gate+up"), (5120, 6144, "attn o / GDN out"), (248320, 5120, "lm_head")]
 if SMOKE:
-    SHAPES = [(96, 256, "a"), (64, 512, "b")]
     READ = [(1, 64, 1), (2, 128, 2)]
-    CHAIN = [(96, 256), (64, 512)]
-    LAYERS = 2
     SWEEP_MAXNREG = [96]
     SWEEP_WARPS = [(4, 0)]
     SWEEP_SPLIT = [2.0]
@@ -99,16 +94,9 @@ def sms() -> int:
     return torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 4
 
 
-class Log:
-    def __init__(self, out: str | None):
-        self.f = open(os.path.join(out, "q4_floor.jsonl"), "a") if out else None
-
-    def __call__(self, kind: str, **kw) -> None:
-        line = json.dumps({"kind": kind, **kw})
-        print(line, flush=True)
-        if self.f:
-            self.f.write(line + "\n")
-            self.f.flush()
+def Log(out: str | None) -> _Log:
+    """One JSON line per record on stdout and in OUT/q4_floor.jsonl."""
+    return _Log(out, name="q4_floor.jsonl")
 
 
 def t_us(fns) -> float:
@@ -160,9 +148,9 @@ def row_invariant(fn, x: torch.Tensor) -> bool:
     return ok and all(torch.equal(fn(x[i:i + 1])[0], full[i]) for i in range(x.shape[0]))
 
 
-def gsums(x: torch.Tensor) -> torch.Tensor:
-    """x's group sums as the kernel that wrote x hands them along (float32 [M, K / G])."""
-    return x.float().view(x.shape[0], -1, G).sum(-1).contiguous()
+def gsums(x: torch.Tensor, g: int = G) -> torch.Tensor:
+    """x's group sums as the kernel that wrote x hands them along (float32 [M, K / g])."""
+    return x.float().view(x.shape[0], -1, g).sum(-1).contiguous()
 
 
 class NoCombine:

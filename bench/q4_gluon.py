@@ -34,7 +34,6 @@ so this kernel has no CPU test: one more reason it stays a bench experiment.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -50,12 +49,12 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from linear import PEAK, graph_time, n_copies, random_q4  # noqa: E402
+from q4_floor import SHAPES, gsums, row_invariant  # noqa: E402
+from tp import Log  # noqa: E402
 
 from specfire.ops.triton_quant import _ASM_Q4, _locks, q4_config, q4_group  # noqa: E402
 
 G = 128
-SHAPES = [(34816, 5120, "MLP gate+up"), (5120, 17408, "MLP down"), (16384, 5120, "GDN qkv+z"),
-          (5120, 6144, "attn o / GDN out"), (14336, 5120, "attn q+gate,k,v"), (248320, 5120, "lm_head")]
 ASM = gl.constexpr(_ASM_Q4)
 # one code word (bytes b0..b3) -> bf16 128 + low nibble of b0..b3 ($0..$3), of the high nibbles ($4..$7)
 ASM_W = gl.constexpr("""{
@@ -221,16 +220,6 @@ def q4_gluon(x: torch.Tensor, qw, xs: torch.Tensor, block_n: int = 64, split_k: 
     return y
 
 
-def gsums(x: torch.Tensor) -> torch.Tensor:
-    return x.float().view(x.shape[0], -1, G).sum(-1).contiguous()
-
-
-def row_invariant(fn, x: torch.Tensor) -> bool:
-    full = fn(x)
-    ok = all(torch.equal(fn(x[:m]), full[:m]) for m in range(1, x.shape[0] + 1))
-    return ok and all(torch.equal(fn(x[i:i + 1])[0], full[i]) for i in range(x.shape[0]))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT"))
@@ -241,14 +230,7 @@ def main() -> None:
     ap.add_argument("--diag", action="store_true", help="also time the loop without the nibble conversion")
     args = ap.parse_args()
     t0 = time.monotonic()
-    f = open(os.path.join(args.out, "q4_gluon.jsonl"), "a") if args.out else None
-
-    def log(kind, **kw):
-        line = json.dumps({"kind": kind, **kw})
-        print(line, flush=True)
-        if f:
-            f.write(line + "\n")
-            f.flush()
+    log = Log(args.out, name="q4_gluon.jsonl")
     log("start", commit=args.commit, torch=torch.__version__, triton=triton.__version__,
         device=torch.cuda.get_device_name())
     cfgs = [tuple(float(v) for v in c.split(",")) for c in args.configs.split(";") if c]

@@ -35,11 +35,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
+from q4_floor import SHAPES, gsums, row_invariant  # noqa: E402
 from specfire.ops.triton_quant import _codes, _locks, _mm, q4_config, q4_group  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-SHAPES = [(34816, 5120, "MLP gate+up"), (5120, 17408, "MLP down"), (16384, 5120, "GDN qkv+z"),
-          (5120, 6144, "attn o / GDN out"), (14336, 5120, "attn q+gate,k,v"), (248320, 5120, "lm_head")]
 
 
 @triton.jit
@@ -126,16 +125,6 @@ def q4_streamk(x: torch.Tensor, qw, xs: torch.Tensor, progs: int, warps: int = 2
     return y
 
 
-def gsums(x: torch.Tensor, g: int) -> torch.Tensor:
-    return x.float().view(x.shape[0], -1, g).sum(-1).contiguous()
-
-
-def row_invariant(fn, x: torch.Tensor) -> bool:
-    full = fn(x)
-    ok = all(torch.equal(fn(x[:m]), full[:m]) for m in range(1, x.shape[0] + 1))
-    return ok and all(torch.equal(fn(x[i:i + 1])[0], full[i]) for i in range(x.shape[0]))
-
-
 def smoke() -> None:
     """CPU (interpreter, float32): against the dequantized reference, row-invariant, several grids."""
     from specfire.ops.quant import QuantWeight, quantize_tensor
@@ -165,14 +154,8 @@ def main() -> None:
         smoke()
         return
     from linear import PEAK, graph_time, n_copies, random_q4
-    f = open(os.path.join(args.out, "q4_streamk.jsonl"), "a") if args.out else None
-
-    def log(kind, **kw):
-        line = json.dumps({"kind": kind, **kw})
-        print(line, flush=True)
-        if f:
-            f.write(line + "\n")
-            f.flush()
+    from tp import Log
+    log = Log(args.out, name="q4_streamk.jsonl")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     log("start", commit=args.commit, torch=torch.__version__, triton=triton.__version__,
         device=torch.cuda.get_device_name(), sms=sms)
