@@ -62,9 +62,13 @@ SWEEP_MAXNREG = [96, 88, 80]
 SWEEP_WARPS = [(4, 0), (4, 64)]
 SWEEP_SPLIT = [0.5, 1.5, 2.0]
 CANDS = "caps"      # the sweep's candidate family (--cands)
+FIT_N = [5120, 16384, 34816]
+FIT_K = [2048, 5120, 10240, 17408]
 NCU_SHAPES = [(34816, 5120, "MLP gate+up"), (5120, 6144, "attn o / GDN out"), (248320, 5120, "lm_head")]
 if SMOKE:
     READ = [(1, 64, 1), (2, 128, 2)]
+    FIT_N = [64]
+    FIT_K = [256, 512, 1024]
     SWEEP_MAXNREG = [96]
     SWEEP_WARPS = [(4, 0)]
     SWEEP_SPLIT = [2.0]
@@ -343,6 +347,40 @@ def sweep(log: Log, deadline: float, adopt: str | None) -> None:
     log("adopted", table=table)
 
 
+def fit(log: Log, best_read: dict) -> None:
+    """t(launch) against its bytes: for N in FIT_N, the GEMV (q4_config's settings, M = 1, sums handed
+    along) and the read kernel (p8 b1024 w4) over K in FIT_K; a least-squares line t = a + bytes / b
+    per N: a is what a launch costs before its bytes stream, b the rate they stream at."""
+    for n in FIT_N:
+        pts, rpts = [], []
+        for k in FIT_K:
+            qw0 = random_q4(n, k, G, DEV)
+            nbytes = qw0.nbytes()
+            qws = [qw0] + [random_q4(n, k, G, DEV) for _ in range(n_copies(nbytes) - 1)]
+            x = torch.randn(1, k, device=DEV, dtype=BF)
+            xs = gsums(x)
+            b = q4_config(n, k, G)
+            t_us([lambda w=w: q4_group(x, [w], b, xs) for w in qws])                  # warm-up
+            t = t_us([lambda w=w: q4_group(x, [w], b, xs) for w in qws])
+            bufs = [torch.randint(-2 ** 31, 2 ** 31 - 1, (nbytes // 4,), device=DEV, dtype=torch.int32)
+                    for _ in range(n_copies(nbytes))]
+            r = t_us([read_launch(bf, (8, 1024, 4)) for bf in bufs])
+            pts.append((nbytes, t))
+            rpts.append((nbytes, r))
+            log("fit_point", n=n, k=k, mb=round(nbytes / 1e6, 2), cfg=str(b), gemv_us=round(t, 2), read_us=round(r, 2))
+            qws = qw0 = bufs = None
+            if not SMOKE:
+                torch.cuda.empty_cache()
+        rec = {"n": n}
+        for name, pp in (("gemv", pts), ("read", rpts)):
+            xs_ = np.array([p_[0] for p_ in pp], dtype=np.float64)
+            ys_ = np.array([p_[1] for p_ in pp], dtype=np.float64)
+            slope, icpt = np.polyfit(xs_, ys_, 1)
+            rec[name] = {"launch_us": round(float(icpt), 2),
+                         "stream_frac": round(float(1e6 / slope / PEAK), 4) if slope > 0 else None}
+        log("fit", **rec)
+
+
 def ncu_targets(log: Log) -> None:
     """Eager launches for a profiler (ncu): per shape of NCU_SHAPES, the GEMV as the model launches it at
     M = 1 (three times: profile the last) and the read kernel over the same bytes (p8 b1024 w4)."""
@@ -366,7 +404,7 @@ def main() -> None:
     ap.add_argument("--commit", default=None)
     ap.add_argument("--sizes-mb", default="4,8,16,32,64,128,256,700",
                     help="plain reads of these sizes too (MB), the read ceiling's curve")
-    ap.add_argument("--phases", default="floor,chain,sizes", help="comma list of floor, chain, sizes, sweep, ncu")
+    ap.add_argument("--phases", default="floor,chain,sizes", help="comma list of floor, chain, sizes, sweep, ncu, fit")
     ap.add_argument("--adopt", default=None, help="sweep: write the adopted settings here (quant_e2e --q4-configs)")
     ap.add_argument("--warm", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--workers", type=int, default=12)
@@ -393,6 +431,8 @@ def main() -> None:
         sweep(log, t0 + args.budget_s, args.adopt)
     if "ncu" in phases:
         ncu_targets(log)
+    if "fit" in phases:
+        fit(log, {})
     best_read: dict = {}
     if "floor" in phases:
         empty_time(log)
