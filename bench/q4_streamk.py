@@ -1,23 +1,23 @@
-"""An experiment (issue 12): the 4-bit GEMV as one flat, evenly split stream of (column tile, group)
-units per program ("stream-K"), against the engine's kernel, on the 27B launch shapes.
+"""An experiment (issue 12): the 4-bit GEMV over a fixed grid of programs, each streaming an equal run
+of (column tile, group) units ("stream-K"), against the engine's kernel, on the 27B launch shapes.
 
     PYTHONPATH=$PWD python bench/q4_streamk.py --out $OUT                            # GPU
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python bench/q4_streamk.py --smoke            # CPU: bits vs reference
 
 Why (bench/q4_floor.py, bench/q4_gluon.py): a layer launch of the engine kernel runs at 1.36-1.9x
 the time of a plain read of the same bytes, while its lm_head launch (7,760 programs, many waves)
-streams at 92%; leaving out the nibble conversion and the per-group scale loads altogether still
-leaves the layer launches at 44-74% (the lm_head then at 99%). So what holds them is how the work
-is cut into programs: a grid of (tile, split) programs that fills the GPU 0.7-1.6 times, each
-program's pipeline filled from empty and drained, a second, partial wave at reduced occupancy.
-Here the grid is a fixed number of programs (PROGS, about as many as fit at once) and the units
-tile-major, group-minor, are dealt out in equal contiguous runs: a program streams its run in one
-pipelined loop across tile boundaries (at a boundary it stores the tile's partial sum and starts a
-new one), and the last program of a tile to finish adds the tile's partials in run order. Every
-output element is the engine kernel's arithmetic (per group t = (128 + q) . x on the tensor cores,
-acc += s t + (z - 128 s) sum(x) in fp32), its groups summed in order within a run and the runs in
-order: row-invariant, a function of (N, K, PROGS) only (not of M). The bits differ from the
-engine kernel's, whose split points differ.
+streams at 92%, and leaving out the nibble conversion and the per-group scale loads still leaves the
+layer launches at 44-74%. The question here: is it how the work is cut into programs (a grid of
+(tile, split) programs filling the GPU 0.7-1.6 times, a partial last wave)? The grid is a fixed
+number of programs (about as many as fit at once), the units tile-major, group-minor, dealt out in
+equal contiguous runs; a run is cut at tile boundaries into 1-3 segments, each the engine kernel's
+own loop; a tile's runs store float32 partials that the last of them to finish adds in run order.
+Every output element is the engine kernel's arithmetic (per group t = (128 + q) . x on the tensor
+cores, acc += s t + (z - 128 s) sum(x) in fp32), its groups in order within a run and the runs in
+order: row-invariant, a function of (N, K, programs) only; the bits differ from the engine's, whose
+split points differ. Measured on one H200 (docs/BENCHMARKS.md, "Tenth wave"): as cheap per byte as
+the engine on long runs, and no win on any layer launch: a grid without a partial wave does not lift
+them.
 """
 from __future__ import annotations
 
@@ -48,70 +48,15 @@ def _owner(u, U, P):
 
 
 @triton.jit
-def _q4_sk_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, cnt_ptr, M, N, KH, stride_xm,
-                  n_groups: tl.constexpr, U, P, MAXSEG, BLOCK_N: tl.constexpr, G: tl.constexpr, TILE: tl.constexpr, ROWS_: tl.constexpr,
-                  ASM: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr):
-    pid = tl.program_id(0)
-    HALF: tl.constexpr = G // 2
-    u_lo = (pid * U) // P
-    u_hi = ((pid + 1) * U) // P
-    offs_r = tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, ROWS_)
-    offs_c = tl.arange(0, HALF)
-    m_mask = offs_m < M
-    x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_c[None, :]
-    acc = tl.zeros((BLOCK_N, ROWS_), dtype=tl.float32)
-    for u in tl.range(u_lo, u_hi, num_stages=STAGES):
-        tile = u // n_groups            # n_groups a constant: a multiply and a shift
-        g = u - tile * n_groups
-        offs_n = tile * BLOCK_N + offs_r
-        n_mask = offs_n < N
-        # codes in tiles of TILE rows (BLOCK_N == TILE): group g of tile t is TILE * HALF contiguous bytes
-        qb = tl.load(q_ptr + tile * (KH * TILE) + g * (TILE * HALF) + offs_r[:, None] * HALF + offs_c[None, :],
-                     mask=n_mask[:, None], other=0)
-        xe = tl.load(x_rows + g * G, mask=m_mask[:, None], other=0.0)
-        xo = tl.load(x_rows + g * G + HALF, mask=m_mask[:, None], other=0.0)
-        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32) - 128.0 * s
-        xs = tl.load(xs_ptr + offs_m * n_groups + g, mask=m_mask, other=0.0)
-        if IEEE:
-            xe = xe.to(tl.float32)
-            xo = xo.to(tl.float32)
-        lo, hi = _codes(qb, xe.dtype, ASM)
-        t = _mm(hi, tl.trans(xo), _mm(lo, tl.trans(xe), tl.zeros((BLOCK_N, ROWS_), dtype=tl.float32), IEEE), IEEE)
-        acc = tl.fma(t, s[:, None], acc)
-        acc = tl.fma(z[:, None], xs[None, :], acc)
-        if (g == n_groups - 1) | (u == u_hi - 1):       # the end of this program's run in the tile: its partial
-            first = _owner(tile * n_groups, U, P)
-            p_off = (tile * MAXSEG + pid - first) * (ROWS_ * BLOCK_N) + offs_m[None, :] * BLOCK_N + offs_r[:, None]
-            tl.store(part_ptr + p_off, acc, mask=n_mask[:, None] & m_mask[None, :])
-            acc = tl.zeros((BLOCK_N, ROWS_), dtype=tl.float32)
-    # each tile this program's run touched: the last run of it to arrive adds the tile's partials in
-    # run order (partials of a tile stored by one program each, in the loop above)
-    tl.debug_barrier()
-    for tile in range(u_lo // n_groups, (u_hi - 1) // n_groups + 1):
-        first = _owner(tile * n_groups, U, P)
-        nseg = _owner(tile * n_groups + n_groups - 1, U, P) - first + 1
-        cnt = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if cnt == nseg - 1:
-            offs_n = tile * BLOCK_N + offs_r
-            out_msk = (offs_n < N)[:, None] & m_mask[None, :]
-            p_off = (tile * MAXSEG) * (ROWS_ * BLOCK_N) + offs_m[None, :] * BLOCK_N + offs_r[:, None]
-            tot = tl.load(part_ptr + p_off, mask=out_msk, other=0.0, cache_modifier=".cg")
-            for sg in range(1, nseg):
-                tot += tl.load(part_ptr + p_off + sg * (ROWS_ * BLOCK_N), mask=out_msk, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptr + offs_m[None, :] * N + offs_n[:, None], tot.to(y_ptr.dtype.element_ty), mask=out_msk)
-            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
 def _q4_sk_seg_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, cnt_ptr, M, N, KH, stride_xm,
                       n_groups: tl.constexpr, U, P, MAXSEG, BLOCK_N: tl.constexpr, G: tl.constexpr,
                       TILE: tl.constexpr, ROWS_: tl.constexpr, ASM: tl.constexpr, IEEE: tl.constexpr,
                       STAGES: tl.constexpr):
-    """The same runs as _q4_sk_kernel, each cut at tile boundaries into 1-3 segments, every segment the
-    engine kernel's own loop (a fixed tile, groups in order, the next group's scales, zeros and sums
-    prefetched into registers): no branch and no division in the pipelined loop."""
+    """Program p's run of units [p U / P, (p + 1) U / P), cut at tile boundaries into 1-3 segments,
+    every segment the engine kernel's own loop (a fixed tile, groups in order, the next group's
+    scales, zeros and sums prefetched into registers): no branch and no division in the pipelined
+    loop (a first form, one flat loop over the units with the tile computed from the unit and the
+    partials stored under a branch, was ~1.2x slower per byte: docs/BENCHMARKS.md, commit 673f50e)."""
     pid = tl.program_id(0)
     HALF: tl.constexpr = G // 2
     u_lo = (pid * U) // P
@@ -171,8 +116,7 @@ def _q4_sk_seg_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, cnt_p
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
-def q4_streamk(x: torch.Tensor, qw, xs: torch.Tensor, progs: int, warps: int = 2, stages: int = 3,
-               segmented: bool = True) -> torch.Tensor:
+def q4_streamk(x: torch.Tensor, qw, xs: torch.Tensor, progs: int, warps: int = 2, stages: int = 3) -> torch.Tensor:
     """x [M <= 8, K] @ dequant(qw)^T -> [M, N] (x's dtype); xs: x's group sums float32 [M, K / G]."""
     m, k = x.shape
     n = qw.shape[0]
@@ -186,8 +130,7 @@ def q4_streamk(x: torch.Tensor, qw, xs: torch.Tensor, progs: int, warps: int = 2
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     part = torch.empty(tiles * maxseg * 8 * qw.tile, device=x.device, dtype=torch.float32)
     cnt = _locks(x.device, tiles)
-    kernel = _q4_sk_seg_kernel if segmented else _q4_sk_kernel
-    kernel[(progs,)](x, xs, qw.qtiled, qw.scales_t, qw.zeros_t, y, part, cnt, m, n, k // 2, x.stride(0),
+    _q4_sk_seg_kernel[(progs,)](x, xs, qw.qtiled, qw.scales_t, qw.zeros_t, y, part, cnt, m, n, k // 2, x.stride(0),
                             n_groups, units, progs, maxseg, BLOCK_N=qw.tile, G=g, TILE=qw.tile, ROWS_=8,
                             ASM=x.dtype == torch.bfloat16 and not INTERPRET, IEEE=x.dtype == torch.float32,
                             STAGES=stages, num_warps=warps, num_stages=stages)
@@ -204,16 +147,11 @@ def smoke() -> None:
         qw = QuantWeight.from_stored(q, s, z, False, torch.float32, "cpu")
         x = torch.randn(5, k)
         ref = x @ qw.dequantize().float().T
-        ys = []
-        for seg in (False, True):
-            y = q4_streamk(x, qw, gsums(x, g), progs, segmented=seg)
-            err = float((y - ref).abs().max() / ref.abs().max())
-            inv = row_invariant(lambda xx: q4_streamk(xx, qw, gsums(xx, g), progs, segmented=seg), x)
-            print(json.dumps({"shape": [n, k], "g": g, "progs": progs, "segmented": seg, "rel_err": err,
-                              "row_invariant": inv}))
-            assert err < 1e-5 and inv
-            ys.append(y)
-        assert torch.equal(ys[0], ys[1])          # the same runs, the same arithmetic: the same bits
+        y = q4_streamk(x, qw, gsums(x, g), progs)
+        err = float((y - ref).abs().max() / ref.abs().max())
+        inv = row_invariant(lambda xx: q4_streamk(xx, qw, gsums(xx, g), progs), x)
+        print(json.dumps({"shape": [n, k], "g": g, "progs": progs, "rel_err": err, "row_invariant": inv}))
+        assert err < 1e-5 and inv
 
 
 def main() -> None:
@@ -222,7 +160,6 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--progs", default="8,10,12", help="programs per SM to try")
     ap.add_argument("--warps-stages", default="2,3;2,4", help="num_warps,num_stages ; ...")
-    ap.add_argument("--forms", default="seg", help="comma list of seg (runs cut at tile boundaries), flat")
     ap.add_argument("--commit", default=None)
     args = ap.parse_args()
     if args.smoke:
@@ -247,19 +184,17 @@ def main() -> None:
             xm, sm = x8[:m].contiguous(), gsums(x8[:m], 128)
             rec["engine"][f"m{m}_us"] = round(graph_time([lambda w=w: q4_group(xm, [w], base, sm) for w in qws]) * 1e6, 2)
         rec["engine"]["m1_frac"] = round(nbytes / (rec["engine"]["m1_us"] * 1e-6) / PEAK, 4)
-        for form, pps, ws in [(f_, p_, w_) for f_ in args.forms.split(",")
-                              for p_ in (int(v) for v in args.progs.split(",")) for w_ in args.warps_stages.split(";")]:
+        for pps, ws in [(p_, w_) for p_ in (int(v) for v in args.progs.split(",")) for w_ in args.warps_stages.split(";")]:
             nw, ns = (int(v) for v in ws.split(","))
-            seg = form == "seg"
-            key = f"{form} progs {pps}x{sms} w{nw} s{ns}"
+            key = f"progs {pps}x{sms} w{nw} s{ns}"
             try:
-                got = q4_streamk(x8, qw0, gsums(x8, 128), pps * sms, nw, ns, seg)
+                got = q4_streamk(x8, qw0, gsums(x8, 128), pps * sms, nw, ns)
                 r = {"rel_err_vs_engine": float((got.float() - ref.float()).abs().max() / ref.float().abs().max()),
                      "row_invariant": row_invariant(
-                         lambda xx: q4_streamk(xx, qw0, gsums(xx, 128), pps * sms, nw, ns, seg), x8)}
+                         lambda xx: q4_streamk(xx, qw0, gsums(xx, 128), pps * sms, nw, ns), x8)}
                 for m in (1, 4):
                     xm, sm = x8[:m].contiguous(), gsums(x8[:m], 128)
-                    t = graph_time([lambda w=w: q4_streamk(xm, w, sm, pps * sms, nw, ns, seg) for w in qws]) * 1e6
+                    t = graph_time([lambda w=w: q4_streamk(xm, w, sm, pps * sms, nw, ns) for w in qws]) * 1e6
                     r[f"m{m}_us"] = round(t, 2)
                     r[f"m{m}_frac"] = round(nbytes / (t * 1e-6) / PEAK, 4)
             except Exception as e:  # noqa: BLE001 - a setting that does not compile or launch
