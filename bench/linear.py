@@ -174,6 +174,13 @@ def random_q4(n: int, k: int, g: int, dev: str) -> QuantWeight:
     return QuantWeight.from_stored(q, s, z, False, BF, dev)
 
 
+def rotated_q4(n: int, k: int, g: int, dev: str) -> list[QuantWeight]:
+    """Random 4-bit weights of one shape, as many copies as rotate past L2 (n_copies): timed calls
+    cycle through them so no call finds its weight in L2. The first is the one the bits are checked on."""
+    w0 = random_q4(n, k, g, dev)
+    return [w0] + [random_q4(n, k, g, dev) for _ in range(n_copies(w0.nbytes()) - 1)]
+
+
 def torch_int4(n: int, k: int, g: int, dev: str):
     """torch's own int4 matmul (tinygemm) on the same bytes, or None where this build lacks it."""
     try:
@@ -351,9 +358,8 @@ def bench_q4_rows(res: dict, budget: float, adopt_path: str | None) -> None:
     for si, (n, k, name) in enumerate(Q4_LAUNCH):
         left = budget - (time.time() - t0)
         end = time.time() + left / (len(Q4_LAUNCH) - si)      # this shape's share of what is left
-        qw0 = random_q4(n, k, g, DEV)
-        nbytes = qw0.nbytes()
-        qws = [qw0] + [random_q4(n, k, g, DEV) for _ in range(n_copies(nbytes) - 1)]
+        qws = rotated_q4(n, k, g, DEV)
+        qw0, nbytes = qws[0], qws[0].nbytes()
         x16 = torch.randn(16, k, device=DEV, dtype=BF)
         ref = x16.float() @ qw0.dequantize().t()
         base = q4_config(n, k, g)

@@ -43,7 +43,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import linear  # noqa: E402
-from linear import PEAK, SMOKE, graph_time, n_copies, random_q4  # noqa: E402
+from linear import PEAK, SMOKE, graph_time, n_copies, random_q4, rotated_q4  # noqa: E402
 from q4_rows4 import CHAIN, LAYERS, SHAPES  # noqa: E402  (the 27B launch shapes and the GDN-like chain)
 from tp import Log as _Log  # noqa: E402
 
@@ -178,9 +178,8 @@ def per_shape(log: Log, deadline: float, best_read: dict) -> None:
         if time.monotonic() > deadline:
             log("skipped", shape=[n, k], why="budget")
             continue
-        qw0 = random_q4(n, k, G, DEV)
-        nbytes = qw0.nbytes()
-        qws = [qw0] + [random_q4(n, k, G, DEV) for _ in range(n_copies(nbytes) - 1)]
+        qws = rotated_q4(n, k, G, DEV)
+        qw0, nbytes = qws[0], qws[0].nbytes()
         x16 = torch.randn(16, k, device=DEV, dtype=BF)
         xs16 = gsums(x16)
         b = q4_config(n, k, G)
@@ -303,9 +302,8 @@ def sweep(log: Log, deadline: float, adopt: str | None) -> None:
         if time.monotonic() > deadline:
             log("skipped", what="sweep", shape=[n, k], why="budget")
             continue
-        qw0 = random_q4(n, k, G, DEV)
-        nbytes = qw0.nbytes()
-        qws = [qw0] + [random_q4(n, k, G, DEV) for _ in range(n_copies(nbytes) - 1)]
+        qws = rotated_q4(n, k, G, DEV)
+        qw0, nbytes = qws[0], qws[0].nbytes()
         x16 = torch.randn(16, k, device=DEV, dtype=BF)
         base = q4_config(n, k, G)
         ref = q4_group(x16, [qw0], base, gsums(x16))[0]
@@ -354,9 +352,8 @@ def fit(log: Log, best_read: dict) -> None:
     for n in FIT_N:
         pts, rpts = [], []
         for k in FIT_K:
-            qw0 = random_q4(n, k, G, DEV)
-            nbytes = qw0.nbytes()
-            qws = [qw0] + [random_q4(n, k, G, DEV) for _ in range(n_copies(nbytes) - 1)]
+            qws = rotated_q4(n, k, G, DEV)
+            nbytes = qws[0].nbytes()
             x = torch.randn(1, k, device=DEV, dtype=BF)
             xs = gsums(x)
             b = q4_config(n, k, G)
@@ -368,7 +365,7 @@ def fit(log: Log, best_read: dict) -> None:
             pts.append((nbytes, t))
             rpts.append((nbytes, r))
             log("fit_point", n=n, k=k, mb=round(nbytes / 1e6, 2), cfg=str(b), gemv_us=round(t, 2), read_us=round(r, 2))
-            qws = qw0 = bufs = None
+            qws = bufs = None
             if not SMOKE:
                 torch.cuda.empty_cache()
         rec = {"n": n}

@@ -48,7 +48,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from linear import PEAK, graph_time, n_copies, random_q4  # noqa: E402
+from linear import PEAK, graph_time, rotated_q4  # noqa: E402
 from q4_floor import SHAPES, gsums, row_invariant  # noqa: E402
 from tp import Log  # noqa: E402
 
@@ -238,9 +238,8 @@ def main() -> None:
         if time.monotonic() > t0 + args.budget_s:
             log("skipped", shape=[n, k], why="budget")
             continue
-        qw0 = random_q4(n, k, G, "cuda")
-        nbytes = qw0.nbytes()
-        qws = [qw0] + [random_q4(n, k, G, "cuda") for _ in range(n_copies(nbytes) - 1)]
+        qws = rotated_q4(n, k, G, "cuda")
+        qw0, nbytes = qws[0], qws[0].nbytes()
         x8 = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
         base = q4_config(n, k, G)
         ref = q4_group(x8, [qw0], base, gsums(x8))[0]

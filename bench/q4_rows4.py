@@ -39,7 +39,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import linear  # noqa: E402
-from linear import PEAK, SMOKE, graph_time, n_copies, random_q4  # noqa: E402
+from linear import PEAK, SMOKE, graph_time, random_q4, rotated_q4  # noqa: E402
 
 from specfire.ops import triton_quant as tq  # noqa: E402
 from specfire.ops.triton_quant import Q4Config, q4_config, q4_gemv  # noqa: E402
@@ -153,9 +153,8 @@ def per_shape(log: Log, adopted: dict, deadline: float) -> bool:
         if time.monotonic() > deadline:
             log("skipped", shape=[n, k], why="budget")
             continue
-        qw0 = random_q4(n, k, G, DEV)
-        nbytes = qw0.nbytes()
-        qws = [qw0] + [random_q4(n, k, G, DEV) for _ in range(n_copies(nbytes) - 1)]
+        qws = rotated_q4(n, k, G, DEV)
+        qw0, nbytes = qws[0], qws[0].nbytes()
         x8 = torch.randn(8, k, device=DEV, dtype=BF)
         b = base_cfg(n, k)
         tq.M_TILES.clear()
@@ -214,9 +213,8 @@ def draft(log: Log, adopted: dict) -> bool:
     split-K, so the same bits: checked), DISCARD and COMBINE_ILP on (no split: they do nothing);
     the fastest adopted for M = 1 where >= 2% faster."""
     n, k = DRAFT
-    qw0 = random_q4(n, k, G, DEV)
-    nbytes = qw0.nbytes()
-    qws = [qw0] + [random_q4(n, k, G, DEV) for _ in range(n_copies(nbytes) - 1)]
+    qws = rotated_q4(n, k, G, DEV)
+    qw0, nbytes = qws[0], qws[0].nbytes()
     x8 = torch.randn(8, k, device=DEV, dtype=BF)
     b = base_cfg(n, k)
     tq.M_TILES.clear()

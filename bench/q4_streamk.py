@@ -165,7 +165,7 @@ def main() -> None:
     if args.smoke:
         smoke()
         return
-    from linear import PEAK, graph_time, n_copies, random_q4
+    from linear import PEAK, graph_time, rotated_q4
     from tp import Log
     log = Log(args.out, name="q4_streamk.jsonl")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -173,9 +173,8 @@ def main() -> None:
         device=torch.cuda.get_device_name(), sms=sms)
     t0 = time.monotonic()
     for n, k, label in SHAPES:
-        qw0 = random_q4(n, k, 128, "cuda")
-        nbytes = qw0.nbytes()
-        qws = [qw0] + [random_q4(n, k, 128, "cuda") for _ in range(n_copies(nbytes) - 1)]
+        qws = rotated_q4(n, k, 128, "cuda")
+        qw0, nbytes = qws[0], qws[0].nbytes()
         x8 = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
         base = q4_config(n, k, 128)
         ref = q4_group(x8, [qw0], base, gsums(x8, 128))[0]
