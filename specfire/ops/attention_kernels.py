@@ -16,8 +16,7 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
-import triton.language as tl
+from ._triton import triton, tl
 
 from . import pdl
 from .pdl import wait as pdl_wait

@@ -14,8 +14,7 @@ tensor-parallel shard holds. A 16-bit or float32 cache only; the Q8 cache keeps 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+from ._triton import triton, tl
 
 from . import attention as attn_ops
 from . import lanes, pdl, xsum

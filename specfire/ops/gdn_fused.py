@@ -46,8 +46,7 @@ takes 0.1 ms off the 4-row verify graph and nothing off or onto the 1-row one (d
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+from ._triton import triton, tl
 
 from . import gdn as gdn_ops
 from . import lanes, pdl

@@ -13,8 +13,7 @@ equal decode rows bit for bit.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+from ._triton import triton, tl
 
 BV = 16         # value columns per program
 NUM_WARPS = 1   # with BV = 16: measured best on the H200 for 2..16 rows (docs/BENCHMARKS.md)

@@ -32,8 +32,7 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
-import triton.language as tl
+from ._triton import triton, tl
 
 from . import pdl, xsum
 from .norm import rms_norm_ref

@@ -27,8 +27,7 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
-import triton.language as tl
+from ._triton import triton, tl
 
 ENABLED = os.environ.get("SPECFIRE_PDL", "1") != "0"
 # where a PDL kernel releases its successor: WAIT_FIRST (1) right after its own wait, so launches

@@ -15,8 +15,7 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
+from ._triton import triton, tl
 
 from . import pdl
 from .pdl import wait as pdl_wait

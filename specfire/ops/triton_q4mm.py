@@ -32,8 +32,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+from ._triton import triton, tl
 
 MODES = ("dequant", "fused", "torch")
 MODE = os.environ.get("SPECFIRE_Q4_PREFILL", "dequant")

@@ -58,8 +58,7 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
+from ._triton import triton, tl
 
 from . import pdl, xsum
 from .pdl import prefetch_l2

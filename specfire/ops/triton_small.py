@@ -10,8 +10,7 @@ program handles whole rows, so every op is row-invariant.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+from ._triton import triton, tl
 
 from . import pdl, xsum
 from .pdl import wait as pdl_wait

@@ -9,8 +9,7 @@ ops/triton_tree_loop.py. All run the row-invariant 16-row tile of ops/triton_gem
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+from ._triton import triton, tl
 
 from . import pdl
 from .pdl import wait as pdl_wait

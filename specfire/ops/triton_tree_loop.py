@@ -12,8 +12,7 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
-import triton.language as tl
+from ._triton import triton, tl
 
 from .triton_gemv import ROWS, GemvConfig, fit_stages, gemv_config
 from .triton_splitk import tile_counters

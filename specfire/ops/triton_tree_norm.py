@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
-import triton.language as tl
+from ._triton import triton, tl
 
 SPIN_LIMIT = 1 << 26      # polls of the arrival counter before giving up (a dead peer: no eternal hang);
                           # then word 2 of the sync words is set and later waits on the buffer are skipped
