@@ -110,6 +110,13 @@ def test_half_sent_headers_get_408(server):
     assert b"--header-timeout" in got
 
 
+def test_silent_connection_is_closed(server):
+    """A connection that sends nothing is closed at the header deadline, unanswered."""
+    with socket.create_connection(("127.0.0.1", server["port"])) as s:
+        s.settimeout(8)
+        assert s.recv(100) == b""          # the server's close, not this side's timeout
+
+
 def test_stalled_body_gets_408(server):
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             b"Content-Length: 500\r\n\r\n")

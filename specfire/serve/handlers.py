@@ -97,7 +97,8 @@ def require_json(request: Request) -> None:
     ctype = request.headers.get("content-type")
     if ctype is None or ctype.split(";")[0].strip().lower() != "application/json":
         got = repr(ctype) if ctype is not None else "none"
-        raise RequestError(f"Content-Type must be application/json, got {got}", None, 415,
+        raise RequestError(f"Content-Type must be application/json, got {got} (send the header "
+                           f"'Content-Type: application/json'; curl -d alone sends a form)", None, 415,
                            code="unsupported_media_type")
 
 

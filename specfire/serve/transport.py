@@ -14,7 +14,7 @@ import math
 import resource
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .metrics import Metrics
@@ -142,6 +142,7 @@ def guarded_protocol(max_connections: int, header_timeout: float, refusing: int,
 
     class GuardedH11Protocol(H11Protocol):
         refused = False
+        heard = False                                  # some of the pending request has arrived
         header_timer: asyncio.TimerHandle | None = None
         linger_timer: asyncio.TimerHandle | None = None
 
@@ -149,7 +150,7 @@ def guarded_protocol(max_connections: int, header_timeout: float, refusing: int,
             super().connection_made(transport)
             n = len(self.connections)
             if n <= max_connections:
-                self._arm(header_timeout, self._header_timeout)
+                self._arm()
                 return
             self.refused = True
             if n > max_connections + refusing:
@@ -168,8 +169,10 @@ def guarded_protocol(max_connections: int, header_timeout: float, refusing: int,
             if self.refused:                           # its request, read (closing with it unread would send a
                 self.transport.close()                 # reset, which can discard the 503 before the client reads it)
                 return
-            if self.header_timer is None and self.conn.their_state is h11.IDLE:
-                self._arm(header_timeout, self._header_timeout)   # the next request on a kept-alive connection
+            if self.conn.their_state is h11.IDLE:
+                if self.header_timer is None:
+                    self._arm()                        # the next request on a kept-alive connection
+                self.heard = True
             super().data_received(data)
             if self.conn.their_state is not h11.IDLE:
                 self._disarm()
@@ -180,21 +183,24 @@ def guarded_protocol(max_connections: int, header_timeout: float, refusing: int,
                 self.linger_timer.cancel()
             super().connection_lost(exc)
 
-        def _arm(self, delay: float, fn: Callable[[], None]) -> None:
+        def _arm(self) -> None:
             self._disarm()
-            self.header_timer = self.loop.call_later(delay, fn)
+            self.header_timer = self.loop.call_later(header_timeout, self._header_timeout)
 
         def _disarm(self) -> None:
             if self.header_timer is not None:
                 self.header_timer.cancel()
                 self.header_timer = None
+            self.heard = False
 
         def _header_timeout(self) -> None:
+            """408 for a request begun and not finished; a connection that sent nothing is just closed."""
             self.header_timer = None
             if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                if metrics is not None:
-                    metrics.http_error(408)
-                self.transport.write(late)
+                if self.heard:
+                    if metrics is not None:
+                        metrics.http_error(408)
+                    self.transport.write(late)
                 self.transport.close()
 
     return GuardedH11Protocol
