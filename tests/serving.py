@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Any
 
 import httpx
 
@@ -18,14 +19,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: list[str], log_path: str, timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
-    """`specfire serve ARGS --port P`; output goes to log_path (a pipe nobody reads could fill up)."""
+def start_server(args: list[str], log_path: str, timeout: float = 120.0, env: dict[str, str] | None = None,
+                 launcher: list[str] | None = None, **popen: Any) -> tuple[subprocess.Popen, str]:
+    """`specfire serve ARGS --port P`; output goes to log_path (a pipe nobody reads could fill up).
+    env: variables set on top of this process's; launcher: the command before `serve` (default
+    `python -m specfire.cli`); popen: more subprocess.Popen arguments (e.g. preexec_fn)."""
     port = free_port()
     # one intra-op thread: tiny models gain nothing from more, and a busy CI box loses a lot
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
+           **(env or {})}
     log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "specfire.cli", "serve", *args, "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    cmd = launcher or [sys.executable, "-m", "specfire.cli"]
+    proc = subprocess.Popen([*cmd, "serve", *args, "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, text=True, **popen)
     log.close()
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout

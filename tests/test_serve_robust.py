@@ -152,7 +152,8 @@ def test_request_size_limit_and_health(server):
             for _ in range(LIMIT // 10_000 + 5):
                 yield b" " * 10_000
 
-        r = httpx.post(server["base"] + "/v1/completions", content=chunks(), timeout=30)
+        r = httpx.post(server["base"] + "/v1/completions", content=chunks(), timeout=30,
+                       headers={"Content-Type": "application/json"})
         assert r.status_code == 413
         # just under the limit: parsed off the event loop and refused as too long for the context
         for _ in range(3):

@@ -9,19 +9,20 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
+from .guard import Access, AccessMiddleware, check_api_key
 from .metrics import Metrics
 from .schema import RequestError
+from .transport import BODY_TIMEOUT_S, MAX_REQUEST_BYTES
 from .worker import EngineWorker
 
 if TYPE_CHECKING:
     from ..api import LLM
 
 log = logging.getLogger("specfire")
-
-DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 
 
 @dataclass
@@ -31,7 +32,8 @@ class ServeState:
     llm: "LLM"
     model_name: str
     api_key: str | None = None
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_request_bytes: int = MAX_REQUEST_BYTES
+    body_timeout: float = BODY_TIMEOUT_S
     metrics: Metrics = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
     worker: EngineWorker | None = None
@@ -47,22 +49,25 @@ class ServeState:
 
 
 def build_app(llm: "LLM", model_name: str, api_key: str | None = None, close_llm: bool = False,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              sampling_defaults: dict[str, Any] | None = None) -> FastAPI:
+              max_request_bytes: int = MAX_REQUEST_BYTES,
+              sampling_defaults: dict[str, Any] | None = None, access: Access | None = None,
+              body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
     """The app serving `llm` as `model_name`. Its lifespan starts the engine worker and, on
     shutdown, cancels running work and (with close_llm) frees the model. `sampling_defaults`:
     sampling fields (the penalties from `specfire serve`'s flags) for requests that leave them
     out; they override the model's own defaults (`llm.generation_defaults`, from its
-    generation_config.json), which override the built-in ones."""
+    generation_config.json), which override the built-in ones. `access`: the allowed origins and
+    hosts (default: no foreign Origin, any Host). An empty `api_key` means none."""
     from . import handlers
 
     if max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
+    api_key = check_api_key(api_key)
     from ..config import SamplingParams
 
     SamplingParams(**dict(sampling_defaults or {}))   # a bad default is refused here, not per request
     defaults = {**llm.generation_defaults.as_dict(), **(sampling_defaults or {})}
-    st = ServeState(llm, model_name, api_key, max_request_bytes, sampling_defaults=defaults)
+    st = ServeState(llm, model_name, api_key, max_request_bytes, body_timeout, sampling_defaults=defaults)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -77,7 +82,9 @@ def build_app(llm: "LLM", model_name: str, api_key: str | None = None, close_llm
 
     app = FastAPI(title="specfire", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = st
+    app.add_middleware(AccessMiddleware, access=access or Access(), on_refused=st.metrics.http_error)
     app.add_exception_handler(RequestError, request_error)            # type: ignore[arg-type]
+    app.add_exception_handler(ClientDisconnect, client_gone)          # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, http_error)     # type: ignore[arg-type]
     app.add_exception_handler(Exception, internal_error)
     app.add_api_route("/health", handlers.health, methods=["GET"])
@@ -94,7 +101,15 @@ def state_of(request: Request) -> ServeState:
 
 def error_response(request: Request, e: RequestError) -> JSONResponse:
     state_of(request).metrics.http_error(e.status)
-    return JSONResponse(e.body(), status_code=e.status)
+    # a body refused unread (too large, too slow): the connection cannot carry another request
+    headers = {"connection": "close"} if e.status in (408, 413) else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+async def client_gone(request: Request, e: ClientDisconnect) -> Response:
+    """The client hung up while sending its request: nobody to answer, nothing went wrong here."""
+    state_of(request).metrics.client_disconnected()
+    return Response(status_code=499)
 
 
 async def request_error(request: Request, e: RequestError) -> JSONResponse:

@@ -54,7 +54,7 @@ async def models(request: Request) -> JSONResponse:
     authorize(st, request)
     return JSONResponse({"object": "list", "data": [{
         "id": st.model_name, "object": "model", "created": st.created, "owned_by": "specfire",
-        "root": st.llm.path, "max_model_len": st.llm.max_model_len}]})
+        "root": st.model_name, "max_model_len": st.llm.max_model_len}]})
 
 
 async def chat_completions(request: Request) -> Response:
@@ -68,7 +68,8 @@ async def completions(request: Request) -> Response:
 async def _generate(request: Request, chat: bool) -> Response:
     st = state_of(request)
     authorize(st, request)
-    raw = await read_body(request, st.max_request_bytes)
+    require_json(request)
+    raw = await read_body(request, st.max_request_bytes, st.body_timeout)
     prep = await asyncio.to_thread(prepare, st, raw, chat)
     return await relay.respond(request, st, prep)
 
@@ -90,14 +91,34 @@ def too_large(size: int | str, limit: int) -> RequestError:
                         f"(--max-request-bytes)", None, 413, code="request_too_large")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it is known to exceed `limit` bytes."""
+def require_json(request: Request) -> None:
+    """A JSON body must say so: a browser sends text/plain or a form cross-site without asking
+    first (CORS lets those through unchecked), application/json only after a preflight."""
+    ctype = request.headers.get("content-type")
+    if ctype is None or ctype.split(";")[0].strip().lower() != "application/json":
+        got = repr(ctype) if ctype is not None else "none"
+        raise RequestError(f"Content-Type must be application/json, got {got} (send the header "
+                           f"'Content-Type: application/json'; curl -d alone sends a form)", None, 415,
+                           code="unsupported_media_type")
+
+
+async def read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed `limit` bytes, and with 408
+    when `timeout` seconds pass without a piece of it."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large(declared, limit)
     parts: list[bytes] = []
     n = 0
-    async for piece in request.stream():
+    pieces = request.stream().__aiter__()
+    while True:
+        try:
+            piece = await asyncio.wait_for(pieces.__anext__(), timeout)
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise RequestError(f"the request body stalled: no data for {timeout:g} s (--body-timeout)", None, 408,
+                               code="request_timeout") from None
         n += len(piece)
         if n > limit:
             raise too_large(f"more than {limit}", limit)

@@ -44,6 +44,8 @@ class Metrics:
         for reason in FINISH_REASONS:
             self.success.labels(**m, finished_reason=reason)
         self.http_errors = counter("http_errors", "Requests refused with an HTTP error, by status code.", ["status"])
+        self.disconnects = counter("http_client_disconnects",
+                                   "Clients that hung up before their request was read whole (no answer sent).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests (cached ones included).")
         self.cached_tokens = counter("prompt_tokens_cached", "Prompt tokens served from the prefix cache.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
@@ -91,6 +93,9 @@ class Metrics:
 
     def http_error(self, status: int) -> None:
         self.http_errors.labels(**self.model, status=str(status)).inc()
+
+    def client_disconnected(self) -> None:
+        self.disconnects.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
