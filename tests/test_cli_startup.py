@@ -64,8 +64,9 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-@pytest.mark.parametrize("argv", [["serve", "--host", "127.0.0.1", "--port", "8123"], ["serve", "--help"]])
-def test_serve_without_fastapi_names_the_package(argv):
+def test_serve_without_fastapi_names_the_package():
+    """It said `unrecognized arguments: --host ... --port ...` (the flags were never registered)."""
+    argv = ["serve", "--host", "127.0.0.1", "--port", "8123"]
     p = subprocess.run([sys.executable, "-c", MISSING, "fastapi", *argv], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": REPO}, timeout=300)
     assert p.returncode == 2 and p.stdout == ""

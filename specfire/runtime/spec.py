@@ -268,12 +268,12 @@ class SpecStats(DraftCounts):
     cycles without patching."""
 
     on_cycle: OnCycle | None = None
-    routes: dict[str, tuple[list[int], DraftCounts]] = field(default_factory=dict)   # [steps, tokens], drafts
+    by_route: dict[str, tuple[list[int], DraftCounts]] = field(default_factory=dict)   # [steps, tokens], drafts
 
     def record(self, k: int, n: int, out: list[int], route: str = "ar") -> None:
         if self.on_cycle is not None:
             self.on_cycle(k, n, out)
-        steps, drafts = self.routes.setdefault(route, ([0, 0], DraftCounts()))
+        steps, drafts = self.by_route.setdefault(route, ([0, 0], DraftCounts()))
         steps[0] += 1
         steps[1] += len(out)
         if k == 0:
@@ -286,4 +286,4 @@ class SpecStats(DraftCounts):
         the order the routes first ran; `cycles` counts the steps that verified drafts."""
         return {r: {"steps": steps, "tokens": tokens, "cycles": d.cycles, "drafted": d.drafted,
                     "accepted": d.accepted, "mean_accept_len": d.mean_accept_len, "accept_per_pos": d.accept_per_pos}
-                for r, ([steps, tokens], d) in self.routes.items()}
+                for r, ([steps, tokens], d) in self.by_route.items()}
