@@ -34,7 +34,7 @@ def one_run(model: str | None, threads: int, mode: str, prompt: str, n: int, k: 
     if model:
         argv += ["--model", model]
     args = cli.build_parser().parse_args(argv)
-    cli._set_threads(args.threads)
+    cli.apply_threads(args.threads)
     # plain greedy, no penalty: the model's own speed, not its generation_config.json defaults
     # (the sampling flags are unset here, so `specfire run` would take those)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import functools
+import glob
 import os
 import sys
 from typing import Any, Iterator, Sequence
 
 import torch
 
-from .config import (GenerationDefaults, ModelConfig, SamplingParams, SpecPolicy, check_draft_vocab,
+from .config import (DTYPE_NAMES, GenerationDefaults, ModelConfig, SamplingParams, SpecPolicy, check_draft_vocab,
                      check_generation_config)
 from .errors import CheckpointError, PromptError, SpecfireError
 from .ops.attention import Q8_KV
@@ -23,7 +24,47 @@ from .tokenizer import Tokenizer
 BUNDLED_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bundled")
 KV_DTYPES = ("auto", "bf16", "fp32", "q8")
 
-__all__ = ["LLM", "SamplingParams", "SpecPolicy", "GenerationResult", "StreamChunk"]
+__all__ = ["LLM", "SamplingParams", "SpecPolicy", "GenerationResult", "StreamChunk", "set_threads"]
+
+# ---- CPU threads: the one policy of LLM() and the command line --------------------------------------
+# Single-stream decode is a chain of small ops: a second intra-op thread gains little on idle cores
+# and stalls every op when the cores are shared with other work (specfire/bundled/MODEL_CARD.md,
+# "CPU speed"), so a model on a CPU runs on one thread unless the process chose a count.
+CPU_THREADS = 1
+_threads_chosen = False                 # set_threads() was called (`specfire --threads N`)
+
+
+def set_threads(n: int) -> None:
+    """Use `n` intra-op CPU threads from now on; every LLM built afterwards keeps them."""
+    global _threads_chosen
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"threads must be a positive integer, got {n!r}")
+    torch.set_num_threads(n)
+    _threads_chosen = True
+
+
+def torch_start_threads() -> int:
+    """The intra-op count torch starts with when no variable sets it: one per physical core (its
+    cpuinfo count; the logical CPUs where the topology is not readable)."""
+    cores = set()
+    for f in glob.glob("/sys/devices/system/cpu/cpu[0-9]*/topology/thread_siblings_list"):
+        try:
+            with open(f, encoding="ascii") as fh:
+                cores.add(fh.read().strip())
+        except OSError:
+            pass
+    return len(cores) or os.cpu_count() or 1
+
+
+def default_threads() -> int | None:
+    """The threads an LLM on a CPU sets when given none: None (keep the count) where the process
+    chose one (set_threads, $OMP_NUM_THREADS / $MKL_NUM_THREADS, or torch.set_num_threads to other
+    than torch's start-up count), else CPU_THREADS."""
+    if _threads_chosen or os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS"):
+        return None
+    if torch.get_num_threads() != torch_start_threads():
+        return None
+    return CPU_THREADS
 
 
 def resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
@@ -33,11 +74,10 @@ def resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
         return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"dtype must be one of {', '.join(names)}, got {dtype!r}")
-    return names[dtype]
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
+    name = DTYPE_NAMES[dtype]
+    return resolve_dtype(None, device) if name is None else getattr(torch, name)
 
 
 def resolve_device(device: Any) -> torch.device:
@@ -53,12 +93,14 @@ def resolve_device(device: Any) -> torch.device:
 
 
 class LLM:
-    """A loaded model ready to generate. Use as a context manager or call close()."""
+    """A loaded model ready to generate. Use as a context manager or call close(). On a CPU it sets
+    the process's intra-op threads to `threads`, else to default_threads()'s choice."""
 
     def __init__(self, model: str | None = None, tp: int = 1, device: Any = None, dtype: Any = None,
                  kv_dtype: str = "auto", max_seq_len: int | None = None, spec: SpecPolicy | dict | str | None = None,
                  mtp_path: str | None = None, progress: bool | None = None, cuda_graphs: bool | None = None,
-                 ngram: tuple[int, int] = (1, 4), draft_vocab: int | None = None, generation_config: str = "auto"):
+                 ngram: tuple[int, int] = (1, 4), draft_vocab: int | None = None, generation_config: str = "auto",
+                 threads: int | None = None):
         self._closed = True                   # until the engine is built
         # "auto": the checkpoint's generation_config.json supplies the default sampling of a
         # request that passes no SamplingParams (get_default_sampling_params); "none": built-in
@@ -82,8 +124,14 @@ class LLM:
             raise CheckpointError(f"the bundled model is missing from {self.path}; pass a checkpoint path")
         if not os.path.isdir(self.path):
             raise CheckpointError(f"model path {self.path} is not a directory")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads must be a positive integer, got {threads!r}")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        if self.device.type == "cpu":         # the process's intra-op threads (default_threads)
+            n = threads if threads is not None else default_threads()
+            if n is not None:
+                torch.set_num_threads(n)
         self.cfg = ModelConfig.from_dir(self.path)
         self.generation_defaults = GenerationDefaults.from_dir(self.path, self.generation_config)
         self.tp = tp

@@ -1,126 +1,21 @@
 """`specfire run | info | serve | daemon | bench | quantize | train`.
 
-Errors caused by the user's input print one line to stderr and exit non-zero, no traceback."""
+Errors caused by the user's input print one line to stderr and exit non-zero, no traceback. The
+parser imports only the module of the subcommand it is given, and no torch: `--help` and a flag
+error answer at once; torch loads when the command runs."""
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import logging
 import sys
 import traceback
 from typing import Callable, NoReturn
 
-from .config import GENERATION_CONFIG_MODES, SamplingParams, SpecPolicy, SPEC_MODES
+from .config import SamplingParams
 from .errors import SpecfireError
-
-
-def add_model_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
-    """The flags that load a model (run, serve): the checkpoint positionally or with --model."""
-    if positional:
-        p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the bundled model)")
-    p.add_argument("--model", "-m", dest="model_flag", default=None, metavar="PATH",
-                   help="the checkpoint, as a flag" + (" (same as the positional MODEL)" if positional else ""))
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--kv-dtype", default="auto", help="auto | bf16 | fp32 | q8")
-    p.add_argument("--max-seq-len", type=int, default=None,
-                   help="context in tokens (default: the model's, at most 32768 on GPU and 8192 on CPU)")
-    p.add_argument("--spec", default="auto", choices=SPEC_MODES, help="speculation mode")
-    p.add_argument("--spec-k", type=int, default=3, help="draft length k (1..10)")
-    p.add_argument("--mtp-path", default=None, help="MTP head sidecar safetensors (default: in or beside the checkpoint)")
-    p.add_argument("--eager", action="store_true", help="launch kernels eagerly (no CUDA graphs)")
-    p.add_argument("--ngram-n", default="1:4", metavar="MIN:MAX", help="suffix lengths the n-gram drafter looks up")
-    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                   help="the MTP drafter scores token ids 0..N-1 only (a cheaper draft lm_head; output is "
-                        "unchanged, acceptance may drop); default: the whole vocabulary")
-    add_generation_config_arg(p)
-
-
-def add_generation_config_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--generation-config", default="auto", choices=GENERATION_CONFIG_MODES,
-                   help="auto: the checkpoint's generation_config.json sets the sampling (temperature, top_p, "
-                        "top_k, min_p, the penalties, max_new_tokens) that a request or flag leaves unset; none: "
-                        "specfire's built-in values (what vLLM's 'vllm' setting does)")
-
-
-def add_penalty_args(p: argparse.ArgumentParser, what: str = "") -> None:
-    """--repetition-penalty / --presence-penalty / --frequency-penalty (vLLM's meanings). Unset,
-    each takes the model's generation_config.json value, else its neutral value."""
-    model = ", else the model's generation_config.json value, else "
-    p.add_argument("--repetition-penalty", type=float, default=None,
-                   help="divide the positive logits of token ids already in the prompt or output by this "
-                        "(multiply negative ones); 1 is off" + what + model + "1")
-    p.add_argument("--presence-penalty", type=float, default=None,
-                   help="subtract this from the logit of every token id already generated (-2..2; 0 is off)"
-                        + what + model + "0")
-    p.add_argument("--frequency-penalty", type=float, default=None,
-                   help="subtract this times its count from the logit of every token id already generated "
-                        "(-2..2; 0 is off)" + what + model + "0")
-
-
-def penalty_kw(args: argparse.Namespace) -> dict[str, float]:
-    """The penalty flags given (a flag left out is not in the dict)."""
-    kw = {"repetition_penalty": args.repetition_penalty, "presence_penalty": args.presence_penalty,
-          "frequency_penalty": args.frequency_penalty}
-    return {k: v for k, v in kw.items() if v is not None}
-
-
-def model_defaults_line(llm, fields: list[str], off: str = "--generation-config none") -> str:
-    """The startup line that says which defaults the model's generation_config.json set (as vLLM
-    logs that the model's generation config overrode its default sampling parameters)."""
-    gd = llm.generation_defaults
-    notes = "".join(f"; {n}" for n in gd.notes if "temperature" in fields)
-    return (f"[specfire] default sampling from the model's generation_config.json: {gd.text(fields)}{notes} "
-            f"({off} for the built-in defaults)")
-
-
-# the flag behind each field a ValueError names first, so CLI errors speak of flags
-FLAGS = {"max_tokens": "-n/--max-tokens", "temperature": "-t/--temperature", "top_p": "--top-p",
-         "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed", "stop": "--stop", "spec.k": "--spec-k",
-         "spec.mode": "--spec", "tp": "--tp", "device": "--device", "dtype": "--dtype", "kv_dtype": "--kv-dtype",
-         "max_seq_len": "--max-seq-len", "ngram": "--ngram-n", "draft_vocab": "--draft-vocab",
-         "repetition_penalty": "--repetition-penalty", "presence_penalty": "--presence-penalty",
-         "frequency_penalty": "--frequency-penalty"}
-
-
-def flagged(e: ValueError) -> ValueError:
-    """The same error with its leading field name replaced by the flag that sets it."""
-    msg = str(e)
-    field, sep, rest = msg.partition(" ")
-    return ValueError(f"{FLAGS[field]} {rest}") if sep and field in FLAGS else e
-
-
-def model_path(args: argparse.Namespace) -> str | None:
-    pos, flag = getattr(args, "model", None), getattr(args, "model_flag", None)
-    if pos is not None and flag is not None and pos != flag:
-        raise ValueError(f"two models given ({pos!r} and --model {flag!r}); give one")
-    return pos if pos is not None else flag
-
-
-def load_model(args: argparse.Namespace):
-    from .api import LLM
-
-    try:
-        spec = SpecPolicy(mode=args.spec, k=args.spec_k)
-        ngram = _ngram_range(args.ngram_n)
-        return LLM(model_path(args), tp=args.tp, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
-                   max_seq_len=args.max_seq_len, spec=spec, mtp_path=args.mtp_path, progress=sys.stderr.isatty(),
-                   cuda_graphs=False if args.eager else None, ngram=ngram, draft_vocab=args.draft_vocab,
-                   generation_config=getattr(args, "generation_config", "auto"))
-    except SpecfireError:
-        raise
-    except ValueError as e:
-        raise flagged(e) from None
-
-
-def _ngram_range(text: str) -> tuple[int, int]:
-    try:
-        lo, hi = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise SpecfireError(f"--ngram-n must be MIN:MAX (two integers), got {text!r}") from None
-    return lo, hi
+# the model and sampling flags, also used by serve/http.py (imported from here)
+from .flags import add_model_args, add_penalty_args, flagged, load_model, model_defaults_line, penalty_kw  # noqa: F401
 
 
 # ---- run ----------------------------------------------------------------------------------------
@@ -208,6 +103,24 @@ def _info(args: argparse.Namespace) -> int:
 
 # ---- dispatch -----------------------------------------------------------------------------------
 
+class MissingPackage(SpecfireError):
+    """A subcommand needs a package this environment lacks."""
+
+
+# pip names for a missing module where they differ from it, or where its siblings go with it
+INSTALL = {"fastapi": "fastapi uvicorn", "uvicorn": "fastapi uvicorn", "starlette": "fastapi"}
+
+
+def missing_package(command: str, e: ImportError) -> SpecfireError:
+    """The error for a module `specfire COMMAND` failed to import: a package to install, or a part
+    of specfire this build lacks."""
+    name = (e.name or "").split(".")[0]
+    if not name or name == __package__:
+        return SpecfireError(f"'{command}' is not available in this build ({_one_line(e)})")
+    return MissingPackage(f"'specfire {command}' needs the Python package {name}, which is not installed: "
+                          f"pip install {INSTALL.get(name, name)}")
+
+
 def _lazy(module: str, fn: str) -> Callable[[argparse.Namespace], int]:
     def call(args: argparse.Namespace) -> int:
         import importlib
@@ -259,18 +172,47 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def add_global_args(p: argparse.ArgumentParser, after_command: bool = False) -> None:
+    """-v and --threads, before the subcommand or (`after_command`) after it; there they set
+    nothing when left out, so they cannot undo the same flag given before."""
+    unset = {"default": argparse.SUPPRESS} if after_command else {}
+    p.add_argument("-v", "--verbose", action="store_true", help="log to stderr; tracebacks on errors", **unset)
+    p.add_argument("--threads", type=int, metavar="N", help="CPU threads for torch (default: one for a model on a CPU, unless "
+                                               "$OMP_NUM_THREADS is set)", **unset)
+
+
+def command_of(argv: list[str]) -> str | None:
+    """The subcommand argv names: its first word that is neither a global flag nor --threads' value."""
+    value = False
+    for a in argv:
+        if value:
+            value = False
+        elif a.startswith("-"):
+            value = a.startswith("--t") and "--threads".startswith(a)     # argparse takes --thr for --threads
+        else:
+            return a
+    return None
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser. Given `argv`, only the subcommand it names gets its flags, so no
+    other subcommand's module is imported (raises MissingPackage when that module cannot be)."""
     ap = _Parser(prog="specfire", description="Qwen3.5 inference with lossless MTP speculation", formatter_class=_Help)
-    ap.add_argument("-v", "--verbose", action="store_true", help="log to stderr; tracebacks on errors")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="CPU threads for torch (default: $OMP_NUM_THREADS if set, else 1)")
+    add_global_args(ap)
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = None if argv is None else command_of(argv)
     for name, (help_, add, _) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, formatter_class=_Help)
+        add_global_args(p, after_command=True)
+        if argv is not None and name != chosen:
+            continue
         try:
             add(p)
-        except ImportError as e:  # a subcommand whose module this build lacks
-            p.set_defaults(_unavailable=f"'{name}' is not available in this build ({e})")
+        except ImportError as e:
+            err = missing_package(name, e)
+            if argv is not None:
+                raise err from None
+            p.set_defaults(_unavailable=str(err))
     return ap
 
 
@@ -278,37 +220,39 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def _set_threads(n: int | None) -> None:
-    """One intra-op thread unless told otherwise. Single-stream decode is a chain of small ops.
-    `specfire --threads T run --prompt "def fibonacci(n):" --spec off -n 64 --json` on the 2-core
-    CPU, bundled model: idle machine, decode 215 tok/s at T = 1 and at T = 2; cores shared with
-    other jobs (load ~7.7), 50.4 tok/s at T = 1 and 4.1 at T = 2, where the second thread's
-    spin-waits stall every op."""
+def apply_threads(n: int | None) -> None:
+    """--threads N: the process's intra-op threads (api.set_threads); left out, a model on a CPU
+    gets the API's default (api.default_threads)."""
     if n is None:
-        if os.environ.get("OMP_NUM_THREADS"):
-            return
-        n = 1
+        return
     if n < 1:
         raise ValueError(f"--threads must be >= 1, got {n}")
-    import torch
+    from .api import set_threads
 
-    torch.set_num_threads(n)
+    set_threads(n)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = build_parser(argv).parse_args(argv)
+    except SpecfireError as e:
+        print(f"specfire: error: {_one_line(e)}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="[specfire] %(message)s", stream=sys.stderr)
     if getattr(args, "_unavailable", None):
         print(f"specfire: error: {args._unavailable}", file=sys.stderr)
         return 2
     try:
-        _set_threads(args.threads)
+        apply_threads(args.threads)
         return COMMANDS[args.command][2](args)
-    except (SpecfireError, ValueError, OSError) as e:
+    except (SpecfireError, ValueError, OSError, ModuleNotFoundError) as e:
         if isinstance(e, BrokenPipeError):  # `specfire run ... | head`: the reader left, not an error
             sys.stderr.close()
             return 0
+        if isinstance(e, ModuleNotFoundError):
+            e = missing_package(args.command, e)
         if args.verbose:
             traceback.print_exc()
         print(f"specfire: error: {_one_line(e)}", file=sys.stderr)

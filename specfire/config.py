@@ -433,6 +433,13 @@ def check_generation_config(mode: Any) -> str:
     return mode
 
 
+# the names LLM(dtype=...) and --dtype accept -> torch's (None: bfloat16 on a GPU, float32 on a CPU);
+# vLLM's spellings included
+DTYPE_NAMES = {"auto": None, "float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
+               "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
+
+Q4_DEFAULT_GROUP = 128   # inputs per scale/zero group of the 4-bit format (ops/quant.py), `specfire quantize`'s default
+
 SPEC_MODES = ("off", "auto", "mtp", "ngram")
 MAX_SPEC_K = 10
 

@@ -15,12 +15,13 @@ import math
 import os
 import shutil
 import sys
+from typing import TYPE_CHECKING
 
-import torch
-
+from .config import Q4_DEFAULT_GROUP as DEFAULT_GROUP
 from .errors import CheckpointError, SpecfireError
-from .model import loader
-from .ops.quant import DEFAULT_GROUP, pick_group, quant_config, quantize_tensor
+
+if TYPE_CHECKING:                 # torch loads with the work, not for `specfire quantize --help`
+    from .model import loader
 
 KEEP_DENSE = ("in_proj_a.weight", "in_proj_b.weight")
 
@@ -54,6 +55,8 @@ def _quantizable(name: str, shape: tuple[int, ...], keep_lm_head: bool, gates: b
 
 def _plan(srcs: list[tuple[loader.TensorSource, list[str]]], group: int, keep_lm_head: bool, gates: bool = False):
     """[(source, normalised name, raw name, group or None, output bytes)] in source order."""
+    from .ops.quant import pick_group
+
     out = []
     for src, names in srcs:
         for n in names:
@@ -71,7 +74,11 @@ def quantize_checkpoint(src_dir: str, dst_dir: str, group: int = DEFAULT_GROUP, 
                         keep_lm_head: bool = False, device: str | None = None, shard_gib: float = 4.0,
                         mtp_path: str | None = None, log=None, gates: bool = False) -> dict:
     """Write the 4-bit checkpoint; returns a summary (tensors, bytes, mean weight error)."""
+    import torch
     from safetensors.torch import save_file
+
+    from .model import loader
+    from .ops.quant import QuantWeight, quant_config, quantize_tensor
 
     if group < 32 or group > 1024 or group & (group - 1):
         raise ValueError(f"group_size must be a power of two in 32..1024, got {group}")
@@ -125,7 +132,6 @@ def quantize_checkpoint(src_dir: str, dst_dir: str, group: int = DEFAULT_GROUP, 
             else:
                 w = t.to(dev, torch.float32)
                 q, sc, z = quantize_tensor(w, g, hadamard)
-                from .ops.quant import QuantWeight
                 eff = QuantWeight.from_stored(q, sc, z, hadamard, device=dev).effective()
                 err_sum += float((eff - w).norm() / w.norm().clamp_min(1e-30))
                 n_quant += 1

@@ -340,8 +340,24 @@ def test_test_extra_does_not_pull_triton():
     assert not any(r.startswith("triton") for r in extras["test"]), extras["test"]
     assert any(r.startswith("triton") for r in extras["kernels"])
     with open(os.path.join(REPO, "README.md")) as f:
-        readme = f.read()
+        blocks = f.read().split("```")[1::2]
     with open(os.path.join(REPO, ".ci", "run")) as f:
         ci = f.read()
     cmd = 'pip install torch==2.13.0 -e ".[test,kernels]" && pytest'
-    assert cmd in readme and cmd in ci
+    assert blocks[1].strip() == cmd and "test_cmd=$(block 2)" in ci     # CI runs the README's second block
+
+
+def test_license_is_the_apache_text_pyproject_names():
+    try:
+        import tomllib
+    except ModuleNotFoundError:                 # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        assert tomllib.load(f)["project"]["license"] == {"text": "Apache-2.0"}
+    with open(os.path.join(REPO, "LICENSE"), encoding="utf-8") as f:
+        text = f.read()
+    assert text.startswith("Copyright 2026 specfire authors\n")
+    for part in ("Apache License\n                           Version 2.0, January 2004",
+                 "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION", "9. Accepting Warranty or Additional "
+                 "Liability.", "END OF TERMS AND CONDITIONS", "http://www.apache.org/licenses/LICENSE-2.0"):
+        assert part in text, part

@@ -62,3 +62,71 @@ def test_bad_ngram_range_is_one_line_error():
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root}, timeout=120)
     assert r.returncode != 0
     assert "--ngram-n must be MIN:MAX" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_auto_summary_says_what_each_route_did(model, cli_run):
+    """`auto` measures AR and the drafters before it settles: the summary names every route that
+    ran, its tokens, and the acceptance of the drafting ones (not the settled route with the
+    others' drafts); stats["per_route"] has the same counts."""
+    path, prompt = model
+    r = cli_run("run", "--model", path, "--device", "cpu", "--prompt", prompt, "-n", "48", "--spec", "auto",
+                "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    st, per = out["stats"], out["stats"]["per_route"]
+    assert {"ar", "mtp"} <= set(per), per                   # AR is measured first on a fresh engine
+    assert sum(c["tokens"] for c in per.values()) == st["generated_tokens"] - 1     # the first is the prefill's
+    assert {r: c["tokens"] for r, c in per.items()} == st["routes"]
+    assert sum(c["cycles"] for c in per.values()) == st["cycles"] and per["ar"]["cycles"] == 0
+    assert sum(c["accepted"] for c in per.values()) == st["accepted"]
+    mtp = per["mtp"]
+    assert mtp["mean_accept_len"] == pytest.approx(1 + mtp["accepted"] / mtp["cycles"])
+    summary = r.stderr.strip().splitlines()[-1]
+    what = "ar" if st["route"] == "ar" else f"{st['route']}, k={st['k']}"
+    assert f"route auto, settled on {what}: first token from the prefill; ar {per['ar']['tokens']} token" in summary
+    assert (f"mtp {mtp['tokens']} tokens, mean_accept_len {mtp['mean_accept_len']:.2f} ({mtp['accepted']}/"
+            f"{mtp['drafted']} drafts accepted in {mtp['cycles']} cycles") in summary
+
+
+def test_summary_of_auto_that_settled_on_ar():
+    """What the summary printed as `route ar, k=0 mean_accept_len 3.00 (8/12 drafts accepted in 4
+    cycles)`: now the AR choice, then what each route did."""
+    from specfire.report import RequestFigures
+
+    per = {"ar": {"steps": 10, "tokens": 10, "cycles": 0, "drafted": 0, "accepted": 0, "mean_accept_len": 0.0,
+                  "accept_per_pos": []},
+           "mtp": {"steps": 4, "tokens": 12, "cycles": 4, "drafted": 12, "accepted": 8, "mean_accept_len": 3.0,
+                   "accept_per_pos": [1.0, 0.75, 0.25]},
+           "ngram": {"steps": 3, "tokens": 3, "cycles": 0, "drafted": 0, "accepted": 0, "mean_accept_len": 0.0,
+                     "accept_per_pos": []}}
+    st = {"prompt_tokens": 5, "generated_tokens": 26, "route": "ar", "route_reason": "auto: ar; ...", "k": 0,
+          "cycles": 4, "drafted": 12, "accepted": 8, "mean_accept_len": 3.0, "prefill_s": 0.1, "prefill_tok_s": 50.0,
+          "decode_s": 0.5, "decode_tok_s": 50.0, "accept_per_pos": [1.0, 0.75, 0.25], "per_route": per}
+    fig = RequestFigures.of(st, "length", 26)
+    assert fig.per_route == per and fig.timings(1.0)["per_route"] == per
+    assert fig.summary().endswith(
+        "route auto, settled on ar: first token from the prefill; ar 10 tokens; mtp 12 tokens, mean_accept_len 3.00 "
+        "(8/12 drafts accepted in 4 cycles, per position 1.00/0.75/0.25); ngram 3 tokens, no drafts in 3 steps "
+        "(auto: ar; ...)")
+
+
+def test_k1_summary_lists_no_positions(model, cli_run):
+    path, prompt = model
+    r = cli_run("run", "--model", path, "--device", "cpu", "--prompt", prompt, "-n", "16", "--spec", "mtp",
+                "--spec-k", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)["stats"]
+    summary = r.stderr.strip().splitlines()[-1]
+    assert f"route mtp, k=1 mean_accept_len {st['mean_accept_len']:.2f} ({st['accepted']}/{st['drafted']} " in summary
+    assert "per position" not in summary and list(st["per_route"]) == ["mtp"]
+
+
+@pytest.mark.parametrize("spec,unsaid", [("off", "draft"), ("ngram", "MTP")])
+def test_penalty_reason_speaks_only_of_the_drafts_that_run(model, cli_run, spec, unsaid):
+    path, prompt = model
+    r = cli_run("run", "--model", path, "--device", "cpu", "--prompt", prompt, "-n", "8", "--spec", spec,
+                "--frequency-penalty", "0.5", "--json")
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)["stats"]
+    assert "frequency_penalty=0.5" in st["route_reason"] and "frequency_penalty=0.5" in st["penalties"]
+    assert unsaid not in st["route_reason"] and unsaid not in st["penalties"], st["route_reason"]

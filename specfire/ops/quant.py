@@ -24,12 +24,13 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..config import Q4_DEFAULT_GROUP as DEFAULT_GROUP
+
 FORMAT = "specfire-q4"
 # output rows per contiguous block of the stored codes (0 keeps rows): 64-row tiles won the
 # step-weighted sweep of bench/quant_gpu.py on the H200 (lm_head 72.7% vs 60.9% of 4.17 TB/s)
 TILE = 64
 FORMAT_VERSION = 1
-DEFAULT_GROUP = 128
 CLIP_RATIOS = (1.0, 0.96, 0.92, 0.88, 0.84, 0.80)
 
 

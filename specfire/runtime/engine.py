@@ -67,15 +67,21 @@ class Engine:
         if n is not None and self.mtp_loaded and route in ("mtp", "auto"):
             reason += f"; MTP drafts from token ids 0..{n - 1} of {self.trunk.cfg.vocab_size} (draft_vocab={n})"
         if sp.penalized:
-            reason += f"; {self.penalty_note(sp)}"
+            reason += f"; {self.penalty_note(sp, route)}"
         return route, reason
 
-    def penalty_note(self, sp: SamplingParams) -> str:
-        """How a penalised request is served (the route reason and the `penalties` stat say it)."""
+    def penalty_note(self, sp: SamplingParams, route: str = "auto") -> str:
+        """How a penalised request on `route` is served (the route reason and the `penalties` stat
+        say it); the drafts are spoken of only where a route drafts."""
+        if route == "ar":
+            return f"penalties {sp.penalty_text()} on every step"
         note = f"penalties {sp.penalty_text()} on every verify row"
         mtp = self.drafters.get("mtp")
-        aware = mtp is not None and getattr(mtp, "penalises", lambda sp: False)(sp)
-        note += "; MTP drafts are picked penalised too" if aware else "; drafts are not penalised"
+        if route in ("mtp", "auto") and mtp is not None:
+            aware = getattr(mtp, "penalises", lambda sp: False)(sp)
+            note += "; MTP drafts are picked penalised too" if aware else "; MTP drafts are not penalised"
+        if route in ("ngram", "auto"):
+            note += "; n-gram drafts are not penalised"
         if not sp.greedy and self.bufs.graphs is not None:
             note += "; the sampled accept runs eagerly, not from its CUDA graph"
         return note
@@ -183,7 +189,7 @@ class Engine:
                     ahead = start(d, -1, cur.targets[:1], cur.pos + 1, out.remaining - 1)
             n, toks = finish(cur, trunk, fed)
             now = time.perf_counter()
-            stats.record(cur.k, n, toks)
+            stats.record(cur.k, n, toks, cur.route)
             ctl.observe(cur.decision, cur.k, n, now - t_prev - suspended)
             t_prev, suspended = now, 0.0
             if not log or (log[-1]["route"], log[-1]["k"]) != (cur.route, cur.k):
@@ -198,6 +204,7 @@ class Engine:
         n_gen = len(out.token_ids)
         prefill_s, decode_s = t1 - t0, t2 - t1
         k = policy.k if route != "ar" else 0
+        penalties = self.penalty_note(sp, route) if sp.penalized else None
         if route == "auto":           # the choice auto settled on (AR while still measuring); `routes` has all
             (route, k), reason = ctl.current, ctl.reason or reason
         for r, a in getattr(ctl, "acc", {}).items():
@@ -206,10 +213,11 @@ class Engine:
         st = {
             "prompt_tokens": len(ids), "cached_tokens": cached, "generated_tokens": n_gen, "route": route,
             "route_reason": reason, "k": k, "routes": by_route, "route_log": log,
+            "per_route": stats.per_route(),
             "cycles": stats.cycles, "drafted": stats.drafted, "accepted": stats.accepted,
             "mean_accept_len": stats.mean_accept_len, "accept_per_pos": stats.accept_per_pos,
             "accepted_per_pos": list(stats.accepted_per_pos),
-            "penalties": self.penalty_note(sp) if sp.penalized else None,
+            "penalties": penalties,
             "prefill_s": prefill_s, "decode_s": decode_s,
             "prefill_tok_s": len(ids) / prefill_s if prefill_s > 0 else 0.0,
             "decode_tok_s": (n_gen - 1) / decode_s if decode_s > 0 and n_gen > 1 else 0.0,

@@ -230,22 +230,16 @@ OnCycle = Callable[[int, int, list[int]], None]
 
 
 @dataclass
-class SpecStats:
-    """Counts over a request's speculative cycles. `on_cycle(k, n, emitted)`, when set, is called
-    after every step (k = 0 for an AR step), so callers can watch cycles without patching."""
+class DraftCounts:
+    """Drafts over cycles: how many were verified and accepted, in all and per draft position."""
 
-    on_cycle: OnCycle | None = None
     cycles: int = 0
     drafted: int = 0
     accepted: int = 0
     drafted_per_pos: list[int] = field(default_factory=list)
     accepted_per_pos: list[int] = field(default_factory=list)
 
-    def record(self, k: int, n: int, out: list[int]) -> None:
-        if self.on_cycle is not None:
-            self.on_cycle(k, n, out)
-        if k == 0:
-            return
+    def add(self, k: int, n: int) -> None:
         self.cycles += 1
         self.drafted += k
         self.accepted += n
@@ -264,3 +258,32 @@ class SpecStats:
     @property
     def accept_per_pos(self) -> list[float]:
         return [a / d for a, d in zip(self.accepted_per_pos, self.drafted_per_pos)]
+
+
+@dataclass
+class SpecStats(DraftCounts):
+    """Counts over a request's speculative cycles (all drafting routes together) and, per route,
+    the steps it ran, the tokens they emitted and its own drafts (`per_route`). `on_cycle(k, n,
+    emitted)`, when set, is called after every step (k = 0 for an AR step), so callers can watch
+    cycles without patching."""
+
+    on_cycle: OnCycle | None = None
+    by_route: dict[str, tuple[list[int], DraftCounts]] = field(default_factory=dict)   # [steps, tokens], drafts
+
+    def record(self, k: int, n: int, out: list[int], route: str = "ar") -> None:
+        if self.on_cycle is not None:
+            self.on_cycle(k, n, out)
+        steps, drafts = self.by_route.setdefault(route, ([0, 0], DraftCounts()))
+        steps[0] += 1
+        steps[1] += len(out)
+        if k == 0:
+            return
+        self.add(k, n)
+        drafts.add(k, n)
+
+    def per_route(self) -> dict[str, dict]:
+        """{route: {steps, tokens, cycles, drafted, accepted, mean_accept_len, accept_per_pos}} in
+        the order the routes first ran; `cycles` counts the steps that verified drafts."""
+        return {r: {"steps": steps, "tokens": tokens, "cycles": d.cycles, "drafted": d.drafted,
+                    "accepted": d.accepted, "mean_accept_len": d.mean_accept_len, "accept_per_pos": d.accept_per_pos}
+                for r, ([steps, tokens], d) in self.by_route.items()}

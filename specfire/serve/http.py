@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..cli import add_model_args, add_penalty_args
 
     add_model_args(p, positional=True)
-    add_penalty_args(p, what=" (the default of requests that leave the field out)")
+    add_penalty_args(p, what=" for requests that leave the field out")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=None,
