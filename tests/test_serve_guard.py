@@ -340,7 +340,8 @@ def test_port_in_use_is_found_before_heavy_imports():
 def test_missing_server_package_is_named():
     p = subprocess.run([sys.executable, "-c", NO_HEAVY.format(root=ROOT, port=free_port(), missing=("uvicorn",))],
                        capture_output=True, text=True, timeout=60)
-    assert p.stdout.strip() == "SpecfireError: specfire serve needs uvicorn, not installed here: pip install uvicorn", \
+    assert p.stdout.strip() == ("MissingPackage: 'specfire serve' needs the Python package uvicorn, which is not "
+                                "installed: pip install fastapi uvicorn"), \
         p.stdout + p.stderr
 
 

@@ -138,8 +138,9 @@ def main(args: argparse.Namespace) -> int:
     key, empty_key = api_key(args)
     missing = [m for m in SERVER_PACKAGES if importlib.util.find_spec(m) is None]
     if missing:
-        raise SpecfireError(f"specfire serve needs {', '.join(missing)}, not installed here: pip install "
-                            f"{' '.join(missing)}")
+        from ..cli import missing_package   # one wording for every subcommand's missing package
+
+        raise missing_package("serve", ModuleNotFoundError(name=missing[0]))
     sock = bind(args.host, args.port)             # before torch and the model: a taken port fails fast
     # ---- the model and the server -----------------------------------------------------------------
     try:
