@@ -6,11 +6,11 @@ only one they import from bench/ (bench/README.md).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -36,6 +36,10 @@ SHAPES = {
                num_key_value_heads=4, linear_num_key_heads=16, linear_num_value_heads=32, tie_word_embeddings=False),
     "27B": dict(hidden_size=5120, num_hidden_layers=64, intermediate_size=17408, num_attention_heads=24,
                 num_key_value_heads=4, linear_num_key_heads=16, linear_num_value_heads=48, tie_word_embeddings=False),
+    # a CPU-sized model with every layer kind (bench/accuracy.py --shape mid)
+    "mid": dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1536, num_attention_heads=8,
+                num_key_value_heads=2, linear_num_key_heads=4, linear_num_value_heads=8, tie_word_embeddings=False,
+                vocab_size=4096, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64),
     # CPU smoke runs: every layer kind, seconds to write and run
     "tiny": dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
                  num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4, tie_word_embeddings=False,
@@ -44,13 +48,39 @@ SHAPES = {
 
 
 def model_config(shape: str, **override) -> ModelConfig:
-    """The ModelConfig of a named shape: every fourth layer full attention, the rest Gated DeltaNet."""
+    """The ModelConfig of a named shape (fields overridden by keyword): every fourth layer full
+    attention, the rest Gated DeltaNet."""
     if shape not in SHAPES:
         raise SystemExit(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
     s = {**_COMMON, **SHAPES[shape], **override}
     n = s["num_hidden_layers"]
     s.setdefault("layer_types", tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(n)))
     return ModelConfig(**s)
+
+
+def random_trunk(cfg: ModelConfig, dev: str, dtype: torch.dtype, seed: int = 0):
+    """A trunk module of cfg with seeded random weights, built on `dev` without a host copy (the
+    benches that time the trunk without a checkpoint)."""
+    from specfire.model.qwen35 import Qwen35Trunk
+    return _randomised(Qwen35Trunk, cfg, dev, dtype, seed)
+
+
+def random_head(cfg: ModelConfig, dev: str, dtype: torch.dtype, seed: int = 1):
+    """An MTP head of cfg with seeded random weights: the benches' stand-in for a trained head."""
+    from specfire.model.qwen35 import MtpHead
+    return _randomised(MtpHead, cfg, dev, dtype, seed)
+
+
+def _randomised(cls, cfg, dev, dtype, seed):
+    with torch.device("meta"):
+        m = cls(cfg)
+    m = m.to(dtype).to_empty(device=dev)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    with torch.no_grad():
+        for _, p in m.named_parameters():
+            scale = 0.1 if p.dim() == 1 else p.shape[-1] ** -0.5
+            p.copy_(torch.randn(p.shape, generator=g, device=dev, dtype=dtype) * scale)
+    return m
 
 
 # ---- devices and timing -----------------------------------------------------------------------
@@ -137,6 +167,13 @@ def checkpoint_step_bytes(path: str, ctx: int, kv_bytes: int = 2) -> int:
     return trunk + emb + state_bytes(cfg, ctx, kv_bytes)
 
 
+def config_step_bytes(cfg: ModelConfig, ctx: int, elem: int = 2) -> int:
+    """The same from the config alone, every tensor `elem` bytes an element (bf16: 2)."""
+    sizes = {n: elem * int(torch.Size(s).numel()) for n, s in checkpoint_layout(cfg, mtp=False)}
+    embed = sizes.pop("model.embed_tokens.weight")
+    return sum(sizes.values()) + (embed if cfg.tie_word_embeddings else embed // cfg.vocab_size) + state_bytes(cfg, ctx, elem)
+
+
 def model_step_bytes(model: torch.nn.Module, cfg: ModelConfig, ctx: int, kv_bytes: int = 2) -> int:
     """The same for a trunk module in memory (its parameters but the embedding table, unless tied)."""
     w = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
@@ -187,6 +224,7 @@ def checkpoint_layout(cfg: ModelConfig, mtp: bool = True) -> list[tuple[str, tup
 
 
 FINAL_NORMS = ("model.norm.weight", "mtp.norm.weight")
+NORMS_FILE = "model-norms.safetensors"    # the final norms' own shard: a tied copy links every other one
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 
 
@@ -204,6 +242,8 @@ def write_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype = torch.bfl
     shards: list[list] = [[]]
     size = 0
     for name, shape in layout:
+        if name in FINAL_NORMS:
+            continue
         nb = elem * int(torch.Size(shape).numel())
         if shards[-1] and size + nb > shard_bytes:
             shards.append([])
@@ -211,6 +251,8 @@ def write_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype = torch.bfl
         shards[-1].append((name, shape))
         size += nb
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    files.append(NORMS_FILE)
+    shards.append([(n, s) for n, s in layout if n in FINAL_NORMS])
 
     def tensor(name: str, shape: tuple) -> torch.Tensor:
         if tied and name in FINAL_NORMS:
@@ -250,6 +292,24 @@ def write_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype = torch.bfl
     if dev.startswith("cuda"):
         torch.cuda.empty_cache()
     return path
+
+
+def tied_copy(src: str, dst: str) -> str:
+    """dst: the checkpoint src with both final norms -1 (every draft accepted, see write_checkpoint),
+    its shards symbolic links to src's but the norms' own, so a second 54 GB copy is not needed."""
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(dst, exist_ok=True)
+    for f in os.listdir(src):
+        if f == NORMS_FILE:
+            norms = load_file(os.path.join(src, f))
+            save_file({k: torch.full_like(v, -1.0) for k, v in norms.items()}, os.path.join(dst, f),
+                      metadata={"format": "pt"})
+        elif f.endswith(".safetensors"):
+            os.symlink(os.path.join(os.path.abspath(src), f), os.path.join(dst, f))
+        elif os.path.isfile(os.path.join(src, f)):
+            shutil.copy(os.path.join(src, f), os.path.join(dst, f))
+    return dst
 
 
 def quantize(src: str, dst: str, *args: str) -> float:
@@ -308,9 +368,63 @@ def machine() -> dict:
             "python": sys.version.split()[0]}
 
 
-@contextlib.contextmanager
-def stage(log: Log, name: str, **kw):
-    """Time a stage; its end goes to the log with the seconds it took."""
-    t = time.perf_counter()
-    yield
-    log("progress", what=name, seconds=round(time.perf_counter() - t, 2), **kw)
+# ---- prompts and acceptance -------------------------------------------------------------------------
+
+def held_out_prompts(n: int, lines: int, source: str = "packages") -> list[tuple[str, str]]:
+    """Up to n code prompts the bundled model never trained on (specfire/train/corpus.py): in each
+    held-out file (one package after another, largest files first), the `lines` lines ending at the
+    first `def` line past the file's middle."""
+    from specfire.train.corpus import held_out_sources
+
+    docs = held_out_sources()[source]
+    if source == "packages":
+        by: dict[str, list] = {}
+        for rel, text in sorted(docs, key=lambda d: -len(d[1])):
+            by.setdefault(rel.split("/")[0], []).append((rel, text))
+        queues, docs = [by[k] for k in sorted(by)], []
+        while any(queues):
+            docs += [q.pop(0) for q in queues if q]
+    out = []
+    for rel, text in docs:
+        ls = text.splitlines(keepends=True)
+        for i in range(len(ls) // 2, len(ls)):
+            if ls[i].lstrip().startswith("def ") and ls[i].rstrip().endswith(":"):
+                out.append((rel, "".join(ls[max(0, i - lines + 1):i + 1])))
+                break
+        if len(out) == n:
+            break
+    return out
+
+
+PROFILES = {"code": (0.90, 0.80, 0.70), "prose": (0.60, 0.40, 0.25)}   # P(draft i accepted), i = 1..3
+
+
+class ProfileDrafter:
+    """SYNTHETIC acceptance, for benchmarks only: the model's own MTP drafter runs in full (its cost
+    is paid), then its drafts become token 0 (what a tied checkpoint's trunk picks: accepted) for
+    the first n* and token 1 (rejected) after, n* drawn on the device with P(n* > i) = profile[i].
+    Needs a write_checkpoint(tied=True) model; the output stays AR's."""
+
+    name = "mtp"
+
+    def __init__(self, inner, profile: tuple[float, ...], seed: int = 0, right: int = 0, wrong: int = 1):
+        if any(b > a for a, b in zip(profile, profile[1:])) or not all(0.0 <= a <= 1.0 for a in profile):
+            raise ValueError(f"profile must be non-increasing probabilities, got {profile}")
+        self.inner, self.profile = inner, tuple(profile)
+        dev = inner.head.fc.weight.device
+        self.prof = torch.tensor(list(profile) + [0.0] * 16, device=dev)
+        self.gen = torch.Generator(device=dev)
+        self.gen.manual_seed(seed)
+        self.right, self.wrong = right, wrong
+
+    def begin(self, prompt, hidden) -> None:
+        self.inner.begin(prompt, hidden)
+
+    def commit(self, out, hidden, out_dev) -> None:
+        self.inner.commit(out, hidden, out_dev)
+
+    def propose(self, last, pos, k, sp, gen):
+        drafts, _ = self.inner.propose(last, pos, k, sp, gen)       # the real head, fully paid
+        u = torch.rand(1, generator=self.gen, device=drafts.device)
+        keep = u < self.prof[:drafts.shape[0]]                      # a prefix: the profile does not increase
+        return torch.where(keep, torch.full_like(drafts, self.right), torch.full_like(drafts, self.wrong)), None
