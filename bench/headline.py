@@ -119,6 +119,7 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="headline-", dir=args.ckpt_dir or scratch_dir())
     bf16, q4 = os.path.join(work, "bf16"), os.path.join(work, "q4")
     rows: list[dict] = []
+    info["quantize_s"] = None
 
     def run(path, weights, dv, modes):
         try:
@@ -135,9 +136,9 @@ def main() -> int:
         run(bf16, "bf16", None, ["ar", "mtp3"])
         run(bf16, "bf16", args.draft_vocab, ["mtp3"])
         qargs = ["--group-size", str(args.group_size)] + (["--device", "cpu"] if dev == "cpu" else [])
-        q_s = quantize(bf16, q4, *qargs)
+        info["quantize_s"] = round(quantize(bf16, q4, *qargs), 1)
         shutil.rmtree(bf16, ignore_errors=True)
-        say(f"specfire quantize: {q_s:.1f} s")
+        say(f"specfire quantize: {info['quantize_s']} s")
         run(q4, "4-bit", args.draft_vocab, ["ar", "mtp3"])
     finally:
         shutil.rmtree(work, ignore_errors=True)

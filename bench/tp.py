@@ -17,6 +17,7 @@ JSON line appended to OUT/tp.jsonl as it is measured.
             graphs replayed back to back (the device time of a step with no host in between), the
             MTP draft graphs, and per-rank kernel time by family (torch.profiler, parallel/probe.py);
             --ar-only: AR and the 1-row graph only
+  canon1    speed1 in the canonical mode (the bits a mesh computes, on one GPU): what invariance costs
   identN    normal checkpoint on N ranks (tp1 in the canonical mode): md5 of greedy output,
             AR / MTP k=3 (/ n-gram on tp2) at a short context (--prompt) and a long one (--long)
 """
@@ -38,7 +39,7 @@ from bench.common import (CEILING, ROOT, Log, checkpoint_step_bytes, machine, md
                           tied_copy, write_checkpoint)
 
 # job -> (estimated seconds, time limit seconds) on the GPU at the 27B shape
-JOBS = {"bundled": (35, 120), "ckpt": (40, 120), "speed1": (60, 120), "speed2": (60, 120),
+JOBS = {"bundled": (35, 120), "ckpt": (40, 120), "speed1": (60, 120), "speed2": (60, 120), "canon1": (60, 120),
         "ident1": (50, 120), "ident2": (40, 100)}
 
 
@@ -59,9 +60,11 @@ def canonical(on: bool) -> None:
 # ---- speed --------------------------------------------------------------------------------------------
 
 def job_speed(path: str, tp: int, device: str, log: Log, prompt: int, tokens: int, out: str | None,
-              shape: str, ar_only: bool = False) -> None:
+              shape: str, ar_only: bool = False, canon: bool = False) -> None:
     from specfire import LLM, SamplingParams, SpecPolicy
     from specfire.parallel.probe import time_rows
+
+    canonical(canon)
 
     t0 = time.perf_counter()
     g = torch.Generator().manual_seed(0)
@@ -77,7 +80,7 @@ def job_speed(path: str, tp: int, device: str, log: Log, prompt: int, tokens: in
         ids = torch.randint(0, llm.cfg.vocab_size - 1, (prompt,), generator=g).tolist()
         llm.generate(ids, warm, spec="off")                                 # compile, capture
         ar = llm.generate(ids, sp, spec="off")
-        row = dict(shape=shape, tp=tp, graphs=trunk.graphs_enabled, load_s=load_s,
+        row = dict(shape=shape, tp=tp, canonical=canon, graphs=trunk.graphs_enabled, load_s=load_s,
                    prefill_tok_s=ar.stats["prefill_tok_s"], ar_tok_s=ar.stats["decode_tok_s"],
                    generated=len(ar.token_ids), ar_step_ms=1e3 / ar.stats["decode_tok_s"])
         nb = checkpoint_step_bytes(path, prompt + tokens // 2, llm.dtype.itemsize) / tp
@@ -210,6 +213,9 @@ def run_job(job: str, args) -> None:
         job_bundled(device, log, 200 if device == "cuda" else 16)
     elif job == "ckpt":
         job_ckpt(cfg, d, device, log)
+    elif job == "canon1":
+        job_speed(os.path.join(d, "tied"), 1, device, log, args.prompt, args.tokens, args.out, args.shape,
+                  args.ar_only, canon=True)
     elif job.startswith("speed"):
         job_speed(os.path.join(d, "tied"), int(job[5:]), device, log, args.prompt, args.tokens, args.out, args.shape,
                   args.ar_only)

@@ -9,7 +9,7 @@ def test_headline_smoke_measures_the_five_figures(monkeypatch, capsys, tmp_path)
     monkeypatch.setattr(sys, "argv", ["headline", "--smoke", "--out", str(tmp_path)])
     assert headline.main() == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert last["bench"] == "headline" and last["ok"] is True
+    assert last["bench"] == "headline" and last["ok"] is True and last["quantize_s"] > 0
     got = [(r["weights"], r["route"], r["draft_vocab"]) for r in last["results"]]
     assert got == [("bf16", "ar", 512), ("bf16", "mtp3", 512), ("bf16", "mtp3", 128),
                    ("4-bit", "ar", 128), ("4-bit", "mtp3", 128)]
