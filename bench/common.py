@@ -294,6 +294,14 @@ def write_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype = torch.bfl
     return path
 
 
+def write_tokenizer(path: str, vocab: int) -> None:
+    """A word-level tokenizer.json with one token `<i>` per id, for engines and servers that need a
+    tokenizer beside random weights (prompts stay token ids; streamed text is the ids' names)."""
+    from tokenizers import Tokenizer, models
+    Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab)}, unk_token="<0>")).save(
+        os.path.join(path, "tokenizer.json"))
+
+
 def tied_copy(src: str, dst: str) -> str:
     """dst: the checkpoint src with both final norms -1 (every draft accepted, see write_checkpoint),
     its shards symbolic links to src's but the norms' own, so a second 54 GB copy is not needed."""

@@ -1,16 +1,18 @@
 """Serving throughput and latency over HTTP, as vLLM's serving benchmark measures them.
 
     python -m bench.serving --model DIR --concurrency 1,4,16 --prompt-len 512,4096 --output-len 256
+    python -m bench.serving --shape 27B --tied --serve-args "--spec mtp"    # random weights, all drafts accepted
     python -m bench.serving --url http://127.0.0.1:8000 --vocab 248320 ...   # a server already running
     python -m bench.serving --smoke          # CPU: the bundled model, 2 levels, a few tokens
 
-Without --url it starts `specfire serve MODEL` (the bundled model when no --model; --serve-args
-adds flags) on a free port and stops it at the end. Per (concurrency C, prompt length L): one
+Without --url it starts `specfire serve MODEL` (the bundled model when no --model; --shape writes
+random weights of a shape first, bench/common.py; --serve-args adds flags) on a free port and
+stops it at the end. Per (concurrency C, prompt length L): one
 warm-up request, then --requests streaming completions of random token-id prompts, at most C in
 flight (each client thread sends its next request when its last one ends), greedy, ignore_eos, so
 every request generates --output-len tokens. Per level: aggregate output tok/s (output tokens /
 wall time), requests/s, TTFT and inter-token latency (between streamed chunks) p50 / p99, time per
-output token, per-request decode tok/s (first to last chunk) p50 / min, and the server's peak
+output token, per-request decode tok/s (first to last chunk) p50 / min, the server's mean accept length, and its peak
 memory (GPU memory of its process from nvidia-smi, else its resident set). The server runs one
 request at a time today, so concurrency shows as queueing in TTFT. A table, then one JSON line last.
 """
@@ -32,7 +34,7 @@ import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
-from bench.common import machine, random_prompt
+from bench.common import machine, model_config, random_prompt, scratch_dir, write_checkpoint, write_tokenizer
 
 
 def percentile(xs: list[float], p: float) -> float | None:
@@ -94,7 +96,7 @@ class Client:
         return {"start": t0, "end": chunks[-1], "ttft": chunks[0] - t0, "tokens": n,
                 "itl": [b - a for a, b in zip(chunks, chunks[1:])],
                 "tpot": span / (n - 1) if n > 1 else None, "decode_tok_s": (n - 1) / span if n > 1 and span > 0 else None,
-                "server_decode_tok_s": timings.get("decode_tok_s")}
+                "server_decode_tok_s": timings.get("decode_tok_s"), "accept_len": timings.get("mean_accept_len")}
 
 
 class Memory:
@@ -167,6 +169,7 @@ def level(client: Client, conc: int, plen: int, args, spec: dict | None, pid: in
             "decode_tok_s_p50": percentile(dec, 50), "decode_tok_s_min": min(dec) if dec else None,
             "server_decode_tok_s_p50": percentile([r["server_decode_tok_s"] for r in ok
                                                    if r["server_decode_tok_s"]], 50),
+            "mean_accept_len_p50": percentile([r["accept_len"] for r in ok if r["accept_len"]], 50),
             "peak_mem_gb": None if mem.peak is None else round(mem.peak, 3)}
 
 
@@ -221,6 +224,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--url", default=None, help="a running server (default: start `specfire serve` here)")
     ap.add_argument("--model", default=None, help="checkpoint the started server loads (default: the bundled model)")
+    ap.add_argument("--shape", default=None, help="serve random weights of this shape (bench/common.py SHAPES)")
+    ap.add_argument("--tied", action="store_true", help="--shape: final norms -1, every MTP draft accepted")
     ap.add_argument("--serve-args", default="", help="more `specfire serve` flags, e.g. '--spec mtp --draft-vocab 32768'")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--served-model-name", default=None, help="model id sent with each request")
@@ -245,16 +250,24 @@ def main() -> int:
     concs, plens = ints(args.concurrency, "--concurrency"), ints(args.prompt_len, "--prompt-len")
     if args.requests < 1 or args.output_len < 1:
         raise SystemExit("--requests and --output-len must be positive")
-    if args.vocab is None:
-        if args.url:
-            raise SystemExit("--vocab is required with --url (prompt ids are drawn below it)")
-        from specfire.api import BUNDLED_MODEL
-        from specfire.config import ModelConfig
-        args.vocab = ModelConfig.from_dir(args.model or BUNDLED_MODEL).vocab_size
+    if args.shape and (args.url or args.model):
+        raise SystemExit("--shape writes the model the started server loads; it goes with neither --url nor --model")
     spec = {"mode": args.spec, "k": args.spec_k} if args.spec else None
-    proc, work = None, tempfile.mkdtemp(prefix="serving-")
-    url = args.url
+    proc, url, work = None, args.url, tempfile.mkdtemp(prefix="serving-", dir=scratch_dir() if args.shape else None)
     try:
+        if args.shape:
+            import torch
+            cfg = model_config(args.shape)
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+            args.model = write_checkpoint(os.path.join(work, args.shape), cfg,
+                                          torch.bfloat16 if dev == "cuda" else torch.float32, dev, tied=args.tied)
+            write_tokenizer(args.model, cfg.vocab_size)
+        if args.vocab is None:
+            if args.url:
+                raise SystemExit("--vocab is required with --url (prompt ids are drawn below it)")
+            from specfire.api import BUNDLED_MODEL
+            from specfire.config import ModelConfig
+            args.vocab = ModelConfig.from_dir(args.model or BUNDLED_MODEL).vocab_size
         if url is None:
             proc, url = start_server(args.model, serve_args, os.path.join(work, "server.log"), args.start_timeout)
         client = Client(url, args.api_key, args.served_model_name)
@@ -277,7 +290,8 @@ def main() -> int:
                 proc.wait()
         shutil.rmtree(work, ignore_errors=True)
     table(rows)
-    summary = {"bench": "serving", **machine(), "url": args.url, "model": args.model or "bundled",
+    model = f"random {args.shape}{' tied' if args.tied else ''}" if args.shape else args.model or "bundled"
+    summary = {"bench": "serving", **machine(), "url": args.url, "model": model,
                "serve_args": serve_args, "spec": spec, "levels": rows}
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -22,14 +22,8 @@ import time
 
 import torch
 
-from bench.common import tied_copy, write_checkpoint
+from bench.common import tied_copy, write_checkpoint, write_tokenizer
 from bench.peers.common import cfg_for
-
-
-def write_tokenizer(path: str, vocab: int) -> None:
-    from tokenizers import Tokenizer, models
-    tok = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab)}, unk_token="<0>"))
-    tok.save(os.path.join(path, "tokenizer.json"))
 
 
 def make(shape: str, root: str, device: str, dtype: torch.dtype = torch.bfloat16,

@@ -26,3 +26,14 @@ def test_percentile_is_nearest_rank():
     assert serving.percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert serving.percentile(list(range(1, 101)), 99) == 99
     assert serving.percentile([5.0], 99) == 5.0
+
+
+def test_serving_smoke_on_random_tied_weights_accepts_every_draft(monkeypatch, capsys):
+    """--shape: the bench writes random weights (final norms -1) and a tokenizer, the server loads them."""
+    monkeypatch.setattr(sys, "argv", ["serving", "--smoke", "--shape", "tiny", "--tied", "--spec", "mtp"])
+    assert serving.main() == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["model"] == "random tiny tied" and last["spec"] == {"mode": "mtp", "k": 3}
+    for r in last["levels"]:
+        assert r["failed"] == 0 and r["output_tokens"] == 2 * r["output_len"]
+        assert r["mean_accept_len_p50"] > 2      # 5 decode tokens in 2 cycles: every draft accepted
