@@ -7,9 +7,9 @@ reference prefer its own (the logit gap)? The reference is transformers in float
 bf16 weights, teacher-forced on each engine's own sequence, so one early flip does not hide the
 rest. A real shape's widths with fewer layers (all kernels, every layer kind) keeps it to a minute.
 
-    python bench/accuracy.py --shape 27B --layers 8 --prompt 256 --tokens 64
-    python bench/accuracy.py --shape tiny            # CPU smoke
-    python bench/accuracy.py --shape mid --logits    # CPU: logits error vs float32, prefill and decode
+    python -m bench.accuracy --shape 27B --layers 8 --prompt 256 --tokens 64
+    python -m bench.accuracy --shape tiny            # CPU smoke
+    python -m bench.accuracy --shape mid --logits    # CPU: logits error vs float32, prefill and decode
 
 `--logits` adds teacher-forced logits on one random sequence (prefill of every position, and decode
 one token at a time after half of it) for specfire and transformers in bf16, as relative error /
@@ -18,17 +18,14 @@ largest error / argmax agreement against transformers in float32.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
+from bench.common import model_config, random_prompt, scratch_dir, write_checkpoint
 
 
 def hf_model(path: str, dtype: torch.dtype, dev: str):
@@ -48,10 +45,6 @@ def hf_greedy(model, prompt: list[int], n: int, dev: str) -> list[int]:
 @torch.no_grad()
 def hf_logits(model, seq: list[int], dev: str) -> torch.Tensor:
     return model(torch.tensor([seq], device=dev)).logits[0].float()
-
-
-MID = dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1536, num_attention_heads=8,
-           num_key_value_heads=2, linear_num_key_heads=4, linear_num_value_heads=8, tie_word_embeddings=False)
 
 
 @torch.no_grad()
@@ -128,39 +121,21 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=2)
-    ap.add_argument("--root", default="/dev/shm" if os.path.isdir("/dev/shm") else "/tmp")
+    ap.add_argument("--root", default=scratch_dir() or "/tmp")
     ap.add_argument("--out", default=None)
     ap.add_argument("--logits", action="store_true", help="also the teacher-forced logits errors")
     ap.add_argument("--seq", type=int, default=200, help="--logits: sequence length (decode the second half)")
     args = ap.parse_args()
-    from common import cfg_for, make_prompts
-    from decode import build
-    from synthetic import random_head
-
     from specfire import LLM, SamplingParams, SpecPolicy
-    from specfire.ops import fusion
-    from specfire.train.export import export_checkpoint
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.shape == "mid":
-        from decode import SHAPES
-        SHAPES.setdefault("mid", MID)
-        cfg = dataclasses.replace(cfg_for("mid"), vocab_size=4096, head_dim=64, linear_key_head_dim=64,
-                                  linear_value_head_dim=64)
-    else:
-        cfg = cfg_for(args.shape)
-    if args.shape not in ("tiny", "mid"):
-        n = args.layers
-        cfg = dataclasses.replace(cfg, num_hidden_layers=n, layer_types=tuple(
-            "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)))
+    small = args.shape in ("tiny", "mid")
+    cfg = model_config(args.shape) if small else model_config(args.shape, num_hidden_layers=args.layers)
     path = os.path.join(args.root, f"accuracy_{args.shape}")
     shutil.rmtree(path, ignore_errors=True)
     t0 = time.perf_counter()
-    trunk, head = build(cfg, dev, torch.bfloat16), random_head(cfg, dev, torch.bfloat16)
-    export_checkpoint(trunk, head, path, eos_ids=[cfg.vocab_size - 1], dtype=torch.bfloat16,
-                      max_shard_bytes=2 << 30)
-    del trunk, head
-    prompts = make_prompts(cfg.vocab_size, args.prompts, args.prompt)["prompts"]
+    write_checkpoint(path, cfg, torch.bfloat16, dev)
+    prompts = [random_prompt(cfg.vocab_size, args.prompt, seed=i + 1) for i in range(args.prompts)]
     rep = {"bench": "accuracy", "shape": args.shape, "layers": cfg.num_hidden_layers,
            "vocab": cfg.vocab_size, "prompt": args.prompt, "tokens": args.tokens, "device": dev,
            "gpu": torch.cuda.get_device_name() if dev == "cuda" else None,
@@ -173,15 +148,10 @@ def main() -> None:
     seqs["transformers bf16"] = [hf_greedy(hf16, p, args.tokens, dev) for p in prompts]
     del hf16
     sp = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
-    modes = [("specfire bf16 (default kernels)", None, "off"), ("specfire bf16 MTP k=3", None, "mtp")]
-    if dev == "cuda":
-        modes.append(("specfire bf16 (fusion off)", False, "off"))
-    for name, fuse, spec in modes:
-        fusion.set_enabled(fuse)
+    for name, spec in (("specfire bf16", "off"), ("specfire bf16 MTP k=3", "mtp")):
         with LLM(path, device=dev, dtype="bfloat16") as llm:
             llm.generate(prompts[0][:64], SamplingParams(max_tokens=8), spec=SpecPolicy(mode=spec, k=3))
             seqs[name] = [llm.generate(p, sp, spec=SpecPolicy(mode=spec, k=3)).token_ids for p in prompts]
-    fusion.set_enabled(None)
     with LLM(path, device=dev, dtype="float32") as llm:
         seqs["specfire float32"] = [llm.generate(p, sp, spec=SpecPolicy(mode="off")).token_ids for p in prompts]
     ref = hf_model(path, torch.float32, dev)

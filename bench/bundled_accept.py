@@ -9,7 +9,7 @@ mean_accept_len (tokens per verify cycle) and per-position acceptance. Then it t
 decode on the CPU (alternating prompt by prompt) with the default drafter; `--feeds` picks the
 MTP self-feed variants whose acceptance is measured.
 
-    PYTHONPATH=. python bench/bundled_accept.py [--model DIR] [--source packages|stdlib] [--threads 2] [--max-tokens 128]
+    python -m bench.bundled_accept [--model DIR] [--source packages|stdlib] [--threads 2] [--max-tokens 128]
         [--repetition-penalty R] [--presence-penalty P] [--frequency-penalty F]   # greedy with penalties
 Prints a table and one JSON line last.
 """
@@ -17,46 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import held_out_prompts
 
-from specfire.api import LLM                               # noqa: E402
-from specfire.config import SamplingParams, SpecPolicy     # noqa: E402
-from specfire.train.corpus import held_out_sources        # noqa: E402
-
-
-def _round_robin(docs: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """Files ordered one per package in turn (package = first path component), largest files first."""
-    by: dict[str, list] = {}
-    for rel, text in sorted(docs, key=lambda d: -len(d[1])):
-        by.setdefault(rel.split("/")[0], []).append((rel, text))
-    out, queues = [], [by[k] for k in sorted(by)]
-    while any(queues):
-        for q in queues:
-            if q:
-                out.append(q.pop(0))
-    return out
-
-
-def held_out_prompts(n: int, lines: int, source: str = "packages") -> list[tuple[str, str]]:
-    """Up to n prompts: in each held-out file, the `lines` lines ending at the first top-level or
-    method `def` past the file's middle (the def line included)."""
-    out = []
-    docs = held_out_sources()[source]
-    for rel, text in (_round_robin(docs) if source == "packages" else docs):
-        ls = text.splitlines(keepends=True)
-        for i in range(len(ls) // 2, len(ls)):
-            if ls[i].lstrip().startswith("def ") and ls[i].rstrip().endswith(":"):
-                out.append((rel, "".join(ls[max(0, i - lines + 1):i + 1])))
-                break
-        if len(out) == n:
-            break
-    return out
+from specfire.api import LLM
+from specfire.config import SamplingParams, SpecPolicy
 
 
 def run_prompts(llm: LLM, prompts, sp: SamplingParams, spec) -> list:

@@ -7,7 +7,7 @@ the request's `decode_tok_s` (what `specfire run --json` prints). Modes alternat
 repeat so load changes hit them alike; the median over repeats is reported. Pin the process to
 cores from outside (`taskset -c 0,1`) to measure a 2-core machine on a bigger one.
 
-    PYTHONPATH=. taskset -c 0,1 python bench/bundled_cpu.py [--model DIR] [--plan "2:off;1:off,mtp,auto"] [--reps 3]
+    taskset -c 0,1 python -m bench.bundled_cpu [--model DIR] [--plan "2:off;1:off,mtp,auto"] [--reps 3]
 Prints a table and one JSON line last.
 """
 from __future__ import annotations
@@ -19,10 +19,9 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from specfire import cli                              # noqa: E402
-from specfire.config import SamplingParams            # noqa: E402
+from specfire import cli
+from specfire.config import SamplingParams
 
 PROMPTS = ("def fibonacci(n):",
            'class Stack:\n    """A last-in, first-out stack backed by a list."""\n\n    def __init__(self):\n')

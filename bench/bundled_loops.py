@@ -31,11 +31,11 @@ so its figures answer "what would a penalised default give", not the plain-greed
 definitions (`def` / `class` lines) of the held-out packages and stdlib modules, each followed by
 the next --max-tokens tokens of its file (what repetition real code has: the measure's floor).
 
-    PYTHONPATH=. python bench/bundled_loops.py [--model DIR] [--max-tokens 160] [--show 3] [--temperature T]
-    PYTHONPATH=. python bench/bundled_loops.py --model NEW --ref-model OLD     # + the junk guard
-    PYTHONPATH=. python bench/bundled_loops.py --natural 400
-    PYTHONPATH=. python bench/bundled_loops.py --cut-block-end     # as if the model ended after the definition
-    PYTHONPATH=. python bench/bundled_loops.py --repetition-penalty 1.2 --ref-model specfire/bundled
+    python -m bench.bundled_loops [--model DIR] [--max-tokens 160] [--show 3] [--temperature T]
+    python -m bench.bundled_loops --model NEW --ref-model OLD     # + the junk guard
+    python -m bench.bundled_loops --natural 400
+    python -m bench.bundled_loops --cut-block-end     # as if the model ended after the definition
+    python -m bench.bundled_loops --repetition-penalty 1.2 --ref-model specfire/bundled
 Prints a per-prompt table, sample completions, and one JSON line last.
 """
 from __future__ import annotations
@@ -50,12 +50,10 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from specfire.api import LLM                         # noqa: E402
-from specfire.config import SamplingParams           # noqa: E402
-from specfire.train.select import LOOP_PROMPTS as PROMPTS, guarded   # noqa: E402  (the prompts, the guard)
-from specfire.train.unlikelihood import line_stats, phrase_loop_lines   # noqa: E402  (the measures)
+from specfire.api import LLM
+from specfire.config import SamplingParams
+from specfire.train.select import LOOP_PROMPTS as PROMPTS, guarded   # the prompts, the guard
+from specfire.train.unlikelihood import line_stats, phrase_loop_lines   # the measures
 
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 COMMON = set(keyword.kwlist) | set(dir(builtins)) | {"self", "cls", "os"}

@@ -9,7 +9,7 @@ different tokens, the comparable figures are the total negative log-likelihood o
 byte, and as a perplexity over the FIRST model's token count (for the first model this is its own
 perplexity). Also reports the MTP chained-agreement acceptance proxy on full windows.
 
-    PYTHONPATH=. python bench/bundled_ppl.py --models OLD_DIR,NEW_DIR [--device cuda] [--json out.json]
+    python -m bench.bundled_ppl --models OLD_DIR,NEW_DIR [--device cuda] [--json out.json]
 """
 from __future__ import annotations
 
@@ -22,12 +22,10 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from specfire.api import BUNDLED_MODEL                   # noqa: E402
-from specfire.train.corpus import held_out_sources       # noqa: E402
-from specfire.train.evaluate import evaluate, token_stream, total_nll, windows    # noqa: E402
-from specfire.train.export import load_checkpoint        # noqa: E402
+from specfire.api import BUNDLED_MODEL
+from specfire.train.corpus import held_out_sources
+from specfire.train.evaluate import evaluate, token_stream, total_nll, windows
+from specfire.train.export import load_checkpoint
 
 
 def load(path: str, device: torch.device):

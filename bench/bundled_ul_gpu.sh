@@ -92,6 +92,6 @@ echo "train rc=$RC" | tee -a "$LOG"
 stamp "held-out perplexity: shipped model, new model"
 PPL_LIMIT=600                                   # BUDGET: the whole call's seconds; the bench gets what is left
 [ -n "${BUDGET:-}" ] && PPL_LIMIT=$(( BUDGET - ($(date +%s) - T0) ))
-timeout "$PPL_LIMIT" $PY bench/bundled_ppl.py --models "$INIT,$CK" "${PPL[@]}" --json "$OUT/ppl.json" >> "$LOG" 2>&1
+timeout "$PPL_LIMIT" $PY -m bench.bundled_ppl --models "$INIT,$CK" "${PPL[@]}" --json "$OUT/ppl.json" >> "$LOG" 2>&1
 echo "ppl rc=$?" | tee -a "$LOG"
 stamp "done"

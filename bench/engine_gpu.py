@@ -7,46 +7,39 @@
 3. big:     a random-weight checkpoint of a real shape (27B by default) written to --ckpt-dir with
             final norms -1 (every draft of the real head accepted): AR decode vs the bare trunk
             step, MTP k=3, and SYNTHETIC-acceptance MTP k=3 at the code / prose profiles
-            (bench/synthetic.py: the head's cost is real, its acceptance is drawn), and auto.
+            (bench/common.py ProfileDrafter: the head's cost is real, its acceptance drawn), and auto.
 4. sampled: sampled MTP k=3 with the draft chain and accept replayed from CUDA graphs vs the same
             seeded request run eagerly (identical tokens) and vs greedy MTP (cycle cost).
-Bandwidth: tok/s x bytes of one AR step (bench/decode.py `step_bytes`) / 4.17 TB/s; for
+Bandwidth: tok/s x bytes of one AR step (bench/common.py) / 4.17 TB/s; for
 speculative routes that is the AR-equivalent fraction. A stage's results are written to
 $OUT/engine_gpu.json as soon as it ends, so a timeout keeps what finished.
 
-    python bench/engine_gpu.py [--shape 27B] [--big-tokens 128] [--bundled-tokens 256]
-    python bench/engine_gpu.py --stages sampled --big-tokens 64
-    python bench/engine_gpu.py --smoke      # CPU: bundled + a tiny shape, few tokens
+    python -m bench.engine_gpu [--shape 27B] [--big-tokens 128] [--bundled-tokens 256]
+    python -m bench.engine_gpu --stages sampled --big-tokens 64
+    python -m bench.engine_gpu --smoke      # CPU: bundled + a tiny shape, few tokens
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from decode import CEILING, SHAPES, build, make_cfg, step_bytes  # noqa: E402
-from synthetic import PROFILES, ProfileDrafter, write_tied_checkpoint  # noqa: E402
-
-from specfire import LLM, SamplingParams, SpecPolicy  # noqa: E402
-from specfire.runtime.route import Decision  # noqa: E402
+from bench.common import (CEILING, PROFILES, ProfileDrafter, checkpoint_step_bytes, model_config, model_step_bytes,
+                          random_head, random_trunk, sync, write_checkpoint)
+from specfire import LLM, SamplingParams, SpecPolicy
+from specfire.runtime.route import Decision
 
 PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n",
     "import os\n\n\ndef walk_files(root):\n    \"\"\"Yield every file path under root.\"\"\"\n",
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n",
 ]
-SHAPES["tiny"] = dict(hidden_size=128, num_hidden_layers=4, intermediate_size=256, num_attention_heads=4,
-                      num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4, tie_word_embeddings=False)
 
 
 class Forced:
@@ -78,11 +71,6 @@ class Report:
             with open(self.path, "w") as f:
                 json.dump(self.data, f, indent=1)
         print(f"[{time.strftime('%H:%M:%S')}] {key}: {json.dumps(value)[:600]}", flush=True)
-
-
-def sync(dev: str) -> None:
-    if dev.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def bare_trunk(llm: LLM, ctx: int, steps: int) -> dict:
@@ -148,8 +136,7 @@ def run_modes(llm: LLM, prompts: list, tokens: int, modes: dict, bytes_per_step:
 
 def stage_bundled(rep: Report, dev: str, tokens: int, steps: int) -> None:
     with LLM(device=dev, progress=False) as llm:
-        m = llm.engine.trunk.model
-        nbytes = step_bytes(m, 256, torch.tensor([], dtype=llm.dtype).element_size())
+        nbytes = model_step_bytes(llm.engine.trunk.model, llm.cfg, 256, llm.dtype.itemsize)
         modes = {"ar": "off", "mtp3": SpecPolicy("mtp", 3), "ngram3": SpecPolicy("ngram", 3),
                  "auto": SpecPolicy("auto", 3)}
         res = run_modes(llm, PROMPTS, tokens, modes, nbytes)
@@ -172,19 +159,16 @@ def stage_bundled(rep: Report, dev: str, tokens: int, steps: int) -> None:
 
 
 def stage_big(rep: Report, dev: str, shape: str, ckpt_dir: str, prompt: int, tokens: int, steps: int) -> None:
-    cfg = make_cfg(shape)
-    if shape == "tiny":
-        cfg = dataclasses.replace(cfg, vocab_size=1024)   # a small vocabulary keeps the CPU smoke quick
+    cfg = model_config(shape)
     path = os.path.join(ckpt_dir, f"specfire_{shape}_tied")
     t = time.perf_counter()
-    write_tied_checkpoint(cfg, path, dev, torch.bfloat16 if dev.startswith("cuda") else torch.float32)
+    write_checkpoint(path, cfg, torch.bfloat16 if dev.startswith("cuda") else torch.float32, dev, tied=True)
     rep.put("big_written", {"shape": shape, "seconds": time.perf_counter() - t})
     try:
         t = time.perf_counter()
         with LLM(path, device=dev, progress=False, max_seq_len=prompt + tokens + 64) as llm:
             rep.put("big_loaded", {"seconds": time.perf_counter() - t, "graphs": llm.engine.trunk.graphs_enabled})
-            m = llm.engine.trunk.model
-            nbytes = step_bytes(m, prompt + tokens // 2, torch.tensor([], dtype=llm.dtype).element_size())
+            nbytes = checkpoint_step_bytes(path, prompt + tokens // 2, llm.dtype.itemsize)
             g = torch.Generator().manual_seed(0)
             prompts = [torch.randint(2, llm.cfg.vocab_size - 1, (prompt,), generator=g).tolist()]
             ar = run_modes(llm, prompts, tokens, {"ar": "off"}, nbytes)["ar"]
@@ -229,17 +213,13 @@ def stage_sampled(rep: Report, dev: str, shape: str, prompt: int, tokens: int) -
     random stream is device-side) and against greedy MTP: the cost of a cycle. Random weights of
     `shape` built on the device with a random head (drafts rarely accepted, greedy or sampled, so
     the comparison is at equal acceptance)."""
-    from synthetic import random_head
-
     from specfire.runtime.drafters import MtpDrafter
     from specfire.runtime.engine import Engine
     from specfire.runtime.trunk import LocalTrunk
 
-    cfg = make_cfg(shape)
-    if shape == "tiny":
-        cfg = dataclasses.replace(cfg, vocab_size=1024)
+    cfg = model_config(shape)
     dtype = torch.bfloat16 if dev.startswith("cuda") else torch.float32
-    model = build(cfg, dev, dtype)
+    model = random_trunk(cfg, dev, dtype)
     trunk = LocalTrunk(model, prompt + tokens + 64, dtype)
     eng = Engine(trunk, None, set(), {"mtp": MtpDrafter(random_head(cfg, dev, dtype), trunk, dtype)})
     ids = torch.randint(0, cfg.vocab_size, (prompt,), generator=torch.Generator().manual_seed(4)).tolist()
@@ -315,13 +295,14 @@ def main() -> None:
     ap.add_argument("--ckpt-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     ap.add_argument("--skip-big", action="store_true")
     ap.add_argument("--stages", default="bundled,big", help="comma list of bundled, big, sampled")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for engine_gpu.json")
     ap.add_argument("--smoke", action="store_true", help="CPU check: tiny shape, few tokens")
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:
         args.shape, args.prompt, args.big_tokens, args.bundled_tokens, args.steps = "tiny", 24, 16, 24, 3
         args.ckpt_dir = tempfile.mkdtemp()
-    rep = Report(os.environ.get("OUT"))
+    rep = Report(args.out)
     rep.put("machine", {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
                         "torch": torch.__version__, "shape": args.shape, "prompt": args.prompt,
                         "big_tokens": args.big_tokens, "bundled_tokens": args.bundled_tokens})

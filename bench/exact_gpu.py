@@ -2,7 +2,7 @@
 context lengths; also decode tok/s per route. Prompts are held-out standard-library modules
 (specfire/train/corpus.py HELD_OUT) cut to the given token counts.
 
-    python bench/exact_gpu.py --ctx 64,2000,8000 --tokens 128
+    python -m bench.exact_gpu --ctx 64,2000,8000 --tokens 128
 """
 from __future__ import annotations
 

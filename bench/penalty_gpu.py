@@ -8,7 +8,7 @@ k=3 completions of --max-tokens tokens must be equal token for token; the sample
 and report the eager-accept fallback in its stats. Plain requests run before and after, to check
 that a penalised request leaves nothing behind (the next plain request equals the first).
 
-    PYTHONPATH=. python bench/penalty_gpu.py [--max-tokens 96] [--out DIR]
+    python -m bench.penalty_gpu [--max-tokens 96] [--out DIR]
 Prints a table and one JSON line last; exits 1 on any mismatch.
 """
 from __future__ import annotations
@@ -19,11 +19,10 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from specfire.api import LLM                          # noqa: E402
-from specfire.config import SamplingParams, SpecPolicy   # noqa: E402
-from specfire.train.select import LOOP_PROMPTS        # noqa: E402
+from specfire.api import LLM
+from specfire.config import SamplingParams, SpecPolicy
+from specfire.train.select import LOOP_PROMPTS
 
 SETTINGS = [
     {},                                                           # plain (before)

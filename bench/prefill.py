@@ -1,4 +1,4 @@
-"""Prefill and long context on one GPU (issue 13 items 3, 4), one call, results as JSON.
+"""Prefill and long context on one GPU, one call, results as JSON.
 
 Random weights of a real shape (27B by default) built on the GPU, with a random MTP head; the
 engine is the library's own (LocalTrunk + Engine + MtpDrafter), no checkpoint written.
@@ -6,7 +6,7 @@ engine is the library's own (LocalTrunk + Engine + MtpDrafter), no checkpoint wr
 1. prefill: trunk.prefill tok/s at 512 / 4096 / 33000 prompt tokens, and the fraction of the
    H200's bf16 dense tensor-core peak (989 TFLOP/s) that its matmul FLOPs reach (2 x T x layer
    weights + causal attention 4 x Hq x D x visible keys; the Gated DeltaNet recurrence is not
-   counted). Also the pre-fix path (every prefill GEMM through the row-invariant Triton kernel).
+   counted).
 2. decode: LLM-loop AR tok/s after a 512- and a 33000-token prompt, and the trunk's 1-row CUDA
    graph replayed at both positions (device time).
 3. exact: greedy MTP k=3 (the random head) and an oracle drafter (AR's own tokens, one wrong draft
@@ -16,8 +16,8 @@ engine is the library's own (LocalTrunk + Engine + MtpDrafter), no checkpoint wr
    passes them), error vs the float32 reference; then prefill tok/s with it wired in (ops/gdn_fla.py) and MTP == AR at 33000 again.
 Results go to $OUT/prefill.json after every stage, so a timeout keeps what finished.
 
-    python bench/prefill.py [--shape 27B] [--budget 200]
-    python bench/prefill.py --smoke          # CPU: tiny shape, short prompts
+    python -m bench.prefill [--shape 27B] [--budget 200]
+    python -m bench.prefill --smoke          # CPU: tiny shape, short prompts
 """
 from __future__ import annotations
 
@@ -30,24 +30,16 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from decode import CEILING, SHAPES, build, make_cfg, step_bytes  # noqa: E402
-from synthetic import random_head  # noqa: E402
-
-from specfire.config import FULL, SamplingParams, SpecPolicy  # noqa: E402
-from specfire.ops import gdn as G  # noqa: E402
-from specfire.ops import gdn_fla  # noqa: E402
-from specfire.ops import linear as linear_mod  # noqa: E402
-from specfire.runtime.drafters import MtpDrafter, NgramDrafter  # noqa: E402
-from specfire.runtime.engine import Engine  # noqa: E402
-from specfire.runtime.prefix import PrefixCache  # noqa: E402
-from specfire.runtime.trunk import LocalTrunk  # noqa: E402
+from bench.common import CEILING, model_config, model_step_bytes, random_head, random_trunk, sync
+from specfire.config import FULL, SamplingParams, SpecPolicy
+from specfire.ops import gdn as G
+from specfire.ops import gdn_fla
+from specfire.runtime.drafters import MtpDrafter, NgramDrafter
+from specfire.runtime.engine import Engine
+from specfire.runtime.prefix import PrefixCache
+from specfire.runtime.trunk import LocalTrunk
 
 PEAK_FLOPS = 989e12      # H200 bf16 dense tensor-core peak
-SHAPES.setdefault("tiny", dict(hidden_size=128, num_hidden_layers=4, intermediate_size=256, num_attention_heads=4,
-                               num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4,
-                               tie_word_embeddings=False))
 
 
 class Report:
@@ -65,11 +57,6 @@ class Report:
 
     def left(self, budget: float) -> float:
         return budget - (time.perf_counter() - self.t0)
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def prefill_flops(model, t: int) -> float:
@@ -173,8 +160,7 @@ def stage_context(rep: Report, eng: Engine, ctx: int, tokens: int, tag: str, ora
 def stage_context_run(rep: Report, eng: Engine, ids: list[int], tokens: int, tag: str, oracle: bool) -> None:
     cfg, ctx = eng.trunk.cfg, len(ids)
     ar = generate(eng, ids, tokens, SpecPolicy("off"))
-    m = eng.trunk.model
-    nbytes = step_bytes(m, ctx + tokens // 2, 2 if eng.trunk.device.type == "cuda" else 4)
+    nbytes = model_step_bytes(eng.trunk.model, cfg, ctx + tokens // 2, 2 if eng.trunk.device.type == "cuda" else 4)
     out = {"ctx": ctx, "tokens": tokens, "ar_prefill_tok_s": ar["prefill_tok_s"], "ar_tok_s": ar["decode_tok_s"],
            "ar_bw_frac": ar["decode_tok_s"] * nbytes / CEILING, "step_bytes": nbytes,
            "distinct_ar_tokens": len(set(ar["ids"]))}
@@ -251,6 +237,7 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=33000)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--budget", type=float, default=200.0, help="seconds; optional stages are skipped past it")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for prefill.json")
     ap.add_argument("--smoke", action="store_true", help="CPU check: tiny shape, short prompts")
     a = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -258,17 +245,14 @@ def main() -> None:
     if a.smoke:
         a.shape, a.lengths, a.short, a.long, a.tokens = "tiny", "40,100,300", 24, 300, 12
     lengths = [int(x) for x in a.lengths.split(",")]
-    rep = Report(os.environ.get("OUT"))
+    rep = Report(a.out)
     rep.put("machine", {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__,
                         "shape": a.shape, "fla": gdn_fla.kernel() is not None,
                         "fla_version": getattr(sys.modules.get("fla"), "__version__", None)})
-    cfg = make_cfg(a.shape)
-    if a.smoke:
-        import dataclasses
-        cfg = dataclasses.replace(cfg, vocab_size=1024)
+    cfg = model_config(a.shape)
     gdn_fla.set_enabled(False)           # our kernels first; flash-linear-attention in its own stage
     t = time.perf_counter()
-    model = build(cfg, dev, dtype)
+    model = random_trunk(cfg, dev, dtype)
     head = random_head(cfg, dev, dtype)
     trunk = LocalTrunk(model, a.long + a.tokens + 64, dtype)
     if a.smoke:
@@ -285,9 +269,8 @@ def main() -> None:
                                                     a.long: bare_graph_ms(trunk, a.long + a.tokens, 30)})),
         ("gdn_kernels", lambda: stage_gdn_kernels(rep, cfg, [lengths[1], lengths[-1]], dev)),
         ("fla_prefill", lambda: fla_prefill(rep, eng, lengths, a)),
-        ("old_path", lambda: old_path(rep, trunk, lengths[:2])),
     ]
-    need = {"gdn_kernels": 50, "fla_prefill": 20, "old_path": 12}
+    need = {"gdn_kernels": 50, "fla_prefill": 20}
     for name, fn in stages:
         if rep.left(a.budget) < need.get(name, 0):
             rep.put(f"skipped_{name}", f"{rep.left(a.budget):.0f} s of the budget left")
@@ -298,16 +281,6 @@ def main() -> None:
             rep.put(f"error_{name}", traceback.format_exc())
             sync()
     summary(rep.data)
-
-
-def old_path(rep: Report, trunk: LocalTrunk, lengths: list[int]) -> None:
-    """The pre-fix prefill: every GEMM through the row-invariant Triton kernel (64-row tiles)."""
-    saved = linear_mod.splitk_enabled
-    linear_mod.splitk_enabled = lambda x=None: True
-    try:
-        stage_prefill(rep, trunk, lengths, "triton_gemm", {})
-    finally:
-        linear_mod.splitk_enabled = saved
 
 
 def fla_prefill(rep: Report, eng: Engine, lengths: list[int], a) -> None:
@@ -325,7 +298,7 @@ def fla_prefill(rep: Report, eng: Engine, lengths: list[int], a) -> None:
 
 def summary(d: dict) -> None:
     print("\n| path | prompt | tok/s | TFLOP/s | of 989 |\n|---|---|---|---|---|")
-    for tag in ("cublas", "triton_gemm", "fla"):
+    for tag in ("cublas", "fla"):
         for t, r in (d.get(f"prefill_{tag}") or {}).items():
             print(f"| {tag} | {t} | {r['tok_s']:.0f} | {r['tflops']:.0f} | {100 * r['of_peak']:.1f}% |")
     s, lg = d.get("short_exact"), d.get("long_exact")

@@ -11,9 +11,9 @@ Sources of text:
                  the held-out site-packages distributions, or stdlib, the held-out stdlib
                  modules; specfire/train/corpus.py), prompts as in bench/bundled_accept.py
   --model/--text any checkpoint and text file
-  (neither)      a tiny random checkpoint (tests/tinymodels.py) on a sequence it sampled itself
+  (neither)      a tiny random checkpoint (bench/common.py) on a sequence it sampled itself
 
-    python bench/quant_ppl.py --bundled [--tokens 16384] [--accept-prompts 10]
+    python -m bench.quant_ppl --bundled [--tokens 16384] [--accept-prompts 10]
 Prints a table and one JSON line last.
 """
 from __future__ import annotations
@@ -28,14 +28,10 @@ import time
 
 import torch
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-
-from specfire import LLM, SamplingParams  # noqa: E402
-from specfire.config import SpecPolicy  # noqa: E402
-from specfire.quantize import quantize_checkpoint  # noqa: E402
+from bench.common import held_out_prompts, model_config, write_checkpoint
+from specfire import LLM, SamplingParams
+from specfire.config import SpecPolicy
+from specfire.quantize import quantize_checkpoint
 
 
 def nll_windows(llm: LLM, windows: list[list[int]]) -> tuple[float, int]:
@@ -90,13 +86,11 @@ def main() -> int:
         src = BUNDLED_MODEL
         texts = [t for _, t in held_out_sources()[args.source]]
         if args.accept_prompts:
-            from bundled_accept import held_out_prompts
             prompts = [p for _, p in held_out_prompts(args.accept_prompts, 24, args.source)]
         name = f"bundled (held-out {args.source} files)"
     elif args.model is None:
-        from tinymodels import make_checkpoint
-        src = make_checkpoint(os.path.join(root, "src"), "base", seed=5, hidden_size=128, intermediate_size=256,
-                              vocab_size=512)
+        src = write_checkpoint(os.path.join(root, "src"), model_config("tiny", hidden_size=128, intermediate_size=256),
+                               torch.float32, "cpu", seed=5)
         texts = None
         name = "tiny-random(h128,i256,v512)"
     else:

@@ -1,37 +1,30 @@
-"""CPU figures for speculative decoding on the fitted tiny model (tests/specfit.py).
+"""Speculative decoding on the CPU: the bundled model's MTP and n-gram drafters against AR.
 
-Prints, per k = 1..4: mean_accept_len (1 + accepted/cycles), acceptance per draft position, MTP and
-AR decode tok/s and their ratio; the same for n-gram lookup; acceptance with the self-fed hidden
-taken after vs before mtp.norm (MtpDrafter feed='post'|'pre'); and the cost of a rollback
-(trunk.commit) relative to a verify of k+1 rows, on the tiny model and on a mid-size random one.
-The last line is one JSON object with every figure.
+Prints, per route and k = 1..4, on held-out code prompts (bench/common.py held_out_prompts):
+mean_accept_len (1 + accepted/cycles), acceptance per draft position, decode tok/s beside AR's
+(AR timed right after each run, so both see the same load on a shared machine) and their ratio,
+checking that every output equals AR's; then the cost of a rollback (trunk.commit) relative to a
+verify of k+1 rows, on the bundled model and on a mid-size random one. One JSON line last.
 
-    PYTHONPATH=$PWD python bench/spec_cpu.py [--prompts 12] [--tokens 64] [--threads 1] [--rounds 3]
+    python -m bench.spec_cpu [--prompts 12] [--tokens 64] [--threads 1] [--rounds 3]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
-import specfit  # noqa: E402
-from tinymodels import make_checkpoint  # noqa: E402
-
-from specfire import LLM, SamplingParams  # noqa: E402
-
-MID = dict(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-           num_attention_heads=8, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
-           linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64)
+from bench.common import held_out_prompts, model_config, write_checkpoint
+from specfire import LLM, SamplingParams
 
 
-def spec_run(llm: LLM, prompts: list[list[int]], n: int, spec, rounds: int = 1, beside=None) -> dict:
+def spec_run(llm: LLM, prompts: list, n: int, spec, rounds: int = 1, beside=None) -> dict:
     """Greedy requests; acceptance pooled over every cycle of every request; decode time per
     prompt is the least over `rounds` repeats (the 2-core machine is shared, so load spikes).
     With `beside` (another policy, e.g. "off"), that policy runs right after each repeat, so both
@@ -102,21 +95,19 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3, help="repeats per request; the fastest counts")
+    ap.add_argument("--model", default=None, help="checkpoint (default: the bundled model)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     root = tempfile.mkdtemp(prefix="spec_cpu_")
-    t0 = time.perf_counter()
-    path = specfit.fitted_checkpoint(root)
-    fit_s = time.perf_counter() - t0
-    prompts = specfit.prompts(args.prompts, seed=500)
-    res: dict = {"threads": args.threads, "prompts": args.prompts, "tokens": args.tokens, "fit_s": fit_s}
+    prompts = [p for _, p in held_out_prompts(args.prompts, 24)]
+    res: dict = {"model": args.model or "bundled", "threads": args.threads, "prompts": len(prompts),
+                 "tokens": args.tokens}
 
-    with LLM(path, progress=False) as llm:
+    with LLM(args.model, device="cpu", progress=False) as llm:
         spec_run(llm, prompts[:2], 16, "off")                      # warm-up
         ar = spec_run(llm, prompts, args.tokens, "off")
         res["ar_decode_tok_s"] = ar["decode_tok_s"]
-        print(f"fitted tiny model (hidden 64, 4 layers, vocab 131), {args.prompts} prompts x {args.tokens} "
-              f"tokens, {args.threads} thread(s); fit {fit_s:.1f} s")
+        print(f"{res['model']}, {len(prompts)} held-out prompts x {args.tokens} tokens, {args.threads} thread(s)")
         print(f"AR decode {ar['decode_tok_s']:.0f} tok/s")
         print(f"{'route':6} {'k':>2} {'mean_acc_len':>12} {'tok/s':>8} {'AR tok/s':>8} {'vs AR':>6}  accept per position")
         res["mtp"], res["ngram"] = [], []
@@ -133,24 +124,13 @@ def main() -> int:
                       f"{row['ar_decode_tok_s']:>8.0f} "
                       f"{row['speed_vs_ar']:>6.2f}  " + " ".join(f"{a:.2f}" for a in row["accept_per_pos"]))
 
-        drafter = llm.engine.drafters["mtp"]
-        default_feed = drafter.feed
-        res["feed"] = {}
-        print(f"\nMTP self-fed hidden (default feed={default_feed!r}): mean_accept_len")
-        print(f"{'feed':5} " + " ".join(f"{'k=' + str(k):>7}" for k in (1, 2, 3, 4, 6)))
-        for feed in ("post", "pre"):
-            drafter.feed = feed
-            vals = [spec_run(llm, prompts, args.tokens, {"mode": "mtp", "k": k})["mean_accept_len"] for k in (1, 2, 3, 4, 6)]
-            res["feed"][feed] = dict(zip(("k1", "k2", "k3", "k4", "k6"), vals))
-            print(f"{feed:5} " + " ".join(f"{v:>7.3f}" for v in vals))
-        drafter.feed = default_feed
-
         print("\nrollback (commit) vs verify, fastest of", args.reps)
         print(f"{'model':6} {'k':>2} {'verify ms':>10} {'commit ms':>10} {'ratio':>7}")
-        res["rollback"] = {"tiny": rollback_cost(llm, [1, 2, 3, 4], args.reps)}
-    mid = make_checkpoint(os.path.join(root, "mid"), "base", mtp=False, **MID)
-    with LLM(mid, spec="off", progress=False) as llm:
+        res["rollback"] = {"model": rollback_cost(llm, [1, 2, 3, 4], args.reps)}
+    mid = write_checkpoint(os.path.join(root, "mid"), model_config("mid"), torch.float32, "cpu")
+    with LLM(mid, device="cpu", spec="off", progress=False) as llm:
         res["rollback"]["mid"] = rollback_cost(llm, [1, 2, 3, 4], args.reps)
+    shutil.rmtree(root, ignore_errors=True)
     for name, rows in res["rollback"].items():
         for r in rows:
             print(f"{name:6} {r['k']:>2} {r['verify_ms']:>10.3f} {r['commit_ms']:>10.4f} {r['commit_over_verify']:>7.4f}")

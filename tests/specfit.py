@@ -1,5 +1,4 @@
-"""A tiny model fitted so that speculation really gets accepted, for the speculative-decoding tests
-and bench/spec_cpu.py.
+"""A tiny model fitted so that speculation really gets accepted, for the speculative-decoding tests.
 
 A random tiny trunk is unpredictable, so drafts are almost always rejected and only the rejection
 path would be tested. Here the trunk is fitted (transformers, autograd) on a synthetic second-order

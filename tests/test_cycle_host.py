@@ -1,5 +1,5 @@
 """The host path of a cycle: the eager commit that replays the log in place,
-a worker's riders run straight (commit(n)), and the clocked serve loop bench/cycle_host.py reads."""
+a worker's riders run straight (commit(n)), and the clocked serve loop's timeline."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,5 @@
-"""Shared by the peer benchmark's runners and its driver: shapes, prompts, bytes a step moves,
-result files. Each runner is a separate process, so this module imports no engine."""
+"""What the peer benchmark's runners and its driver share beyond bench/common.py: the warm-up
+shape, prompts, result files. Each runner is a separate process, so this module imports no engine."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,20 +8,13 @@ import os
 import sys
 import time
 
+import torch
+
+from bench.common import CEILING, FINAL_NORMS, NORMS_FILE, SHAPES, config_step_bytes, model_config  # noqa: F401
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-BENCH = os.path.dirname(HERE)
-if BENCH not in sys.path:
-    sys.path.insert(0, BENCH)
-
-import torch  # noqa: E402
-
-from decode import CEILING, SHAPES, make_cfg  # noqa: E402  (bench/decode.py: the real shapes)
-
-TINY = dict(hidden_size=128, num_hidden_layers=4, intermediate_size=256, num_attention_heads=4,
-            num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4, tie_word_embeddings=False)
-TINY_VOCAB = 1024
-NORM_KEYS = ("model.norm.weight", "mtp.norm.weight")   # zeroing these (-1) ties every logit
-NORMS_FILE = "model-norms.safetensors"
+TINY_VOCAB = SHAPES["tiny"]["vocab_size"]
+NORM_KEYS = FINAL_NORMS                              # -1 ties every logit (bench/common.py write_checkpoint)
 
 
 WARM = "-warm"        # suffix: the shape's widths, 2 layers, vocabulary 4096 (run.py --prewarm)
@@ -29,31 +22,19 @@ WARM_LAYERS, WARM_VOCAB = ("linear_attention", "full_attention"), 4096
 
 
 def cfg_for(shape: str):
-    """ModelConfig of a real shape (bench/decode.py), of `tiny` (CPU checks, vocabulary 1024), or
-    `<shape>-warm`: the same widths in 2 layers (1 GDN + 1 attention) and a 4096-token vocabulary,
-    whose runs compile the same kernels (Triton caches) from a few GB of weights."""
+    """ModelConfig of a shape of bench/common.py, or `<shape>-warm`: the same widths in 2 layers
+    (1 GDN + 1 attention) and a 4096-token vocabulary, whose runs compile the same kernels (Triton
+    caches) from a few GB of weights."""
     if shape.endswith(WARM):
         base = cfg_for(shape[:-len(WARM)])
         return dataclasses.replace(base, num_hidden_layers=len(WARM_LAYERS), layer_types=WARM_LAYERS,
                                    vocab_size=WARM_VOCAB)
-    if shape == "tiny":
-        SHAPES.setdefault("tiny", TINY)
-        return dataclasses.replace(make_cfg("tiny"), vocab_size=TINY_VOCAB)
-    if shape not in SHAPES:
-        raise SystemExit(f"unknown shape {shape!r}; known: tiny, {', '.join(SHAPES)}")
-    return make_cfg(shape)
+    return model_config(shape)
 
 
 def step_bytes_cfg(cfg, ctx: int, elem: int = 2) -> int:
-    """Bytes one AR decode step must move at context `ctx` (bench/decode.py `step_bytes`: every
-    weight once, KV to ctx, GDN state read + written), from the config alone (meta tensors)."""
-    from decode import step_bytes
-
-    from specfire.model.qwen35 import Qwen35Trunk
-    dt = {2: torch.bfloat16, 4: torch.float32}[elem]
-    with torch.device("meta"):
-        m = Qwen35Trunk(cfg).to(dt)
-    return step_bytes(m, ctx, elem)
+    """Bytes one AR decode step must move at context `ctx` (bench/common.py config_step_bytes)."""
+    return config_step_bytes(cfg, ctx, elem)
 
 
 def make_prompts(vocab: int, n: int, length: int, seed: int = 0) -> dict:

@@ -3,7 +3,7 @@ the background, the pre-warm), but no engine runs: every task is a process that 
 estimated seconds on a clock sped up by --dry-scale, so a timing plan is checked on the CPU in
 seconds before it spends device time.
 
-    python bench/peers/run.py --dry "ckpt=85,specfire=60,transformers=130,exllamav3=130,build=270" \
+    python -m bench.peers.run --dry "ckpt=85,specfire=60,transformers=130,exllamav3=130,build=270" \
         --shapes 27B --budget 435 --dry-scale 0.2
 
 Estimate keys: ckpt (the shape's checkpoint), ckpt_warm (its 2-layer copy), prewarm_specfire,
@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-import run
+from bench.peers import run
 
 DEFAULTS = {"ckpt": 85, "ckpt_warm": 8, "prewarm_specfire": 40, "prewarm_transformers": 90, "specfire": 60,
             "transformers": 130, "exllamav3": 130, "build": 270, "install": 4}

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 
-import common
+from bench.peers import common
 
 
 class Prewarm:

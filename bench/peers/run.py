@@ -1,7 +1,7 @@
 """Peers side by side: the same random-weight checkpoint, the same GPU, the same prompts, one command.
 
-    python bench/peers/run.py --wheels WHEELS_DIR          # on the GPU machine (writes to $OUT)
-    python bench/peers/run.py --smoke                      # CPU: tiny shape, the whole flow
+    python -m bench.peers.run --wheels WHEELS_DIR          # on the GPU machine (writes to $OUT)
+    python -m bench.peers.run --smoke                      # CPU: tiny shape, the whole flow
 
 Per shape (4B first, then 27B while the time budget allows): write the checkpoint pair
 (make_ckpt.py: normal random weights + a tied variant whose every MTP draft is accepted), then
@@ -35,12 +35,11 @@ import tempfile
 import threading
 import time
 
-import common
-import table
-from prewarm import Prewarm
+from bench.peers import common
+from bench.peers import table
+from bench.peers.prewarm import Prewarm
 
-HERE = common.HERE
-ROOT = os.path.dirname(common.BENCH)
+ROOT = os.path.dirname(os.path.dirname(common.HERE))
 
 
 class Driver(Prewarm):
@@ -92,7 +91,7 @@ class Driver(Prewarm):
     def env(self, site: str | None = None) -> dict:
         e = dict(os.environ)
         paths = [site] if site else []
-        paths += [ROOT, HERE, e.get("PYTHONPATH", "")]
+        paths += [ROOT, e.get("PYTHONPATH", "")]
         e["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         e["PYTHONUNBUFFERED"] = "1"
         if common.device() == "cpu":          # tiny models: extra threads only contend for the cores
@@ -213,7 +212,7 @@ class Driver(Prewarm):
         return self.results["shapes"].setdefault(shape, {"runners": {}})
 
     def ckpt_code(self, shape: str, out: str, root: str | None = None) -> str:
-        return (f"import json, torch, make_ckpt; dev = 'cuda' if torch.cuda.is_available() else 'cpu'; "
+        return (f"import json, torch; from bench.peers import make_ckpt; dev = 'cuda' if torch.cuda.is_available() else 'cpu'; "
                 f"r = make_ckpt.make({shape!r}, {root or self.args.ckpt_root!r}, dev, "
                 f"torch.bfloat16 if dev == 'cuda' else torch.float32); json.dump(r, open({out!r}, 'w'))")
 
@@ -251,7 +250,7 @@ class Driver(Prewarm):
 
     def runner_cmd(self, engine: str, sh: dict, modes: list[str], tokens: int, res_path: str) -> tuple[list, dict]:
         site = {"transformers": self.site["fla"], "exllamav3": self.site["exl3"]}.get(engine)
-        cmd = [sys.executable, os.path.join(HERE, f"run_{engine}.py"), "--normal", sh["ckpt"]["normal"],
+        cmd = [sys.executable, "-m", f"bench.peers.run_{engine}", "--normal", sh["ckpt"]["normal"],
                "--tied", sh["ckpt"]["tied"], "--prompts", sh["prompts_file"], "--tokens", str(tokens),
                "--modes", ",".join(modes), "--out", res_path]
         env = self.exl3_env if engine == "exllamav3" and self.exl3_env else self.env(site)
@@ -483,7 +482,7 @@ def main() -> None:
     if args.prewarm is None:
         args.prewarm = common.device() == "cuda"
     if args.dry is not None:
-        import plan
+        from bench.peers import plan
         plan.DryDriver(args).main()
     else:
         Driver(args).main()

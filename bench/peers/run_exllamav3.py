@@ -15,7 +15,7 @@ ExLlamaV3's text-only Qwen3.5 class reads weights under the multimodal releases'
 (`model.`, as transformers' Qwen3_5ForCausalLM reads it), so this runner subclasses its config and
 model classes with prefix `model` and its own MTP head attached. The math is ExLlamaV3's.
 
-    python bench/peers/run_exllamav3.py --normal DIR --tied DIR --prompts P.json --tokens 128 --out R.json
+    python -m bench.peers.run_exllamav3 --normal DIR --tied DIR --prompts P.json --tokens 128 --out R.json
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ import gc
 import importlib.util
 import time
 
-import common
-from common import Result, load_prompts, peak_gb, reset_peak, runner_args
+from bench.peers import common
+from bench.peers.common import Result, load_prompts, peak_gb, reset_peak, runner_args
 
 MODES = {"ar": ("normal", 0), "mtp1": ("tied", 1), "mtp3": ("tied", 3)}
 PAGE = 256

@@ -1,15 +1,15 @@
 """specfire through `LLM(...).generate` (CUDA graphs on a GPU): AR on the normal checkpoint (its
 tokens feed the output check), MTP k=1 and k=3 on the tied one (every draft accepted: best case).
 
-    python bench/peers/run_specfire.py --normal DIR --tied DIR --prompts P.json --tokens 128 --out R.json
+    python -m bench.peers.run_specfire --normal DIR --tied DIR --prompts P.json --tokens 128 --out R.json
 """
 from __future__ import annotations
 
 import gc
 import time
 
-import common
-from common import Result, load_prompts, peak_gb, reset_peak, runner_args
+from bench.peers import common
+from bench.peers.common import Result, load_prompts, peak_gb, reset_peak, runner_args
 
 MODES = {"ar": ("normal", "off", 0), "mtp1": ("tied", "mtp", 1), "mtp3": ("tied", "mtp", 3)}
 

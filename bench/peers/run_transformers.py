@@ -9,7 +9,7 @@ TTFT is a 1-token generate; decode tok/s = (N - 1) / (time of an N-token generat
 warm-up and the N-token generates carry a counting streamer (`Progress`: generate copies each
 step's token to the host for it) so a run cut by its time limit says how far it got.
 
-    python bench/peers/run_transformers.py --normal DIR --prompts P.json --tokens 64 --out R.json
+    python -m bench.peers.run_transformers --normal DIR --prompts P.json --tokens 64 --out R.json
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import importlib.util
 import inspect
 import time
 
-import common
-from common import Result, load_prompts, peak_gb, reset_peak, runner_args, sync
+from bench.peers import common
+from bench.peers.common import Result, load_prompts, peak_gb, reset_peak, runner_args, sync
 
 MODES = ("eager", "static_compile")
 

@@ -3,14 +3,14 @@ as a fraction of the measured ceiling, TTFT, peak memory, the greedy output chec
 transformers, and a one-line reason wherever a peer could not run a case; then the published
 figures of engines that cannot be installed on the GPU machine, labelled as such.
 
-    python bench/peers/table.py results.json
+    python -m bench.peers.table results.json
 """
 from __future__ import annotations
 
 import json
 import sys
 
-from common import CEILING, equal_prefix
+from bench.peers.common import CEILING, equal_prefix
 
 ENGINES = ("specfire", "transformers", "exllamav3")
 MODE_TEXT = {

@@ -23,7 +23,7 @@ from .pdl import wait as pdl_wait
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX in the interpreter
 
-# Chosen by bench/flash_rows.py on the H200 (docs/BENCHMARKS.md). None may depend on R or pos0.
+# Chosen by bench/flash_rows.py on the H200 (docs/PERFORMANCE.md). None may depend on R or pos0.
 SPLIT = 512      # keys per span (fixed: part of the reduction order)
 BLOCK_M = 32     # (row, query-head) pairs per tile: up to 5 rows of a 6-head group in one tile
 BLOCK_N = 64     # keys per inner step

@@ -40,8 +40,7 @@ run as one four-operand reduce: row t+1's sum q^2, sum k^2 and sum(k * S_t exp(g
 t's sum(q * S_t). Its roundings differ from the loop's (u is rsqrt(sum k^2) times the unnormalised
 k against the state, o likewise), the same ones for every row count and shard, and the state update
 is the commit kernel's fma(k_hat, delta, S exp(g)) with the logged k_hat. On the 4-bit 27B step it
-takes 0.1 ms off the 4-row verify graph and nothing off or onto the 1-row one (docs/BENCHMARKS.md,
-"Ninth wave: the Gated DeltaNet rows ...").
+takes 0.1 ms off the 4-row verify graph and nothing off or onto the 1-row one (docs/PERFORMANCE.md).
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import torch
 from ._triton import triton, tl
 
 BV = 16         # value columns per program
-NUM_WARPS = 1   # with BV = 16: measured best on the H200 for 2..16 rows (docs/BENCHMARKS.md)
+NUM_WARPS = 1   # with BV = 16: measured best on the H200 for 2..16 rows (docs/PERFORMANCE.md)
 COMMIT_BV = 32  # value columns per program of the commit (27B heads: 48 layers x 48 heads x 4 programs)
 
 

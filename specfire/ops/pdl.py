@@ -5,7 +5,7 @@ its programs become resident and compute their addresses, and only then wait
 (`griddepcontrol.wait`) for every earlier kernel to finish and its memory to be visible. Each PDL
 kernel then releases its own successor (`griddepcontrol.launch_dependents`) right after its wait,
 so the next launch overlaps this kernel's work and tail, never more than one kernel ahead.
-Measured on the H200 (docs/BENCHMARKS.md, "Eighth wave"): the 4-bit 27B step 7.10 -> 6.97 ms, the
+Measured on the H200 (docs/PERFORMANCE.md): the 4-bit 27B step 7.10 -> 6.97 ms, the
 bf16 one 14.25 -> 13.88 ms. Two options measured slower and left off: the 4-bit GEMV asking L2 for
 its first code groups before its wait (triton_quant.PDL_PREFETCH, SPECFIRE_PDL_PREFETCH=N), and
 releasing the successor before the wait (RELEASE_FIRST, SPECFIRE_PDL_EARLY=1).

@@ -15,7 +15,7 @@ kernel: W, M and the wait target are runtime values (never specialised), so the 
 squares is reduced in the same order on every degree. The result equals `tree_add_rms_norm_ref`
 up to that float32 reduction order (the norm's), like ops/triton_small.py's norms.
 
-Measured (27B, 2 x H200, docs/BENCHMARKS.md "Sixth wave"): tp2 at the same speed as the
+Measured (27B, 2 x H200, docs/PERFORMANCE.md): tp2 at the same speed as the
 three-launch path and the same bits; the consumer's own work (4.45 us: eight masked slots spill
 registers) and the producer's system-scope signal (~2.9 us) eat what the collective saved. Two
 variants, built and tested on the CPU, not yet measured on a mesh: SPECFIRE_TREE_NORM=ll (each

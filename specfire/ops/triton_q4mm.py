@@ -17,8 +17,8 @@ chosen by `MODE` (environment SPECFIRE_Q4_PREFILL at import; benches switch the 
   group order, so it rounds differently from cuBLAS (close, not bitwise).
 - "torch": the reference path kept in ops/quant.py (float32 dequantize through torch ops, GEMM).
 
-Measured on the H200 (bench/q4_prefill.py, docs/BENCHMARKS.md "Eighth wave: 4-bit prefill through
-Triton"), 27B shapes at 1024 rows: dequant 505-607 TFLOP/s on the large weights (cuBLAS alone on the
+Measured on the H200 (bench/q4_prefill.py, docs/PERFORMANCE.md), 27B shapes at 1024 rows:
+dequant 505-607 TFLOP/s on the large weights (cuBLAS alone on the
 bf16 weight: 708-806), fused 224-320 (its 4 configs), torch 55-128; so dequant is the default.
 
 Nothing here is row-invariant or needs to be: decode and verify (rows=True) keep the row-invariant

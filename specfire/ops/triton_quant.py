@@ -43,7 +43,7 @@ an occupancy loss: no other tile won at M = 4.
 Tenth session: `maxnreg` caps the registers a thread (more programs resident per SM). Measured on the
 H200 (bench/q4_floor.py --phases sweep): slower on every 27B launch shape at 96, 88 and 80, so 0 (the
 compiler's choice) everywhere; the field stays so the sweep can be re-run. The same wave measured
-how far the kernel is from a plain read of its bytes (docs/BENCHMARKS.md "Tenth wave").
+how far the kernel is from a plain read of its bytes (docs/PERFORMANCE.md).
 
 Row invariance: a fixed 16- or 8-row tile, the split-K and the group order chosen from (N, K, G)
 only, M never specialised, group terms and split partials added in a fixed order, so every M runs
@@ -74,7 +74,7 @@ BIAS = tl.constexpr(_BIAS)
 # launched with PDL (ops/pdl.py), a program asks L2 for its first PDL_PREFETCH groups of codes
 # before it waits for the kernel before it (codes in tiles only; 0: no prefetch)
 PDL_PREFETCH = int(os.environ.get("SPECFIRE_PDL_PREFETCH", "0"))
-# Ninth session (docs/BENCHMARKS.md "Ninth wave"; none of the three changes a bit). DISCARD: the
+# Ninth session (docs/PERFORMANCE.md; none of the three changes a bit). DISCARD: the
 # last CTA of a split-K tile, once it has summed the partials, tells L2 their lines are dead (PTX
 # discard.global.L2: the float32 partials, ~73 MB a row over a 27B step, need no write-back to
 # DRAM). M_TILES (below): per (N, K, M) the tile width, warps and pipeline depth of a launch.
@@ -111,7 +111,7 @@ class Q4Config:
             raise ValueError(f"Q4Config.maxnreg must be 0 or a multiple of 8 in 24..255, got {self.maxnreg}")
 
 
-# (N, K) at group 128 -> launch settings on the H200, codes in 64-row tiles (docs/BENCHMARKS.md).
+# (N, K) at group 128 -> launch settings on the H200, codes in 64-row tiles (docs/PERFORMANCE.md).
 # The launch shapes of a 27B step (grouped projections launch with their concatenated N) and the
 # MTP head's fc are the seventh session's sweep winners (bench/linear.py q4rows, least
 # t(M=1) + t(M=4) of 24-40 candidates a shape, all 8-row tiles, every candidate bitwise
@@ -143,7 +143,7 @@ _MEASURED = {
 # other tile beat q4_config's at M = 4 on the step's launch shapes (the M = 4 premium is not an
 # occupancy loss); the MTP draft chain's lm_head over a 32,768-token draft vocabulary (M = 1, no
 # measured entry before: the fallback's 64 columns on 2 warps) runs 32 columns on one warp, 3
-# stages: 33.2 -> 31.5 us a call (docs/BENCHMARKS.md "Ninth wave").
+# stages: 33.2 -> 31.5 us a call (docs/PERFORMANCE.md).
 M_TILES: dict[tuple[int, int, int], tuple[int, int, int]] = {(32768, 5120, 1): (32, 1, 3)}
 
 

@@ -234,7 +234,7 @@ def gemv_tree_loop(x: torch.Tensor, w: torch.Tensor, c: int, out_dtype: torch.dt
 def tree_split(c: int, tiles: int) -> int:
     """How many programs share an output tile's chunks in the tree loop (the bits do not depend on
     it). "auto" (default): 2 where the tiles alone leave SMs idle (decode / verify rows: a hidden
-    size of 5120 is 80 tiles), else 1. Measured on the H200 (27B shapes, docs/BENCHMARKS.md, fourth
+    size of 5120 is 80 tiles), else 1. Measured on the H200 (27B shapes, docs/PERFORMANCE.md, fourth
     session): 2 programs cut a tp2 step's tree loops from 2.55 to 2.35 ms; 4 raised them to 3.76.
     SPECFIRE_SPLITK_SPLIT=1, 2 or 4 forces a value."""
     if TREE_SPLIT == "auto":

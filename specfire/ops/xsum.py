@@ -29,7 +29,7 @@ keeps what it captured): `plain` (the default) sums each group with tl.sum in th
 instructions, row-invariant (each row's program runs the same code whatever the row count), its
 last bits possibly not those of the GEMV's own sum(x) kernel; `1` / `tree` the pairwise tree above
 (bit for bit the GEMV's own, but ~300-400 more instructions a producer); `0` off. Measured on the
-H200 (docs/BENCHMARKS.md "Eighth wave: the sum(x) fold"): the 4-bit 27B step 6.92 ms off, 7.08
+H200 (docs/PERFORMANCE.md): the 4-bit 27B step 6.92 ms off, 7.08
 tree, 6.72 plain (144.5 -> 148.9 tok/s), MTP == AR in every form.
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ _MODES = {"0": OFF, "1": TREE, "tree": TREE, "": PLAIN, "plain": PLAIN}
 
 def mode() -> int:
     """SPECFIRE_XSUM_FOLD: unset / plain (the default: tl.sum in each producer; the 4-bit 27B step
-    6.92 -> 6.72 ms on the H200, MTP == AR, docs/BENCHMARKS.md "Eighth wave: the sum(x) fold"); 1 /
+    6.92 -> 6.72 ms on the H200, MTP == AR, docs/PERFORMANCE.md); 1 /
     tree: the producers' sums by the pairwise tree, bit for bit the GEMV's own (GPU-checked; slower,
     7.08 ms); 0: off (every 4-bit GEMV sums its input in its own launch)."""
     v = os.environ.get("SPECFIRE_XSUM_FOLD", "plain").strip().lower()

@@ -35,7 +35,7 @@ _open_meshes: "weakref.WeakSet[MeshTrunk]" = weakref.WeakSet()
 def _drafter_vocab(src: loader.TensorSource, cfg, head, dtype: torch.dtype,
                    device: torch.device, graphs: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Where the MTP drafter's embedding and lm_head calls run. On the CPU a whole copy on rank 0
-    (a gloo round trip costs milliseconds, the whole lm_head a tenth of one: docs/BENCHMARKS.md);
+    (a gloo round trip costs milliseconds, the whole lm_head a tenth of one: docs/PERFORMANCE.md);
     on the GPU, where the trunk replays CUDA graphs, a whole copy too, so the draft chain is one
     graph on rank 0; an eager GPU mesh goes through the mesh (each rank reads 1/tp of the largest
     matrix, for one small collective, and rank 0 holds no extra copy). None without an MTP head."""

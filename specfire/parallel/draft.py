@@ -40,7 +40,7 @@ MODES = ("shard", "whole")
 def draft_mode() -> str | None:
     """SPECFIRE_TP_DRAFT: "shard" (every rank scores its vocabulary rows), "whole" (rank 0 scores
     its whole copy), unset: shard where the mesh replays CUDA graphs, whole on the CPU (a gloo round
-    trip costs more there than the whole small lm_head: docs/BENCHMARKS.md)."""
+    trip costs more there than the whole small lm_head: docs/PERFORMANCE.md)."""
     v = os.environ.get("SPECFIRE_TP_DRAFT", "")
     if v and v not in MODES:
         raise ValueError(f"SPECFIRE_TP_DRAFT={v!r}: allowed values are {', '.join(MODES)} (or unset)")

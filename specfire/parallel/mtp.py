@@ -35,7 +35,7 @@ PREFILL = "mtp_prefill"
 def head_mode() -> str | None:
     """SPECFIRE_TP_MTP: "shard" (the head's layer split over the ranks), "whole" (whole on rank 0,
     the default). Opt-in: on 2 H200s the sharded chain's device time was 10% shorter but the k=3
-    cycle did not change (docs/BENCHMARKS.md, "Sixth wave: the MTP head sharded")."""
+    cycle did not change (docs/PERFORMANCE.md)."""
     v = os.environ.get("SPECFIRE_TP_MTP", "")
     if v and v not in MODES:
         raise ValueError(f"SPECFIRE_TP_MTP={v!r}: allowed values are {', '.join(MODES)} (or unset)")

@@ -2,7 +2,7 @@
 
 NCCL collectives could not be captured into a CUDA graph on our 2 x H200 machine (capture hung);
 torch's `symm_mem.one_shot_all_reduce` captured 64 times in one graph replayed correctly at
-6.2 us per call (docs/BENCHMARKS.md). The mesh's graph-captured rows forward therefore routes its
+6.2 us per call (docs/PERFORMANCE.md). The mesh's graph-captured rows forward therefore routes its
 three collectives here: the cross-rank tree of row-parallel partials, the vocab-parallel
 embedding's sum, the logits gather. All three are exact: two float32 partials are added once
 (a + b is the tree at tp = 2, whatever the order), and a gather is a sum of one rank's values

@@ -2,7 +2,7 @@
 
 Why: a batch-1 step of these models is several hundred small kernels; launched eagerly from
 Python they cost about 30 ms per step on the H200 whatever the model size (bench/decode.py,
-docs/BENCHMARKS.md), far above the bandwidth bound. Replaying one captured graph removes that.
+docs/PERFORMANCE.md), far above the bandwidth bound. Replaying one captured graph removes that.
 
 What makes the forward capturable: the position is a device tensor (read by the rotary, the KV
 write and the attention kernel), every kernel's launch shape depends only on the row count and

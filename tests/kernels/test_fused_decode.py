@@ -168,7 +168,7 @@ def test_gdn_decode_merged_form_close_to_loop_and_wide_conv_falls_back(norm, bv)
 
 def test_gdn_decode_compiles_one_binary_for_every_row_count():
     """On the GPU a row count of 1 specialised as a constant changed FMA contraction in the one-row
-    binary and broke row invariance (first H200 run, docs/BENCHMARKS.md); the interpreter cannot
+    binary and broke row invariance (first H200 run, docs/PERFORMANCE.md); the interpreter cannot
     show that, so the guard is checked here."""
     from specfire.ops import gdn_fused
     for k in (gdn_fused._gdn_decode_kernel, gdn_fused._gdn_merged_kernel):

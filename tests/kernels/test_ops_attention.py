@@ -65,7 +65,7 @@ def test_kernel_row_invariant(q8, kw):
     """Row r of a verify call equals a one-row decode at its position, bit for bit: spans, masking
     and the combine never depend on R. Here a row fills exactly one tile (rep == block_m), because
     the interpreter's matmul (numpy) may round a row differently by its slot in the tile; the
-    packed layout (several rows per tile) is checked bitwise on the GPU by bench/flash_rows.py."""
+    packed layout (several rows per tile) runs on the GPU only."""
     gen = torch.Generator().manual_seed(7)
     hq, hkv, d, pos0, rows = 16, 1, 32, 37, 4
     kc, vc, ks, vs = _cache(pos0 + rows, hkv, d, q8, gen)

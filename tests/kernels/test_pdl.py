@@ -1,8 +1,7 @@
 """Programmatic dependent launch (ops/pdl.py): picked only on a CUDA device of compute capability
 9.0+ with a Triton that has it, never in the interpreter or on the CPU, off with SPECFIRE_PDL=0;
 the launchers pass the PDL constexpr and the launch option together, and nothing where it is off.
-(The PDL kernels themselves run on the GPU only: bench/pdl.py checks their bits against PDL off
-and the captured graph's programmatic edges; bench/pdl_compile.py compiles them for sm_90.)"""
+(The PDL kernels themselves run on the GPU only.)"""
 from __future__ import annotations
 
 import json

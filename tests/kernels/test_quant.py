@@ -475,7 +475,7 @@ def test_q4_rows_groups_shards_as_the_whole_and_falls_back(monkeypatch):
 
 def test_q4_config_picks_the_measured_settings():
     """The launch settings of a 27B step's 4-bit launches and the MTP fc are the seventh session's
-    measured winners (docs/BENCHMARKS.md, "Seventh wave"): one per (N, K), whatever M."""
+    measured winners (docs/PERFORMANCE.md): one per (N, K), whatever M."""
     from specfire.ops.triton_quant import group_config, q4_config
 
     want = {(34816, 5120): Q4Config(64, 3, 2, 3, wa=True, rows=8, rows_hi=16),       # MLP gate + up

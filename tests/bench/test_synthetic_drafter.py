@@ -1,19 +1,13 @@
-"""The benchmark-only drafter with SYNTHETIC acceptance (bench/synthetic.py): on a checkpoint whose
+"""The benchmark-only drafter with SYNTHETIC acceptance (bench/common.py ProfileDrafter): on a checkpoint whose
 final norms are -1 the trunk always picks token 0, the drafter's acceptance per position follows
 the given profile, and the output is AR's."""
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
 from specfire import LLM, SamplingParams, SpecPolicy
+from bench.common import ProfileDrafter, write_checkpoint
 from specfire.config import ModelConfig
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-
-from synthetic import ProfileDrafter, write_tied_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +16,7 @@ def tied(tmp_path_factory) -> str:
                       num_key_value_heads=1, head_dim=32, linear_num_key_heads=1, linear_num_value_heads=2,
                       linear_key_head_dim=32, linear_value_head_dim=32, tie_word_embeddings=False,
                       layer_types=("linear_attention", "full_attention"))
-    return write_tied_checkpoint(cfg, str(tmp_path_factory.mktemp("tied") / "ckpt"), "cpu", max_shard_bytes=1 << 30)
+    return write_checkpoint(str(tmp_path_factory.mktemp("tied") / "ckpt"), cfg, dev="cpu", tied=True)
 
 
 def test_profile_drafter_follows_the_profile_and_equals_ar(tied):

@@ -1,5 +1,5 @@
 """bench/peers on the CPU: the checkpoint pair, the specfire runner, the table builder, and the
-ExLlamaV3 runner's one-line refusal without CUDA (the GPU run itself is bench/peers/run.py)."""
+ExLlamaV3 runner's one-line refusal without CUDA (the GPU run itself is `python -m bench.peers.run`)."""
 import json
 import os
 import sys
@@ -7,12 +7,7 @@ import sys
 import pytest
 import torch
 
-PEERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "peers")
-sys.path.insert(0, PEERS)
-
-import common  # noqa: E402
-import make_ckpt  # noqa: E402
-import table  # noqa: E402
+from bench.peers import common, make_ckpt, table
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +40,7 @@ def test_pair_shares_shards_and_ties_only_the_norms(pair):
 
 
 def test_specfire_runner_then_table(pair, tmp_path, monkeypatch):
-    import run_specfire
+    from bench.peers import run_specfire
     ck, pf = pair
     out = tmp_path / "sf.json"
     run_main(run_specfire, ["--normal", ck["normal"], "--tied", ck["tied"], "--prompts", pf, "--tokens", "5",
@@ -79,7 +74,7 @@ def test_specfire_runner_then_table(pair, tmp_path, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 def test_exllamav3_runner_refuses_in_one_line_without_cuda(pair, tmp_path, monkeypatch, capsys):
-    import run_exllamav3
+    from bench.peers import run_exllamav3
     ck, pf = pair
     out = tmp_path / "exl3.json"
     with pytest.raises(SystemExit) as e:
@@ -186,7 +181,7 @@ def fake_exllamav3(monkeypatch, bias: float = 1.0):
 def test_exllamav3_runner_flow_ties_in_place_or_loads_the_tied_checkpoint(pair, tmp_path, monkeypatch, bias):
     """AR on the normal weights, then the head loaded onto the same trunk with both final norms set
     in place (bias 1); when that cannot be done (bias 0 here), the tied checkpoint is loaded."""
-    import run_exllamav3
+    from bench.peers import run_exllamav3
     Model = fake_exllamav3(monkeypatch, bias)
     monkeypatch.setattr(run_exllamav3.common, "device", lambda: "cuda")
     ck, pf = pair
@@ -217,7 +212,7 @@ def test_warm_shape_keeps_the_widths_in_two_layers():
 def test_dry_plan_transformers_yields_to_exllamav3_once_built(tmp_path, monkeypatch):
     """run.py --dry: the real scheduling with sleeping stand-ins; a long transformers task is stopped
     once the ExLlamaV3 build is done (after --hf-yield-after), and ExLlamaV3 then runs."""
-    import run
+    from bench.peers import run
     monkeypatch.setattr(sys, "argv", ["run.py", "--dry", "build=40,ckpt=5,specfire=5,transformers=400,exllamav3=5,install=0",
                                       "--shapes", "tiny", "--budget", "150", "--dry-scale", "0.03", "--hf-yield-after", "10",
                                       "--hf-late-min", "500", "--out", str(tmp_path)])

@@ -1,0 +1,1 @@
+"""The peer benchmark: specfire, transformers and ExLlamaV3 on one checkpoint (python -m bench.peers.run)."""

@@ -1,0 +1,305 @@
+"""Serving throughput and latency over HTTP, as vLLM's serving benchmark measures them.
+
+    python -m bench.serving --model DIR --concurrency 1,4,16 --prompt-len 512,4096 --output-len 256
+    python -m bench.serving --shape 27B --tied --serve-args "--spec mtp"    # random weights, all drafts accepted
+    python -m bench.serving --url http://127.0.0.1:8000 --vocab 248320 ...   # a server already running
+    python -m bench.serving --smoke          # CPU: the bundled model, 2 levels, a few tokens
+
+Without --url it starts `specfire serve MODEL` (the bundled model when no --model; --shape writes
+random weights of a shape first, bench/common.py; --serve-args adds flags) on a free port and
+stops it at the end. Per (concurrency C, prompt length L): one
+warm-up request, then --requests streaming completions of random token-id prompts, at most C in
+flight (each client thread sends its next request when its last one ends), greedy, ignore_eos, so
+every request generates --output-len tokens. Per level: aggregate output tok/s (output tokens /
+wall time), requests/s, TTFT and inter-token latency (between streamed chunks) p50 / p99, time per
+output token, per-request decode tok/s (first to last chunk) p50 / min, the server's mean accept length, and its peak
+memory (GPU memory of its process from nvidia-smi, else its resident set). The server runs one
+request at a time today, so concurrency shows as queueing in TTFT. A table, then one JSON line last.
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import math
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+
+from bench.common import machine, model_config, random_prompt, scratch_dir, write_checkpoint, write_tokenizer
+
+
+def percentile(xs: list[float], p: float) -> float | None:
+    """Nearest-rank percentile; None for no samples."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[max(0, math.ceil(p / 100 * len(s)) - 1)]
+
+
+class Client:
+    def __init__(self, url: str, api_key: str | None, model: str | None):
+        u = urllib.parse.urlsplit(url)
+        if u.scheme != "http" or not u.hostname:
+            raise SystemExit(f"--url must look like http://HOST:PORT, got {url!r}")
+        self.host, self.port, self.base = u.hostname, u.port or 80, u.path.rstrip("/").removesuffix("/v1") + "/v1"
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.model = model
+
+    def complete(self, ids: list[int], tokens: int, spec: dict | None) -> dict:
+        """One streaming completion; the client-side clock of each chunk, and the server's usage."""
+        body = {"prompt": ids, "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        if self.model:
+            body["model"] = self.model
+        if spec:
+            body["speculation"] = spec
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=3600)
+        t0 = time.perf_counter()
+        chunks: list[float] = []
+        usage: dict = {}
+        timings: dict = {}
+        try:
+            conn.request("POST", self.base + "/completions", json.dumps(body), self.headers)
+            resp = conn.getresponse()
+            if resp.status != 200:
+                return {"error": f"HTTP {resp.status}: {resp.read().decode('utf-8', 'replace')[:200]}"}
+            for raw in resp:
+                line = raw.decode("utf-8").strip()
+                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                    continue
+                ev = json.loads(line[5:])
+                if "error" in ev:
+                    return {"error": str(ev["error"].get("message"))}
+                if any(c.get("text") for c in ev.get("choices") or []):
+                    chunks.append(time.perf_counter())
+                usage = ev.get("usage") or usage
+                timings = ev.get("timings") or timings
+        except (OSError, http.client.HTTPException) as e:
+            return {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            conn.close()
+        n = usage.get("completion_tokens", 0)
+        if not chunks or not n:
+            return {"error": "no tokens streamed"}
+        span = chunks[-1] - chunks[0]
+        return {"start": t0, "end": chunks[-1], "ttft": chunks[0] - t0, "tokens": n,
+                "itl": [b - a for a, b in zip(chunks, chunks[1:])],
+                "tpot": span / (n - 1) if n > 1 else None, "decode_tok_s": (n - 1) / span if n > 1 and span > 0 else None,
+                "server_decode_tok_s": timings.get("decode_tok_s"), "accept_len": timings.get("mean_accept_len")}
+
+
+class Memory:
+    """Peak memory of the server while a level runs, sampled every 0.25 s: its process's GPU memory
+    (nvidia-smi), else its resident set (/proc); with no process (--url), the GPUs' used memory."""
+
+    def __init__(self, pid: int | None):
+        self.pid, self.peak, self._stop = pid, None, threading.Event()
+        self.smi = shutil.which("nvidia-smi")
+
+    def sample(self) -> float | None:
+        try:
+            if self.smi and self.pid:
+                out = subprocess.run([self.smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, timeout=5).stdout
+                mib = [float(m) for p, m in (ln.split(",") for ln in out.strip().splitlines() if "," in ln)
+                       if int(p) == self.pid]
+                if mib:
+                    return sum(mib) / 1024
+            if self.pid and os.path.exists(f"/proc/{self.pid}/status"):
+                with open(f"/proc/{self.pid}/status") as f:
+                    kb = [int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")]
+                return kb[0] / 2 ** 20 if kb else None
+            if self.smi:
+                out = subprocess.run([self.smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, timeout=5).stdout
+                return sum(float(x) for x in out.split()) / 1024
+        except (OSError, ValueError, subprocess.SubprocessError):
+            return None
+        return None
+
+    def _take(self) -> None:
+        v = self.sample()
+        if v is not None:
+            self.peak = v if self.peak is None else max(self.peak, v)
+
+    def __enter__(self):
+        def loop():
+            while not self._stop.wait(0.25):
+                self._take()
+        self._take()
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self._take()
+
+
+def level(client: Client, conc: int, plen: int, args, spec: dict | None, pid: int | None) -> dict:
+    """--requests requests at concurrency `conc`, prompts of `plen` tokens: the level's figures."""
+    prompts = [random_prompt(args.vocab, plen, seed=1000 * plen + i) for i in range(args.requests)]
+    with Memory(pid) as mem, ThreadPoolExecutor(conc) as pool:
+        t0 = time.perf_counter()
+        done = list(pool.map(lambda ids: client.complete(ids, args.output_len, spec), prompts))
+        wall = time.perf_counter() - t0
+    ok = [r for r in done if "error" not in r]
+    ms = (lambda v: None if v is None else round(v * 1e3, 2))
+    itl = [x for r in ok for x in r["itl"]]
+    dec = [r["decode_tok_s"] for r in ok if r["decode_tok_s"]]
+    return {"concurrency": conc, "prompt_len": plen, "output_len": args.output_len, "requests": len(done),
+            "failed": len(done) - len(ok), "errors": sorted({r["error"] for r in done if "error" in r})[:3],
+            "duration_s": round(wall, 3), "output_tokens": sum(r["tokens"] for r in ok), "output_tok_s": sum(r["tokens"] for r in ok) / wall,
+            "requests_s": len(ok) / wall, "ttft_p50_ms": ms(percentile([r["ttft"] for r in ok], 50)),
+            "ttft_p99_ms": ms(percentile([r["ttft"] for r in ok], 99)), "itl_p50_ms": ms(percentile(itl, 50)),
+            "itl_p99_ms": ms(percentile(itl, 99)),
+            "tpot_p50_ms": ms(percentile([r["tpot"] for r in ok if r["tpot"]], 50)),
+            "decode_tok_s_p50": percentile(dec, 50), "decode_tok_s_min": min(dec) if dec else None,
+            "server_decode_tok_s_p50": percentile([r["server_decode_tok_s"] for r in ok
+                                                   if r["server_decode_tok_s"]], 50),
+            "mean_accept_len_p50": percentile([r["accept_len"] for r in ok if r["accept_len"]], 50),
+            "peak_mem_gb": None if mem.peak is None else round(mem.peak, 3)}
+
+
+def start_server(model: str | None, extra: list[str], log_path: str, timeout: float) -> tuple[subprocess.Popen, str]:
+    """`specfire serve [MODEL] EXTRA --port P` on a free port, once /health answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "specfire", "serve", *([model] if model else []), *extra, "--port", str(port)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
+    while True:
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            c.request("GET", "/health")
+            if c.getresponse().status == 200:
+                return proc, url
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            with open(log_path) as f:
+                raise SystemExit("specfire serve did not start:\n" + f.read()[-3000:])
+        time.sleep(0.5)
+
+
+def table(rows: list[dict]) -> None:
+    print("\n| conc. | prompt | out | output tok/s | req/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
+          "decode tok/s p50 / min | peak GB | failed |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    f = (lambda v, d=1: "-" if v is None else f"{v:.{d}f}")
+    for r in rows:
+        print(f"| {r['concurrency']} | {r['prompt_len']} | {r['output_len']} | {f(r['output_tok_s'])} | "
+              f"{f(r['requests_s'], 2)} | {f(r['ttft_p50_ms'])} / {f(r['ttft_p99_ms'])} | "
+              f"{f(r['itl_p50_ms'], 2)} / {f(r['itl_p99_ms'], 2)} | {f(r['decode_tok_s_p50'])} / "
+              f"{f(r['decode_tok_s_min'])} | {f(r['peak_mem_gb'], 2)} | {r['failed']} |")
+
+
+def ints(s: str, flag: str) -> list[int]:
+    try:
+        v = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        v = []
+    if not v or min(v) < 1:
+        raise SystemExit(f"{flag} must be a comma-separated list of positive integers, got {s!r}")
+    return v
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--url", default=None, help="a running server (default: start `specfire serve` here)")
+    ap.add_argument("--model", default=None, help="checkpoint the started server loads (default: the bundled model)")
+    ap.add_argument("--shape", default=None, help="serve random weights of this shape (bench/common.py SHAPES)")
+    ap.add_argument("--tied", action="store_true", help="--shape: final norms -1, every MTP draft accepted")
+    ap.add_argument("--serve-args", default="", help="more `specfire serve` flags, e.g. '--spec mtp --draft-vocab 32768'")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--served-model-name", default=None, help="model id sent with each request")
+    ap.add_argument("--vocab", type=int, default=None, help="prompt ids are drawn below this (default: the "
+                    "model's vocabulary; required with --url)")
+    ap.add_argument("--concurrency", default="1,4,16", help="offered concurrency levels")
+    ap.add_argument("--prompt-len", default="512", help="prompt lengths in tokens")
+    ap.add_argument("--output-len", type=int, default=256, help="tokens each request generates")
+    ap.add_argument("--requests", type=int, default=16, help="requests per level")
+    ap.add_argument("--spec", default=None, help="speculation mode per request (off, mtp, ngram, auto; "
+                    "default: the server's)")
+    ap.add_argument("--spec-k", type=int, default=3)
+    ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds the started server may take to load")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for serving.json")
+    ap.add_argument("--smoke", action="store_true", help="CPU: the bundled model, tiny levels")
+    args = ap.parse_args()
+    serve_args = shlex.split(args.serve_args)
+    if args.smoke:
+        args.url, args.model, args.output_len, args.requests = None, None, 6, 2
+        args.concurrency, args.prompt_len = "1,2", "12"
+        serve_args += ["--device", "cpu", "--max-seq-len", "256"]
+    concs, plens = ints(args.concurrency, "--concurrency"), ints(args.prompt_len, "--prompt-len")
+    if args.requests < 1 or args.output_len < 1:
+        raise SystemExit("--requests and --output-len must be positive")
+    if args.shape and (args.url or args.model):
+        raise SystemExit("--shape writes the model the started server loads; it goes with neither --url nor --model")
+    spec = {"mode": args.spec, "k": args.spec_k} if args.spec else None
+    proc, url, work = None, args.url, tempfile.mkdtemp(prefix="serving-", dir=scratch_dir() if args.shape else None)
+    try:
+        if args.shape:
+            import torch
+            cfg = model_config(args.shape)
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+            args.model = write_checkpoint(os.path.join(work, args.shape), cfg,
+                                          torch.bfloat16 if dev == "cuda" else torch.float32, dev, tied=args.tied)
+            write_tokenizer(args.model, cfg.vocab_size)
+        if args.vocab is None:
+            if args.url:
+                raise SystemExit("--vocab is required with --url (prompt ids are drawn below it)")
+            from specfire.api import BUNDLED_MODEL
+            from specfire.config import ModelConfig
+            args.vocab = ModelConfig.from_dir(args.model or BUNDLED_MODEL).vocab_size
+        if url is None:
+            proc, url = start_server(args.model, serve_args, os.path.join(work, "server.log"), args.start_timeout)
+        client = Client(url, args.api_key, args.served_model_name)
+        for plen in plens:                                   # compile kernels, capture graphs
+            w = client.complete(random_prompt(args.vocab, plen, seed=plen), args.output_len, spec)
+            if "error" in w:
+                raise SystemExit(f"warm-up request failed: {w['error']}")
+        rows = []
+        for conc in concs:
+            for plen in plens:
+                rows.append(level(client, conc, plen, args, spec, proc.pid if proc else None))
+                print(json.dumps({"stage": "level", **rows[-1]}), flush=True)
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
+    table(rows)
+    model = f"random {args.shape}{' tied' if args.tied else ''}" if args.shape else args.model or "bundled"
+    summary = {"bench": "serving", **machine(), "url": args.url, "model": model,
+               "serve_args": serve_args, "spec": spec, "levels": rows}
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "serving.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+    print(json.dumps(summary))
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

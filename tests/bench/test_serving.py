@@ -1,0 +1,39 @@
+"""bench/serving.py --smoke: `specfire serve` with the bundled model on the CPU, driven at two
+concurrency levels; every figure of a level present and consistent."""
+import json
+import sys
+
+from bench import serving
+
+
+def test_serving_smoke_reports_each_level(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(sys, "argv", ["serving", "--smoke", "--out", str(tmp_path)])
+    assert serving.main() == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["bench"] == "serving" and [r["concurrency"] for r in last["levels"]] == [1, 2]
+    for r in last["levels"]:
+        assert r["failed"] == 0 and r["requests"] == 2
+        assert r["output_tok_s"] > 0 and 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"]
+        assert 0 < r["itl_p50_ms"] <= r["itl_p99_ms"] and r["decode_tok_s_min"] > 0
+        # ignore_eos: each request generated exactly --output-len tokens
+        assert r["output_tokens"] == 2 * r["output_len"]
+        assert r["peak_mem_gb"] and r["peak_mem_gb"] > 0.01        # the server's resident set
+    assert json.loads((tmp_path / "serving.json").read_text())["levels"] == last["levels"]
+
+
+def test_percentile_is_nearest_rank():
+    assert serving.percentile([], 50) is None
+    assert serving.percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert serving.percentile(list(range(1, 101)), 99) == 99
+    assert serving.percentile([5.0], 99) == 5.0
+
+
+def test_serving_smoke_on_random_tied_weights_accepts_every_draft(monkeypatch, capsys):
+    """--shape: the bench writes random weights (final norms -1) and a tokenizer, the server loads them."""
+    monkeypatch.setattr(sys, "argv", ["serving", "--smoke", "--shape", "tiny", "--tied", "--spec", "mtp"])
+    assert serving.main() == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["model"] == "random tiny tied" and last["spec"] == {"mode": "mtp", "k": 3}
+    for r in last["levels"]:
+        assert r["failed"] == 0 and r["output_tokens"] == 2 * r["output_len"]
+        assert r["mean_accept_len_p50"] > 2      # 5 decode tokens in 2 cycles: every draft accepted
