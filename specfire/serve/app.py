@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .chat import ChatOptions
 from .metrics import Metrics
 from .schema import RequestError
 from .worker import EngineWorker
@@ -37,6 +38,7 @@ class ServeState:
     worker: EngineWorker | None = None
     # what a request leaves out: the serve flags over the model's generation_config.json values
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    chat: ChatOptions = field(default_factory=ChatOptions)
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.model_name)
@@ -48,7 +50,7 @@ class ServeState:
 
 def build_app(llm: "LLM", model_name: str, api_key: str | None = None, close_llm: bool = False,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              sampling_defaults: dict[str, Any] | None = None) -> FastAPI:
+              sampling_defaults: dict[str, Any] | None = None, chat: ChatOptions | None = None) -> FastAPI:
     """The app serving `llm` as `model_name`. Its lifespan starts the engine worker and, on
     shutdown, cancels running work and (with close_llm) frees the model. `sampling_defaults`:
     sampling fields (the penalties from `specfire serve`'s flags) for requests that leave them
@@ -62,7 +64,7 @@ def build_app(llm: "LLM", model_name: str, api_key: str | None = None, close_llm
 
     SamplingParams(**dict(sampling_defaults or {}))   # a bad default is refused here, not per request
     defaults = {**llm.generation_defaults.as_dict(), **(sampling_defaults or {})}
-    st = ServeState(llm, model_name, api_key, max_request_bytes, sampling_defaults=defaults)
+    st = ServeState(llm, model_name, api_key, max_request_bytes, sampling_defaults=defaults, chat=chat or ChatOptions())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

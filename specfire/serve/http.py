@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import SpecfireError
 from .app import DEFAULT_MAX_REQUEST_BYTES, build_app
+from .chat import add_arguments as add_chat_args
+from .chat import options_from as chat_options
 
 if TYPE_CHECKING:
     from ..api import LLM
@@ -35,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="refuse larger request bodies with 413")
     add_prefix_args(p)
+    add_chat_args(p)
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
 
 
@@ -103,7 +106,7 @@ def main(args: argparse.Namespace) -> int:
         raise
     name = args.served_model_name or default_model_name(llm)
     app = build_app(llm, name, args.api_key, close_llm=True, max_request_bytes=args.max_request_bytes,
-                    sampling_defaults=defaults)
+                    sampling_defaults=defaults, chat=chat_options(args))
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
                             access_log=args.log_level in ("info", "debug"))
 
