@@ -222,12 +222,19 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
              spec: SpecPolicy | dict | str | None = None) -> GenerationResult:
-        return self.generate(self.render_chat(messages), params, spec)
+        return self.generate(self.chat_ids(messages), params, spec)
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         if self.tokenizer is None:
             raise SpecfireError(f"{self.path} has no tokenizer; chat needs one")
         return self.tokenizer.render_chat(messages)
+
+    def chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                 template_kwargs: dict[str, Any] | None = None, allow_special: bool = False) -> list[int]:
+        """The chat's prompt ids; special tokens spelled inside messages stay text unless `allow_special`."""
+        if self.tokenizer is None:
+            raise SpecfireError(f"{self.path} has no tokenizer; chat needs one")
+        return self.tokenizer.chat_ids(messages, tools, True, template_kwargs, allow_special)
 
     def score(self, ids: Sequence[int]) -> torch.Tensor:
         """float32 logits [T, vocab] for every position of `ids`."""

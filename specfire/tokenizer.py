@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import json
 import os
+from functools import cached_property
 from typing import Any
 
+from .chat_template import SPECIAL_TOKEN_NAMES, AddedToken, ChatTemplate
 from .errors import CheckpointError
 
 
@@ -27,9 +29,10 @@ class Tokenizer:
                     self.config = json.load(f)
             except json.JSONDecodeError as e:
                 raise CheckpointError(f"{tc} is not valid JSON: {e}") from None
-        self.chat_template: str | None = self.config.get("chat_template")
+        # chat_template.jinja wins over tokenizer_config.json's template, as in transformers
+        self.chat_template: str | None = _default_template(self.config.get("chat_template"))
         ct = os.path.join(path, "chat_template.jinja")
-        if self.chat_template is None and os.path.exists(ct):
+        if os.path.exists(ct):
             with open(ct, encoding="utf-8") as f:
                 self.chat_template = f.read()
         self.eos_ids: list[int] = []
@@ -51,28 +54,62 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any) -> str:
-        """Render messages with the checkpoint's Jinja chat template (ChatML when it has none)."""
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role', 'content'} objects")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
-                raise ValueError(f"messages[{i}] must be an object with string 'role' and 'content'")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    @cached_property
+    def template(self) -> ChatTemplate:
+        """The checkpoint's chat template (chat_template.jinja, else tokenizer_config.json's, else ChatML)."""
+        special = {}
+        for name in SPECIAL_TOKEN_NAMES:
+            v = self.config.get(name)
+            v = v.get("content") if isinstance(v, dict) else v
+            if isinstance(v, str):
+                special[name] = v
+        added = [AddedToken(t.content, bool(t.special)) for _, t in sorted(self.tok.get_added_tokens_decoder().items())]
+        control = self.config.get("chat_control_tokens")
+        return ChatTemplate(self.chat_template, special, added, control if isinstance(control, list) else None)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        template = self.chat_template or CHATML
-        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                bos_token="", eos_token="", **kw)
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None, **kw: Any) -> str:
+        """Messages rendered with the checkpoint's Jinja chat template (ChatML when it has none)."""
+        return self.template.render(messages, tools, add_generation_prompt, kw)
+
+    def chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                 add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None,
+                 allow_special: bool = False) -> list[int]:
+        """Token ids of the rendered chat. Control tokens spelled inside the request's strings are
+        encoded as text unless `allow_special` (then the rendered text is encoded as one string)."""
+        t = self.template
+        if allow_special:
+            return self.encode(t.render(messages, tools, add_generation_prompt, template_kwargs))
+        pieces = t.split_marked(t.render(messages, tools, add_generation_prompt, template_kwargs, mark=True))
+        ids = self.encode(pieces[0][0])
+        for piece, as_text in pieces[1:]:
+            ids += self._encode_piece(piece, as_text)
+        return ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """`text` through normalizer, pre-tokenizer and model only: no added token, special or not, is matched."""
+        t = self.tok
+        if t.normalizer is not None:
+            text = t.normalizer.normalize_str(text)
+        words = t.pre_tokenizer.pre_tokenize_str(text) if t.pre_tokenizer is not None else [(text, (0, len(text)))]
+        return [tok.id for w, _ in words for tok in t.model.tokenize(w)]
+
+    def _encode_piece(self, piece: str, as_text: bool) -> list[int]:
+        """A piece from the middle of a chat, encoded after a newline that is then removed, so a
+        tokenizer that marks the start of a string (a SentencePiece prefix space) does not here."""
+        encode = self.encode_plain if as_text else self.encode
+        nl = self.encode("\n")
+        ids = encode("\n" + piece)
+        return ids[len(nl):] if ids[:len(nl)] == nl else encode(piece)
 
 
-def _raise(msg: str) -> None:
-    raise ValueError(f"chat template: {msg}")
-
-
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+def _default_template(v: Any) -> str | None:
+    """tokenizer_config.json's template: a string, or named templates (the one named "default")."""
+    if isinstance(v, list):
+        v = {t.get("name"): t.get("template") for t in v if isinstance(t, dict)}
+    if isinstance(v, dict):
+        v = v.get("default")
+    return v if isinstance(v, str) else None
 
 
 class Detokenizer:

@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from .guard import Access, AccessMiddleware, check_api_key
+from .chat import ChatOptions
 from .metrics import Metrics
 from .schema import RequestError
 from .transport import BODY_TIMEOUT_S, MAX_REQUEST_BYTES
@@ -39,6 +40,7 @@ class ServeState:
     worker: EngineWorker | None = None
     # what a request leaves out: the serve flags over the model's generation_config.json values
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    chat: ChatOptions = field(default_factory=ChatOptions)
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.model_name)
@@ -51,7 +53,7 @@ class ServeState:
 def build_app(llm: "LLM", model_name: str, api_key: str | None = None, close_llm: bool = False,
               max_request_bytes: int = MAX_REQUEST_BYTES,
               sampling_defaults: dict[str, Any] | None = None, access: Access | None = None,
-              body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
+              body_timeout: float = BODY_TIMEOUT_S, chat: ChatOptions | None = None) -> FastAPI:
     """The app serving `llm` as `model_name`. Its lifespan starts the engine worker and, on
     shutdown, cancels running work and (with close_llm) frees the model. `sampling_defaults`:
     sampling fields (the penalties from `specfire serve`'s flags) for requests that leave them
@@ -67,7 +69,8 @@ def build_app(llm: "LLM", model_name: str, api_key: str | None = None, close_llm
 
     SamplingParams(**dict(sampling_defaults or {}))   # a bad default is refused here, not per request
     defaults = {**llm.generation_defaults.as_dict(), **(sampling_defaults or {})}
-    st = ServeState(llm, model_name, api_key, max_request_bytes, body_timeout, sampling_defaults=defaults)
+    st = ServeState(llm, model_name, api_key, max_request_bytes, body_timeout, sampling_defaults=defaults,
+                    chat=chat or ChatOptions())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -14,12 +14,11 @@ from fastapi.responses import JSONResponse, Response
 from ..config import SamplingParams, SpecPolicy
 from . import relay
 from .app import ServeState, state_of
+from .assistant import AssistantOutput
+from .chat import prepare_chat
 from .metrics import CONTENT_TYPE
 from .schema import (ChatBody, CompletionBody, HttpBody, RequestError, check_route, encode, parse_object,
                      sampling_params, spec_policy, validate)
-
-if TYPE_CHECKING:
-    from ..api import LLM
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
 
@@ -34,6 +33,7 @@ class Prepared:
     chat: bool
     stream: bool
     include_usage: bool
+    assistant: Callable[[], AssistantOutput] | None = None   # chat: reasoning / tool-call parsing
 
 
 # ---- endpoints ------------------------------------------------------------------------------------
@@ -136,28 +136,16 @@ def prepare(st: ServeState, raw: bytes, chat: bool) -> Prepared:
                            "not_found_error", "model_not_found")
     if chat:
         assert isinstance(b, ChatBody)
-        ids = encode(llm, render(llm, b.messages, b.chat_template_kwargs or {}), "messages")
+        ids, assistant = prepare_chat(llm, b.messages, b.model_extra or {}, b.chat_template_kwargs or {}, st.chat)
         default_max = llm.max_model_len
     else:
         assert isinstance(b, CompletionBody)
-        ids = encode(llm, b.prompt, "prompt")
+        ids, assistant = encode(llm, b.prompt, "prompt"), None
         default_max = COMPLETIONS_DEFAULT_MAX_TOKENS
     sp = sampling_params(b, default_max_tokens=default_max, defaults=st.sampling_defaults,
                          room=llm.max_model_len - len(ids))
     policy = spec_policy(b.speculation, llm.spec)
     check_route(llm, sp, policy)
     so = b.stream_options
-    return Prepared(ids, sp, policy, chat, bool(b.stream), bool(so is not None and so.include_usage))
+    return Prepared(ids, sp, policy, chat, bool(b.stream), bool(so is not None and so.include_usage), assistant)
 
-
-def render(llm: "LLM", messages: list[dict[str, Any]], kw: dict[str, Any]) -> str:
-    from jinja2 import TemplateError
-
-    if llm.tokenizer is None:
-        raise RequestError("this model has no tokenizer, so it cannot serve chat; use /v1/completions with token "
-                           "ids", "messages")
-    try:
-        return llm.tokenizer.render_chat(messages, add_generation_prompt=True, **kw)
-    except (ValueError, TypeError, TemplateError, RecursionError) as e:
-        raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
-                           "messages") from None

@@ -20,6 +20,8 @@ from ..errors import SpecfireError
 from .guard import Access, check_api_key
 from .transport import (BODY_TIMEOUT_S, HEADER_TIMEOUT_S, LISTEN_BACKLOG, MAX_CONNECTIONS_CAP, MAX_REQUEST_BYTES,
                         FileBudget, check_timeout, guarded_protocol, open_file_limit, quiet_accept_errors)
+from .chat import add_arguments as add_chat_args
+from .chat import options_from as chat_options
 
 if TYPE_CHECKING:
     from ..api import LLM
@@ -67,6 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S,
                    help="seconds a request body may pause between two pieces (then 408)")
     add_prefix_args(p)
+    add_chat_args(p)
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
 
 
@@ -154,7 +157,8 @@ def main(args: argparse.Namespace) -> int:
         raise
     name = args.served_model_name or default_model_name(llm)
     app = build_app(llm, name, key, close_llm=True, max_request_bytes=args.max_request_bytes,
-                    sampling_defaults=defaults, access=access, body_timeout=body_timeout)
+                    sampling_defaults=defaults, access=access, body_timeout=body_timeout,
+                    chat=chat_options(args))
     st = app.state.serve
     protocol = guarded_protocol(max_connections, header_timeout, budget.refusing, st.metrics)
     config = uvicorn.Config(app, http=protocol, ws="none", backlog=budget.accept_burst,

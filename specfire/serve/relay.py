@@ -120,7 +120,12 @@ async def respond(request: Request, st: "ServeState", prep: "Prepared") -> Respo
     fin: Finished = ev[1]
     res = fin.result
     choice: dict[str, Any] = {"index": 0, "finish_reason": res.finish_reason, "logprobs": None}
-    if prep.chat:
+    if prep.assistant is not None:
+        out = prep.assistant()
+        out.feed(res.text)
+        out.finish()
+        choice["message"], choice["finish_reason"] = out.message(), out.finish_reason(res.finish_reason)
+    elif prep.chat:
         choice["message"] = {"role": "assistant", "content": res.text}
     else:
         choice["text"] = res.text
@@ -133,16 +138,26 @@ async def stream(r: Relay, first: Event) -> AsyncIterator[str]:
     chat, name = r.prep.chat, r.st.model_name
     obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def piece(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+    out = r.prep.assistant() if r.prep.assistant is not None else None
+
+    def piece(text: str | None, finish: str | None, role: bool = False,
+              delta: dict[str, Any] | None = None) -> dict[str, Any]:
         c: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
         if chat:
-            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            d: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
-                delta["content"] = text
-            c["delta"] = delta
+                d["content"] = text
+            c["delta"] = {**d, **(delta or {})}
         else:
             c["text"] = text or ""
         return {"id": r.rid, "object": obj, "created": int(time.time()), "model": name, "choices": [c]}
+
+    def pieces(text: str, final: bool = False) -> list[str]:
+        """SSE events for generated text: the assistant parser's deltas, or the text as content."""
+        if out is None:
+            return [sse(piece(text, None))] if text else []
+        deltas = out.feed(text) + (out.finish() if final else [])
+        return [sse(piece(None, None, delta=d)) for d in deltas]
 
     ev = first
     try:
@@ -151,13 +166,14 @@ async def stream(r: Relay, first: Event) -> AsyncIterator[str]:
         while True:
             kind, payload = ev
             if kind == CHUNK:
-                if payload.text:
-                    yield sse(piece(payload.text, None))
+                for event in pieces(payload.text):
+                    yield event
             elif kind == DONE:
                 fin: Finished = payload
-                if fin.text:
-                    yield sse(piece(fin.text, None))
-                last = piece(None if chat else "", fin.result.finish_reason)
+                for event in pieces(fin.text, final=True):
+                    yield event
+                reason = fin.result.finish_reason if out is None else out.finish_reason(fin.result.finish_reason)
+                last = piece(None if chat else "", reason)
                 last["timings"] = timings(fin)
                 yield sse(last)
                 if r.prep.include_usage:

@@ -1,0 +1,185 @@
+"""Constrained decoding through llguidance: a request's structured-output field compiled into a
+matcher that gives the token mask for the next position and walks forward and back over tokens.
+
+llguidance over xgrammar (bench/grammar_mask.py, the 248k vocabulary): schema compilation is lazy
+(no per-request vocabulary pass), the mask's tail latency is lower, and `try_consume_tokens` +
+`rollback` is the speculative step's shape: advance over the k drafts, learn how many the grammar
+allows, roll back to the accepted prefix."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+    from .tokenizer import Tokenizer
+
+KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+
+
+class GrammarError(ValueError):
+    """A structured-output request that cannot be compiled; `param` names the field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What to constrain to: `kind` one of KINDS, `value` the schema (a dict), regex, choices or a
+    Lark grammar; `param` the request field it came from (for errors)."""
+
+    kind: str
+    value: Any = None
+    param: str = "response_format"
+
+    def source(self) -> str:
+        """The llguidance grammar text."""
+        import llguidance
+
+        if self.kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+        if self.kind == "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(self.value)
+        if self.kind == "regex":
+            return llguidance.grammar_from("regex", self.value)
+        if self.kind == "choice":
+            return llguidance.grammar_from("choice", json.dumps(self.value))
+        if self.kind == "grammar":
+            return llguidance.grammar_from("grammar", self.value)
+        raise GrammarError(f"unknown grammar kind {self.kind!r}; one of {', '.join(KINDS)}", self.param)
+
+
+def spec_from_fields(response_format: Any = None, guided_json: Any = None, guided_regex: Any = None,
+                     guided_choice: Any = None, guided_grammar: Any = None,
+                     structured_outputs: Any = None) -> GrammarSpec | None:
+    """The one constraint a request asks for (OpenAI's response_format, vLLM's guided_* and
+    structured_outputs), None for none; two at once, or a malformed one, is a GrammarError."""
+    found: list[GrammarSpec] = []
+    if response_format is not None:
+        found += _response_format(response_format)
+    for name, kind, v in (("guided_json", "json_schema", guided_json), ("guided_regex", "regex", guided_regex),
+                          ("guided_choice", "choice", guided_choice), ("guided_grammar", "grammar", guided_grammar)):
+        if v is not None:
+            found.append(_typed(kind, v, name))
+    if structured_outputs is not None:
+        if not isinstance(structured_outputs, dict):
+            raise GrammarError("'structured_outputs' must be an object", "structured_outputs")
+        for key, kind in (("json", "json_schema"), ("regex", "regex"), ("choice", "choice"), ("grammar", "grammar")):
+            if structured_outputs.get(key) is not None:
+                found.append(_typed(kind, structured_outputs[key], f"structured_outputs.{key}"))
+        if structured_outputs.get("json_object"):
+            found.append(GrammarSpec("json_object", None, "structured_outputs.json_object"))
+    if len(found) > 1:
+        raise GrammarError(f"'{found[1].param}' and '{found[0].param}' both constrain the output; give one",
+                           found[1].param)
+    return found[0] if found else None
+
+
+def _response_format(v: Any) -> list[GrammarSpec]:
+    if not isinstance(v, dict) or v.get("type") not in ("text", "json_object", "json_schema"):
+        raise GrammarError("'response_format.type' must be 'text', 'json_object' or 'json_schema'",
+                           "response_format.type")
+    if v["type"] == "text":
+        return []
+    if v["type"] == "json_object":
+        return [GrammarSpec("json_object", None, "response_format")]
+    js = v.get("json_schema")
+    if not isinstance(js, dict) or not isinstance(js.get("schema", {}), (dict, bool)):
+        raise GrammarError("'response_format.json_schema' must be an object with a 'schema' object",
+                           "response_format.json_schema")
+    return [_typed("json_schema", js.get("schema", {}), "response_format.json_schema.schema")]
+
+
+def _typed(kind: str, v: Any, param: str) -> GrammarSpec:
+    if kind == "json_schema":
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"'{param}' is not valid JSON: {e}", param) from None
+        if not isinstance(v, (dict, bool)):
+            raise GrammarError(f"'{param}' must be a JSON schema object", param)
+    elif kind == "choice":
+        if not isinstance(v, list) or not v or not all(isinstance(c, str) for c in v):
+            raise GrammarError(f"'{param}' must be a non-empty array of strings", param)
+    elif not isinstance(v, str) or not v:
+        raise GrammarError(f"'{param}' must be a non-empty string", param)
+    return GrammarSpec(kind, v, param)
+
+
+class GrammarCompiler:
+    """One per tokenizer: llguidance's view of the vocabulary, built once (a second or more on a
+    large vocabulary), shared by every request's matcher."""
+
+    def __init__(self, tokenizer: "Tokenizer", eos_ids: list[int], vocab_size: int | None = None):
+        self.tokenizer, self.eos_ids = tokenizer, sorted(eos_ids)
+        self.vocab_size = vocab_size or tokenizer.vocab_size
+
+    @cached_property
+    def lltok(self) -> Any:
+        import llguidance
+
+        return llguidance.LLTokenizer(self.tokenizer.tok.to_str(), n_vocab=self.vocab_size,
+                                      eos_token=self.eos_ids or None)
+
+    def matcher(self, spec: GrammarSpec) -> "Matcher":
+        import llguidance
+
+        src = spec.source()
+        err = llguidance.LLMatcher.validate_grammar(src, self.lltok)
+        if err and not err.startswith("WARNING"):
+            raise GrammarError(f"'{spec.param}' cannot be compiled: {err}", spec.param)
+        m = llguidance.LLMatcher(self.lltok, src, log_level=0)
+        if m.is_error():
+            raise GrammarError(f"'{spec.param}' cannot be compiled: {m.get_error()}", spec.param)
+        return Matcher(m, self.vocab_size)
+
+
+class Matcher:
+    """A grammar's position in one output: `mask` for the next token, `advance` over tokens (it stops
+    at the first the grammar forbids and says how many it took), `rollback(n)` undoes the last n."""
+
+    def __init__(self, m: Any, vocab_size: int):
+        self.m, self.vocab_size = m, vocab_size
+        self.words = (vocab_size + 31) // 32
+
+    def new_bitmask(self) -> np.ndarray:
+        return np.zeros(self.words, dtype=np.int32)
+
+    def mask(self, into: "np.ndarray | torch.Tensor") -> None:
+        """Fill `into` (int32, `words` entries, contiguous, host memory) with the allowed-token bits:
+        token t allowed iff bit t % 32 of word t // 32 is set."""
+        ptr, n = (into.ctypes.data, into.nbytes) if isinstance(into, np.ndarray) else \
+            (into.data_ptr(), into.numel() * into.element_size())
+        if n != 4 * self.words:
+            raise ValueError(f"mask buffer has {n} bytes; this vocabulary needs {4 * self.words}")
+        self.m.unsafe_compute_mask_ptr(ptr, n)
+
+    def allowed(self) -> np.ndarray:
+        """Bool [vocab_size]: the tokens the grammar allows next."""
+        bits = self.new_bitmask()
+        self.mask(bits)
+        return np.unpackbits(bits.view(np.uint8), bitorder="little")[:self.vocab_size].astype(bool)
+
+    def advance(self, tokens: list[int]) -> int:
+        """Consume the longest allowed prefix of `tokens`; the number consumed."""
+        return int(self.m.try_consume_tokens(list(tokens)))
+
+    def rollback(self, n: int) -> None:
+        if n and not self.m.rollback(n):
+            raise ValueError(f"cannot roll back {n} tokens: {self.m.get_error()}")
+
+    def is_accepting(self) -> bool:
+        """The output may end here (EOS is allowed)."""
+        return bool(self.m.is_accepting())
+
+    def is_done(self) -> bool:
+        """The grammar is complete: nothing but EOS may follow."""
+        return bool(self.m.is_stopped())

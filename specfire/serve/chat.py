@@ -1,0 +1,141 @@
+"""Chat requests with tools and reasoning: the serve flags that choose the parsers, the checks of
+`tools` / `tool_choice`, the prompt through the checkpoint's template, and the AssistantOutput the
+relay turns the generated text into.
+
+tool_choice `required` and a named function need the grammar's mask in the decoding step, which
+this server does not apply yet: they are refused (400), as is a tool list the template cannot
+show the model."""
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any, Callable
+
+from .assistant import AssistantOutput
+from .schema import RequestError
+
+if TYPE_CHECKING:
+    from ..api import LLM
+
+TOOL_PARSERS = ("auto", "qwen3_xml", "qwen3_json")
+REASONING_PARSERS = ("auto", "qwen3", "none")
+NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """`tool_call_parser`: the call form (auto: the one the template teaches). `reasoning_parser`:
+    qwen3 splits <think> blocks out, none leaves them in content, auto: qwen3 where the template
+    writes think blocks. `allow_special_tokens_in_content`: request text may spell control tokens."""
+
+    tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
+    allow_special_tokens_in_content: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got "
+                             f"{self.reasoning_parser!r}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSERS,
+                   help="tool-call form in the output (default: the one the chat template teaches)")
+    p.add_argument("--reasoning-parser", default="auto", choices=REASONING_PARSERS,
+                   help="split <think> blocks into reasoning_content (default: when the template writes them)")
+    p.add_argument("--allow-special-tokens-in-content", action="store_true",
+                   help="tokenize control tokens spelled inside messages (<|im_end|>) as control tokens")
+
+
+def options_from(args: argparse.Namespace) -> ChatOptions:
+    return ChatOptions(args.tool_call_parser, args.reasoning_parser, args.allow_special_tokens_in_content)
+
+
+# ---- request fields -------------------------------------------------------------------------------
+
+def parse_tools(v: Any) -> list[dict[str, Any]] | None:
+    """OpenAI `tools`: [{"type": "function", "function": {"name", "description"?, "parameters"?}}]."""
+    if v is None:
+        return None
+    if not isinstance(v, list):
+        raise RequestError("'tools' must be an array of {\"type\": \"function\", \"function\": {...}}", "tools")
+    names = set()
+    for i, t in enumerate(v):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+            raise RequestError(f"'{where}' must be {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}", where)
+        f = t["function"]
+        name = f.get("name")
+        if not isinstance(name, str) or not NAME.match(name):
+            raise RequestError(f"'{where}.function.name' must be 1-128 letters, digits, _ . : -, got {name!r}",
+                               f"{where}.function.name")
+        if name in names:
+            raise RequestError(f"'{where}.function.name' {name!r} is given twice", f"{where}.function.name")
+        names.add(name)
+        if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
+            raise RequestError(f"'{where}.function.parameters' must be a JSON schema object",
+                               f"{where}.function.parameters")
+        if f.get("description") is not None and not isinstance(f["description"], str):
+            raise RequestError(f"'{where}.function.description' must be a string", f"{where}.function.description")
+    return v
+
+
+def parse_tool_choice(v: Any, tools: list[dict[str, Any]] | None) -> str:
+    """"auto" or "none" (the default: auto with tools, none without)."""
+    if v is None:
+        return "auto" if tools else "none"
+    if v in ("auto", "none"):
+        return v
+    if v == "required" or isinstance(v, dict):
+        raise RequestError("'tool_choice' required or a named function needs constrained decoding, which this "
+                           "server does not do yet; use \"auto\" or \"none\"", "tool_choice")
+    raise RequestError(f"'tool_choice' must be \"auto\", \"none\", \"required\" or a named function, got {v!r}",
+                       "tool_choice")
+
+
+# ---- the prompt and the output parser ------------------------------------------------------------
+
+def prepare_chat(llm: "LLM", messages: list[dict[str, Any]], extra: dict[str, Any], kwargs: dict[str, Any],
+                 opts: ChatOptions) -> tuple[list[int], Callable[[], AssistantOutput]]:
+    """(prompt ids, a factory of the request's AssistantOutput) for a chat body; `extra` is the
+    body's fields beyond the sampling ones (tools, tool_choice)."""
+    from jinja2 import TemplateError
+
+    from ..chat_template import ChatInputError
+    from ..errors import PromptError
+
+    tok = llm.tokenizer
+    if tok is None:
+        raise RequestError("this model has no tokenizer, so it cannot serve chat; use /v1/completions with token "
+                           "ids", "messages")
+    tools = parse_tools(extra.get("tools"))
+    choice = parse_tool_choice(extra.get("tool_choice"), tools)
+    t = tok.template
+    if tools and not t.renders_tools:
+        raise RequestError("'tools': this model's chat template does not show tools to the model", "tools")
+    try:
+        ids = tok.chat_ids(messages, tools or None, True, kwargs, opts.allow_special_tokens_in_content)
+        reasoning = opts.reasoning_parser == "qwen3" or (opts.reasoning_parser == "auto" and t.thinks)
+        in_think = False
+        if reasoning:
+            gen = t.generation_prompt(messages, tools or None, kwargs)
+            in_think = gen.rfind("<think>") > gen.rfind("</think>")
+    except ChatInputError as e:
+        raise RequestError(str(e), e.param) from None
+    except (ValueError, TypeError, TemplateError, RecursionError) as e:
+        raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
+                           "messages") from None
+    try:
+        ids = llm.prompt_ids(ids)
+    except PromptError as e:
+        raise RequestError(f"'messages': {e}", "messages", code="context_length_exceeded" if e.too_long else None) \
+            from None
+    form = None
+    if tools and choice == "auto":
+        form = (t.tool_call_form or "auto") if opts.tool_call_parser == "auto" else opts.tool_call_parser
+    schemas = {x["function"]["name"]: x["function"].get("parameters") or {} for x in tools or []}
+    return ids, partial(AssistantOutput, reasoning, in_think, form, schemas)
