@@ -10,7 +10,7 @@ import pytest
 from qwenstyle import qwen_ckpt
 from specfire import LLM
 from specfire.runtime.engine import GenerationResult, StreamChunk
-from specfire.serve.chat import ChatOptions
+from specfire.serve.chat_options import ChatOptions
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
                                            "parameters": {"type": "object", "properties": {

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from .guard import Access, AccessMiddleware, check_api_key
-from .chat import ChatOptions
+from .chat_options import ChatOptions
 from .metrics import Metrics
 from .schema import RequestError
 from .transport import BODY_TIMEOUT_S, MAX_REQUEST_BYTES

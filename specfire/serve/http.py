@@ -20,8 +20,8 @@ from ..errors import SpecfireError
 from .guard import Access, check_api_key
 from .transport import (BODY_TIMEOUT_S, HEADER_TIMEOUT_S, LISTEN_BACKLOG, MAX_CONNECTIONS_CAP, MAX_REQUEST_BYTES,
                         FileBudget, check_timeout, guarded_protocol, open_file_limit, quiet_accept_errors)
-from .chat import add_arguments as add_chat_args
-from .chat import options_from as chat_options
+from .chat_options import add_arguments as add_chat_args
+from .chat_options import options_from as chat_options
 
 if TYPE_CHECKING:
     from ..api import LLM
