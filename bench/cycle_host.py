@@ -271,6 +271,8 @@ def run_tp(path, ids, tp: int, args) -> dict:
         drafter = llm.engine.drafters["mtp"]
         if args.emulate:                       # the GPU's flow on the CPU: chain queued by prepare, replayed
             drafter.graphs = DraftGraphs(drafter._chain_for, drafter.head.fc.weight.device, emulate=True)
+            if tp > 1:
+                llm.engine.trunk.draft_sharded = True      # the GPU mesh's picks
         instrument(llm, clock)
         ar = llm.generate(ids, sp, spec="off")
         llm.generate(ids, sp, spec=policy)     # warm-up (graph captures)
@@ -287,7 +289,7 @@ def run_tp(path, ids, tp: int, args) -> dict:
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
         row.update(tau=round(res.stats["mean_accept_len"], 3), equals_ar=res.token_ids == ar.token_ids,
-                   decode_tok_s=round(res.stats["decode_tok_s"], 2), sharded_head=drafter.mesh is not None)
+                   decode_tok_s=round(res.stats["decode_tok_s"], 2))
     finally:
         llm.close()
         clock.undo()
@@ -335,7 +337,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--prompt", type=int, default=32)
-    ap.add_argument("--emulate", action="store_true", help="CPU: the GPU's draft flow (sharded head, emulated graphs)")
+    ap.add_argument("--emulate", action="store_true", help="CPU: the GPU's draft flow (sharded picks, emulated graphs)")
     ap.add_argument("--profile", type=int, default=0, help="print rank 0's top N functions (cProfile, tottime)")
     ap.add_argument("--threads", type=int, default=1, help="CPU: torch threads of rank 0 (a mesh gives each rank cores // tp)")
     ap.add_argument("--commit", default=None)
@@ -345,10 +347,6 @@ def main() -> None:
     if args.commit_cost:
         torch.set_num_threads(args.threads)
         return commit_cost()
-    if args.emulate or args.device == "cuda":
-        os.environ.setdefault("SPECFIRE_TP_MTP", "shard")     # the head sharded over the ranks (parallel/mtp.py)
-    if args.emulate:
-        os.environ.setdefault("SPECFIRE_TP_DRAFT", "shard")
     if args.device == "cpu":
         torch.set_num_threads(args.threads)      # spinning threads on a shared CPU would swamp the host times
     path, ids = checkpoint(args)

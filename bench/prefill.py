@@ -39,7 +39,7 @@ from specfire.config import FULL, SamplingParams, SpecPolicy  # noqa: E402
 from specfire.ops import gdn as G  # noqa: E402
 from specfire.ops import gdn_fla  # noqa: E402
 from specfire.ops import linear as linear_mod  # noqa: E402
-from specfire.runtime.drafters import MtpDrafter, NgramDrafter  # noqa: E402
+from specfire.runtime.drafters import HostDrafter, MtpDrafter, NgramDrafter  # noqa: E402
 from specfire.runtime.engine import Engine  # noqa: E402
 from specfire.runtime.prefix import PrefixCache  # noqa: E402
 from specfire.runtime.trunk import LocalTrunk  # noqa: E402
@@ -80,7 +80,7 @@ def prefill_flops(model, t: int) -> float:
     return 2.0 * t * w + attn + 2.0 * cfg.vocab_size * cfg.hidden_size
 
 
-class OracleDrafter:
+class OracleDrafter(HostDrafter):
     """Proposes the reference output's own next tokens (all accepted), except one wrong draft every
     third cycle (at a varying position), so verify rows at every offset get compared with AR."""
 
@@ -95,7 +95,7 @@ class OracleDrafter:
     def commit(self, out, hidden, out_dev) -> None:
         self.seen += len(out)
 
-    def propose(self, last, pos, k, sp, gen):
+    def propose(self, last, pos, k, sp, gen, pen=None):
         d = list(self.ref[self.seen:self.seen + k])
         self.cycle += 1
         if d and self.cycle % 3 == 0:

@@ -15,7 +15,7 @@ import contextlib
 
 import torch
 
-from specfire.runtime.drafters import MtpDrafter
+from specfire.runtime.drafters import HostDrafter, MtpDrafter
 
 PROFILES = {"code": (0.90, 0.80, 0.70), "prose": (0.60, 0.40, 0.25)}
 
@@ -78,7 +78,7 @@ def shard_by_shard():
         export.checkpoint_tensors, export.save_file = ct, sf
 
 
-class ProfileDrafter:
+class ProfileDrafter(HostDrafter):
     """The MTP drafter's full cost, synthetic acceptance (see the module docstring). Needs the
     tied-norm checkpoint: the trunk's greedy token must be `right`."""
 
@@ -100,7 +100,7 @@ class ProfileDrafter:
     def commit(self, out, hidden, out_dev) -> None:
         self.inner.commit(out, hidden, out_dev)
 
-    def propose(self, last, pos, k, sp, gen):
+    def propose(self, last, pos, k, sp, gen, pen=None):
         drafts, _ = self.inner.propose(last, pos, k, sp, gen)       # the real head, fully paid
         kk = drafts.shape[0]
         u = torch.rand(1, generator=self.gen, device=drafts.device)

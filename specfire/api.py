@@ -13,7 +13,7 @@ from .config import (GenerationDefaults, ModelConfig, SamplingParams, SpecPolicy
 from .errors import CheckpointError, PromptError, SpecfireError
 from .ops.attention import Q8_KV
 from .report import RequestFigures
-from .runtime.build import EngineOptions, build_engine
+from .runtime.build import EngineOptions, TrunkFactory, build_engine, local_trunk
 from .runtime.engine import GenerationResult, StreamChunk
 from .runtime.prefix import PrefixCache
 from .runtime.spec import OnCycle
@@ -50,6 +50,20 @@ def resolve_device(device: Any) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available")
     return dev
+
+
+def trunk_factory(tp: int) -> TrunkFactory:
+    """The trunk factory for `tp`: one device, or the tensor-parallel mesh (specfire.parallel)."""
+    if tp == 1:
+        return local_trunk
+    try:
+        from .parallel.build import mesh_trunk
+    except ModuleNotFoundError as e:
+        if not (e.name or "").startswith(f"{__package__}.parallel"):
+            raise
+        raise SpecfireError(f"tp={tp} needs the tensor-parallel mesh (specfire.parallel), which this "
+                            f"build does not have; use tp=1") from None
+    return mesh_trunk
 
 
 class LLM:
@@ -106,7 +120,7 @@ class LLM:
                              kv_dtype=kvd, max_seq_len=self.max_seq_len, spec=self.spec, mtp_path=mtp_path,
                              cuda_graphs=cuda_graphs, ngram=self.ngram, progress=progress,
                              draft_vocab=self.draft_vocab)
-        self.engine = build_engine(opts, self.tokenizer, eos)
+        self.engine = build_engine(opts, self.tokenizer, eos, trunk_factory(tp))
         self.cfg = self.engine.trunk.cfg      # the checkpoint decides whether lm_head is tied
         self._closed = False
 

@@ -9,7 +9,7 @@ import torch
 
 from ..config import SamplingParams, SpecPolicy
 from ..tokenizer import Tokenizer
-from .drafters import Drafter
+from .drafters import BY_NAME, KINDS, Drafter, MtpDrafter, drafting_routes
 from .output import OutputBuilder
 from .prefix import PrefixCache
 from .route import Acceptance, CostTable, Decision, RouteController, select_route
@@ -45,7 +45,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.topology = topology                # a label in route reasons; every topology serves every drafter
-        self.drafters = drafters                # route name -> drafter ("mtp", "ngram")
+        self.drafters = drafters                # route name -> drafter (drafters/registry.py)
         self.prefix: PrefixCache | None = None  # multi-turn prefix reuse (single device; off by default)
         self.bufs = StepBuffers(trunk.device, graphs=trunk.graphs_enabled)   # reused by every request
         self.costs = CostTable()                # measured cycle times on this engine, for `auto`
@@ -53,7 +53,7 @@ class Engine:
 
     @property
     def mtp_loaded(self) -> bool:
-        return "mtp" in self.drafters
+        return MtpDrafter.name in self.drafters
 
     @property
     def max_seq(self) -> int:
@@ -62,10 +62,12 @@ class Engine:
 
     def route(self, policy: SpecPolicy, sp: SamplingParams) -> tuple[str, str]:
         """(route, reason) a request would take; raises SpecfireError for a mode it cannot serve."""
-        route, reason = select_route(policy, self.mtp_loaded, sp, self.topology)
+        route, reason = select_route(policy, self.drafters, sp, self.topology)
         n = self.trunk.draft_vocab
-        if n is not None and self.mtp_loaded and route in ("mtp", "auto"):
-            reason += f"; MTP drafts from token ids 0..{n - 1} of {self.trunk.cfg.vocab_size} (draft_vocab={n})"
+        for kind in KINDS:
+            if n is not None and kind.draft_vocab and kind.name in self.drafters and route in (kind.name, "auto"):
+                reason += (f"; {kind.short} drafts from token ids 0..{n - 1} of {self.trunk.cfg.vocab_size} "
+                           f"(draft_vocab={n})")
         if sp.penalized:
             reason += f"; {self.penalty_note(sp)}"
         return route, reason
@@ -73,22 +75,21 @@ class Engine:
     def penalty_note(self, sp: SamplingParams) -> str:
         """How a penalised request is served (the route reason and the `penalties` stat say it)."""
         note = f"penalties {sp.penalty_text()} on every verify row"
-        mtp = self.drafters.get("mtp")
-        aware = mtp is not None and getattr(mtp, "penalises", lambda sp: False)(sp)
-        note += "; MTP drafts are picked penalised too" if aware else "; drafts are not penalised"
+        aware = [BY_NAME[r].short for r, d in self.drafters.items() if r in BY_NAME and d.penalises(sp)]
+        note += f"; {' and '.join(aware)} drafts are picked penalised too" if aware else "; drafts are not penalised"
         if not sp.greedy and self.bufs.graphs is not None:
             note += "; the sampled accept runs eagerly, not from its CUDA graph"
         return note
 
     def controller(self, route: str, policy: SpecPolicy, sp: SamplingParams) -> RouteController:
         """`auto`: measured choices among AR and the loaded drafters; otherwise the route as asked.
-        A seeded sampled request gets a fixed route (MTP when loaded, else AR): which route draws the
-        random numbers changes the samples, and a seed must reproduce its output."""
+        A seeded sampled request gets a fixed route (the registry's seeded drafter when loaded, else
+        AR): which route draws the random numbers changes the samples, and a seed must reproduce
+        its output."""
         if route == "auto" and not sp.greedy and sp.seed is not None:
-            route = "mtp" if "mtp" in self.drafters else "ar"
+            route = next((k.name for k in KINDS if k.seeded and k.name in self.drafters), "ar")
         if route == "auto":
-            return RouteController(policy.k, tuple(r for r in ("mtp", "ngram") if r in self.drafters), self.costs,
-                                   prior=self.accept_prior)
+            return RouteController(policy.k, drafting_routes(self.drafters), self.costs, prior=self.accept_prior)
         fixed = (route, 0 if route == "ar" else policy.k)
         return RouteController(policy.k, () if route == "ar" else (route,), self.costs, fixed=fixed)
 
