@@ -187,3 +187,18 @@ def test_mtp_path_given_explicitly(ckpt_cache, tmp_path):
     save_file(bad, str(tmp_path / "bad.safetensors"))
     with pytest.raises(CheckpointError, match=r"mtp\.fc\.weight"):
         LLM(nohead, device="cpu", spec="mtp", mtp_path=str(tmp_path / "bad.safetensors"), progress=False)
+
+
+def test_a_route_plan_goes_with_its_request(ckpt_cache):
+    """LLM.plan_route decides once; stream(plan=) serves that decision (its params and spec by
+    default) and refuses it for other params."""
+    with LLM(ckpt(ckpt_cache, "base"), device="cpu", progress=False) as llm:
+        sp = SamplingParams(max_tokens=4)
+        plan = llm.plan_route(sp, {"mode": "ngram", "k": 2})
+        assert (plan.route, plan.reason) == llm.preview_route(sp, {"mode": "ngram", "k": 2})
+        res = list(llm.stream([1, 2, 3], plan=plan))[-1].result
+        assert res.stats["route"] == "ngram" and res.stats["route_reason"] == plan.reason
+        with pytest.raises(ValueError, match="plan: a route plan serves the spec policy and sampling params"):
+            list(llm.stream([1, 2, 3], SamplingParams(max_tokens=5), plan=plan))
+        with pytest.raises(ValueError, match="plan must be a RoutePlan"):
+            llm.stream([1, 2, 3], plan=("ngram", "why"))

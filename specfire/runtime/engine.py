@@ -12,7 +12,7 @@ from ..tokenizer import Tokenizer
 from .drafters import BY_NAME, KINDS, Drafter, MtpDrafter, drafting_routes
 from .output import OutputBuilder
 from .prefix import PrefixCache
-from .route import Acceptance, CostTable, Decision, RouteController, select_route
+from .route import Acceptance, CostTable, Decision, RouteController, RoutePlan, select_route
 from .sampling import penalize, pick
 from .spec import Launched, OnCycle, SpecStats, StepBuffers, finish, launch
 from .trunk import Trunk
@@ -60,8 +60,8 @@ class Engine:
         """Prompt plus generated tokens must fit in this many positions."""
         return self.trunk.max_seq
 
-    def route(self, policy: SpecPolicy, sp: SamplingParams) -> tuple[str, str]:
-        """(route, reason) a request would take; raises SpecfireError for a mode it cannot serve."""
+    def route(self, policy: SpecPolicy, sp: SamplingParams) -> RoutePlan:
+        """The route a request takes and why; raises SpecfireError for a mode it cannot serve."""
         route, reason = select_route(policy, self.drafters, sp, self.topology)
         n = self.trunk.draft_vocab
         for kind in KINDS:
@@ -70,7 +70,7 @@ class Engine:
                            f"(draft_vocab={n})")
         if sp.penalized:
             reason += f"; {self.penalty_note(sp)}"
-        return route, reason
+        return RoutePlan(route, reason, policy, sp)
 
     def penalty_note(self, sp: SamplingParams) -> str:
         """How a penalised request is served (the route reason and the `penalties` stat say it)."""
@@ -107,10 +107,12 @@ class Engine:
                              f"(room for at least one generated token is needed)")
 
     def stream(self, ids: list[int], sp: SamplingParams, policy: SpecPolicy, on_cycle: OnCycle | None = None,
-               drafter: Drafter | None = None, controller: RouteController | None = None) -> Iterator[StreamChunk]:
+               drafter: Drafter | None = None, controller: RouteController | None = None,
+               plan: RoutePlan | None = None) -> Iterator[StreamChunk]:
         """Generate from `ids`. `on_cycle(k, n, emitted)` is called after every step; `drafter`,
         when given, serves the request instead of the routed one (tests script drafts with it);
-        `controller` (decide / observe / candidates / reason), when given, replaces the route's.
+        `controller` (decide / observe / candidates / reason), when given, replaces the route's;
+        `plan`: the route already decided for this policy and these params (`route`), else decided here.
 
         The device stays busy: the next step is queued before the host turns this step's tokens
         into text, and an AR step is queued before the one before it is read (its input token
@@ -121,7 +123,10 @@ class Engine:
             drafters = {drafter.name: drafter}
             route, reason = drafter.name, f"drafter {drafter.name!r} given by the caller (k={policy.k})"
         else:
-            route, reason = self.route(policy, sp)
+            if plan is None:
+                plan = self.route(policy, sp)
+            plan.check(policy, sp)
+            route, reason = plan.route, plan.reason
         ctl = controller or self.controller(route, policy, sp)
         fed = [drafters[r] for r in ctl.candidates if r in drafters]   # drafters that see every token
         trunk, bufs, dev = self.trunk, self.bufs, self.trunk.device

@@ -17,6 +17,22 @@ from ..errors import SpecfireError
 from .drafters.registry import BY_NAME, KINDS
 
 
+@dataclass(frozen=True)
+class RoutePlan:
+    """A request's route and its reason, decided once (`Engine.route`) for these policy and
+    sampling parameters, and handed with the request to the engine, which does not decide again."""
+
+    route: str
+    reason: str
+    policy: SpecPolicy
+    params: SamplingParams
+
+    def check(self, policy: SpecPolicy, sp: SamplingParams) -> None:
+        if policy != self.policy or sp != self.params:
+            raise ValueError("plan: a route plan serves the spec policy and sampling params it was decided for; "
+                             "these differ")
+
+
 def select_route(policy: SpecPolicy, built: Collection[str], sp: SamplingParams,
                  topology: str = "single") -> tuple[str, str]:
     """Return (route, reason) with route "ar", "auto" or a drafter's name (drafters/registry.py);

@@ -20,6 +20,7 @@ from .schema import (ChatBody, CompletionBody, HttpBody, RequestError, check_rou
 
 if TYPE_CHECKING:
     from ..api import LLM
+    from ..runtime.route import RoutePlan
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
 
@@ -34,6 +35,7 @@ class Prepared:
     chat: bool
     stream: bool
     include_usage: bool
+    plan: "RoutePlan"        # the route, decided once (schema.check_route)
 
 
 # ---- endpoints ------------------------------------------------------------------------------------
@@ -124,9 +126,9 @@ def prepare(st: ServeState, raw: bytes, chat: bool) -> Prepared:
     sp = sampling_params(b, default_max_tokens=default_max, defaults=st.sampling_defaults,
                          room=llm.max_model_len - len(ids))
     policy = spec_policy(b.speculation, llm.spec)
-    check_route(llm, sp, policy)
+    plan = check_route(llm, sp, policy)
     so = b.stream_options
-    return Prepared(ids, sp, policy, chat, bool(b.stream), bool(so is not None and so.include_usage))
+    return Prepared(ids, sp, policy, chat, bool(b.stream), bool(so is not None and so.include_usage), plan)
 
 
 def render(llm: "LLM", messages: list[dict[str, Any]], kw: dict[str, Any]) -> str:

@@ -73,7 +73,7 @@ class Relay:
                 pass
 
         assert st.worker is not None
-        self.job = st.worker.submit(Job(prep.ids, prep.params, prep.spec, on_event))
+        self.job = st.worker.submit(Job(prep.ids, prep.params, prep.spec, on_event, plan=prep.plan))
         self.watcher = asyncio.create_task(watch(request, self.job))
         self.rid = ("chatcmpl-" if prep.chat else "cmpl-") + uuid.uuid4().hex[:24]
 
