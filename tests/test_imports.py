@@ -15,11 +15,11 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "config", "tokenizer"),
     ("ops", "kernels"),
-    ("model", "quantize", "info"),
+    ("model", "quantize"),
     ("runtime",),
     ("parallel",),
     ("report", "api"),
-    ("serve", "cli", "train", "__main__"),
+    ("serve", "cli", "info", "train", "__main__"),
 )
 
 

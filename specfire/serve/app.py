@@ -3,47 +3,22 @@ handlers.py, and the exception handlers that turn every failure into an OpenAI-s
 from __future__ import annotations
 
 import logging
-import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .metrics import Metrics
+from . import handlers
 from .schema import RequestError
+from .state import DEFAULT_MAX_REQUEST_BYTES, ServeState, state_of
 from .worker import EngineWorker
 
 if TYPE_CHECKING:
     from ..api import LLM
 
 log = logging.getLogger("specfire")
-
-DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
-
-
-@dataclass
-class ServeState:
-    """Everything a handler needs; one per app, on `app.state.serve`."""
-
-    llm: "LLM"
-    model_name: str
-    api_key: str | None = None
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    metrics: Metrics = field(init=False)
-    created: int = field(default_factory=lambda: int(time.time()))
-    worker: EngineWorker | None = None
-    # what a request leaves out: the serve flags over the model's generation_config.json values
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.metrics = Metrics(self.model_name)
-
-    def cancel_all(self) -> None:
-        if self.worker is not None:
-            self.worker.cancel_all()
 
 
 def build_app(llm: "LLM", model_name: str, api_key: str | None = None, close_llm: bool = False,
@@ -54,8 +29,6 @@ def build_app(llm: "LLM", model_name: str, api_key: str | None = None, close_llm
     sampling fields (the penalties from `specfire serve`'s flags) for requests that leave them
     out; they override the model's own defaults (`llm.generation_defaults`, from its
     generation_config.json), which override the built-in ones."""
-    from . import handlers
-
     if max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
     from ..config import SamplingParams
@@ -86,10 +59,6 @@ def build_app(llm: "LLM", model_name: str, api_key: str | None = None, close_llm
     app.add_api_route("/v1/chat/completions", handlers.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", handlers.completions, methods=["POST"])
     return app
-
-
-def state_of(request: Request) -> ServeState:
-    return request.app.state.serve
 
 
 def error_response(request: Request, e: RequestError) -> JSONResponse:

@@ -5,37 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ..config import SamplingParams, SpecPolicy
 from . import relay
-from .app import ServeState, state_of
 from .metrics import CONTENT_TYPE
 from .schema import (ChatBody, CompletionBody, HttpBody, RequestError, check_route, encode, parse_object,
                      sampling_params, spec_policy, validate)
+from .state import ServeState, state_of
 
 if TYPE_CHECKING:
     from ..api import LLM
-    from ..runtime.route import RoutePlan
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
-
-
-@dataclass
-class Prepared:
-    """A request ready for the engine."""
-
-    ids: list[int]
-    params: SamplingParams
-    spec: SpecPolicy
-    chat: bool
-    stream: bool
-    include_usage: bool
-    plan: "RoutePlan"        # the route, decided once (schema.check_route)
 
 
 # ---- endpoints ------------------------------------------------------------------------------------
@@ -107,7 +91,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
-def prepare(st: ServeState, raw: bytes, chat: bool) -> Prepared:
+def prepare(st: ServeState, raw: bytes, chat: bool) -> relay.Prepared:
     """Parse, validate, render and tokenize one request (runs in a worker thread)."""
     llm = st.llm
     body = parse_object(raw)
@@ -128,7 +112,8 @@ def prepare(st: ServeState, raw: bytes, chat: bool) -> Prepared:
     policy = spec_policy(b.speculation, llm.spec)
     plan = check_route(llm, sp, policy)
     so = b.stream_options
-    return Prepared(ids, sp, policy, chat, bool(b.stream), bool(so is not None and so.include_usage), plan)
+    return relay.Prepared(ids, sp, policy, chat, bool(b.stream), bool(so is not None and so.include_usage),
+                          plan)
 
 
 def render(llm: "LLM", messages: list[dict[str, Any]], kw: dict[str, Any]) -> str:

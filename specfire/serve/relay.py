@@ -10,18 +10,34 @@ import asyncio
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..config import SamplingParams, SpecPolicy
 from ..errors import SpecfireError
 from .schema import RequestError
 from .worker import CANCELLED, CHUNK, DONE, ERROR, Finished, Job
 
 if TYPE_CHECKING:
-    from .app import ServeState
-    from .handlers import Prepared
+    from ..runtime.route import RoutePlan
+    from .state import ServeState
+
+
+@dataclass
+class Prepared:
+    """A request ready for the engine (handlers.prepare makes it)."""
+
+    ids: list[int]
+    params: SamplingParams
+    spec: SpecPolicy
+    chat: bool
+    stream: bool
+    include_usage: bool
+    plan: "RoutePlan"        # the route, decided once (schema.check_route)
+
 
 Event = tuple[str, Any]
 SHUTTING_DOWN = "the request was cancelled: the server is shutting down"
