@@ -50,7 +50,7 @@ class MtpDrafter:
         # a queued chain of more drafts than asked serves a shorter cycle with its first k (off: it is
         # dropped, and the pending rows are caught up in prefill mode before a new chain)
         self.prefix = True
-        self._graphs_sharded = False               # the pick mode the captured greedy chains hold
+        self._graphs_trunk_picks = False           # the pick mode the captured greedy chains hold
         if trunk.graphs_enabled:
             self.graphs = DraftGraphs(self._chain_for, head.fc.weight.device)
 
@@ -75,7 +75,7 @@ class MtpDrafter:
         t = self.trunk
         lm = t.lm_logits
         if choose is None:
-            if self._sharded:
+            if self._trunk_picks:
                 lm, choose = t.draft_pick, already_picked
             elif penalty_key(pen, sp) is not None:
                 choose = penalized_argmax(pen, sp)
@@ -139,14 +139,14 @@ class MtpDrafter:
             self._prefill(toks[:-1], hidden[:-1], pos0)
             pos0, hidden, toks = pos0 + m - 1, hidden[-1:], toks[-1:]
         self._hidden, self._tokens, self._pos0 = [], [], self._pos0 + m
-        sharded = sp.greedy and self._sharded      # the other ranks run their side of the chain alongside
+        trunk_picks = sp.greedy and self._trunk_picks  # e.g. a mesh's other ranks run their side alongside
         if self.graphs is not None and (sp.greedy or gen is not None):
-            if sharded:
+            if trunk_picks:
                 fresh = not self.graphs.captured(toks.shape[0], k)
                 self.trunk.draft_rounds(k, self.graphs.warmup if fresh else 0, 1)
             return self.graphs.draft(toks, hidden, pos0, k, None if sp.greedy else sp, gen,
                                      pen=pen, pen_sp=sp)
-        if sharded:
+        if trunk_picks:
             self.trunk.draft_rounds(k, 1, 0)
         return self._chain_for(toks, hidden, pos0, k, sp, gen, pen)
 
@@ -175,7 +175,7 @@ class MtpDrafter:
         if not self.ahead or self.graphs is None or k <= 0 or pos + 2 * k > self.trunk.max_seq:
             return                                 # (its steps reach pos + n + k - 1)
         self._check_mode()
-        if self._sharded:
+        if self._trunk_picks:
             fresh = not self.graphs.captured(k + 1, k, "after")
             self.trunk.draft_rounds(k, self.graphs.warmup if fresh else 0, 1, now=True)
         if sp is None or not self.penalises(sp):
@@ -187,16 +187,17 @@ class MtpDrafter:
 
     def _check_mode(self) -> None:
         """Captured greedy chains keep the picks they were captured with: a changed mode drops them."""
-        if self.graphs is not None and self._sharded != self._graphs_sharded:
+        if self.graphs is not None and self._trunk_picks != self._graphs_trunk_picks:
             self.graphs.clear()
-            self._graphs_sharded = self._sharded
+            self._graphs_trunk_picks = self._trunk_picks
 
     def penalises(self, sp: SamplingParams) -> bool:
         """Greedy, penalised, and the picks are this drafter's (not the trunk's)."""
-        return self.penalty_aware and sp.greedy and sp.penalized and not self._sharded
+        return self.penalty_aware and sp.greedy and sp.penalized and not self._trunk_picks
 
     @property
-    def _sharded(self) -> bool:
+    def _trunk_picks(self) -> bool:
+        """The greedy picks are the trunk's own (`draft_pick`), not this drafter's."""
         return self.trunk.draft_sharded
 
     def commit(self, out: list[int], hidden: torch.Tensor, out_dev: torch.Tensor) -> None:
