@@ -56,7 +56,7 @@ def pick(pairs: torch.Tensor) -> torch.Tensor:
 def draft_end(model) -> int:
     """One past the last token id the draft scores: the draft vocabulary (the first N ids, loaded
     with draft_vocab=N: `model.draft_vocab`), else the whole vocabulary."""
-    n = getattr(model, "draft_vocab", None)
+    n = model.draft_vocab
     return model.cfg.vocab_size if n is None else n
 
 

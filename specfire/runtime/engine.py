@@ -12,7 +12,7 @@ from ..tokenizer import Tokenizer
 from .drafters import BY_NAME, KINDS, Drafter, MtpDrafter, drafting_routes
 from .output import OutputBuilder
 from .prefix import PrefixCache
-from .route import Acceptance, CostTable, Decision, RouteController, RoutePlan, select_route
+from .route import Acceptance, Controller, CostTable, Decision, RouteController, RoutePlan, select_route
 from .sampling import penalize, pick
 from .spec import Launched, OnCycle, SpecStats, StepBuffers, finish, launch
 from .trunk import Trunk
@@ -107,11 +107,11 @@ class Engine:
                              f"(room for at least one generated token is needed)")
 
     def stream(self, ids: list[int], sp: SamplingParams, policy: SpecPolicy, on_cycle: OnCycle | None = None,
-               drafter: Drafter | None = None, controller: RouteController | None = None,
+               drafter: Drafter | None = None, controller: Controller | None = None,
                plan: RoutePlan | None = None) -> Iterator[StreamChunk]:
         """Generate from `ids`. `on_cycle(k, n, emitted)` is called after every step; `drafter`,
         when given, serves the request instead of the routed one (tests script drafts with it);
-        `controller` (decide / observe / candidates / reason), when given, replaces the route's;
+        `controller` (the `Controller` protocol), when given, replaces the route's;
         `plan`: the route already decided for this policy and these params (`route`), else decided here.
 
         The device stays busy: the next step is queued before the host turns this step's tokens
@@ -206,7 +206,7 @@ class Engine:
         k = policy.k if route != "ar" else 0
         if route == "auto":           # the choice auto settled on (AR while still measuring); `routes` has all
             (route, k), reason = ctl.current, ctl.reason or reason
-        for r, a in getattr(ctl, "acc", {}).items():
+        for r, a in ctl.acc.items():
             if a.cycles:
                 self.accept_prior[r] = a
         st = {

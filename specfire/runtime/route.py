@@ -10,7 +10,7 @@ cycle; sampled output keeps AR's distribution on every route.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Collection
+from typing import Collection, Protocol
 
 from ..config import SamplingParams, SpecPolicy
 from ..errors import SpecfireError
@@ -130,6 +130,18 @@ class Decision:
     route: str
     k: int
     check: bool = False      # a measurement of a route that is not the current choice
+
+
+class Controller(Protocol):
+    """What the engine uses of a route controller (`RouteController`, or a test's scripted one)."""
+
+    candidates: tuple[str, ...]          # the drafting routes it may choose (their drafters see every token)
+    current: tuple[str, int]             # its settled (route, k), reported in the stats
+    reason: str
+    acc: dict[str, "Acceptance"]         # acceptance per route, carried to the engine's next requests
+
+    def decide(self) -> "Decision": ...
+    def observe(self, d: "Decision", k: int, n: int, seconds: float) -> None: ...
 
 
 @dataclass
