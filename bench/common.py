@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from specfire.config import FULL, LINEAR, ModelConfig
+from specfire.runtime.drafters import HostDrafter
 
 CEILING = 4.17e12   # the H200's device-to-device copy bandwidth, bytes read + written per second
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -407,7 +408,7 @@ def held_out_prompts(n: int, lines: int, source: str = "packages") -> list[tuple
 PROFILES = {"code": (0.90, 0.80, 0.70), "prose": (0.60, 0.40, 0.25)}   # P(draft i accepted), i = 1..3
 
 
-class ProfileDrafter:
+class ProfileDrafter(HostDrafter):
     """SYNTHETIC acceptance, for benchmarks only: the model's own MTP drafter runs in full (its cost
     is paid), then its drafts become token 0 (what a tied checkpoint's trunk picks: accepted) for
     the first n* and token 1 (rejected) after, n* drawn on the device with P(n* > i) = profile[i].
@@ -431,7 +432,7 @@ class ProfileDrafter:
     def commit(self, out, hidden, out_dev) -> None:
         self.inner.commit(out, hidden, out_dev)
 
-    def propose(self, last, pos, k, sp, gen):
+    def propose(self, last, pos, k, sp, gen, pen=None):
         drafts, _ = self.inner.propose(last, pos, k, sp, gen)       # the real head, fully paid
         u = torch.rand(1, generator=self.gen, device=drafts.device)
         keep = u < self.prof[:drafts.shape[0]]                      # a prefix: the profile does not increase

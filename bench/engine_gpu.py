@@ -52,6 +52,7 @@ class Forced:
 
     def __init__(self):
         self.i = 0
+        self.acc = {}                    # no acceptance to carry over
 
     def decide(self) -> Decision:
         return Decision(*self.SCHEDULE[self.i % len(self.SCHEDULE)])

@@ -34,7 +34,7 @@ from bench.common import CEILING, model_config, model_step_bytes, random_head, r
 from specfire.config import FULL, SamplingParams, SpecPolicy
 from specfire.ops import gdn as G
 from specfire.ops import gdn_fla
-from specfire.runtime.drafters import MtpDrafter, NgramDrafter
+from specfire.runtime.drafters import HostDrafter, MtpDrafter, NgramDrafter
 from specfire.runtime.engine import Engine
 from specfire.runtime.prefix import PrefixCache
 from specfire.runtime.trunk import LocalTrunk
@@ -67,7 +67,7 @@ def prefill_flops(model, t: int) -> float:
     return 2.0 * t * w + attn + 2.0 * cfg.vocab_size * cfg.hidden_size
 
 
-class OracleDrafter:
+class OracleDrafter(HostDrafter):
     """Proposes the reference output's own next tokens (all accepted), except one wrong draft every
     third cycle (at a varying position), so verify rows at every offset get compared with AR."""
 
@@ -82,7 +82,7 @@ class OracleDrafter:
     def commit(self, out, hidden, out_dev) -> None:
         self.seen += len(out)
 
-    def propose(self, last, pos, k, sp, gen):
+    def propose(self, last, pos, k, sp, gen, pen=None):
         d = list(self.ref[self.seen:self.seen + k])
         self.cycle += 1
         if d and self.cycle % 3 == 0:

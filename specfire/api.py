@@ -14,9 +14,10 @@ from .config import (DTYPE_NAMES, GenerationDefaults, ModelConfig, SamplingParam
 from .errors import CheckpointError, PromptError, SpecfireError
 from .ops.attention import Q8_KV
 from .report import RequestFigures
-from .runtime.build import EngineOptions, build_engine
+from .runtime.build import EngineOptions, TrunkFactory, build_engine, local_trunk
 from .runtime.engine import GenerationResult, StreamChunk
 from .runtime.prefix import PrefixCache
+from .runtime.route import RoutePlan
 from .runtime.spec import OnCycle
 from .runtime.trunk import LocalTrunk
 from .tokenizer import Tokenizer
@@ -92,6 +93,20 @@ def resolve_device(device: Any) -> torch.device:
     return dev
 
 
+def trunk_factory(tp: int) -> TrunkFactory:
+    """The trunk factory for `tp`: one device, or the tensor-parallel mesh (specfire.parallel)."""
+    if tp == 1:
+        return local_trunk
+    try:
+        from .parallel.build import mesh_trunk
+    except ModuleNotFoundError as e:
+        if not (e.name or "").startswith(f"{__package__}.parallel"):
+            raise
+        raise SpecfireError(f"tp={tp} needs the tensor-parallel mesh (specfire.parallel), which this "
+                            f"build does not have; use tp=1") from None
+    return mesh_trunk
+
+
 class LLM:
     """A loaded model ready to generate. Use as a context manager or call close(). On a CPU it sets
     the process's intra-op threads to `threads`, else to default_threads()'s choice."""
@@ -154,7 +169,7 @@ class LLM:
                              kv_dtype=kvd, max_seq_len=self.max_seq_len, spec=self.spec, mtp_path=mtp_path,
                              cuda_graphs=cuda_graphs, ngram=self.ngram, progress=progress,
                              draft_vocab=self.draft_vocab)
-        self.engine = build_engine(opts, self.tokenizer, eos)
+        self.engine = build_engine(opts, self.tokenizer, eos, trunk_factory(tp))
         self.cfg = self.engine.trunk.cfg      # the checkpoint decides whether lm_head is tied
         self._closed = False
 
@@ -202,15 +217,22 @@ class LLM:
         return list(prompt)
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-               spec: SpecPolicy | dict | str | None = None, *, on_cycle: OnCycle | None = None) -> Iterator[StreamChunk]:
+               spec: SpecPolicy | dict | str | None = None, *, on_cycle: OnCycle | None = None,
+               plan: RoutePlan | None = None) -> Iterator[StreamChunk]:
         """Yield StreamChunk(text, token_ids); the last chunk carries `result`. `on_cycle(k, n,
-        emitted)` is called after every decoding step (k drafted, n accepted; k = 0 for AR)."""
+        emitted)` is called after every decoding step (k drafted, n accepted; k = 0 for AR).
+        `plan`: the route `plan_route` decided for these params and spec (then they may be left
+        out), so it is not decided again."""
         self._check_open()
+        if plan is not None and not isinstance(plan, RoutePlan):
+            raise ValueError(f"plan must be a RoutePlan from plan_route(), got {type(plan).__name__}")
+        if params is None and plan is not None:
+            params = plan.params
         sp = params if params is not None else self.get_default_sampling_params()
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(sp).__name__}")
-        policy = SpecPolicy.coerce(spec, self.spec)
-        return self.engine.stream(self._ids(prompt), sp, policy, on_cycle=on_cycle)
+        policy = plan.policy if spec is None and plan is not None else SpecPolicy.coerce(spec, self.spec)
+        return self.engine.stream(self._ids(prompt), sp, policy, on_cycle=on_cycle, plan=plan)
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                  spec: SpecPolicy | dict | str | None = None, *, on_cycle: OnCycle | None = None) -> GenerationResult:
@@ -254,13 +276,17 @@ class LLM:
         self._check_open()
         return self.engine.max_seq
 
-    def preview_route(self, params: SamplingParams, spec: SpecPolicy | dict | str | None = None) -> tuple[str, str]:
-        """(route, reason) that generate() would take for these params, from the one route
-        selector; raises SpecfireError for a mode this model cannot serve (servers refuse before
-        queueing)."""
+    def plan_route(self, params: SamplingParams, spec: SpecPolicy | dict | str | None = None) -> RoutePlan:
+        """The route generate() takes for these params, decided once by the one route selector:
+        raises SpecfireError for a mode this model cannot serve (servers refuse before queueing),
+        and is passed to stream(plan=) with the request."""
         self._check_open()
-        policy = SpecPolicy.coerce(spec, self.spec)
-        return self.engine.route(policy, params)
+        return self.engine.route(SpecPolicy.coerce(spec, self.spec), params)
+
+    def preview_route(self, params: SamplingParams, spec: SpecPolicy | dict | str | None = None) -> tuple[str, str]:
+        """(route, reason) of `plan_route`."""
+        plan = self.plan_route(params, spec)
+        return plan.route, plan.reason
 
     def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of `prompt`, checked as generate() checks them (Engine.check_prompt); a bad

@@ -334,3 +334,27 @@ def test_prefix_reuse_reports_cached_tokens(daemon, ckpt):
         assert daemon.until("done")[-1]["cached_tokens"] == 0
     _bad(daemon, {"type": "load", "id": "b", "model": ckpt, "params": {"prefix_cache_mb": -1}}, "invalid_request",
          "prefix_cache_mb", "b")
+
+
+def test_a_generate_is_routed_once(ckpt, monkeypatch):
+    """The daemon decides a generate's route once, when it checks the message, and hands that
+    decision to the engine (one call of the route selector per generate)."""
+    import io
+
+    from specfire.runtime import engine
+    from specfire import LLM
+    from specfire.serve.daemon import Daemon
+
+    calls = []
+    real = engine.select_route
+    monkeypatch.setattr(engine, "select_route", lambda *a, **kw: calls.append(a[0]) or real(*a, **kw))
+    out = io.BytesIO()
+    d = Daemon(out)
+    d.llm = LLM(ckpt, progress=False)
+    try:
+        d.generate({"type": "generate", "id": "r", "attempt_id": 1, "prompt": "def add(a, b):", "max_tokens": 6,
+                    "speculation": {"mode": "mtp", "k": 2}})
+    finally:
+        d.llm.close()
+    events = [json.loads(line) for line in out.getvalue().decode().splitlines()]
+    assert events[-1]["type"] == "done" and len(calls) == 1, (events[-1], calls)

@@ -184,25 +184,22 @@ def canonical_ar(fitted) -> list[list[int]]:
         splitk.set_enabled(None)
 
 
-@pytest.mark.parametrize("n,head", [(ALPHA_MIN, False), (69, False), (69, True)],
-                         ids=["inside_rank0", "both_ranks", "sharded_head"])
-def test_mesh_draft_vocab_equals_ar(fitted, canonical_ar, monkeypatch, n, head):
-    """Greedy MTP on tp2 with sharded picks: N = 14 lies in rank 0's shard (66 rows) and needs no pick
-    collective (the trunk does not shard the picks); N = 69 has rank 1 score its rows 66..68 only
-    (alphabet ids 81..119 lie in its shard past N: a rank scoring its whole shard would draft them),
-    with the head whole on rank 0 and sharded over the ranks (parallel/mtp.py)."""
+@pytest.mark.parametrize("n", [ALPHA_MIN, 69], ids=["inside_rank0", "both_ranks"])
+def test_mesh_draft_vocab_equals_ar(fitted, canonical_ar, n):
+    """Greedy MTP on tp2 with sharded picks asked for: N = 14 lies in rank 0's shard (66 rows) and
+    needs no pick collective (the trunk does not shard the picks); N = 69 has rank 1 score its rows
+    66..68 only (alphabet ids 81..119 lie in its shard past N: a rank scoring its whole shard would
+    draft them)."""
     from specfire.ops import splitk
 
-    monkeypatch.setenv("SPECFIRE_TP_DRAFT", "shard")
-    if head:
-        monkeypatch.setenv("SPECFIRE_TP_MTP", "shard")
     splitk.set_enabled(True)
     ar = canonical_ar
     try:
         with LLM(fitted, tp=2, device="cpu", progress=False, draft_vocab=n) as mesh:
             trunk = mesh.engine.trunk
+            assert not trunk.draft_sharded                  # the CPU default: rank 0's whole copy
+            trunk.draft_sharded = True
             assert trunk.draft_sharded == (n > trunk._local.model.plan.vocab_shard)
-            assert (mesh.engine.drafters["mtp"].mesh is not None) == head
             out, acc, drafts = run(mesh, False)
             assert out == ar and drafts and max(drafts) < n
             assert (acc == 0) if n <= ALPHA_MIN else (acc > 0)

@@ -50,21 +50,39 @@ def test_policy_coerce():
 
 # ---- the route selector -------------------------------------------------------------------------
 
+BOTH, NGRAM = ("mtp", "ngram"), ("ngram",)      # the drafters a model has built
+
+
 def test_select_route():
     g = SamplingParams()
-    assert select_route(SpecPolicy("off"), True, g) == ("ar", "speculation off by policy")
-    r, why = select_route(SpecPolicy("auto", 4), True, g)                # measured cycle by cycle
-    assert r == "auto" and "k<=4" in why and "MTP" in why
-    r, why = select_route(SpecPolicy("auto"), False, g)
-    assert r == "auto" and "no MTP head" in why
-    r, why = select_route(SpecPolicy("auto"), True, SamplingParams(max_tokens=1))
+    assert select_route(SpecPolicy("off"), BOTH, g) == ("ar", "speculation off by policy")
+    r, why = select_route(SpecPolicy("auto", 4), BOTH, g)                # measured cycle by cycle
+    assert r == "auto" and "k<=4" in why and "MTP and n-gram" in why
+    r, why = select_route(SpecPolicy("auto"), NGRAM, g)
+    assert r == "auto" and "n-gram (no MTP head loaded)" in why
+    r, why = select_route(SpecPolicy("auto"), BOTH, SamplingParams(max_tokens=1))
     assert r == "ar" and "single token" in why
-    assert select_route(SpecPolicy("auto"), True, SamplingParams(temperature=0.8))[0] == "auto"
-    assert select_route(SpecPolicy("ngram"), False, g)[0] == "ngram"
-    with pytest.raises(SpecfireError, match="no MTP head"):
-        select_route(SpecPolicy("mtp"), False, g)
-    r, why = select_route(SpecPolicy("auto"), True, g, "tp2")    # the topology labels the reason only
+    assert select_route(SpecPolicy("auto"), BOTH, SamplingParams(temperature=0.8))[0] == "auto"
+    assert select_route(SpecPolicy("ngram"), NGRAM, g) == ("ngram", "n-gram prompt lookup requested (k=3, single)")
+    assert select_route(SpecPolicy("mtp", 2), BOTH, g) == ("mtp", "MTP head requested (k=2, single)")
+    with pytest.raises(SpecfireError, match="spec mode 'mtp' requested but no MTP head is loaded"):
+        select_route(SpecPolicy("mtp"), NGRAM, g)
+    r, why = select_route(SpecPolicy("auto"), BOTH, g, "tp2")    # the topology labels the reason only
     assert r == "auto" and "tp2" in why
+
+
+def test_every_drafting_spec_mode_is_a_registered_drafter(ckpt_cache):
+    """The SpecPolicy modes past off / auto are exactly the registry's routes, in auto's order, and
+    the engine's drafters are the registry's, each under its own name."""
+    from specfire.config import SPEC_MODES
+    from specfire.runtime.drafters import KINDS, DraftSource, make_drafters
+
+    assert SPEC_MODES == ("off", "auto") + tuple(k.name for k in KINDS)
+    assert [k.name for k in KINDS] == ["mtp", "ngram"]
+    assert list(make_drafters(DraftSource(None, None, torch.float32, (2, 3)))) == ["ngram"]   # no head: no MTP
+    with LLM(ckpt(ckpt_cache, "base"), device="cpu", progress=False) as llm:
+        assert list(llm.engine.drafters) == ["mtp", "ngram"]
+        assert all(d.name == r for r, d in llm.engine.drafters.items())
 
 
 # ---- what LLM(spec=...) loads -------------------------------------------------------------------
@@ -169,3 +187,18 @@ def test_mtp_path_given_explicitly(ckpt_cache, tmp_path):
     save_file(bad, str(tmp_path / "bad.safetensors"))
     with pytest.raises(CheckpointError, match=r"mtp\.fc\.weight"):
         LLM(nohead, device="cpu", spec="mtp", mtp_path=str(tmp_path / "bad.safetensors"), progress=False)
+
+
+def test_a_route_plan_goes_with_its_request(ckpt_cache):
+    """LLM.plan_route decides once; stream(plan=) serves that decision (its params and spec by
+    default) and refuses it for other params."""
+    with LLM(ckpt(ckpt_cache, "base"), device="cpu", progress=False) as llm:
+        sp = SamplingParams(max_tokens=4)
+        plan = llm.plan_route(sp, {"mode": "ngram", "k": 2})
+        assert (plan.route, plan.reason) == llm.preview_route(sp, {"mode": "ngram", "k": 2})
+        res = list(llm.stream([1, 2, 3], plan=plan))[-1].result
+        assert res.stats["route"] == "ngram" and res.stats["route_reason"] == plan.reason
+        with pytest.raises(ValueError, match="plan: a route plan serves the spec policy and sampling params"):
+            list(llm.stream([1, 2, 3], SamplingParams(max_tokens=5), plan=plan))
+        with pytest.raises(ValueError, match="plan must be a RoutePlan"):
+            llm.stream([1, 2, 3], plan=("ngram", "why"))

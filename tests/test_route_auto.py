@@ -140,6 +140,7 @@ class Forced:
     def __init__(self, schedule):
         self.schedule, self.i = schedule, 0
         self.current = schedule[0]
+        self.acc = {}                    # no acceptance to carry over
 
     def decide(self) -> Decision:
         return Decision(*self.schedule[self.i % len(self.schedule)])

@@ -304,3 +304,28 @@ def test_in_process_app_without_mtp_head(tmp_path):
                                              "speculation": "auto"})
         assert r.status_code == 200 and r.json()["timings"]["route"] == "ar"
         assert tc.get("/v1/models").json()["data"][0]["id"] == "nomtp"  # no API key: open
+
+
+def test_a_request_is_routed_once(tmp_path, monkeypatch):
+    """The route is decided when the request is checked and handed to the engine with it: one
+    call of the route selector per request (streamed or not), and the stats carry that decision."""
+    from fastapi.testclient import TestClient
+
+    from specfire import LLM
+    from specfire.runtime import engine
+    from specfire.serve.http import build_app
+
+    calls = []
+    real = engine.select_route
+    monkeypatch.setattr(engine, "select_route", lambda *a, **kw: calls.append(a[0]) or real(*a, **kw))
+    path = make_tok_checkpoint(str(tmp_path / "routed"), seed=2)
+    with LLM(path, progress=False) as llm, TestClient(build_app(llm, "routed")) as tc:
+        for body in ({"prompt": "hi", "max_tokens": 4, "temperature": 0, "speculation": {"mode": "mtp", "k": 2}},
+                     {"prompt": "hi", "max_tokens": 4, "temperature": 0, "stream": True, "speculation": "ngram"}):
+            calls.clear()
+            r = tc.post("/v1/completions", json=body)
+            assert r.status_code == 200 and len(calls) == 1, (body, calls)
+        calls.clear()
+        r = tc.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 0,
+                                             "speculation": {"mode": "mtp", "k": 2}})
+        assert r.json()["timings"]["route"] == "mtp" and len(calls) == 1

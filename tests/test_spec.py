@@ -13,6 +13,7 @@ import torch
 
 import specfit
 from specfire import LLM, SamplingParams, SpecPolicy
+from specfire.runtime.drafters import HostDrafter
 from ckpts import tiny
 from tinymodels import CONFIGS
 
@@ -37,7 +38,7 @@ def random_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, vocab - 1, (L,), generator=g).tolist() for L in lens]
 
 
-class Scripted:
+class Scripted(HostDrafter):
     """A drafter that proposes the known AR continuation `ref` (token i at position plen + i),
     right for the first `right` drafts of every cycle and wrong after that."""
 
@@ -49,7 +50,7 @@ class Scripted:
     def begin(self, prompt, hidden) -> None:
         assert prompt.shape[0] == self.plen
 
-    def propose(self, last, pos, k, sp, gen):
+    def propose(self, last, pos, k, sp, gen, pen=None):
         out = []
         for j in range(k):
             i = pos + 1 + j - self.plen

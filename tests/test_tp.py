@@ -316,8 +316,12 @@ class TestMeshOfTwo:
         assert not trunk.draft_sharded                    # the CPU default: rank 0's whole copy
         h = torch.randn(4, one.cfg.hidden_size, generator=torch.Generator().manual_seed(12))
         h[3] = 0.0                                        # every logit ties: the first index wins
-        trunk.draft_rounds(4, 1, 0)                       # the other rank's side of 4 picks
-        got = torch.cat([trunk.shard_argmax(h[i:i + 1]) for i in range(4)])
+        trunk.draft_sharded = True
+        try:
+            trunk.draft_rounds(4, 1, 0)                   # the other rank's side of 4 picks
+            got = torch.cat([trunk.draft_pick(h[i:i + 1]) for i in range(4)])
+        finally:
+            trunk.draft_sharded = False
         with lanes.invariant():
             whole = ref.lm_logits(h)                      # the whole lm_head, paneled like the shards
         assert got.tolist() == whole.argmax(-1).tolist() and got[3] == 0
@@ -382,6 +386,33 @@ class TestMeshOfTwo:
         assert [x for x, _ in queued] == [x for x, _ in eager] == [x for x, _ in queued_mesh]
         used = sum(u for _, u in queued)
         assert used >= len(queued) // 2 and used == sum(u for _, u in queued_mesh) and not any(u for _, u in eager)
+
+    def test_mesh_trunk_is_read_only_through_the_protocol(self, base):
+        """The MTP drafter over the mesh trunk (sharded picks, the chain in emulated graphs, greedy
+        with and without penalties, sampled) reads only `Trunk` members of it."""
+        from test_protocols import Recorder, members
+
+        from specfire.runtime.graphs import DraftGraphs
+        from specfire.runtime.trunk import Trunk
+
+        one, mesh = base
+        d = mesh.engine.drafters["mtp"]
+        real = d.trunk
+        ids = prompt(one.cfg.vocab_size, 16, seed=15)
+        d.trunk = rec = Recorder(real)
+        d.graphs = DraftGraphs(d._chain_for, d.head.fc.weight.device, emulate=True)
+        real.draft_sharded = True
+        try:
+            for sp in (SamplingParams(max_tokens=10), SamplingParams(max_tokens=10, frequency_penalty=0.5),
+                       SamplingParams(max_tokens=10, temperature=0.8, seed=2)):
+                r = mesh.generate(ids, sp, spec=SpecPolicy("mtp", k=3))
+                if sp.greedy:
+                    assert r.token_ids == one.generate(ids, sp, spec="off").token_ids
+        finally:
+            real.draft_sharded = False
+            d.trunk, d.graphs = real, None
+        assert rec.seen - members(Trunk) == set()
+        assert {"draft_pick", "draft_rounds", "draft_sharded"} <= rec.seen
 
     def test_state_isolation_across_requests(self, base):
         one, mesh = base

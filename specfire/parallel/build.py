@@ -18,8 +18,6 @@ from ..errors import CheckpointError, MeshError, SpecfireError
 from ..model import loader
 from ..runtime.build import BuiltTrunk, EngineOptions
 from . import comm as comm_mod
-from .draft import draft_mode
-from .mtp import head_mode, wanted as mtp_wanted
 from .launch import (START_TIMEOUT_S, LocalWorker, MeshSpec, kill_workers, mesh_timeout, placement,
                      start_local_workers, worker_errors)
 from .lifecycle import Mesh
@@ -51,8 +49,6 @@ def mesh_trunk(opts: EngineOptions) -> BuiltTrunk:
     until it closes, then exits the process."""
     tp = opts.tp
     check_degree(opts.cfg, tp)
-    draft_mode()                              # a bad SPECFIRE_TP_DRAFT is refused before any process starts
-    head_mode()                               # and a bad SPECFIRE_TP_MTP
     if any(not m.closed for m in _open_meshes):
         raise SpecfireError("a tensor-parallel LLM is already open in this process; close it first")
     timeout_s = mesh_timeout()
@@ -66,13 +62,9 @@ def mesh_trunk(opts: EngineOptions) -> BuiltTrunk:
     dev = opts.device
     base = (dev.index or 0) - (place.local_rank if place.joined else 0) if dev.type == "cuda" else 0
     threads = None if place.joined or dev.type != "cpu" else max(1, (os.cpu_count() or 1) // tp)
-    # every rank holds a shard of the MTP head where its chain runs over the mesh (parallel/mtp.py)
-    sharded_head = (opts.want_mtp != "never" and mtp_wanted(dev.type, opts.cuda_graphs)
-                    and loader.mtp_source(opts.path, src, opts.mtp_path) is not None)
     spec = MeshSpec(path=opts.path, cfg=cfg, tp=tp, dtype=opts.dtype, device_type=dev.type,
                     device_base=max(0, base), max_seq=opts.max_seq_len, kv_dtype=opts.kv_dtype,
-                    timeout_s=timeout_s, threads=threads, cuda_graphs=opts.cuda_graphs,
-                    mtp_head=sharded_head, mtp_path=opts.mtp_path, draft_vocab=opts.draft_vocab)
+                    timeout_s=timeout_s, threads=threads, cuda_graphs=opts.cuda_graphs, draft_vocab=opts.draft_vocab)
     my_device = spec.device(place.local_rank)
     if place.joined and place.rank != 0:
         comm, created = comm_mod.init(place.rank, tp, my_device, timeout_s, None, START_TIMEOUT_S)

@@ -26,10 +26,11 @@ from typing import Any
 import torch
 
 from ..errors import MeshError
-from ..runtime.trunk import TRUNK_METHODS, LocalTrunk
+from ..runtime.trunk import LocalTrunk
 from .comm import Comm
 
-CALLS = tuple(m for m in TRUNK_METHODS if m != "close")   # every rank runs these on its shard
+# the Trunk methods every rank runs on its shard when rank 0 calls them (the rest run on rank 0 alone)
+CALLS = ("begin", "prefill", "verify", "commit", "score", "embed", "lm_logits")
 RANK_STATS, RANK_TIME, DRAFT, CLOSE = "rank_stats", "rank_time", "draft_argmax", "close"
 STAT_NAMES = CALLS + ("verify_rows", "max_verify_rows")
 

@@ -25,26 +25,11 @@ pair of their own (comm.Comm.draft_coll), so they never share a buffer with the 
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..errors import MeshError
 from ..ops import lanes
 from ..ops.linear import linear_prefix
-
-
-MODES = ("shard", "whole")
-
-
-def draft_mode() -> str | None:
-    """SPECFIRE_TP_DRAFT: "shard" (every rank scores its vocabulary rows), "whole" (rank 0 scores
-    its whole copy), unset: shard where the mesh replays CUDA graphs, whole on the CPU (a gloo round
-    trip costs more there than the whole small lm_head: docs/PERFORMANCE.md)."""
-    v = os.environ.get("SPECFIRE_TP_DRAFT", "")
-    if v and v not in MODES:
-        raise ValueError(f"SPECFIRE_TP_DRAFT={v!r}: allowed values are {', '.join(MODES)} (or unset)")
-    return v or None
 
 
 def local_best(logits: torch.Tensor, v0: int) -> torch.Tensor:
@@ -71,7 +56,7 @@ def pick(pairs: torch.Tensor) -> torch.Tensor:
 def draft_end(model) -> int:
     """One past the last token id the draft scores: the draft vocabulary (the first N ids, loaded
     with draft_vocab=N: `model.draft_vocab`), else the whole vocabulary."""
-    n = getattr(model, "draft_vocab", None)
+    n = model.draft_vocab
     return model.cfg.vocab_size if n is None else n
 
 
@@ -101,27 +86,10 @@ def shard_argmax(model, coll, h: torch.Tensor | None) -> torch.Tensor:
     return pick(coll.all_gather(local_best(local_logits(model, x), model.plan.vocab[0])))
 
 
-def shard_pick(model, coll, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`shard_argmax` for a row h [1, H] every rank already holds (the sharded MTP head's output,
-    parallel/mtp.py): no collective to share it, and the all-gather of the (value, index) pairs
-    carries each rank's candidate embedding row too, so every rank gets (token [1], its embedding
-    [1, H]) from one collective."""
-    cfg = model.cfg
-    emb = model.embed_tokens.weight
-    v0 = model.plan.vocab[0]
-    best = local_best(local_logits(model, h.reshape(1, cfg.hidden_size).to(emb.dtype)), v0)    # [2]
-    i = (best[1:] - v0).to(torch.int64).clamp(0, emb.shape[0] - 1)
-    pairs = coll.all_gather(torch.cat([best, emb.index_select(0, i).view(-1).to(torch.float32)]))
-    v = pairs[:, 0]
-    r = ((v == v.max()) | v.isnan()).to(torch.int32).argmax().view(1)        # the first such rank
-    won = pairs.index_select(0, r)                                            # [1, 2 + H]
-    return won[:, 1].to(torch.int64), won[:, 2:].to(emb.dtype)
-
-
-def coll_bytes(hidden: int, tp: int, rows: int) -> int:
-    """The draft collectives' buffer: a sharded MTP chain's input packet (2 x rows x hidden + 2),
-    its trees (rows x hidden) and picks (tp x (hidden + 2)), float32."""
-    return 4 * max(2 * rows * hidden + 2, tp * (hidden + 2))
+def coll_bytes(hidden: int, tp: int) -> int:
+    """The draft collectives' buffer: a pick's shared row (hidden) and its gathered (value, index)
+    pairs (tp x 2), float32."""
+    return 4 * max(hidden, 2 * tp)
 
 
 class WorkerDraft:
@@ -130,44 +98,26 @@ class WorkerDraft:
 
     def __init__(self, model, coll):
         self.model, self.coll = model, coll
-        self.mesh = getattr(model, "mtp_mesh", None)      # this rank's MTP head shard (parallel/mtp.py)
-        self.graphs: dict = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
 
-    def _rounds(self, k: int, chain: tuple | None) -> None:
-        if chain is not None:                           # (m, sampled, feed): the sharded head's chain
-            m, sampled, feed = chain
-            self.mesh.chain(k, feed, m, sampled=sampled)
-            return
+    def _rounds(self, k: int) -> None:
         for _ in range(k):
             shard_argmax(self.model, self.coll, None)
 
     @torch.inference_mode()
-    def run(self, k, eager: int = 0, replays: int = 0, *chain) -> None:
+    def run(self, k: int, eager: int = 0, replays: int = 0) -> None:
         """`eager` chains run eagerly, then `replays` replays of the k-pick graph (rank 0 runs as
-        many: its chain eagerly, or its capture's warm-ups and replays). `chain` (m, sampled, feed):
-        the sharded MTP head's whole chain over m pending rows, not only its picks. k == PREFILL:
-        the head's prefill-mode call over `eager` rows at position `replays`."""
-        from .mtp import PREFILL
-
-        if k == PREFILL:
-            if self.mesh is None:
-                raise MeshError("rank 0 runs the sharded MTP head, but this rank has no shard of it")
-            self.mesh.prefill(None, None, eager, replays)
-            return
-        chain = tuple(chain) or None
-        if chain is not None and self.mesh is None:
-            raise MeshError("rank 0 runs the sharded MTP head, but this rank has no shard of it")
-        key = (k, chain)
+        many: its chain eagerly, or its capture's warm-ups and replays)."""
         for _ in range(eager):
-            self._rounds(k, chain)
+            self._rounds(k)
         if replays <= 0:
             return
         if not torch.cuda.is_available() or self.model.embed_tokens.weight.device.type != "cuda":
             for _ in range(replays):            # rank 0 emulates its graphs (CPU tests): run them eagerly
-                self._rounds(k, chain)
+                self._rounds(k)
             return
-        g = self.graphs.get(key)
+        g = self.graphs.get(k)
         if g is None:
             if eager == 0:
                 raise MeshError(f"rank 0 replays a sharded draft chain of {k} picks this rank never ran")
@@ -175,7 +125,7 @@ class WorkerDraft:
                 self.pool = torch.cuda.graph_pool_handle()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                self._rounds(k, chain)
-            self.graphs[key] = g
+                self._rounds(k)
+            self.graphs[k] = g
         for _ in range(replays):
             g.replay()

@@ -55,8 +55,6 @@ class MeshSpec:
     timeout_s: float
     threads: int | None           # CPU threads per rank; None = leave as is
     cuda_graphs: bool | None = None   # the rows forward in CUDA graphs (None: where the kernels serve)
-    mtp_head: bool = False        # every rank loads its shard of the MTP head (parallel/mtp.py)
-    mtp_path: str | None = None   # the head's sidecar, when not in or beside the checkpoint
     draft_vocab: int | None = None    # the MTP drafter scores token ids 0..N-1 only (parallel/draft.py)
 
     def device(self, local_rank: int) -> torch.device:

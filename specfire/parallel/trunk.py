@@ -19,7 +19,7 @@ from ..errors import MeshError
 from ..ops.linear import linear_prefix
 from ..runtime.trunk import LocalTrunk, Rows
 from .control import DRAFT, RANK_STATS, RANK_TIME, STAT_NAMES, Call, RankExecutor, SharedIds
-from .draft import draft_mode, shard_argmax
+from .draft import shard_argmax
 from .lifecycle import Mesh
 
 
@@ -44,16 +44,27 @@ class MeshTrunk:
         self.draft_vocab = check_draft_vocab(draft_vocab, self.cfg.vocab_size)   # every rank's model has it too
         self._commits: list = []                # run on rank 0, sent with the next call (commits, draft chains)
         self._finalizer = weakref.finalize(self, mesh.shutdown)
-        mode = draft_mode()
-        # the greedy MTP draft chain scores its picks on every rank (parallel/draft.py); set before
-        # the first draft (rank 0's captured draft graphs keep what they captured)
-        self.draft_sharded = mesh.comm.draft_coll is not None and (
-            mode == "shard" or (mode is None and trunk.graphs_enabled))
-        if drafter_vocab is not None and self.draft_vocab is not None and self.draft_vocab <= trunk.model.plan.vocab_shard:
-            # a draft vocabulary inside rank 0's shard: rank 0 scores it alone from its whole copy
-            # (rows 0..N-1), with no pick collective and nothing for the other ranks to do
-            self.draft_sharded = False
-        self.mtp_mesh = getattr(trunk.model, "mtp_mesh", None)   # the sharded MTP head (parallel/mtp.py), or None
+        self._draft_sharded = False
+        self.draft_sharded = trunk.graphs_enabled   # sharded picks where the ranks replay graphs (docs/BENCHMARKS.md)
+
+    embed_weight = None       # the drafter's embedding goes through `embed` (the fused chain steps are one device's)
+
+    @property
+    def draft_sharded(self) -> bool:
+        """The greedy MTP draft's picks are scored on every rank (`draft_pick`, parallel/draft.py):
+        the default where the ranks replay CUDA graphs; rank 0's whole copy on the CPU (a gloo
+        round trip costs more than its small lm_head there)."""
+        return self._draft_sharded
+
+    @draft_sharded.setter
+    def draft_sharded(self, on: bool) -> None:
+        """Asked for (before a draft: rank 0's captured draft graphs keep the mode they captured),
+        the picks are sharded where the ranks have the draft collectives and the draft vocabulary
+        does not fit in rank 0's shard (then rank 0 scores rows 0..N-1 of its whole copy, with no
+        pick collective and nothing for the other ranks to do)."""
+        inside = (self._drafter_vocab is not None and self.draft_vocab is not None
+                  and self.draft_vocab <= self._local.model.plan.vocab_shard)
+        self._draft_sharded = bool(on) and self._mesh.comm.draft_coll is not None and not inside
 
     @property
     def graphs_enabled(self) -> bool:
@@ -102,19 +113,21 @@ class MeshTrunk:
         except Exception as e:
             raise self._mesh.fail(e) from None
 
-    def draft_rounds(self, k, eager: int, replays: int, now: bool = False, chain: tuple = ()) -> None:
-        """Before rank 0 runs a sharded greedy draft chain of k picks (`shard_argmax` k times): the
+    def draft_rounds(self, k: int, eager: int, replays: int, now: bool = False) -> None:
+        """Before rank 0 runs a sharded greedy draft chain of k picks (`draft_pick` k times): the
         other ranks run their side as often, `eager` chains then `replays` replays of their graph.
         Eager work must start now (rank 0 waits on it); a replay alone rides in the next header
-        (`now`: sent at once, e.g. for a probe that replays rank 0's graph by itself). `chain`:
-        (m, sampled, feed) of the sharded MTP head's chain (parallel/mtp.py)."""
+        (`now`: sent at once, e.g. for a probe that replays rank 0's graph by itself)."""
         if eager or now or self.device.type != "cuda":     # an emulated (CPU) replay runs at once
-            self._send(DRAFT, k, eager, replays, *chain)
+            self._send(DRAFT, k, eager, replays)
         else:
-            self._commits.append((DRAFT, k, 0, replays, *chain))
+            self._commits.append((DRAFT, k, 0, replays))
 
-    def shard_argmax(self, h: torch.Tensor) -> torch.Tensor:
-        """Rank 0's side of one sharded greedy pick: the token [1] of argmax(h @ lm_head^T)."""
+    def draft_pick(self, h: torch.Tensor) -> torch.Tensor:
+        """Rank 0's side of one greedy draft pick: the token [1] of argmax(h @ lm_head^T), scored
+        by every rank on its vocabulary rows when `draft_sharded`, else over rank 0's logits."""
+        if not self.draft_sharded:
+            return self.lm_logits(h).argmax(-1)
         return shard_argmax(self._local.model, self._mesh.comm.draft_coll, h)
 
     def commit(self, n: int) -> None:
@@ -143,6 +156,10 @@ class MeshTrunk:
             return linear_prefix(h, self._drafter_vocab[1], self.draft_vocab, rows=True).float()
         full = self.mesh_lm_logits(h)
         return full if self.draft_vocab is None else full[:, :self.draft_vocab]
+
+    def lm_scores(self, h: torch.Tensor) -> torch.Tensor:
+        """lm_logits (rank 0 scores in float32; the argmax is the pick either way)."""
+        return self.lm_logits(h)
 
     def mesh_embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The vocab-parallel embedding across the mesh (masked lookup + all-reduce)."""

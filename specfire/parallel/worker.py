@@ -21,7 +21,6 @@ from .control import serve
 from .draft import coll_bytes
 from .launch import START_TIMEOUT_S, MeshSpec
 from .model import ShardedQwen35
-from .mtp import load_head
 from .shard import ShardPlan
 
 ROWS_MAX = 16     # rows of a verify the captured collectives are sized for (k + 1 <= 11)
@@ -42,10 +41,7 @@ def load_shard(spec: MeshSpec, comm: Comm) -> LocalTrunk:
         # the rows forward's collectives: symmetric memory (capturable) on CUDA, the same code over
         # gloo on the CPU; sized for ROWS_MAX rows of logits or hidden per rank
         h, vs = spec.cfg.hidden_size, plan.vocab_shard
-        comm.enable_graphs(4 * ROWS_MAX * spec.tp * max(vs, h), draft_bytes=coll_bytes(h, spec.tp, ROWS_MAX))
-    if spec.mtp_head:         # this rank's shard of the MTP head (None where the chain has no collectives)
-        model.mtp_mesh = load_head(src, spec.path, spec.cfg, plan, model, spec.dtype, comm.device, spec.max_seq,
-                                   spec.kv_dtype, spec.mtp_path)
+        comm.enable_graphs(4 * ROWS_MAX * spec.tp * max(vs, h), draft_bytes=coll_bytes(h, spec.tp))
     return trunk
 
 

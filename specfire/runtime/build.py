@@ -1,8 +1,9 @@
 """One engine builder for every topology: plain options in, a ready Engine out.
 
 A trunk factory turns the options into a trunk (and the MTP head, by the load-time policy):
-`local_trunk` for one device, `parallel.build.mesh_trunk` for a tensor-parallel mesh. The builder
-then makes the drafters and hands everything to the Engine, so neither topology builds an engine.
+`local_trunk` for one device here; a tensor-parallel mesh's is `parallel/build.py mesh_trunk`,
+which the caller (api.py) passes in, so the runtime never imports the mesh. The builder then makes
+the drafters (drafters/registry.py) and hands everything to the Engine.
 """
 from __future__ import annotations
 
@@ -12,12 +13,11 @@ from typing import Callable
 import torch
 
 from ..config import ModelConfig, SpecPolicy
-from ..errors import SpecfireError
 from ..model import loader
 from ..model.qwen35 import MtpHead
 from ..ops import gdn_fla
 from ..tokenizer import Tokenizer
-from .drafters import Drafter, MtpDrafter, NgramDrafter
+from .drafters import DraftSource, MtpDrafter, make_drafters
 from .engine import Engine
 from .trunk import LocalTrunk, Trunk
 
@@ -43,7 +43,7 @@ class EngineOptions:
     @property
     def want_mtp(self) -> str:
         """'never' | 'must' | 'if_present': spec 'off' loads no head, 'mtp' requires one."""
-        return {"off": "never", "mtp": "must"}.get(self.spec.mode, "if_present")
+        return {"off": "never", MtpDrafter.name: "must"}.get(self.spec.mode, "if_present")
 
 
 @dataclass
@@ -69,29 +69,13 @@ def local_trunk(opts: EngineOptions) -> BuiltTrunk:
                       "single")
 
 
-def trunk_factory(opts: EngineOptions) -> TrunkFactory:
-    """The factory for `opts.tp`."""
-    if opts.tp == 1:
-        return local_trunk
-    try:
-        from ..parallel.build import mesh_trunk
-    except ModuleNotFoundError as e:
-        if not (e.name or "").startswith(f"{__package__.rsplit('.', 1)[0]}.parallel"):
-            raise
-        raise SpecfireError(f"tp={opts.tp} needs the tensor-parallel mesh (specfire.parallel), which this "
-                            f"build does not have; use tp=1") from None
-    return mesh_trunk
-
-
 def build_engine(opts: EngineOptions, tokenizer: Tokenizer | None, eos_ids: set[int],
-                 factory: TrunkFactory | None = None) -> Engine:
-    """The Engine over the trunk `factory` builds (by default the one for `opts.tp`), with the
-    n-gram drafter and, when the head was loaded, the MTP drafter."""
-    built = (factory or trunk_factory(opts))(opts)
+                 factory: TrunkFactory = local_trunk) -> Engine:
+    """The Engine over the trunk `factory` builds, with every drafter the registry makes over it
+    (the n-gram drafter always, the MTP drafter when the head was loaded)."""
+    built = factory(opts)
     try:
-        drafters: dict[str, Drafter] = {"ngram": NgramDrafter(*opts.ngram)}
-        if built.mtp_head is not None:
-            drafters["mtp"] = MtpDrafter(built.mtp_head, built.trunk, opts.kv_dtype)
+        drafters = make_drafters(DraftSource(built.trunk, built.mtp_head, opts.kv_dtype, opts.ngram))
         return Engine(built.trunk, tokenizer, eos_ids, drafters, topology=built.topology)
     except BaseException:
         built.trunk.close()     # a mesh's processes never outlive a failed build

@@ -9,10 +9,10 @@ import torch
 
 from ..config import SamplingParams, SpecPolicy
 from ..tokenizer import Tokenizer
-from .drafters import Drafter
+from .drafters import BY_NAME, KINDS, Drafter, MtpDrafter, drafting_routes
 from .output import OutputBuilder
 from .prefix import PrefixCache
-from .route import Acceptance, CostTable, Decision, RouteController, select_route
+from .route import Acceptance, Controller, CostTable, Decision, RouteController, RoutePlan, select_route
 from .sampling import penalize, pick
 from .spec import Launched, OnCycle, SpecStats, StepBuffers, finish, launch
 from .trunk import Trunk
@@ -45,7 +45,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.topology = topology                # a label in route reasons; every topology serves every drafter
-        self.drafters = drafters                # route name -> drafter ("mtp", "ngram")
+        self.drafters = drafters                # route name -> drafter (drafters/registry.py)
         self.prefix: PrefixCache | None = None  # multi-turn prefix reuse (single device; off by default)
         self.bufs = StepBuffers(trunk.device, graphs=trunk.graphs_enabled)   # reused by every request
         self.costs = CostTable()                # measured cycle times on this engine, for `auto`
@@ -53,22 +53,24 @@ class Engine:
 
     @property
     def mtp_loaded(self) -> bool:
-        return "mtp" in self.drafters
+        return MtpDrafter.name in self.drafters
 
     @property
     def max_seq(self) -> int:
         """Prompt plus generated tokens must fit in this many positions."""
         return self.trunk.max_seq
 
-    def route(self, policy: SpecPolicy, sp: SamplingParams) -> tuple[str, str]:
-        """(route, reason) a request would take; raises SpecfireError for a mode it cannot serve."""
-        route, reason = select_route(policy, self.mtp_loaded, sp, self.topology)
+    def route(self, policy: SpecPolicy, sp: SamplingParams) -> RoutePlan:
+        """The route a request takes and why; raises SpecfireError for a mode it cannot serve."""
+        route, reason = select_route(policy, self.drafters, sp, self.topology)
         n = self.trunk.draft_vocab
-        if n is not None and self.mtp_loaded and route in ("mtp", "auto"):
-            reason += f"; MTP drafts from token ids 0..{n - 1} of {self.trunk.cfg.vocab_size} (draft_vocab={n})"
+        for kind in KINDS:
+            if n is not None and kind.draft_vocab and kind.name in self.drafters and route in (kind.name, "auto"):
+                reason += (f"; {kind.short} drafts from token ids 0..{n - 1} of {self.trunk.cfg.vocab_size} "
+                           f"(draft_vocab={n})")
         if sp.penalized:
             reason += f"; {self.penalty_note(sp, route)}"
-        return route, reason
+        return RoutePlan(route, reason, policy, sp)
 
     def penalty_note(self, sp: SamplingParams, route: str = "auto") -> str:
         """How a penalised request on `route` is served (the route reason and the `penalties` stat
@@ -76,25 +78,23 @@ class Engine:
         if route == "ar":
             return f"penalties {sp.penalty_text()} on every step"
         note = f"penalties {sp.penalty_text()} on every verify row"
-        mtp = self.drafters.get("mtp")
-        if route in ("mtp", "auto") and mtp is not None:
-            aware = getattr(mtp, "penalises", lambda sp: False)(sp)
-            note += "; MTP drafts are picked penalised too" if aware else "; MTP drafts are not penalised"
-        if route in ("ngram", "auto"):
-            note += "; n-gram drafts are not penalised"
+        for r, d in self.drafters.items():
+            if r in BY_NAME and route in (r, "auto"):
+                short = BY_NAME[r].short
+                note += f"; {short} drafts are picked penalised too" if d.penalises(sp) else f"; {short} drafts are not penalised"
         if not sp.greedy and self.bufs.graphs is not None:
             note += "; the sampled accept runs eagerly, not from its CUDA graph"
         return note
 
     def controller(self, route: str, policy: SpecPolicy, sp: SamplingParams) -> RouteController:
         """`auto`: measured choices among AR and the loaded drafters; otherwise the route as asked.
-        A seeded sampled request gets a fixed route (MTP when loaded, else AR): which route draws the
-        random numbers changes the samples, and a seed must reproduce its output."""
+        A seeded sampled request gets a fixed route (the registry's seeded drafter when loaded, else
+        AR): which route draws the random numbers changes the samples, and a seed must reproduce
+        its output."""
         if route == "auto" and not sp.greedy and sp.seed is not None:
-            route = "mtp" if "mtp" in self.drafters else "ar"
+            route = next((k.name for k in KINDS if k.seeded and k.name in self.drafters), "ar")
         if route == "auto":
-            return RouteController(policy.k, tuple(r for r in ("mtp", "ngram") if r in self.drafters), self.costs,
-                                   prior=self.accept_prior)
+            return RouteController(policy.k, drafting_routes(self.drafters), self.costs, prior=self.accept_prior)
         fixed = (route, 0 if route == "ar" else policy.k)
         return RouteController(policy.k, () if route == "ar" else (route,), self.costs, fixed=fixed)
 
@@ -112,10 +112,12 @@ class Engine:
                              f"(room for at least one generated token is needed)")
 
     def stream(self, ids: list[int], sp: SamplingParams, policy: SpecPolicy, on_cycle: OnCycle | None = None,
-               drafter: Drafter | None = None, controller: RouteController | None = None) -> Iterator[StreamChunk]:
+               drafter: Drafter | None = None, controller: Controller | None = None,
+               plan: RoutePlan | None = None) -> Iterator[StreamChunk]:
         """Generate from `ids`. `on_cycle(k, n, emitted)` is called after every step; `drafter`,
         when given, serves the request instead of the routed one (tests script drafts with it);
-        `controller` (decide / observe / candidates / reason), when given, replaces the route's.
+        `controller` (the `Controller` protocol), when given, replaces the route's;
+        `plan`: the route already decided for this policy and these params (`route`), else decided here.
 
         The device stays busy: the next step is queued before the host turns this step's tokens
         into text, and an AR step is queued before the one before it is read (its input token
@@ -126,7 +128,10 @@ class Engine:
             drafters = {drafter.name: drafter}
             route, reason = drafter.name, f"drafter {drafter.name!r} given by the caller (k={policy.k})"
         else:
-            route, reason = self.route(policy, sp)
+            if plan is None:
+                plan = self.route(policy, sp)
+            plan.check(policy, sp)
+            route, reason = plan.route, plan.reason
         ctl = controller or self.controller(route, policy, sp)
         fed = [drafters[r] for r in ctl.candidates if r in drafters]   # drafters that see every token
         trunk, bufs, dev = self.trunk, self.bufs, self.trunk.device
@@ -207,7 +212,7 @@ class Engine:
         penalties = self.penalty_note(sp, route) if sp.penalized else None
         if route == "auto":           # the choice auto settled on (AR while still measuring); `routes` has all
             (route, k), reason = ctl.current, ctl.reason or reason
-        for r, a in getattr(ctl, "acc", {}).items():
+        for r, a in ctl.acc.items():
             if a.cycles:
                 self.accept_prior[r] = a
         st = {

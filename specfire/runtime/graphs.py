@@ -20,7 +20,9 @@ from typing import Callable
 
 import torch
 
+from ..config import SamplingParams
 from ..model.qwen35 import Qwen35Trunk, SequenceState
+from .sampling import Penalties, sampling_key
 
 log = logging.getLogger("specfire")
 
@@ -175,8 +177,17 @@ class FnGraphs:
 Chain = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
+def penalty_key(pen: Penalties | None, sp: SamplingParams | None) -> tuple | None:
+    """What a captured penalty-aware greedy chain bakes in: the penalty values and the device
+    statistics it reads (fixed buffers, updated in place); None for a chain without penalties."""
+    if pen is None or sp is None or not sp.penalized:
+        return None
+    return (float(sp.repetition_penalty), float(sp.frequency_penalty), float(sp.presence_penalty),
+            pen.counts.data_ptr(), pen.prompt.data_ptr())
+
+
 class DraftGraphs:
-    """The MTP draft chain (`drafters.draft_chain`, the same function the eager path runs) as one
+    """The MTP draft chain (`drafters/chain.py draft_chain`, the same function the eager path runs) as one
     CUDA graph per (pending rows m, draft length k, sampling params): greedy, or sampled from a
     device random stream (runtime/rng.py) whose counter the replay advances. The position is a
     device tensor, as in RowsGraphs."""
@@ -207,9 +218,7 @@ class DraftGraphs:
         """The greedy chain(toks, hidden, pos tensor, n, k) -> drafts [k] over all of a verify's rows
         from row n ([1], on the device), replayed from a graph per (rows, k). `pen`, `pen_sp`: a
         penalised request's statistics and parameters; its graph is keyed by their values and
-        buffers (`drafters.penalty_key`) and reads the statistics in place at every replay."""
-        from .drafters import penalty_key
-
+        buffers (`penalty_key`) and reads the statistics in place at every replay."""
         pkey = penalty_key(pen, pen_sp)
         self.pos.fill_(pos0)
         key = (toks.shape[0], k, "after") if pkey is None else (toks.shape[0], k, "after", pkey)
@@ -223,9 +232,6 @@ class DraftGraphs:
               rng=None, pen=None, pen_sp=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(drafts [k], the distributions they were drawn from [k, V] or None when greedy) on the device.
         `pen`, `pen_sp` (greedy only): penalised picks, one graph per penalty key (as `draft_after`)."""
-        from .drafters import penalty_key
-        from .sampling import sampling_key
-
         skey = None if sp is None else sampling_key(sp)
         self.pos.fill_(pos0)
         if skey is None:

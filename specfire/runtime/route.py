@@ -10,30 +10,46 @@ cycle; sampled output keeps AR's distribution on every route.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Collection, Protocol
 
 from ..config import SamplingParams, SpecPolicy
 from ..errors import SpecfireError
+from .drafters.registry import BY_NAME, KINDS
 
-DRAFTING = ("mtp", "ngram")
+
+@dataclass(frozen=True)
+class RoutePlan:
+    """A request's route and its reason, decided once (`Engine.route`) for these policy and
+    sampling parameters, and handed with the request to the engine, which does not decide again."""
+
+    route: str
+    reason: str
+    policy: SpecPolicy
+    params: SamplingParams
+
+    def check(self, policy: SpecPolicy, sp: SamplingParams) -> None:
+        if policy != self.policy or sp != self.params:
+            raise ValueError("plan: a route plan serves the spec policy and sampling params it was decided for; "
+                             "these differ")
 
 
-def select_route(policy: SpecPolicy, mtp_loaded: bool, sp: SamplingParams,
+def select_route(policy: SpecPolicy, built: Collection[str], sp: SamplingParams,
                  topology: str = "single") -> tuple[str, str]:
-    """Return (route, reason) with route in {"ar", "mtp", "ngram", "auto"}; "auto" means the
-    RouteController decides cycle by cycle. An explicit `mtp` that cannot be served raises
-    SpecfireError (never a silent fallback); `topology` only labels the reason."""
+    """Return (route, reason) with route "ar", "auto" or a drafter's name (drafters/registry.py);
+    "auto" means the RouteController decides cycle by cycle. `built`: the drafters this model has.
+    An explicit mode whose drafter was not built raises SpecfireError (never a silent fallback);
+    `topology` only labels the reason."""
     if policy.mode == "off":
         return "ar", "speculation off by policy"
-    if policy.mode == "mtp":
-        if not mtp_loaded:
-            raise SpecfireError("spec mode 'mtp' requested but no MTP head is loaded (the checkpoint has no "
-                                "mtp.* tensors or the model was loaded with spec mode 'off')")
-        return "mtp", f"MTP head requested (k={policy.k}, {topology})"
-    if policy.mode == "ngram":
-        return "ngram", f"n-gram prompt lookup requested (k={policy.k}, {topology})"
+    kind = BY_NAME.get(policy.mode)
+    if kind is not None:
+        if kind.name not in built:
+            raise SpecfireError(f"spec mode {kind.name!r} requested but {kind.absent}")
+        return kind.name, f"{kind.what} requested (k={policy.k}, {topology})"
     if sp.max_tokens == 1:
         return "ar", "auto: a single token leaves nothing to speculate"
-    drafters = "MTP and n-gram" if mtp_loaded else "n-gram (no MTP head loaded)"
+    drafters = " and ".join(k.short for k in KINDS if k.name in built)
+    drafters += "".join(f" (no {k.what} loaded)" for k in KINDS if k.name not in built)
     return "auto", f"auto: AR or {drafters} measured per cycle (k<={policy.k}, {topology})"
 
 
@@ -116,13 +132,25 @@ class Decision:
     check: bool = False      # a measurement of a route that is not the current choice
 
 
+class Controller(Protocol):
+    """What the engine uses of a route controller (`RouteController`, or a test's scripted one)."""
+
+    candidates: tuple[str, ...]          # the drafting routes it may choose (their drafters see every token)
+    current: tuple[str, int]             # its settled (route, k), reported in the stats
+    reason: str
+    acc: dict[str, "Acceptance"]         # acceptance per route, carried to the engine's next requests
+
+    def decide(self) -> "Decision": ...
+    def observe(self, d: "Decision", k: int, n: int, seconds: float) -> None: ...
+
+
 @dataclass
 class RouteController:
     """Chooses (route, k) before every cycle and learns from every cycle (`observe`). With `fixed`
     it always answers that (the explicit modes) and only records costs and acceptance."""
 
     kmax: int
-    candidates: tuple[str, ...]                  # drafting routes available: "mtp", "ngram"
+    candidates: tuple[str, ...]                  # drafting routes available (drafters/registry.py order)
     costs: CostTable
     fixed: tuple[str, int] | None = None
     tuning: RouteTuning = field(default_factory=RouteTuning)

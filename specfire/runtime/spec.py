@@ -170,18 +170,14 @@ def launch(trunk: Trunk, drafter: Drafter | None, route: str, last: int, last_de
 
     `pen` (a request with penalties): the verify rows are penalised (`sampling.penalize`, row i
     with the counts of the output so far plus drafts 0..i-1) before either accept rule, and the
-    emitted tokens are counted on the device afterwards. A penalty-aware drafter (`penalty_aware`,
-    the MTP drafter) gets the statistics too and, for a greedy request, picks its drafts penalised
-    the same way; others ignore penalties (drafts only change what is accepted, never what is
-    emitted). The sampled accept then runs eagerly, not from its CUDA graph (the route reason
-    says so)."""
-    aware = pen is not None and getattr(drafter, "penalty_aware", False)
+    emitted tokens are counted on the device afterwards. The drafter gets the statistics too
+    (`propose`, `prepare`); one that `penalises(sp)` picks a greedy request's drafts penalised the
+    same way, the others ignore them (drafts only change what is accepted, never what is emitted).
+    The sampled accept then runs eagerly, not from its CUDA graph (the route reason says so)."""
     if drafter is None or k <= 0:
         draft, q = NO_DRAFT, None
-    elif aware:
-        draft, q = drafter.propose(last, pos, k, sp, gen, pen)
     else:
-        draft, q = drafter.propose(last, pos, k, sp, gen)
+        draft, q = drafter.propose(last, pos, k, sp, gen, pen)
     kk = draft.shape[0]
     ids = bufs.ids[:kk + 1]
     ids[:1].copy_(last_dev)
@@ -202,11 +198,8 @@ def launch(trunk: Trunk, drafter: Drafter | None, route: str, last: int, last_de
         if pen is not None:
             pen.add(targets, n)
         res, ev = bufs.send(torch.cat([n.view(1), targets]))
-        if kk and hasattr(drafter, "prepare"):    # the next chain drafts while the host reads this step
-            if aware:
-                drafter.prepare(rows.hidden, targets, n, pos, kk, pen=pen, sp=sp)
-            else:
-                drafter.prepare(rows.hidden, targets, n, pos, kk)
+        if kk:                                    # e.g. the next MTP chain drafts while the host reads this step
+            drafter.prepare(rows.hidden, targets, n, pos, kk, pen=pen, sp=sp)
         return Launched(route, kk, pos, rows.hidden, targets, res, ev)
     with torch.inference_mode():
         n, targets = bufs.accept(logits, ids[1:], q, sp, gen, graph=pen is None)

@@ -39,6 +39,8 @@ class Trunk(Protocol):
     device: torch.device          # where ids go in and logits / hidden rows come out
     graphs_enabled: bool          # verify replays CUDA graphs, so the MTP draft chain may too
     draft_vocab: int | None       # lm_logits scores token ids 0..draft_vocab-1 only (None: all)
+    embed_weight: torch.Tensor | None   # the table `embed` looks up, for the MTP head's fused steps (None: none)
+    draft_sharded: bool           # greedy draft picks are the trunk's own (`draft_pick`, every rank of a mesh)
 
     def begin(self) -> None: ...                                   # new sequence: reset state
     def prefill(self, ids: torch.Tensor, logits: str = "last") -> Rows: ...  # logits "last" | "all"; hidden of all
@@ -46,11 +48,11 @@ class Trunk(Protocol):
     def commit(self, n: int) -> None: ...                          # state := after row n of verify
     def score(self, ids: torch.Tensor) -> torch.Tensor: ...        # float32 logits [T, V]
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...        # for the MTP drafter
-    def lm_logits(self, h: torch.Tensor) -> torch.Tensor: ...      # for the MTP drafter: [R, draft_vocab or V]
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor: ...      # for the MTP drafter: float32 [R, draft_vocab or V]
+    def lm_scores(self, h: torch.Tensor) -> torch.Tensor: ...      # lm_logits for a greedy pick (any dtype: same argmax)
+    def draft_pick(self, h: torch.Tensor) -> torch.Tensor: ...     # the greedy draft token [1] of h [1, H]
+    def draft_rounds(self, k: int, eager: int, replays: int, now: bool = False) -> None: ...  # the other ranks' side
     def close(self) -> None: ...
-
-
-TRUNK_METHODS: tuple[str, ...] = tuple(n for n, v in vars(Trunk).items() if callable(v) and not n.startswith("_"))
 
 
 class LocalTrunk:
@@ -138,6 +140,14 @@ class LocalTrunk:
         """lm_logits in the lm_head product's own dtype, not widened to float32: for a greedy
         pick, whose argmax (first index of the maximum) is the same; one launch less."""
         return self.model.logits(h, rows=True, vocab=self.draft_vocab, widen=False)
+
+    draft_sharded = False         # one device: the drafter picks from lm_logits / lm_scores itself
+
+    def draft_pick(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_scores(h).argmax(-1)
+
+    def draft_rounds(self, k: int, eager: int, replays: int, now: bool = False) -> None:
+        """Nothing runs beside this device's chain."""
 
     def close(self) -> None:
         self.graphs = None

@@ -3,9 +3,7 @@ handlers.py, and the exception handlers that turn every failure into an OpenAI-s
 from __future__ import annotations
 
 import logging
-import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -13,10 +11,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from .guard import Access, AccessMiddleware, check_api_key
+from . import handlers
 from .chat_options import ChatOptions
-from .metrics import Metrics
+from .guard import Access, AccessMiddleware, check_api_key
 from .schema import RequestError
+from .state import ServeState, state_of
 from .transport import BODY_TIMEOUT_S, MAX_REQUEST_BYTES
 from .worker import EngineWorker
 
@@ -24,30 +23,6 @@ if TYPE_CHECKING:
     from ..api import LLM
 
 log = logging.getLogger("specfire")
-
-
-@dataclass
-class ServeState:
-    """Everything a handler needs; one per app, on `app.state.serve`."""
-
-    llm: "LLM"
-    model_name: str
-    api_key: str | None = None
-    max_request_bytes: int = MAX_REQUEST_BYTES
-    body_timeout: float = BODY_TIMEOUT_S
-    metrics: Metrics = field(init=False)
-    created: int = field(default_factory=lambda: int(time.time()))
-    worker: EngineWorker | None = None
-    # what a request leaves out: the serve flags over the model's generation_config.json values
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)
-    chat: ChatOptions = field(default_factory=ChatOptions)
-
-    def __post_init__(self) -> None:
-        self.metrics = Metrics(self.model_name)
-
-    def cancel_all(self) -> None:
-        if self.worker is not None:
-            self.worker.cancel_all()
 
 
 def build_app(llm: "LLM", model_name: str, api_key: str | None = None, close_llm: bool = False,
@@ -60,8 +35,6 @@ def build_app(llm: "LLM", model_name: str, api_key: str | None = None, close_llm
     out; they override the model's own defaults (`llm.generation_defaults`, from its
     generation_config.json), which override the built-in ones. `access`: the allowed origins and
     hosts (default: no foreign Origin, any Host). An empty `api_key` means none."""
-    from . import handlers
-
     if max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
     api_key = check_api_key(api_key)
@@ -96,10 +69,6 @@ def build_app(llm: "LLM", model_name: str, api_key: str | None = None, close_llm
     app.add_api_route("/v1/chat/completions", handlers.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", handlers.completions, methods=["POST"])
     return app
-
-
-def state_of(request: Request) -> ServeState:
-    return request.app.state.serve
 
 
 def error_response(request: Request, e: RequestError) -> JSONResponse:

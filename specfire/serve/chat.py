@@ -8,7 +8,6 @@ show the model."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 

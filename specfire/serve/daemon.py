@@ -272,14 +272,14 @@ class Daemon:
         sp = sampling_params(b, default_max_tokens=DEFAULT_MAX_TOKENS, default_temperature=0.0,
                              defaults=llm.generation_defaults.as_dict(), room=llm.max_model_len - len(ids))
         policy = spec_policy(b.speculation, llm.spec)
-        check_route(llm, sp, policy)
+        plan = check_route(llm, sp, policy)
 
         t0 = time.perf_counter()
         self.emit({"type": "gen_start", "id": mid, "attempt_id": attempt, "prompt_tokens": len(ids)})
         ttft = None
         res = None
         n = 0
-        stream = llm.stream(ids, sp, policy)
+        stream = llm.stream(ids, sp, policy, plan=plan)
         try:
             for chunk in stream:
                 if ttft is None and chunk.token_ids:

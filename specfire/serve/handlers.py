@@ -5,35 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from dataclasses import dataclass
-from typing import Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ..config import SamplingParams, SpecPolicy
 from . import relay
-from .app import ServeState, state_of
-from .assistant import AssistantOutput
 from .chat import prepare_chat
 from .metrics import CONTENT_TYPE
 from .schema import (ChatBody, CompletionBody, HttpBody, RequestError, check_route, encode, parse_object,
                      sampling_params, spec_policy, validate)
+from .state import ServeState, state_of
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
-
-
-@dataclass
-class Prepared:
-    """A request ready for the engine."""
-
-    ids: list[int]
-    params: SamplingParams
-    spec: SpecPolicy
-    chat: bool
-    stream: bool
-    include_usage: bool
-    assistant: Callable[[], AssistantOutput] | None = None   # chat: reasoning / tool-call parsing
 
 
 # ---- endpoints ------------------------------------------------------------------------------------
@@ -126,7 +109,7 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
     return b"".join(parts)
 
 
-def prepare(st: ServeState, raw: bytes, chat: bool) -> Prepared:
+def prepare(st: ServeState, raw: bytes, chat: bool) -> relay.Prepared:
     """Parse, validate, render and tokenize one request (runs in a worker thread)."""
     llm = st.llm
     body = parse_object(raw)
@@ -145,7 +128,8 @@ def prepare(st: ServeState, raw: bytes, chat: bool) -> Prepared:
     sp = sampling_params(b, default_max_tokens=default_max, defaults=st.sampling_defaults,
                          room=llm.max_model_len - len(ids))
     policy = spec_policy(b.speculation, llm.spec)
-    check_route(llm, sp, policy)
+    plan = check_route(llm, sp, policy)
     so = b.stream_options
-    return Prepared(ids, sp, policy, chat, bool(b.stream), bool(so is not None and so.include_usage), assistant)
+    return relay.Prepared(ids, sp, policy, chat, bool(b.stream), bool(so is not None and so.include_usage),
+                          plan, assistant)
 

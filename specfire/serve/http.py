@@ -26,7 +26,7 @@ from .chat_options import options_from as chat_options
 if TYPE_CHECKING:
     from ..api import LLM
 
-__all__ = ["add_arguments", "main", "build_app", "bind", "default_model_name"]
+__all__ = ["add_arguments", "main", "bind", "default_model_name"]
 
 SERVER_PACKAGES = ("fastapi", "uvicorn", "prometheus_client")
 

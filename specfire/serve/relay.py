@@ -10,18 +10,36 @@ import asyncio
 import json
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..config import SamplingParams, SpecPolicy
 from ..errors import SpecfireError
 from .schema import RequestError
 from .worker import CANCELLED, CHUNK, DONE, ERROR, Finished, Job
 
 if TYPE_CHECKING:
-    from .app import ServeState
-    from .handlers import Prepared
+    from ..runtime.route import RoutePlan
+    from .assistant import AssistantOutput
+    from .state import ServeState
+
+
+@dataclass
+class Prepared:
+    """A request ready for the engine (handlers.prepare makes it)."""
+
+    ids: list[int]
+    params: SamplingParams
+    spec: SpecPolicy
+    chat: bool
+    stream: bool
+    include_usage: bool
+    plan: "RoutePlan"        # the route, decided once (schema.check_route)
+    assistant: Callable[[], AssistantOutput] | None = None   # chat: reasoning / tool-call parsing
+
 
 Event = tuple[str, Any]
 SHUTTING_DOWN = "the request was cancelled: the server is shutting down"
@@ -73,7 +91,7 @@ class Relay:
                 pass
 
         assert st.worker is not None
-        self.job = st.worker.submit(Job(prep.ids, prep.params, prep.spec, on_event))
+        self.job = st.worker.submit(Job(prep.ids, prep.params, prep.spec, on_event, plan=prep.plan))
         self.watcher = asyncio.create_task(watch(request, self.job))
         self.rid = ("chatcmpl-" if prep.chat else "cmpl-") + uuid.uuid4().hex[:24]
 

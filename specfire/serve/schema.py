@@ -16,6 +16,7 @@ from ..errors import PromptError, SpecfireError
 
 if TYPE_CHECKING:
     from ..api import LLM
+    from ..runtime.route import RoutePlan
 
 MAX_DEPTH = 32          # nesting levels a request may use (real bodies need about 5)
 
@@ -347,9 +348,10 @@ def encode(llm: "LLM", prompt: str | list[int], name: str) -> list[int]:
         raise RequestError(f"'{name}': {e}", name, code="context_length_exceeded" if e.too_long else None) from None
 
 
-def check_route(llm: "LLM", sp: SamplingParams, policy: SpecPolicy, name: str = "speculation") -> None:
-    """Refuse, before queueing, a speculation mode the loaded model cannot serve."""
+def check_route(llm: "LLM", sp: SamplingParams, policy: SpecPolicy, name: str = "speculation") -> "RoutePlan":
+    """The request's route, decided once (it goes with the request to the engine); a speculation
+    mode the loaded model cannot serve is refused before queueing."""
     try:
-        llm.preview_route(sp, policy)
+        return llm.plan_route(sp, policy)
     except SpecfireError as e:
         raise RequestError(str(e), f"{name}.mode") from None

@@ -19,6 +19,7 @@ from .metrics import Metrics
 
 if TYPE_CHECKING:
     from ..api import LLM, GenerationResult
+    from ..runtime.route import RoutePlan
 
 log = logging.getLogger("specfire")
 
@@ -45,6 +46,7 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.perf_counter)
     ttft_s: float | None = None
+    plan: "RoutePlan | None" = None     # the route decided when the request was checked (else decided here)
 
 
 class EngineWorker:
@@ -107,7 +109,7 @@ class EngineWorker:
     def _run(self, job: Job) -> None:
         m = self.metrics
         last_t = None
-        stream = self.llm.stream(job.ids, job.params, job.spec)
+        stream = self.llm.stream(job.ids, job.params, job.spec, plan=job.plan)
         try:
             for chunk in stream:
                 now = time.perf_counter()

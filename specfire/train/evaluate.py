@@ -31,7 +31,7 @@ def windows(data: torch.Tensor, seq_len: int, n: int, spread: bool = False) -> t
 def evaluate(trunk, head, wins: torch.Tensor, mtp_steps: int, device, autocast: bool, batch: int = 32) -> dict:
     """Mean LM loss, perplexity, trunk top-1 accuracy and MTP per-step accuracy / agreement with the
     trunk / chained agreement (the acceptance proxy) over the windows."""
-    from .train import compute_losses
+    from .losses import compute_losses
 
     sums: dict[str, float] = {}
     n = wins.shape[0]

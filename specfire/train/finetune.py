@@ -117,7 +117,7 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, v
     probe), then the anneal phase if set (`_anneal`); `save(tag, pack_name)` exports a snapshot.
     Rollout prompts come from `train_docs` only; the rule scores `val_docs` (select.py). Returns
     the phase's metrics."""
-    from .train import mtp_losses, optimizer, trunk_forward
+    from .losses import mtp_losses, optimizer, trunk_forward
 
     dev = train_ids.device
     autocast = dev.type == "cuda"
@@ -253,7 +253,7 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, v
 def _corpus_terms(tc, trunk, head, teacher, train_ids, offs, gen):
     """One corpus batch's (ids, logits, LM loss, MTP losses, KL to the starting model; zero without
     a teacher or a KL weight), shared by both phases; called inside their autocast."""
-    from .train import mtp_losses, trunk_forward
+    from .losses import mtp_losses, trunk_forward
 
     starts = torch.randint(0, train_ids.numel() - tc.seq_len, (tc.ul_data_batch,), generator=gen).to(offs.device)
     ids = train_ids[starts[:, None] + offs]
@@ -415,7 +415,7 @@ def run_snippet_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held
     `snip_snapshots` snapshots are scored by the rule of select.py on validation prompts (`snip_val_kind`)
     and the phase ends on its pick. Returns the phase's metrics."""
     from .snippets import SnippetRows, corpus_blocks
-    from .train import mtp_losses, optimizer, trunk_forward
+    from .losses import mtp_losses, optimizer, trunk_forward
 
     dev = train_ids.device
     autocast = dev.type == "cuda"
