@@ -5,6 +5,7 @@ import json
 import os
 from typing import Any
 
+from .config import regular_file
 from .errors import CheckpointError
 
 
@@ -13,7 +14,7 @@ class Tokenizer:
         from tokenizers import Tokenizer as _Tok
 
         tj = os.path.join(path, "tokenizer.json")
-        if not os.path.exists(tj):
+        if not regular_file(tj):
             raise CheckpointError(f"no tokenizer.json in {path}")
         try:
             self.tok = _Tok.from_file(tj)
@@ -21,7 +22,7 @@ class Tokenizer:
             raise CheckpointError(f"cannot read {tj}: {e}") from None
         self.config: dict[str, Any] = {}
         tc = os.path.join(path, "tokenizer_config.json")
-        if os.path.exists(tc):
+        if regular_file(tc):
             try:
                 with open(tc, encoding="utf-8") as f:
                     self.config = json.load(f)
@@ -29,7 +30,7 @@ class Tokenizer:
                 raise CheckpointError(f"{tc} is not valid JSON: {e}") from None
         self.chat_template: str | None = self.config.get("chat_template")
         ct = os.path.join(path, "chat_template.jinja")
-        if self.chat_template is None and os.path.exists(ct):
+        if self.chat_template is None and regular_file(ct):
             with open(ct, encoding="utf-8") as f:
                 self.chat_template = f.read()
         self.eos_ids: list[int] = []
@@ -48,8 +49,15 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=False)
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special added tokens (`<|im_end|>`, ...): what skip_special_tokens leaves out."""
+        if not hasattr(self, "_special"):
+            self._special = frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
+        return self._special
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any) -> str:
         """Render messages with the checkpoint's Jinja chat template (ChatML when it has none)."""

@@ -103,11 +103,11 @@ class StepBuffers:
         self._slot = 0
         self.pen: Penalties | None = None       # token statistics of a penalised request (made on first use)
 
-    def penalties(self, vocab: int, prompt: torch.Tensor) -> Penalties:
-        """The penalty statistics, reset for a new request with this prompt."""
+    def penalties(self, vocab: int, prompt: torch.Tensor, ends: list[int] | tuple[int, ...] = ()) -> Penalties:
+        """The token statistics, reset for a new request with this prompt (and these ending ids)."""
         if self.pen is None or self.pen.counts.shape[0] != vocab:
             self.pen = Penalties(vocab, self.device)
-        return self.pen.begin(prompt)
+        return self.pen.begin(prompt, ends)
 
     def accept(self, logits: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None, sp: SamplingParams,
                rng: DeviceRng | None, graph: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
