@@ -70,6 +70,8 @@ class Engine:
             reason += f"; {self.penalty_note(sp)}"
         if sp.min_tokens:
             reason += f"; min_tokens={sp.min_tokens}: the stop tokens are masked on every row before it"
+            if not sp.greedy and not sp.penalized and self.bufs.graphs is not None:
+                reason += " (the sampled accept runs eagerly until then)"
         return route, reason
 
     def penalty_note(self, sp: SamplingParams) -> str:

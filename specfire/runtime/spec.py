@@ -168,8 +168,9 @@ def launch(trunk: Trunk, drafter: Drafter | None, route: str, last: int, last_de
     """Queue one draft -> verify -> accept. `last` (host) and `last_dev` ([1], device) are the
     newest token, at `pos`. An AR step (no drafter or k = 0) also commits here: n = 0.
 
-    `pen` (a request with penalties): the verify rows are penalised (`sampling.penalize`, row i
-    with the counts of the output so far plus drafts 0..i-1) before either accept rule, and the
+    `pen` (a request with penalties or min_tokens): the verify rows are penalised and masked
+    (`sampling.penalize`, row i with the counts of the output so far plus drafts 0..i-1, and the
+    ends masked while its position is before min_tokens) before either accept rule, and the
     emitted tokens are counted on the device afterwards. A penalty-aware drafter (`penalty_aware`,
     the MTP drafter) gets the statistics too and, for a greedy request, picks its drafts penalised
     the same way; others ignore penalties (drafts only change what is accepted, never what is
