@@ -20,6 +20,8 @@ class Tokenizer:
             self.tok = _Tok.from_file(tj)
         except Exception as e:
             raise CheckpointError(f"cannot read {tj}: {e}") from None
+        # the special added tokens (`<|im_end|>`, ...): what skip_special_tokens leaves out of the text
+        self.special_ids = frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
         self.config: dict[str, Any] = {}
         tc = os.path.join(path, "tokenizer_config.json")
         if regular_file(tc):
@@ -48,13 +50,6 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
-
-    @property
-    def special_ids(self) -> frozenset[int]:
-        """Ids of the special added tokens (`<|im_end|>`, ...): what skip_special_tokens leaves out."""
-        if not hasattr(self, "_special"):
-            self._special = frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
-        return self._special
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
