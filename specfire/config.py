@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -233,8 +234,23 @@ def _as_ids(v: Any) -> tuple[int, ...]:
     return tuple(int(x) for x in v)
 
 
-def _read_json(path: str) -> dict[str, Any]:
+def regular_file(path: str) -> bool:
+    """Whether there is a file to read at `path` (a symlink counts as its target): False when
+    nothing is there; CheckpointError naming it when something is that is not a regular file (a
+    FIFO would block the read forever, a device or a folder fail obscurely)."""
     if not os.path.exists(path):
+        return False
+    if not os.path.isfile(path):
+        mode = os.stat(path).st_mode
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else
+                "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "not a plain file")
+        raise CheckpointError(f"{path} is {kind}, not a regular file; a checkpoint's files must be regular files")
+    return True
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not regular_file(path):
         raise ConfigError(f"{path} not found")
     try:
         with open(path, encoding="utf-8") as f:
@@ -266,6 +282,10 @@ MAX_SEED = 2 ** 63 - 1   # torch generators take a signed 64-bit seed
 
 
 MAX_OPENAI_PENALTY = 2.0   # presence / frequency penalty range, as OpenAI and vLLM allow
+# repetition_penalty range: inside it every penalised float32 logit stays finite (a larger logit
+# divided by 1e-40, or any logit times 1e39, is inf and the distribution NaN); at its ends the
+# penalty already decides every pick it can
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
 
 
 @dataclass(frozen=True)
@@ -273,10 +293,17 @@ class SamplingParams:
     """How to pick tokens. temperature 0 means greedy; top_k 0 means no top-k truncation.
 
     Penalties (vLLM's semantics, applied to the logits before temperature, greedy included;
-    runtime/sampling.py `penalize`): `repetition_penalty` r > 0 (1 = off) divides the positive
-    logit of every token id that occurs in the prompt or the output so far by r and multiplies a
-    negative one by r; `presence_penalty` and `frequency_penalty` in [-2, 2] (0 = off) subtract
-    presence * [count > 0] + frequency * count, counts over the generated tokens only."""
+    runtime/sampling.py `penalize`): `repetition_penalty` r in [1e-6, 1e6] (1 = off) divides the
+    positive logit of every token id that occurs in the prompt or the output so far by r and
+    multiplies a negative one by r; `presence_penalty` and `frequency_penalty` in [-2, 2] (0 = off)
+    subtract presence * [count > 0] + frequency * count, counts over the generated tokens only.
+
+    Ends (vLLM's fields, runtime/output.py): EOS (unless `ignore_eos`) and any of `stop_token_ids`
+    end the output with "stop", the token counted but not in the text; `stop` strings end it before
+    the string; `include_stop_str_in_output` keeps the stop string (or the stop token's text);
+    `min_tokens` forbids every end but max_tokens before that many tokens (EOS and the stop token
+    ids are masked out of the distribution, runtime/sampling.py); `skip_special_tokens` false keeps
+    special tokens' text."""
 
     max_tokens: int = 64
     temperature: float = 0.0
@@ -289,6 +316,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: Sequence[int] = field(default_factory=tuple)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         _check_number("max_tokens", self.max_tokens, lo=1, integer=True)
@@ -299,16 +330,28 @@ class SamplingParams:
         if self.seed is not None:
             _check_number("seed", self.seed, lo=0, hi=MAX_SEED, integer=True)
         _check_number("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] "
+                             f"(float32 logits overflow beyond), got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             _check_number(name, getattr(self, name), lo=-MAX_OPENAI_PENALTY, hi=MAX_OPENAI_PENALTY)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        _check_number("min_tokens", self.min_tokens, lo=0, integer=True)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(stop))
+        ids = self.stop_token_ids
+        if (not isinstance(ids, (list, tuple))
+                or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+            raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
 
     @property
     def greedy(self) -> bool:
@@ -318,6 +361,12 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether any penalty changes the logits (every one at its neutral value: no)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def tracked(self) -> bool:
+        """Whether the target distribution depends on the request's token statistics (penalties,
+        or min_tokens masking the ends): the engine then keeps them on the device."""
+        return self.penalized or self.min_tokens > 0
 
     def penalty_text(self) -> str:
         """The penalties in force, for route reasons and logs ('' when none is)."""

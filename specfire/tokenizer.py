@@ -7,6 +7,7 @@ from functools import cached_property
 from typing import Any
 
 from .chat_template import SPECIAL_TOKEN_NAMES, AddedToken, ChatTemplate
+from .config import regular_file
 from .errors import CheckpointError
 
 
@@ -15,15 +16,17 @@ class Tokenizer:
         from tokenizers import Tokenizer as _Tok
 
         tj = os.path.join(path, "tokenizer.json")
-        if not os.path.exists(tj):
+        if not regular_file(tj):
             raise CheckpointError(f"no tokenizer.json in {path}")
         try:
             self.tok = _Tok.from_file(tj)
         except Exception as e:
             raise CheckpointError(f"cannot read {tj}: {e}") from None
+        # the special added tokens (`<|im_end|>`, ...): what skip_special_tokens leaves out of the text
+        self.special_ids = frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
         self.config: dict[str, Any] = {}
         tc = os.path.join(path, "tokenizer_config.json")
-        if os.path.exists(tc):
+        if regular_file(tc):
             try:
                 with open(tc, encoding="utf-8") as f:
                     self.config = json.load(f)
@@ -32,7 +35,7 @@ class Tokenizer:
         # chat_template.jinja wins over tokenizer_config.json's template, as in transformers
         self.chat_template: str | None = _default_template(self.config.get("chat_template"))
         ct = os.path.join(path, "chat_template.jinja")
-        if os.path.exists(ct):
+        if regular_file(ct):
             with open(ct, encoding="utf-8") as f:
                 self.chat_template = f.read()
         self.eos_ids: list[int] = []
@@ -51,8 +54,8 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=False)
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     @cached_property
     def template(self) -> ChatTemplate:

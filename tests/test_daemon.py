@@ -178,7 +178,7 @@ def test_bad_lines(loaded, line, cls, word):
 def test_ping_and_generate_before_load_then_unload_then_exit(ckpt):
     """One daemon's life: answers before any model is loaded, a generate then is not_loaded; load,
     unload, not_loaded again; the end of its input ends it with status 0. (A model loaded at
-    start-up by --model: test_end_of_input_stops_the_generation.)"""
+    start-up by --model: test_a_file_of_requests_is_answered_in_full.)"""
     daemon = Pipe()
     daemon.send({"type": "ping", "id": 1})
     assert daemon.recv() == {"type": "pong", "id": 1}
@@ -279,19 +279,73 @@ def test_cancel_by_attempt_id(loaded):
     assert d.until("done")[-1]["type"] == "done"
 
 
-def test_end_of_input_stops_the_generation(ckpt):
-    d = Pipe("--model", ckpt)
-    assert d.recv()["type"] == "loaded"
-    d.send({**LONG, "id": "g", "attempt_id": 1, "max_tokens": 3000})
-    assert d.recv()["type"] == "gen_start"
-    assert d.recv()["type"] == "token"
-    d.proc.stdin.close()
-    evs = []
-    while (ev := d.lines.get(timeout=60)) is not None:
-        evs.append(json.loads(ev))
-    last = evs[-1]
-    assert last["type"] == "aborted" and last["reason"] == "eof" and last["tokens"] < 3000
-    assert d.proc.wait(timeout=30) == 0
+def test_a_file_of_requests_is_answered_in_full(ckpt, tmp_path):
+    """`specfire daemon --model M < requests.jsonl`: the end of input means no more input, so the
+    running generation and every line queued behind it are answered (a cancel in the file still
+    drops the attempt it names), then the daemon exits 0. It used to abort the running one after
+    a token and drop the rest."""
+    from specfire import LLM, SamplingParams
+
+    gens = [dict(attempt_id=1, prompt="hello", max_tokens=60, ignore_eos=True),
+            dict(attempt_id=2, prompt="def add(a, b):", max_tokens=12),
+            dict(attempt_id=3, prompt="x", max_tokens=5),
+            dict(attempt_id=4, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, ignore_eos=True,
+                 speculation={"mode": "mtp", "k": 2}),
+            dict(attempt_id=5, prompt="for i in", max_tokens=20, min_tokens=10, stop=[" "], ignore_eos=True)]
+    lines = [json.dumps({"type": "generate", "id": f"g{g['attempt_id']}", **g}) for g in gens]
+    lines.insert(1, json.dumps({"type": "ping", "id": "p"}))
+    lines.insert(4, json.dumps({"type": "cancel", "id": "c3", "attempt_id": 3}))
+    lines.append("not json")
+    req = tmp_path / "requests.jsonl"
+    req.write_text("\n".join(lines) + "\n")
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    with open(req, "rb") as f:
+        p = subprocess.run([sys.executable, "-m", "specfire.cli", "daemon", "--model", ckpt], stdin=f,
+                           capture_output=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr.decode()[-2000:]
+    evs = [json.loads(line) for line in p.stdout.decode().splitlines()]
+    assert evs[0]["type"] == "loaded" and evs[-1]["type"] == "error" and evs[-1]["class"] == "parse_error"
+    by = {a: [e for e in evs if e.get("attempt_id") == a] for a in range(1, 6)}
+    assert [e["type"] for e in by[3]] == ["aborted", "cancelled"] and by[3][0]["tokens"] == 0
+    assert {"type": "pong", "id": "p"} in evs and not any(e["type"] == "aborted" for a in (1, 2, 4, 5) for e in by[a])
+    with LLM(ckpt, progress=False) as llm:
+        for g in gens:
+            a = g["attempt_id"]
+            if a == 3:
+                continue
+            assert by[a][0]["type"] == "gen_start" and by[a][-1]["type"] == "done", by[a]
+            kw = {k: v for k, v in g.items() if k not in ("attempt_id", "prompt", "messages", "speculation")}
+            prompt = llm.render_chat(g["messages"]) if "messages" in g else g["prompt"]
+            want = llm.generate(prompt, SamplingParams(**kw), spec="off")
+            assert "".join(e["text"] for e in by[a] if e["type"] == "token") == want.text, a
+            assert by[a][-1]["tokens"] == len(want.token_ids) and by[a][-1]["finish_reason"] == want.finish_reason
+    assert by[1][-1]["tokens"] == 60
+    assert evs.index(by[1][-1]) < evs.index(by[2][0]) < evs.index(by[4][0]) < evs.index(by[5][0])   # in order
+
+
+def test_end_fields_and_refused_fields(loaded, ckpt):
+    """min_tokens, stop_token_ids, include_stop_str_in_output and skip_special_tokens reach the
+    engine; a field the daemon would ignore (tools, a typo) is refused naming it."""
+    from specfire import LLM, SamplingParams
+
+    d = loaded
+    with LLM(ckpt, progress=False) as llm:
+        plain = llm.generate("def add(a, b):", SamplingParams(max_tokens=16, ignore_eos=True), spec="off")
+        kw = dict(max_tokens=16, min_tokens=4, stop_token_ids=[plain.token_ids[1], plain.token_ids[5]],
+                  include_stop_str_in_output=True, skip_special_tokens=False)
+        want = llm.generate("def add(a, b):", SamplingParams(**kw), spec="off")
+    assert want.token_ids != plain.token_ids[:len(want.token_ids)] or want.finish_reason == "stop"
+    d.send({"type": "generate", "id": "f", "attempt_id": 30, "prompt": "def add(a, b):", **kw})
+    evs = d.until("done")
+    assert evs[-1]["type"] == "done" and evs[-1]["tokens"] == len(want.token_ids)
+    assert "".join(e["text"] for e in evs if e["type"] == "token") == want.text
+    for field, value in (("tools", [{"type": "function", "function": {"name": "f"}}]), ("max_token", 5),
+                         ("response_format", {"type": "json_object"}), ("min_tokens", -1),
+                         ("stop_token_ids", [10 ** 6])):
+        d.send({"type": "generate", "id": "r", "attempt_id": 31, "prompt": "hi", field: value})
+        ev = d.recv()
+        assert ev["type"] == "error" and ev["class"] == "invalid_request" and ev["attempt_id"] == 31, ev
+        assert field in ev["message"], ev
 
 
 def test_reader_that_leaves_ends_it_quietly(ckpt):

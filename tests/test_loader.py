@@ -217,3 +217,116 @@ def test_progress_bar_silent_when_not_a_tty(base, capsys):
         llm.generate([1, 2, 3], SamplingParams(max_tokens=2))
     out, err = capsys.readouterr()
     assert out == "" and err == ""
+
+
+# ---- files that are not regular files, index names that leave the folder --------------------------
+
+def _fifo_in_place(path: str, name: str) -> None:
+    if os.path.exists(os.path.join(path, name)):
+        os.remove(os.path.join(path, name))
+    os.mkfifo(os.path.join(path, name))
+
+
+UNBLOCK = """
+import os, sys, time
+time.sleep(20)
+while True:
+    for root, _, files in os.walk(sys.argv[1]):
+        for f in files:
+            p = os.path.join(root, f)
+            try:
+                if not os.path.isfile(p):
+                    os.close(os.open(p, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+    time.sleep(0.2)
+"""
+
+
+@pytest.fixture
+def unblock_fifos(tmp_path):
+    """A reader blocked on a FIFO (what the loader did) is released after a while by another
+    process opening the FIFO for writing (a blocked open may hold the GIL), so a regression fails
+    instead of hanging the run."""
+    proc = subprocess.Popen([sys.executable, "-c", UNBLOCK, str(tmp_path)])
+    yield
+    proc.kill()
+    proc.wait()
+
+
+NOT_REGULAR = [
+    ("fifo-weights", lambda p: _fifo_in_place(p, "model.safetensors"), "model.safetensors is a FIFO"),
+    ("fifo-shard", lambda p: (_shard(p), _fifo_in_place(p, "model-00002-of-00002.safetensors")),
+     "model-00002-of-00002.safetensors is a FIFO"),
+    ("fifo-index", lambda p: (_shard(p), _fifo_in_place(p, "model.safetensors.index.json")),
+     "model.safetensors.index.json is a FIFO"),
+    ("fifo-config", lambda p: _fifo_in_place(p, "config.json"), "config.json is a FIFO"),
+    ("fifo-generation-config", lambda p: _fifo_in_place(p, "generation_config.json"),
+     "generation_config.json is a FIFO"),
+    ("dir-weights", lambda p: (os.remove(os.path.join(p, "model.safetensors")),
+                               os.mkdir(os.path.join(p, "model.safetensors"))), "model.safetensors is a directory"),
+]
+
+
+@pytest.mark.parametrize("damage,word", [d[1:] for d in NOT_REGULAR], ids=[d[0] for d in NOT_REGULAR])
+def test_non_regular_files_are_refused(base, tmp_path, unblock_fifos, damage, word, capsys):
+    path = _damaged(base, tmp_path, damage)
+    with pytest.raises(CheckpointError, match="not a regular file") as ei:
+        LLM(path, device="cpu", progress=False)
+    assert word in str(ei.value) and "\n" not in str(ei.value)
+    rc = cli.main(["run", "--model", path, "--device", "cpu", "--prompt", "x", "-n", "2"])
+    out, err = capsys.readouterr()
+    assert rc != 0 and out == "" and err.count("\n") == 1 and word in err
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"])
+def test_non_regular_tokenizer_files_are_refused(ckpt_cache, tmp_path, unblock_fifos, name):
+    path = copy_checkpoint(tiny(ckpt_cache, "base", tokenizer=True), str(tmp_path / "ckpt"))
+    _fifo_in_place(path, name)
+    if name == "chat_template.jinja":             # read only when tokenizer_config.json has no template
+        _edit_json(os.path.join(path, "tokenizer_config.json"), lambda c: c.pop("chat_template"))
+    with pytest.raises(CheckpointError, match=f"{name} is a FIFO, not a regular file"):
+        LLM(path, device="cpu", progress=False)
+
+
+def _edit_json(p: str, fn) -> None:
+    with open(p) as f:
+        raw = json.load(f)
+    fn(raw)
+    with open(p, "w") as f:
+        json.dump(raw, f)
+
+
+@pytest.mark.parametrize("bad", ["../../etc/passwd", "../outside.safetensors", "/etc/passwd", "sub/../../x", "", 5])
+def test_index_names_outside_the_folder_are_refused(base, tmp_path, bad):
+    path = copy_checkpoint(base, str(tmp_path / "ckpt"))
+    _shard(path)
+    outside = tmp_path / "outside.safetensors"    # a real file there: the name alone is refused
+    save_file({"x": torch.zeros(1)}, str(outside))
+    _edit_json(os.path.join(path, "model.safetensors.index.json"),
+               lambda ix: ix["weight_map"].update({"model.embed_tokens.weight": bad}))
+    with pytest.raises(CheckpointError) as ei:
+        LLM(path, device="cpu", progress=False)
+    msg = str(ei.value)
+    assert "model.safetensors.index.json" in msg and "\n" not in msg
+    assert ("outside the checkpoint folder" in msg and repr(bad) in msg) if isinstance(bad, str) and bad else \
+        "not a file name" in msg
+
+
+def test_hugging_face_cache_symlinks_still_load(base, tmp_path):
+    """A snapshot folder of symlinks into ../../blobs/ (the Hugging Face cache layout) loads: the
+    check is on the index's names and on what the links point to."""
+    src = copy_checkpoint(base, str(tmp_path / "src"))
+    _shard(src)
+    blobs, snap = tmp_path / "hub" / "blobs", tmp_path / "hub" / "snapshots" / "abc123"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for i, f in enumerate(sorted(os.listdir(src))):
+        os.rename(os.path.join(src, f), blobs / f"blob{i}")
+        os.symlink(f"../../blobs/blob{i}", snap / f)
+    ids = [3, 1, 4, 1, 5]
+    with LLM(str(snap), device="cpu", progress=False) as a, LLM(base, device="cpu", progress=False) as b:
+        assert torch.equal(a.score(ids), b.score(ids))
+    os.remove(blobs / "blob0")                    # a dangling link is a missing file, as before
+    with pytest.raises(CheckpointError):
+        LLM(str(snap), device="cpu", progress=False)

@@ -234,3 +234,141 @@ def test_defaults_and_close(tok_path):
         llm.generate("Hi")
     with pytest.raises(SpecfireError, match="closed"):
         llm.score([1, 2])
+
+
+# ---- vLLM's end fields: stop_token_ids, include_stop_str_in_output, min_tokens, skip_special_tokens ---------
+
+def test_stop_token_ids(tok):
+    ids = tok.encode(TEXT)
+    stop = ids[6]
+    first = ids.index(stop)
+    out, deltas = feed(tok, ids, SamplingParams(stop_token_ids=[stop]))
+    assert out.finish_reason == "stop" and out.token_ids == ids[:first + 1]
+    assert out.text == tok.decode(ids[:first]) == "".join(deltas)            # the stop token's text is not returned
+    out, deltas = feed(tok, ids, SamplingParams(stop_token_ids=[stop], include_stop_str_in_output=True))
+    assert out.token_ids == ids[:first + 1] and out.text == tok.decode(ids[:first + 1]) == "".join(deltas)
+    out, _ = feed(tok, ids, SamplingParams(stop_token_ids=[stop], ignore_eos=True), eos={ids[2]})
+    assert out.token_ids == ids[:first + 1]                                  # ignore_eos leaves stop_token_ids alone
+
+
+@pytest.mark.parametrize("stops", [["world"], ["quick brown"], ["fox", "quick brown"], ["o"], [" jumps over the"]])
+def test_include_stop_str_in_output(tok, stops):
+    ids = tok.encode(TEXT)
+    out, deltas = feed(tok, ids, SamplingParams(stop=stops, include_stop_str_in_output=True))
+    start, s = min((TEXT.find(s), s) for s in stops if s in TEXT)
+    assert out.finish_reason == "stop" and out.text == TEXT[:start + len(s)] == "".join(deltas)
+
+
+def test_min_tokens_defers_every_end_but_the_length(tok):
+    """Before min_tokens tokens, neither a stop token nor a stop string ends the output (a stop
+    string must end in the text of a later token, as vLLM checks only the new text)."""
+    ids = tok.encode(TEXT)
+    m = 12
+    prefix = tok.decode(ids[:m])
+    assert "o" in prefix and " " in prefix
+    late = next(i for i in range(m, len(ids)) if ids[i] in ids[:m])         # a token seen before min_tokens
+    out, deltas = feed(tok, ids, SamplingParams(stop_token_ids=[ids[late]], min_tokens=m))
+    assert out.finish_reason == "stop" and out.token_ids == ids[:late + 1] and ids[late] in ids[:m]
+    assert out.text == tok.decode(ids[:late]) == "".join(deltas)
+    for s in ("o", " "):
+        out, deltas = feed(tok, ids, SamplingParams(stop=[s], min_tokens=m))
+        j = TEXT.find(s, len(prefix) - len(s) + 1)
+        assert out.finish_reason == "stop" and out.text == TEXT[:j] == "".join(deltas) and len(out.token_ids) > m
+    out, _ = feed(tok, ids, SamplingParams(min_tokens=m), eos={ids[1]}, max_new=5)
+    assert out.finish_reason == "length" and out.token_ids == ids[:5]       # max_tokens still ends it
+
+
+def test_skip_special_tokens(tok):
+    im_start, im_end = tok.tok.token_to_id("<|im_start|>"), tok.tok.token_to_id("<|im_end|>")
+    ids = tok.encode("Hello") + [im_start] + tok.encode(" world") + [im_end]
+    out, deltas = feed(tok, ids, SamplingParams(), eos={im_end})
+    assert out.text == "Hello world" == "".join(deltas) and out.token_ids == ids
+    out, deltas = feed(tok, ids, SamplingParams(skip_special_tokens=False), eos={im_end})
+    assert out.text == "Hello<|im_start|> world" == "".join(deltas)
+    out, _ = feed(tok, ids, SamplingParams(skip_special_tokens=False, include_stop_str_in_output=True), eos={im_end})
+    assert out.text == "Hello<|im_start|> world<|im_end|>"                   # the stop token's text kept
+    out, _ = feed(tok, ids, SamplingParams(include_stop_str_in_output=True), eos={im_end})
+    assert out.text == "Hello world"                                         # ... and skipped as special
+
+
+@pytest.fixture(scope="module")
+def fitted_eos(ckpt_cache):
+    """The fitted model (it accepts drafts) with a char tokenizer, and a greedy reference run."""
+    import specfit
+
+    path = specfit.fitted_checkpoint(ckpt_cache["root"])
+    with LLM(path, device="cpu", progress=False) as llm:
+        plain = [llm.generate(p, SamplingParams(max_tokens=40, ignore_eos=True), spec="off").token_ids
+                 for p in specfit.prompts(3, seed=7)]
+    return path, plain
+
+
+ROUTES = [("mtp", 1), ("mtp", 3), ("mtp", 5), ("ngram", 3)]
+
+
+@pytest.mark.parametrize("end", ["eos", "stop_token_ids"])
+def test_min_tokens_speculation_equals_ar(fitted_eos, tmp_path, end):
+    """min_tokens masks the ends out of every row's distribution (the first token, AR steps, each
+    verify row by its own position), so greedy speculation still ends exactly where AR does, and no
+    route ends early. Over a range of min_tokens some outputs end right at the first position
+    allowed, where a verify that spans the bound must mask its rows differently (masking every
+    row by the position of row 0 fails here)."""
+    import specfit
+
+    path, plain = fitted_eos
+    accepted = at_bound = 0
+    for p, ref_plain in zip(specfit.prompts(3, seed=7), plain):
+        stop = ref_plain[1]                          # emitted early (and, the output cycling, again)
+        if end == "eos":
+            llm = LLM(specfit.variant(path, str(tmp_path / f"eos{stop}"), eos=stop, tokenizer=True),
+                      device="cpu", progress=False)
+            kw = {}
+        else:
+            llm = LLM(path, device="cpu", progress=False)
+            kw = dict(stop_token_ids=[stop])
+        with llm:
+            early = llm.generate(p, SamplingParams(max_tokens=40, **kw), spec="off")
+            assert early.finish_reason == "stop" and early.token_ids == ref_plain[:2]
+            for m in range(2, 16):
+                sp = SamplingParams(max_tokens=40, min_tokens=m, **kw)
+                ref = llm.generate(p, sp, spec="off")
+                assert stop not in ref.token_ids[:m] and len(ref.token_ids) > m
+                assert ref.finish_reason == "length" or (ref.token_ids[-1] == stop and stop not in ref.token_ids[:-1])
+                assert f"min_tokens={m}" in ref.stats["route_reason"]
+                at_bound += ref.finish_reason == "stop" and len(ref.token_ids) == m + 1
+                for mode, k in ROUTES:
+                    r = llm.generate(p, sp, spec={"mode": mode, "k": k})
+                    assert r.stats["route"] == mode and r.token_ids == ref.token_ids and r.text == ref.text, (m, mode, k)
+                    assert r.finish_reason == ref.finish_reason
+                    accepted += r.stats["accepted"]
+            pen = SamplingParams(max_tokens=40, min_tokens=6, repetition_penalty=1.3, **kw)   # with penalties too
+            ref = llm.generate(p, pen, spec="off")
+            assert stop not in ref.token_ids[:6]
+            assert llm.generate(p, pen, spec={"mode": "mtp", "k": 3}).token_ids == ref.token_ids
+    assert accepted > 0 and at_bound > 0
+
+
+def test_sampled_speculation_with_min_tokens_follows_the_masked_distribution(tiny_vocab):
+    """Sampled AR, MTP and n-gram never emit a masked stop token, and their tokens follow AR's
+    distribution with it masked (the PIT check of test_spec_sampled.py)."""
+    from test_spec_sampled import BINS, chi2_critical, pit_chi2
+
+    def masked(raw, prompt, out, sp):
+        x = raw.clone()
+        x[:, 3] = float("-inf")
+        return x
+
+    for mode in ("off", "mtp", "ngram"):
+        with LLM(tiny_vocab, device="cpu", progress=False) as llm:
+            c, acc = pit_chi2(llm, mode, dict(temperature=1.0, min_tokens=300, stop_token_ids=[3]), target=masked)
+        assert acc["outside"] == 0, (mode, "a masked stop token was emitted")
+        assert c < chi2_critical(BINS - 1), (mode, c)
+        if mode != "off":
+            assert acc["accepted"] > 0
+
+
+def test_stop_token_ids_outside_the_vocabulary(llm):
+    v = llm.cfg.vocab_size
+    with pytest.raises(ValueError, match=rf"stop_token_ids\[1\] is {v}, outside the vocabulary \[0, {v}\)"):
+        llm.generate("Hi", SamplingParams(max_tokens=3, stop_token_ids=[1, v]))
+    assert len(llm.generate("Hi", SamplingParams(max_tokens=3, ignore_eos=True)).token_ids) == 3

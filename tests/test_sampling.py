@@ -154,6 +154,12 @@ BAD_PARAMS = [
     ("seed", [-1, 1.5, "7", True]),
     ("stop", [5, [""], [1, 2], ["ok", None], ""]),
     ("ignore_eos", ["yes", 1, None]),
+    # beyond these the float32 penalised logits overflow (inf, then a NaN distribution: token 0)
+    ("repetition_penalty", [1e-40, 1e-300, 5e-7, 2e6, 1e39]),
+    ("min_tokens", [-1, 1.5, "2", True, None, 65]),       # 65: more than max_tokens (64)
+    ("stop_token_ids", [5, [-1], [1.0], [True], "3", None, [1, "2"]]),
+    ("include_stop_str_in_output", ["yes", 1, None]),
+    ("skip_special_tokens", ["no", 0, None]),
 ]
 
 
@@ -170,6 +176,64 @@ def test_sampling_params_accepts_good_values():
                         ignore_eos=True)
     assert sp.stop == ("x",) and not sp.greedy
     assert SamplingParams(stop=["a", "bc"]).stop == ("a", "bc") and SamplingParams().greedy
+    sp = SamplingParams(max_tokens=5, min_tokens=5, stop_token_ids=[0, 7], include_stop_str_in_output=True,
+                        skip_special_tokens=False)
+    assert sp.stop_token_ids == (0, 7) and sp.tracked and not sp.penalized
+    assert SamplingParams(repetition_penalty=1e-6).penalized and SamplingParams(repetition_penalty=1e6).tracked
+    assert not SamplingParams().tracked
+    with pytest.raises(ValueError, match=r"^min_tokens must be <= max_tokens \(3\), got 4$"):
+        SamplingParams(max_tokens=3, min_tokens=4)
+    with pytest.raises(ValueError, match=r"^repetition_penalty must be in \[1e-06, 1e\+06\]"):
+        SamplingParams(repetition_penalty=1e-40)
+
+
+# ---- parameters at the edge of float32 ---------------------------------------------------------------
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-45, 1e-39, 1e-12])
+def test_tiny_top_p_keeps_the_top_token(top_p):
+    """top_p below float32's smallest value compared as 0, so every token was dropped and the
+    distribution was NaN (sampled: token 0, "!!!!"). The smallest set reaching a tiny top_p is the
+    most likely token alone."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.cat([torch.tensor([LOGITS]), torch.randn(4, 8, generator=g) * 3])
+    sp = SamplingParams(temperature=1.0, top_p=top_p)
+    p = probs(x, sp)
+    assert torch.equal(p, torch.nn.functional.one_hot(x.argmax(-1), 8).float())
+    for row in x.tolist():
+        assert support(torch.tensor(reference_probs(row, 1.0, 0, top_p, 0.0))) == {max(range(8), key=row.__getitem__)}
+    assert torch.equal(pick(x, sp, DeviceRng().seed(3)), x.argmax(-1))
+
+
+@pytest.mark.parametrize("rp", [1e-6, 1e6])
+def test_extreme_repetition_penalties_stay_finite(rp):
+    """At the ends of the allowed range the penalised logits are finite, so the sampled
+    distribution is the one the penalty means (not NaN): a tiny penalty makes the largest positive
+    logit among the seen ids win."""
+    from specfire.runtime.sampling import Penalties, penalize
+
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(3, 40, generator=g) * 30
+    seen = [1, 2, 3, 4, 5]
+    pen = Penalties(40, "cpu").begin(torch.tensor(seen))
+    sp = SamplingParams(temperature=1.0, repetition_penalty=rp)
+    y = penalize(x, pen, sp)
+    p = probs(y, sp)
+    assert torch.isfinite(y).all() and torch.isfinite(p).all() and torch.allclose(p.sum(-1), torch.ones(3))
+    for r in range(3):
+        pos_seen = [i for i in seen if x[r, i] > 0]
+        if rp < 1 and pos_seen:
+            assert int(p[r].argmax()) == max(pos_seen, key=lambda i: float(x[r, i]))
+            assert float(p[r].max()) > 0.999
+        for i in range(40):
+            want = (x[r, i] / rp if x[r, i] > 0 else x[r, i] * rp) if i in seen else x[r, i]
+            assert torch.isclose(y[r, i], want, rtol=1e-6), (r, i)
+
+
+def test_tiny_top_p_through_llm_is_greedy(llm):
+    greedy = llm.generate(PROMPT, SamplingParams(max_tokens=20, ignore_eos=True)).token_ids
+    for top_p in (1e-300, 1e-40):
+        sp = SamplingParams(max_tokens=20, temperature=1.0, top_p=top_p, seed=4, ignore_eos=True)
+        assert llm.generate(PROMPT, sp).token_ids == greedy
 
 
 @pytest.mark.parametrize("kw,pattern", [

@@ -131,6 +131,96 @@ def test_seed_range():
     assert schema.sampling_params(b, 4).seed == 2 ** 63 - 1
 
 
+# ---- fields the server does not honour are refused, never dropped ---------------------------------------
+
+MSG = [{"role": "user", "content": "x"}]
+REFUSED = [
+    (schema.ChatBody, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling"),
+    (schema.ChatBody, {"tool_choice": "required"}, "tool_choice", "tool calling"),
+    (schema.ChatBody, {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "tool"),
+    (schema.ChatBody, {"response_format": {"type": "json_object"}}, "response_format", "structured output"),
+    (schema.ChatBody, {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format", "structured"),
+    (schema.ChatBody, {"functions": [{"name": "f"}]}, "functions", "tool calling"),
+    (schema.ChatBody, {"logit_bias": {"5": 10}}, "logit_bias", "not built"),
+    (schema.ChatBody, {"top_logprobs": 3}, "top_logprobs", "not supported"),
+    (schema.ChatBody, {"guided_json": {}}, "guided_json", "structured output"),
+    (schema.ChatBody, {"max_token": 5}, "max_token", "not a field"),             # a typo is not dropped either
+    (schema.ChatBody, {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats", "not a field"),
+    (schema.CompletionBody, {"suffix": "}"}, "suffix", "fill-in-the-middle"),
+    (schema.CompletionBody, {"tools": []}, "tools", "tool calling"),
+    (schema.CompletionBody, {"use_beam_search": True}, "use_beam_search", "beam search"),
+    (schema.GenerateMessage, {"chat_template_kwargs": {}}, "chat_template_kwargs", "not a field"),
+]
+
+
+@pytest.mark.parametrize("model,extra,param,word", REFUSED, ids=[r[2] for r in REFUSED])
+def test_fields_not_honoured_are_refused(model, extra, param, word):
+    body = {"prompt": "x"} if model is not schema.ChatBody else {"messages": MSG}
+    with pytest.raises(RequestError) as e:
+        schema.validate(model, {**body, **extra})
+    assert e.value.param == param and f"'{param}'" in e.value.message and word in e.value.message
+
+
+def test_fields_that_ask_for_nothing_are_accepted():
+    for extra in ({"tools": []}, {"tool_choice": "none"}, {"tools": [], "tool_choice": "auto"},
+                  {"response_format": {"type": "text"}}, {"parallel_tool_calls": True}, {"user": "u-1"},
+                  {"logit_bias": {}}, {"top_logprobs": 0}, {"tools": None, "response_format": None}):
+        schema.validate(schema.ChatBody, {"messages": MSG, **extra})
+    schema.validate(schema.CompletionBody, {"prompt": "x", "user": "u-1", "logit_bias": {}})
+    schema.validate(schema.GenerateMessage, {"type": "generate", "id": 1, "attempt_id": 0, "prompt": "x"})
+
+
+def test_end_fields_map_to_sampling_params(llm):
+    b = schema.validate(schema.CompletionBody, {"prompt": "x", "max_tokens": 9, "min_tokens": 3,
+                                                "stop_token_ids": [1, 2], "include_stop_str_in_output": True,
+                                                "skip_special_tokens": False})
+    sp = schema.sampling_params(b, 4)
+    assert (sp.min_tokens, sp.stop_token_ids, sp.include_stop_str_in_output, sp.skip_special_tokens) == \
+        (3, (1, 2), True, False)
+    plain = schema.sampling_params(schema.validate(schema.CompletionBody, {"prompt": "x"}), 4)
+    assert (plain.min_tokens, plain.stop_token_ids, plain.include_stop_str_in_output, plain.skip_special_tokens) == \
+        (0, (), False, True)                                                   # vLLM's defaults
+    for body, param in (({"min_tokens": 5}, "min_tokens"), ({"min_tokens": -1}, "min_tokens"),
+                        ({"stop_token_ids": [-3]}, "stop_token_ids"), ({"stop_token_ids": 7}, "stop_token_ids"),
+                        ({"skip_special_tokens": "no"}, "skip_special_tokens")):
+        with pytest.raises(RequestError) as e:
+            schema.sampling_params(schema.validate(schema.CompletionBody, {"prompt": "x", **body}), 4)
+        assert e.value.param == param and param in e.value.message, body
+    v = llm.cfg.vocab_size
+    sp = schema.sampling_params(schema.validate(schema.CompletionBody, {"prompt": "x", "stop_token_ids": [0, v]}), 4)
+    with pytest.raises(RequestError) as e:
+        schema.check_route(llm, sp, llm.spec)
+    assert e.value.param == "stop_token_ids" and f"is {v}, outside the vocabulary" in e.value.message
+
+
+def test_http_refuses_tools_and_serves_the_end_fields(llm):
+    """Through the app: tools and response_format are a 400 naming the field (they were a 200 that
+    ignored them); the vLLM end fields reach the engine (the text is the in-process one)."""
+    from fastapi.testclient import TestClient
+
+    from specfire.serve.app import build_app
+
+    plain = llm.generate("def f(x):", SamplingParams(max_tokens=12, ignore_eos=True), spec="off")
+    kw = dict(max_tokens=12, min_tokens=3, stop_token_ids=[plain.token_ids[0], plain.token_ids[4]])
+    want = llm.generate("def f(x):", SamplingParams(**kw), spec="off")
+    with TestClient(build_app(llm, "t")) as tc:
+        for extra, param in (({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+                             ({"response_format": {"type": "json_object"}}, "response_format"),
+                             ({"tool_choice": "required"}, "tool_choice")):
+            r = tc.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 2, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        r = tc.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 2, "tools": [], "tool_choice": "none",
+                                                  "response_format": {"type": "text"}})
+        assert r.status_code == 200, r.text
+        r = tc.post("/v1/completions", json={"prompt": "def f(x):", "temperature": 0, **kw})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want.text
+        assert r.json()["usage"]["completion_tokens"] == len(want.token_ids) > 3
+        r = tc.post("/v1/completions", json={"prompt": "x", "stop_token_ids": [llm.cfg.vocab_size]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
+
+
 # ---- multi-turn prefix reuse ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 import torch
 from safetensors import safe_open
 
-from ..config import ModelConfig
+from ..config import ModelConfig, regular_file
 from ..errors import CheckpointError
 from .qwen35 import MtpHead, Qwen35Trunk
 
@@ -75,7 +75,7 @@ class TensorSource:
 
     def _open(self, f: str):
         if f not in self._handles:
-            if not os.path.exists(f):
+            if not regular_file(f):
                 raise CheckpointError(f"weight file {f} not found")
             try:
                 self._handles[f] = safe_open(f, framework="pt", device="cpu")
@@ -195,19 +195,26 @@ def checkpoint_files(path: str) -> list[str]:
     if not os.path.isdir(path):
         raise CheckpointError(f"model path {path} is not a directory")
     index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
+    if regular_file(index):
         try:
             with open(index, encoding="utf-8") as f:
                 wm = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            names = set(wm.values())
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{index} is malformed: {e}") from None
-        files = sorted({os.path.join(path, v) for v in wm.values()})
+        for v in sorted(names, key=repr):
+            if not isinstance(v, str) or not v:
+                raise CheckpointError(f"{index} is malformed: a weight_map value is {v!r}, not a file name")
+            if os.path.isabs(v) or os.path.normpath(v).split(os.sep)[0] == "..":
+                raise CheckpointError(f"{index} names shard {v!r}, outside the checkpoint folder; shards must "
+                                      f"be files inside it")
+        files = sorted(os.path.join(path, v) for v in names)
         for f in files:
-            if not os.path.exists(f):
-                raise CheckpointError(f"shard {os.path.basename(f)} listed in {index} is missing")
+            if not regular_file(f):
+                raise CheckpointError(f"shard {os.path.relpath(f, path)} listed in {index} is missing")
         return files
     single = os.path.join(path, "model.safetensors")
-    if os.path.exists(single):
+    if regular_file(single):
         return [single]
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {path}")
 
@@ -234,7 +241,7 @@ def mtp_source(path: str, src: TensorSource, sidecar: str | None = None) -> Tens
     if any(n.startswith("mtp.") for n in src.names()):
         return src
     side = os.path.join(path, MTP_SIDECAR)
-    if os.path.exists(side):
+    if regular_file(side):
         return TensorSource([side])
     return None
 

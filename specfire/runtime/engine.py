@@ -70,6 +70,10 @@ class Engine:
                            f"(draft_vocab={n})")
         if sp.penalized:
             reason += f"; {self.penalty_note(sp, route)}"
+        if sp.min_tokens:
+            reason += f"; min_tokens={sp.min_tokens}: the stop tokens are masked on every row before it"
+            if not sp.greedy and not sp.penalized and self.bufs.graphs is not None:
+                reason += " (the sampled accept runs eagerly until then)"
         return RoutePlan(route, reason, policy, sp)
 
     def penalty_note(self, sp: SamplingParams, route: str = "auto") -> str:
@@ -111,6 +115,13 @@ class Engine:
             raise ValueError(f"prompt has {len(ids)} tokens; max_seq_len is {self.trunk.max_seq} "
                              f"(room for at least one generated token is needed)")
 
+    def check_sampling(self, sp: SamplingParams) -> None:
+        """Refuse what SamplingParams cannot check alone: stop token ids outside the vocabulary."""
+        vocab = self.trunk.cfg.vocab_size
+        for i, t in enumerate(sp.stop_token_ids):
+            if t >= vocab:
+                raise ValueError(f"stop_token_ids[{i}] is {t}, outside the vocabulary [0, {vocab})")
+
     def stream(self, ids: list[int], sp: SamplingParams, policy: SpecPolicy, on_cycle: OnCycle | None = None,
                drafter: Drafter | None = None, controller: Controller | None = None,
                plan: RoutePlan | None = None) -> Iterator[StreamChunk]:
@@ -123,6 +134,7 @@ class Engine:
         into text, and an AR step is queued before the one before it is read (its input token
         is already on the device). Queued work a finished output does not need is dropped."""
         self.check_prompt(ids)
+        self.check_sampling(sp)
         drafters = dict(self.drafters)
         if drafter is not None:
             drafters = {drafter.name: drafter}
@@ -144,13 +156,17 @@ class Engine:
 
         def start(d: Decision, last: int, last_dev: torch.Tensor, pos: int, room: int) -> Launched:
             k = max(0, min(d.k, room - 1, trunk.max_seq - pos - 1))
-            step = launch(trunk, drafters.get(d.route), d.route, last, last_dev, pos, k, sp, gen, bufs, pen)
+            # past min_tokens (the host's count is a lower bound) only penalties need the statistics
+            p = pen if sp.penalized or len(out.token_ids) < sp.min_tokens else None
+            step = launch(trunk, drafters.get(d.route), d.route, last, last_dev, pos, k, sp, gen, bufs, p)
             step.decision = d
             return step
 
         t0 = time.perf_counter()
         prompt = torch.tensor(ids, device=dev)
-        pen = bufs.penalties(trunk.cfg.vocab_size, prompt) if sp.penalized else None   # reset per request
+        vocab = trunk.cfg.vocab_size
+        pen = (bufs.penalties(vocab, prompt, sorted(t for t in out.eos if t < vocab)) if sp.tracked
+               else None)                                                               # reset per request
         cached = 0
         if self.prefix is not None:
             rows, cached = self.prefix.prefill(ids, prompt)

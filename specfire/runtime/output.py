@@ -1,7 +1,12 @@
-"""Turning accepted tokens into output: EOS, stop strings, max_tokens, streaming text deltas.
+"""Turning accepted tokens into output: EOS and stop token ids, stop strings, min_tokens,
+max_tokens, special tokens, streaming text deltas.
 
 Tokens go through `add` one at a time whatever route produced them, so speculative output ends
-exactly where AR output would."""
+exactly where AR output would. The ends follow vLLM: a stop token (EOS unless ignore_eos, or one
+of stop_token_ids) is counted in `token_ids` but its text is left out unless
+include_stop_str_in_output; a stop string cuts the text before it (after it with
+include_stop_str_in_output); no end but the length falls on the first `min_tokens` tokens (the
+engine masks the stop tokens out of their distribution, so none is generated there)."""
 from __future__ import annotations
 
 from ..config import SamplingParams
@@ -11,13 +16,16 @@ from ..tokenizer import Detokenizer, Tokenizer
 class OutputBuilder:
     def __init__(self, sp: SamplingParams, eos_ids: set[int], tok: Tokenizer | None, max_new: int):
         self.sp = sp
-        self.eos = set() if sp.ignore_eos else eos_ids
+        # the token ids that end the output (the engine masks the same set before min_tokens)
+        self.eos = (set() if sp.ignore_eos else set(eos_ids)) | set(sp.stop_token_ids)
         self.detok = Detokenizer(tok) if tok is not None else None
+        self.skip = tok.special_ids if tok is not None and sp.skip_special_tokens else frozenset()
         self.max_new = max_new
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.sent = 0                      # characters of the text already released
         self._text = ""
+        self._checked = 0                  # no stop string may end at or before this character
         self._max_stop = max((len(s) for s in sp.stop), default=0)
 
     @property
@@ -37,25 +45,43 @@ class OutputBuilder:
         if self.done:
             return ""
         self.token_ids.append(token)
-        if token in self.eos:
+        may_end = len(self.token_ids) > self.sp.min_tokens
+        if may_end and token in self.eos:
             self.finish_reason = "stop"
+            if self.sp.include_stop_str_in_output:
+                self._push(token)
             if self.detok is not None:      # a dangling partial character is released, not dropped
                 self._text += self.detok.flush()
             return self._release(len(self._text))
-        if self.detok is not None:
-            self._text += self.detok.push(token)
+        self._push(token)
         if self.sp.stop:
-            start = max(0, self.sent - self._max_stop)
-            hits = [i for i in (self._text.find(s, start) for s in self.sp.stop) if i >= 0]
-            if hits:
+            end = self._stop_end() if may_end else None
+            if end is not None:
                 self.finish_reason = "stop"
-                return self._release(min(hits))
+                return self._release(end)
+            self._checked = len(self._text)
         if len(self.token_ids) >= self.max_new:
             self.finish_reason = "length"
             if self.detok is not None:
                 self._text += self.detok.flush()
             return self._release(len(self._text))
         return self._release(len(self._text) - self._held_back())
+
+    def _push(self, token: int) -> None:
+        if self.detok is not None and token not in self.skip:
+            self._text += self.detok.push(token)
+
+    def _stop_end(self) -> int | None:
+        """Where the text ends if a stop string completed in the newest text: the earliest one
+        (the shorter at a tie), cut before it or, with include_stop_str_in_output, after it."""
+        best: tuple[int, int] | None = None
+        for s in self.sp.stop:
+            i = self._text.find(s, max(0, self._checked - len(s) + 1))
+            if i >= 0 and (best is None or (i, len(s)) < best):
+                best = (i, len(s))
+        if best is None:
+            return None
+        return best[0] + best[1] if self.sp.include_stop_str_in_output else best[0]
 
     def _held_back(self) -> int:
         """Length of the text tail that could still grow into a stop string."""

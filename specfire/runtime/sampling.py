@@ -20,18 +20,25 @@ from .rng import DeviceRng, race_sample
 
 
 class Penalties:
-    """One request's token statistics on the device: `prompt` [V] bool (the ids in the prompt)
-    and `counts` [V] float32 (how often each id was generated so far; exact integers).
-    `begin` resets both for a new request, so nothing carries over from the last one."""
+    """One request's token statistics on the device: `prompt` [V] bool (the ids in the prompt),
+    `counts` [V] float32 (how often each id was generated so far; exact integers), `generated`
+    (0-d float32, the tokens generated so far) and `ends` [V] bool (the ids that end the output,
+    masked before min_tokens). `begin` resets them for a new request, so nothing carries over."""
 
     def __init__(self, vocab: int, device: torch.device | str):
         self.prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
         self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        self.generated = torch.zeros((), dtype=torch.float32, device=device)
+        self.ends = torch.zeros(vocab, dtype=torch.bool, device=device)
 
-    def begin(self, prompt: torch.Tensor) -> "Penalties":
+    def begin(self, prompt: torch.Tensor, ends: list[int] | tuple[int, ...] = ()) -> "Penalties":
         self.prompt.zero_()
         self.prompt[prompt.to(self.prompt.device)] = True
         self.counts.zero_()
+        self.generated.zero_()
+        self.ends.zero_()
+        if ends:
+            self.ends[torch.tensor(list(ends), dtype=torch.long, device=self.ends.device)] = True
         return self
 
     def add(self, tokens: torch.Tensor, n: torch.Tensor | None = None) -> None:
@@ -41,39 +48,47 @@ class Penalties:
         if n is not None:
             w = (torch.arange(tokens.shape[0], device=tokens.device) <= n).to(torch.float32)
         self.counts.index_add_(0, tokens, w)
+        self.generated += w.sum()
 
 
 def penalize(logits: torch.Tensor, pen: Penalties | None, sp: SamplingParams,
-             draft: torch.Tensor | None = None) -> torch.Tensor:
+             draft: torch.Tensor | None = None, ends: bool = True) -> torch.Tensor:
     """logits [R, V] of rows conditioned on the request so far plus draft[:i] (row i; draft [R-1]
     int64 on the device, None or empty for one row) -> float32 penalised logits, a new tensor.
     For the ids seen in the prompt or in row i's output (counts + drafts before i): a positive
     logit is divided by repetition_penalty, a negative one multiplied; then, with c the output
-    count, logit -= frequency_penalty * c and presence_penalty * [c > 0]. Fixed shapes, no host
-    read. The same function serves the first token, the AR step and every verify row, so a row's
+    count, logit -= frequency_penalty * c and presence_penalty * [c > 0]. With min_tokens (and
+    `ends`), a row whose token would be one of the first min_tokens gets -inf at every id that
+    ends the output (vLLM's min_tokens), so no route can end early. Fixed shapes, no host read.
+    The same function serves the first token, the AR step and every verify row, so a row's
     result depends only on its own context. Returns the logits as they are when `pen` is None or
-    the request has no penalty."""
-    if pen is None or not sp.penalized:
+    nothing applies."""
+    masks = ends and sp.min_tokens > 0
+    if pen is None or not (sp.penalized or masks):
         return logits
     x = logits.float()
     r, v = x.shape
-    counts = pen.counts.view(1, v).expand(r, v)
-    k = 0 if draft is None else draft.shape[0]
-    if k:
-        if k != r - 1:
-            raise ValueError(f"penalize: {r} rows need {r - 1} drafts, got {k}")
-        rows = torch.arange(r, device=x.device).view(r, 1)
-        before = (rows > torch.arange(k, device=x.device).view(1, k)).to(torch.float32)   # [R, k]: draft j precedes row i
-        counts = counts.clone().scatter_add_(1, draft.view(1, k).expand(r, k), before)
     out = x
-    if sp.repetition_penalty != 1.0:
-        seen = pen.prompt.view(1, v) | (counts > 0)
-        rp = float(sp.repetition_penalty)
-        out = torch.where(seen, torch.where(out > 0, out / rp, out * rp), out)
-    if sp.frequency_penalty != 0.0:
-        out = out - float(sp.frequency_penalty) * counts
-    if sp.presence_penalty != 0.0:
-        out = out - float(sp.presence_penalty) * (counts > 0).to(torch.float32)
+    k = 0 if draft is None else draft.shape[0]
+    if k and k != r - 1:
+        raise ValueError(f"penalize: {r} rows need {r - 1} drafts, got {k}")
+    if sp.penalized:
+        counts = pen.counts.view(1, v).expand(r, v)
+        if k:
+            rows = torch.arange(r, device=x.device).view(r, 1)
+            before = (rows > torch.arange(k, device=x.device).view(1, k)).to(torch.float32)   # [R, k]: draft j precedes row i
+            counts = counts.clone().scatter_add_(1, draft.view(1, k).expand(r, k), before)
+        if sp.repetition_penalty != 1.0:
+            seen = pen.prompt.view(1, v) | (counts > 0)
+            rp = float(sp.repetition_penalty)
+            out = torch.where(seen, torch.where(out > 0, out / rp, out * rp), out)
+        if sp.frequency_penalty != 0.0:
+            out = out - float(sp.frequency_penalty) * counts
+        if sp.presence_penalty != 0.0:
+            out = out - float(sp.presence_penalty) * (counts > 0).to(torch.float32)
+    if masks:
+        early = (pen.generated + torch.arange(r, device=x.device, dtype=torch.float32)) < sp.min_tokens   # [R]
+        out = out.masked_fill(early.view(r, 1) & pen.ends.view(1, v), float("-inf"))
     return out
 
 
@@ -83,8 +98,8 @@ def penalize_draft(logits: torch.Tensor, pen: Penalties | None, sp: SamplingPara
     request's counts plus the drafts picked before it in this chain (`before`, [1] int64 each, on
     the device). N may be a draft vocabulary (ids 0..N-1 of V): the statistics are cut to it.
     The same arithmetic as `penalize` (counts are exact integers), so a draft step whose head
-    agrees with the trunk picks what the verify row picks. Fixed shapes, no host read
-    (capturable)."""
+    agrees with the trunk picks what the verify row picks. min_tokens is left to the verify (a
+    draft only changes what is accepted). Fixed shapes, no host read (capturable)."""
     if pen is None or not sp.penalized:
         return logits
     n = logits.shape[-1]
@@ -94,11 +109,12 @@ def penalize_draft(logits: torch.Tensor, pen: Penalties | None, sp: SamplingPara
         counts = counts.clone().index_add_(0, d, torch.ones(d.shape[0], dtype=torch.float32, device=d.device))
     view = Penalties.__new__(Penalties)
     view.prompt, view.counts = pen.prompt[:n], counts
-    return penalize(logits, view, sp)
+    return penalize(logits, view, sp, ends=False)
 
 
 def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-    """logits [R, V] float32 -> probabilities [R, V] after temperature, top-k, top-p and min-p."""
+    """logits [R, V] float32 -> probabilities [R, V] after temperature, top-k, top-p and min-p
+    (top-p keeps at least the most likely token, as vLLM's does)."""
     x = logits.float() / max(sp.temperature, 1e-6)
     v = x.shape[-1]
     if 0 < sp.top_k < v:
@@ -109,6 +125,7 @@ def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
         sp_sorted, idx = torch.sort(p, dim=-1, descending=True)
         before = sp_sorted.cumsum(-1) - sp_sorted          # mass strictly before each token
         drop_sorted = before >= sp.top_p                    # keep the smallest set reaching top_p
+        drop_sorted[..., 0] = False     # and the top token always: a top_p below float32's range is 0 here
         drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
         p = p.masked_fill(drop, 0.0)
     if sp.min_p > 0.0:

@@ -103,11 +103,11 @@ class StepBuffers:
         self._slot = 0
         self.pen: Penalties | None = None       # token statistics of a penalised request (made on first use)
 
-    def penalties(self, vocab: int, prompt: torch.Tensor) -> Penalties:
-        """The penalty statistics, reset for a new request with this prompt."""
+    def penalties(self, vocab: int, prompt: torch.Tensor, ends: list[int] | tuple[int, ...] = ()) -> Penalties:
+        """The token statistics, reset for a new request with this prompt (and these ending ids)."""
         if self.pen is None or self.pen.counts.shape[0] != vocab:
             self.pen = Penalties(vocab, self.device)
-        return self.pen.begin(prompt)
+        return self.pen.begin(prompt, ends)
 
     def accept(self, logits: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None, sp: SamplingParams,
                rng: DeviceRng | None, graph: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,8 +168,9 @@ def launch(trunk: Trunk, drafter: Drafter | None, route: str, last: int, last_de
     """Queue one draft -> verify -> accept. `last` (host) and `last_dev` ([1], device) are the
     newest token, at `pos`. An AR step (no drafter or k = 0) also commits here: n = 0.
 
-    `pen` (a request with penalties): the verify rows are penalised (`sampling.penalize`, row i
-    with the counts of the output so far plus drafts 0..i-1) before either accept rule, and the
+    `pen` (a request with penalties or min_tokens): the verify rows are penalised and masked
+    (`sampling.penalize`, row i with the counts of the output so far plus drafts 0..i-1, and the
+    ends masked while its position is before min_tokens) before either accept rule, and the
     emitted tokens are counted on the device afterwards. The drafter gets the statistics too
     (`propose`, `prepare`); one that `penalises(sp)` picks a greedy request's drafts penalised the
     same way, the others ignore them (drafts only change what is accepted, never what is emitted).

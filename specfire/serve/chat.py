@@ -67,8 +67,8 @@ def parse_tool_choice(v: Any, tools: list[dict[str, Any]] | None) -> str:
 
 def prepare_chat(llm: "LLM", messages: list[dict[str, Any]], extra: dict[str, Any], kwargs: dict[str, Any],
                  opts: ChatOptions) -> tuple[list[int], Callable[[], AssistantOutput]]:
-    """(prompt ids, a factory of the request's AssistantOutput) for a chat body; `extra` is the
-    body's fields beyond the sampling ones (tools, tool_choice)."""
+    """(prompt ids, a factory of the request's AssistantOutput) for a chat body; `extra`: the
+    body's tools and tool_choice."""
     from jinja2 import TemplateError
 
     from ..chat_template import ChatInputError

@@ -1,10 +1,11 @@
 """`specfire daemon`: JSON lines on stdin/stdout, for tools that drive the engine as a child process.
 
 One message per line in, one event per line out, in order; the protocol is in docs/PROTOCOL.md.
-A reader thread feeds stdin lines to a queue, so a running generation sees `cancel`, `ping` and
-the end of input between engine steps. stdout carries only protocol JSON: while the daemon runs,
-`sys.stdout` points at stderr so a stray print from any library cannot corrupt the stream; a
-reader that goes away (`specfire daemon | head`) ends the daemon quietly."""
+A reader thread feeds stdin lines to a queue, so a running generation sees `cancel` and `ping`
+between engine steps. The end of input means no more input (`specfire daemon < requests.jsonl`):
+every line read before it is answered, then the daemon exits. stdout carries only protocol JSON:
+while the daemon runs, `sys.stdout` points at stderr so a stray print from any library cannot
+corrupt the stream; a reader that goes away (`specfire daemon | head`) ends the daemon quietly."""
 from __future__ import annotations
 
 import argparse
@@ -44,7 +45,8 @@ class DaemonError(Exception):
 
 
 class Stop(Exception):
-    """The running generation ends early: `reason` is "cancel" (with the cancel message's id) or "eof"."""
+    """The running generation ends early: `reason` is "cancel" (with the cancel message's id) or
+    "closed" (stdout's reader has gone)."""
 
     def __init__(self, reason: str, cancel_id: Any = None):
         super().__init__(reason)
@@ -102,7 +104,8 @@ class Daemon:
 
     # ---- input ----------------------------------------------------------------------------------
     def run(self, inp: Iterable[bytes]) -> None:
-        """Handle every line of `inp` (read on a thread) until it ends or stdout's reader leaves."""
+        """Handle every line of `inp` (read on a thread), those before its end included, then
+        return; stdout's reader leaving ends it at once."""
         def read() -> None:
             try:
                 for raw in inp:
@@ -112,11 +115,16 @@ class Daemon:
 
         threading.Thread(target=read, name="specfire-stdin", daemon=True).start()
         try:
-            while not (self.eof or self.closed):
-                raw = self.pending.popleft() if self.pending else self.lines.get()
-                if raw is EOF:
-                    self.eof = True
+            while not self.closed:
+                if self.pending:
+                    raw = self.pending.popleft()
+                elif self.eof:
                     break
+                else:
+                    raw = self.lines.get()
+                    if raw is EOF:
+                        self.eof = True
+                        continue
                 self.handle_line(raw)
         finally:
             self._unload()
@@ -306,17 +314,18 @@ class Daemon:
                    "tau": fig.mean_accept_len})
 
     def poll(self, attempt: int) -> None:
-        """Between engine steps: answer pings, act on cancels and the end of input, keep the rest."""
+        """Between engine steps: answer pings, act on cancels, keep the rest (and note the end of
+        input, which stops nothing: the lines before it are still answered)."""
         if self.closed:
-            raise Stop("eof")
-        while True:
+            raise Stop("closed")
+        while not self.eof:
             try:
                 raw = self.lines.get_nowait()
             except queue.Empty:
                 return
             if raw is EOF:
                 self.eof = True
-                raise Stop("eof")
+                return
             try:
                 msg = self.parse(raw)
             except DaemonError:

@@ -119,7 +119,8 @@ def prepare(st: ServeState, raw: bytes, chat: bool) -> relay.Prepared:
                            "not_found_error", "model_not_found")
     if chat:
         assert isinstance(b, ChatBody)
-        ids, assistant = prepare_chat(llm, b.messages, b.model_extra or {}, b.chat_template_kwargs or {}, st.chat)
+        ids, assistant = prepare_chat(llm, b.messages, {"tools": b.tools, "tool_choice": b.tool_choice},
+                                       b.chat_template_kwargs or {}, st.chat)
         default_max = llm.max_model_len
     else:
         assert isinstance(b, CompletionBody)

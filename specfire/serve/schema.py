@@ -104,9 +104,30 @@ def parse_object(raw: bytes | str, what: str = "request body") -> dict[str, Any]
 # ---- shapes ---------------------------------------------------------------------------------------
 
 class _Strict(BaseModel):
-    """JSON types as written (no "5" for 5, no true for 1); unknown fields are kept and ignored."""
+    """JSON types as written (no "5" for 5, no true for 1). A field not declared here is refused,
+    never dropped: a request that asks for something the server would ignore gets a 400 naming it."""
 
-    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+# why some well-known fields are refused (any other undeclared field is refused as unknown)
+TOOLS, STRUCTURED = "use 'tools' and 'tool_choice'", "structured output is not built yet"
+NOT_BUILT = {"functions": TOOLS, "function_call": TOOLS,
+             "response_format": STRUCTURED, "guided_json": STRUCTURED, "guided_regex": STRUCTURED,
+             "guided_choice": STRUCTURED, "guided_grammar": STRUCTURED, "structured_outputs": STRUCTURED,
+             "logit_bias": "biasing logits is not built", "suffix": "suffix (fill-in-the-middle) is not supported",
+             "use_beam_search": "beam search is not supported"}
+# fields accepted only with a value that asks for nothing: (the values, what else would need)
+ONLY_TRIVIAL = {"response_format": ((None, {"type": "text"}), STRUCTURED + " (only {\"type\": \"text\"})"),
+                "logit_bias": ((None, {}), "biasing logits is not built (only {})"),
+                "top_logprobs": ((None, 0), "logprobs are not supported")}
+
+
+def check_trivial(v: Any, info: Any) -> Any:
+    allowed, why = ONLY_TRIVIAL[info.field_name]
+    if not any(v == a and type(v) is type(a) for a in allowed):
+        raise ValueError(f"is not supported: {why}; got {_short(v)}")
+    return v
 
 
 class StreamOptions(_Strict):
@@ -178,6 +199,10 @@ class SamplingBody(_Strict):
     logprobs: Any = None
     echo: Any = None
     speculation: Any = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
 
     @field_validator("stop")
     @classmethod
@@ -216,11 +241,27 @@ class HttpBody(SamplingBody):
     model: str | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    user: str | None = None              # the client's own label for its end user: nothing to do with it
+    logit_bias: Any = None
+    _trivial = field_validator("logit_bias")(check_trivial)
 
 
 class ChatBody(HttpBody):
     messages: Any = Field(default=None, validate_default=True)
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Any = None                            # checked by serve/chat.py against the template
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None      # several calls in one turn are parsed either way
+    response_format: Any = None
+    top_logprobs: Any = None
+    _trivial_chat = field_validator("response_format", "top_logprobs")(check_trivial)
+
+    @field_validator("parallel_tool_calls")
+    @classmethod
+    def check_parallel(cls, v: bool | None) -> bool | None:
+        if v is False:
+            raise ValueError("false is not supported: every call the model writes in a turn is returned")
+        return v
 
     @field_validator("messages")
     @classmethod
@@ -240,6 +281,9 @@ class CompletionBody(HttpBody):
 class GenerateMessage(SamplingBody):
     """The daemon's `generate`: exactly one of prompt / messages (checked by the daemon)."""
 
+    type: Any = None
+    id: Any = None
+    attempt_id: Any = None              # checked by the daemon
     prompt: Any = None
     messages: Any = None
 
@@ -275,6 +319,10 @@ def validate(model: type[BaseModel], body: dict[str, Any]) -> Any:
         for part in err["loc"]:
             param += f"[{part}]" if isinstance(part, int) else (f".{part}" if param else str(part))
         param = param or None
+        if err["type"] == "extra_forbidden":
+            why = NOT_BUILT.get(param or "")
+            raise RequestError(f"'{param}' is not supported{': ' + why if why else ' (not a field of this request)'}"
+                               f"; specfire refuses a field rather than ignore it", param) from None
         if err["type"] == "value_error":
             msg = str(err["ctx"]["error"])
             if msg.startswith("'"):        # the message names a nested field itself
@@ -293,6 +341,7 @@ PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p") + PENALTIES
+ENDS = ("min_tokens", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")   # vLLM's fields
 
 
 def sampling_params(b: SamplingBody, default_max_tokens: int, default_temperature: float = 1.0,
@@ -312,6 +361,9 @@ def sampling_params(b: SamplingBody, default_max_tokens: int, default_temperatur
             max_tokens = min(max_tokens, room)
     kw: dict[str, Any] = dict(max_tokens=max_tokens, temperature=default_temperature, seed=b.seed,
                               stop=b.stop or [], ignore_eos=bool(b.ignore_eos))
+    for name in ENDS:
+        if getattr(b, name) is not None:
+            kw[name] = getattr(b, name)
     for name in SAMPLING_FIELDS:
         v = getattr(b, name)
         if v is None:
@@ -349,8 +401,13 @@ def encode(llm: "LLM", prompt: str | list[int], name: str) -> list[int]:
 
 
 def check_route(llm: "LLM", sp: SamplingParams, policy: SpecPolicy, name: str = "speculation") -> "RoutePlan":
-    """The request's route, decided once (it goes with the request to the engine); a speculation
-    mode the loaded model cannot serve is refused before queueing."""
+    """The request's route, decided once (it goes with the request to the engine); refused before
+    queueing: a stop token id outside the vocabulary, a speculation mode the model cannot serve."""
+    vocab = llm.cfg.vocab_size
+    for i, t in enumerate(sp.stop_token_ids):
+        if t >= vocab:
+            raise RequestError(f"'stop_token_ids[{i}]' is {t}, outside the vocabulary [0, {vocab})",
+                               "stop_token_ids")
     try:
         return llm.plan_route(sp, policy)
     except SpecfireError as e:
