@@ -135,12 +135,10 @@ def test_seed_range():
 
 MSG = [{"role": "user", "content": "x"}]
 REFUSED = [
-    (schema.ChatBody, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling"),
-    (schema.ChatBody, {"tool_choice": "required"}, "tool_choice", "tool calling"),
-    (schema.ChatBody, {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "tool"),
+    (schema.ChatBody, {"parallel_tool_calls": False}, "parallel_tool_calls", "not supported"),
     (schema.ChatBody, {"response_format": {"type": "json_object"}}, "response_format", "structured output"),
     (schema.ChatBody, {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format", "structured"),
-    (schema.ChatBody, {"functions": [{"name": "f"}]}, "functions", "tool calling"),
+    (schema.ChatBody, {"functions": [{"name": "f"}]}, "functions", "use 'tools'"),
     (schema.ChatBody, {"logit_bias": {"5": 10}}, "logit_bias", "not built"),
     (schema.ChatBody, {"top_logprobs": 3}, "top_logprobs", "not supported"),
     (schema.ChatBody, {"guided_json": {}}, "guided_json", "structured output"),
@@ -148,7 +146,7 @@ REFUSED = [
     (schema.ChatBody, {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats", "not a field"),
     (schema.CompletionBody, {"suffix": "}"}, "suffix", "fill-in-the-middle"),
-    (schema.CompletionBody, {"tools": []}, "tools", "tool calling"),
+    (schema.CompletionBody, {"tools": []}, "tools", "not a field"),
     (schema.CompletionBody, {"use_beam_search": True}, "use_beam_search", "beam search"),
     (schema.GenerateMessage, {"chat_template_kwargs": {}}, "chat_template_kwargs", "not a field"),
 ]
@@ -195,8 +193,8 @@ def test_end_fields_map_to_sampling_params(llm):
 
 
 def test_http_refuses_tools_and_serves_the_end_fields(llm):
-    """Through the app: tools and response_format are a 400 naming the field (they were a 200 that
-    ignored them); the vLLM end fields reach the engine (the text is the in-process one)."""
+    """Through the app: tools this template cannot show, tool_choice required and response_format
+    are a 400 naming the field (they were a 200 that ignored them); the vLLM end fields reach the engine (the text is the in-process one)."""
     from fastapi.testclient import TestClient
 
     from specfire.serve.app import build_app
