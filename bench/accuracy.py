@@ -138,7 +138,7 @@ def main() -> None:
     from synthetic import random_head
 
     from specfire import LLM, SamplingParams, SpecPolicy
-    from specfire.ops import fusion
+    from specfire.kernels import fusion
     from specfire.train.export import export_checkpoint
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -3,8 +3,8 @@
 1. CPU time per token (least process time over --reps rounds, variants interleaved; 1 thread, so
    other jobs on a shared machine matter less than for wall-clock rates) of greedy AR and MTP k=3
    decoding on one device as it ships (`default`) and in the canonical mode a tensor-parallel mesh
-   computes (`canonical`, `splitk.set_enabled(True)`: the canonical split-K of row-parallel
-   projections, ops/splitk.py, plus elementwise math padded to whole vectors, ops/lanes.py).
+   computes (`canonical`, `canonical.set_enabled(True)`: the canonical split-K of row-parallel
+   projections, kernels/splitk, plus elementwise math padded to whole vectors, kernels/cpu_exact/lanes.py).
 2. A torch.profiler table of one AR decode (self CPU time by op) as shipped.
 
     PYTHONPATH=. python bench/bundled_cpu_profile.py [--model DIR] [-n 96] [--reps 3] [--top 25]
@@ -23,13 +23,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from specfire.api import LLM                           # noqa: E402
 from specfire.config import SamplingParams, SpecPolicy  # noqa: E402
-from specfire.ops import splitk                        # noqa: E402
+from specfire.kernels import canonical
 
 PROMPT = "def fibonacci(n):"
 
 
 def variant(name: str) -> None:
-    splitk.set_enabled(True if name == "canonical" else None)
+    canonical.set_enabled(True if name == "canonical" else None)
 
 
 def cpu_per_token(llm: LLM, spec, n: int, reps: int) -> tuple[float, list[int], float]:

@@ -1,6 +1,6 @@
 """The MTP head's prompt catch-up (`MtpDrafter.begin`: the head's one decoder layer over the prompt's
 rows but the last, in prefill mode) on one GPU, 27B shape, 4-bit, with the catch-up's fused kernels
-off and on in the same process (ops/head_fused.py `catchup_enabled`, SPECFIRE_CATCHUP_FUSE; switched
+off and on in the same process (kernels/head `catchup_enabled`, SPECFIRE_CATCHUP_FUSE; switched
 with `set_catchup`).
 
     PYTHONPATH=$PWD python bench/catchup.py --shape 27B --vocab 32768 --budget-s 140 --out $OUT
@@ -66,7 +66,7 @@ def _prefilled(llm, prompt):
 
 
 def time_begin(llm, prompt, on: bool, reps: int, cuda: bool) -> tuple[dict, tuple]:
-    from specfire.ops import head_fused
+    from specfire.kernels import head as head_fused
 
     mtp = llm.engine.drafters["mtp"]
     head_fused.set_catchup(on)
@@ -101,7 +101,7 @@ def time_begin(llm, prompt, on: bool, reps: int, cuda: bool) -> tuple[dict, tupl
 
 def graph_begin(llm, prompt, on: bool) -> float:
     """The catch-up (`MtpDrafter._prefill` over the prompt's rows) captured and replayed: device ms."""
-    from specfire.ops import head_fused
+    from specfire.kernels import head as head_fused
 
     mtp = llm.engine.drafters["mtp"]
     rows = _prefilled(llm, prompt)
@@ -126,7 +126,7 @@ def graph_begin(llm, prompt, on: bool) -> float:
 
 def e2e(llm, ids, on: bool, prefix: bool, tokens: int, long: int, reps: int, cuda: bool, nbytes) -> dict:
     from specfire import SamplingParams, SpecPolicy
-    from specfire.ops import head_fused
+    from specfire.kernels import head as head_fused
 
     mtp = llm.engine.drafters["mtp"]
     pol = SpecPolicy("mtp", k=3)
@@ -216,7 +216,7 @@ def profile_begin(llm, prompt, on: bool, cuda: bool, out: str | None, name: str)
     """torch.profiler over one `begin` after a prefill and a sync; a summary of its trace."""
     from torch.profiler import ProfilerActivity, profile
 
-    from specfire.ops import head_fused
+    from specfire.kernels import head as head_fused
 
     mtp = llm.engine.drafters["mtp"]
     rows = _prefilled(llm, prompt)

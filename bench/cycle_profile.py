@@ -18,33 +18,33 @@ state == its log replayed by the commit kernel; both program forms.
 
 Per variant (switched in the process, the captured graphs dropped where a switch changes them):
   whole4     the fused GDN kernel with one program per whole value head (4 warps, the gated norm
-             inside; ops/gdn_fused.py BV None, NUM_WARPS 4)
+             inside; kernels/gdn/fused.py BV None, NUM_WARPS 4)
   gdn64/32   a head's value columns split over 2 / 4 programs (bv 64 / 32, 2 / 1 warps, the gated
              norm as its own kernel); gdn32w2 / gdn64w4 the same on 2 / 4 warps (docs/BENCHMARKS.md
              "Seventh wave: where an MTP cycle's time goes"). These run the plain row loop (PIPE off).
-  ...p       (gdn32w2p, whole4p) the same with the row loop software-pipelined (ops/gdn_fused.py PIPE:
+  ...p       (gdn32w2p, whole4p) the same with the row loop software-pipelined (kernels/gdn/fused.py PIPE:
              each row's projections, a, b, z loaded one row ahead); gdn32w2p was the default until the
              merged form (docs/BENCHMARKS.md "Eighth wave: the Gated DeltaNet row loop software-pipelined").
-  m32w2 ...  the merged-reduction row loop (ops/gdn_fused.py MERGED, _gdn_merged_kernel: one four-operand
+  m32w2 ...  the merged-reduction row loop (kernels/gdn/fused.py MERGED, _gdn_merged_kernel: one four-operand
              reduce a row, the conv window in registers) at bv / warps 32/2 (the default), 32/1, 16/1,
              16/2, 8/1, 64/2 (docs/BENCHMARKS.md "Ninth wave: the Gated DeltaNet rows ...").
   q4off / q4disc / q4mt / q4ilp / q4dil / q4all  gdn32w2p (the plain pipelined loop, as measured) with the 4-bit GEMV's ninth-wave switches
-             (ops/triton_quant.py) all off / DISCARD only (split-K partials dropped from L2 after the
+             (kernels/q4/gemv.py) all off / DISCARD only (split-K partials dropped from L2 after the
              combine) / M_TILES only (--q4-mtiles: per-(N, K, M) tiles from bench/q4_rows4.py) /
              COMBINE_ILP only (the combine's loads four at a time) / DISCARD + COMBINE_ILP / all on
              (every graph recaptured on a switch)
   chain0 / chain1 / chain1np  gdn32w2p (as measured) with the MTP head's fused rows step off / on
-             (ops/head_fused.py, SPECFIRE_CHAIN_FUSE; only the chain's graphs recaptured on a
+             (kernels/head, SPECFIRE_CHAIN_FUSE; only the chain's graphs recaptured on a
              switch); chain1np: on without the fused greedy pick / row select (SPECFIRE_CHAIN_PICK=0).
              The profile then also lists the chain graph's kernels one by one.
   eighth     the eighth wave's path (gdn32w2p, q4off, chain0 together, the head's prompt catch-up
              unfused and no queued-chain prefix for a shorter last cycle): the ninth wave's baseline.
   fold / nofold  gdn32w2p with the 4-bit GEMVs' sum(x) folded into the kernels that write their
-             inputs (ops/xsum.py, the pairwise tree) / made by the GEMV's own launch
+             inputs (kernels/xsum.py, the pairwise tree) / made by the GEMV's own launch
              (SPECFIRE_XSUM_FOLD=1 / 0; the trunk's and the MTP chain's graphs recaptured on a
              switch); foldplain the fold with tl.sum in the producers (SPECFIRE_XSUM_FOLD=plain).
              A variant without the key leaves the fold as the environment has it.
-The rows forward writes no state; the commit replays the logged rows (model/state.py, ops/gdn.py
+The rows forward writes no state; the commit replays the logged rows (model/state.py, kernels/gdn
 commit_rows). The earlier per-row state captures and copying commit are gone: their figures are
 the seventh wave's (docs/BENCHMARKS.md).
 it reports: the AR step and the MTP k=3 cycle through `LLM.generate` (median of --reps runs each),
@@ -88,11 +88,11 @@ VARIANTS = {
     "gdn32w2p": dict(gdn=(32, 2), pipe=True),
     "whole4p": dict(gdn=(None, 4), pipe=True),
     # the default GDN form with the 4-bit GEMV inputs' group sums folded into their producers
-    # (ops/xsum.py, SPECFIRE_XSUM_FOLD) or made by the GEMV's own sum(x) launch
+    # (kernels/xsum.py, SPECFIRE_XSUM_FOLD) or made by the GEMV's own sum(x) launch
     "fold": dict(gdn=(32, 2), pipe=True, fold="1"),
     "nofold": dict(gdn=(32, 2), pipe=True, fold="0"),
     "foldplain": dict(gdn=(32, 2), pipe=True, fold="plain"),
-    # the merged-reduction row loop (ops/gdn_fused.py MERGED): split 32 / 2 warps (the default), 32 / 1,
+    # the merged-reduction row loop (kernels/gdn/fused.py MERGED): split 32 / 2 warps (the default), 32 / 1,
     # 16 / 1, 16 / 2, 8 / 1, 64 / 2
     "m32w2": dict(gdn=(32, 2), pipe=True, merged=True),
     "m32w1": dict(gdn=(32, 1), pipe=True, merged=True),
@@ -100,7 +100,7 @@ VARIANTS = {
     "m16w2": dict(gdn=(16, 2), pipe=True, merged=True),
     "m8w1": dict(gdn=(8, 1), pipe=True, merged=True),
     "m64w2": dict(gdn=(64, 2), pipe=True, merged=True),
-    # the 4-bit GEMV's ninth-wave switches (ops/triton_quant.py): (DISCARD: split-K partials' L2 lines
+    # the 4-bit GEMV's ninth-wave switches (kernels/q4/gemv.py): (DISCARD: split-K partials' L2 lines
     # dropped after the combine, M_TILES: the --q4-mtiles per-(N, K, M) tiles, COMBINE_ILP: the
     # combine's loads four at a time), the eighth wave's GDN form (gdn32w2p)
     "q4off": dict(gdn=(32, 2), pipe=True, q4=(False, False, False)),
@@ -109,7 +109,7 @@ VARIANTS = {
     "q4ilp": dict(gdn=(32, 2), pipe=True, q4=(False, False, True)),
     "q4dil": dict(gdn=(32, 2), pipe=True, q4=(True, False, True)),
     "q4all": dict(gdn=(32, 2), pipe=True, q4=(True, True, True)),
-    # the default form with the MTP head's fused rows step off / on (ops/head_fused.py,
+    # the default form with the MTP head's fused rows step off / on (kernels/head,
     # SPECFIRE_CHAIN_FUSE; only the chain's graphs are recaptured on a switch)
     "chain0": dict(gdn=(32, 2), pipe=True, chain="0"),
     "chain1": dict(gdn=(32, 2), pipe=True, chain="1"),
@@ -124,7 +124,7 @@ Q4_MTILES: dict = {}        # --q4-mtiles: (N, K, M) -> (block_n, num_warps, num
 def _q4_defaults():
     """The 4-bit GEMV's switches as the module starts (the environment's), restored for variants
     without a "q4" key (before: they kept the previous variant's switches)."""
-    from specfire.ops import triton_quant
+    from specfire.kernels.q4 import gemv as triton_quant
     return (triton_quant.DISCARD, True, triton_quant.COMBINE_ILP), dict(triton_quant.M_TILES)
 
 
@@ -247,7 +247,7 @@ def families(replay, reps: int = 4, top: int = 14) -> dict:
 
 def apply(llm, name: str, current: dict) -> None:
     """Switch the process to variant `name`; drop the graphs the switch changes."""
-    from specfire.ops import gdn_fused
+    from specfire.kernels.gdn import fused as gdn_fused
     from specfire.runtime.graphs import RowsGraphs
 
     v = VARIANTS[name]
@@ -256,7 +256,7 @@ def apply(llm, name: str, current: dict) -> None:
     gdn_fused.PIPE = v["pipe"]
     gdn_fused.MERGED = v.get("merged", False)
     fold_changed = "fold" in v and current.get("fold") != v["fold"]
-    from specfire.ops import triton_quant
+    from specfire.kernels.q4 import gemv as triton_quant
     if "q4" in v or "q4" in current:            # a variant without the key runs the module's defaults
         q4 = v.get("q4", Q4_DEFAULT)
         fold_changed |= current.get("q4", Q4_DEFAULT) != q4               # the chain's GEMVs change too
@@ -265,8 +265,8 @@ def apply(llm, name: str, current: dict) -> None:
         triton_quant.M_TILES.update(Q4_DEFAULT_TILES if q4 is Q4_DEFAULT else Q4_MTILES if q4[1] else {})
     chain_changed = (current.get("chain", "1"), current.get("pick", "1")) != (v.get("chain", "1"), v.get("pick", "1"))
     if "fold" in v:
-        os.environ["SPECFIRE_XSUM_FOLD"] = v["fold"]                    # read at each launch (ops/xsum.py)
-    os.environ["SPECFIRE_CHAIN_FUSE"] = v.get("chain", "1")             # read at each head step (ops/head_fused.py)
+        os.environ["SPECFIRE_XSUM_FOLD"] = v["fold"]                    # read at each launch (kernels/xsum.py)
+    os.environ["SPECFIRE_CHAIN_FUSE"] = v.get("chain", "1")             # read at each head step (kernels/head)
     os.environ["SPECFIRE_CHAIN_PICK"] = v.get("pick", "1")              # read at each chain
     trunk_keys = lambda d: {k: x for k, x in d.items() if k not in ("chain", "pick")}    # noqa: E731
     if trunk.graphs is not None:
@@ -276,7 +276,7 @@ def apply(llm, name: str, current: dict) -> None:
     mtp = llm.engine.drafters.get("mtp")
     if (fold_changed or chain_changed) and mtp is not None and mtp.graphs is not None:
         mtp.graphs.clear()                                              # the chain's GEMVs / head step too
-    from specfire.ops import head_fused
+    from specfire.kernels import head as head_fused
     head_fused.set_catchup(None if v.get("catchup", True) else False)   # the head's prompt catch-up kernels
     if mtp is not None:
         mtp.prefix = v.get("catchup", True)             # a shorter last cycle takes the queued chain's drafts
@@ -391,7 +391,8 @@ def random_head_check(llm, ids, tokens: int, log: Log, label: str) -> None:
     """Final norms +1 (a random head: drafts rejected, n = 0 mostly; the output now depends on the
     bits, where the tied checkpoint's is token 0 whatever they are): MTP k=3 == AR."""
     from specfire import SamplingParams, SpecPolicy
-    from specfire.ops import gdn_fused, triton_quant
+    from specfire.kernels.gdn import fused as gdn_fused
+    from specfire.kernels.q4 import gemv as triton_quant
 
     model, head = llm.engine.trunk.model, llm.engine.drafters["mtp"].head
     saved = (model.norm.weight.clone(), head.norm.weight.clone())
@@ -416,9 +417,9 @@ def random_head_check(llm, ids, tokens: int, log: Log, label: str) -> None:
 def kernel_check(cfg, device: str, log: Log) -> bool:
     """The GDN kernels' bits on cfg's GDN geometry (random bf16 projections, float32 state): see the
     module docstring. Returns whether every comparison held."""
-    from specfire.ops import gdn as gdn_ops
-    from specfire.ops.gdn_fused import gdn_decode_ref, gdn_decode_triton
-    from specfire.ops.gdn_kernels import commit_rows_triton, gdn_rows_triton
+    from specfire.kernels import gdn as gdn_ops
+    from specfire.kernels.gdn.fused import gdn_decode_ref, gdn_decode_triton
+    from specfire.kernels.gdn.kernel import commit_rows_triton, gdn_rows_triton
 
     hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     kk, t, c = cfg.linear_conv_kernel_dim, 4, 2 * hk * dk + hv * dv
@@ -487,15 +488,16 @@ def kernel_check(cfg, device: str, log: Log) -> bool:
 
 
 def head_check(cfg, device: str, log: Log) -> bool:
-    """The MTP head's fused rows step (ops/head_fused.py) on cfg's shapes: the fc-input kernel ==
+    """The MTP head's fused rows step (kernels/head) on cfg's shapes: the fc-input kernel ==
     the two RMSNorm kernels over the gathered and the hidden rows, bit for bit (1 and 4 rows); the
     rotary table's rows == rope_cos_sin at those positions (single positions and 4-row runs); the
     fused q/k kernel reading the table == reading the gathered rows."""
     from specfire.model.qwen35 import positions
-    from specfire.ops import head_fused
-    from specfire.ops import triton_small as ts
-    from specfire.ops.attn_fused import qk_norm_rope_write_triton
-    from specfire.ops.rope import rope_cos_sin
+    from specfire.kernels import head as head_fused
+    from specfire.kernels.head import kernel as head_kernel
+    from specfire.kernels.small import kernel as ts
+    from specfire.kernels.attention.fused import qk_norm_rope_write_triton
+    from specfire.kernels.small import rope_cos_sin
 
     g = torch.Generator(device=device).manual_seed(5)
     h, bf = cfg.hidden_size, torch.bfloat16
@@ -508,7 +510,7 @@ def head_check(cfg, device: str, log: Log) -> bool:
     for r in (1, 4):
         ids = torch.randint(0, 1000, (r,), generator=g, device=device)
         hid = rnd(r, h, scale=3.0)
-        y = head_fused.fc_input_triton(ids, table, hid, we, wh, cfg.rms_norm_eps, cfg.rms_norm_eps)
+        y = head_kernel.fc_input_triton(ids, table, hid, we, wh, cfg.rms_norm_eps, cfg.rms_norm_eps)
         ref = torch.cat([ts.rms_norm_triton(table[ids], we, cfg.rms_norm_eps),
                          ts.rms_norm_triton(hid, wh, cfg.rms_norm_eps)], -1)
         fc_same &= torch.equal(y, ref)
@@ -537,12 +539,12 @@ def head_check(cfg, device: str, log: Log) -> bool:
         lg = rnd(1, 32768 if i < 4 else 248320, scale=4.0)
         if i % 2:
             lg = lg.round()                                   # many ties
-        tok, p = head_fused.pick_triton(lg, out, i % 3, torch.tensor([9], device=device))
+        tok, p = head_kernel.pick_triton(lg, out, i % 3, torch.tensor([9], device=device))
         pick_same &= bool(tok.item() == lg.argmax(-1).item() == lg.float().argmax(-1).item() and p.item() == 10)
     pre, post = rnd(4, h), rnd(4, h)
     for i in range(4):
         n = torch.tensor([i], device=device)
-        a, b, p = head_fused.select_triton(pre, post, n, torch.tensor([5], device=device))
+        a, b, p = head_kernel.select_triton(pre, post, n, torch.tensor([5], device=device))
         pick_same &= torch.equal(a, pre[i:i + 1]) and torch.equal(b, post[i:i + 1]) and p.item() == 5 + i
     ok = fc_same and rope_same and qk_same and pick_same
     log("head_check", fc_input_equals_norm_kernels=fc_same, rope_table_equals_rope_cos_sin=rope_same,
@@ -652,7 +654,7 @@ def main() -> None:
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu")
     vocab = args.vocab or None
     global XSUM_COUNT
-    from specfire.ops import triton_quant
+    from specfire.kernels.q4 import gemv as triton_quant
     XSUM_COUNT = triton_quant._xsum_kernel = LaunchCount(triton_quant._xsum_kernel)
     if device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         for check in (kernel_check, head_check):

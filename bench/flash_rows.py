@@ -19,8 +19,8 @@ import torch
 from timing import graph_time  # bench/timing.py: run as a script, this folder is on sys.path
 import torch.nn.functional as F
 
-from specfire.ops import attention as A
-from specfire.ops.attention_kernels import BLOCK_M, BLOCK_N, PREFETCH, SPLIT, attention_rows_triton
+from specfire.kernels import attention as A
+from specfire.kernels.attention.kernel import BLOCK_M, BLOCK_N, PREFETCH, SPLIT, attention_rows_triton
 
 PEAK = 4.17e12
 ITERS = 20

@@ -1,4 +1,4 @@
-"""Fused decode kernels on one GPU (ops/gdn_fused.py, ops/attn_fused.py): parity, speed, identity.
+"""Fused decode kernels on one GPU (kernels/gdn/fused.py, kernels/attention/fused.py): parity, speed, identity.
 
 One call, stages in order, results written to $OUT/fuse.json as each ends (a timeout keeps them):
 1. parity:  the fused kernels vs their PyTorch references at the real shapes (27B GDN and
@@ -41,10 +41,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode import CEILING, SHAPES, build, make_cfg, step_bytes  # noqa: E402
 from timing import graph_time  # noqa: E402
 
-from specfire.ops import fusion  # noqa: E402
-from specfire.ops.attn_fused import (out_gate_ref, out_gate_triton, qk_norm_rope_write_ref,  # noqa: E402
+from specfire.kernels import fusion  # noqa: E402
+from specfire.kernels.attention.fused import (out_gate_ref, out_gate_triton, qk_norm_rope_write_ref,  # noqa: E402
                                      qk_norm_rope_write_triton)
-from specfire.ops.gdn_fused import gdn_decode_ref, gdn_decode_triton  # noqa: E402
+from specfire.kernels.gdn.fused import gdn_decode_ref, gdn_decode_triton  # noqa: E402
 
 SHAPES["tiny"] = dict(hidden_size=128, num_hidden_layers=4, intermediate_size=256, num_attention_heads=4,
                       num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4, tie_word_embeddings=False)
@@ -137,8 +137,8 @@ def stage_parity(rep: Report, dev: str, tiny: bool) -> None:
 
 
 def _committed(s, log, rows):
-    """The state after the first `rows` rows of a log (the commit: ops/gdn.py commit_rows)."""
-    from specfire.ops.gdn import commit_rows
+    """The state after the first `rows` rows of a log (the commit: kernels/gdn commit_rows)."""
+    from specfire.kernels.gdn import commit_rows
     st = s[None].clone()
     commit_rows(st, *(x[None].contiguous() for x in log), rows)
     return st[0]
@@ -164,8 +164,8 @@ def rows_detail(qkv, a, b, win, w, alog, dtb, s, hk, dk, dv, o, log, full, z, kw
 
 def stage_norms(rep: Report, dev: str) -> None:
     """Warps per row of the hidden-size add+RMSNorm (27B: 5120) timed inside a CUDA graph; the
-    fastest is kept (ops/triton_small.py NORM_WARPS)."""
-    from specfire.ops import triton_small
+    fastest is kept (kernels/small/kernel.py NORM_WARPS)."""
+    from specfire.kernels.small import kernel as triton_small
     if dev != "cuda":
         return
     x, h = (torch.randn(1, 5120, device=dev).to(torch.bfloat16) for _ in range(2))
@@ -187,7 +187,7 @@ def stage_sweep(rep: Report, dev: str, tiny: bool) -> None:
     """Launch forms of the fused GDN layer (gated norm included: inside for whole heads, its own
     kernel after split heads) at the real shape, 1 row, in a CUDA graph over 16 rotating input
     sets (~50 MB of states: not L2-resident, as in a step); the fastest is kept."""
-    from specfire.ops import gdn_fused
+    from specfire.kernels.gdn import fused as gdn_fused
     g = torch.Generator(device=dev).manual_seed(0)
     hk, hv, dk, dv, kk = (2, 4, 8, 8, 4) if tiny else (16, 48, 128, 128, 4)
     c = 2 * hk * dk + hv * dv

@@ -4,7 +4,7 @@ Checks first (parity to the float32 reference recurrence; bitwise row invariance
 == T chained one-row calls, each from the state the previous one's log committed), then times the
 kernel (CUDA graph, rotating over per-layer states so L2 never holds them) against the PyTorch
 reference on the same GPU. Bytes = state read once (the log is a few KB; the commit's read and
-write of the state are ops/gdn_kernels.py commit_rows_triton's, not timed here). Before the
+write of the state are kernels/gdn/kernel.py commit_rows_triton's, not timed here). Before the
 per-row log the kernel wrote the state after every row (figures in docs/BENCHMARKS.md).
 A table, then one JSON line.
 
@@ -19,8 +19,8 @@ import sys
 import torch
 from timing import graph_time  # bench/timing.py: run as a script, this folder is on sys.path
 
-from specfire.ops import gdn as G
-from specfire.ops.gdn_kernels import (BV, NUM_WARPS, commit_rows_triton, conv_window_triton, gdn_chunked_triton,
+from specfire.kernels import gdn as G
+from specfire.kernels.gdn.kernel import (BV, NUM_WARPS, commit_rows_triton, conv_window_triton, gdn_chunked_triton,
                                      gdn_rows_triton)
 
 PEAK = 4.17e12

@@ -31,12 +31,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from specfire.ops import greedy, norm, rope  # noqa: E402
-from specfire.ops.act import silu_mul_ref  # noqa: E402
-from specfire.ops.quant import QuantWeight, hadamard_rotate, quantize_tensor  # noqa: E402
-from specfire.ops import triton_small as ts  # noqa: E402
-from specfire.ops.triton_gemv import GemvConfig, gemv, gemv_config, gemv_group  # noqa: E402
-from specfire.ops.triton_quant import Q4Config, q4_config, q4_gemv  # noqa: E402
+from specfire.kernels import small as greedy  # noqa: E402
+from specfire.kernels import norm
+from specfire.kernels import small as rope
+from specfire.kernels.small import silu_mul_ref  # noqa: E402
+from specfire.kernels.q4 import QuantWeight, hadamard_rotate, quantize_tensor  # noqa: E402
+from specfire.kernels.small import kernel as ts  # noqa: E402
+from specfire.kernels.gemv.kernel import GemvConfig, gemv, gemv_config, gemv_group  # noqa: E402
+from specfire.kernels.q4.gemv import Q4Config, q4_config, q4_gemv  # noqa: E402
 
 PEAK = 4.17e12  # measured device-to-device copy bandwidth of the H200, bytes/s
 SHAPES = [(17408, 5120), (5120, 17408), (12288, 5120), (5120, 12288), (6144, 5120), (10240, 5120),
@@ -440,7 +442,7 @@ BF16_SMALL_CANDS = [GemvConfig(bn, bk, sp, nw, 3) for bn in (16, 32) for bk in (
 
 
 def warm_bf16_small(i: int, n_parts: int) -> None:
-    from specfire.ops import triton_gemv
+    from specfire.kernels.gemv import kernel as triton_gemv
 
     n, k = BF16_SMALL
     ws = [torch.randn(n, k, device=DEV, dtype=BF) for _ in range(2)]
@@ -463,7 +465,7 @@ def bench_bf16_small(res: dict, adopt_path: str | None) -> None:
     sets = [[torch.randn(n, k, device=DEV, dtype=BF) * k ** -0.5 for _ in range(2)] for _ in range(8)]
     x16 = torch.randn(16, k, device=DEV, dtype=BF)
     ref = [x16.float() @ w.float().t() for w in sets[0]]
-    from specfire.ops import triton_gemv
+    from specfire.kernels.gemv import kernel as triton_gemv
 
     if not SMOKE:      # compile the candidates' kernels in parallel first
         procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm-bf16", f"{i}/8"]) for i in range(8)]

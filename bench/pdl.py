@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (ops/pdl.py) on one GPU: does the graph keep it, what it buys a chain
+"""Programmatic dependent launch (kernels/pdl.py) on one GPU: does the graph keep it, what it buys a chain
 of GEMV launches, and what it buys the 27B step through `LLM.generate`, PDL on and off in one process.
 
     PYTHONPATH=$PWD python bench/pdl.py --budget-s 300 --out $OUT
@@ -47,7 +47,8 @@ VARIANTS = {"off": (False, 0, 1), "on": (True, 0, 1), "on_pf2": (True, 2, 1), "o
 
 
 def apply(name: str) -> None:
-    from specfire.ops import pdl, triton_quant
+    from specfire.kernels import pdl
+    from specfire.kernels.q4 import gemv as triton_quant
     pdl.ENABLED, triton_quant.PDL_PREFETCH, pdl.ORDER = VARIANTS[name]
 
 
@@ -80,9 +81,9 @@ def graph_edges(raw) -> dict:
 
 
 def edges_check(log: Log) -> None:
-    from specfire.ops import pdl
-    from specfire.ops.quant import QuantWeight
-    from specfire.ops.triton_quant import q4_group
+    from specfire.kernels import pdl
+    from specfire.kernels.q4 import QuantWeight
+    from specfire.kernels.q4.gemv import q4_group
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(1)
@@ -121,8 +122,8 @@ CHAIN = (("qkv+z", 5120, (10240, 6144)), ("gdn out", 6144, (5120,)), ("gate+up",
 
 
 def chain_bench(layers: int, reps: int, device: str, log: Log, smoke: bool, chain_names: list[str]) -> None:
-    from specfire.ops.quant import QuantWeight
-    from specfire.ops.triton_quant import q4_group
+    from specfire.kernels.q4 import QuantWeight
+    from specfire.kernels.q4.gemv import q4_group
 
     dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(2)

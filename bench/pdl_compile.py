@@ -1,6 +1,6 @@
 """Offline sm_90 compile of the decode kernels' PDL variants (no GPU needed): each launcher is run
 on CPU tensors with Triton's launches turned into compiles for an H200 target (compute capability
-9.0), and the PTX of every kernel is checked for what ops/pdl.py promises:
+9.0), and the PTX of every kernel is checked for what kernels/pdl.py promises:
 
 - PDL on: `griddepcontrol.wait` and `griddepcontrol.launch_dependents` present, the launch option
   set, and no global load, store or atomic before the wait in the PTX (the 4-bit GEMV's L2
@@ -85,9 +85,15 @@ def check(name: str, k, want_pdl: bool) -> list[str]:
 
 
 def launch_all(dev: str) -> None:
-    from specfire.ops import attention_kernels as ak
-    from specfire.ops import attn_fused, gdn_fused, head_fused, triton_gemv, triton_quant, triton_small, triton_splitk
-    from specfire.ops.quant import QuantWeight
+    from specfire.kernels.attention import kernel as ak
+    from specfire.kernels.attention import fused as attn_fused
+    from specfire.kernels.gdn import fused as gdn_fused
+    from specfire.kernels.head import kernel as head_kernel
+    from specfire.kernels.gemv import kernel as triton_gemv
+    from specfire.kernels.q4 import gemv as triton_quant
+    from specfire.kernels.small import kernel as triton_small
+    from specfire.kernels.splitk import fused as triton_splitk
+    from specfire.kernels.q4 import QuantWeight
 
     g = torch.Generator().manual_seed(0)
     bf = torch.bfloat16
@@ -140,13 +146,13 @@ def launch_all(dev: str) -> None:
                                          torch.randn(d).to(bf), 1e-6, torch.randn(L, 64), torch.randn(L, 64),
                                          kcache, vcache, pos, table=True)      # the MTP head's rotary table
     # the MTP head's fc input: embedding gather + both norms + cat (+ group sums) in one kernel
-    head_fused.fc_input_triton(torch.zeros(4, dtype=torch.int64), torch.randn(64, k).to(bf),
+    head_kernel.fc_input_triton(torch.zeros(4, dtype=torch.int64), torch.randn(64, k).to(bf),
                                torch.randn(4, k).to(bf), wn, wn, 1e-6, 1e-6)
     # the chain's greedy pick (32,768-row draft vocabulary) and its row-n selection
     drafts = torch.zeros(3, dtype=torch.int64)
-    head_fused.pick_triton(torch.randn(1, 32768).to(bf), drafts, 0, pos)
-    head_fused.pick_triton(torch.randn(1, 32768).to(bf), drafts, 2, None)
-    head_fused.select_triton(torch.randn(4, k).to(bf), torch.randn(4, k).to(bf), pos, pos)
+    head_kernel.pick_triton(torch.randn(1, 32768).to(bf), drafts, 0, pos)
+    head_kernel.pick_triton(torch.randn(1, 32768).to(bf), drafts, 2, None)
+    head_kernel.select_triton(torch.randn(4, k).to(bf), torch.randn(4, k).to(bf), pos, pos)
     o = ak.attention_rows_triton(q, kcache, vcache, pos, d ** -0.5)
     attn_fused.out_gate_triton(o.to(bf), torch.randn(1, hq, 2 * d).to(bf))
     # canonical split-K chunk kernels (mesh-equal mode)
@@ -157,9 +163,11 @@ def launch_all(dev: str) -> None:
 
 
 def main() -> None:
-    from specfire.ops import pdl, triton_quant, xsum
+    from specfire.kernels import pdl
+    from specfire.kernels.q4 import gemv as triton_quant
+    from specfire.kernels import xsum
 
-    # the producers' folded group sums (ops/xsum.py) for CPU stand-in tensors, as on the GPU
+    # the producers' folded group sums (kernels/xsum.py) for CPU stand-in tensors, as on the GPU
     xsum.want = lambda y, d: xsum.enabled() and d % xsum.G == 0 and 0 < y.shape[0] <= xsum.MAX_ROWS
 
     driver.set_active(_OfflineDriver())
@@ -171,7 +179,7 @@ def main() -> None:
                                  (False, pdl.WAIT_FIRST, "1"), (True, pdl.WAIT_FIRST, "plain"),
                                  (False, pdl.WAIT_FIRST, "plain"), (True, pdl.WAIT_FIRST, "0")):
         pdl.ENABLED, pdl.ORDER = enabled, order
-        os.environ["SPECFIRE_XSUM_FOLD"] = fold       # sum(x) fold: tree, plain, off (ops/xsum.py)
+        os.environ["SPECFIRE_XSUM_FOLD"] = fold       # sum(x) fold: tree, plain, off (kernels/xsum.py)
         triton_quant.PDL_PREFETCH = 2 if enabled else 0      # the prefetch variant compiled too
         COMPILED.clear()
         launch_all("cpu")

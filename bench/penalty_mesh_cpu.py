@@ -60,10 +60,10 @@ def main() -> int:
     from tinymodels import make_checkpoint
 
     from specfire import LLM, SamplingParams, SpecPolicy
-    from specfire.ops import splitk
+    from specfire.kernels import canonical
 
     path = make_checkpoint(os.path.join(tempfile.mkdtemp(prefix="penmesh-"), "base"), "base", seed=7)
-    splitk.set_enabled(True)
+    canonical.set_enabled(True)
     llms = {tp: LLM(path, tp=tp, device="cpu", progress=False) for tp in args.tp}
     vocab = llms[args.tp[0]].cfg.vocab_size
     ids = prompt(vocab, 30, seed=6)

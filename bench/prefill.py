@@ -13,7 +13,7 @@ engine is the library's own (LocalTrunk + Engine + MtpDrafter), no checkpoint wr
    every third cycle, so every verify row is compared) == AR token for token at both contexts.
 4. fla: Gated DeltaNet chunk prefill, ours vs flash-linear-attention's chunk_gated_delta_rule
    (when it imports) on the 27B GDN shape at 4096 and 33000 rows (key heads grouped, as the model
-   passes them), error vs the float32 reference; then prefill tok/s with it wired in (ops/gdn_fla.py) and MTP == AR at 33000 again.
+   passes them), error vs the float32 reference; then prefill tok/s with it wired in (kernels/gdn/fla.py) and MTP == AR at 33000 again.
 Results go to $OUT/prefill.json after every stage, so a timeout keeps what finished.
 
     python bench/prefill.py [--shape 27B] [--budget 200]
@@ -36,9 +36,9 @@ from decode import CEILING, SHAPES, build, make_cfg, step_bytes  # noqa: E402
 from synthetic import random_head  # noqa: E402
 
 from specfire.config import FULL, SamplingParams, SpecPolicy  # noqa: E402
-from specfire.ops import gdn as G  # noqa: E402
-from specfire.ops import gdn_fla  # noqa: E402
-from specfire.ops import linear as linear_mod  # noqa: E402
+from specfire.kernels import gdn as G  # noqa: E402
+from specfire.kernels.gdn import fla as gdn_fla  # noqa: E402
+from specfire.kernels import gemv as linear_mod  # noqa: E402
 from specfire.runtime.drafters import MtpDrafter, NgramDrafter  # noqa: E402
 from specfire.runtime.engine import Engine  # noqa: E402
 from specfire.runtime.prefix import PrefixCache  # noqa: E402

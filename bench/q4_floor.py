@@ -12,7 +12,7 @@ so a graph is up to 8 launches of the shape back to back, each launched with PDL
   what a launch of this size can stream on this GPU, the ceiling the GEMV's own % sits under;
 - empty: one program per SM that only waits (PDL) and stores a word: the per-launch floor;
 - the GEMV as the model launches it (its group sums handed along by the kernel that wrote x, so no
-  sum(x) launch: ops/xsum.py), at M = 1, 2, 4, 8 and 16, q4_config's settings (and at M = 1 with
+  sum(x) launch: kernels/xsum.py), at M = 1, 2, 4, 8 and 16, q4_config's settings (and at M = 1 with
   its own sum(x) launch);
 - the GEMV with its split-K partials written but not combined (timing only: the output is not
   made), which prices the combine (the atomic, the last program's partial reads, its store);
@@ -47,10 +47,10 @@ from linear import PEAK, SMOKE, graph_time, n_copies, random_q4, rotated_q4  # n
 from q4_rows4 import CHAIN, LAYERS, SHAPES  # noqa: E402  (the 27B launch shapes and the GDN-like chain)
 from tp import Log as _Log  # noqa: E402
 
-from specfire.ops import pdl  # noqa: E402
-from specfire.ops import triton_quant as tq  # noqa: E402
-from specfire.ops.pdl import wait as pdl_wait  # noqa: E402
-from specfire.ops.triton_quant import Q4Config, q4_config, q4_group  # noqa: E402
+from specfire.kernels import pdl  # noqa: E402
+from specfire.kernels.q4 import gemv as tq  # noqa: E402
+from specfire.kernels.pdl import wait as pdl_wait  # noqa: E402
+from specfire.kernels.q4.gemv import Q4Config, q4_config, q4_group  # noqa: E402
 
 DEV = linear.DEV
 BF = linear.BF

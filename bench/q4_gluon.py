@@ -3,7 +3,7 @@ against the engine's Triton kernel, on the 27B launch shapes. Not on the engine'
 
     PYTHONPATH=$PWD python bench/q4_gluon.py --out $OUT          # GPU (Gluon has no CPU interpreter)
 
-Why: the engine's kernel (ops/triton_quant.py) streams the codes through shared memory (cp.async,
+Why: the engine's kernel (kernels/q4/gemv.py) streams the codes through shared memory (cp.async,
 then ldmatrix), and Triton brings each group's scales, zeros and sum(x) into the MMA's register
 layout through shared memory too: an offline sm_90 compile of its loop shows 301 instructions and
 4 barriers a warp per 64 x 128 group, of which 135 are the nibble conversion. bench/q4_floor.py
@@ -52,7 +52,7 @@ from linear import PEAK, graph_time, rotated_q4  # noqa: E402
 from q4_floor import SHAPES, gsums, row_invariant  # noqa: E402
 from tp import Log  # noqa: E402
 
-from specfire.ops.triton_quant import _ASM_Q4, _locks, q4_config, q4_group  # noqa: E402
+from specfire.kernels.q4.gemv import _ASM_Q4, _locks, q4_config, q4_group  # noqa: E402
 
 G = 128
 ASM = gl.constexpr(_ASM_Q4)

@@ -1,5 +1,5 @@
 """4-bit prefill on one GPU: the products of more than 16 rows through a 4-bit weight, by each path of
-ops/triton_q4mm.py (MODE switched in one process), on the 27B shape.
+kernels/q4/matmul.py (MODE switched in one process), on the 27B shape.
 
     PYTHONPATH=$PWD python bench/q4_prefill.py --budget-s 170 --out $OUT
     PYTHONPATH=$PWD python bench/q4_prefill.py --smoke          # the flow on the CPU, tiny shape
@@ -81,7 +81,7 @@ def timed(fn, reps: int, cuda: bool) -> float:
 
 def quant_linears(llm) -> list:
     """(name, Linear) of every 4-bit projection of the trunk and the MTP head."""
-    from specfire.ops.quant import QuantWeight
+    from specfire.kernels.q4 import QuantWeight
 
     out = []
     for tag, mod in (("trunk", llm.engine.trunk.model), ("mtp", llm.engine.drafters["mtp"].head)):
@@ -97,7 +97,7 @@ def err(y: torch.Tensor, ref: torch.Tensor) -> dict:
 
 
 def stage_kernels(llm, rows: list[int], fused: list[str], reps: int, cuda: bool, log: Log, deadline: float) -> None:
-    from specfire.ops import triton_q4mm as T
+    from specfire.kernels.q4 import matmul as T
 
     shapes = {}
     for name, lin in quant_linears(llm):
@@ -143,7 +143,7 @@ def stage_e2e(llm, prompts: list[int], modes: list[str], reps: int, cuda: bool, 
               keep: dict, label: str | None = None, suffix: str = "") -> None:
     """trunk.prefill and the head catch-up per path (label: the bf16 model, its one path; suffix:
     added to the logged path name)."""
-    from specfire.ops import triton_q4mm as T
+    from specfire.kernels.q4 import matmul as T
 
     trunk, mtp = llm.engine.trunk, llm.engine.drafters["mtp"]
     g = torch.Generator().manual_seed(11)
@@ -188,7 +188,7 @@ def stage_dqsweep(llm, reps: int, cuda: bool, log: Log, deadline: float) -> dict
     """The dequantize kernel per distinct prefill weight shape in each DQ_SWEEP setting (block_n,
     gb, num_warps) and the current default (dequant_config): time, bytes / time; returns the
     fastest setting per shape."""
-    from specfire.ops import triton_q4mm as T
+    from specfire.kernels.q4 import matmul as T
 
     shapes = {}
     for name, lin in quant_linears(llm):
@@ -221,7 +221,7 @@ def stage_dqsweep(llm, reps: int, cuda: bool, log: Log, deadline: float) -> dict
 
 def stage_exact(llm, prompts: list[int], modes: list[str], tokens: int, log: Log, deadline: float) -> None:
     from specfire import SamplingParams, SpecPolicy
-    from specfire.ops import triton_q4mm as T
+    from specfire.kernels.q4 import matmul as T
 
     sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
     ar_torch = {}
@@ -250,7 +250,7 @@ def stage_exact(llm, prompts: list[int], modes: list[str], tokens: int, log: Log
 
 def stage_bf16(llm, prompts: list[int], reps: int, cuda: bool, log: Log, deadline: float) -> None:
     """Every 4-bit weight replaced by a dense tensor of its bf16 values, timed, then put back."""
-    from specfire.ops import triton_q4mm as T
+    from specfire.kernels.q4 import matmul as T
 
     swapped = []
     try:
@@ -302,7 +302,7 @@ def main() -> None:
     for v in fused:
         if v not in FUSED:
             raise SystemExit(f"--fused: unknown config {v!r} (known: {', '.join(FUSED)})")
-    from specfire.ops import triton_q4mm as T
+    from specfire.kernels.q4 import matmul as T
     for v in modes:
         if v not in T.MODES:
             raise SystemExit(f"--modes: unknown path {v!r} (known: {', '.join(T.MODES)})")

@@ -7,12 +7,12 @@ Per launch shape of a 27B step (one weight of the launch's whole shape, random c
 1. Bits, before any timing: q4_config's launch with DISCARD and COMBINE_ILP off is row-invariant
    (every prefix M = 1..8 and every single row equal the 8-row call, bitwise); with DISCARD (the
    split-K partials' L2 lines dropped after the combine), COMBINE_ILP (the combine's loads four at
-   a time) or both (ops/triton_quant.py) the same bits; every tile candidate (another block_n /
+   a time) or both (kernels/q4/gemv.py) the same bits; every tile candidate (another block_n /
    warps / stages, the same split-K) gives the 8-row call's bits at M = 1..8.
 2. Time (CUDA-graph replay over weight copies rotated past L2, events): q4_config's launch at
    M = 1 and 4 with the four flag settings; each tile candidate at M = 4 with both flags on; the
    fastest (>= 2% under q4_config's M = 4 time, both flags on) adopted for M = 4 (`--adopt` JSON: "N,K,M" -> [block_n,
-   num_warps, num_stages], read by bench/cycle_profile.py --q4-mtiles and by ops/triton_quant.py
+   num_warps, num_stages], read by bench/cycle_profile.py --q4-mtiles and by kernels/q4/gemv.py
    M_TILES), then checked again through q4_gemv's default path (launch_config) bit for bit.
 3. The MTP draft chain's lm_head over a 32,768-token draft vocabulary (M = 1; q4_config's
    fallback for it): tile candidates at its split-K, bits checked, the fastest adopted for M = 1
@@ -41,8 +41,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 import linear  # noqa: E402
 from linear import PEAK, SMOKE, graph_time, random_q4, rotated_q4  # noqa: E402
 
-from specfire.ops import triton_quant as tq  # noqa: E402
-from specfire.ops.triton_quant import Q4Config, q4_config, q4_gemv  # noqa: E402
+from specfire.kernels.q4 import gemv as tq  # noqa: E402
+from specfire.kernels.q4.gemv import Q4Config, q4_config, q4_gemv  # noqa: E402
 
 DEV = linear.DEV
 BF = linear.BF
@@ -58,7 +58,7 @@ LAYERS = 8
 DRAFT = (32768, 5120)
 DRAFT_TILES = [(16, 1, 4), (32, 1, 3), (32, 1, 4), (32, 2, 4), (64, 2, 3), (64, 2, 4), (64, 4, 4), (128, 4, 3),
                (128, 4, 4)]
-# (DISCARD, COMBINE_ILP) of ops/triton_quant.py
+# (DISCARD, COMBINE_ILP) of kernels/q4/gemv.py
 FLAGS = {"base": (False, False), "disc": (True, False), "ilp": (False, True), "dilp": (True, True)}
 if SMOKE:
     SHAPES = [(96, 256, "a"), (64, 512, "b")]
@@ -99,8 +99,8 @@ if SMOKE:
 def warm(part: str) -> None:
     """Compile worker (part 'i/n'): every i-th kernel this bench (and the model's launches) can run,
     every (DISCARD, COMBINE_ILP) setting, q4_config's tile and the candidates."""
-    from specfire.ops.quant import QuantWeight
-    from specfire.ops.triton_quant import q4_group
+    from specfire.kernels.q4 import QuantWeight
+    from specfire.kernels.q4.gemv import q4_group
 
     i, n_parts = (int(v) for v in part.split("/"))
     j = 0

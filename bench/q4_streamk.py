@@ -36,7 +36,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from q4_floor import SHAPES, gsums, row_invariant  # noqa: E402
-from specfire.ops.triton_quant import _codes, _locks, _mm, q4_config, q4_group  # noqa: E402
+from specfire.kernels.q4.gemv import _codes, _locks, _mm, q4_config, q4_group  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -139,7 +139,7 @@ def q4_streamk(x: torch.Tensor, qw, xs: torch.Tensor, progs: int, warps: int = 2
 
 def smoke() -> None:
     """CPU (interpreter, float32): against the dequantized reference, row-invariant, several grids."""
-    from specfire.ops.quant import QuantWeight, quantize_tensor
+    from specfire.kernels.q4 import QuantWeight, quantize_tensor
     torch.manual_seed(0)
     for n, k, g, progs in ((192, 512, 64, 5), (130, 384, 64, 7), (64, 256, 64, 3), (192, 512, 64, 1)):
         w = torch.randn(n, k)

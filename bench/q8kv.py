@@ -2,7 +2,7 @@
 
 Three caches: bf16; Q8 "group" (one fp16 scale per 32 elements, values head_dim-contiguous: the
 format before this bench); Q8 "token" (the cache's format: one scale per position and KV head,
-values key-minor as `ops/attention.py q8_value_cache` stores them). For each context length, kind,
+values key-minor as `kernels/attention q8_value_cache` stores them). For each context length, kind,
 kernel configuration and row count R (rows at positions seq .. seq+R-1): parity (relative error vs
 the float32 reference of the dequantized cache), bitwise row invariance (each row of the R-row
 call == a one-row call at its position), time per call (CUDA graph of `iters` calls rotating over
@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from specfire.ops import attention as A
-from specfire.ops.attention_kernels import attention_rows_triton
+from specfire.kernels import attention as A
+from specfire.kernels.attention.kernel import attention_rows_triton
 
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"
 PEAK = 4.17e12

@@ -13,7 +13,7 @@ import math
 import torch
 
 from specfire import LLM
-from specfire.ops import attention as A
+from specfire.kernels import attention as A
 from specfire.train.corpus import held_out_sources
 
 

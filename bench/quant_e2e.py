@@ -4,11 +4,11 @@ The 27B shape's projections (`specfire quantize`'s policy, specfire/quantize.py 
 projection matrix, the MTP head's `fc` and the lm_head, not the GDN gate projections in_proj_a /
 in_proj_b; before commit 5a14188 it also left the GDN in_proj_qkv / in_proj_z bf16, and so did the
 first run of this script, which took the rule by name) are quantized on the GPU
-from seeded random bf16 weights (ops/quant.py quantize_tensor, group 128, clip search), the rest
+from seeded random bf16 weights (kernels/q4 quantize_tensor, group 128, clip search), the rest
 random bf16; the model and its MTP head are handed to `LLM` through the engine builder's trunk
 factory (the weights are the only thing that does not come from a checkpoint), then:
 
-1. kernels: the projections of one input as one grouped launch (ops/triton_quant.py q4_group)
+1. kernels: the projections of one input as one grouped launch (kernels/q4/gemv.py q4_group)
    against one launch per weight, M = 1, 2, 4, 8, 16, and the single weights (down, o / out,
    lm_head), each checked first (grouped bits == each weight's own launch, every prefix M = 1..16
    == the 16-row call):
@@ -45,8 +45,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-from specfire.ops import triton_gemv  # noqa: E402
-from specfire.ops.quant import QuantWeight, pick_group, quantize_tensor  # noqa: E402
+from specfire.kernels.gemv import kernel as triton_gemv  # noqa: E402
+from specfire.kernels.q4 import QuantWeight, pick_group, quantize_tensor  # noqa: E402
 
 PEAK = 4.17e12
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"
@@ -184,8 +184,8 @@ def bench_kernels(res: dict, cfg, budget: float) -> None:
     whatever its size) and the sum(x) kernel alone."""
     from timing import graph_time
 
-    from specfire.ops import triton_quant as tq
-    from specfire.ops.quant import q4_rows
+    from specfire.kernels.q4 import gemv as tq
+    from specfire.kernels.q4 import q4_rows
 
     timer = graph_time if not SMOKE else _cpu_time
     tiny = random_q4(64, 512)
@@ -431,7 +431,7 @@ def main() -> int:
     GATES4 = args.gates4
     torch.manual_seed(0)
     if args.q4_configs:
-        from specfire.ops import triton_quant as tq
+        from specfire.kernels.q4 import gemv as tq
         with open(args.q4_configs) as f:
             table = json.load(f)
         patch = {tuple(int(v) for v in key.split(",")): tq.Q4Config(**c) for key, c in table.items() if ":" not in key}

@@ -4,7 +4,7 @@
    shapes: the kernel specialises on no size, so these are the real calls' binaries; Q8 attention
    on the real cache sizes), and one more worker runs a 4-layer model of the 27B dimensions end to
    end, so the Triton cache is full before anything is timed.
-1. 4-bit GEMV (ops/triton_quant.py), group 128, the 27B layer shapes and the lm_head (or, with
+1. 4-bit GEMV (kernels/q4/gemv.py), group 128, the 27B layer shapes and the lm_head (or, with
    `--shapes fused`, the projections that share an input concatenated): for every candidate
    (columns per CTA, warps, pipeline depth, codes as the A or B operand, split-K, codes stored as
    rows or in 64-row tiles), parity against the float32 product of the dequantised weight and
@@ -43,9 +43,9 @@ ROOT = os.path.join(HERE, "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-from specfire.ops import triton_quant as tq  # noqa: E402
-from specfire.ops.quant import TILE, QuantWeight  # noqa: E402
-from specfire.ops.triton_quant import Q4Config, q4_gemv  # noqa: E402
+from specfire.kernels.q4 import gemv as tq  # noqa: E402
+from specfire.kernels.q4 import TILE, QuantWeight  # noqa: E402
+from specfire.kernels.q4.gemv import Q4Config, q4_gemv  # noqa: E402
 
 TILED = 64          # the tiled layout the sweep measures beside rows
 LAYOUTS = (0, TILED)
@@ -344,7 +344,7 @@ if SMOKE:   # the interpreter is slow: the default and one other
 
 
 def q8_caches(copies: int) -> dict:
-    from specfire.ops import attention as A
+    from specfire.kernels import attention as A
 
     seq, hq, hkv, d = (Q8_SEQ, 24, 4, 256) if not SMOKE else (Q8_SEQ, 6, 2, 64)
     out = {"seq": seq, "d": d, "bf16": [], "q8": [],
@@ -359,7 +359,7 @@ def q8_caches(copies: int) -> dict:
 
 
 def q8_call(q, c, pos0, kw=None):
-    from specfire.ops.attention_kernels import attention_rows_triton
+    from specfire.kernels.attention.kernel import attention_rows_triton
     return attention_rows_triton(q, c[0], c[1], pos0, q.shape[-1] ** -0.5, c[2], c[3], **(kw or {}))
 
 
@@ -512,7 +512,7 @@ def bench_q8(res: dict, budget: float) -> None:
     """Q8 KV attention configs vs bf16 (defaults) at 33k positions, rows R = 1..5: parity against
     the float32 reference of the dequantised cache (R = 5), bitwise row invariance (each row of the
     R = 5 call equals a one-row call at its position, and every prefix R), time per R."""
-    from specfire.ops import attention as A
+    from specfire.kernels import attention as A
 
     c = q8_caches(2)
     seq, d, q = c["seq"], c["d"], c["q"]

@@ -313,9 +313,9 @@ def job_speed(cfg, path: str, tp: int, device: str, log: Log, prompt: int, token
 def job_ident(path: str, tp: int, device: str, log: Log, contexts: list[int], tokens: int, shape: str,
               deadline: float) -> None:
     from specfire import LLM, SamplingParams, SpecPolicy
-    from specfire.ops import splitk
+    from specfire.kernels import canonical
 
-    splitk.set_enabled(True)          # tp1 computes the mesh's canonical split (off by default on one GPU)
+    canonical.set_enabled(True)          # tp1 computes the mesh's canonical split (off by default on one GPU)
     sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
     t0 = time.perf_counter()
     with LLM(path, tp=tp, device=device, progress=False, max_seq_len=max(contexts) + 2 * tokens + 64) as llm:
@@ -339,16 +339,16 @@ def job_ident(path: str, tp: int, device: str, log: Log, contexts: list[int], to
                     row[name + "_drafted"] = r.stats["drafted"]
                     row[name + "_accepted"] = r.stats["accepted"]
             log("identity", **row)
-    splitk.set_enabled(None)
+    canonical.set_enabled(None)
 
 
 # ---- bundled ------------------------------------------------------------------------------------------
 
 def job_bundled(device: str, log: Log, tokens: int) -> None:
     from specfire import LLM, SamplingParams, SpecPolicy
-    from specfire.ops import splitk
+    from specfire.kernels import canonical
 
-    splitk.set_enabled(True)
+    canonical.set_enabled(True)
     text = "def fibonacci(n):\n    if n < 2:\n        return n\n"
     sp = SamplingParams(max_tokens=tokens)
     res = {}

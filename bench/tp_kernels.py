@@ -37,10 +37,10 @@ def stage_kernels(cfg, log, best_path: str | None = None, smoke: bool = False, d
     Writes the faster bit-equal choices as environment variables for the later jobs."""
     from timing import graph_time
 
-    from specfire.ops.splitk import chunk_bounds
-    from specfire.ops.triton_gemv import GemvConfig, gemv, gemv_config, gemv_group
-    from specfire.ops.triton_splitk import chunk_partials, tree_combine
-    from specfire.ops.triton_tree_loop import gemv_tree_loop
+    from specfire.kernels.splitk import chunk_bounds
+    from specfire.kernels.gemv.kernel import GemvConfig, gemv, gemv_config, gemv_group
+    from specfire.kernels.splitk.fused import chunk_partials, tree_combine
+    from specfire.kernels.splitk.loop import gemv_tree_loop
 
     def choose(env: dict) -> None:
         if best_path:
@@ -213,8 +213,8 @@ def stage_prefill_heads(cfg, log, dev: str = "cuda") -> None:
     heuristic over heads x row blocks. Per (rows, keys): the first half of the heads of a whole-call
     output vs the same heads alone, bitwise (the long-context identity check of the fifth session
     differed between tp1 and tp2 at 8192 positions, equal at 512). Then the same for the GDN prefill."""
-    from specfire.ops.attention import attention_prefill
-    from specfire.ops.splitk import head_block
+    from specfire.kernels.attention import attention_prefill
+    from specfire.kernels.splitk import head_block
 
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     g = torch.Generator(device=dev).manual_seed(3)
@@ -247,7 +247,7 @@ def stage_prefill_heads(cfg, log, dev: str = "cuda") -> None:
 def _gdn_prefill_heads(cfg, log, dev: str, g: torch.Generator) -> None:
     """The same question for the Gated DeltaNet chunked prefill (batched matmuls and triangular
     solves over heads x chunks, then the scan kernel): a rank's heads alone vs within all heads."""
-    from specfire.ops.gdn import gdn_chunked
+    from specfire.kernels.gdn import gdn_chunked
 
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim

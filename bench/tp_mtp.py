@@ -61,7 +61,7 @@ def job_q4ckpt(cfg, d: str, device: str, log: Log) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from specfire.model.qwen35 import MtpHead, Qwen35Trunk
-    from specfire.ops.quant import pick_group, quant_config
+    from specfire.kernels.q4 import pick_group, quant_config
     from specfire.quantize import _quantizable
     from specfire.train import export
 
@@ -203,14 +203,14 @@ def job_cycle(cfg, path: str, tp: int, device: str, log: Log, prompt: int, token
 
 def job_q4(cfg, d: str, tp: int, device: str, log: Log, prompt: int, tokens: int, shape: str) -> None:
     from specfire import LLM, SamplingParams, SpecPolicy
-    from specfire.ops import splitk
+    from specfire.kernels import canonical
 
     path = os.path.join(d, "q4")
     sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
     warm = SamplingParams(max_tokens=8, ignore_eos=True)
     modes = [False, True] if tp == 1 else [True]        # tp1: its default mode for speed, canonical for bits
     for canon in modes:
-        splitk.set_enabled(True if canon else None)
+        canonical.set_enabled(True if canon else None)
         t0 = time.perf_counter()
         with LLM(path, tp=tp, device=device, progress=False, max_seq_len=prompt + 2 * tokens + 64) as llm:
             g = torch.Generator().manual_seed(prompt)         # the same prompt in every run
@@ -230,16 +230,16 @@ def job_q4(cfg, d: str, tp: int, device: str, log: Log, prompt: int, tokens: int
                        mtp3_equals_ar=r.token_ids == ar.token_ids, mtp3_drafted=r.stats["drafted"],
                        mtp3_accepted=r.stats["accepted"])
             log("q4", **row)
-    splitk.set_enabled(None)
+    canonical.set_enabled(None)
 
 
 def job_long(cfg, d: str, device: str, log: Log, ctx: int, tokens: int, shape: str, deadline: float) -> None:
     """tp1 (canonical) AR on GPU 0 first, then tp2 AR and MTP k=3: one hash at a long context."""
     from specfire import LLM, SamplingParams, SpecPolicy
-    from specfire.ops import splitk
+    from specfire.kernels import canonical
 
     path = os.path.join(d, "normal")
-    splitk.set_enabled(True)
+    canonical.set_enabled(True)
     sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
     for tp in (2, 1):
         if time.monotonic() > deadline:
@@ -259,7 +259,7 @@ def job_long(cfg, d: str, device: str, log: Log, ctx: int, tokens: int, shape: s
                 if name != "ar":
                     row[name + "_accepted"] = r.stats["accepted"]
             log("long_identity", **row)
-    splitk.set_enabled(None)
+    canonical.set_enabled(None)
 
 
 # ---- driver -------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""One GPU: the fused cross-rank tree + residual + RMSNorm (ops/tree_norm.py) at the 27B row-parallel
+"""One GPU: the fused cross-rank tree + residual + RMSNorm (kernels/splitk/tree_norm.py) at the 27B row-parallel
 shapes, ranks emulated on one device (the peers' slots are local buffers reached through the same
 address tables), bitwise against one device's W = 1 path; then the consumer's time in a CUDA graph
 against add_rms_norm's. A check that the kernels compile and agree on the GPU before a mesh runs them
@@ -9,9 +9,9 @@ import torch
 
 
 def stage_treenorm(cfg, log, dev: str = "cuda") -> None:
-    from specfire.ops.tree_norm import Push
-    from specfire.ops.triton_tree_loop import gemv_tree_loop
-    from specfire.ops.triton_tree_norm import ll_pack, tree_add_rms_norm, tree_add_rms_norm_ll
+    from specfire.kernels.splitk.tree_norm import Push
+    from specfire.kernels.splitk.loop import gemv_tree_loop
+    from specfire.kernels.splitk.tree_norm_kernel import ll_pack, tree_add_rms_norm, tree_add_rms_norm_ll
 
     h = cfg.hidden_size
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -63,7 +63,7 @@ def stage_treenorm(cfg, log, dev: str = "cuda") -> None:
             log("treenorm", **row)
     if dev != "cuda":
         return
-    from specfire.ops.triton_small import add_rms_norm_triton
+    from specfire.kernels.small.kernel import add_rms_norm_triton
     res = torch.randn(1, h, generator=g, device=dev).to(dt)
     parts = torch.randn(2, 1, h, generator=g, device=dev)
     summed = parts.sum(0)
@@ -106,5 +106,5 @@ def stage_treenorm(cfg, log, dev: str = "cuda") -> None:
 
 
 def _tree(b: torch.Tensor) -> torch.Tensor:
-    from specfire.ops.splitk import tree_stack
+    from specfire.kernels.splitk import tree_stack
     return tree_stack(b)

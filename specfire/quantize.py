@@ -1,7 +1,7 @@
 """`specfire quantize SRC DST`: an HF Qwen3.5 checkpoint -> a specfire 4-bit checkpoint.
 
 Projection weights (attention, Gated DeltaNet's in_proj_qkv / in_proj_z / out_proj, MLP, the MTP
-head's, and the untied lm_head unless --keep-lm-head) become the 4-bit format of ops/quant.py;
+head's, and the untied lm_head unless --keep-lm-head) become the 4-bit format of kernels/q4;
 embeddings, norms, the conv1d taps, the per-head gate projections (in_proj_a / in_proj_b) and
 anything whose K no group divides stay in bf16. The MTP head is included, from the checkpoint or
 its mtp.safetensors sidecar. Tensor names keep the source's spelling, so the loader reads the
@@ -20,7 +20,7 @@ import torch
 
 from .errors import CheckpointError, SpecfireError
 from .model import loader
-from .ops.quant import DEFAULT_GROUP, pick_group, quant_config, quantize_tensor
+from .kernels.q4 import DEFAULT_GROUP, pick_group, quant_config, quantize_tensor
 
 KEEP_DENSE = ("in_proj_a.weight", "in_proj_b.weight")
 
@@ -125,7 +125,7 @@ def quantize_checkpoint(src_dir: str, dst_dir: str, group: int = DEFAULT_GROUP, 
             else:
                 w = t.to(dev, torch.float32)
                 q, sc, z = quantize_tensor(w, g, hadamard)
-                from .ops.quant import QuantWeight
+                from .kernels.q4 import QuantWeight
                 eff = QuantWeight.from_stored(q, sc, z, hadamard, device=dev).effective()
                 err_sum += float((eff - w).norm() / w.norm().clamp_min(1e-30))
                 n_quant += 1

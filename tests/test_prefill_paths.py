@@ -10,10 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specfire.ops import gdn as G
-from specfire.ops import gdn_fla, lanes, splitk
-from specfire.ops import linear as L
-from specfire.ops.attention import attention_prefill_fused, attention_prefill_ref
+from specfire.kernels import gdn as G
+from specfire.kernels.gdn import fla as gdn_fla
+from specfire.kernels.cpu_exact import lanes
+from specfire.kernels import canonical
+from specfire.kernels import gemv as L
+from specfire.kernels.attention import attention_prefill_fused, attention_prefill_ref
 
 
 @pytest.fixture
@@ -22,10 +24,10 @@ def calls(monkeypatch):
     seen: list[str] = []
     monkeypatch.setattr(L, "linear_rows", lambda x, w, launch_n=None, rows=True: seen.append("triton"))
     monkeypatch.setattr(L, "F", SimpleNamespace(linear=lambda x, w: seen.append("cublas")))
-    monkeypatch.setattr(L, "_paneled", lambda fn, x, w: seen.append("cpu"))
+    monkeypatch.setattr(L, "paneled", lambda fn, x, w: seen.append("cpu"))
     monkeypatch.setattr(L, "linear_one_cpu", lambda x, wt, rows: seen.append("one cpu"))
     yield seen
-    splitk.set_enabled(None)
+    canonical.set_enabled(None)
 
 
 def test_one_gpu_prefill_uses_cublas_and_a_mesh_keeps_the_invariant_kernel(calls):
@@ -33,9 +35,9 @@ def test_one_gpu_prefill_uses_cublas_and_a_mesh_keeps_the_invariant_kernel(calls
     L.linear(gpu, w, rows=False)                    # one GPU, canonical split off (the default)
     L.linear(gpu, w, rows=True)                     # decode / verify: always the row-invariant kernel
     L.linear(gpu, w, rows=False, launch_n=64)       # a column shard of a mesh
-    splitk.set_enabled(True)                        # one GPU made bit-equal to a mesh
+    canonical.set_enabled(True)                        # one GPU made bit-equal to a mesh
     L.linear(gpu, w, rows=False)
-    splitk.set_enabled(None)
+    canonical.set_enabled(None)
     L.linear(SimpleNamespace(is_cuda=False), w, rows=False)     # one CPU device: its plain product
     with lanes.invariant():                         # a CPU mesh rank: the shard-invariant panels
         L.linear(SimpleNamespace(is_cuda=False), w, rows=False)

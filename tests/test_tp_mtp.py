@@ -9,18 +9,18 @@ import specfit
 from tinymodels import make_checkpoint
 
 from specfire import LLM, SamplingParams, SpecPolicy
-from specfire.ops import splitk
+from specfire.kernels import canonical
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory, monkeypatch_module):
     path = make_checkpoint(str(tmp_path_factory.mktemp("tpmtp") / "base"), "base", seed=7)
     monkeypatch_module.setenv("SPECFIRE_TP_MTP", "shard")
-    splitk.set_enabled(True)
+    canonical.set_enabled(True)
     one = LLM(path, tp=1, device="cpu", progress=False)
     mesh = LLM(path, tp=2, device="cpu", progress=False)
     yield one, mesh
-    splitk.set_enabled(None)
+    canonical.set_enabled(None)
     mesh.close()
     one.close()
 

@@ -93,10 +93,10 @@ class Comm:
 
     def tree_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """float32 sum of every rank's float32 subtree `x`, added in the canonical pairwise tree
-        (ops/splitk.py: rank r's subtree is leaf r), so a tp-rank mesh adds exactly as one device
+        (kernels/splitk: rank r's subtree is leaf r), so a tp-rank mesh adds exactly as one device
         does; identical on every rank. An all-gather then the tree (a ring all-reduce's order would
         depend on the degree)."""
-        from ..ops.splitk import tree_sum
+        from ..kernels.splitk import tree_sum
 
         if self.in_graph:
             return self.symm.tree(x)
@@ -107,11 +107,11 @@ class Comm:
 
     def tree_pending(self, produce, m: int, n: int):
         """The cross-rank tree of a row-parallel projection, left for the fused tree + residual +
-        norm kernel (ops/tree_norm.py Pending). `produce(out, push)` computes this rank's [m, n]
+        norm kernel (kernels/splitk/tree_norm.py Pending). `produce(out, push)` computes this rank's [m, n]
         float32 subtree (into `out` when given, also sent by `push`). In the captured forward on
         CUDA the producer pushes into every rank's symmetric buffer (no collective launch); else the
         subtrees are all-gathered (NCCL), and the same kernel adds them in the same tree."""
-        from ..ops.tree_norm import Pending, ll_mode
+        from ..kernels.splitk.tree_norm import Pending, ll_mode
 
         if self.in_graph and self.device.type == "cuda":
             ll = ll_mode()

@@ -30,8 +30,8 @@ import os
 import torch
 
 from ..errors import MeshError
-from ..ops import lanes
-from ..ops.linear import linear_prefix
+from ..kernels.cpu_exact import lanes
+from ..kernels.gemv import linear_prefix
 
 
 MODES = ("shard", "whole")

@@ -3,7 +3,7 @@
 Why: whole on rank 0, the head's decoder layer (27B shape: ~0.85 GB a call, three calls in a k=3
 chain) ran while the other ranks waited. Here each rank holds the head's layer sharded as the
 trunk's full-attention layers are (query heads with their KV heads, MLP rows; o_proj and
-down_proj the canonical float32 chunk tree of ops/splitk.py, added across ranks in the same tree),
+down_proj the canonical float32 chunk tree of kernels/splitk, added across ranks in the same tree),
 so the head computes on every degree the bits one device computes in the canonical mode. fc and
 the norms are replicated (every rank computes them whole: the same bits everywhere).
 
@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from ..config import FULL, ModelConfig
 from ..model.qwen35 import MtpHead, SequenceState
-from ..ops import lanes
+from ..kernels.cpu_exact import lanes
 from .draft import shard_pick
 
 MODES = ("shard", "whole")

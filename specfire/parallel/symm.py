@@ -19,7 +19,7 @@ import warnings
 import torch
 
 from ..errors import MeshError
-from ..ops.splitk import tree_sum
+from ..kernels.splitk import tree_sum
 
 
 IDS_EXACT = 1 << 24     # token ids below this are exact in float32
@@ -140,10 +140,10 @@ class SymmCollectives:
 
     def push_slot(self, m: int, n: int, ll: bool = False):
         """(this rank's [world, m, n] buffer of the next fused tree, the Push that sends a subtree
-        to slot `rank` of every rank's, the buffer's sync words): ops/tree_norm.py. Two buffers
-        used alternately (why that suffices: ops/tree_norm.py). `ll`: int64 (value, flag) words;
+        to slot `rank` of every rank's, the buffer's sync words): kernels/splitk/tree_norm.py. Two buffers
+        used alternately (why that suffices: kernels/splitk/tree_norm.py). `ll`: int64 (value, flag) words;
         the Push then carries the epoch word (sync word 1) instead of the peers' arrival words."""
-        from ..ops.tree_norm import Push
+        from ..kernels.splitk.tree_norm import Push
 
         if ll not in self._push:
             self._push[ll] = self._alloc_push(torch.int64 if ll else torch.float32)
@@ -180,7 +180,7 @@ class SymmCollectives:
         return self.sum(z)
 
     def tree(self, x: torch.Tensor) -> torch.Tensor:
-        """The canonical tree over the ranks' float32 subtrees (ops/splitk.py)."""
+        """The canonical tree over the ranks' float32 subtrees (kernels/splitk)."""
         if self.world == 2:
             return self.sum(x)
         parts = self.all_gather(x)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig, check_draft_vocab
 from ..errors import MeshError
-from ..ops.linear import linear_prefix
+from ..kernels.gemv import linear_prefix
 from ..runtime.trunk import LocalTrunk, Rows
 from .control import DRAFT, RANK_STATS, RANK_TIME, STAT_NAMES, Call, RankExecutor, SharedIds
 from .draft import draft_mode, shard_argmax

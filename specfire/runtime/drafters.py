@@ -15,7 +15,7 @@ import torch
 
 from ..config import SamplingParams
 from ..model.qwen35 import MtpHead, SequenceState
-from ..ops import head_fused
+from ..kernels import head as head_fused
 from .rng import DeviceRng
 from .sampling import Penalties, penalize_draft, probs, sample
 from .trunk import Trunk
@@ -45,10 +45,10 @@ def draft_chain(head: MtpHead, embed: Callable[[torch.Tensor], torch.Tensor],
     tensor under capture. `n` (device, [1]): chain from row n, not the last (the rows after it
     are a verify's rejected ones: their KV entries lie past row n and are rewritten before any
     step reads them, as a rejected draft's are). `embed_weight`: the table `embed` looks up, where
-    the head may gather from it itself (one device: MtpHead's fused rows step, ops/head_fused.py).
+    the head may gather from it itself (one device: MtpHead's fused rows step, kernels/head).
     `fused_pick` (greedy argmax picks only, `choose` unused): each pick, its write into the drafts
     and the next position in one launch, and row n with its position in one
-    (ops/head_fused.py pick / select): the same drafts in fewer launches.
+    (kernels/head pick / select): the same drafts in fewer launches.
     Returns the drafts [k], int64, on the device: no host read."""
     def run(tk: torch.Tensor, hid: torch.Tensor, p) -> tuple[torch.Tensor, torch.Tensor]:
         if embed_weight is not None:
@@ -276,7 +276,7 @@ class MtpDrafter:
     def _prefill(self, toks: torch.Tensor, hidden: torch.Tensor, pos0: int) -> None:
         """The head over rows in prefill mode (on every rank of a mesh holding its shards): hidden
         [m, H] at positions pos0.., toks [m] the tokens after them. One device with the catch-up's
-        fused kernels on (ops/head_fused.py catchup_enabled): the head gathers the embedding rows
+        fused kernels on (kernels/head catchup_enabled): the head gathers the embedding rows
         itself (`fc_input`), else they are looked up here."""
         if self.mesh is None:
             ew = getattr(self.trunk, "embed_weight", None)

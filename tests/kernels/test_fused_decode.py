@@ -1,15 +1,15 @@
-"""Fused decode kernels (ops/gdn_fused.py, ops/attn_fused.py), interpreted on the CPU, against the
+"""Fused decode kernels (kernels/gdn/fused.py, kernels/attention/fused.py), interpreted on the CPU, against the
 unfused PyTorch compositions: odd sizes and masked tails, rows at once == rows one by one bit for
 bit, and a shard of heads == the same heads of the whole bit for bit (tensor-parallel shards)."""
 
 import pytest
 import torch
 
-from specfire.ops.attn_fused import (out_gate_ref, out_gate_triton, qk_norm_rope_write_ref,
+from specfire.kernels.attention.fused import (out_gate_ref, out_gate_triton, qk_norm_rope_write_ref,
                                      qk_norm_rope_write_triton)
-from specfire.ops.gdn import commit_rows_ref
-from specfire.ops.gdn_fused import gdn_decode_ref, gdn_decode_triton
-from specfire.ops.gdn_kernels import commit_rows_triton
+from specfire.kernels.gdn import commit_rows_ref
+from specfire.kernels.gdn.fused import gdn_decode_ref, gdn_decode_triton
+from specfire.kernels.gdn.kernel import commit_rows_triton
 
 
 def _commit(s, log, rows, kernel=commit_rows_triton):
@@ -50,7 +50,7 @@ def _gate_inputs(t, hv, dv, dtype, seed):
     return z, nw
 
 
-# the row loop's forms (ops/gdn_fused.py): as written, software-pipelined, merged reductions
+# the row loop's forms (kernels/gdn/fused.py): as written, software-pipelined, merged reductions
 FORMS = {"plain": dict(merged=False, pipe=False), "pipe": dict(merged=False, pipe=True), "merged": dict(merged=True)}
 
 GDN_SHAPES = [(1, 1, 2, 8, 12, 4, 8), (3, 2, 4, 6, 10, 4, 8), (2, 1, 1, 5, 7, 3, 16)]   # tails: dk 6, 5; dv 10, 7
@@ -170,7 +170,7 @@ def test_gdn_decode_compiles_one_binary_for_every_row_count():
     """On the GPU a row count of 1 specialised as a constant changed FMA contraction in the one-row
     binary and broke row invariance (first H200 run, docs/BENCHMARKS.md); the interpreter cannot
     show that, so the guard is checked here."""
-    from specfire.ops import gdn_fused
+    from specfire.kernels.gdn import fused as gdn_fused
     for k in (gdn_fused._gdn_decode_kernel, gdn_fused._gdn_merged_kernel):
         opts = getattr(k, "kwargs", None) or {"do_not_specialize": getattr(k, "do_not_specialize", None)}
         assert "n_rows" in (opts.get("do_not_specialize") or [])
@@ -283,7 +283,7 @@ def test_model_rows_forward_fused_matches_unfused(monkeypatch):
     the same state."""
     from specfire.config import ModelConfig
     from specfire.model.qwen35 import Qwen35Trunk
-    from specfire.ops import fusion
+    from specfire.kernels import fusion
 
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       layer_types=("linear_attention", "full_attention"), num_attention_heads=2,

@@ -1,4 +1,4 @@
-"""The MTP head's fused rows step (ops/head_fused.py), interpreted on the CPU: the fc-input kernel
+"""The MTP head's fused rows step (kernels/head), interpreted on the CPU: the fc-input kernel
 against its reference and bit for bit against the RMSNorm kernels it replaces (odd widths, masked
 block tails, strided hidden rows), its folded group sums, the rotary table's rows against
 `rope_cos_sin` at those positions, the q/k kernel reading the table == reading the gathered rows,
@@ -7,11 +7,13 @@ and the head's rows forward (fused step forced on) == the unfused one."""
 import pytest
 import torch
 
-from specfire.ops import head_fused, xsum
-from specfire.ops import triton_small as ts
-from specfire.ops import attn_fused as af
-from specfire.ops.attn_fused import qk_norm_rope_write_triton
-from specfire.ops.rope import rope_cos_sin
+from specfire.kernels import head as head_fused
+from specfire.kernels.head import kernel as head_kernel
+from specfire.kernels import xsum
+from specfire.kernels.small import kernel as ts
+from specfire.kernels.attention import fused as af
+from specfire.kernels.attention.fused import qk_norm_rope_write_triton
+from specfire.kernels.small import rope_cos_sin
 
 
 def _g(seed):
@@ -33,7 +35,7 @@ def _fc_inputs(r, d, v, dtype, seed, stride_pad=0):
 def test_fc_input_matches_reference_and_the_norm_kernels(r, d, v, pad, dtype, monkeypatch):
     monkeypatch.setenv("SPECFIRE_XSUM_FOLD", "0")
     ids, table, hidden, we, wh = _fc_inputs(r, d, v, dtype, seed=r * d + v, stride_pad=pad)
-    y = head_fused.fc_input_triton(ids, table, hidden, we, wh, 1e-6, 2e-6)
+    y = head_kernel.fc_input_triton(ids, table, hidden, we, wh, 1e-6, 2e-6)
     ref = head_fused.fc_input_ref(ids, table, hidden, we, wh, 1e-6, 2e-6)
     assert y.shape == (r, 2 * d) and y.dtype == dtype
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -6, atol=2e-2)
@@ -42,7 +44,7 @@ def test_fc_input_matches_reference_and_the_norm_kernels(r, d, v, pad, dtype, mo
     unfused = torch.cat([ts.rms_norm_triton(table[ids], we, 1e-6), ts.rms_norm_triton(hidden, wh, 2e-6)], -1)
     assert torch.equal(y, unfused)
     for i in range(r):                                       # row-invariant
-        assert torch.equal(head_fused.fc_input_triton(ids[i:i + 1], table, hidden[i:i + 1], we, wh, 1e-6, 2e-6),
+        assert torch.equal(head_kernel.fc_input_triton(ids[i:i + 1], table, hidden[i:i + 1], we, wh, 1e-6, 2e-6),
                            y[i:i + 1])
 
 
@@ -52,7 +54,7 @@ def test_fc_input_folds_the_group_sums(r, d, mode, monkeypatch):
     monkeypatch.setenv("SPECFIRE_XSUM_FOLD", mode)
     monkeypatch.setattr(xsum, "_CONSUMERS", {"cpu"})
     ids, table, hidden, we, wh = _fc_inputs(r, d, 13, torch.bfloat16, seed=d + r)
-    y = head_fused.fc_input_triton(ids, table, hidden, we, wh, 1e-6, 1e-6)
+    y = head_kernel.fc_input_triton(ids, table, hidden, we, wh, 1e-6, 1e-6)
     xs = xsum.take(y, xsum.G)
     assert xs is not None and xs.shape == (r, 2 * d // xsum.G)
     if mode == "1":
@@ -60,17 +62,17 @@ def test_fc_input_folds_the_group_sums(r, d, mode, monkeypatch):
     torch.testing.assert_close(xs.reshape(-1), y.float().reshape(-1, xsum.G).sum(1), rtol=1e-5, atol=1e-4)
     # a width that is not a whole number of groups carries none
     ids, table, hidden, we, wh = _fc_inputs(r, 200, 13, torch.bfloat16, seed=3)
-    assert xsum.take(head_fused.fc_input_triton(ids, table, hidden, we, wh, 1e-6, 1e-6), xsum.G) is None
+    assert xsum.take(head_kernel.fc_input_triton(ids, table, hidden, we, wh, 1e-6, 1e-6), xsum.G) is None
 
 
 def test_fc_input_rejects_bad_shapes():
     ids, table, hidden, we, wh = _fc_inputs(2, 64, 5, torch.float32, seed=1)
     with pytest.raises(ValueError, match="do not fit"):
-        head_fused.fc_input_triton(ids[:1], table, hidden, we, wh, 1e-6, 1e-6)
+        head_kernel.fc_input_triton(ids[:1], table, hidden, we, wh, 1e-6, 1e-6)
     with pytest.raises(ValueError, match="do not fit"):
-        head_fused.fc_input_triton(ids, table[:, :32], hidden, we, wh, 1e-6, 1e-6)
+        head_kernel.fc_input_triton(ids, table[:, :32], hidden, we, wh, 1e-6, 1e-6)
     with pytest.raises(ValueError, match="embedding is"):
-        head_fused.fc_input_triton(ids, table.to(torch.bfloat16), hidden, we, wh, 1e-6, 1e-6)
+        head_kernel.fc_input_triton(ids, table.to(torch.bfloat16), hidden, we, wh, 1e-6, 1e-6)
 
 
 def test_rope_table_rows_are_rope_cos_sin():
@@ -115,7 +117,7 @@ def test_head_rows_step_fused_equals_unfused(monkeypatch):
     path's outputs and KV rows."""
     from specfire.config import ModelConfig
     from specfire.model.qwen35 import MtpHead
-    from specfire.ops import fusion
+    from specfire.kernels import fusion
 
     cfg = ModelConfig(vocab_size=40, hidden_size=64, intermediate_size=48, num_hidden_layers=1,
                       layer_types=("full_attention",), num_attention_heads=2, num_key_value_heads=1,
@@ -155,7 +157,7 @@ def test_head_prompt_catchup_fused_equals_unfused(t, pos0, monkeypatch):
     odd row count and a later start; the head's next rows step reads them alike."""
     from specfire.config import ModelConfig
     from specfire.model.qwen35 import MtpHead
-    from specfire.ops import fusion
+    from specfire.kernels import fusion
 
     cfg = ModelConfig(vocab_size=40, hidden_size=64, intermediate_size=48, num_hidden_layers=1,
                       layer_types=("full_attention",), num_attention_heads=2, num_key_value_heads=1,
@@ -202,7 +204,7 @@ def test_trunk_prefill_never_takes_the_catchup_kernels(monkeypatch):
     whose fused kernels are off is refused."""
     from specfire.config import ModelConfig
     from specfire.model.qwen35 import GatedAttention, SequenceState
-    from specfire.ops import fusion
+    from specfire.kernels import fusion
 
     cfg = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                       layer_types=("full_attention",), num_attention_heads=2, num_key_value_heads=1,
@@ -225,7 +227,7 @@ def test_greedy_mtp_with_the_fused_head_step_equals_ar(ckpt_cache, attn_fused, m
     and are accepted as often."""
     import specfit
     from specfire import LLM, SamplingParams
-    from specfire.ops import fusion
+    from specfire.kernels import fusion
     from specfire.runtime.graphs import DraftGraphs
 
     path = specfit.fitted_checkpoint(ckpt_cache["root"])
@@ -273,7 +275,7 @@ def test_greedy_mtp_with_the_fused_head_step_equals_ar(ckpt_cache, attn_fused, m
 def test_pick_is_argmax(n, block, dtype, monkeypatch):
     """The chain's pick (argmax + the draft's write + the next position), over loops of blocks and
     masked tails: ties to the first index, a NaN wins (the first one), all -inf picks 0."""
-    monkeypatch.setattr(head_fused, "PICK_BLOCK", block)
+    monkeypatch.setattr(head_kernel, "PICK_BLOCK", block)
     g = _g(n + block)
     cases = [torch.randn(n, generator=g)]
     x = torch.randint(-3, 3, (n,), generator=g).float()        # many ties
@@ -290,7 +292,7 @@ def test_pick_is_argmax(n, block, dtype, monkeypatch):
         logits = c.to(dtype)[None]
         out, ref_out = torch.full((3,), -1, dtype=torch.long), torch.full((3,), -1, dtype=torch.long)
         for pos in (7, torch.tensor([7]), None):
-            tok, p = head_fused.pick_triton(logits, out, 1, pos)
+            tok, p = head_kernel.pick_triton(logits, out, 1, pos)
             rtok, rp = head_fused.pick_ref(logits, ref_out, 1, pos)
             assert torch.equal(out, ref_out) and out[0] == -1 and out[2] == -1
             assert tok.data_ptr() == out[1:].data_ptr() and torch.equal(tok, rtok)
@@ -302,9 +304,9 @@ def test_pick_is_argmax(n, block, dtype, monkeypatch):
 
 def test_pick_rejects_bad_shapes():
     with pytest.raises(ValueError, match="one contiguous row"):
-        head_fused.pick_triton(torch.randn(2, 8), torch.zeros(3, dtype=torch.long), 0, 1)
+        head_kernel.pick_triton(torch.randn(2, 8), torch.zeros(3, dtype=torch.long), 0, 1)
     with pytest.raises(ValueError, match="int64"):
-        head_fused.pick_triton(torch.randn(1, 8), torch.zeros(3, dtype=torch.long), 3, 1)
+        head_kernel.pick_triton(torch.randn(1, 8), torch.zeros(3, dtype=torch.long), 3, 1)
 
 
 @pytest.mark.parametrize("r,h", [(4, 1500), (1, 64), (3, 2049)])
@@ -316,15 +318,15 @@ def test_select_is_index_select(r, h, tensor_pos):
     for i in range(r):
         n = torch.tensor([i])
         pos = torch.tensor([11]) if tensor_pos else 11
-        a, b, p = head_fused.select_triton(pre, post, n, pos)
+        a, b, p = head_kernel.select_triton(pre, post, n, pos)
         ra, rb, rp = head_fused.select_ref(pre, post, n, pos)
         assert torch.equal(a, ra) and torch.equal(b, rb) and torch.equal(p.reshape(-1), torch.as_tensor(rp).reshape(-1))
 
 
 def test_pick_dispatch_sends_a_whole_vocabulary_to_torch(monkeypatch):
     calls = []
-    real = head_fused.pick_triton
-    monkeypatch.setattr(head_fused, "pick_triton", lambda *a: calls.append(1) or real(*a))
+    real = head_kernel.pick_triton
+    monkeypatch.setattr(head_kernel, "pick_triton", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(head_fused, "PICK_MAX", 100)
     out = torch.zeros(2, dtype=torch.long)
     x = torch.randn(1, 150)

@@ -4,8 +4,8 @@ invariance, the Q8 KV cache (round trip, kernel, end to end with greedy MTP == A
 import pytest
 import torch
 
-from specfire.ops import attention as A
-from specfire.ops.attention_kernels import attention_rows_triton
+from specfire.kernels import attention as A
+from specfire.kernels.attention.kernel import attention_rows_triton
 
 SMALL = dict(block_m=16, split=32, block_n=16)  # several spans and masked tails at small sizes
 MANY = dict(block_m=16, split=16, block_n=16, chunk=2, prefetch=True)  # several combine chunks; Q8 prefetch
@@ -149,7 +149,7 @@ def test_llm_q8_greedy_mtp_equals_ar(tmp_path, ckpt_cache):
 def test_q8_asm_conversion_model():
     """The inline-PTX int8 -> fp16 conversion (modelled bit for bit): element i of the word becomes
     fp16 1024 + 128 + v_i exactly, for every int8 v the cache holds (-127..127)."""
-    from specfire.ops.attention_kernels import asm_q8_emulate
+    from specfire.kernels.attention.kernel import asm_q8_emulate
 
     vals = list(range(-127, 128))
     for i in range(0, len(vals), 4):

@@ -4,8 +4,8 @@ reference recurrence and conv window; row invariance (verify rows == chained dec
 import pytest
 import torch
 
-from specfire.ops import gdn as G
-from specfire.ops.gdn_kernels import commit_rows_triton, conv_window_triton, gdn_chunked_triton, gdn_rows_triton
+from specfire.kernels import gdn as G
+from specfire.kernels.gdn.kernel import commit_rows_triton, conv_window_triton, gdn_chunked_triton, gdn_rows_triton
 
 
 def _inputs(t, h, dk, dv, gen):

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from specfire.ops.linear import linear, linear_rows_ref
-from specfire.ops.triton_gemv import GemvConfig, gemv, gemv_config
+from specfire.kernels.gemv import linear, linear_rows_ref
+from specfire.kernels.gemv.kernel import GemvConfig, gemv, gemv_config
 
 CASES = [  # (M, N, K, config): odd sizes, masked N and K tails, split-K with a short last split
     (1, 37, 70, GemvConfig(16, 32)),
@@ -59,7 +59,7 @@ def test_gemv_many_rows_run_in_16_row_tiles():
 def test_linear_cpu_rows_path_is_reference():
     """On a CPU mesh rank (an invariant scope) the rows path is the reference in panels; one CPU
     device's own rows path is row-invariant and close to it."""
-    from specfire.ops import lanes
+    from specfire.kernels.cpu_exact import lanes
 
     g = torch.Generator().manual_seed(20)
     x, w = torch.randn(3, 20, generator=g), torch.randn(32, 20, generator=g)  # whole panels: the reference itself
@@ -78,8 +78,8 @@ def test_grouped_split_k_equals_separate_split_launches():
     program of each tile or by one sum launch for the whole group): each
     output is bit for bit gemv with the same settings on its weight alone (odd N, a masked K tail
     and a short last split), and every row equals its one-row call."""
-    from specfire.ops import triton_gemv
-    from specfire.ops.triton_gemv import _LOCKS, gemv_group
+    from specfire.kernels.gemv import kernel as triton_gemv
+    from specfire.kernels.gemv.kernel import _LOCKS, gemv_group
 
     g = torch.Generator().manual_seed(5)
     k = 330

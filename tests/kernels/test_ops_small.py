@@ -3,9 +3,11 @@
 import pytest
 import torch
 
-from specfire.ops import greedy, norm, rope
-from specfire.ops.act import silu_mul_ref
-from specfire.ops import triton_small as ts
+from specfire.kernels import small as greedy
+from specfire.kernels import norm
+from specfire.kernels import small as rope
+from specfire.kernels.small import silu_mul_ref
+from specfire.kernels.small import kernel as ts
 
 
 def _g(seed):

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (ops/pdl.py): picked only on a CUDA device of compute capability
+"""Programmatic dependent launch (kernels/pdl.py): picked only on a CUDA device of compute capability
 9.0+ with a Triton that has it, never in the interpreter or on the CPU, off with SPECFIRE_PDL=0;
 the launchers pass the PDL constexpr and the launch option together, and nothing where it is off.
 (The PDL kernels themselves run on the GPU only: bench/pdl.py checks their bits against PDL off
@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from specfire.ops import pdl
+from specfire.kernels import pdl
 
 
 class FakeCuda:
@@ -79,7 +79,7 @@ def env_switches() -> list[list[str]]:
             for k in ("SPECFIRE_PDL", "SPECFIRE_PDL_EARLY"):
                 os.environ.pop(k, None)
             os.environ.update(env)
-            import specfire.ops.pdl as pdl
+            import specfire.kernels.pdl as pdl
             pdl = importlib.reload(pdl)
             out.append([str(pdl.ENABLED), str(pdl.ORDER)])
         print(json.dumps(out))
@@ -111,7 +111,7 @@ class Recorder:
 
 
 def _q4_weight(n: int, k: int, g: torch.Generator):
-    from specfire.ops.quant import QuantWeight
+    from specfire.kernels.q4 import QuantWeight
     s = torch.rand(k // 128, n, generator=g) * 0.01
     return QuantWeight(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g), s.bfloat16(),
                        (-7.5 * s).bfloat16(), False, torch.float32)
@@ -120,7 +120,9 @@ def _q4_weight(n: int, k: int, g: torch.Generator):
 def test_launchers_pass_nothing_where_pdl_is_off(monkeypatch):
     """CPU tensors in the interpreter: the 4-bit GEMV, its sum(x), the bf16 GEMV and a small kernel
     launch exactly as before (no PDL argument, no launch option), and still compute."""
-    from specfire.ops import triton_gemv, triton_quant, triton_small
+    from specfire.kernels.gemv import kernel as triton_gemv
+    from specfire.kernels.q4 import gemv as triton_quant
+    from specfire.kernels.small import kernel as triton_small
     g = torch.Generator().manual_seed(0)
     recs = {}
     for mod, name in ((triton_quant, "_q4_kernel"), (triton_quant, "_xsum_kernel"), (triton_gemv, "_gemv_kernel"),
@@ -144,7 +146,7 @@ def test_launchers_pick_pdl_where_on(monkeypatch):
     """With PDL picked (as on an H200), every launch of the 4-bit GEMV path carries the constexpr
     and the launch option together, and the GEMV's prefetch only with tiled codes (recorded, not
     run: the interpreter has no grid-dependency instructions)."""
-    from specfire.ops import triton_quant
+    from specfire.kernels.q4 import gemv as triton_quant
     g = torch.Generator().manual_seed(1)
     monkeypatch.setattr(pdl, "on", lambda x: pdl.WAIT_FIRST)
     recs = {n: Recorder(getattr(triton_quant, n), run=False) for n in ("_q4_kernel", "_xsum_kernel", "_splitk_sum")}

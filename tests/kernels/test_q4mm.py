@@ -1,4 +1,4 @@
-"""4-bit products of many rows (ops/triton_q4mm.py) under TRITON_INTERPRET=1 against the PyTorch
+"""4-bit products of many rows (kernels/q4/matmul.py) under TRITON_INTERPRET=1 against the PyTorch
 reference: the dequantize kernel gives the reference's weight bits, the scratch path and the fused
 kernel its products (odd sizes, masked row / column / group tails, both code layouts)."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specfire.ops.quant import QuantWeight
-from specfire.ops.triton_q4mm import (DQ_DEFAULT, MM_LARGE, MM_SMALL, DequantConfig, MMConfig, dequant_config,
+from specfire.kernels.q4 import QuantWeight
+from specfire.kernels.q4.matmul import (DQ_DEFAULT, MM_LARGE, MM_SMALL, DequantConfig, MMConfig, dequant_config,
                                       mm_config, q4_dequantize, q4_linear_dequant, q4_matmul)
 
 
@@ -123,6 +123,6 @@ def test_mm_config_by_rows_and_bad_input():
 
 def test_bad_mode_is_a_clear_error():
     env = {**os.environ, "SPECFIRE_Q4_PREFILL": "fast"}
-    r = subprocess.run([sys.executable, "-c", "import specfire.ops.triton_q4mm"], env=env, capture_output=True,
+    r = subprocess.run([sys.executable, "-c", "import specfire.kernels.q4.matmul"], env=env, capture_output=True,
                        text=True)
     assert r.returncode != 0 and "SPECFIRE_Q4_PREFILL must be one of dequant, fused, torch, got 'fast'" in r.stderr

@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
-from specfire.ops.linear import linear, linear_rows_ref
-from specfire.ops.quant import (QuantWeight, dequantize_ref, hadamard_rotate, pick_group, quantize_tensor,
+from specfire.kernels.gemv import linear, linear_rows_ref
+from specfire.kernels.q4 import (QuantWeight, dequantize_ref, hadamard_rotate, pick_group, quantize_tensor,
                                 unpack_codes)
-from specfire.ops.triton_quant import Q4Config, q4_gemv
+from specfire.kernels.q4.gemv import Q4Config, q4_gemv
 
 
 def _g(seed):
@@ -19,7 +19,7 @@ def _g(seed):
 
 
 def test_kernel_layout_round_trip():
-    from specfire.ops.quant import from_kernel_layout, to_kernel_layout
+    from specfire.kernels.q4 import from_kernel_layout, to_kernel_layout
 
     q, s, z = quantize_tensor(torch.randn(5, 256, generator=_g(9)), 64)
     kq = to_kernel_layout(q, 64)
@@ -77,7 +77,7 @@ def test_bit_trick_constants():
 def test_asm_word_conversion_model():
     """The inline-PTX nibble conversion (modelled bit for bit in Python): element i of each output
     is byte i of the word, low nibble -> bf16 128 + lo, high nibble -> bf16 128 + hi."""
-    from specfire.ops.triton_quant import asm_q4_emulate
+    from specfire.kernels.q4.gemv import asm_q4_emulate
 
     gen = _g(11)
     words = [0, 0xFFFFFFFF, 0x12345678, 0x0F0F0F0F, 0xF0F0F0F0] + \
@@ -93,7 +93,7 @@ def test_asm_word_conversion_model():
 def test_q4_split_counters_reset():
     """The in-kernel split-K combine leaves its counters at zero (the next launch relies on it),
     and repeated calls give identical results."""
-    from specfire.ops.triton_quant import _LOCKS
+    from specfire.kernels.q4.gemv import _LOCKS
 
     w = torch.randn(40, 512, generator=_g(12))
     qw = QuantWeight.quantize(w, 64)
@@ -111,7 +111,7 @@ def test_kernel_module_defines_each_kernel_once():
     import inspect
     import re
 
-    import specfire.ops.triton_quant as tq
+    import specfire.kernels.q4.gemv as tq
 
     names = re.findall(r"^def (\w+)\(", inspect.getsource(tq), flags=re.M)
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
@@ -219,7 +219,7 @@ def test_q4_config_rejects_bad_values():
 def test_tiled_storage_round_trip_and_both_layouts_agree():
     """Codes stored in tiles of 64 rows (N padded) give back the same kernel packing, row slices
     included, and the kernel reads either layout to the same bits."""
-    from specfire.ops.quant import TILE, tile_rows, untile_rows
+    from specfire.kernels.q4 import TILE, tile_rows, untile_rows
 
     made = QuantWeight.quantize(torch.randn(70, 384, generator=_g(24)), 64)
     assert made.tile == TILE == 64       # the package's layout
@@ -306,7 +306,7 @@ def test_quantized_model_equals_dequantized_and_is_near_source(ckpts, dense_equi
     random models amplify weight error: 8% per weight gives about 63% on the logits here, with the
     GDN input projections quantized too; quality on a trained model: bench/quant_ppl.py)."""
     from specfire import LLM
-    from specfire.ops.quant import QuantWeight
+    from specfire.kernels.q4 import QuantWeight
 
     src, dst = ckpts
     ids = list(range(5, 60, 3))
@@ -343,7 +343,7 @@ def test_quantize_gates_option(ckpts, tmp_path):
 
     from specfire import LLM, SamplingParams, SpecPolicy
     from specfire.cli import main
-    from specfire.ops.quant import QuantWeight
+    from specfire.kernels.q4 import QuantWeight
 
     src, _ = ckpts
     dst = str(tmp_path / "gates")
@@ -423,7 +423,7 @@ def test_q4_group_equals_separate_launches_and_is_row_invariant(cfg, tile):
     """q4_group: two and four weights of one input (odd N, masked group tails, split-K combined in
     the kernel or by a second launch, rows and tiles) give each output the bits of its own launch
     with the same settings, 128-byte aligned; each row of an M-row call equals a one-row call."""
-    from specfire.ops.triton_quant import q4_group
+    from specfire.kernels.q4.gemv import q4_group
 
     k, g = 192, 64                               # 3 groups: split 2 leaves a short last split
     ws = [_qw(n, k, g, 30 + n, tile) for n in (37, 20, 5, 70)]
@@ -446,9 +446,10 @@ def test_q4_rows_groups_shards_as_the_whole_and_falls_back(monkeypatch):
     bound on, launch_ns = the whole N) get the whole group's bits; Hadamard weights rotate x once;
     more than 16 rows run in 16-row launches (row-invariant across them); SPECFIRE_GEMV_GROUP=0
     gives one launch per weight with its own settings."""
-    from specfire.ops import triton_gemv, triton_quant
-    from specfire.ops.quant import q4_rows
-    from specfire.ops.triton_quant import group_config
+    from specfire.kernels.gemv import kernel as triton_gemv
+    from specfire.kernels.q4 import gemv as triton_quant
+    from specfire.kernels.q4 import q4_rows
+    from specfire.kernels.q4.gemv import group_config
 
     # settings by shape: the whole group's (N = 170) differ from what the shards' own N would pick
     monkeypatch.setattr(triton_quant, "q4_config", lambda n, k, g: Q4Config(32) if n == 170 else Q4Config(16, split_k=2))
@@ -476,7 +477,7 @@ def test_q4_rows_groups_shards_as_the_whole_and_falls_back(monkeypatch):
 def test_q4_config_picks_the_measured_settings():
     """The launch settings of a 27B step's 4-bit launches and the MTP fc are the seventh session's
     measured winners (docs/BENCHMARKS.md, "Seventh wave"): one per (N, K), whatever M."""
-    from specfire.ops.triton_quant import group_config, q4_config
+    from specfire.kernels.q4.gemv import group_config, q4_config
 
     want = {(34816, 5120): Q4Config(64, 3, 2, 3, wa=True, rows=8, rows_hi=16),       # MLP gate + up
             (16384, 5120): Q4Config(64, 3, 2, 3, wa=True, rows=8, rows_hi=16),       # GDN qkv + z
@@ -492,7 +493,7 @@ def test_q4_config_picks_the_measured_settings():
     assert group_config([10240, 6144], 5120, 128) == want[(16384, 5120)]
     # the tiles per row count (ninth wave): the draft lm_head of a 32,768-token draft vocabulary at
     # M = 1 runs 32 columns on one warp, 3 stages, its split-K (1) unchanged; other M as q4_config
-    from specfire.ops.triton_quant import M_TILES, launch_config
+    from specfire.kernels.q4.gemv import M_TILES, launch_config
     assert M_TILES == {(32768, 5120, 1): (32, 1, 3)}
     d = q4_config(32768, 5120, 128)
     assert launch_config(d, 32768, 5120, 128, 1) == dataclasses.replace(d, block_n=32, num_warps=1, num_stages=3)
@@ -506,7 +507,7 @@ def test_q4_combine_ilp_keeps_the_bits(split):
     """COMBINE_ILP: the last CTA of a tile loads the partials four at a time and adds them in split
     order, so every split count (split - 1 not a multiple of 4: masked loads past the last split)
     gives the bits of the one-at-a-time combine; rows == single rows; odd N, 10 groups of 32."""
-    from specfire.ops import triton_quant
+    from specfire.kernels.q4 import gemv as triton_quant
 
     qw = _qw(45, 320, 32, 50 + split)
     x = torch.randn(5, 320, generator=_g(51))
@@ -531,8 +532,8 @@ def test_q4_m_tiles_change_the_tile_not_the_bits(monkeypatch):
     q4_config's (never another split-K or row tile): launch_config applies it only to that (N, K, M)
     and only where the settings are q4_config's, and the outputs keep the bits of q4_config's launch
     (odd N, split-K over a short last split, rows == single rows)."""
-    from specfire.ops import triton_quant
-    from specfire.ops.triton_quant import launch_config, q4_config
+    from specfire.kernels.q4 import gemv as triton_quant
+    from specfire.kernels.q4.gemv import launch_config, q4_config
 
     n, k, g = 77, 640, 64
     base = q4_config(n, k, g)
@@ -559,7 +560,7 @@ def test_q4_m_tiles_change_the_tile_not_the_bits(monkeypatch):
 
 def test_q4_discard_only_where_lines_stay_inside_a_tile():
     """DISCARD drops a partial line only if no other tile's value can share it."""
-    from specfire.ops.triton_quant import discard_ok
+    from specfire.kernels.q4.gemv import discard_ok
 
     assert discard_ok(True, 64, [17408, 17408], 1 << 20)
     assert not discard_ok(False, 64, [17408], 1 << 20)                  # switched off / no split-K / CPU

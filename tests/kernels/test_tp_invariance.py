@@ -1,6 +1,6 @@
 """Tensor-parallel invariance: tp = 1, 2, 4 compute the same bits (CPU, gloo), and the pieces that
-make it so: the canonical 8-chunk split of row-parallel reductions (ops/splitk.py), column shards
-computed as the whole matrix (ops/linear.py), lane-independent transcendentals (ops/lanes.py),
+make it so: the canonical 8-chunk split of row-parallel reductions (kernels/splitk), column shards
+computed as the whole matrix (kernels/gemv), lane-independent transcendentals (kernels/cpu_exact/lanes.py),
 and the CUDA kernels of the same scheme under TRITON_INTERPRET=1."""
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import torch
 from tinymodels import make_checkpoint
 
 from specfire import LLM, SamplingParams, SpecPolicy
-from specfire.ops import lanes, splitk
-from specfire.ops.linear import linear
-from specfire.ops.splitk import CHUNKS, ChunkCache, KSplit, chunk_bounds, subtree, tree_sum
+from specfire.kernels.cpu_exact import lanes
+from specfire.kernels import canonical
+from specfire.kernels.gemv import linear
+from specfire.kernels.splitk import CHUNKS, ChunkCache, KSplit, chunk_bounds, subtree, tree_sum
 
 
 def _prompt(vocab: int, n: int, seed: int) -> list[int]:
@@ -75,7 +76,7 @@ def test_row_parallel_subtrees_equal_whole_bitwise(n, k):
         for tp, got in per.items():
             assert torch.equal(got, whole), (m, tp)
         if k in (256, 768):                    # the one-call batched form equals the chunk-by-chunk one
-            from specfire.ops.splitk import partials_cpu
+            from specfire.kernels.splitk import partials_cpu
             ref = tree_sum(partials_cpu(x, w, KSplit(k), rows, ChunkCache()))
             assert torch.equal(whole, ref)
     # row invariance of the rows path
@@ -113,9 +114,9 @@ def test_transcendentals_do_not_depend_on_position(fn):
 @pytest.fixture
 def canonical():
     """One device in the canonical mode (off by default): the bits a mesh must reproduce."""
-    splitk.set_enabled(True)
+    canonical.set_enabled(True)
     yield
-    splitk.set_enabled(None)
+    canonical.set_enabled(None)
 
 
 # ---- the CUDA kernels of the scheme, interpreted -------------------------------------------------
@@ -123,8 +124,8 @@ def canonical():
 def test_chunk_kernel_partials_tree_and_shards():
     """chunk_partials: each chunk's float32 partial (close to the reference), row-invariant, and the
     same bits in a shard as in the whole; tree_combine adds them exactly as tree_sum does."""
-    from specfire.ops.triton_gemv import gemv
-    from specfire.ops.triton_splitk import chunk_partials, gemv_chunks_fused, tree_combine
+    from specfire.kernels.gemv.kernel import gemv
+    from specfire.kernels.splitk.fused import chunk_partials, gemv_chunks_fused, tree_combine
 
     g = torch.Generator().manual_seed(5)
     n, k = 37, 200                                          # odd N; chunks of 25 (masked K tails)
@@ -154,7 +155,7 @@ def test_chunk_kernel_partials_tree_and_shards():
             assert torch.equal(gemv_chunks_fused(xx, w, bc, torch.float32),
                                tree_combine(chunk_partials(xx, w, bc), torch.float32))
     # the one-loop kernel (tree folded in registers): the same bits for equal 128-multiple chunks
-    from specfire.ops.triton_tree_loop import gemv_tree_loop
+    from specfire.kernels.splitk.loop import gemv_tree_loop
     wl, xl = torch.randn(37, 1024, generator=g), torch.randn(5, 1024, generator=g)
     for c in (8, 4, 1):
         bc = torch.tensor([1024 * j // c for j in range(c + 1)], dtype=torch.int32)
@@ -323,8 +324,8 @@ def test_grouped_column_launch_equals_separate_launches():
     bits of its own launch with the group's settings (odd N, masked K tail, 1 and 5 rows); shards
     that pass the whole matrices' N get the whole's bits (interpreted, shards start on a tile
     bound: see the note above); settings of one weight alone when grouping is off."""
-    from specfire.ops import triton_gemv
-    from specfire.ops.triton_gemv import gemv, gemv_group, group_config
+    from specfire.kernels.gemv import kernel as triton_gemv
+    from specfire.kernels.gemv.kernel import gemv, gemv_group, group_config
 
     g = torch.Generator().manual_seed(11)
     k = 200
@@ -356,8 +357,8 @@ def test_grouped_column_launch_equals_separate_launches():
 def test_tree_loop_split_programs_give_the_same_bits():
     """gemv_tree_loop with a tile's chunks shared by 2 or 4 programs (the last adds their subtrees)
     equals the one-program fold and the two-launch form, into a given float32 `out` too."""
-    from specfire.ops.triton_splitk import chunk_partials, tree_combine
-    from specfire.ops.triton_tree_loop import gemv_tree_loop
+    from specfire.kernels.splitk.fused import chunk_partials, tree_combine
+    from specfire.kernels.splitk.loop import gemv_tree_loop
 
     g = torch.Generator().manual_seed(12)
     w, x = torch.randn(70, 1024, generator=g), torch.randn(3, 1024, generator=g)
@@ -378,14 +379,14 @@ def test_tree_loop_split_programs_give_the_same_bits():
         gemv_tree_loop(x, w, 8, torch.float32, split=3)
 
 
-# ---- the fused cross-rank tree + residual + RMSNorm (ops/tree_norm.py) ----------------------------
+# ---- the fused cross-rank tree + residual + RMSNorm (kernels/splitk/tree_norm.py) ----------------------------
 
 def test_tree_add_norm_kernel_equals_reference():
     """W slots added in the canonical tree, the residual added, the norm applied: the new residual
     bitwise equal to the reference (float32: the tree's order shows), the normed row to rounding;
     odd D (a masked tail), every W."""
-    from specfire.ops.tree_norm import tree_add_rms_norm_ref
-    from specfire.ops.triton_tree_norm import tree_add_rms_norm
+    from specfire.kernels.splitk.tree_norm import tree_add_rms_norm_ref
+    from specfire.kernels.splitk.tree_norm_kernel import tree_add_rms_norm
 
     g = torch.Generator().manual_seed(5)
     for dt, wns in ((torch.float32, (1, 2, 4, 8)), (torch.float16, (2,))):   # the interpreter truncates to bf16
@@ -408,8 +409,8 @@ def test_pushed_subtrees_combine_as_one_device(world, hows):
     sends its subtree to slot `rank` of every rank's buffer through an address table and bumps each
     peer's arrival word; each rank's fused kernel waits for them, and the tree it adds equals the
     whole matrix's 8-chunk tree bitwise, on every rank; the arrival words are re-armed to zero."""
-    from specfire.ops.tree_norm import Pending, Push, push_rows
-    from specfire.ops.triton_tree_loop import gemv_tree_loop
+    from specfire.kernels.splitk.tree_norm import Pending, Push, push_rows
+    from specfire.kernels.splitk.loop import gemv_tree_loop
 
     g = torch.Generator().manual_seed(world)
     m, n, k = 2, 70, 1024
@@ -437,7 +438,7 @@ def test_pushed_subtrees_combine_as_one_device(world, hows):
         for r in range(world):
             assert int(syncs[r][0]) == targets[r]
             p = Pending(bufs[r], syncs[r], targets[r])
-            from specfire.ops.triton_tree_norm import tree_add_rms_norm
+            from specfire.kernels.splitk.tree_norm_kernel import tree_add_rms_norm
             outs.append(tree_add_rms_norm(p.parts, res, nw, 1e-6, p.sync, p.target))
             assert syncs[r].tolist() == [0, 0, 0, 0]
         assert torch.equal(tree_sum(list(bufs[0].unbind(0))), whole)
@@ -449,7 +450,7 @@ def test_pushed_subtrees_combine_as_one_device(world, hows):
 def test_tree_norm_wait_gives_up_and_says_so(monkeypatch):
     """A peer that never pushes: the wait gives up after SPIN_LIMIT polls, sets the sticky word,
     and the next wait on that buffer does not poll again (no eternal hang of a replayed graph)."""
-    from specfire.ops import triton_tree_norm as ttn
+    from specfire.kernels.splitk import tree_norm_kernel as ttn
 
     monkeypatch.setattr(ttn, "SPIN_LIMIT", 3)
     sync = torch.zeros(4, dtype=torch.int32)
@@ -466,9 +467,9 @@ def test_low_latency_words_combine_as_one_device(world, how, monkeypatch):
     into slot `rank` of every rank's buffer; each rank's LL consumer polls the flags, and its output
     equals one device's (W = 1, packed with flag 0, no wait) bitwise, twice in a row (the epoch
     advances); with no producer the wait gives up and says so."""
-    from specfire.ops import triton_tree_norm as ttn
-    from specfire.ops.tree_norm import Push, push_rows
-    from specfire.ops.triton_tree_loop import gemv_tree_loop
+    from specfire.kernels.splitk import tree_norm_kernel as ttn
+    from specfire.kernels.splitk.tree_norm import Push, push_rows
+    from specfire.kernels.splitk.loop import gemv_tree_loop
 
     g = torch.Generator().manual_seed(20 + world)
     m, n, k = 2, 70, 1024

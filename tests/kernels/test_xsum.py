@@ -1,4 +1,4 @@
-"""Group sums folded into the kernels that write a 4-bit GEMV's input (ops/xsum.py), under
+"""Group sums folded into the kernels that write a 4-bit GEMV's input (kernels/xsum.py), under
 TRITON_INTERPRET=1 on the CPU: each producer's sums equal the reference pairwise tree of its
 written (rounded) output bit for bit, the GEMV's own sum(x) kernel makes the same bits, and the
 GEMV handed the sums gives the bits it gives without them."""
@@ -6,11 +6,12 @@ GEMV handed the sums gives the bits it gives without them."""
 import pytest
 import torch
 
-from specfire.ops import attn_fused, xsum
-from specfire.ops import triton_quant as tq
-from specfire.ops import triton_small as ts
-from specfire.ops.linear import linear_rows_ref
-from specfire.ops.quant import QuantWeight, q4_rows
+from specfire.kernels.attention import fused as attn_fused
+from specfire.kernels import xsum
+from specfire.kernels.q4 import gemv as tq
+from specfire.kernels.small import kernel as ts
+from specfire.kernels.gemv import linear_rows_ref
+from specfire.kernels.q4 import QuantWeight, q4_rows
 
 
 def _g(seed):
@@ -19,7 +20,7 @@ def _g(seed):
 
 @pytest.fixture(autouse=True)
 def fold_on(monkeypatch):
-    """These tests take the tree form unless they say (the default is `plain`: ops/xsum.py mode),
+    """These tests take the tree form unless they say (the default is `plain`: kernels/xsum.py mode),
     on a device where a 4-bit GEMV has run."""
     monkeypatch.setenv("SPECFIRE_XSUM_FOLD", "1")
     monkeypatch.setattr(xsum, "_CONSUMERS", {"cpu"})

@@ -1,0 +1,603 @@
+"""Row-invariant dequant-GEMV for specfire's 4-bit format (kernels/q4) on CUDA, in Triton.
+
+Factorised form: per group, t = x @ (128 + q)^T on the tensor cores (codes exact in bf16, fp32
+accumulation; x is the MMA's 16-row A operand, the codes its B operand), then
+y += s t + (z - 128 s) sum(x) in fp32, sum(x) per group from a small kernel launched first.
+Codes become bf16 128 + q by bit tricks on whole 32-bit words (inline PTX: prmt, shift, lop3).
+Why it is shaped this way (bench/quant_gpu.py, H200): a decode GEMV must keep HBM busy, so no
+load of the loop waits where it is issued (codes and x go through the software pipeline; the
+next group's scales, zeros and sum(x) are prefetched into registers one group ahead, where the
+previous kernel stalled on them every group), code rows load 16 bytes at a time, the codes are
+the MMA's A operand (wa: the sm_90 loop then needs 8-12% fewer instructions than with x as A,
+mostly register moves), and the epilogue is two FMAs per output. The codes are stored in tiles
+of 64 rows (one group of a tile = one contiguous 4 KB block, which DRAM serves better than 64 B
+from each of 64 rows: 1.2x on the lm_head) or as rows (tile 0). Split-K partials are combined in
+a fixed order by the last CTA of each N tile to arrive (a counter per tile, reset by that CTA),
+or by a second launch.
+
+Sixth session: rows may run in 8-row tiles (`rows`; M > 8 runs a second tile on grid axis 2):
+the MMA n8 shape, so a code word costs half the MMAs, x fragments and epilogue FMAs (an offline
+sm_90 compile: 301 instead of 390 loop instructions per 64 x 128 group on two warps); and with
+`zc` the zero-point term leaves the loop (the loop reads scales only) and is added after it as a
+float32 FMA dot over zc groups at a time, sum(x) made there from x's real rows, so no sum(x)
+launch comes first (a fixed ~1.8 us of every call before).
+
+Seventh session: the zero term's first chunk of scales and zeros (a split of at most zc groups:
+all of them) is loaded before the main loop, so the term after it waits only for x (in L2); with
+`rows_hi` = 16 a call of 9..16 rows runs one 16-row tile (the codes read once) instead of two
+8-row tiles: the MMA computes each output element alike for an n8 or an n16 tile, so the rows of
+a 16-row call have the bits of the 8-row calls (checked bitwise on the GPU before a config that
+uses it is adopted: bench/linear.py).
+
+Eighth session: the kernel that wrote x may hand its group sums along (kernels/xsum.py; by default
+the plain form, measured faster on the H200); q4_group then skips the sum(x) launch.
+
+Ninth session: the last CTA of a split-K tile loads the partials four at a time (COMBINE_ILP; it
+waited for one L2 round trip after another), drops their L2 lines once summed (DISCARD), and a
+launch may take another tile width / warps / stages per row count (M_TILES, never another split-K);
+the bits stay those of the plain launch. On the H200 they cut the MTP cycle on the device by ~50 us
+(1.159-1.164x -> 1.152-1.156x an AR step), the AR step unchanged; the 4-bit GEMV's M = 4 premium
+(2-3% over a chain of launches alone, ~0.11-0.15 ms a 27B step) shrank by about a quarter and is not
+an occupancy loss: no other tile won at M = 4.
+
+Tenth session: `maxnreg` caps the registers a thread (more programs resident per SM). Measured on the
+H200 (bench/q4_floor.py --phases sweep): slower on every 27B launch shape at 96, 88 and 80, so 0 (the
+compiler's choice) everywhere; the field stays so the sweep can be re-run. The same wave measured
+how far the kernel is from a plain read of its bytes (docs/BENCHMARKS.md "Tenth wave").
+
+Row invariance: a fixed 16- or 8-row tile, the split-K and the group order chosen from (N, K, G)
+only, M never specialised, group terms and split partials added in a fixed order, so every M runs
+the same arithmetic for each output element (with rows_hi: every M above `rows` the wider tile's,
+bitwise checked equal; M_TILES may give an M another tile width, warps or stages, which move no
+element's arithmetic, bitwise checked equal) and a row's arithmetic never sees the other rows.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+from .._triton import triton, tl
+
+from .. import pdl, xsum
+from ..pdl import prefetch_l2
+from ..pdl import wait as pdl_wait
+from ..gemv.kernel import ROWS, _splitk_sum
+from ..small.kernel import group_sums
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX in the interpreter
+# added to a grouped launch's offsets between weights, so they are always passed as 64-bit
+# integers (Triton types an int argument by its value: one kernel for any allocation distance)
+_BIAS = 1 << 40
+BIAS = tl.constexpr(_BIAS)
+# launched with PDL (kernels/pdl.py), a program asks L2 for its first PDL_PREFETCH groups of codes
+# before it waits for the kernel before it (codes in tiles only; 0: no prefetch)
+PDL_PREFETCH = int(os.environ.get("SPECFIRE_PDL_PREFETCH", "0"))
+# Ninth session (docs/BENCHMARKS.md "Ninth wave"; none of the three changes a bit). DISCARD: the
+# last CTA of a split-K tile, once it has summed the partials, tells L2 their lines are dead (PTX
+# discard.global.L2: the float32 partials, ~73 MB a row over a 27B step, need no write-back to
+# DRAM). M_TILES (below): per (N, K, M) the tile width, warps and pipeline depth of a launch.
+DISCARD = os.environ.get("SPECFIRE_Q4_DISCARD", "1") != "0"
+# COMBINE_ILP: the last CTA of a split-K tile loads the partials four at a time (was: one L2 round
+# trip after the other, split - 1 of them on the launch's tail); the additions keep their order
+COMBINE_ILP = os.environ.get("SPECFIRE_Q4_COMBINE_ILP", "1") != "0"
+M_TILES_ON = os.environ.get("SPECFIRE_Q4_MTILES", "1") != "0"
+
+
+@dataclass(frozen=True)
+class Q4Config:
+    block_n: int = 64
+    split_k: int = 1
+    num_warps: int = 2
+    num_stages: int = 4
+    sem: bool = True      # split_k > 1: combine in the kernel (last CTA per tile) instead of a second launch
+    wa: bool = False      # codes as the MMA's A operand (y^T = W x^T): fewer register moves in the sm_90 loop
+    rows: int = 16        # row tile: 8 halves the MMAs, x fragments and epilogue FMAs per code word (M > 8: 2 tiles)
+    zc: int = 0           # > 0: zero-point term after the loop, zc groups at a time, sum(x) made there (no launch first)
+    rows_hi: int = 0      # > rows: calls of more than `rows` rows run tiles of rows_hi rows (M = 9..16: one 16-row
+                          # tile reads the codes once, where two 8-row tiles read them twice); 0: tiles of `rows`
+    maxnreg: int = 0      # > 0: registers per thread capped there (more programs resident per SM); 0: the compiler's
+
+    def __post_init__(self):
+        pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
+        if not pow2(self.rows) or self.rows < 8:
+            raise ValueError(f"Q4Config.rows must be a power of two >= 8, got {self.rows}")
+        if self.rows_hi and (not pow2(self.rows_hi) or self.rows_hi <= self.rows):
+            raise ValueError(f"Q4Config.rows_hi must be 0 or a power of two above rows={self.rows}, got {self.rows_hi}")
+        if self.zc and not pow2(self.zc):
+            raise ValueError(f"Q4Config.zc must be 0 or a power of two, got {self.zc}")
+        if self.maxnreg and not (24 <= self.maxnreg <= 255 and self.maxnreg % 8 == 0):
+            raise ValueError(f"Q4Config.maxnreg must be 0 or a multiple of 8 in 24..255, got {self.maxnreg}")
+
+
+# (N, K) at group 128 -> launch settings on the H200, codes in 64-row tiles (docs/BENCHMARKS.md).
+# The launch shapes of a 27B step (grouped projections launch with their concatenated N) and the
+# MTP head's fc are the seventh session's sweep winners (bench/linear.py q4rows, least
+# t(M=1) + t(M=4) of 24-40 candidates a shape, all 8-row tiles, every candidate bitwise
+# row-invariant; rows_hi = 16 checked bitwise on each and 1.1-1.5x faster at M = 16); the single
+# weights keep the fourth session's settings with 8-row tiles (not timed alone).
+_MEASURED = {
+    # single weights (SPECFIRE_GEMV_GROUP=0, or a group one launch cannot hold)
+    (17408, 5120): Q4Config(128, split_k=3, num_warps=2, num_stages=3, wa=True, rows=8),   # MLP gate, up
+    (12288, 5120): Q4Config(64, split_k=4, num_warps=2, num_stages=3, wa=True, rows=8),    # attention q + gate
+    (10240, 5120): Q4Config(64, split_k=4, num_warps=2, num_stages=3, wa=True, rows=8),    # GDN qkv
+    (6144, 5120): Q4Config(64, split_k=8, num_warps=2, num_stages=3, wa=True, rows=8),     # GDN z
+    (1024, 5120): Q4Config(32, split_k=18, num_warps=1, num_stages=4, wa=True, rows=8),    # attention k, v
+    # launch shapes of a 27B step and the MTP fc, measured (seventh session)
+    (5120, 17408): Q4Config(64, split_k=13, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),   # MLP down
+    (5120, 6144): Q4Config(64, split_k=10, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),    # attn o, GDN out
+    (248320, 5120): Q4Config(32, split_k=1, num_warps=1, num_stages=4, wa=True, rows=8, rows_hi=16),  # lm_head
+    (34816, 5120): Q4Config(64, split_k=3, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),   # gate + up
+    (16384, 5120): Q4Config(64, split_k=3, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),   # GDN qkv + z
+    (14336, 5120): Q4Config(128, split_k=7, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),  # attn q+g, k, v
+    (5120, 10240): Q4Config(64, split_k=9, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),   # MTP fc
+}
+
+
+# (N, K, M) -> (block_n, num_warps, num_stages) for a launch of M rows of a shape whose settings are
+# q4_config's (bench/q4_rows4.py). Only these three fields move: each output element is the same
+# MMA chain over its groups in the same order, the same split-K partials summed in the same order,
+# so the bits are those of q4_config's launch (checked bitwise on the GPU for every entry before it
+# is adopted, and by tests/kernels/test_quant.py on the CPU). Measured (ninth session, H200): no
+# other tile beat q4_config's at M = 4 on the step's launch shapes (the M = 4 premium is not an
+# occupancy loss); the MTP draft chain's lm_head over a 32,768-token draft vocabulary (M = 1, no
+# measured entry before: the fallback's 64 columns on 2 warps) runs 32 columns on one warp, 3
+# stages: 33.2 -> 31.5 us a call (docs/BENCHMARKS.md "Ninth wave").
+M_TILES: dict[tuple[int, int, int], tuple[int, int, int]] = {(32768, 5120, 1): (32, 1, 3)}
+
+
+def launch_config(cfg: Q4Config, n: int, k: int, group: int, m: int) -> Q4Config:
+    """cfg for an M-row launch of a weight (or group) of N x K: M_TILES' tile for (N, K, M) when cfg
+    is that shape's q4_config, else cfg itself."""
+    t = M_TILES.get((n, k, m)) if M_TILES_ON else None
+    if t is None or cfg != q4_config(n, k, group):
+        return cfg
+    return dataclasses.replace(cfg, block_n=t[0], num_warps=t[1], num_stages=t[2])
+
+
+def q4_config(n: int, k: int, group: int) -> Q4Config:
+    """Launch configuration from the weight's shape only (never from M): the measured one for the
+    27B shapes, else what won most of them, 64 columns on two warps, 3 stages, codes as the A
+    operand, 8-row tiles, with the split-K that fills an H200 in one wave (about 6 CTAs per SM)."""
+    if group == 128 and (n, k) in _MEASURED:
+        return _MEASURED[(n, k)]
+    return Q4Config(64, split_k=max(1, min(k // group, 792 // triton.cdiv(n, 64))), num_stages=3, wa=True, rows=8)
+
+
+# inline PTX, 4 packed bytes in ($4) -> low nibbles as bf16 128+q ($0, $1) and high nibbles ($2, $3);
+# element i of each output is byte i of the input, whatever the register layout
+_ASM_Q4 = """{
+.reg .b32 t0, t1;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA;
+shr.b32 t0, t0, 4;
+shr.b32 t1, t1, 4;
+lop3.b32 $2, t0, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 $3, t1, 0x000F000F, 0x43004300, 0xEA;
+}"""
+_ASM_Q4_TL = tl.constexpr(_ASM_Q4)
+
+
+def asm_q4_emulate(word: int) -> tuple[list[int], list[int]]:
+    """Python model of _ASM_Q4 on one 32-bit word -> (low-nibble bf16 bit patterns, high ones),
+    element order 0..3; the CPU tests check it against the documented meaning."""
+    def prmt(a, sel):
+        src = [(a >> (8 * i)) & 255 for i in range(4)] + [0, 0, 0, 0]
+        return sum(src[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
+
+    def lop(t):
+        return (t & 0x000F000F) | 0x43004300
+
+    t0, t1 = prmt(word, 0x4140), prmt(word, 0x4342)
+    regs = [lop(t0), lop(t1), lop(t0 >> 4), lop(t1 >> 4)]
+    halves = [[r & 0xFFFF, r >> 16] for r in regs]
+    return halves[0] + halves[1], halves[2] + halves[3]
+
+
+@triton.jit
+def _codes(qb, dtype: tl.constexpr, ASM: tl.constexpr):
+    """Packed bytes -> (128 + low nibble, 128 + high nibble) in `dtype` (exact)."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(_ASM_Q4_TL, "=r,=r,=r,=r,r", [qb], dtype=(tl.bfloat16, tl.bfloat16),
+                                           is_pure=True, pack=4)
+    else:
+        lo = ((qb & 15).to(tl.float32) + 128.0).to(dtype)
+        hi = ((qb >> 4).to(tl.float32) + 128.0).to(dtype)
+    return lo, hi
+
+
+@triton.jit
+def _mmt(a, bt, acc, IEEE: tl.constexpr):
+    """acc + a @ bt^T. Float32 (the CPU tests, in the interpreter) takes an explicit product-sum:
+    the interpreter's matmul rounds a row differently at different row positions, the tensor-core
+    MMA does not (checked bit for bit on the GPU by bench/quant_gpu.py)."""
+    if IEEE:
+        return acc + tl.sum(a[:, None, :] * bt[None, :, :], axis=2)
+    return tl.dot(a, tl.trans(bt), acc)
+
+
+@triton.jit
+def _mm(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b (weights as the MMA's A operand); float32 as in _mmt."""
+    if IEEE:
+        return acc + tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _group_terms(s_ptr, z_ptr, xs_ptr, g, g_hi, N, n_groups, offs_n, n_mask, offs_m, m_mask, ZC: tl.constexpr):
+    """Scale and zero of group g for the tile's columns and sum(x) of group g per row; zeros past
+    the split's last group (these are the prefetches one group ahead). ZC > 0: the scale only."""
+    ok = (g + offs_n * 0) < g_hi
+    s = tl.load(s_ptr + g * N + offs_n, mask=n_mask & ok, other=0.0)
+    if ZC > 0:      # one return below: Triton types every return statement of a function alike
+        z = s
+        xs = offs_m * 0.0
+    else:
+        z = tl.load(z_ptr + g * N + offs_n, mask=n_mask & ok, other=0.0)
+        xs = tl.load(xs_ptr + offs_m * n_groups + g, mask=m_mask & ((g + offs_m * 0) < g_hi), other=0.0)
+    return s, z, xs
+
+
+@triton.jit
+def _zc_scales(s_ptr, z_ptr, c0, g_hi, N, offs_n, n_mask, ZC: tl.constexpr):
+    """(z - 128 s) of groups c0 .. c0 + ZC - 1 (zeros past g_hi) for the tile's columns, float32
+    [BLOCK_N, ZC]: the zero-point term's weights."""
+    gc = c0 + tl.arange(0, ZC)
+    sz_off = gc[None, :] * N + offs_n[:, None]
+    sz_mask = n_mask[:, None] & (gc < g_hi)[None, :]
+    s2 = tl.load(s_ptr + sz_off, mask=sz_mask, other=0.0).to(tl.float32)
+    return tl.load(z_ptr + sz_off, mask=sz_mask, other=0.0).to(tl.float32) - 128.0 * s2
+
+
+@triton.jit
+def _zc_chunk(acc, zp, x_ptr, stride_xm, c0, g_hi, M, row0, ZC: tl.constexpr, G: tl.constexpr, ROWS_: tl.constexpr,
+              WA: tl.constexpr, IEEE: tl.constexpr):
+    """acc + (z - 128 s) sum(x) over groups c0 .. c0 + ZC - 1. sum(x) of each real row of the tile
+    is made here from x, one row at a time with the same [ZC, G] code whatever the row or the row
+    tile (a loop over the real rows: unrolled over the tile, the offline sm_90 compile staged the
+    rows through 78 KB of shared memory)."""
+    gc = c0 + tl.arange(0, ZC)
+    gm = gc < g_hi
+    offs_r = tl.arange(0, ROWS_)
+    xs2 = tl.zeros((ROWS_, ZC), dtype=tl.float32)                                       # [ROWS, ZC]
+    for r in range(0, tl.minimum(M - row0, ROWS_)):
+        xr = tl.load(x_ptr + (row0 + r) * stride_xm + gc[:, None] * G + tl.arange(0, G)[None, :],
+                     mask=gm[:, None], other=0.0)                                        # [ZC, G]
+        xs2 = tl.where(offs_r[:, None] == r, tl.sum(xr.to(tl.float32), axis=1)[None, :], xs2)
+    if IEEE:     # the interpreter (float32 tests): an explicit product-sum, as in _mm
+        if WA:
+            acc += tl.sum(zp[:, :, None] * tl.trans(xs2)[None, :, :], axis=1)
+        else:
+            acc += tl.sum(xs2[:, :, None] * tl.trans(zp)[None, :, :], axis=1)
+    elif WA:     # float32 FMA dot: each output element summed by one thread, in order
+        acc = tl.dot(zp, tl.trans(xs2), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(xs2, tl.trans(zp), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _zero_terms(acc, zp0, x_ptr, stride_xm, s_ptr, z_ptr, g_lo, g_hi, N, offs_n, n_mask, M, row0,
+                ZC: tl.constexpr, G: tl.constexpr, ROWS_: tl.constexpr, WA: tl.constexpr, IEEE: tl.constexpr):
+    """acc + sum over the split's groups of (z - 128 s) sum(x), ZC groups at a time in group order;
+    the first chunk's (z - 128 s) is zp0, loaded before the main loop (its latency hidden behind
+    it; a split of at most ZC groups loads nothing else here). Each output element sums its own
+    products: row-invariant."""
+    acc = _zc_chunk(acc, zp0, x_ptr, stride_xm, g_lo, g_hi, M, row0, ZC, G, ROWS_, WA, IEEE)
+    for c0 in range(g_lo + ZC, g_hi, ZC):
+        zp = _zc_scales(s_ptr, z_ptr, c0, g_hi, N, offs_n, n_mask, ZC)
+        acc = _zc_chunk(acc, zp, x_ptr, stride_xm, c0, g_hi, M, row0, ZC, G, ROWS_, WA, IEEE)
+    return acc
+
+
+@triton.jit
+def _prefetch_codes(q_ptr, tile_n, N, KH, g_lo, g_hi, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
+                    HALF: tl.constexpr, PF: tl.constexpr):
+    """L2 prefetch of the program's codes of groups g_lo .. g_lo + PF - 1 (tiled codes: a group of
+    a tile is TILE * HALF contiguous bytes, and the groups of one tile follow each other). Weights
+    only: nothing an earlier kernel writes, so it may run before the PDL wait."""
+    n0 = tile_n * BLOCK_N
+    if BLOCK_N >= TILE:     # whole tiles: each one's PF groups in one request
+        ng = tl.minimum(g_hi - g_lo, PF)
+        for j in tl.static_range(BLOCK_N // TILE):
+            row = n0 + j * TILE
+            prefetch_l2(q_ptr + (row // TILE) * (KH * TILE) + g_lo * (TILE * HALF), ng * (TILE * HALF),
+                        ((row < N) & (ng > 0)).to(tl.int32))
+    else:                   # part of a tile: BLOCK_N rows of each group
+        for i in tl.static_range(PF):
+            g = g_lo + i
+            prefetch_l2(q_ptr + (n0 // TILE) * (KH * TILE) + (n0 % TILE) * HALF + g * (TILE * HALF),
+                        n0 * 0 + BLOCK_N * HALF, ((g < g_hi) & (n0 < N)).to(tl.int32))
+
+
+# one 128-byte L2 line made dead (no write-back); $2 = 0: nothing (masked)
+_ASM_DISCARD = tl.constexpr("""{
+.reg .pred p;
+setp.ne.b32 p, $2, 0;
+@p discard.global.L2 [$1], 128;
+mov.b32 $0, 0;
+}""")
+
+
+@triton.jit
+def _discard_partials(part_ptr, offs_m, m_mask, n0, N, M, split, BLOCK_N: tl.constexpr):
+    """Drop the L2 lines of this tile's split partials (rows offs_m < M, columns n0 .. n0 + BLOCK_N,
+    every split) once they are read: each line holds 32 float32 of one row of one tile (the host
+    asks for this only when N, BLOCK_N and the buffer keep whole lines inside a tile)."""
+    offs_l = n0 + tl.arange(0, BLOCK_N // 32) * 32
+    ok = (m_mask[:, None] & (offs_l < N)[None, :]).to(tl.int32)
+    base = part_ptr + offs_m[:, None] * N + offs_l[None, :]
+    for sp in range(0, split):
+        tl.inline_asm_elementwise(_ASM_DISCARD, "=r,l,r", [(base + sp * M * N).to(tl.int64), ok], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit(do_not_specialize=["M", "n_groups", "groups_per_split", "split"])
+def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M, N0, KH, stride_xm,
+               n_groups, groups_per_split, split, N1, N2, N3, T1, T2, T3, DQ1, DQ2, DQ3, DS1, DS2, DS3,
+               DZ1, DZ2, DZ3, O1, O2, O3, SEGS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
+               ROWS_: tl.constexpr, TILE: tl.constexpr, SEM: tl.constexpr, ASM: tl.constexpr,
+               IEEE: tl.constexpr, WA: tl.constexpr = False, ZC: tl.constexpr = 0, PDL: tl.constexpr = False,
+               PF: tl.constexpr = 0, DISCARD: tl.constexpr = False, ILP4: tl.constexpr = False):
+    # Kernel packing (kernels/q4): in group g, byte j of a row holds codes g*G + j (low nibble)
+    # and g*G + G/2 + j (high nibble), rows stored in tiles [N/TILE, K/G, TILE, G/2] (TILE = 0: rows
+    # [N, K/2]); scales / zeros are [K/G, N]; KH = K / 2 bytes per row.
+    # Up to 4 weights of one input in one launch (SEGS): column tiles [0, T1) are weight 0's,
+    # [T1, T2) weight 1's, ...; weight s has Ns rows, its codes / scales / zeros at DQs / DSs / DZs
+    # elements past weight 0's, its output [M, Ns] at y + M * Os and its split partials at
+    # part + split * M * Os. A tile runs the loop a launch of its weight alone would run. The Ds
+    # come with BIAS added (always 64-bit: one compiled kernel whatever the allocations' distance).
+    # Rows run in tiles of ROWS_ over grid axis 2, every tile the same code (row-invariant).
+    # PDL (kernels/pdl.py): launched while the kernel before it runs; the codes of the first PF groups
+    # are requested before the wait, x, sum(x), the outputs, partials and counters only after it.
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_r = tl.program_id(2)
+    HALF: tl.constexpr = G // 2
+    N = N0
+    t0 = 0
+    if SEGS > 1:   # which weight this column tile belongs to (one weight: nothing moves)
+        sel = pid_n >= T1
+        N, t0, o = tl.where(sel, N1, N), tl.where(sel, T1, t0), tl.where(sel, O1, 0)
+        dq, ds, dz = tl.where(sel, DQ1, BIAS), tl.where(sel, DS1, BIAS), tl.where(sel, DZ1, BIAS)
+        if SEGS > 2:
+            sel = pid_n >= T2
+            N, t0, o = tl.where(sel, N2, N), tl.where(sel, T2, t0), tl.where(sel, O2, o)
+            dq, ds, dz = tl.where(sel, DQ2, dq), tl.where(sel, DS2, ds), tl.where(sel, DZ2, dz)
+        if SEGS > 3:
+            sel = pid_n >= T3
+            N, t0, o = tl.where(sel, N3, N), tl.where(sel, T3, t0), tl.where(sel, O3, o)
+            dq, ds, dz = tl.where(sel, DQ3, dq), tl.where(sel, DS3, ds), tl.where(sel, DZ3, dz)
+        # the offsets between the weights' tensors are multiples of 16 bytes (_groupable): said so,
+        # the codes keep their 16-byte cp.async loads (without it an offline sm_90 compile loaded
+        # them byte by byte, and a grouped launch ran up to 1.13x slower than one weight of its size)
+        q_ptr += tl.multiple_of(dq - BIAS, 16)
+        s_ptr += tl.multiple_of(ds - BIAS, 8)
+        z_ptr += tl.multiple_of(dz - BIAS, 8)
+        y_ptr += tl.multiple_of(M * o, 64)             # Os are multiples of OUT_ALIGN
+        part_ptr += tl.multiple_of(split * M * o, 64)
+    offs_n = (pid_n - t0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_r * ROWS_ + tl.arange(0, ROWS_)
+    offs_c = tl.arange(0, HALF)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    g_lo = pid_s * groups_per_split
+    g_hi = tl.minimum(g_lo + groups_per_split, n_groups)
+    if WA:
+        acc = tl.zeros((BLOCK_N, ROWS_), dtype=tl.float32)                  # [BLOCK_N, ROWS] = W x^T tile
+    else:
+        acc = tl.zeros((ROWS_, BLOCK_N), dtype=tl.float32)                  # [ROWS, BLOCK_N] = x W^T tile
+    if TILE == 0:
+        q_rows = q_ptr + offs_n[:, None] * KH + offs_c[None, :]
+        q_step = HALF                                                        # bytes from one group to the next
+    else:
+        q_rows = q_ptr + ((offs_n // TILE) * (KH * TILE) + (offs_n % TILE) * HALF)[:, None] + offs_c[None, :]
+        q_step = TILE * HALF
+    x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_c[None, :]
+    if PDL and PF > 0 and TILE > 0:
+        _prefetch_codes(q_ptr, pid_n - t0, N, KH, g_lo, g_hi, BLOCK_N, TILE, HALF, PF)
+    pdl_wait(PDL)
+    s0, z0, xs0 = _group_terms(s_ptr, z_ptr, xs_ptr, g_lo, g_hi, N, n_groups, offs_n, n_mask, offs_m, m_mask, ZC)
+    if ZC > 0:      # the zero term's first chunk of scales / zeros: loaded now, used after the loop
+        zp0 = _zc_scales(s_ptr, z_ptr, g_lo, g_hi, N, offs_n, n_mask, ZC)
+    for g in range(g_lo, g_hi):
+        s1, z1, xs1 = _group_terms(s_ptr, z_ptr, xs_ptr, g + 1, g_hi, N, n_groups, offs_n, n_mask, offs_m, m_mask, ZC)
+        qb = tl.load(q_rows + g * q_step, mask=n_mask[:, None], other=0)              # [BLOCK_N, HALF] bytes
+        xe = tl.load(x_rows + g * G, mask=m_mask[:, None], other=0.0)                # [ROWS, HALF] low-nibble k
+        xo = tl.load(x_rows + g * G + HALF, mask=m_mask[:, None], other=0.0)         # [ROWS, HALF] high-nibble k
+        if IEEE:
+            xe = xe.to(tl.float32)
+            xo = xo.to(tl.float32)
+        lo, hi = _codes(qb, xe.dtype, ASM)
+        s = s0.to(tl.float32)
+        z = z0.to(tl.float32) - 128.0 * s      # t holds sum (128 + q) x: 128 s sum(x) comes out here
+        if WA:
+            t = _mm(hi, tl.trans(xo), _mm(lo, tl.trans(xe), tl.zeros((BLOCK_N, ROWS_), dtype=tl.float32), IEEE), IEEE)
+            acc = tl.fma(t, s[:, None], acc)
+            if ZC == 0:
+                acc = tl.fma(z[:, None], xs0[None, :], acc)
+        else:
+            t = _mmt(xo, hi, _mmt(xe, lo, tl.zeros((ROWS_, BLOCK_N), dtype=tl.float32), IEEE), IEEE)
+            acc = tl.fma(t, s[None, :], acc)
+            if ZC == 0:
+                acc = tl.fma(xs0[:, None], z[None, :], acc)
+        s0, z0, xs0 = s1, z1, xs1
+    if ZC > 0:
+        acc = _zero_terms(acc, zp0, x_ptr, stride_xm, s_ptr, z_ptr, g_lo, g_hi, N, offs_n, n_mask, M, pid_r * ROWS_,
+                          ZC, G, ROWS_, WA, IEEE)
+    if WA:
+        acc = tl.trans(acc)
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * N + offs_n[None, :]
+    if split == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        p_ptrs = part_ptr + offs_m[:, None] * N + offs_n[None, :]                   # partials [split, M, N]
+        tl.store(p_ptrs + pid_s * M * N, acc, mask=out_mask)
+        if SEM:
+            # the last CTA of this N tile to arrive sums the partials in split order 0..split-1
+            # (the arrival order never enters the arithmetic), then resets the counter
+            tl.debug_barrier()
+            lock_ptr += pid_r * tl.num_programs(0) + pid_n        # a counter per (row tile, column tile)
+            cnt = tl.atomic_add(lock_ptr, 1, sem="acq_rel", scope="gpu")
+            if cnt == split - 1:
+                tot = tl.load(p_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
+                if ILP4:    # four partials' loads in flight at a time, added in the same order (same bits)
+                    for sp in range(1, split, 4):
+                        ok2 = (offs_m[:, None] * 0 + sp + 1) < split         # [ROWS, 1]: the split exists
+                        ok3 = (offs_m[:, None] * 0 + sp + 2) < split
+                        ok4 = (offs_m[:, None] * 0 + sp + 3) < split
+                        v1 = tl.load(p_ptrs + sp * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+                        v2 = tl.load(p_ptrs + (sp + 1) * M * N, mask=out_mask & ok2, other=0.0, cache_modifier=".cg")
+                        v3 = tl.load(p_ptrs + (sp + 2) * M * N, mask=out_mask & ok3, other=0.0, cache_modifier=".cg")
+                        v4 = tl.load(p_ptrs + (sp + 3) * M * N, mask=out_mask & ok4, other=0.0, cache_modifier=".cg")
+                        tot += v1
+                        tot = tl.where(ok2, tot + v2, tot)       # past the last split: tot as it was
+                        tot = tl.where(ok3, tot + v3, tot)
+                        tot = tl.where(ok4, tot + v4, tot)
+                else:       # one partial at a time: each load waits for the one before (an L2 round trip each)
+                    for sp in range(1, split):
+                        tot += tl.load(p_ptrs + sp * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+                tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=out_mask)
+                if DISCARD:     # every thread's loads of the partials are done (their sums stored)
+                    tl.debug_barrier()
+                    _discard_partials(part_ptr, offs_m, m_mask, (pid_n - t0) * BLOCK_N, N, M, split, BLOCK_N)
+                tl.atomic_xchg(lock_ptr, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit(do_not_specialize=["M"])
+def _xsum_kernel(x_ptr, xs_ptr, K, stride_xm, G: tl.constexpr, GB: tl.constexpr, PDL: tl.constexpr = False,
+                 TREE: tl.constexpr = False):
+    """xs[m, g] = sum of row m's inputs in group g, float32 (one program per row and GB groups).
+    TREE (the sum(x) fold on, kernels/xsum.py; G a power of two up to 256): by the fold's pairwise
+    tree, the bits of the sums a producer kernel folds into its launch; else tl.sum."""
+    pdl_wait(PDL)
+    m = tl.program_id(0)
+    n_groups = K // G
+    offs_g = tl.program_id(1) * GB + tl.arange(0, GB)
+    ok = offs_g < n_groups
+    x = tl.load(x_ptr + m * stride_xm + offs_g[:, None] * G + tl.arange(0, G)[None, :], mask=ok[:, None], other=0.0)
+    if TREE:
+        tl.store(xs_ptr + m * n_groups + offs_g, group_sums(x.to(tl.float32), GB, G), mask=ok)
+    else:
+        tl.store(xs_ptr + m * n_groups + offs_g, tl.sum(x.to(tl.float32), 1), mask=ok)
+
+
+_LOCKS: dict = {}
+
+
+def _locks(device: torch.device, n: int) -> torch.Tensor:
+    """Per-device split-K arrival counters (int32, zero between launches: the last CTA resets its
+    own). Kernels on one stream run one after another, so one buffer serves every call."""
+    buf = _LOCKS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _LOCKS[device] = buf
+    return buf
+
+
+GROUP_MAX = 4      # weights of one input that one launch can hold
+OUT_ALIGN = 64     # elements: where a grouped launch's outputs start in its buffer (128 bytes in bf16)
+
+
+def group_config(whole_ns: list[int], k: int, group: int) -> Q4Config:
+    """Settings of weights of one input launched together: those of their concatenation (the sum
+    of the whole matrices' N, measured for the 27B groups). A function of the whole shapes only,
+    so a tensor-parallel shard group computes every element as the whole group does."""
+    return q4_config(sum(whole_ns), k, group)
+
+
+def _groupable(x: torch.Tensor, qws: list) -> bool:
+    """One launch can hold these weights: same K, group, code layout and device, offsets between
+    their tensors multiples of 16 bytes (the kernel tells the compiler so)."""
+    a = qws[0]
+    return len(qws) <= GROUP_MAX and all(
+        w.shape[1] == a.shape[1] and w.group_size == a.group_size and w.tile == a.tile and w.device == x.device
+        and w.qtiled.is_contiguous() and w.scales_t.is_contiguous() and w.zeros_t.is_contiguous()
+        and (w.qtiled.data_ptr() - a.qtiled.data_ptr()) % 16 == 0
+        and (w.scales_t.data_ptr() - a.scales_t.data_ptr()) % 16 == 0
+        and (w.zeros_t.data_ptr() - a.zeros_t.data_ptr()) % 16 == 0 for w in qws)
+
+
+def discard_ok(on: bool, block_n: int, ns: list[int], part_ptr: int) -> bool:
+    """Whether a launch may drop its split-K partials' L2 lines after the combine (DISCARD): only
+    where every 128-byte line (32 float32) of the partials lies inside one row of one column tile,
+    so no line holds a value another tile still has to read: the tile width, every weight's N and
+    the buffer's start on 32-float boundaries (the weights' outputs start OUT_ALIGN apart)."""
+    return bool(on and block_n % 32 == 0 and all(v % 32 == 0 for v in ns) and part_ptr % 128 == 0)
+
+
+def q4_gemv(x: torch.Tensor, qw, cfg: Q4Config | None = None, xs: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 16, already rotated if the weight is) @ dequant(qw)^T -> [M, N] in x's dtype."""
+    return q4_group(x, [qw], cfg, xs)[0]
+
+
+def q4_group(x: torch.Tensor, qws: list, cfg: Q4Config | None = None,
+             xs: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """[q4_gemv(x, w, cfg) for w in qws], the same bits, in one launch (one sum(x) pass and one
+    GEMV grid over every weight's column tiles: fewer, larger calls). cfg defaults to
+    group_config of the weights' own N. Weights one launch cannot hold run one launch each.
+    xs: x's group sums [M, K / G] float32 as the kernel that wrote x made them (kernels/xsum.py; the
+    same bits as the sum(x) launch, which is then skipped)."""
+    m, k = x.shape
+    if m > ROWS:
+        raise ValueError(f"q4_gemv serves at most {ROWS} rows, got M={m}")
+    for w in qws:
+        if w.shape[1] != k:
+            raise ValueError(f"q4_gemv: x has K={k} but the weight is {list(w.shape)}")
+    g = qws[0].group_size
+    cfg = cfg or group_config([w.shape[0] for w in qws], k, g)
+    if xs is not None and (tuple(xs.shape) != (m, k // g) or xs.dtype != torch.float32 or not xs.is_contiguous()):
+        raise ValueError(f"q4_group: xs must be contiguous float32 [{m}, {k // g}], got {xs.dtype} {list(xs.shape)}")
+    if len(qws) > 1 and not _groupable(x, qws):
+        return [q4_group(x, [w], cfg, xs)[0] for w in qws]
+    x = x.contiguous()
+    cfg = launch_config(cfg, sum(w.shape[0] for w in qws), k, g, m)
+    on = pdl.on(x)
+    n_groups = k // g
+    per = triton.cdiv(n_groups, cfg.split_k)
+    split = triton.cdiv(n_groups, per)
+    ns = [w.shape[0] for w in qws]
+    offs = [0]
+    for v in ns:                          # each output starts 128-byte aligned, like its own tensor
+        offs.append(offs[-1] + (triton.cdiv(v, OUT_ALIGN) * OUT_ALIGN if len(ns) > 1 else v))
+    y = torch.empty(m * offs[-1], device=x.device, dtype=x.dtype)
+    tiles = [triton.cdiv(v, cfg.block_n) for v in ns]
+    part = y if split == 1 else torch.empty(split * m * offs[-1], device=x.device, dtype=torch.float32)
+    sem = cfg.sem and split > 1
+    rows = cfg.rows_hi if cfg.rows_hi > cfg.rows and m > cfg.rows else cfg.rows
+    row_tiles = triton.cdiv(m, rows)
+    locks = _locks(x.device, sum(tiles) * row_tiles) if sem else y
+    discard = discard_ok(DISCARD and sem and not INTERPRET and x.is_cuda, cfg.block_n, ns, part.data_ptr())
+    if cfg.zc:                            # the kernel sums x itself (xs is not read)
+        xs = part if split > 1 else torch.empty(1, device=x.device, dtype=torch.float32)
+    elif xs is None:
+        xs = torch.empty(m, n_groups, device=x.device, dtype=torch.float32)
+        tree = xsum.mode() == xsum.TREE and g <= 256 and g & (g - 1) == 0    # the folded sums' bits (kernels/xsum.py)
+        _xsum_kernel[(m, triton.cdiv(n_groups, 16))](x, xs, k, x.stride(0), G=g, GB=16, PDL=on,
+                                                     **({"TREE": True} if tree else {}), **pdl.launch(on))
+    a = qws[0]
+    pad = [0] * (GROUP_MAX - len(qws))
+    bounds = [sum(tiles[:i]) for i in range(1, GROUP_MAX)]
+    dq = [_BIAS + w.qtiled.data_ptr() - a.qtiled.data_ptr() for w in qws[1:]] + [_BIAS] * len(pad)
+    dsc = [_BIAS + (w.scales_t.data_ptr() - a.scales_t.data_ptr()) // 2 for w in qws[1:]] + [_BIAS] * len(pad)
+    dz = [_BIAS + (w.zeros_t.data_ptr() - a.zeros_t.data_ptr()) // 2 for w in qws[1:]] + [_BIAS] * len(pad)
+    _q4_kernel[(sum(tiles), split, row_tiles)](
+        x, xs, a.qtiled, a.scales_t, a.zeros_t, y, part, locks, m, ns[0], k // 2, x.stride(0), n_groups, per, split,
+        *(ns[1:] + pad), *bounds, *dq, *dsc, *dz, *(offs[1:len(ns)] + pad),
+        SEGS=len(qws), BLOCK_N=cfg.block_n, G=g, ROWS_=rows, TILE=a.tile, SEM=sem,
+        ASM=x.dtype == torch.bfloat16 and not INTERPRET, IEEE=x.dtype == torch.float32, WA=cfg.wa, ZC=cfg.zc,
+        PDL=on, PF=PDL_PREFETCH if on and a.tile else 0, **({"DISCARD": True} if discard else {}),
+        **({"ILP4": True} if sem and COMBINE_ILP else {}),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(on),
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not INTERPRET else {}))
+    outs = [y[m * o:m * o + m * v].view(m, v) for v, o in zip(ns, offs)]
+    if split > 1 and not sem:  # partials summed in split order by a second launch, per weight
+        for v, o, yy in zip(ns, offs, outs):
+            _splitk_sum[(triton.cdiv(m * v, 1024),)](part[split * m * o:], yy, m * v, SPLIT=split, BLOCK=1024,
+                                                     PDL=on, **pdl.launch(on))
+    return outs
