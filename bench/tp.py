@@ -20,14 +20,10 @@ JSON line appended to OUT/tp.jsonl as it is measured.
             graphs replayed back to back (the device time of a step with no host in between), the
             MTP draft graph, and per-rank kernel time by family (torch.profiler, parallel/probe.py);
             --ar-only: AR and the 1-row graph only
-  speed2base  speed2 with SPECFIRE_TREE_NORM=0: the three-launch path (subtree, one-shot
-            all-reduce, add_rms_norm) the fused tree + residual + norm replaced, in the same call
   identN    normal checkpoint on N ranks (tp1 with the canonical split on): md5 of greedy output,
             AR / MTP k=3 (/ n-gram on tp2) at a short context (--prompt) and a long one (--long)
   collect   a decode step's collectives alone, replayed from one CUDA graph
   prefill   one GPU: a head's prefill attention with all heads vs a tp2 / tp4 rank's heads, bitwise
-  treenorm  one GPU: the fused tree + residual + norm with ranks emulated on one device, bitwise
-            against W = 1, and its time in a graph vs add_rms_norm (bench/tp_treenorm.py)
 """
 from __future__ import annotations
 
@@ -52,7 +48,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 CEILING = 4.17e12     # measured device-to-device copy bandwidth of the H200 (bytes/s)
 # job -> (estimated seconds, time limit seconds) on the GPU at the 27B shape
 JOBS = {"kernels": (40, 120), "bundled": (35, 120), "ckpt": (30, 100), "speed1": (60, 120), "speed2": (60, 120),
-        "speed2base": (40, 120), "treenorm": (15, 60),
         "ident1": (50, 120), "ident2": (40, 100), "collect": (12, 90), "prefill": (10, 60)}
 
 
@@ -229,7 +224,7 @@ def job_speed(cfg, path: str, tp: int, device: str, log: Log, prompt: int, token
         ids = torch.randint(0, llm.cfg.vocab_size - 1, (prompt,), generator=g).tolist()
         llm.generate(ids, warm, spec="off")                                 # compile, capture
         ar = llm.generate(ids, sp, spec="off")
-        row = dict(shape=shape, tp=tp, variant=tag or "default", tree_norm=os.environ.get("SPECFIRE_TREE_NORM", "1"),
+        row = dict(shape=shape, tp=tp, variant=tag or "default",
                    graphs=trunk.graphs_enabled, load_s=load_s,
                    prefill_tok_s=ar.stats["prefill_tok_s"], ar_tok_s=ar.stats["decode_tok_s"],
                    generated=len(ar.token_ids), ar_step_ms=1e3 / ar.stats["decode_tok_s"])
@@ -401,9 +396,6 @@ def run_job(job: str, args) -> None:
     elif job == "prefill":
         from tp_kernels import stage_prefill_heads
         stage_prefill_heads(cfg, log, device)
-    elif job == "treenorm":
-        from tp_treenorm import stage_treenorm
-        stage_treenorm(cfg, log, device)
     elif job == "collect":
         from tp_kernels import stage_collect
         stage_collect(cfg, log)
@@ -411,10 +403,6 @@ def run_job(job: str, args) -> None:
         job_bundled(device, log, 200 if device == "cuda" else 16)
     elif job == "ckpt":
         job_ckpt(cfg, d, device, log)
-    elif job == "speed2base":
-        os.environ["SPECFIRE_TREE_NORM"] = "0"          # the workers inherit it
-        job_speed(cfg, os.path.join(d, "tied"), 2, device, log, args.prompt, args.tokens, args.out, args.shape,
-                  args.ar_only, "base")
     elif job.startswith("speed"):
         job_speed(cfg, os.path.join(d, "tied"), int(job[5:]), device, log, args.prompt, args.tokens, args.out, args.shape,
                   args.ar_only)

@@ -21,7 +21,7 @@ from specfire.config import ModelConfig
 from specfire.parallel import valid_tp_degrees
 from specfire.parallel.shard import ShardPlan
 from specfire.errors import MeshError, SpecfireError
-from specfire.kernels import canonical
+from specfire.kernels import canonical as canonical_mode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GREEDY = SamplingParams(max_tokens=24)
@@ -75,9 +75,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture
 def canonical():
     """One device in the canonical mode (kernels/splitk; off by default): the bits a mesh reproduces."""
-    canonical.set_enabled(True)
+    canonical_mode.set_enabled(True)
     yield
-    canonical.set_enabled(None)
+    canonical_mode.set_enabled(None)
 
 
 @pytest.fixture(scope="class")
@@ -85,11 +85,11 @@ def base(ckpt_cache):
     """The base config (vocab 131: odd, 2 KV heads) on one device (canonical mode, for the class)
     and on a 2-rank mesh."""
     path = ckpt(ckpt_cache, "base")
-    canonical.set_enabled(True)
+    canonical_mode.set_enabled(True)
     one = LLM(path, tp=1, device="cpu", progress=False)
     mesh = LLM(path, tp=2, device="cpu", progress=False)
     yield one, mesh
-    canonical.set_enabled(None)
+    canonical_mode.set_enabled(None)
     pids = mesh.engine.trunk.worker_pids
     mesh.close()
     one.close()

@@ -25,7 +25,6 @@ from ..kernels import head as head_fused
 from ..kernels.cpu_exact import lanes
 from ..kernels import norm as norm_ops
 from ..kernels.cpu_exact import onecpu
-from ..kernels.splitk import tree_norm
 from ..kernels import xsum
 from ..kernels.small import silu_mul
 from ..kernels.gemv import linear, linear_fused, linear_group, linear_prefix, one_cpu
@@ -59,7 +58,6 @@ class Linear(nn.Module):
         self.ksplit = KSplit(in_features) if row_parallel else None
         self.combine = None               # mesh: float32 subtree [M, N] -> the whole tree, float32
         self.reserve = None               # mesh: (M, N) -> where the combine wants the subtree, or None
-        self.pending = None               # mesh: the combine left to the next norm (kernels/splitk/tree_norm.py)
         self.launch_n: int | None = None
         self._chunks = ChunkCache()
 
@@ -69,15 +67,6 @@ class Linear(nn.Module):
         here, one kernel less)."""
         if self.ksplit is None or (self.combine is None and not splitk_enabled(x)):
             return linear(x, self.weight, rows, self.launch_n)
-        if rows and tree_norm.enabled(x):                 # the sum goes to the fused tree + add + norm
-            m, n = x.shape[0], self.weight.shape[0]
-            if self.pending is not None:
-                return self.pending(lambda out, push: subtree(x, self.weight, self.ksplit, rows, self._chunks,
-                                                              out=out, push=push), m, n)
-            if self.combine is None:                    # one device, canonical: the mesh's kernel, W = 1
-                parts = torch.empty(1, m, n, device=x.device, dtype=torch.float32)
-                subtree(x, self.weight, self.ksplit, rows, self._chunks, out=parts[0])
-                return tree_norm.Pending.of(parts)
         if self.combine is None:
             return subtree(x, self.weight, self.ksplit, rows, self._chunks, x.dtype)
         out = self.reserve(x.shape[0], self.weight.shape[0]) if self.reserve is not None else None
@@ -322,10 +311,6 @@ def _add_norm(norm: RMSNorm, rows: bool, x: torch.Tensor, h: torch.Tensor | None
     first: a mesh's row-parallel sums arrive in float32)."""
     if h is None:
         return rowwise(norm, rows, x, batch=one_cpu(x))
-    if isinstance(h, tree_norm.Pending):      # a row-parallel sum still in its ranks' slots (rows forward)
-        if x.is_cuda:
-            return h.add_norm(x, norm.weight, norm.eps)
-        h = h.combined()
     if one_cpu(x):
         return rowwise(lambda a, b: onecpu.add_rms_norm(a, b, norm.weight, norm.eps), rows, x, h, batch=True)
     return rowwise(lambda a, b: norm_ops.add_rms_norm(a, b, norm.weight, norm.eps), rows, x, h)

@@ -24,7 +24,6 @@ def row_parallel(k_total: int, out_features: int, plan: ShardPlan, comm: Comm) -
     split = KSplit.for_rank(k_total, plan.rank, plan.tp)
     lin = Linear(split.k_local, out_features, row_parallel=True)
     lin.ksplit, lin.combine, lin.reserve = split, comm.tree_all_reduce, comm.tree_buffer
-    lin.pending = comm.tree_pending          # CUDA rows forward: the fused tree + residual + norm
     return lin
 
 

@@ -75,7 +75,6 @@ class MeshHead:
         layer = head.layers[0]
         for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
             lin.combine, lin.reserve = self._combine, self._reserve
-            lin.pending = None                           # not the trunk's fused tree + norm buffers
 
     def _combine(self, x: torch.Tensor) -> torch.Tensor:
         return self.coll.tree(x) if self.in_chain else self.comm.tree_all_reduce(x)

@@ -1,8 +1,6 @@
 """The canonical split-K product (ref.py): the CPU reference on the CPU, Triton on CUDA."""
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .ref import (ALIGN, CHUNKS, ChunkCache, KSplit, _stacked_cpu, chunk_bounds, degree_problem, head_block,
@@ -11,48 +9,31 @@ from .ref import (ALIGN, CHUNKS, ChunkCache, KSplit, _stacked_cpu, chunk_bounds,
 __all__ = ["ALIGN", "CHUNKS", "ChunkCache", "KSplit", "chunk_bounds", "degree_problem", "head_block",
            "partials_cpu", "subtree", "tree_stack", "tree_sum"]
 
-FUSED = True        # CUDA: partials and tree in one launch (kernels/splitk/fused.py gemv_chunks_fused)
-# CUDA kernel of the canonical product: "loop" (one K loop like the plain GEMV, the tree folded in
-# registers; measured on the H200, 4B shapes: bitwise equal to the two-launch form, 1.38-1.48x the
-# plain GEMV's time) where the chunks are equal multiples of 128 columns (every real Qwen3.5
-# shape), else "fused" (split-K programs, the last one of a tile adds the tree: 1.8x). Read at import.
-KERNEL = os.environ.get("SPECFIRE_SPLITK_KERNEL", "loop")
-
 
 def subtree(x: torch.Tensor, w, split: KSplit, rows: bool, cache: ChunkCache,
-            out_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None, push=None) -> torch.Tensor:
+            out_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
     """[M, N] `out_dtype`: the canonical tree over this weight's chunks, summed in float32 (the
     whole sum when the weight holds every chunk; a rank's subtree otherwise). `out`: a
     contiguous [M, N] float32 tensor to hold it (a collective's buffer: no copy before sending).
-    `push` (kernels/splitk/tree_norm.py Push): `out` is this rank's slot, also sent to the peers' slots."""
+    CUDA: the one-loop kernel where the chunks are equal multiples of 128 columns (every real
+    Qwen3.5 shape), else the one-launch chunk form."""
     if out is not None:
-        if x.is_cuda and isinstance(w, torch.Tensor) and KERNEL == "loop" and tree_loop_ok(split):
+        if x.is_cuda and isinstance(w, torch.Tensor) and tree_loop_ok(split):
             from ..gemv.kernel import row_tile
             from .loop import gemv_tree_loop
-            return gemv_tree_loop(x, w, split.c1 - split.c0, torch.float32, row_tile(x.shape[0], rows), out=out,
-                                  push=push)
-        from .tree_norm import push_rows
-        if push is not None and push.ll:              # LL words: the push kernel packs and writes every slot
-            push_rows(subtree(x, w, split, rows, cache).contiguous(), push)
-            return out
-        out.copy_(subtree(x, w, split, rows, cache))
-        if push is not None:
-            push_rows(out, push)
-        return out
+            return gemv_tree_loop(x, w, split.c1 - split.c0, torch.float32, row_tile(x.shape[0], rows), out=out)
+        return out.copy_(subtree(x, w, split, rows, cache))
     if x.is_cuda and isinstance(w, torch.Tensor):
         from ..gemv.kernel import row_tile
-        from .fused import chunk_partials, gemv_chunks_fused, tree_combine
+        from .fused import gemv_chunks_fused
         from .loop import gemv_tree_loop
+        tile = row_tile(x.shape[0], rows)
+        if tree_loop_ok(split):
+            return gemv_tree_loop(x, w, split.c1 - split.c0, out_dtype, tile)
         cache.get(w, split, x.dtype)
         if cache.bounds_dev is None:
             cache.bounds_dev = torch.tensor(split.bounds, dtype=torch.int32, device=x.device)
-        tile = row_tile(x.shape[0], rows)
-        c = split.c1 - split.c0
-        if KERNEL == "loop" and tree_loop_ok(split):
-            return gemv_tree_loop(x, w, c, out_dtype, tile)
-        if FUSED:
-            return gemv_chunks_fused(x, w, cache.bounds_dev, out_dtype, tile)
-        return tree_combine(chunk_partials(x, w, cache.bounds_dev, tile), out_dtype)
+        return gemv_chunks_fused(x, w, cache.bounds_dev, out_dtype, tile)
     if not x.is_cuda:
         st = _stacked_cpu(x, w, split, rows)
         if st is not None:
