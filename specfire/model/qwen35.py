@@ -19,7 +19,6 @@ import torch.nn.functional as F
 
 from ..config import FULL, ModelConfig
 from ..kernels import attention as attn_ops
-from ..kernels import fusion
 from ..kernels import gdn as gdn_ops
 from ..kernels import head as head_fused
 from ..kernels.cpu_exact import lanes
@@ -148,8 +147,16 @@ def _canon_block(whole_heads: int) -> int | None:
     return head_block(whole_heads) if lanes.invariant_now() else None
 
 
+def fuses(mod: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `mod` (an attention or GDN layer, the MTP head) runs its fused Triton kernels around
+    the GEMMs: on CUDA, unless its `fused` says otherwise (a CPU test sets True: the interpreter)."""
+    return x.is_cuda if mod.fused is None else mod.fused
+
+
 class GatedAttention(nn.Module):
     """Full attention with an output gate (interleaved per head in q_proj), q/k norms, partial rotary."""
+
+    fused: bool | None = None   # the fused decode kernels (kernels/attention/fused.py); None: on CUDA (fuses)
 
     def __init__(self, cfg: ModelConfig, n_heads: int | None = None, n_kv: int | None = None):
         super().__init__()
@@ -175,7 +182,7 @@ class GatedAttention(nn.Module):
         table = isinstance(cos_sin, head_fused.RopeTable)
         # GPU: kernels/attention/fused.py; in prefill mode only where the caller handed a rotary table
         # (the MTP head's prompt catch-up, MtpHead._forward), never the trunk's prefill
-        if (rows or table) and lc.k_scale is None and fusion.enabled(x):
+        if (rows or table) and lc.k_scale is None and fuses(self, x):
             from ..kernels.attention import fused as af
             q = af.qk_norm_rope_write_triton(qg, k.view(t, self.n_kv, d), v.view(t, self.n_kv, d),
                                              self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
@@ -209,6 +216,8 @@ class GatedAttention(nn.Module):
 class GatedDeltaNet(nn.Module):
     """Linear attention with the gated delta rule (see kernels/gdn for the recurrence)."""
 
+    fused: bool | None = None   # the fused rows kernel (kernels/gdn/fused.py); None: on CUDA (fuses)
+
     def __init__(self, cfg: ModelConfig, n_k_heads: int | None = None, n_v_heads: int | None = None):
         super().__init__()
         self.hk = n_k_heads if n_k_heads is not None else cfg.linear_num_key_heads
@@ -235,7 +244,7 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         qkv, z, b, a = project(x, rows, self, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
         w = self.conv1d.weight[:, 0, :]
-        if rows and fusion.enabled(x):                   # GPU: kernels/gdn/fused.py (the gated norm included)
+        if rows and fuses(self, x) and w.shape[-1] <= gdn_ops.FUSED_MAX_CONV:   # GPU: kernels/gdn/fused.py
             from ..kernels.gdn.fused import gdn_decode_triton
             o, log, full = gdn_decode_triton(qkv, a, b, lc.conv, w, self.A_log, self.dt_bias, lc.rec,
                                              self.hk, self.dk, self.dv, z, self.norm.weight, self.norm.eps,
@@ -377,6 +386,8 @@ class MtpHead(nn.Module):
     """The multi-token-prediction head (15 tensors): from the trunk's post-norm hidden at p and the
     token at p+1, predict the token at p+2 through one gated-attention decoder layer (own KV cache)."""
 
+    fused: bool | None = None   # the fused rows step and catch-up (kernels/head); None: on CUDA (fuses)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -412,7 +423,7 @@ class MtpHead(nn.Module):
         lc = state.layers[0]
         # a rows step (the draft chain), or the prompt catch-up in prefill mode: the fused step's
         # kernels around the GEMMs (kernels/head), fewer launches, the same values
-        fused = not lanes.invariant_now() and (head_fused.enabled(hidden) if rows else head_fused.catchup_enabled(hidden))
+        fused = not lanes.invariant_now() and fuses(self, hidden)
         if emb is None and not (fused and isinstance(embed_weight, torch.Tensor)
                                 and embed_weight.dtype == hidden.dtype):
             emb, ids = F.embedding(ids, embed_weight), None
@@ -427,7 +438,7 @@ class MtpHead(nn.Module):
         x = self.fc(x, rows)
         t = x.shape[0]
         cos_sin = None
-        if fused and lc.k_scale is None and fusion.enabled(x):      # the fused q/k kernel reads the table
+        if fused and lc.k_scale is None and fuses(self.layers[0].self_attn, x):   # the fused q/k kernel reads the table
             cos_sin = head_fused.rope_table(x.device, self.cfg.rotary_dim, self.cfg.rope_theta, lc.k.shape[0])
         if cos_sin is None:
             pos = positions(pos0, t, x.device)

@@ -152,7 +152,7 @@ def _gate_kernel(o_ptr, qg_ptr, y_ptr, HQ, D, s_qt, s_qh, BLOCK: tl.constexpr, P
     y = (o * sg).to(dt)
     tl.store(y_ptr + row * D + offs, y, mask=m)
     if XS > 0:   # the group sums of the written values (kernels/xsum.py); D a multiple of the group
-        store_group_sums(xs_ptr, tl.where(m, y.to(tl.float32), 0.0), row * (D // XG), D // XG, BLOCK, XS)
+        store_group_sums(xs_ptr, tl.where(m, y.to(tl.float32), 0.0), row * (D // XG), D // XG, BLOCK)
 
 
 def out_gate_triton(o: torch.Tensor, qg: torch.Tensor) -> torch.Tensor:
@@ -162,7 +162,7 @@ def out_gate_triton(o: torch.Tensor, qg: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"out_gate: qg {tuple(qg.shape)} does not fit o {tuple(o.shape)} (unit last stride)")
     o = o.contiguous()
     y = torch.empty(t, hq * d, device=o.device, dtype=qg.dtype)
-    fold = xsum.mode() if xsum.want(y, d) else 0
+    fold = 1 if xsum.want(y, d) else 0
     xs = xsum.new(y) if fold else y
     if t:
         _gate_kernel[(t * hq,)](o, qg, y, hq, d, qg.stride(0), qg.stride(1), BLOCK=triton.next_power_of_2(d),

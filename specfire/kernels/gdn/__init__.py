@@ -21,7 +21,9 @@ import torch
 from .ref import (ChunkTerms, chunk_terms, commit_rows_ref, conv_window_ref, gdn_chunked_ref, gdn_rows_ref,
                   update)
 
-__all__ = ["ChunkTerms", "chunk_terms", "commit_rows", "commit_rows_ref", "conv_window", "conv_window_ref",
+FUSED_MAX_CONV = 4   # conv widths the fused rows kernel (fused.py) holds in registers
+
+__all__ = ["FUSED_MAX_CONV", "ChunkTerms", "chunk_terms", "commit_rows", "commit_rows_ref", "conv_window", "conv_window_ref",
            "gdn_chunked", "gdn_chunked_ref", "gdn_rows", "gdn_rows_ref", "update"]
 
 

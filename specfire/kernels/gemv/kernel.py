@@ -11,7 +11,6 @@ operand, so one weight tile is read once for all rows: the kernel moves the weig
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -148,7 +147,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig | None = None, launch
 
 
 _LOCKS: dict = {}
-GROUP_SEM = True   # a grouped split-K launch combines its partials in the kernel (bench/linear.py compares)
 
 
 def _locks(device: torch.device, n: int) -> torch.Tensor:
@@ -164,7 +162,6 @@ def _locks(device: torch.device, n: int) -> torch.Tensor:
 
 GROUP_MAX = 4      # column projections of one input that one launch can hold
 OUT_ALIGN = 64     # elements: where a grouped launch's outputs start in its buffer
-GROUP = os.environ.get("SPECFIRE_GEMV_GROUP", "1") != "0"   # bench/tp.py can turn grouping off
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -250,8 +247,7 @@ def gemv_group(x: torch.Tensor, ws: list[torch.Tensor], launch_ns: list[int | No
     """[x @ w.T for w in ws] in one launch with group_config's settings (launch_ns: each weight's
     whole N; None: its own). Each output is bit for bit gemv(x, w, group_config(...)). A column
     shard alone launches half the whole's programs; the shards of one input together fill the GPU
-    as the whole matrices do. SPECFIRE_GEMV_GROUP=0: one gemv per weight with its own settings.
-    A split-K config runs one launch and one fixed-order sum for the whole group. `cfg` replaces
+    as the whole matrices do. A split-K config runs one launch and one fixed-order sum for the whole group. `cfg` replaces
     group_config's settings (bench/linear.py sweeps)."""
     m, k = x.shape
     whole = [ln or w.shape[0] for w, ln in zip(ws, launch_ns)]
@@ -259,7 +255,7 @@ def gemv_group(x: torch.Tensor, ws: list[torch.Tensor], launch_ns: list[int | No
     esz = ws[0].element_size()
     plain = all(w.dim() == 2 and w.shape[1] == k and w.is_contiguous() and w.dtype == ws[0].dtype
                 and w.device == x.device and (w.data_ptr() - ws[0].data_ptr()) % esz == 0 for w in ws)
-    if not GROUP or len(ws) == 1:
+    if len(ws) == 1:
         return [gemv(x, w, launch_n=ln, tile=tile) for w, ln in zip(ws, launch_ns)]
     if not (plain and len(ws) <= GROUP_MAX):
         return [gemv(x, w, cfg, tile=tile) for w in ws]
@@ -279,7 +275,7 @@ def gemv_group(x: torch.Tensor, ws: list[torch.Tensor], launch_ns: list[int | No
     # split-K combined in the kernel (counters, zero between launches) where the counters exist or
     # can be made now (never during a CUDA-graph capture), else by one _splitk_sum launch
     have = _LOCKS.get(x.device)
-    sem = split > 1 and GROUP_SEM and ((have is not None and have.numel() >= grid[0] * grid[1])
+    sem = split > 1 and ((have is not None and have.numel() >= grid[0] * grid[1])
                                        or not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
     locks = _locks(x.device, grid[0] * grid[1]) if sem else y
     on = pdl.on(x)

@@ -35,7 +35,7 @@ def _fc_input_kernel(ids_ptr, e_ptr, h_ptr, we_ptr, wh_ptr, y_ptr, D, stride_e, 
     tl.store(y_ptr + row * 2 * D + half * D + offs, y, mask=mask)
     if XS > 0:   # the group sums of the rounded half-row (kernels/xsum.py); D a multiple of XG
         store_group_sums(xs_ptr, tl.where(mask, y.to(tl.float32), 0.0), (row * 2 + half) * (D // XG), D // XG,
-                         BLOCK, XS)
+                         BLOCK)
 
 
 def fc_input_triton(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor, we: torch.Tensor,

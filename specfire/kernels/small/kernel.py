@@ -32,65 +32,20 @@ def _rows2d(x: torch.Tensor) -> torch.Tensor:
 # ---- group sums (kernels/xsum.py) -----------------------------------------------------------
 
 @triton.jit
-def _pair_step(v, NG: tl.constexpr, W: tl.constexpr):
-    """[NG, W] -> [NG, W / 2]: each adjacent pair of a row added (one float32 add per pair)."""
-    a, b = tl.split(tl.reshape(v, (NG, W // 2, 2)))
-    return a + b
-
-
-@triton.jit
-def group_sums(v, NG: tl.constexpr, G: tl.constexpr, MODE: tl.constexpr = 1):
-    """v (NG * G float32 values, group after group) -> [NG] group sums. MODE 1 (xsum.TREE): by the
-    fixed pairwise tree of kernels/xsum.py group_sums_ref (G a power of two, 2..256): elementwise adds
-    only, so the bits never depend on the thread layout of the kernel that calls it (an offline
-    sm_90 compile: ~300-400 more instructions and up to 8 shared-memory round trips in a norm).
-    MODE 2 (xsum.PLAIN): tl.sum over each group, in the order the calling kernel's layout gives
-    (the same code for every row, so still row-invariant; the last bits may differ from the GEMV's
-    own sum(x))."""
-    if MODE == 2:
-        out = tl.sum(tl.reshape(v, (NG, G)), 1)
-    else:
-        out = _tree_sums(v, NG, G)
-    return out
-
-
-@triton.jit
-def _tree_sums(v, NG: tl.constexpr, G: tl.constexpr):
-    """group_sums' pairwise tree."""
-    tl.static_assert(G >= 2 and G <= 256 and (G & (G - 1)) == 0, "group_sums: G must be a power of two in 2..256")
-    v = tl.reshape(v, (NG, G))
-    if G >= 256:
-        v = _pair_step(v, NG, 256)
-    if G >= 128:
-        v = _pair_step(v, NG, 128)
-    if G >= 64:
-        v = _pair_step(v, NG, 64)
-    if G >= 32:
-        v = _pair_step(v, NG, 32)
-    if G >= 16:
-        v = _pair_step(v, NG, 16)
-    if G >= 8:
-        v = _pair_step(v, NG, 8)
-    if G >= 4:
-        v = _pair_step(v, NG, 4)
-    v = _pair_step(v, NG, 2)
-    return tl.reshape(v, (NG,))
-
-
-@triton.jit
-def store_group_sums(xs_ptr, y, base_group, n_groups, BLOCK: tl.constexpr, MODE: tl.constexpr):
+def store_group_sums(xs_ptr, y, base_group, n_groups, BLOCK: tl.constexpr):
     """Store the group sums of y ([BLOCK] float32, the values written, zero past the row) at
-    xs_ptr + base_group + i for the block's groups i below n_groups (MODE: group_sums')."""
+    xs_ptr + base_group + i for the block's groups i below n_groups: tl.sum over each group, the
+    same code for every row (row-invariant; the last bits may differ from the GEMV's own sum(x))."""
     NG: tl.constexpr = BLOCK // XG
     gi = tl.arange(0, NG)
-    tl.store(xs_ptr + base_group + gi, group_sums(y, NG, XG, MODE), mask=gi < n_groups)
+    tl.store(xs_ptr + base_group + gi, tl.sum(tl.reshape(y, (NG, XG)), 1), mask=gi < n_groups)
 
 
 def _sums_for(y: torch.Tensor, d: int):
-    """(xs buffer or a placeholder, XS mode: 0 none, else xsum.mode()) for a producer writing y in
-    rows of d (kernels/xsum.py)."""
+    """(xs buffer or a placeholder, XS: 1 when the producer writing y in rows of d stores the group
+    sums, else 0) (kernels/xsum.py)."""
     if xsum.want(y, d):
-        return xsum.new(y), xsum.mode()
+        return xsum.new(y), 1
     return y, 0
 
 
@@ -122,7 +77,7 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, D, stride_x, stride_r, e
     y = (xf * inv * (1.0 + w)).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * D + offs, y, mask=mask)
     if XS > 0:   # the group sums of the rounded row (kernels/xsum.py); D a multiple of XG
-        store_group_sums(xs_ptr, tl.where(mask, y.to(tl.float32), 0.0), row * (D // XG), D // XG, BLOCK, XS)
+        store_group_sums(xs_ptr, tl.where(mask, y.to(tl.float32), 0.0), row * (D // XG), D // XG, BLOCK)
 
 
 def rms_norm_triton(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -168,7 +123,7 @@ def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, D, stride_x, stride_z, ep
     y = (wn * (z / (1.0 + tl.exp(-z)))).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * D + offs, y, mask=mask)
     if XS > 0:
-        store_group_sums(xs_ptr, tl.where(mask, y.to(tl.float32), 0.0), row * (D // XG), D // XG, BLOCK, XS)
+        store_group_sums(xs_ptr, tl.where(mask, y.to(tl.float32), 0.0), row * (D // XG), D // XG, BLOCK)
 
 
 def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -247,7 +202,7 @@ def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, D, stride_g, stride_u, BLOCK: tl.const
     if XS > 0:   # this block's groups (BLOCK a multiple of XG)
         store_group_sums(xs_ptr, tl.where(mask, y.to(tl.float32), 0.0),
                          row * (D // XG) + tl.program_id(1) * (BLOCK // XG), D // XG - tl.program_id(1) * (BLOCK // XG),
-                         BLOCK, XS)
+                         BLOCK)
 
 
 def silu_mul_triton(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
