@@ -1,11 +1,6 @@
-"""Programmatic dependent launch (PDL) for the decode path's Triton kernels on Hopper and later.
-
-A kernel launched with PDL may start while the one before it on the stream still runs; it waits
-(`griddepcontrol.wait`) before it reads anything an earlier kernel wrote and before any store,
-then releases its successor (`launch_dependents`), so launches run at most one kernel ahead.
-Only the wait's timing changes, never the bits. `on(x)`: a CUDA tensor on compute capability
-9.0+, a Triton with `launch_pdl` and the grid-dependency builtins, not the interpreter.
-"""
+"""Programmatic dependent launch for the decode path's Triton kernels (sm_90+): a kernel may start
+while its predecessor runs, waits before its first dependent read or any store, then releases its
+successor; only the wait's timing changes, never the bits."""
 from __future__ import annotations
 
 import os

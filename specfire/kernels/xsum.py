@@ -1,14 +1,6 @@
-"""Group sums of a 4-bit GEMV's input, made by the kernel that writes the input (the norms, the
-GDN gated norm, the attention output gate, SiLU-mul), so the GEMV's zero-point term needs no
-sum(x) launch of its own.
-
-The producer attaches the float32 sums of each run of G consecutive ROUNDED output values to the
-tensor it allocated (`attach`); the GEMV's `take(x, G)` answers only for that very tensor (or a
-`reshaped` view of it) with nothing written into it since, else None (the GEMV sums x itself).
-No global state but `_CONSUMERS`: the sums live and die with the tensor (under CUDA-graph capture,
-one more buffer of the graph's pool). Each producer sums a group with tl.sum, the same code for
-every row: row-invariant, the last bits possibly not those of the GEMV's own sum(x) launch.
-"""
+"""Group sums of a 4-bit GEMV's input made by the kernel that writes it (norms, the gated norm, the
+attention gate, SiLU-mul), so the GEMV needs no sum(x) launch: attached to the producer's own output
+tensor, taken only for that very tensor unchanged (else None: the GEMV sums x itself)."""
 from __future__ import annotations
 
 import os

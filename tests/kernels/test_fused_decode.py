@@ -236,17 +236,26 @@ def test_out_gate_matches_reference(t, hq, d, dtype):
     assert torch.equal(out_gate_triton(o[1:], qg[1:]), y[1:])     # row-invariant
 
 
-def test_model_rows_forward_fused_matches_unfused():
+@pytest.mark.parametrize("conv", [4, 5])
+def test_model_rows_forward_fused_matches_unfused(conv, monkeypatch):
     """The call sites in model/qwen35.py: a 3-row verify through the fused kernels (forced on, CPU
-    tensors in the interpreter) gives the unfused logits, KV rows and rows' log, and commit(1)
-    the same state."""
+    tensors in the interpreter; the position a device tensor, as in a graph, so the one-CPU rows
+    path stands aside) gives the unfused logits, KV rows and rows' log, and commit(1) the same
+    state; a conv wider than the fused GDN kernel holds (5 taps) takes the unfused GDN."""
     from specfire.config import ModelConfig
+    from specfire.kernels.attention import fused as af
+    from specfire.kernels.gdn import fused as gf
     from specfire.model.qwen35 import Qwen35Trunk
+
+    ran = []
+    for mod, name in ((gf, "gdn_decode_triton"), (af, "qk_norm_rope_write_triton")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, real=real, name=name, **k: ran.append(name) or real(*a, **k))
 
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       layer_types=("linear_attention", "full_attention"), num_attention_heads=2,
                       num_key_value_heads=1, head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2,
-                      linear_key_head_dim=8, linear_value_head_dim=8)
+                      linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=conv)
     torch.manual_seed(0)
     m = Qwen35Trunk(cfg)
     with torch.no_grad():
@@ -259,10 +268,11 @@ def test_model_rows_forward_fused_matches_unfused():
             (layer.self_attn if hasattr(layer, "self_attn") else layer.linear_attn).fused = on
         st = m.new_state(16, torch.float32)
         m(ids, 0, st, rows=False)
-        h, logits = m(draft, 6, st, rows=True)
+        h, logits = m(draft, torch.tensor([6]), st, rows=True)
         lin, att = st.layers
         outs.append((logits, *(x.clone() for x in lin.log), att.k[6:9].clone(), att.v[6:9].clone()))
         st.commit(1)                                   # the log replays into the state's own buffers
         outs[-1] += (lin.rec.clone(), lin.conv.clone())
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert ran == (["qk_norm_rope_write_triton"] if conv > 4 else ["gdn_decode_triton", "qk_norm_rope_write_triton"])

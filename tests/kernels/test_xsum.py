@@ -9,6 +9,7 @@ from specfire.kernels.attention import fused as attn_fused
 from specfire.kernels import xsum
 from specfire.kernels.q4 import gemv as tq
 from specfire.kernels.small import kernel as ts
+from specfire.kernels.norm import kernel as nk
 from specfire.kernels.gemv import linear_rows_ref
 from specfire.kernels.q4 import QuantWeight, q4_rows
 
@@ -49,10 +50,10 @@ def test_rms_norm_sums(shape, dtype):
     g = _g(1)
     x = (torch.randn(shape, generator=g) * 3).to(dtype)
     w = torch.randn(shape[-1], generator=g) * 0.3
-    _check(ts.rms_norm_triton(x, w, 1e-6), [ts.rms_norm_triton(x[i:i + 1], w, 1e-6) for i in range(shape[0])])
+    _check(nk.rms_norm_triton(x, w, 1e-6), [nk.rms_norm_triton(x[i:i + 1], w, 1e-6) for i in range(shape[0])])
     h = torch.randn(shape, generator=g)
-    s, y = ts.add_rms_norm_triton(x, h, w, 1e-6)
-    _check(y, [ts.add_rms_norm_triton(x[i:i + 1], h[i:i + 1], w, 1e-6)[1] for i in range(shape[0])])
+    s, y = nk.add_rms_norm_triton(x, h, w, 1e-6)
+    _check(y, [nk.add_rms_norm_triton(x[i:i + 1], h[i:i + 1], w, 1e-6)[1] for i in range(shape[0])])
     assert _sums(s) is None                      # the residual feeds no GEMV
 
 
@@ -63,8 +64,8 @@ def test_gated_norm_sums(t, h, d, dtype):
     x = torch.randn(t, h, d, generator=g).to(dtype)
     z = torch.randn(t, h, d, generator=g).to(dtype)
     nw = torch.randn(d, generator=g).to(dtype)
-    y = ts.gated_rms_norm_triton(x, z, nw, 1e-6)
-    _check(y, [ts.gated_rms_norm_triton(x[i:i + 1], z[i:i + 1], nw, 1e-6) for i in range(t)])
+    y = nk.gated_rms_norm_triton(x, z, nw, 1e-6)
+    _check(y, [nk.gated_rms_norm_triton(x[i:i + 1], z[i:i + 1], nw, 1e-6) for i in range(t)])
     y2 = xsum.reshaped(y, (t, h * d))            # what the model hands out_proj
     assert torch.equal(xsum.take(y2, 128), _sums(y).view(t, h * d // 128))
 
@@ -90,14 +91,14 @@ def test_out_gate_sums(t, hq, d):
 def test_no_sums_where_they_cannot_serve():
     g = _g(5)
     w = torch.randn(200, generator=g)
-    assert _sums(ts.rms_norm_triton(torch.randn(2, 200, generator=g), w, 1e-6)) is None    # not whole groups
+    assert _sums(nk.rms_norm_triton(torch.randn(2, 200, generator=g), w, 1e-6)) is None    # not whole groups
     w = torch.randn(256, generator=g)
-    assert _sums(ts.rms_norm_triton(torch.randn(17, 256, generator=g), w, 1e-6)) is None   # a prefill's rows
+    assert _sums(nk.rms_norm_triton(torch.randn(17, 256, generator=g), w, 1e-6)) is None   # a prefill's rows
 
 
 def test_take_only_the_producers_tensor_unchanged():
     g = _g(6)
-    y = ts.rms_norm_triton(torch.randn(4, 256, generator=g), torch.randn(256, generator=g), 1e-6)
+    y = nk.rms_norm_triton(torch.randn(4, 256, generator=g), torch.randn(256, generator=g), 1e-6)
     assert xsum.take(y, 128).shape == (4, 2)
     assert xsum.take(y, 64) is None                                   # another group size
     assert xsum.take(y[1:], 128) is None                              # a view is another tensor
@@ -105,7 +106,7 @@ def test_take_only_the_producers_tensor_unchanged():
     y.mul_(2)                                                         # written since: stale
     assert xsum.take(y, 128) is None
     with torch.inference_mode():
-        yi = ts.rms_norm_triton(torch.randn(2, 256, generator=g), torch.randn(256, generator=g), 1e-6)
+        yi = nk.rms_norm_triton(torch.randn(2, 256, generator=g), torch.randn(256, generator=g), 1e-6)
         assert xsum.take(yi, 128) is not None                         # no version counter: taken as made
 
 
@@ -151,7 +152,7 @@ def test_q4_rows_takes_the_producers_sums(monkeypatch):
             calls.append(grid)
             return real[grid]
     monkeypatch.setattr(tq, "_xsum_kernel", Rec())
-    y = ts.rms_norm_triton(x, w, 1e-6)
+    y = nk.rms_norm_triton(x, w, 1e-6)
     folded = q4_rows(y, qws, [None, None])
     assert calls == []
     own = q4_rows(y.clone(), qws, [None, None])          # a copy carries no sums: the GEMV's own
@@ -159,7 +160,7 @@ def test_q4_rows_takes_the_producers_sums(monkeypatch):
     for a, b in zip(folded, own):                        # the sums' order only: last bits
         assert float((a - b).norm() / b.norm()) < 3e-6
     had = QuantWeight.quantize(torch.randn(40, 384, generator=g), 128, hadamard=True)
-    q4_rows(ts.rms_norm_triton(x, w, 1e-6), [had], [None])
+    q4_rows(nk.rms_norm_triton(x, w, 1e-6), [had], [None])
     assert len(calls) == 2
 
 
@@ -168,9 +169,9 @@ def test_folded_gemv_is_row_invariant():
     g = _g(12)
     x, w = torch.randn(5, 640, generator=g), torch.randn(640, generator=g) * 0.2
     qw = QuantWeight.quantize(torch.randn(60, 640, generator=g), 128)
-    folded = q4_rows(ts.rms_norm_triton(x, w, 1e-6), [qw], [None])[0]
+    folded = q4_rows(nk.rms_norm_triton(x, w, 1e-6), [qw], [None])[0]
     for i in range(5):
-        yi = ts.rms_norm_triton(x[i:i + 1], w, 1e-6)
+        yi = nk.rms_norm_triton(x[i:i + 1], w, 1e-6)
         assert torch.equal(q4_rows(yi, [qw], [None])[0][0], folded[i])
 
 
@@ -180,9 +181,9 @@ def test_no_fold_before_a_4bit_gemv(monkeypatch):
     monkeypatch.setattr(xsum, "_CONSUMERS", set())
     g = _g(12)
     x, w = torch.randn(3, 256, generator=g), torch.randn(256, generator=g)
-    assert _sums(ts.rms_norm_triton(x, w, 1e-6)) is None
+    assert _sums(nk.rms_norm_triton(x, w, 1e-6)) is None
     qw = QuantWeight.quantize(torch.randn(20, 256, generator=g), 128)
     q4_rows(x, [qw], [None])
-    y = ts.rms_norm_triton(x, w, 1e-6)
+    y = nk.rms_norm_triton(x, w, 1e-6)
     assert _sums(y) is not None
     torch.testing.assert_close(_sums(y), xsum.group_sums_ref(y), rtol=1e-5, atol=1e-4)

@@ -1,16 +1,6 @@
-"""Two Triton kernels around the gated attention of the rows forward (decode, verify):
-
-* `qk_norm_rope_write`: q and k RMSNorm, rotary on both, the queries stored contiguous, the keys
-  and values written into the KV cache at their positions: one launch instead of ~9 (the q view
-  copy, two norms, two rotaries, the position index and two index copies).
-* `out_gate`: the attention output rounded to the model dtype times sigmoid(gate), one launch
-  instead of four (cast, gate copy, sigmoid, product).
-
-Rounding points are those of the unfused path (norm rounded to the model dtype, cos/sin rounded
-to it, rotary computed in float32 and rounded once; sigmoid rounded before the product). One
-program per (row, head), so results never depend on the row count or on how many heads a
-tensor-parallel shard holds. A 16-bit or float32 cache only; the Q8 cache keeps the unfused path.
-"""
+"""The gated attention's small ops around the rows forward in two launches: `qk_norm_rope_write` (q/k
+norms, rotary, the KV write) and `out_gate` (the output times sigmoid(gate)), with the unfused
+path's rounding points; one program a (row, head), so row- and shard-invariant. 16-bit / fp32 cache."""
 from __future__ import annotations
 
 import torch
@@ -21,7 +11,7 @@ from .. import pdl, xsum
 from ..cpu_exact import lanes
 from ..norm.ref import rms_norm_ref
 from ..pdl import wait as pdl_wait
-from ..small.kernel import XG, store_group_sums
+from ..norm.kernel import XG, store_group_sums
 from ..small.ref import apply_rope_ref
 
 

@@ -1,16 +1,7 @@
-"""Triton attention for a few query rows (decode, verify) over the KV cache, bf16 / fp32 or Q8.
-
-Why this shape: one program scans one fixed span of SPLIT keys of one KV head for a tile of
-BLOCK_M (row, query head) pairs, so a KV block loaded once serves every query head of the group
-and every row (GQA packing, rows masked by causal position). Long contexts get parallelism from
-the number of spans, not from the number of rows.
-
-Row invariance (a row's result never depends on R): pair index r*rep + h is independent of R, so
-a row always lands in the same tile slot of a kernel compiled with the same constants; keys past
-a row's position contribute exactly zero (p = 0, running max unchanged); spans are fixed key
-ranges [j*SPLIT, (j+1)*SPLIT) and the combine walks a row's own spans 0..pos//SPLIT in order. None
-of SPLIT, BLOCK_M, BLOCK_N depends on R or pos0.
-"""
+"""Triton attention for a few query rows (decode, verify) over the KV cache, 16-bit or Q8: a program
+scans one fixed span of SPLIT keys of one KV head for a tile of (row, query head) pairs, so a KV
+block serves the whole group; fixed spans, tiles and combine order make a row's result independent
+of the row count and of pos0."""
 from __future__ import annotations
 
 import os
@@ -23,7 +14,7 @@ from ..pdl import wait as pdl_wait
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX in the interpreter
 
-# Chosen by bench/flash_rows.py on the H200 (docs/BENCHMARKS.md). None may depend on R or pos0.
+# Measured on the H200. None may depend on R or pos0.
 SPLIT = 512      # keys per span (fixed: part of the reduction order)
 BLOCK_M = 32     # (row, query-head) pairs per tile: up to 5 rows of a 6-head group in one tile
 BLOCK_N = 64     # keys per inner step
@@ -33,16 +24,14 @@ CHUNK = 16       # spans merged per step of the combine (fixed: part of the redu
 #     x fp16 scale, fp16 MMAs (q converted to fp16: exact for |q| in [6.1e-5, 65504]);
 # 2 = as 1 with the conversion done on whole 32-bit words by inline PTX (xor, prmt, sub.f16x2)
 Q8_MODE = 2
-# the Q8 fp16 path's own tile: 32 keys a step, 3 stages (bench/quant_gpu.py, H200: 60.9 us at 33k
-# positions, R = 1, against 67.6 us for mode 0 at the shared 64-key default; prefetch with 64-key
-# steps and the PTX conversion measured 281 us, so the Q8 path never takes those together)
+# the Q8 fp16 path's own tile: 32 keys a step, 3 stages (measured faster than mode 0 at 64 keys;
+# 64-key steps with the prefetch and the PTX conversion together measured far slower)
 Q8_BLOCK_N = 32
 Q8_STAGES = 3
 # Q8 with one scale per (position, KV head), the cache's default (kernels/attention): the key scale
 # multiplies the scores after an fp16 dot on the exact codes, the value scale multiplies p before
 # p.V, so no element is dequantized; values stored key-minor (kernels/attention q8_value_cache).
-# Tile measured by bench/q8kv.py on the H200 (17 configurations): 64 keys a step, 3 stages, 4 warps
-# = 41.3-44.0 us at 33k positions, R = 1..5, against 46.3-49.6 us for the bf16 cache.
+# Tile measured on the H200: 64 keys a step, 3 stages, 4 warps (faster than the bf16 cache's kernel).
 Q8T_BLOCK_N = 64
 Q8T_STAGES = 3
 Q8T_WARPS = 4

@@ -1,12 +1,6 @@
-"""Optional Gated DeltaNet prefill through flash-linear-attention's chunk kernel (GPU only).
-
-flash-linear-attention (`pip install flash-linear-attention`, pure Python + Triton) is the kernel
-library transformers, vLLM and SGLang use for this layer. When it imports, CUDA prefill of the gated
-delta rule goes through its `chunk_gated_delta_rule` (bf16 tensor-core matmuls, float32 state);
-without it kernels/gdn's own chunked kernel runs. Decode and verify never
-use it: they keep the row-invariant recurrence, so greedy speculation still equals AR. `warm`
-runs its kernels once at load (one device), so a server's first prompt does not compile them.
-"""
+"""Optional Gated DeltaNet prefill through flash-linear-attention's `chunk_gated_delta_rule` (the
+library transformers, vLLM and SGLang use), on CUDA wherever it imports; decode and verify keep the
+row-invariant recurrence, and `warm` runs it once at load so a first prompt does not compile it."""
 from __future__ import annotations
 
 import sys

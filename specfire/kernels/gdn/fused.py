@@ -1,13 +1,6 @@
-"""One Triton kernel for a Gated DeltaNet layer's rows forward (decode, verify), from the projections
-to what out_proj reads: conv window + SiLU, q/k L2 norms, the gates, the gated delta rule and (given z,
-whole heads) the gated RMSNorm; about 27 small launches a layer otherwise.
-
-Bits: a program's result depends only on its head's inputs (head shards give the same bits) and the
-row count is never specialised, so T rows equal T chained one-row calls. The launch writes no
-state: it logs per row what the update needs (k, delta, exp(g)), and commit(n) replays rows 0..n
-with the same operations (kernels/gdn/kernel.py). Row t+1's state-free terms are made while row t
-is in flight, and a row's four key-axis reductions run as one reduce (conv widths up to 4).
-"""
+"""One Triton kernel for a Gated DeltaNet layer's rows forward, from the projections to what out_proj
+reads (conv + SiLU, q/k norms, gates, the delta rule, the gated norm on whole heads); it writes no
+state but logs what commit replays, and T rows equal T chained one-row calls bit for bit."""
 from __future__ import annotations
 
 import torch
@@ -240,7 +233,7 @@ def _gdn_merged_kernel(x_ptr, a_ptr, b_ptr, win_ptr, w_ptr, alog_ptr, dtb_ptr, s
         rk = 1.0 / tl.sqrt(sk + 1e-6)
         o = so * (rq_t * q_scale)                                              # [BV]
         dt = o_ptr.dtype.element_ty
-        if NORM:   # the gated RMSNorm with kernels/small/kernel.py's rounding points (o rounded first)
+        if NORM:   # the gated RMSNorm with kernels/norm/kernel.py's rounding points (o rounded first)
             ob = o.to(dt).to(tl.float32)
             n = (ob * (1.0 / tl.sqrt(tl.sum(ob * ob, 0) / DV + eps))).to(dt).to(tl.float32)
             o = (nw * n).to(dt).to(tl.float32) * (zt / (1.0 + tl.exp(-zt)))
@@ -264,7 +257,7 @@ def gdn_decode_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, windo
     dk], delta [T, Hv, dv], dec [T, Hv], full [K-1+T, C]), contiguous float32 (default: new). bv (default BV; None: the whole head) splits a head's value
     columns over programs and num_warps (default NUM_WARPS) the reductions' lanes: neither changes
     a row's dependence on other rows or heads. The gated norm (z given) runs inside the launch on
-    whole heads, else as kernels/small/kernel.py's kernel after it."""
+    whole heads, else as kernels/norm/kernel.py's kernel after it."""
     t, c = qkv.shape
     hv, kk = a.shape[1], w.shape[-1]
     if c != 2 * hk * dk + hv * dv or hv % hk or not 2 <= kk <= MAX_CONV:
@@ -298,6 +291,6 @@ def gdn_decode_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, windo
         REP=hv // hk, K=kk, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv,
         KM1P=triton.next_power_of_2(kk - 1), NORM=norm, num_warps=num_warps or NUM_WARPS, **pdl.kw(qkv))
     if z is not None and not norm:      # split heads: the norm as its own launch
-        from ..small.kernel import gated_rms_norm_triton
+        from ..norm.kernel import gated_rms_norm_triton
         o = gated_rms_norm_triton(o, z.view(t, hv, dv), norm_w, eps)
     return o, (klog, dlog, declog), full

@@ -1,14 +1,6 @@
-"""Row-invariant skinny matmul (GEMV) on CUDA, in Triton: decode and verify rows, and prefill.
-
-y[M, N] = x[M, K] @ w[N, K]^T with fp32 accumulation. Row invariance by construction: the row
-tile is always 16 wide (rows past M are masked), the launch configuration is a function of
-(N, K) only, and M is not a specialised kernel argument, so every M runs the same machine code
-and row m's reduction order (tile by tile along K, one tensor-core MMA per tile, then an optional
-split-K sum in fixed order) never depends on the other rows or on how many there are.
-
-The weight is the MMA's A operand ([BLOCK_N, BLOCK_K], K-contiguous as stored) and x^T the B
-operand, so one weight tile is read once for all rows: the kernel moves the weight bytes once.
-"""
+"""Row-invariant skinny matmul (GEMV) on CUDA: the weight is the MMA's A operand (read once for all
+rows), the row tile is fixed, the settings depend on (N, K) only and M is never specialised, so a
+row's reduction order never depends on the other rows."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,15 +36,14 @@ def fit_stages(cfg: GemvConfig, tile: int, elt: int) -> int:
     return stages
 
 
-# (N, K) -> measured settings that the rules below do not give (bench/linear.py bf16small, H200):
-# the 27B GDN gate projections in_proj_b / in_proj_a (48 rows each, one grouped launch beside the
-# 4-bit ones) ran 2 CTAs with the rule's settings, 10.8 us; split-K 10 over 16-row tiles: 4.7 us
+# (N, K) -> measured settings that the rules below do not give: the 27B GDN gate projections
+# in_proj_b / in_proj_a (48 rows each) fill only 2 CTAs with the rule's settings; split-K 10 fills more
 _MEASURED: dict = {(48, 5120): GemvConfig(block_n=16, block_k=128, split_k=10, num_warps=4, num_stages=3)}
 
 
 def gemv_config(n: int, k: int) -> GemvConfig:
     """The launch configuration for a weight [n, k]; depends on the shape only (never on M).
-    Picked by the sweep in bench/linear.py on the H200 (27B shapes, K = 5120..17408)."""
+    Picked by a sweep on the H200 (27B shapes, K = 5120..17408)."""
     if (n, k) in _MEASURED:
         return _MEASURED[(n, k)]
     if n >= 65536:   # lm_head
@@ -248,7 +239,7 @@ def gemv_group(x: torch.Tensor, ws: list[torch.Tensor], launch_ns: list[int | No
     whole N; None: its own). Each output is bit for bit gemv(x, w, group_config(...)). A column
     shard alone launches half the whole's programs; the shards of one input together fill the GPU
     as the whole matrices do. A split-K config runs one launch and one fixed-order sum for the whole group. `cfg` replaces
-    group_config's settings (bench/linear.py sweeps)."""
+    group_config's settings (a benchmark's sweep)."""
     m, k = x.shape
     whole = [ln or w.shape[0] for w, ln in zip(ws, launch_ns)]
     cfg = cfg or group_config(whole, k)

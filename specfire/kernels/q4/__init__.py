@@ -159,7 +159,8 @@ def q4_rows(x: torch.Tensor, qws: list, launch_ns: list) -> list[torch.Tensor]:
     """Decode / verify rows of x [M, K] through 4-bit weights of that one input on CUDA, in one
     launch per 16 rows (kernels/q4/gemv.py q4_group: x rotated and its group sums made once,
     settings from the whole matrices' shapes, so shards compute every element as the whole does)."""
-    from .gemv import group_config, q4_group
+    from .config import group_config
+    from .gemv import q4_group
 
     a = qws[0]
     if len(qws) > 1 and any(w.hadamard != a.hadamard or w.group_size != a.group_size for w in qws):

@@ -1,19 +1,9 @@
-"""Row-invariant dequant-GEMV for the 4-bit format (kernels/q4) on CUDA: per group t = x @ (128 + q)^T
-on the tensor cores (codes exact in bf16, fp32 accumulation), then y += s t + (z - 128 s) sum(x).
-
-Why this shape: a decode GEMV must keep HBM busy, so no load waits where it is issued (the next
-group's scales, zeros and sum(x) are prefetched one group ahead), the codes are the MMA's A operand
-(`wa`: fewer register moves), stored in 64-row tiles (one group of a tile is one contiguous block),
-and split-K partials are summed in split order by the last CTA of each tile to arrive.
-Row invariance: the row tile, split-K and group order come from (N, K, G) only, M is never
-specialised, and every sum has a fixed order, so a row's arithmetic never sees the other rows
-(`rows_hi` and M_TILES move no element's arithmetic either: each checked bitwise on the GPU).
-"""
+"""Row-invariant dequant-GEMV of the 4-bit format on CUDA: per group t = x @ (128 + q)^T on the tensor
+cores, y += s t + (z - 128 s) sum(x); settings from (N, K, G) only (config.py), M never specialised,
+every sum in a fixed order (split-K partials added in split order by the tile's last CTA)."""
 from __future__ import annotations
 
-import dataclasses
 import os
-from dataclasses import dataclass
 
 import torch
 from .._triton import triton, tl
@@ -21,77 +11,13 @@ from .._triton import triton, tl
 from .. import pdl
 from ..pdl import wait as pdl_wait
 from ..gemv.kernel import ROWS
+from .config import Q4Config, group_config, launch_config
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX in the interpreter
 # added to a grouped launch's offsets between weights, so they are always passed as 64-bit
 # integers (Triton types an int argument by its value: one kernel for any allocation distance)
 _BIAS = 1 << 40
 BIAS = tl.constexpr(_BIAS)
-@dataclass(frozen=True)
-class Q4Config:
-    block_n: int = 64
-    split_k: int = 1
-    num_warps: int = 2
-    num_stages: int = 4
-    wa: bool = False      # codes as the MMA's A operand (y^T = W x^T): fewer register moves in the sm_90 loop
-    rows: int = 16        # row tile: 8 halves the MMAs, x fragments and epilogue FMAs per code word (M > 8: 2 tiles)
-    zc: int = 0           # > 0: zero-point term after the loop, zc groups at a time, sum(x) made there (no launch first)
-    rows_hi: int = 0      # > rows: calls of more than `rows` rows run tiles of rows_hi rows (M = 9..16: one 16-row
-                          # tile reads the codes once, where two 8-row tiles read them twice); 0: tiles of `rows`
-
-    def __post_init__(self):
-        pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
-        if not pow2(self.rows) or self.rows < 8:
-            raise ValueError(f"Q4Config.rows must be a power of two >= 8, got {self.rows}")
-        if self.rows_hi and (not pow2(self.rows_hi) or self.rows_hi <= self.rows):
-            raise ValueError(f"Q4Config.rows_hi must be 0 or a power of two above rows={self.rows}, got {self.rows_hi}")
-        if self.zc and not pow2(self.zc):
-            raise ValueError(f"Q4Config.zc must be 0 or a power of two, got {self.zc}")
-
-
-# (N, K) at group 128 -> launch settings measured on the H200, codes in 64-row tiles: the launch
-# shapes of a 27B step (grouped projections launch with their concatenated N) and the MTP fc won
-# a sweep of least t(M=1) + t(M=4), every candidate bitwise row-invariant.
-_MEASURED = {
-    # single weights (a group one launch cannot hold)
-    (17408, 5120): Q4Config(128, split_k=3, num_warps=2, num_stages=3, wa=True, rows=8),   # MLP gate, up
-    (12288, 5120): Q4Config(64, split_k=4, num_warps=2, num_stages=3, wa=True, rows=8),    # attention q + gate
-    (10240, 5120): Q4Config(64, split_k=4, num_warps=2, num_stages=3, wa=True, rows=8),    # GDN qkv
-    (6144, 5120): Q4Config(64, split_k=8, num_warps=2, num_stages=3, wa=True, rows=8),     # GDN z
-    (1024, 5120): Q4Config(32, split_k=18, num_warps=1, num_stages=4, wa=True, rows=8),    # attention k, v
-    # launch shapes of a 27B step and the MTP fc
-    (5120, 17408): Q4Config(64, split_k=13, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),   # MLP down
-    (5120, 6144): Q4Config(64, split_k=10, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),    # attn o, GDN out
-    (248320, 5120): Q4Config(32, split_k=1, num_warps=1, num_stages=4, wa=True, rows=8, rows_hi=16),  # lm_head
-    (34816, 5120): Q4Config(64, split_k=3, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),   # gate + up
-    (16384, 5120): Q4Config(64, split_k=3, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),   # GDN qkv + z
-    (14336, 5120): Q4Config(128, split_k=7, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),  # attn q+g, k, v
-    (5120, 10240): Q4Config(64, split_k=9, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),   # MTP fc
-}
-
-
-# (N, K, M) -> (block_n, num_warps, num_stages) for an M-row launch of a shape whose settings are
-# q4_config's: only these fields move (the same MMA chain and split-K sums per element, so the
-# bits of q4_config's launch); the draft chain's lm_head over a 32k draft vocabulary.
-M_TILES: dict[tuple[int, int, int], tuple[int, int, int]] = {(32768, 5120, 1): (32, 1, 3)}
-
-
-def launch_config(cfg: Q4Config, n: int, k: int, group: int, m: int) -> Q4Config:
-    """cfg for an M-row launch of a weight (or group) of N x K: M_TILES' tile for (N, K, M) when cfg
-    is that shape's q4_config, else cfg itself."""
-    t = M_TILES.get((n, k, m))
-    if t is None or cfg != q4_config(n, k, group):
-        return cfg
-    return dataclasses.replace(cfg, block_n=t[0], num_warps=t[1], num_stages=t[2])
-
-
-def q4_config(n: int, k: int, group: int) -> Q4Config:
-    """Launch configuration from the weight's shape only (never from M): the measured one for the
-    27B shapes, else what won most of them, 64 columns on two warps, 3 stages, codes as the A
-    operand, 8-row tiles, with the split-K that fills an H200 in one wave (about 6 CTAs per SM)."""
-    if group == 128 and (n, k) in _MEASURED:
-        return _MEASURED[(n, k)]
-    return Q4Config(64, split_k=max(1, min(k // group, 792 // triton.cdiv(n, 64))), num_stages=3, wa=True, rows=8)
 
 
 # inline PTX, 4 packed bytes in ($4) -> low nibbles as bf16 128+q ($0, $1) and high nibbles ($2, $3);
@@ -142,7 +68,7 @@ def _codes(qb, dtype: tl.constexpr, ASM: tl.constexpr):
 def _mmt(a, bt, acc, IEEE: tl.constexpr):
     """acc + a @ bt^T. Float32 (the CPU tests, in the interpreter) takes an explicit product-sum:
     the interpreter's matmul rounds a row differently at different row positions, the tensor-core
-    MMA does not (checked bit for bit on the GPU by bench/quant_gpu.py)."""
+    MMA does not (checked bit for bit on the GPU)."""
     if IEEE:
         return acc + tl.sum(a[:, None, :] * bt[None, :, :], axis=2)
     return tl.dot(a, tl.trans(bt), acc)
@@ -284,7 +210,7 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
             dq, ds, dz = tl.where(sel, DQ3, dq), tl.where(sel, DS3, ds), tl.where(sel, DZ3, dz)
         # the offsets between the weights' tensors are multiples of 16 bytes (_groupable): said so,
         # the codes keep their 16-byte cp.async loads (without it an offline sm_90 compile loaded
-        # them byte by byte, and a grouped launch ran up to 1.13x slower than one weight of its size)
+        # them byte by byte, and a grouped launch ran slower than one weight of its size)
         q_ptr += tl.multiple_of(dq - BIAS, 16)
         s_ptr += tl.multiple_of(ds - BIAS, 8)
         z_ptr += tl.multiple_of(dz - BIAS, 8)
@@ -399,13 +325,6 @@ def _locks(device: torch.device, n: int) -> torch.Tensor:
 
 GROUP_MAX = 4      # weights of one input that one launch can hold
 OUT_ALIGN = 64     # elements: where a grouped launch's outputs start in its buffer (128 bytes in bf16)
-
-
-def group_config(whole_ns: list[int], k: int, group: int) -> Q4Config:
-    """Settings of weights of one input launched together: those of their concatenation (the sum
-    of the whole matrices' N, measured for the 27B groups). A function of the whole shapes only,
-    so a tensor-parallel shard group computes every element as the whole group does."""
-    return q4_config(sum(whole_ns), k, group)
 
 
 def _groupable(x: torch.Tensor, qws: list) -> bool:

@@ -10,7 +10,7 @@ import torch
 from specfire.kernels import head as head_fused
 from specfire.kernels.head import kernel as head_kernel
 from specfire.kernels import xsum
-from specfire.kernels.small import kernel as ts
+from specfire.kernels.norm import kernel as nk
 from specfire.kernels.attention import fused as af
 from specfire.kernels.attention.fused import qk_norm_rope_write_triton
 from specfire.kernels.small import rope_cos_sin
@@ -41,7 +41,7 @@ def test_fc_input_matches_reference_and_the_norm_kernels(r, d, v, pad, dtype, mo
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -6, atol=2e-2)
     torch.testing.assert_close(y.float(), ref.float(), **tol)
     # the launches it replaces: the two norm kernels over the gathered and the hidden rows, bit for bit
-    unfused = torch.cat([ts.rms_norm_triton(table[ids], we, 1e-6), ts.rms_norm_triton(hidden, wh, 2e-6)], -1)
+    unfused = torch.cat([nk.rms_norm_triton(table[ids], we, 1e-6), nk.rms_norm_triton(hidden, wh, 2e-6)], -1)
     assert torch.equal(y, unfused)
     for i in range(r):                                       # row-invariant
         assert torch.equal(head_kernel.fc_input_triton(ids[i:i + 1], table, hidden[i:i + 1], we, wh, 1e-6, 2e-6),

@@ -11,7 +11,8 @@ import torch
 from specfire.kernels.gemv import linear, linear_rows_ref
 from specfire.kernels.q4 import (QuantWeight, dequantize_ref, hadamard_rotate, pick_group, quantize_tensor,
                                 unpack_codes)
-from specfire.kernels.q4.gemv import Q4Config, q4_gemv
+from specfire.kernels.q4.config import Q4Config
+from specfire.kernels.q4.gemv import q4_gemv
 
 
 def _g(seed):
@@ -443,12 +444,12 @@ def test_q4_rows_groups_shards_as_the_whole(monkeypatch):
     """q4_rows: the group's settings come from the whole matrices' N, so shards (rows from a tile
     bound on, launch_ns = the whole N) get the whole group's bits; Hadamard weights rotate x once;
     more than 16 rows run in 16-row launches (row-invariant across them)."""
-    from specfire.kernels.q4 import gemv as triton_quant
+    from specfire.kernels.q4 import config as q4cfg
     from specfire.kernels.q4 import q4_rows
-    from specfire.kernels.q4.gemv import group_config
+    from specfire.kernels.q4.config import group_config
 
     # settings by shape: the whole group's (N = 170) differ from what the shards' own N would pick
-    monkeypatch.setattr(triton_quant, "q4_config", lambda n, k, g: Q4Config(32) if n == 170 else Q4Config(16, split_k=2))
+    monkeypatch.setattr(q4cfg, "q4_config", lambda n, k, g: Q4Config(32) if n == 170 else Q4Config(16, split_k=2))
     k, g = 256, 128
     wholes = [_qw(n, k, g, 40 + n, had=True) for n in (100, 70)]
     x = torch.randn(18, k, generator=_g(41))
@@ -467,7 +468,7 @@ def test_q4_rows_groups_shards_as_the_whole(monkeypatch):
 def test_q4_config_picks_the_measured_settings():
     """The launch settings of a 27B step's 4-bit launches and the MTP fc are the measured winners:
     one per (N, K), whatever M."""
-    from specfire.kernels.q4.gemv import group_config, q4_config
+    from specfire.kernels.q4.config import group_config, q4_config
 
     want = {(34816, 5120): Q4Config(64, 3, 2, 3, wa=True, rows=8, rows_hi=16),       # MLP gate + up
             (16384, 5120): Q4Config(64, 3, 2, 3, wa=True, rows=8, rows_hi=16),       # GDN qkv + z
@@ -483,7 +484,7 @@ def test_q4_config_picks_the_measured_settings():
     assert group_config([10240, 6144], 5120, 128) == want[(16384, 5120)]
     # the tiles per row count: the draft lm_head of a 32,768-token draft vocabulary at
     # M = 1 runs 32 columns on one warp, 3 stages, its split-K (1) unchanged; other M as q4_config
-    from specfire.kernels.q4.gemv import M_TILES, launch_config
+    from specfire.kernels.q4.config import M_TILES, launch_config
     assert M_TILES == {(32768, 5120, 1): (32, 1, 3)}
     d = q4_config(32768, 5120, 128)
     assert launch_config(d, 32768, 5120, 128, 1) == dataclasses.replace(d, block_n=32, num_warps=1, num_stages=3)
@@ -497,8 +498,8 @@ def test_q4_m_tiles_change_the_tile_not_the_bits(monkeypatch):
     q4_config's (never another split-K or row tile): launch_config applies it only to that (N, K, M)
     and only where the settings are q4_config's, and the outputs keep the bits of q4_config's launch
     (odd N, split-K over a short last split, rows == single rows)."""
-    from specfire.kernels.q4 import gemv as triton_quant
-    from specfire.kernels.q4.gemv import launch_config, q4_config
+    from specfire.kernels.q4 import config as q4cfg
+    from specfire.kernels.q4.config import launch_config, q4_config
 
     n, k, g = 77, 640, 64
     base = q4_config(n, k, g)
@@ -506,7 +507,7 @@ def test_q4_m_tiles_change_the_tile_not_the_bits(monkeypatch):
     qw = _qw(n, k, g, 52)
     x = torch.randn(4, k, generator=_g(53))
     want = q4_gemv(x, qw, base)
-    monkeypatch.setattr(triton_quant, "M_TILES", {(n, k, 4): (16, 1, 2), (n, k, 2): (32, 4, 3)})
+    monkeypatch.setattr(q4cfg, "M_TILES", {(n, k, 4): (16, 1, 2), (n, k, 2): (32, 4, 3)})
     got = launch_config(base, n, k, g, 4)
     assert (got.block_n, got.num_warps, got.num_stages) == (16, 1, 2)
     assert dataclasses.replace(got, block_n=base.block_n, num_warps=base.num_warps,
