@@ -13,7 +13,7 @@ engine is the library's own (LocalTrunk + Engine + MtpDrafter), no checkpoint wr
    every third cycle, so every verify row is compared) == AR token for token at both contexts.
 4. fla: Gated DeltaNet chunk prefill, ours vs flash-linear-attention's chunk_gated_delta_rule
    (when it imports) on the 27B GDN shape at 4096 and 33000 rows (key heads grouped, as the model
-   passes them), error vs the float32 reference; then prefill tok/s with it wired in (ops/gdn_fla.py) and MTP == AR at 33000 again.
+   passes them), error vs the float32 reference; then prefill tok/s with it wired in (kernels/gdn/fla.py) and MTP == AR at 33000 again.
 Results go to $OUT/prefill.json after every stage, so a timeout keeps what finished.
 
     python -m bench.prefill [--shape 27B] [--budget 200]
@@ -32,14 +32,20 @@ import torch
 
 from bench.common import CEILING, model_config, model_step_bytes, random_head, random_trunk, sync
 from specfire.config import FULL, SamplingParams, SpecPolicy
-from specfire.ops import gdn as G
-from specfire.ops import gdn_fla
+from specfire.kernels import gdn as G
+from specfire.kernels.gdn import fla as gdn_fla
 from specfire.runtime.drafters import HostDrafter, MtpDrafter, NgramDrafter
 from specfire.runtime.engine import Engine
 from specfire.runtime.prefix import PrefixCache
 from specfire.runtime.trunk import LocalTrunk
 
 PEAK_FLOPS = 989e12      # H200 bf16 dense tensor-core peak
+_FLA = gdn_fla.kernel()  # flash-linear-attention's chunk kernel where installed (the engine's default)
+
+
+def use_fla(on: bool) -> None:
+    """The library in (on, where installed) or out of every prefill: its memoised kernel swapped."""
+    gdn_fla._kernel = _FLA if on else None
 
 
 class Report:
@@ -209,11 +215,12 @@ def stage_gdn_kernels(rep: Report, cfg, lengths: list[int], dev: str) -> None:
         q, k, v, gl, beta, s0 = gdn_inputs(t, hv, hk, dk, dv, dev)
         qr, kr = q.repeat_interleave(rep_, 1), k.repeat_interleave(rep_, 1)
         ro, rs = G.gdn_chunked_ref(qr, kr, v, gl, beta, s0)
-        gdn_fla.set_enabled(False)
+        use_fla(False)
         r = {"ours_ms": timed(lambda: G.gdn_chunked(q, k, v, gl, beta, s0), 3) * 1e3}    # repeats the keys inside
         o, s = G.gdn_chunked(q, k, v, gl, beta, s0)
         r.update(ours_o_rel_err=rel(o, ro), ours_state_rel_err=rel(s, rs))
-        if gdn_fla.kernel() is not None:
+        use_fla(True)
+        if _FLA is not None:
             t0 = time.perf_counter()
             o, s = gdn_fla.gdn_chunked_fla(q, k, v, gl, beta, s0)       # first call: compile + autotune
             sync()
@@ -226,7 +233,7 @@ def stage_gdn_kernels(rep: Report, cfg, lengths: list[int], dev: str) -> None:
         if dev == "cuda":
             torch.cuda.empty_cache()
         rep.put("gdn_kernels", res)
-    gdn_fla.set_enabled(None)
+    use_fla(True)
 
 
 def main() -> None:
@@ -250,7 +257,7 @@ def main() -> None:
                         "shape": a.shape, "fla": gdn_fla.kernel() is not None,
                         "fla_version": getattr(sys.modules.get("fla"), "__version__", None)})
     cfg = model_config(a.shape)
-    gdn_fla.set_enabled(False)           # our kernels first; flash-linear-attention in its own stage
+    use_fla(False)           # our kernels first; flash-linear-attention in its own stage
     t = time.perf_counter()
     model = random_trunk(cfg, dev, dtype)
     head = random_head(cfg, dev, dtype)
@@ -287,13 +294,13 @@ def fla_prefill(rep: Report, eng: Engine, lengths: list[int], a) -> None:
     if gdn_fla.kernel() is None:
         rep.put("fla_prefill", "flash-linear-attention not importable: skipped")
         return
-    gdn_fla.set_enabled(True)
+    use_fla(True)
     try:
         stage_prefill(rep, eng.trunk, lengths, "fla", {lengths[0]: 3, lengths[1]: 2})
         if rep.left(a.budget) > 30:
             stage_context(rep, eng, a.long, a.tokens // 2, "long_fla", oracle=False, reuse=True)
     finally:
-        gdn_fla.set_enabled(False)
+        use_fla(False)
 
 
 def summary(d: dict) -> None:

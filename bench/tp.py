@@ -53,8 +53,8 @@ def job_ckpt(cfg, d: str, device: str, log: Log) -> None:
 
 def canonical(on: bool) -> None:
     """tp1 computes the mesh's canonical split-K (off by default on one GPU), so its bits are tp2's."""
-    from specfire.ops import splitk
-    splitk.set_enabled(True if on else None)
+    from specfire.kernels import canonical
+    canonical.set_enabled(True if on else None)
 
 
 # ---- speed --------------------------------------------------------------------------------------------

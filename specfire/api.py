@@ -12,7 +12,7 @@ import torch
 from .config import (DTYPE_NAMES, GenerationDefaults, ModelConfig, SamplingParams, SpecPolicy, check_draft_vocab,
                      check_generation_config)
 from .errors import CheckpointError, PromptError, SpecfireError
-from .ops.attention import Q8_KV
+from .kernels.attention import Q8_KV
 from .report import RequestFigures
 from .runtime.build import EngineOptions, TrunkFactory, build_engine, local_trunk
 from .runtime.engine import GenerationResult, StreamChunk

@@ -487,7 +487,7 @@ def check_generation_config(mode: Any) -> str:
 DTYPE_NAMES = {"auto": None, "float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
                "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
 
-Q4_DEFAULT_GROUP = 128   # inputs per scale/zero group of the 4-bit format (ops/quant.py), `specfire quantize`'s default
+Q4_DEFAULT_GROUP = 128   # inputs per scale/zero group of the 4-bit format (kernels/q4), `specfire quantize`'s default
 
 SPEC_MODES = ("off", "auto", "mtp", "ngram")
 MAX_SPEC_K = 10

@@ -84,7 +84,7 @@ def _quant_summary(path: str, src, msrc, stored: int, params: int) -> dict[str, 
     scale and zero per group) and over every parameter as stored; the MTP head's share apart."""
     import json
 
-    from .ops.quant import pick_group
+    from .kernels.q4 import pick_group
 
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         qc = json.load(f)["quantization_config"]

@@ -1,7 +1,7 @@
 """`specfire quantize SRC DST`: an HF Qwen3.5 checkpoint -> a specfire 4-bit checkpoint.
 
 Projection weights (attention, Gated DeltaNet's in_proj_qkv / in_proj_z / out_proj, MLP, the MTP
-head's, and the untied lm_head unless --keep-lm-head) become the 4-bit format of ops/quant.py;
+head's, and the untied lm_head unless --keep-lm-head) become the 4-bit format of kernels/q4;
 embeddings, norms, the conv1d taps, the per-head gate projections (in_proj_a / in_proj_b) and
 anything whose K no group divides stay in bf16. The MTP head is included, from the checkpoint or
 its mtp.safetensors sidecar. Tensor names keep the source's spelling, so the loader reads the
@@ -55,7 +55,7 @@ def _quantizable(name: str, shape: tuple[int, ...], keep_lm_head: bool, gates: b
 
 def _plan(srcs: list[tuple[loader.TensorSource, list[str]]], group: int, keep_lm_head: bool, gates: bool = False):
     """[(source, normalised name, raw name, group or None, output bytes)] in source order."""
-    from .ops.quant import pick_group
+    from .kernels.q4 import pick_group
 
     out = []
     for src, names in srcs:
@@ -78,7 +78,7 @@ def quantize_checkpoint(src_dir: str, dst_dir: str, group: int = DEFAULT_GROUP, 
     from safetensors.torch import save_file
 
     from .model import loader
-    from .ops.quant import QuantWeight, quant_config, quantize_tensor
+    from .kernels.q4 import QuantWeight, quant_config, quantize_tensor
 
     if group < 32 or group > 1024 or group & (group - 1):
         raise ValueError(f"group_size must be a power of two in 32..1024, got {group}")

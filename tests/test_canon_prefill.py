@@ -3,9 +3,9 @@ rank's heads are computed exactly as those heads of the whole model (the GPU dis
 blocks inside a canonical forward; here they run on the CPU), and no autotuned GDN library there."""
 import torch
 
-from specfire.ops import attention as attn_ops
-from specfire.ops import gdn as gdn_ops
-from specfire.ops.splitk import head_block
+from specfire.kernels import attention as attn_ops
+from specfire.kernels import gdn as gdn_ops
+from specfire.kernels.splitk import head_block
 
 
 def test_head_block_divides_every_degree_share():
@@ -33,7 +33,7 @@ def test_attention_blocks_match_reference_and_shard_equals_whole():
 def test_canonical_gdn_prefill_never_takes_the_autotuned_library(monkeypatch):
     """flash-linear-attention autotunes per process, keyed by head count: a canonical forward must
     not use it even where it is installed (stand-in library that fails the test if called)."""
-    from specfire.ops import gdn_fla
+    from specfire.kernels.gdn import fla as gdn_fla
     called = []
     monkeypatch.setattr(gdn_fla, "use_for", lambda q: True)
     monkeypatch.setattr(gdn_fla, "gdn_chunked_fla", lambda *a, **k: called.append(1) or (None, None))

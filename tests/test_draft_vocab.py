@@ -15,7 +15,7 @@ import torch
 
 import specfit
 from specfire import LLM, SamplingParams, SpecPolicy
-from specfire.ops import linear as linear_mod
+from specfire.kernels import gemv as linear_mod
 from specfire.runtime import spec as spec_mod
 from specfire.runtime.graphs import DraftGraphs
 from specfire.runtime.rng import DeviceRng
@@ -173,15 +173,15 @@ def test_sampled_mtp_with_draft_vocab_matches_ar_distribution(tiny_vocab, monkey
 def canonical_ar(fitted) -> list[list[int]]:
     """One device's greedy AR outputs of the fitted prompts in the canonical mode (what a mesh
     reproduces), computed once for the mesh cases."""
-    from specfire.ops import splitk
+    from specfire.kernels import canonical
 
-    splitk.set_enabled(True)
+    canonical.set_enabled(True)
     try:
         with LLM(fitted, device="cpu", progress=False) as one:
             return [one.generate(p, SamplingParams(max_tokens=24, ignore_eos=True), spec="off").token_ids
                     for p in specfit.prompts(3, seed=7)]
     finally:
-        splitk.set_enabled(None)
+        canonical.set_enabled(None)
 
 
 @pytest.mark.parametrize("n", [ALPHA_MIN, 69], ids=["inside_rank0", "both_ranks"])
@@ -190,9 +190,9 @@ def test_mesh_draft_vocab_equals_ar(fitted, canonical_ar, n):
     needs no pick collective (the trunk does not shard the picks); N = 69 has rank 1 score its rows
     66..68 only (alphabet ids 81..119 lie in its shard past N: a rank scoring its whole shard would
     draft them)."""
-    from specfire.ops import splitk
+    from specfire.kernels import canonical
 
-    splitk.set_enabled(True)
+    canonical.set_enabled(True)
     ar = canonical_ar
     try:
         with LLM(fitted, tp=2, device="cpu", progress=False, draft_vocab=n) as mesh:
@@ -207,4 +207,4 @@ def test_mesh_draft_vocab_equals_ar(fitted, canonical_ar, n):
             r = mesh.generate(specfit.prompts(1, seed=7)[0], s, spec=SpecPolicy("mtp", 3))
             assert len(r.token_ids) == 10
     finally:
-        splitk.set_enabled(None)
+        canonical.set_enabled(None)

@@ -40,7 +40,7 @@ def test_bundled_model_generates_without_triton():
 
 def test_a_kernel_without_triton_names_the_package():
     r = _run(
-        "from specfire.ops._triton import HAVE_TRITON, triton\n"
+        "from specfire.kernels._triton import HAVE_TRITON, triton\n"
         "assert not HAVE_TRITON\n"
         "@triton.jit\n"
         "def k(x):\n"

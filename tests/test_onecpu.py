@@ -10,15 +10,18 @@ from tinymodels import make_checkpoint
 
 from specfire import LLM, SamplingParams, SpecPolicy
 from specfire.model import cpu_rows
-from specfire.ops import lanes, onecpu, rowwise as rw, splitk
-from specfire.ops.act import silu_mul
-from specfire.ops.linear import linear, one_cpu
+from specfire.kernels.cpu_exact import lanes
+from specfire.kernels.cpu_exact import onecpu
+from specfire.kernels.cpu_exact import rowwise as rw
+from specfire.kernels import canonical
+from specfire.kernels.small import silu_mul
+from specfire.kernels.gemv import linear, one_cpu
 
 
 def test_one_cpu_device_is_plain_unless_canonical_or_a_mesh(monkeypatch):
     x = torch.randn(3, 64)
     w = torch.randn(48, 64)
-    assert not splitk.enabled() and one_cpu(x)
+    assert not canonical.enabled() and one_cpu(x)
     with lanes.invariant():                       # a mesh rank's forward
         assert not one_cpu(x)
         inv = linear(x, w, rows=True)
@@ -31,11 +34,11 @@ def test_one_cpu_device_is_plain_unless_canonical_or_a_mesh(monkeypatch):
         llm.score([1, 2, 3])
         assert calls                               # the one-device norms
         calls.clear()
-        splitk.set_enabled(True)
+        canonical.set_enabled(True)
         try:
             llm.score([1, 2, 3])
         finally:
-            splitk.set_enabled(None)
+            canonical.set_enabled(None)
         assert not calls                           # the canonical mode keeps the reference
 
 
@@ -160,13 +163,13 @@ def test_rows_path_matches_the_reference_and_keeps_its_rotary_table():
         tr.begin()
         tr.prefill(ids)
         fast = tr.verify(torch.tensor([5, 6, 7]), 9).logits
-        splitk.set_enabled(True)
+        canonical.set_enabled(True)
         try:
             tr.begin()
             tr.prefill(ids)
             ref = tr.verify(torch.tensor([5, 6, 7]), 9).logits
         finally:
-            splitk.set_enabled(None)
+            canonical.set_enabled(None)
         torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-4)
     c1, s1 = cpu_rows.rope_table(8, 1e4, 32, 10)
     c1, s1 = c1[:10].clone(), s1[:10].clone()

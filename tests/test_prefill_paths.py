@@ -10,10 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specfire.ops import gdn as G
-from specfire.ops import gdn_fla, lanes, splitk
-from specfire.ops import linear as L
-from specfire.ops.attention import attention_prefill_fused, attention_prefill_ref
+from specfire.kernels import gdn as G
+from specfire.kernels.gdn import fla as gdn_fla
+from specfire.kernels.cpu_exact import lanes
+from specfire.kernels import canonical
+from specfire.kernels import gemv as L
+from specfire.kernels.attention import attention_prefill_fused, attention_prefill_ref
 
 
 @pytest.fixture
@@ -22,10 +24,10 @@ def calls(monkeypatch):
     seen: list[str] = []
     monkeypatch.setattr(L, "linear_rows", lambda x, w, launch_n=None, rows=True: seen.append("triton"))
     monkeypatch.setattr(L, "F", SimpleNamespace(linear=lambda x, w: seen.append("cublas")))
-    monkeypatch.setattr(L, "_paneled", lambda fn, x, w: seen.append("cpu"))
+    monkeypatch.setattr(L, "paneled", lambda fn, x, w: seen.append("cpu"))
     monkeypatch.setattr(L, "linear_one_cpu", lambda x, wt, rows: seen.append("one cpu"))
     yield seen
-    splitk.set_enabled(None)
+    canonical.set_enabled(None)
 
 
 def test_one_gpu_prefill_uses_cublas_and_a_mesh_keeps_the_invariant_kernel(calls):
@@ -33,9 +35,9 @@ def test_one_gpu_prefill_uses_cublas_and_a_mesh_keeps_the_invariant_kernel(calls
     L.linear(gpu, w, rows=False)                    # one GPU, canonical split off (the default)
     L.linear(gpu, w, rows=True)                     # decode / verify: always the row-invariant kernel
     L.linear(gpu, w, rows=False, launch_n=64)       # a column shard of a mesh
-    splitk.set_enabled(True)                        # one GPU made bit-equal to a mesh
+    canonical.set_enabled(True)                        # one GPU made bit-equal to a mesh
     L.linear(gpu, w, rows=False)
-    splitk.set_enabled(None)
+    canonical.set_enabled(None)
     L.linear(SimpleNamespace(is_cuda=False), w, rows=False)     # one CPU device: its plain product
     with lanes.invariant():                         # a CPU mesh rank: the shard-invariant panels
         L.linear(SimpleNamespace(is_cuda=False), w, rows=False)
@@ -73,7 +75,6 @@ def fresh_guard(monkeypatch):
     monkeypatch.setattr(gdn_fla, "_tried", False)
     monkeypatch.setattr(gdn_fla, "_kernel", None)
     yield
-    gdn_fla.set_enabled(None)
 
 
 def test_without_the_library_prefill_keeps_our_kernel(monkeypatch, fresh_guard):
@@ -107,10 +108,6 @@ def test_library_wrapper_layout_and_dispatch(monkeypatch, fresh_guard):
     assert gdn_fla.kernel() is mod.chunk_gated_delta_rule
     gpu = SimpleNamespace(is_cuda=True)
     assert gdn_fla.use_for(gpu) and not gdn_fla.use_for(torch.zeros(1))
-    monkeypatch.setenv("SPECFIRE_FLA", "0")
-    assert not gdn_fla.use_for(gpu)
-    gdn_fla.set_enabled(True)
-    assert gdn_fla.use_for(gpu)
 
     q, k, v, g, beta, s0 = _gdn_inputs()
     ro, rs = G.gdn_chunked_ref(q.repeat_interleave(3, 1), k.repeat_interleave(3, 1), v, g, beta, s0)
@@ -137,16 +134,13 @@ def _install_standin(monkeypatch, fn) -> None:
 
 def test_library_warm_up_at_load(monkeypatch, fresh_guard, capsys):
     """`warm` runs the library once on the model's head shapes (where it is used), is skipped where
-    it is not or with SPECFIRE_FLA_WARM=0, and a failure only reports (the prefill meets it later)."""
+    it is not, and a failure only reports (the prefill meets it later)."""
     log: list = []
     _install_standin(monkeypatch, _standin(log))
     assert gdn_fla.warm(2, 6, 8, 16, torch.device("cpu")) is None and not log     # the CPU never uses it
     monkeypatch.setattr(gdn_fla, "use_for", lambda q: True)
     assert gdn_fla.warm(2, 6, 8, 16, torch.device("cpu"), rows=8) >= 0.0
     assert len(log) == 1 and log[0]["dtypes"][0] == torch.bfloat16
-    monkeypatch.setenv("SPECFIRE_FLA_WARM", "0")
-    assert gdn_fla.warm(2, 6, 8, 16, torch.device("cpu")) is None and len(log) == 1
-    monkeypatch.delenv("SPECFIRE_FLA_WARM")
 
     def broken(*a, **kw):
         raise RuntimeError("no kernel for this GPU")

@@ -21,7 +21,7 @@ from specfire.config import ModelConfig
 from specfire.parallel import valid_tp_degrees
 from specfire.parallel.shard import ShardPlan
 from specfire.errors import MeshError, SpecfireError
-from specfire.ops import splitk
+from specfire.kernels import canonical as canonical_mode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GREEDY = SamplingParams(max_tokens=24)
@@ -74,10 +74,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture
 def canonical():
-    """One device in the canonical mode (ops/splitk.py; off by default): the bits a mesh reproduces."""
-    splitk.set_enabled(True)
+    """One device in the canonical mode (kernels/splitk; off by default): the bits a mesh reproduces."""
+    canonical_mode.set_enabled(True)
     yield
-    splitk.set_enabled(None)
+    canonical_mode.set_enabled(None)
 
 
 @pytest.fixture(scope="class")
@@ -85,11 +85,11 @@ def base(ckpt_cache):
     """The base config (vocab 131: odd, 2 KV heads) on one device (canonical mode, for the class)
     and on a 2-rank mesh."""
     path = ckpt(ckpt_cache, "base")
-    splitk.set_enabled(True)
+    canonical_mode.set_enabled(True)
     one = LLM(path, tp=1, device="cpu", progress=False)
     mesh = LLM(path, tp=2, device="cpu", progress=False)
     yield one, mesh
-    splitk.set_enabled(None)
+    canonical_mode.set_enabled(None)
     pids = mesh.engine.trunk.worker_pids
     mesh.close()
     one.close()
@@ -309,7 +309,7 @@ class TestMeshOfTwo:
     def test_sharded_draft_equals_the_whole_lm_head_draft(self, base):
         """The greedy draft chain scored by every rank's vocabulary rows (parallel/draft.py, the
         GPU mesh's default) picks the tokens the whole lm_head picks, and greedy MTP still == AR."""
-        from specfire.ops import lanes
+        from specfire.kernels.cpu_exact import lanes
 
         one, mesh = base
         trunk, ref = mesh.engine.trunk, one.engine.trunk

@@ -7,18 +7,18 @@ per forward (not per module call), norms as sum of squares + sqrt + divide (torc
 is a composite of ~8 calls), a rotary table with the rotation as one gather, the q/k norms of a
 layer in one call with the attention scale folded into the q-norm weight, the GDN gates as one
 sigmoid and one pow over a zero-padded 64-wide block of the in-projection (exp(-c softplus(z)) =
-sigmoid(-z)^c), the GDN state update as a multiply and an add per row (ops/gdn.py `update`: the
+sigmoid(-z)^c), the GDN state update as a multiply and an add per row (kernels/gdn `update`: the
 commit replays it for every layer at once).
 
 Row invariance (a verify row computes exactly what a one-row decode computes), how:
-* products: one `mm` per row on the same packed W^T (ops/linear.py linear_one_cpu);
+* products: one `mm` per row on the same packed W^T (kernels/gemv linear_one_cpu);
 * reductions over a row's last dimension (sum of squares, the conv taps): each output reduced
   alike whatever the row count (tests/test_onecpu.py);
 * elementwise ops that round alike in ATen's vector and scalar code (+, *, /, sqrt) on any shape;
   transcendental ones (sigmoid, SiLU, pow) only on rows of whole 64-element steps, else
-  per row (ops/rowwise.py), which is why the GDN gate inputs sit in a padded 64-wide block;
+  per row (kernels/cpu_exact/rowwise.py), which is why the GDN gate inputs sit in a padded 64-wide block;
 * the recurrence and attention per row, as before.
-Bits differ from the reference path (ops/norm.py etc.) in the last places; prefill and the
+Bits differ from the reference path (kernels/norm etc.) in the last places; prefill and the
 canonical mode keep their own paths.
 """
 from __future__ import annotations
@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from ..config import FULL
-from ..ops import lanes
-from ..ops.linear import fused_t, linear_one_cpu, transposed
-from ..ops.rope import rope_cos_sin
-from ..ops.rowwise import GRAIN, STEP
+from ..kernels.cpu_exact import lanes
+from ..kernels.gemv import fused_t, linear_one_cpu, transposed
+from ..kernels.small import rope_cos_sin
+from ..kernels.cpu_exact.rowwise import GRAIN, STEP
 
 ROPE_BLOCK = 256      # rotary table rows computed per call (a position's values never change as it grows)
 
@@ -129,7 +129,7 @@ def _gdn_pack(m) -> GdnPack:
 
 def _recurrence(q, k, v, dec, beta, s, t):
     """Per row: S = dec S; S += k (beta (v - S^T k))^T; o = S^T q. Returns (o [T, Hv, dv], each
-    row's delta = beta (v - S^T k) [T, Hv, dv]); the update is ops/gdn.py `update`'s exactly rounded
+    row's delta = beta (v - S^T k) [T, Hv, dv]); the update is kernels/gdn `update`'s exactly rounded
     operations (commit replays them). q, k [T, Hv, dk], v [T, Hv, dv], dec, beta [T, Hv]."""
     hv, dk, dv = k.shape[1], k.shape[2], v.shape[2]
     if t == 1:                    # a decode: the same calls as a verify row, without the row views
@@ -202,7 +202,7 @@ def _attn_pack(m, rot: int, theta: float) -> AttnPack:
     perm = torch.arange(d)
     perm[:half] += half
     perm[half:rot] -= half
-    wt = fused_t((m.q_proj.weight, m.k_proj.weight, m.v_proj.weight), m)    # the prefill's copy (ops/linear.py)
+    wt = fused_t((m.q_proj.weight, m.k_proj.weight, m.v_proj.weight), m)    # the prefill's copy (kernels/gemv)
     return AttnPack(wt, w.contiguous(), perm, rot, theta, torch.tensor([d * m.q_norm.eps]),
                     transposed(m.o_proj.weight), (hq, m.n_kv, d), _whole(d))
 

@@ -2,7 +2,7 @@
 
 Names are normalised to the trunk's own (`model.language_model.` / `model.` stripped), the vision
 tower is skipped, `mtp.*` is kept apart for the MTP head. A 4-bit weight (`<name>.qweight`,
-`.scales`, `.zeros`, ops/quant.py) appears under its logical `<name>.weight` and loads as a
+`.scales`, `.zeros`, kernels/q4) appears under its logical `<name>.weight` and loads as a
 QuantWeight. Every problem is one CheckpointError
 line naming the file, the tensor and what was expected.
 """
@@ -113,7 +113,7 @@ class TensorSource:
         return (s[0], 2 * s[1]) if name in self._quant else s
 
     def _get_quant(self, name: str, index: tuple[slice, ...] | None):
-        from ..ops.quant import QuantWeight
+        from ..kernels.q4 import QuantWeight
 
         base, hadamard = self._quant[name]
         f = self._where[name]
@@ -184,7 +184,7 @@ def _file_hadamard(handle, f: str) -> bool:
         cfg = json.loads(q)
     except json.JSONDecodeError:
         raise CheckpointError(f"{f} has malformed quantization_config metadata") from None
-    from ..ops.quant import FORMAT, FORMAT_VERSION
+    from ..kernels.q4 import FORMAT, FORMAT_VERSION
     if cfg.get("quant_method") != FORMAT or cfg.get("version", 0) > FORMAT_VERSION or cfg.get("bits") != 4:
         raise CheckpointError(f"{f} uses quantization {cfg}; specfire reads {FORMAT} version <= {FORMAT_VERSION}")
     return bool(cfg.get("hadamard", False))

@@ -18,21 +18,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import FULL, ModelConfig
-from ..ops import attention as attn_ops
-from ..ops import fusion
-from ..ops import gdn as gdn_ops
-from ..ops import head_fused
-from ..ops import lanes
-from ..ops import norm as norm_ops
-from ..ops import onecpu
-from ..ops import tree_norm
-from ..ops import xsum
-from ..ops.act import silu_mul
-from ..ops.linear import linear, linear_fused, linear_group, linear_prefix, one_cpu
-from ..ops.splitk import ChunkCache, KSplit, subtree
-from ..ops.splitk import enabled as splitk_enabled, head_block
-from ..ops.rope import apply_rope, rope_cos_sin
-from ..ops.rowwise import rowwise, whole_steps
+from ..kernels import attention as attn_ops
+from ..kernels import gdn as gdn_ops
+from ..kernels import head as head_fused
+from ..kernels.cpu_exact import lanes
+from ..kernels import norm as norm_ops
+from ..kernels.cpu_exact import onecpu
+from ..kernels import xsum
+from ..kernels.small import silu_mul
+from ..kernels.gemv import linear, linear_fused, linear_group, linear_prefix, one_cpu
+from ..kernels.splitk import ChunkCache, KSplit, subtree
+from ..kernels.canonical import enabled as splitk_enabled
+from ..kernels.splitk import head_block
+from ..kernels.small import apply_rope, rope_cos_sin
+from ..kernels.cpu_exact.rowwise import rowwise, whole_steps
 from . import cpu_rows
 from .state import LayerCache, SequenceState  # noqa: F401  (imported from here by runtime/, parallel/, tests)
 
@@ -48,9 +47,9 @@ class Linear(nn.Module):
     """A bias-free projection holding `weight` [out, in]; the matmul goes through ops.linear.
 
     `row_parallel`: the reduction over `in` is one tensor parallelism splits (o_proj, out_proj,
-    down_proj), computed as the canonical float32 chunk tree of ops/splitk.py on every degree of a
+    down_proj), computed as the canonical float32 chunk tree of kernels/splitk on every degree of a
     mesh and in the canonical mode (one device's default is the plain product); a mesh sets `ksplit` to this rank's chunks and `combine` to the cross-rank tree. `launch_n`: the
-    whole matrix's `out` when this is a column shard (CUDA launch settings, ops/linear.py)."""
+    whole matrix's `out` when this is a column shard (CUDA launch settings, kernels/gemv)."""
 
     def __init__(self, in_features: int, out_features: int, row_parallel: bool = False):
         super().__init__()
@@ -58,7 +57,6 @@ class Linear(nn.Module):
         self.ksplit = KSplit(in_features) if row_parallel else None
         self.combine = None               # mesh: float32 subtree [M, N] -> the whole tree, float32
         self.reserve = None               # mesh: (M, N) -> where the combine wants the subtree, or None
-        self.pending = None               # mesh: the combine left to the next norm (ops/tree_norm.py)
         self.launch_n: int | None = None
         self._chunks = ChunkCache()
 
@@ -68,15 +66,6 @@ class Linear(nn.Module):
         here, one kernel less)."""
         if self.ksplit is None or (self.combine is None and not splitk_enabled(x)):
             return linear(x, self.weight, rows, self.launch_n)
-        if rows and tree_norm.enabled(x):                 # the sum goes to the fused tree + add + norm
-            m, n = x.shape[0], self.weight.shape[0]
-            if self.pending is not None:
-                return self.pending(lambda out, push: subtree(x, self.weight, self.ksplit, rows, self._chunks,
-                                                              out=out, push=push), m, n)
-            if self.combine is None:                    # one device, canonical: the mesh's kernel, W = 1
-                parts = torch.empty(1, m, n, device=x.device, dtype=torch.float32)
-                subtree(x, self.weight, self.ksplit, rows, self._chunks, out=parts[0])
-                return tree_norm.Pending.of(parts)
         if self.combine is None:
             return subtree(x, self.weight, self.ksplit, rows, self._chunks, x.dtype)
         out = self.reserve(x.shape[0], self.weight.shape[0]) if self.reserve is not None else None
@@ -85,9 +74,9 @@ class Linear(nn.Module):
 
 def project(x: torch.Tensor, rows: bool, owner: nn.Module, *lins: Linear) -> list[torch.Tensor]:
     """Column projections of one input (MLP gate + up; attention q, k, v; GDN qkv, z, b, a): on
-    one CPU device one product for all (ops/linear.py linear_fused, cached on `owner`); on CUDA
+    one CPU device one product for all (kernels/gemv linear_fused, cached on `owner`); on CUDA
     one launch whose settings come from the whole matrices' shapes, so a shard computes every
-    element as the whole does (ops/linear.py linear_group)."""
+    element as the whole does (kernels/gemv linear_group)."""
     if any(lin.ksplit is not None for lin in lins):
         return [lin(x, rows) for lin in lins]
     ws = [lin.weight for lin in lins]
@@ -158,8 +147,16 @@ def _canon_block(whole_heads: int) -> int | None:
     return head_block(whole_heads) if lanes.invariant_now() else None
 
 
+def fuses(mod: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `mod` (an attention or GDN layer, the MTP head) runs its fused Triton kernels around
+    the GEMMs: on CUDA, unless its `fused` says otherwise (a CPU test sets True: the interpreter)."""
+    return x.is_cuda if mod.fused is None else mod.fused
+
+
 class GatedAttention(nn.Module):
     """Full attention with an output gate (interleaved per head in q_proj), q/k norms, partial rotary."""
+
+    fused: bool | None = None   # the fused decode kernels (kernels/attention/fused.py); None: on CUDA (fuses)
 
     def __init__(self, cfg: ModelConfig, n_heads: int | None = None, n_kv: int | None = None):
         super().__init__()
@@ -183,10 +180,10 @@ class GatedAttention(nn.Module):
         qg, k, v = project(x, rows, self, self.q_proj, self.k_proj, self.v_proj)
         qg = qg.view(t, self.n_heads, 2 * d)                              # [T, Hq, 2D]
         table = isinstance(cos_sin, head_fused.RopeTable)
-        # GPU: ops/attn_fused.py; in prefill mode only where the caller handed a rotary table
+        # GPU: kernels/attention/fused.py; in prefill mode only where the caller handed a rotary table
         # (the MTP head's prompt catch-up, MtpHead._forward), never the trunk's prefill
-        if (rows or table) and lc.k_scale is None and fusion.enabled(x):
-            from ..ops import attn_fused as af
+        if (rows or table) and lc.k_scale is None and fuses(self, x):
+            from ..kernels.attention import fused as af
             q = af.qk_norm_rope_write_triton(qg, k.view(t, self.n_kv, d), v.view(t, self.n_kv, d),
                                              self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                              *cos_sin, lc.k, lc.v, pos0, table=table)
@@ -208,7 +205,7 @@ class GatedAttention(nn.Module):
         attn_ops.kv_write(lc, pos0, k, v)
         if rows:
             o = attn_ops.attention_rows(q, lc.k, lc.v, pos0, self.scale, lc.k_scale, lc.v_scale)
-        else:      # canonical mode: library calls on a fixed number of heads (ops/splitk.py head_block)
+        else:      # canonical mode: library calls on a fixed number of heads (kernels/splitk head_block)
             o = attn_ops.attention_prefill(q, lc.k, lc.v, pos0, self.scale, lc.k_scale, lc.v_scale,
                                            q_block=_canon_block(self.whole_heads))
         o = o.to(x.dtype)                                                                 # [T, Hq, D]
@@ -217,7 +214,9 @@ class GatedAttention(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """Linear attention with the gated delta rule (see ops/gdn.py for the recurrence)."""
+    """Linear attention with the gated delta rule (see kernels/gdn for the recurrence)."""
+
+    fused: bool | None = None   # the fused rows kernel (kernels/gdn/fused.py); None: on CUDA (fuses)
 
     def __init__(self, cfg: ModelConfig, n_k_heads: int | None = None, n_v_heads: int | None = None):
         super().__init__()
@@ -245,15 +244,15 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         qkv, z, b, a = project(x, rows, self, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
         w = self.conv1d.weight[:, 0, :]
-        if rows and fusion.enabled(x):                   # GPU: ops/gdn_fused.py (the gated norm included)
-            from ..ops.gdn_fused import gdn_decode_triton
+        if rows and fuses(self, x) and w.shape[-1] <= gdn_ops.FUSED_MAX_CONV:   # GPU: kernels/gdn/fused.py
+            from ..kernels.gdn.fused import gdn_decode_triton
             o, log, full = gdn_decode_triton(qkv, a, b, lc.conv, w, self.A_log, self.dt_bias, lc.rec,
                                              self.hk, self.dk, self.dv, z, self.norm.weight, self.norm.eps,
                                              out=lc.log_buffers(t))
             lc.set_log(*log, full)
             return self.out_proj(xsum.reshaped(o, (t, self.value_dim)), rows)   # the norm's group sums kept
         z = z.view(t, self.hv, self.dv)
-        if rows and t > 1 and x.device.type == "cpu" and not (one_cpu(x) and whole_steps(qkv)):  # per row (ops/rowwise.py)
+        if rows and t > 1 and x.device.type == "cpu" and not (one_cpu(x) and whole_steps(qkv)):  # per row (kernels/cpu_exact/rowwise.py)
             xf = qkv.float()
             full = torch.cat([lc.conv.to(xf.dtype), xf], dim=0)
             kw = lc.conv.shape[0]
@@ -264,7 +263,7 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(t, self.hk, self.dk)
         k = k.reshape(t, self.hk, self.dk)
         v = v.reshape(t, self.hv, self.dv)
-        if one_cpu(x):        # fewer calls (ops/onecpu.py); gates of Hv lanes per row, norms batched
+        if one_cpu(x):        # fewer calls (kernels/cpu_exact/onecpu.py); gates of Hv lanes per row, norms batched
             beta, g = rowwise(lambda *t: onecpu.gdn_gates(*t, self.A_log, self.dt_bias), rows, b, a)
             q, k = rowwise(onecpu.l2norm_qk, rows, q, k, batch=True)
         else:
@@ -321,10 +320,6 @@ def _add_norm(norm: RMSNorm, rows: bool, x: torch.Tensor, h: torch.Tensor | None
     first: a mesh's row-parallel sums arrive in float32)."""
     if h is None:
         return rowwise(norm, rows, x, batch=one_cpu(x))
-    if isinstance(h, tree_norm.Pending):      # a row-parallel sum still in its ranks' slots (rows forward)
-        if x.is_cuda:
-            return h.add_norm(x, norm.weight, norm.eps)
-        h = h.combined()
     if one_cpu(x):
         return rowwise(lambda a, b: onecpu.add_rms_norm(a, b, norm.weight, norm.eps), rows, x, h, batch=True)
     return rowwise(lambda a, b: norm_ops.add_rms_norm(a, b, norm.weight, norm.eps), rows, x, h)
@@ -337,7 +332,7 @@ def _add_norm(norm: RMSNorm, rows: bool, x: torch.Tensor, h: torch.Tensor | None
 class Qwen35Trunk(nn.Module):
     """Embedding, decoder layers, final norm and lm_head (tied to the embedding when absent)."""
 
-    canonical = False    # a mesh rank's trunk: tensor-parallel invariant CPU math (ops/lanes.py)
+    canonical = False    # a mesh rank's trunk: tensor-parallel invariant CPU math (kernels/cpu_exact/lanes.py)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -358,7 +353,7 @@ class Qwen35Trunk(nn.Module):
 
     def logits(self, h: torch.Tensor, rows: bool, vocab: int | None = None, widen: bool = True) -> torch.Tensor:
         """h [T, H] post-norm -> float32 logits [T, V]; `vocab` n: over token ids 0..n-1 only, [T, n]
-        (the MTP drafter's reduced vocabulary: ops/linear.py linear_prefix reads no other row).
+        (the MTP drafter's reduced vocabulary: kernels/gemv linear_prefix reads no other row).
         widen False: in the product's own dtype (a greedy pick's argmax is the same)."""
         y = linear_prefix(h, self.lm_weight, vocab, rows) if vocab is not None else linear(h, self.lm_weight, rows)
         return y.float() if widen else y
@@ -391,6 +386,8 @@ class MtpHead(nn.Module):
     """The multi-token-prediction head (15 tensors): from the trunk's post-norm hidden at p and the
     token at p+1, predict the token at p+2 through one gated-attention decoder layer (own KV cache)."""
 
+    fused: bool | None = None   # the fused rows step and catch-up (kernels/head); None: on CUDA (fuses)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -410,7 +407,7 @@ class MtpHead(nn.Module):
         """emb [R, H] embeddings of tokens at p+1, hidden [R, H] at p (positions pos0..) ->
         (pre-norm block output [R, H], post-norm output [R, H] that the lm_head scores).
         emb None: the tokens `ids` [R] (device) and the trunk's embedding `embed_weight` [V, H]
-        instead; a rows step with the fused head step on (ops/head_fused.py) gathers them inside
+        instead; a rows step with the fused head step on (kernels/head) gathers them inside
         its fc-input kernel, else they are looked up here."""
         if emb is None:
             if ids is None or embed_weight is None:
@@ -425,8 +422,8 @@ class MtpHead(nn.Module):
                  embed_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         lc = state.layers[0]
         # a rows step (the draft chain), or the prompt catch-up in prefill mode: the fused step's
-        # kernels around the GEMMs (ops/head_fused.py), fewer launches, the same values
-        fused = not lanes.invariant_now() and (head_fused.enabled(hidden) if rows else head_fused.catchup_enabled(hidden))
+        # kernels around the GEMMs (kernels/head), fewer launches, the same values
+        fused = not lanes.invariant_now() and fuses(self, hidden)
         if emb is None and not (fused and isinstance(embed_weight, torch.Tensor)
                                 and embed_weight.dtype == hidden.dtype):
             emb, ids = F.embedding(ids, embed_weight), None
@@ -441,7 +438,7 @@ class MtpHead(nn.Module):
         x = self.fc(x, rows)
         t = x.shape[0]
         cos_sin = None
-        if fused and lc.k_scale is None and fusion.enabled(x):      # the fused q/k kernel reads the table
+        if fused and lc.k_scale is None and fuses(self.layers[0].self_attn, x):   # the fused q/k kernel reads the table
             cos_sin = head_fused.rope_table(x.device, self.cfg.rotary_dim, self.cfg.rope_theta, lc.k.shape[0])
         if cos_sin is None:
             pos = positions(pos0, t, x.device)

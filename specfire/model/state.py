@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import FULL, ModelConfig
-from ..ops import attention as attn_ops
-from ..ops import gdn as gdn_ops
+from ..kernels import attention as attn_ops
+from ..kernels import gdn as gdn_ops
 
 
 class RowsBook:
@@ -37,7 +37,7 @@ class RowsBook:
 class LayerCache:
     """State of one layer for one sequence. Attention: k, v [max_seq, n_kv, D] (with a Q8 cache,
     int8 plus k_scale, v_scale [max_seq, n_kv, 1] float16, v stored key-minor under that view; see
-    ops/attention.py). GDN: conv window [K-1, conv_dim] and recurrent state [Hv, dk, dv], both
+    kernels/attention). GDN: conv window [K-1, conv_dim] and recurrent state [Hv, dk, dv], both
     float32, and `log`, what the last rows-mode forward left for commit: (k [R, Hv, dk], delta [R,
     Hv, dv], dec [R, Hv], conv `full` [K-1+R, C]), in `book` (slot `slot`) when the state has one."""
 
@@ -119,7 +119,7 @@ class SequenceState:
     @torch.inference_mode()
     def commit(self, n: int) -> None:
         """Make the recurrent state that after row n of the last rows-mode forward: rows 0..n of its
-        log applied to the live state in place (ops/gdn.py commit_rows: the same float operations
+        log applied to the live state in place (kernels/gdn commit_rows: the same float operations
         as the forward, so the same bits), and the conv window after row n copied. With a book
         (`allocate`) every layer goes in one launch and one copy."""
         layers = [lc for lc in self.layers if lc.rec is not None]

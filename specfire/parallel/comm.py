@@ -55,8 +55,6 @@ class Comm:
         the same results bit for bit, only the transport differs."""
         before = self.in_graph
         self.in_graph = on and self.symm is not None
-        if self.in_graph and hasattr(self.symm, "push_slot"):
-            self.symm.begin_forward()
         try:
             yield
         finally:
@@ -93,10 +91,10 @@ class Comm:
 
     def tree_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """float32 sum of every rank's float32 subtree `x`, added in the canonical pairwise tree
-        (ops/splitk.py: rank r's subtree is leaf r), so a tp-rank mesh adds exactly as one device
+        (kernels/splitk: rank r's subtree is leaf r), so a tp-rank mesh adds exactly as one device
         does; identical on every rank. An all-gather then the tree (a ring all-reduce's order would
         depend on the degree)."""
-        from ..ops.splitk import tree_sum
+        from ..kernels.splitk import tree_sum
 
         if self.in_graph:
             return self.symm.tree(x)
@@ -104,26 +102,6 @@ class Comm:
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x, group=self.group)
         return tree_sum(parts)
-
-    def tree_pending(self, produce, m: int, n: int):
-        """The cross-rank tree of a row-parallel projection, left for the fused tree + residual +
-        norm kernel (ops/tree_norm.py Pending). `produce(out, push)` computes this rank's [m, n]
-        float32 subtree (into `out` when given, also sent by `push`). In the captured forward on
-        CUDA the producer pushes into every rank's symmetric buffer (no collective launch); else the
-        subtrees are all-gathered (NCCL), and the same kernel adds them in the same tree."""
-        from ..ops.tree_norm import Pending, ll_mode
-
-        if self.in_graph and self.device.type == "cuda":
-            ll = ll_mode()
-            buf, push, sync = self.symm.push_slot(m, n, ll)
-            produce(buf[self.rank], push)
-            return Pending(buf, sync, push.target, ll)
-        x = produce(None, None).contiguous()
-        if self.in_graph:                                  # the CPU's rows forward (GlooCollectives)
-            return Pending.of(self.symm.all_gather(x))
-        parts = [torch.empty_like(x) for _ in range(self.world)]
-        dist.all_gather(parts, x, group=self.group)
-        return Pending.of(torch.stack(parts))
 
     def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
         """Concatenation of every rank's `x` along `dim` on rank 0; None elsewhere (on every rank

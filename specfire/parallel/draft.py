@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import MeshError
-from ..ops import lanes
-from ..ops.linear import linear_prefix
+from ..kernels.cpu_exact import lanes
+from ..kernels.gemv import linear_prefix
 
 
 def local_best(logits: torch.Tensor, v0: int) -> torch.Tensor:

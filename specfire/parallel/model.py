@@ -1,7 +1,7 @@
 """The trunk of one rank: the single-device Qwen35Trunk with its projections swapped for their
 sharded forms (tensor parallelism applied to an already-built model, module by module). The
 forward is Qwen35Trunk.forward itself; only the embedding, the row-parallel projections (this
-rank's canonical chunks of K, ops/splitk.py, then the cross-rank tree) and the logits (gathered
+rank's canonical chunks of K, kernels/splitk, then the cross-rank tree) and the logits (gathered
 to rank 0) differ. Column shards carry the whole matrix's N (`launch_n`) for the CUDA kernel."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch.nn as nn
 from ..config import FULL, ModelConfig
 from ..errors import ConfigError
 from ..model.qwen35 import DecoderLayer, Linear, Qwen35Trunk, SequenceState
-from ..ops.linear import linear
-from ..ops.splitk import KSplit
+from ..kernels.gemv import linear
+from ..kernels.splitk import KSplit
 from .comm import Comm
 from .shard import ShardPlan
 from .symm import IDS_EXACT
@@ -24,7 +24,6 @@ def row_parallel(k_total: int, out_features: int, plan: ShardPlan, comm: Comm) -
     split = KSplit.for_rank(k_total, plan.rank, plan.tp)
     lin = Linear(split.k_local, out_features, row_parallel=True)
     lin.ksplit, lin.combine, lin.reserve = split, comm.tree_all_reduce, comm.tree_buffer
-    lin.pending = comm.tree_pending          # CUDA rows forward: the fused tree + residual + norm
     return lin
 
 

@@ -15,8 +15,8 @@ import torch
 from ..runtime.trunk import LocalTrunk
 
 FAMILIES = (   # kernel-name fragment -> family, first match wins
-    ("tree_add_norm", "tree+add+norm"), ("_push_kernel", "tree+add+norm"), ("tree_loop", "canonical split-K"), ("chunk_tree", "canonical split-K"), ("_chunk_kernel", "canonical split-K"),
-    ("_tree_kernel", "canonical split-K"), ("one_shot", "all-reduce"), ("all_reduce", "all-reduce"),
+    ("tree_loop", "canonical split-K"), ("chunk_tree", "canonical split-K"), ("_chunk_kernel", "canonical split-K"),
+    ("one_shot", "all-reduce"), ("all_reduce", "all-reduce"),
     ("_gemv_kernel", "gemv"), ("_gemv_group_kernel", "gemv"), ("q4", "gemv"), ("gdn", "gdn"), ("attn", "attention"),
     ("attention", "attention"),
     ("norm", "norms"), ("rope", "rope"), ("conv", "gdn"), ("copy", "copies"), ("Memcpy", "copies"),

@@ -15,7 +15,7 @@ import torch
 
 from ..config import ModelConfig
 from ..model.loader import TensorSource
-from ..ops.splitk import degree_problem as split_problem
+from ..kernels.splitk import degree_problem as split_problem
 
 MAX_DEGREE = 64
 
@@ -194,7 +194,7 @@ def quant_problem(cfg: ModelConfig, tp: int, src: TensorSource) -> str | None:
 def quant_rows(parts: list, pad: int):
     """Output-row pieces of a 4-bit weight as one QuantWeight, plus `pad` zero rows (a zero code,
     scale and zero dequantise to 0). Column pieces are never concatenated (one piece per rank)."""
-    from ..ops.quant import QuantWeight
+    from ..kernels.q4 import QuantWeight
 
     if len(parts) == 1 and pad <= 0:
         return parts[0]

@@ -19,7 +19,7 @@ import warnings
 import torch
 
 from ..errors import MeshError
-from ..ops.splitk import tree_sum
+from ..kernels.splitk import tree_sum
 
 
 IDS_EXACT = 1 << 24     # token ids below this are exact in float32
@@ -51,16 +51,13 @@ class SymmCollectives:
         self._bufs: dict[torch.dtype, list[torch.Tensor]] = {}
         self._turn: dict[torch.dtype, int] = {}
         self._reserved: torch.Tensor | None = None
-        self._push: dict[bool, tuple] = {}  # the fused tree's buffers (push_slot), by LL or not
-        self._push_turn = 0
 
     def _slot(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """The next buffer of `dtype` (allocated and rendezvoused on first use: every rank reaches
         it in the same order, outside any capture, since warm-up runs each forward first)."""
         # The turn is never reset, so a captured graph's first buffer depends on the calls made
         # before its capture. A rows forward makes one call in the model's dtype (the embedding) and two float32
-        # calls (ids, logits; the trees use push_slot, or two more float32 calls a layer with
-        # SPECFIRE_TREE_NORM=0). So two graphs replayed back to back can use one such buffer twice
+        # calls (ids, logits), and two more float32 calls a layer (the trees). So two graphs replayed back to back can use one such buffer twice
         # in a row. That is safe, and no buffer needs to alternate. Every slot is read only by
         # torch's one_shot_all_reduce. Its kernel (torch/csrc/distributed/c10d/symm_mem/
         # CUDASymmetricMemoryOps.cu: the early, a middle and the current version read) ends with
@@ -70,8 +67,7 @@ class SymmCollectives:
         # rank launches the same grid (the grid depends only on numel, dtype, alignment and world).
         # So a call completes on this rank only after every peer has finished reading this rank's
         # buffer. The next write to any slot (a copy_ or a producer writing a reserved slot) comes
-        # after that call in stream order. The fused trees (push_slot) have no such barrier, which
-        # is why they reset their turn every forward (begin_forward).
+        # after that call in stream order.
         bufs = self._bufs.get(dtype)
         if bufs is None:
             n = self.capacity_bytes // torch.empty((), dtype=dtype).element_size()
@@ -104,61 +100,6 @@ class SymmCollectives:
         self._reserved = self._slot(dtype, n).view(shape)
         return self._reserved
 
-    def _alloc_push(self, dtype: torch.dtype) -> tuple:
-        """Two `dtype` buffers (float32 slots, or int64 LL words) and their sync words (int32,
-        zeroed) in symmetric memory, and for each buffer the int64 device tables of every rank's
-        address of it and of its sync words."""
-        n = self.capacity_bytes // torch.empty((), dtype=dtype).element_size()
-        bufs, tabs = [], []
-        for _ in range(2):
-            b = self._symm.empty(n, dtype=dtype, device=self.device)
-            if dtype == torch.int64:
-                b.zero_()                        # LL flags start below every epoch
-            tabs.append(self._peer_addresses(b))
-            bufs.append(b)
-        sig = self._symm.empty(16, dtype=torch.int32, device=self.device)
-        sig.zero_()
-        torch.cuda.synchronize(self.device)      # zeroed before any peer can add (it passes the rendezvous after us)
-        sig_addr = self._peer_addresses(sig)
-        # a buffer's two sync words at 16-byte bounds (so every degree's kernel sees one pointer alignment)
-        sigs = [torch.tensor([a + 16 * i for a in sig_addr], dtype=torch.int64, device=self.device) for i in range(2)]
-        bufs_t = [torch.tensor(t, dtype=torch.int64, device=self.device) for t in tabs]
-        return bufs, bufs_t, sigs, [sig[4 * i:4 * i + 2] for i in range(2)]
-
-    def _peer_addresses(self, t: torch.Tensor) -> list[int]:
-        """Every rank's device address of its copy of symmetric tensor `t`, as mapped on this rank."""
-        h = self._symm.rendezvous(t, self.name)
-        ptrs = list(h.buffer_ptrs)
-        off = t.data_ptr() - ptrs[self.rank]
-        return [p + off for p in ptrs]
-
-    def begin_forward(self) -> None:
-        """A rows forward starts: its fused trees take buffers 0, 1, 0, ... again. A forward makes
-        an even number of them (two a layer), so consecutive trees alternate whichever captured
-        graph replays next (two in a row on one buffer could overwrite what a peer still reads)."""
-        self._push_turn = 0
-
-    def push_slot(self, m: int, n: int, ll: bool = False):
-        """(this rank's [world, m, n] buffer of the next fused tree, the Push that sends a subtree
-        to slot `rank` of every rank's, the buffer's sync words): ops/tree_norm.py. Two buffers
-        used alternately (why that suffices: ops/tree_norm.py). `ll`: int64 (value, flag) words;
-        the Push then carries the epoch word (sync word 1) instead of the peers' arrival words."""
-        from ..ops.tree_norm import Push
-
-        if ll not in self._push:
-            self._push[ll] = self._alloc_push(torch.int64 if ll else torch.float32)
-        bufs, bufs_t, sigs, syncs = self._push[ll]
-        numel = self.world * m * n
-        if numel > bufs[0].numel():
-            raise MeshError(f"a fused tree of {numel} elements exceeds the {bufs[0].numel()}-element buffer")
-        i = self._push_turn
-        self._push_turn = 1 - i
-        if ll:
-            push = Push(bufs_t[i], syncs[i][1:2], self.rank, self.world, ll=True)
-        else:
-            push = Push(bufs_t[i], sigs[i], self.rank, self.world)
-        return bufs[i][:numel].view(self.world, m, n), push, syncs[i]
-
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """Elementwise sum over ranks (one one-shot kernel: every rank reads every peer's buffer)."""
         r, self._reserved = self._reserved, None
@@ -180,7 +121,7 @@ class SymmCollectives:
         return self.sum(z)
 
     def tree(self, x: torch.Tensor) -> torch.Tensor:
-        """The canonical tree over the ranks' float32 subtrees (ops/splitk.py)."""
+        """The canonical tree over the ranks' float32 subtrees (kernels/splitk)."""
         if self.world == 2:
             return self.sum(x)
         parts = self.all_gather(x)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig, check_draft_vocab
 from ..errors import MeshError
-from ..ops.linear import linear_prefix
+from ..kernels.gemv import linear_prefix
 from ..runtime.trunk import LocalTrunk, Rows
 from .control import DRAFT, RANK_STATS, RANK_TIME, STAT_NAMES, Call, RankExecutor, SharedIds
 from .draft import shard_argmax
@@ -45,7 +45,7 @@ class MeshTrunk:
         self._commits: list = []                # run on rank 0, sent with the next call (commits, draft chains)
         self._finalizer = weakref.finalize(self, mesh.shutdown)
         self._draft_sharded = False
-        self.draft_sharded = trunk.graphs_enabled   # sharded picks where the ranks replay graphs (docs/BENCHMARKS.md)
+        self.draft_sharded = trunk.graphs_enabled   # sharded picks where the ranks replay graphs (docs/PERFORMANCE.md)
 
     embed_weight = None       # the drafter's embedding goes through `embed` (the fused chain steps are one device's)
 

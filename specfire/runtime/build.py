@@ -15,7 +15,7 @@ import torch
 from ..config import ModelConfig, SpecPolicy
 from ..model import loader
 from ..model.qwen35 import MtpHead
-from ..ops import gdn_fla
+from ..kernels.gdn import fla as gdn_fla
 from ..tokenizer import Tokenizer
 from .drafters import DraftSource, MtpDrafter, make_drafters
 from .engine import Engine
@@ -62,7 +62,7 @@ def local_trunk(opts: EngineOptions) -> BuiltTrunk:
     cfg = loader.follow_tied(src, opts.cfg)
     model = loader.load_trunk(src, cfg, dtype=opts.dtype, device=opts.device, progress=opts.progress)
     head = loader.load_mtp_head(opts.path, src, cfg, opts.dtype, opts.device, opts.want_mtp, opts.mtp_path)
-    if cfg.n_linear:     # the optional prefill library compiles now, not in the first request (ops/gdn_fla.py)
+    if cfg.n_linear:     # the optional prefill library compiles now, not in the first request (kernels/gdn/fla.py)
         gdn_fla.warm(cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                      cfg.linear_value_head_dim, opts.device)
     return BuiltTrunk(LocalTrunk(model, opts.max_seq_len, opts.kv_dtype, opts.cuda_graphs, opts.draft_vocab), head,

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..config import MAX_SPEC_K, SamplingParams
-from ..ops.greedy import greedy_accept
+from ..kernels.small import greedy_accept
 from .drafters import NO_DRAFT, Drafter
 from .rng import DeviceRng
 from .sampling import Penalties, penalize, probs, sample, sampling_key

@@ -3,7 +3,7 @@
 Rollback choice: a logged replay. A rows-mode forward (decode = 1 row, verify = k+1 rows) leaves
 the live Gated DeltaNet state untouched and logs, per row, the state update's terms (k_t, delta_t,
 exp(g_t): a few KB per layer) and the conv window; `commit(n)` applies rows 0..n of that log to
-the live state in place, with the forward's own float operations (ops/gdn.py commit_rows: one
+the live state in place, with the forward's own float operations (kernels/gdn commit_rows: one
 launch over every layer on a GPU, one graph replay under CUDA graphs). Its traffic is one state
 read and write per GDN layer whatever n; the forward writes no state (an earlier design stored the
 state after every row, 151 MB a row on the 27B, and made commit a copy). Re-running whole rows
@@ -70,7 +70,7 @@ class LocalTrunk:
         self.piece = PREFILL_PIECE                # prompt rows per prefill forward
         self.state: SequenceState = model.new_state(max_seq, kv_dtype)
         if cuda_graphs is None:  # graphs need the attention kernel (it reads the position on the device)
-            from ..ops.attention import KERNEL_HEAD_DIMS
+            from ..kernels.attention import KERNEL_HEAD_DIMS
             cuda_graphs = self.device.type == "cuda" and self.cfg.head_dim in KERNEL_HEAD_DIMS
         self.graphs = None
         if cuda_graphs:

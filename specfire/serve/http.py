@@ -112,11 +112,13 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def api_key(args: argparse.Namespace) -> tuple[str | None, str | None]:
-    """--api-key, else $SPECFIRE_API_KEY (the one place the server reads it), checked; and, for an
-    empty one, which of the two said so."""
+    """--api-key, else $SPECFIRE_API_KEY (through specfire/env.py), checked; and, for an empty one,
+    which of the two said so."""
     given, source = args.api_key, "--api-key ''"
     if given is None:
-        given, source = os.environ.get("SPECFIRE_API_KEY"), "SPECFIRE_API_KEY=''"
+        from ..env import API_KEY, Env
+
+        given, source = Env.read().api_key, f"{API_KEY}=''"
     return check_api_key(given), (source if given == "" else None)
 
 

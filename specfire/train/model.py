@@ -2,7 +2,7 @@
 
 Qwen35Trunk and MtpHead hold the weights under their checkpoint names; these functions read those
 parameters and compute a batch [B, T] at once (GEMMs, SDPA, the chunked gated delta rule of
-ops/gdn.py with batch and heads folded together), so training and inference cannot disagree on
+kernels/gdn with batch and heads folded together), so training and inference cannot disagree on
 names or math: tests/test_train.py checks the logits against LLM.score() and the chained MTP rows
 against the MtpHead run step by step.
 
@@ -22,9 +22,9 @@ import torch.nn.functional as F
 
 from ..config import FULL, ModelConfig
 from ..model.qwen35 import DecoderLayer, GatedAttention, GatedDeltaNet, MtpHead, Qwen35Trunk
-from ..ops import gdn as gdn_ops
-from ..ops.norm import gated_rms_norm_ref, rms_norm_ref
-from ..ops.rope import apply_rope_ref, rope_cos_sin
+from ..kernels import gdn as gdn_ops
+from ..kernels.norm import gated_rms_norm_ref, rms_norm_ref
+from ..kernels.small import apply_rope_ref, rope_cos_sin
 
 
 # ---------------------------------------------------------------------------------------------

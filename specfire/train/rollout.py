@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from ..config import FULL
-from ..ops.norm import gated_rms_norm_ref
-from ..ops.rope import rope_cos_sin
+from ..kernels.norm import gated_rms_norm_ref
+from ..kernels.small import rope_cos_sin
 from . import model as tm
 
 

@@ -1,7 +1,7 @@
 """Kernel tests: specfire's Triton kernels run in Triton's interpreter on CPU tensors.
 
 Triton picks interpreter or compiler when a kernel is defined (`@triton.jit` at import of the
-specfire.ops kernel modules) and reads TRITON_INTERPRET again while launching, so this conftest,
+specfire.kernels modules) and reads TRITON_INTERPRET again while launching, so this conftest,
 which pytest imports before any test module of this folder, defines every kernel module with
 TRITON_INTERPRET=1, and each kernel test runs with the variable set; the rest of the suite and
 the subprocesses it starts never see it. A kernel module that something imported earlier for the
@@ -16,11 +16,11 @@ import sys
 
 import pytest
 
-KERNEL_MODULES = ("specfire.ops.pdl", "specfire.ops.triton_gemv", "specfire.ops.triton_splitk",
-                  "specfire.ops.triton_tree_loop", "specfire.ops.triton_small", "specfire.ops.triton_quant",
-                  "specfire.ops.attention_kernels", "specfire.ops.gdn_kernels", "specfire.ops.gdn_fused",
-                  "specfire.ops.attn_fused", "specfire.ops.triton_tree_norm", "specfire.ops.triton_q4mm",
-                  "specfire.ops.head_fused")
+KERNEL_MODULES = ("specfire.kernels.pdl", "specfire.kernels.gemv.kernel", "specfire.kernels.splitk.fused",
+                  "specfire.kernels.splitk.loop", "specfire.kernels.norm.kernel", "specfire.kernels.small.kernel", "specfire.kernels.q4.gemv",
+                  "specfire.kernels.attention.kernel", "specfire.kernels.gdn.kernel", "specfire.kernels.gdn.fused",
+                  "specfire.kernels.attention.fused", "specfire.kernels.q4.matmul",
+                  "specfire.kernels.head.kernel")
 
 
 def _interpreted(mod) -> bool:

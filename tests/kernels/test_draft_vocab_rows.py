@@ -1,14 +1,14 @@
-"""The draft vocabulary's row-prefix weights (ops/linear.py vocab_rows) through the GPU kernels
+"""The draft vocabulary's row-prefix weights (kernels/gemv vocab_rows) through the GPU kernels
 (TRITON_INTERPRET=1): the first n rows of a bf16/fp32 weight and of a 4-bit weight (64-row tiles
 and rows, n inside a tile) give the whole matrix's first n outputs, read from the same storage."""
 
 import pytest
 import torch
 
-from specfire.ops.linear import linear_prefix, vocab_rows
-from specfire.ops.quant import QuantWeight
-from specfire.ops.triton_gemv import gemv, gemv_config
-from specfire.ops.triton_quant import Q4Config, q4_gemv
+from specfire.kernels.gemv import linear_prefix, vocab_rows
+from specfire.kernels.q4 import QuantWeight
+from specfire.kernels.gemv.kernel import gemv, gemv_config
+from specfire.kernels.q4.gemv import Q4Config, q4_gemv
 
 
 def _g(seed):

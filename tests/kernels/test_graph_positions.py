@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from specfire.model.qwen35 import LayerCache, positions
-from specfire.ops import attention as A
-from specfire.ops.attention_kernels import attention_rows_triton
+from specfire.kernels import attention as A
+from specfire.kernels.attention.kernel import attention_rows_triton
 
 SMALL = dict(block_m=16, split=32, block_n=16)
 

@@ -1,6 +1,6 @@
 """Tensor-parallel invariance: tp = 1, 2, 4 compute the same bits (CPU, gloo), and the pieces that
-make it so: the canonical 8-chunk split of row-parallel reductions (ops/splitk.py), column shards
-computed as the whole matrix (ops/linear.py), lane-independent transcendentals (ops/lanes.py),
+make it so: the canonical 8-chunk split of row-parallel reductions (kernels/splitk), column shards
+computed as the whole matrix (kernels/gemv), lane-independent transcendentals (kernels/cpu_exact/lanes.py),
 and the CUDA kernels of the same scheme under TRITON_INTERPRET=1."""
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import torch
 from tinymodels import make_checkpoint
 
 from specfire import LLM, SamplingParams, SpecPolicy
-from specfire.ops import lanes, splitk
-from specfire.ops.linear import linear
-from specfire.ops.splitk import CHUNKS, ChunkCache, KSplit, chunk_bounds, subtree, tree_sum
+from specfire.kernels.cpu_exact import lanes
+from specfire.kernels import canonical as canonical_mode
+from specfire.kernels.gemv import linear
+from specfire.kernels.splitk import CHUNKS, ChunkCache, KSplit, chunk_bounds, subtree, tree_sum
 
 
 def _prompt(vocab: int, n: int, seed: int) -> list[int]:
@@ -75,7 +76,7 @@ def test_row_parallel_subtrees_equal_whole_bitwise(n, k):
         for tp, got in per.items():
             assert torch.equal(got, whole), (m, tp)
         if k in (256, 768):                    # the one-call batched form equals the chunk-by-chunk one
-            from specfire.ops.splitk import partials_cpu
+            from specfire.kernels.splitk import partials_cpu
             ref = tree_sum(partials_cpu(x, w, KSplit(k), rows, ChunkCache()))
             assert torch.equal(whole, ref)
     # row invariance of the rows path
@@ -113,59 +114,50 @@ def test_transcendentals_do_not_depend_on_position(fn):
 @pytest.fixture
 def canonical():
     """One device in the canonical mode (off by default): the bits a mesh must reproduce."""
-    splitk.set_enabled(True)
+    canonical_mode.set_enabled(True)
     yield
-    splitk.set_enabled(None)
+    canonical_mode.set_enabled(None)
 
 
 # ---- the CUDA kernels of the scheme, interpreted -------------------------------------------------
 
-def test_chunk_kernel_partials_tree_and_shards():
-    """chunk_partials: each chunk's float32 partial (close to the reference), row-invariant, and the
-    same bits in a shard as in the whole; tree_combine adds them exactly as tree_sum does."""
-    from specfire.ops.triton_gemv import gemv
-    from specfire.ops.triton_splitk import chunk_partials, gemv_chunks_fused, tree_combine
+def test_chunk_kernels_tree_and_shards():
+    """The one-launch chunk form: close to the product, row-invariant, and a rank's subtree (its
+    chunks of K) combines with the others' in the canonical tree to the whole's bits; the one-loop
+    form gives the same bits for equal 128-multiple chunks."""
+    from specfire.kernels.gemv.kernel import gemv
+    from specfire.kernels.splitk.fused import gemv_chunks_fused
+    from specfire.kernels.splitk.loop import gemv_tree_loop
+
+    def bounds(k, c):
+        return torch.tensor([k * j // c for j in range(c + 1)], dtype=torch.int32)
 
     g = torch.Generator().manual_seed(5)
     n, k = 37, 200                                          # odd N; chunks of 25 (masked K tails)
     w = torch.randn(n, k, generator=g)
     x = torch.randn(5, k, generator=g)
     b = chunk_bounds(k)
-    parts = chunk_partials(x, w, torch.tensor(b, dtype=torch.int32))
-    assert parts.shape == (CHUNKS, 5, n) and parts.dtype == torch.float32
-    for c in range(CHUNKS):
-        ref = x[:, b[c]:b[c + 1]] @ w[:, b[c]:b[c + 1]].t()
-        torch.testing.assert_close(parts[c], ref, rtol=1e-5, atol=1e-5)
-    one = chunk_partials(x[2:3], w, torch.tensor(b, dtype=torch.int32))
-    assert torch.equal(one[:, 0], parts[:, 2])
+    whole = gemv_chunks_fused(x, w, bounds(k, CHUNKS), torch.float32)
+    ref = tree_sum([x[:, b[c]:b[c + 1]] @ w[:, b[c]:b[c + 1]].t() for c in range(CHUNKS)])
+    torch.testing.assert_close(whole, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(gemv_chunks_fused(x[2:3], w, bounds(k, CHUNKS), torch.float32), whole[2:3])
     for tp in (2, 4):
+        subs = []
         for r in range(tp):
             s = KSplit.for_rank(k, r, tp)
             lo = b[s.c0]
-            sh = chunk_partials(x[:, lo:lo + s.k_local].contiguous(), w[:, lo:lo + s.k_local].contiguous(),
-                                torch.tensor(s.bounds, dtype=torch.int32))
-            assert torch.equal(sh, parts[s.c0:s.c1])
-    for c in (1, 2, 4, 8):
-        assert torch.equal(tree_combine(parts[:c], torch.float32), tree_sum(list(parts[:c])))
-    # the fused kernel (partials, then the last chunk program of a tile adds the tree) is the same
-    for c in (8, 4, 1):
-        bc = torch.tensor([k * j // c for j in range(c + 1)], dtype=torch.int32)
-        for xx in (x, x[1:2]):
-            assert torch.equal(gemv_chunks_fused(xx, w, bc, torch.float32),
-                               tree_combine(chunk_partials(xx, w, bc), torch.float32))
-    # the one-loop kernel (tree folded in registers): the same bits for equal 128-multiple chunks
-    from specfire.ops.triton_tree_loop import gemv_tree_loop
+            subs.append(gemv_chunks_fused(x[:, lo:lo + s.k_local].contiguous(), w[:, lo:lo + s.k_local].contiguous(),
+                                          torch.tensor(s.bounds, dtype=torch.int32), torch.float32))
+        assert torch.equal(tree_sum(subs), whole)
     wl, xl = torch.randn(37, 1024, generator=g), torch.randn(5, 1024, generator=g)
     for c in (8, 4, 1):
-        bc = torch.tensor([1024 * j // c for j in range(c + 1)], dtype=torch.int32)
-        ref = tree_combine(chunk_partials(xl, wl, bc), torch.float32)
-        for select in (False, True):         # the fold with branches, and without (selects)
-            assert torch.equal(gemv_tree_loop(xl, wl, c, torch.float32, select=select), ref)
-    bt = torch.tensor(b, dtype=torch.int32)
+        assert torch.equal(gemv_tree_loop(xl, wl, c, torch.float32),
+                           gemv_chunks_fused(xl, wl, bounds(1024, c), torch.float32))
+    bt = bounds(k, CHUNKS)
     xb = torch.randn(70, k, generator=g)                   # a prefill: 5 tiles of 16, or 2 of 64 (masked)
     for tile in (16, 64):
         y = gemv_chunks_fused(xb, w, bt, torch.float32, tile)
-        assert torch.equal(y, tree_combine(chunk_partials(xb, w, bt, tile), torch.float32))
+        assert torch.equal(y[:5], gemv_chunks_fused(xb[:5], w, bt, torch.float32, tile))
         torch.testing.assert_close(y, xb @ w.t(), rtol=1e-4, atol=1e-3)
     # a column shard with the whole matrix's launch settings gives the whole's bits. Interpreted,
     # tl.dot is numpy's matmul, whose result depends on an element's position in the tile, so the
@@ -322,9 +314,8 @@ def test_grouped_column_launch_equals_separate_launches():
     """gemv_group: two to four column projections of one input in one launch give each output the
     bits of its own launch with the group's settings (odd N, masked K tail, 1 and 5 rows); shards
     that pass the whole matrices' N get the whole's bits (interpreted, shards start on a tile
-    bound: see the note above); settings of one weight alone when grouping is off."""
-    from specfire.ops import triton_gemv
-    from specfire.ops.triton_gemv import gemv, gemv_group, group_config
+    bound: see the note above)."""
+    from specfire.kernels.gemv.kernel import gemv, gemv_group, group_config
 
     g = torch.Generator().manual_seed(11)
     k = 200
@@ -345,19 +336,13 @@ def test_grouped_column_launch_equals_separate_launches():
     shards = gemv_group(x, [w[64:].contiguous() for w in wholes], [w.shape[0] for w in wholes])
     for a, b in zip(shards, full):
         assert torch.equal(a, b[:, 64:])
-    triton_gemv.GROUP = False
-    try:
-        for y, w in zip(gemv_group(x, wholes[1:], [None, None]), wholes[1:]):
-            assert torch.equal(y, gemv(x, w))
-    finally:
-        triton_gemv.GROUP = True
 
 
 def test_tree_loop_split_programs_give_the_same_bits():
     """gemv_tree_loop with a tile's chunks shared by 2 or 4 programs (the last adds their subtrees)
-    equals the one-program fold and the two-launch form, into a given float32 `out` too."""
-    from specfire.ops.triton_splitk import chunk_partials, tree_combine
-    from specfire.ops.triton_tree_loop import gemv_tree_loop
+    equals the one-program fold and the one-launch chunk form, into a given float32 `out` too."""
+    from specfire.kernels.splitk.fused import gemv_chunks_fused
+    from specfire.kernels.splitk.loop import gemv_tree_loop
 
     g = torch.Generator().manual_seed(12)
     w, x = torch.randn(70, 1024, generator=g), torch.randn(3, 1024, generator=g)
@@ -365,136 +350,13 @@ def test_tree_loop_split_programs_give_the_same_bits():
         kc = 1024 // (8 // c) if c < 8 else 1024
         wc, xc = w[:, :kc].contiguous(), x[:, :kc].contiguous()
         bc = torch.tensor([kc * j // c for j in range(c + 1)], dtype=torch.int32)
-        ref = tree_combine(chunk_partials(xc, wc, bc), torch.float32)
+        ref = gemv_chunks_fused(xc, wc, bc, torch.float32)
         for split in (1, 2, 4):
             if c % split:
                 continue
-            for select in (False, True):
-                assert torch.equal(gemv_tree_loop(xc, wc, c, torch.float32, select=select, split=split), ref)
+            assert torch.equal(gemv_tree_loop(xc, wc, c, torch.float32, split=split), ref)
             out = torch.empty(3, 70)
             gemv_tree_loop(xc[1:2], wc, c, torch.float32, out=out[:1], split=split)
             assert torch.equal(out[:1], ref[1:2])
     with pytest.raises(ValueError, match="split 3"):
         gemv_tree_loop(x, w, 8, torch.float32, split=3)
-
-
-# ---- the fused cross-rank tree + residual + RMSNorm (ops/tree_norm.py) ----------------------------
-
-def test_tree_add_norm_kernel_equals_reference():
-    """W slots added in the canonical tree, the residual added, the norm applied: the new residual
-    bitwise equal to the reference (float32: the tree's order shows), the normed row to rounding;
-    odd D (a masked tail), every W."""
-    from specfire.ops.tree_norm import tree_add_rms_norm_ref
-    from specfire.ops.triton_tree_norm import tree_add_rms_norm
-
-    g = torch.Generator().manual_seed(5)
-    for dt, wns in ((torch.float32, (1, 2, 4, 8)), (torch.float16, (2,))):   # the interpreter truncates to bf16
-        for wn in wns:
-            parts = torch.randn(wn, 2, 75, generator=g) * 100
-            x = torch.randn(2, 75, generator=g).to(dt)
-            w = (torch.randn(75, generator=g) * 0.1).to(dt)
-            rs, ry = tree_add_rms_norm_ref(parts, x, w, 1e-6)
-            for fold in ((False, True) if dt == torch.float32 else (False,)):   # straight-line, or folded in a loop
-                s, y = tree_add_rms_norm(parts, x, w, 1e-6, fold=fold)
-                assert torch.equal(s, rs), (dt, wn, fold)
-                torch.testing.assert_close(y.float(), ry.float(), rtol=2e-3 if dt == torch.float16 else 1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="slots"):
-        tree_add_rms_norm(torch.randn(3, 2, 75), x, w, 1e-6)
-
-
-@pytest.mark.parametrize("world,hows", [(2, ("loop1", "push_rows")), (4, ("loop2",))])
-def test_pushed_subtrees_combine_as_one_device(world, hows):
-    """Ranks emulated in one process: each rank's tree loop (1 and 2 programs a tile) or push_rows
-    sends its subtree to slot `rank` of every rank's buffer through an address table and bumps each
-    peer's arrival word; each rank's fused kernel waits for them, and the tree it adds equals the
-    whole matrix's 8-chunk tree bitwise, on every rank; the arrival words are re-armed to zero."""
-    from specfire.ops.tree_norm import Pending, Push, push_rows
-    from specfire.ops.triton_tree_loop import gemv_tree_loop
-
-    g = torch.Generator().manual_seed(world)
-    m, n, k = 2, 70, 1024
-    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
-    res, nw = torch.randn(m, n, generator=g), torch.randn(n, generator=g) * 0.1
-    whole = gemv_tree_loop(x, w, 8, torch.float32)
-    kl = k // world
-    for how in hows:
-        bufs = [torch.zeros(world, m, n) for _ in range(world)]
-        syncs = [torch.zeros(4, dtype=torch.int32) for _ in range(world)]
-        tab = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
-        sig = torch.tensor([s.data_ptr() for s in syncs], dtype=torch.int64)
-        targets = []
-        for r in range(world):
-            xr, wr = x[:, r * kl:(r + 1) * kl].contiguous(), w[:, r * kl:(r + 1) * kl].contiguous()
-            push = Push(tab, sig, r, world)
-            if how == "push_rows":
-                gemv_tree_loop(xr, wr, 8 // world, torch.float32, out=bufs[r][r])
-                push_rows(bufs[r][r], push)
-            else:
-                gemv_tree_loop(xr, wr, 8 // world, torch.float32, out=bufs[r][r], split=int(how[-1]), push=push)
-            targets.append(push.target)
-        assert len(set(targets)) == 1 and targets[0] > 0
-        outs = []
-        for r in range(world):
-            assert int(syncs[r][0]) == targets[r]
-            p = Pending(bufs[r], syncs[r], targets[r])
-            from specfire.ops.triton_tree_norm import tree_add_rms_norm
-            outs.append(tree_add_rms_norm(p.parts, res, nw, 1e-6, p.sync, p.target))
-            assert syncs[r].tolist() == [0, 0, 0, 0]
-        assert torch.equal(tree_sum(list(bufs[0].unbind(0))), whole)
-        one = tree_add_rms_norm(whole.unsqueeze(0), res, nw, 1e-6)
-        for s, y in outs:
-            assert torch.equal(s, one[0]) and torch.equal(y, one[1])
-
-
-def test_tree_norm_wait_gives_up_and_says_so(monkeypatch):
-    """A peer that never pushes: the wait gives up after SPIN_LIMIT polls, sets the sticky word,
-    and the next wait on that buffer does not poll again (no eternal hang of a replayed graph)."""
-    from specfire.ops import triton_tree_norm as ttn
-
-    monkeypatch.setattr(ttn, "SPIN_LIMIT", 3)
-    sync = torch.zeros(4, dtype=torch.int32)
-    parts, x, w = torch.ones(2, 1, 5), torch.zeros(1, 5), torch.zeros(5)
-    s, _ = ttn.tree_add_rms_norm(parts, x, w, 1e-6, sync, 1)
-    assert torch.equal(s, torch.full((1, 5), 2.0)) and sync.tolist() == [0, 0, 1, 0]
-    ttn.tree_add_rms_norm(parts, x, w, 1e-6, sync, 1)
-    assert sync.tolist() == [0, 0, 1, 0]
-
-
-@pytest.mark.parametrize("world,how", [(2, "loop2"), (4, "push_rows")])
-def test_low_latency_words_combine_as_one_device(world, how, monkeypatch):
-    """SPECFIRE_TREE_NORM=ll: each rank's tree loop (or push_rows) writes (value, epoch flag) words
-    into slot `rank` of every rank's buffer; each rank's LL consumer polls the flags, and its output
-    equals one device's (W = 1, packed with flag 0, no wait) bitwise, twice in a row (the epoch
-    advances); with no producer the wait gives up and says so."""
-    from specfire.ops import triton_tree_norm as ttn
-    from specfire.ops.tree_norm import Push, push_rows
-    from specfire.ops.triton_tree_loop import gemv_tree_loop
-
-    g = torch.Generator().manual_seed(20 + world)
-    m, n, k = 2, 70, 1024
-    kl = k // world
-    bufs = [torch.zeros(world, m, n, dtype=torch.int64) for _ in range(world)]
-    syncs = [torch.zeros(4, dtype=torch.int32) for _ in range(world)]
-    tab = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
-    nw = torch.randn(n, generator=g) * 0.1
-    for use in (1, 2):
-        w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
-        res = torch.randn(m, n, generator=g)
-        whole = gemv_tree_loop(x, w, 8, torch.float32)
-        fold = use == 2                     # the second use folds the slots in a loop (SPECFIRE_TREE_NORM_FOLD)
-        one = ttn.tree_add_rms_norm_ll(ttn.ll_pack(whole.unsqueeze(0)), res, nw, 1e-6, fold=fold)
-        for r in range(world):
-            xr, wr = x[:, r * kl:(r + 1) * kl].contiguous(), w[:, r * kl:(r + 1) * kl].contiguous()
-            push = Push(tab, syncs[r][1:2], r, world, ll=True)
-            if how == "push_rows":
-                push_rows(gemv_tree_loop(xr, wr, 8 // world, torch.float32), push)
-            else:
-                gemv_tree_loop(xr, wr, 8 // world, torch.float32, out=bufs[r][r], split=2, push=push)
-        for r in range(world):
-            assert torch.equal(bufs[r] >> 32, torch.full_like(bufs[r], use))
-            s, y = ttn.tree_add_rms_norm_ll(bufs[r], res, nw, 1e-6, syncs[r], fold=fold)
-            assert torch.equal(s, one[0]) and torch.equal(y, one[1]), (use, r)
-            assert syncs[r].tolist() == [0, use, 0, 0]
-    monkeypatch.setattr(ttn, "SPIN_LIMIT", 3)
-    ttn.tree_add_rms_norm_ll(bufs[0], res, nw, 1e-6, syncs[0])       # the flags still say use 2
-    assert syncs[0].tolist() == [0, 3, 1, 0]

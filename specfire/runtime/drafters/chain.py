@@ -8,7 +8,7 @@ import torch
 
 from ...config import SamplingParams
 from ...model.qwen35 import MtpHead, SequenceState
-from ...ops import head_fused
+from ...kernels import head as head_fused
 from ..sampling import Penalties, penalize_draft
 
 
@@ -24,10 +24,10 @@ def draft_chain(head: MtpHead, embed: Callable[[torch.Tensor], torch.Tensor],
     tensor under capture. `n` (device, [1]): chain from row n, not the last (the rows after it
     are a verify's rejected ones: their KV entries lie past row n and are rewritten before any
     step reads them, as a rejected draft's are). `embed_weight`: the table `embed` looks up, where
-    the head may gather from it itself (one device: MtpHead's fused rows step, ops/head_fused.py).
+    the head may gather from it itself (one device: MtpHead's fused rows step, kernels/head).
     `fused_pick` (greedy argmax picks only, `choose` unused): each pick, its write into the drafts
     and the next position in one launch, and row n with its position in one
-    (ops/head_fused.py pick / select): the same drafts in fewer launches.
+    (kernels/head pick / select): the same drafts in fewer launches.
     Returns the drafts [k], int64, on the device: no host read."""
     def run(tk: torch.Tensor, hid: torch.Tensor, p) -> tuple[torch.Tensor, torch.Tensor]:
         if embed_weight is not None:

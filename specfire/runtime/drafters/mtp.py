@@ -4,8 +4,7 @@ from __future__ import annotations
 import torch
 
 from ...config import SamplingParams
-from ...model.qwen35 import MtpHead
-from ...ops import head_fused
+from ...model.qwen35 import MtpHead, fuses
 from ..graphs import DraftGraphs, penalty_key
 from ..rng import DeviceRng
 from ..sampling import Penalties, probs, sample
@@ -19,7 +18,7 @@ class MtpDrafter:
 
     Step 1 at position pos-1 takes the trunk's post-norm hidden there and the newest token; later
     steps feed the head its own output (`feed`: "post" = after mtp.norm, "pre" = before, the better
-    measured: docs/BENCHMARKS.md) and its previous draft, one position further. Before step 1 it
+    measured: docs/PERFORMANCE.md) and its previous draft, one position further. Before step 1 it
     catches its KV cache up with the rows the trunk committed last cycle, in the same forward.
     Where the trunk replays CUDA graphs, the chain is replayed too, greedy or sampled.
 
@@ -81,10 +80,10 @@ class MtpDrafter:
                 choose = penalized_argmax(pen, sp)
             else:
                 choose = argmax
-                if head_fused.enabled(hidden) and t.embed_weight is not None:
+                if fuses(self.head, hidden) and t.embed_weight is not None:
                     # the argmax of the unwidened logits: the same pick
                     return draft_chain(self.head, t.embed, t.lm_scores, self.state, toks, hidden, pos, k, self.feed,
-                                       choose, n, t.embed_weight, fused_pick=head_fused.pick_on())
+                                       choose, n, t.embed_weight, fused_pick=True)
         return draft_chain(self.head, t.embed, lm, self.state, toks, hidden, pos, k, self.feed, choose, n,
                            t.embed_weight)
 
@@ -152,11 +151,11 @@ class MtpDrafter:
 
     def _prefill(self, toks: torch.Tensor, hidden: torch.Tensor, pos0: int) -> None:
         """The head over rows in prefill mode: hidden [m, H] at positions pos0.., toks [m] the
-        tokens after them. With the catch-up's fused kernels on (ops/head_fused.py catchup_enabled)
+        tokens after them. With the catch-up's fused kernels on (model/qwen35.py fuses)
         and the trunk's embedding table at hand, the head gathers the rows itself (`fc_input`),
         else they are looked up here."""
         ew = self.trunk.embed_weight
-        if ew is not None and head_fused.catchup_enabled(hidden):
+        if ew is not None and fuses(self.head, hidden):
             self.head(None, hidden, pos0, self.state, rows=False, ids=toks, embed_weight=ew)
         else:
             self.head(self.trunk.embed(toks), hidden, pos0, self.state, rows=False)

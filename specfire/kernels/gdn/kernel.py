@@ -1,0 +1,187 @@
+"""Triton kernels of the Gated DeltaNet rows path and prefill scan: the recurrence (state in registers,
+rows in order, each row's update terms logged, no state written), the commit that replays rows 0..n
+with the same FMAs (bit for bit), the conv window, and the chunk-to-chunk prefill scan."""
+from __future__ import annotations
+
+import torch
+from .._triton import triton, tl
+
+BV = 16         # value columns per program
+NUM_WARPS = 1   # with BV = 16: measured best on the H200 for 2..16 rows
+COMMIT_BV = 32  # value columns per program of the commit (27B heads: 48 layers x 48 heads x 4 programs)
+
+
+@triton.jit
+def _gdn_rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, s_ptr, o_ptr, out_ptr, dec_ptr, n_rows,
+                     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sb_t, so_t, so_h,
+                     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     LOG: tl.constexpr):
+    h = tl.program_id(0)
+    hv = tl.num_programs(0)
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.program_id(1) * BV + tl.arange(0, BV)
+    k_ok = offs_k < DK
+    v_ok = offs_v < DV
+    sm = k_ok[:, None] & v_ok[None, :]
+    s_off = offs_k[:, None] * DV + offs_v[None, :]
+    hs = DK * DV
+    s = tl.load(s_ptr + h * hs + s_off, mask=sm, other=0.0).to(tl.float32)   # [BK, BV]
+    for t in range(n_rows):
+        kt = tl.load(k_ptr + t * sk_t + h * sk_h + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        qt = tl.load(q_ptr + t * sq_t + h * sq_h + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        vt = tl.load(v_ptr + t * sv_t + h * sv_h + offs_v, mask=v_ok, other=0.0).to(tl.float32)
+        gt = tl.load(g_ptr + t * sg_t + h).to(tl.float32)
+        bt = tl.load(b_ptr + t * sb_t + h).to(tl.float32)
+        dec = tl.exp(gt)
+        s = s * dec
+        u = tl.sum(kt[:, None] * s, 0)                                         # [BV] = S^T k
+        delta = bt * (vt - u)
+        s = tl.fma(kt[:, None], delta[None, :], s)                             # as _gdn_commit_kernel
+        o = tl.sum(qt[:, None] * s, 0)                                         # [BV] = S^T q
+        tl.store(o_ptr + t * so_t + h * so_h + offs_v, o, mask=v_ok)
+        if LOG:
+            tl.store(out_ptr + (t * hv + h) * DV + offs_v, delta, mask=v_ok)
+            tl.store(dec_ptr + t * hv + h, dec, mask=tl.program_id(1) == 0)
+    if not LOG:
+        tl.store(out_ptr + h * hs + s_off, s, mask=sm)
+
+
+def gdn_rows_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor, log: bool = False, bv: int = BV,
+                    num_warps: int = NUM_WARPS):
+    """Contract of gdn_rows_ref: (o [T, Hv, dv] float32, final [Hv, dk, dv]) or with `log`
+    (o, (delta [T, Hv, dv], dec [T, Hv]))."""
+    t, hv, dk = k.shape
+    dv = v.shape[-1]
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"gdn_rows: {name} must have a unit last stride")
+    g = g.contiguous()
+    beta = beta.contiguous()
+    state = state.contiguous()
+    o = torch.empty(t, hv, dv, device=q.device, dtype=torch.float32)
+    out = torch.empty((t, hv, dv) if log else (hv, dk, dv), device=q.device, dtype=torch.float32)
+    dec = torch.empty(t, hv, device=q.device, dtype=torch.float32) if log else out
+    bv = min(bv, triton.next_power_of_2(dv))
+    _gdn_rows_kernel[(hv, triton.cdiv(dv, bv))](
+        q, k, v, g, beta, state, o, out, dec, t,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        o.stride(0), o.stride(1),
+        DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, LOG=log, num_warps=num_warps)
+    return o, ((out, dec) if log else out)
+
+
+@triton.jit(do_not_specialize=["n_rows"])   # one binary for every row count
+def _gdn_commit_kernel(s_ptr, k_ptr, d_ptr, dec_ptr, n_rows, T, HV,
+                       DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Program (layer * HV + head, column block): S := the state after the first n_rows logged rows."""
+    lh = tl.program_id(0).to(tl.int64)
+    layer = lh // HV
+    h = lh % HV
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.program_id(1) * BV + tl.arange(0, BV)
+    k_ok = offs_k < DK
+    v_ok = offs_v < DV
+    sm = k_ok[:, None] & v_ok[None, :]
+    ptrs = s_ptr + lh * (DK * DV) + offs_k[:, None] * DV + offs_v[None, :]
+    s = tl.load(ptrs, mask=sm, other=0.0)
+    for t in range(n_rows):
+        row = (layer * T + t) * HV + h
+        dec = tl.load(dec_ptr + row)
+        kt = tl.load(k_ptr + row * DK + offs_k, mask=k_ok, other=0.0)
+        dt = tl.load(d_ptr + row * DV + offs_v, mask=v_ok, other=0.0)
+        s = tl.fma(kt[:, None], dt[None, :], s * dec)       # the rows kernels' update, operation for operation
+    tl.store(ptrs, s, mask=sm)
+
+
+def commit_rows_triton(states: torch.Tensor, k: torch.Tensor, delta: torch.Tensor, dec: torch.Tensor, rows: int,
+                       bv: int = COMMIT_BV, num_warps: int = 2) -> None:
+    """Contract of kernels/gdn commit_rows_ref (states modified in place), one launch for every layer."""
+    n_l, hv, dk, dv = states.shape
+    t = k.shape[1]
+    if (tuple(k.shape) != (n_l, t, hv, dk) or tuple(delta.shape) != (n_l, t, hv, dv)
+            or tuple(dec.shape) != (n_l, t, hv)):
+        raise ValueError(f"commit: logs k {list(k.shape)}, delta {list(delta.shape)}, dec {list(dec.shape)} "
+                         f"do not match states {list(states.shape)}")
+    for name, x in (("states", states), ("k", k), ("delta", delta), ("dec", dec)):
+        if not x.is_contiguous() or x.dtype != torch.float32:
+            raise ValueError(f"commit: {name} must be contiguous float32")
+    if rows == 0:
+        return
+    bv = min(bv, triton.next_power_of_2(dv))
+    _gdn_commit_kernel[(n_l * hv, triton.cdiv(dv, bv))](
+        states, k, delta, dec, rows, t, hv, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, num_warps=num_warps)
+
+
+@triton.jit
+def _conv_window_kernel(full_ptr, w_ptr, out_ptr, n_rows, n_ch,
+                        K: tl.constexpr, BLOCK_C: tl.constexpr):
+    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < n_ch
+    for t in range(n_rows):
+        acc = tl.load(full_ptr + t * n_ch + offs_c, mask=c_ok, other=0.0).to(tl.float32) * \
+            tl.load(w_ptr + offs_c * K, mask=c_ok, other=0.0).to(tl.float32)
+        for j in tl.static_range(1, K):
+            acc += tl.load(full_ptr + (t + j) * n_ch + offs_c, mask=c_ok, other=0.0).to(tl.float32) * \
+                tl.load(w_ptr + offs_c * K + j, mask=c_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * n_ch + offs_c, acc / (1.0 + tl.exp(-acc)), mask=c_ok)
+
+
+def conv_window_triton(x: torch.Tensor, window: torch.Tensor, w: torch.Tensor,
+                       block_c: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contract of conv_window_ref: (out [T, C] float32, full [K-1+T, C]). Each output is a fixed
+    chain over the K taps, so a row's value never depends on T."""
+    t, c = x.shape
+    kk = w.shape[1]
+    full = torch.cat([window.to(x.dtype), x], dim=0).contiguous()
+    wc = w.contiguous()
+    out = torch.empty(t, c, device=x.device, dtype=torch.float32)
+    _conv_window_kernel[(triton.cdiv(c, block_c),)](full, wc, out, t, c, K=kk, BLOCK_C=block_c, num_warps=4)
+    return out, full
+
+
+@triton.jit
+def _gdn_chunk_scan_kernel(wv_ptr, uk_ptr, q_ptr, qk_ptr, gexp_ptr, kdec_ptr, gend_ptr, s_ptr, o_ptr, sout_ptr,
+                           n_chunks,
+                           C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    """The sequential part of the chunked form: one program per (head, BV value columns) carries
+    S [DK, BV] through the chunks in order (see kernels/gdn for the algebra)."""
+    h = tl.program_id(0)
+    offs_v = tl.program_id(1) * BV + tl.arange(0, BV)
+    offs_k = tl.arange(0, DK)
+    offs_c = tl.arange(0, C)
+    s = tl.load(s_ptr + h * DK * DV + offs_k[:, None] * DV + offs_v[None, :])
+    for c in range(n_chunks):
+        hc = h * n_chunks + c
+        uk = tl.load(uk_ptr + hc * C * DK + offs_c[:, None] * DK + offs_k[None, :])          # [C, DK]
+        wv = tl.load(wv_ptr + hc * C * DV + offs_c[:, None] * DV + offs_v[None, :])          # [C, BV]
+        delta = wv - tl.dot(uk, s, input_precision="ieee")
+        qc = tl.load(q_ptr + hc * C * DK + offs_c[:, None] * DK + offs_k[None, :])
+        qk = tl.load(qk_ptr + hc * C * C + offs_c[:, None] * C + offs_c[None, :])             # [C, C]
+        ge = tl.load(gexp_ptr + hc * C + offs_c)
+        o = ge[:, None] * tl.dot(qc, s, input_precision="ieee") + tl.dot(qk, delta, input_precision="ieee")
+        tl.store(o_ptr + hc * C * DV + offs_c[:, None] * DV + offs_v[None, :], o)
+        kd = tl.load(kdec_ptr + hc * C * DK + offs_c[:, None] * DK + offs_k[None, :])         # [C, DK]
+        s = tl.load(gend_ptr + hc) * s + tl.dot(tl.trans(kd), delta, input_precision="ieee")
+    tl.store(sout_ptr + h * DK * DV + offs_k[:, None] * DV + offs_v[None, :], s)
+
+
+def gdn_chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       state: torch.Tensor, chunk: int = 64, bv: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contract of gdn_chunked_ref. The per-chunk terms (both triangular solves, Q K^T with decay)
+    are batched over all chunks in PyTorch; the chunk-to-chunk state scan runs in one kernel.
+    Needs dk, dv powers of two >= 16 (tensor-core tile sizes)."""
+    from .ref import chunk_terms
+
+    h, dk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    c = chunk_terms(q, k, v, g, beta, chunk)
+    n, t_len = c.n, c.t_len
+    gexp = c.G.exp().contiguous()
+    gend = c.G[..., -1].exp().contiguous()
+    o = torch.empty(h, n, chunk, dv, device=q.device, dtype=torch.float32)
+    s_out = torch.empty(h, dk, dv, device=q.device, dtype=torch.float32)
+    bv = min(bv, dv)
+    _gdn_chunk_scan_kernel[(h, dv // bv)](
+        c.Wv.contiguous(), c.Uk.contiguous(), c.qb.contiguous(), c.QK.contiguous(), gexp, c.kdec.contiguous(), gend,
+        state.float().contiguous(), o, s_out, n, C=chunk, DK=dk, DV=dv, BV=bv, num_warps=4, num_stages=1)
+    return o.reshape(h, n * chunk, dv)[:, :t_len].transpose(0, 1).contiguous(), s_out

@@ -1,0 +1,44 @@
+"""PyTorch references of the small ops: the MLP activation, partial NeoX rotary embedding, row
+argmax and the greedy accept rule."""
+from __future__ import annotations
+
+import torch
+
+from ..cpu_exact import lanes
+
+
+def silu_mul_ref(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u in g's dtype (silu rounded to the dtype before the product, as eager PyTorch does)."""
+    return lanes.silu(g) * u
+
+
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [T, rotary_dim] in float32 for integer positions [T]."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32,
+                                             device=positions.device) / rotary_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, R] with R <= D (the first R dims of each head rotate, the rest pass)."""
+    r = cos.shape[-1]
+    xr, xp = x[..., :r], x[..., r:]
+    c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    half = r // 2
+    rot = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+    return torch.cat([xr * c + rot * s, xp], dim=-1)
+
+
+def argmax_ref(logits: torch.Tensor) -> torch.Tensor:
+    """[R, V] -> [R] int64 (ties to the lowest id, as torch.argmax)."""
+    return logits.argmax(-1)
+
+
+def greedy_accept_ref(logits: torch.Tensor, draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [k+1, V], draft [k] -> (targets [k+1] int64, n: the leading drafts equal to their
+    row's target, a 0-d int64 tensor); the step emits targets[0..n]."""
+    t = logits.argmax(-1)
+    match = t[:-1] == draft.to(t.device, torch.int64)
+    return t, match.to(torch.int64).cumprod(0).sum()

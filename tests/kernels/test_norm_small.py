@@ -1,0 +1,100 @@
+"""Fused small ops (Triton, under TRITON_INTERPRET=1 on the CPU) against their PyTorch references."""
+
+import pytest
+import torch
+
+from specfire.kernels import small as greedy
+from specfire.kernels import norm
+from specfire.kernels import small as rope
+from specfire.kernels.small import silu_mul_ref
+from specfire.kernels.small import kernel as ts
+from specfire.kernels.norm import kernel as nk
+
+
+def _g(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (3, 5, 37), (7, 130)])
+def test_rms_norm(shape):
+    g = _g(1)
+    x = torch.randn(shape, generator=g) * 3
+    w = torch.randn(shape[-1], generator=g) * 0.3
+    torch.testing.assert_close(nk.rms_norm_triton(x, w, 1e-6), norm.rms_norm_ref(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_strided_view():
+    """q_norm reads q out of the interleaved [T, H, 2D] projection: a strided view."""
+    g = _g(2)
+    qg = torch.randn(3, 4, 2 * 24, generator=g)
+    q = qg[..., :24]
+    w = torch.randn(24, generator=g)
+    torch.testing.assert_close(nk.rms_norm_triton(q, w, 1e-6), norm.rms_norm_ref(q, w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+def test_add_rms_norm():
+    g = _g(3)
+    x, h = torch.randn(5, 77, generator=g), torch.randn(5, 77, generator=g)
+    w = torch.randn(77, generator=g) * 0.3
+    s, y = nk.add_rms_norm_triton(x, h, w, 1e-6)
+    s_ref, y_ref = norm.add_rms_norm_ref(x, h, w, 1e-6)
+    assert torch.equal(s, s_ref)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    h64 = torch.randn(5, 77, generator=g, dtype=torch.float64)   # a wider h is rounded to x's dtype first
+    s, _ = nk.add_rms_norm_triton(x, h64, w, 1e-6)
+    assert s.dtype == x.dtype and torch.equal(s, x + h64.to(x.dtype)) and torch.equal(s, norm.add_rms_norm_ref(x, h64, w, 1e-6)[0])
+
+
+def test_gated_rms_norm():
+    g = _g(4)
+    x, z = torch.randn(3, 5, 12, generator=g), torch.randn(3, 5, 12, generator=g) * 2
+    w = torch.randn(12, generator=g)
+    torch.testing.assert_close(nk.gated_rms_norm_triton(x, z, w, 1e-6), norm.gated_rms_norm_ref(x, z, w, 1e-6),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t,h,d,r", [(3, 4, 16, 4), (2, 3, 40, 20), (5, 2, 32, 32)])
+def test_rope(t, h, d, r):
+    g = _g(5)
+    qg = torch.randn(t, h, 2 * d, generator=g)
+    x = qg[..., :d]  # strided, as in the model
+    cos, sin = rope.rope_cos_sin(torch.arange(7, 7 + t), r, 10000.0)
+    torch.testing.assert_close(ts.apply_rope_triton(x, cos, sin), rope.apply_rope_ref(x, cos, sin),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_silu_mul():
+    g = _g(6)
+    a, b = torch.randn(3, 2100, generator=g) * 4, torch.randn(3, 2100, generator=g)
+    torch.testing.assert_close(ts.silu_mul_triton(a, b), silu_mul_ref(a, b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("v", [1, 1000, 5000])
+def test_argmax_with_ties(v):
+    g = _g(7)
+    x = torch.randn(4, v, generator=g)
+    if v > 10:  # a tie across chunk boundaries and within one: the lowest index must win
+        x[1, v - 3] = x[1].max() + 1
+        x[1, 5] = x[1, v - 3]
+        x[2, :] = 0.5
+    assert torch.equal(ts.argmax_triton(x), greedy.argmax_ref(x))
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 6])
+def test_greedy_accept(k):
+    g = _g(8 + k)
+    logits = torch.randn(k + 1, 3001, generator=g)
+    t_ref = logits.argmax(-1)
+    for n_ok in range(k + 1):  # drafts correct for n_ok positions, then wrong
+        draft = t_ref[:k].clone()
+        if n_ok < k:
+            draft[n_ok] = (draft[n_ok] + 1) % 3001
+        t, n = ts.greedy_accept_triton(logits, draft)
+        t_r, n_r = greedy.greedy_accept_ref(logits, draft)
+        assert torch.equal(t, t_r) and int(n) == int(n_r) == n_ok
+
+
+def test_public_functions_use_reference_on_cpu():
+    g = _g(9)
+    x, w = torch.randn(2, 8, generator=g), torch.randn(8, generator=g) * 0.3
+    assert torch.equal(norm.rms_norm(x, w, 1e-6), norm.rms_norm_ref(x, w, 1e-6))
