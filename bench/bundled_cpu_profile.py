@@ -4,7 +4,7 @@
    other jobs on a shared machine matter less than for wall-clock rates) of greedy AR and MTP k=3
    decoding on one device as it ships (`default`) and in the canonical mode a tensor-parallel mesh
    computes (`canonical`, `canonical.set_enabled(True)`: the canonical split-K of row-parallel
-   projections, kernels/splitk, plus elementwise math padded to whole vectors, kernels/cpu_exact/lanes.py).
+   projections, kernels/splitk, plus elementwise math padded to whole vectors, kernels/lanes.py).
 2. A torch.profiler table of one AR decode (self CPU time by op) as shipped.
 
     PYTHONPATH=. python bench/bundled_cpu_profile.py [--model DIR] [-n 96] [--reps 3] [--top 25]

@@ -105,7 +105,7 @@ GATES4 = False    # --gates4: the GDN gate projections in_proj_b / in_proj_a 4-b
 def build(module_cls, cfg, seed: int):
     """module_cls(cfg) on the device: projections 4-bit (quantized here), the rest random bf16.
     Returns (module, 4-bit bytes, dense bytes a decode step reads)."""
-    from specfire.model.qwen35 import Linear
+    from specfire.layers import Linear
     from specfire.quantize import _quantizable as policy
 
     def _quantizable(name, shape, keep):          # --gates4: what `specfire quantize --gates` writes

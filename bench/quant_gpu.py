@@ -368,7 +368,7 @@ def q8_call(q, c, pos0, kw=None):
 
 def quantized(module_cls, cfg, keep=("in_proj_a", "in_proj_b")):
     """A module of `cfg` on the device with every projection 4-bit (random codes), the rest bf16."""
-    from specfire.model.qwen35 import Linear
+    from specfire.layers import Linear
 
     with torch.device("meta"):
         m = module_cls(cfg)

@@ -1,5 +1,5 @@
 """The canonical mode: one device computes a mesh's bits (the canonical split-K of
-kernels/splitk, CPU elementwise math padded to whole vectors, kernels/cpu_exact/lanes.py)."""
+kernels/splitk, CPU elementwise math padded to whole vectors, kernels/lanes.py)."""
 from __future__ import annotations
 
 import torch
@@ -9,7 +9,7 @@ _enabled: bool | None = None   # None: the default (off on one device), see enab
 
 def enabled(x: torch.Tensor | None = None) -> bool:
     """Whether a single device computes row-parallel projections as the canonical split (and, on
-    the CPU, pads elementwise math to whole vectors, kernels/cpu_exact/lanes.py). Default (None): no, on a GPU and
+    the CPU, pads elementwise math to whole vectors, kernels/lanes.py). Default (None): no, on a GPU and
     on the CPU alike: one device has no shard to match. Measured: on an H200 (bench/tp.py, 4B
     shape) the split cost 13% of AR decode with the fused kernel (budget 2%); on one CPU thread the
     split plus the padding cost ~27% of the bundled model's AR decode (bench/bundled_cpu_profile.py).

@@ -21,11 +21,9 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn as nn
 
-from ..config import FULL, ModelConfig
-from ..model.qwen35 import MtpHead, SequenceState
-from ..kernels.cpu_exact import lanes
+from ..config import ModelConfig
+from ..model.qwen35 import MtpHead
 from .draft import shard_pick
 
 MODES = ("shard", "whole")
@@ -47,26 +45,10 @@ def wanted(device_type: str, graphs: bool | None) -> bool:
     return head_mode() == "shard"
 
 
-class ShardedMtpHead(MtpHead):
-    """MtpHead with this rank's shard of its decoder layer; always the invariant (canonical) math."""
-
-    def __init__(self, cfg: ModelConfig, layer: nn.Module, n_kv: int):
-        super().__init__(cfg)
-        self.layers = nn.ModuleList([layer])
-        self.n_kv = n_kv
-
-    def new_state(self, max_seq: int, kv_dtype: torch.dtype) -> SequenceState:
-        return SequenceState.allocate(self.cfg, (FULL,), max_seq, self.fc.weight.device, kv_dtype, n_kv=self.n_kv)
-
-    def forward(self, emb, hidden, pos0, state, rows):
-        with lanes.invariant(True):
-            return self._forward(emb, hidden, pos0, state, rows)
-
-
 class MeshHead:
     """One rank's head shard, its sequence state and the chain every rank runs."""
 
-    def __init__(self, head: ShardedMtpHead, model, max_seq: int, kv_dtype: torch.dtype):
+    def __init__(self, head: MtpHead, model, max_seq: int, kv_dtype: torch.dtype):
         self.head, self.model = head, model              # model: this rank's ShardedQwen35
         self.comm, self.coll = model.comm, model.comm.draft_coll
         self.state = head.new_state(max_seq, kv_dtype)
@@ -162,7 +144,7 @@ def load_head(src, path: str, cfg: ModelConfig, plan, model, dtype: torch.dtype,
     if msrc is None or model.comm.draft_coll is None:
         return None
     with torch.device("meta"):
-        head = ShardedMtpHead(cfg, model._layer(FULL), plan.n_kv)
+        head = MtpHead(cfg, model.target)          # this rank's layers: its shard of the decoder layer
     loader.load_module(head, msrc, "mtp.", dtype=dtype, device=device, fetch=plan.fetch,
                        what=f"MTP head shard {plan.rank}/{plan.tp}")
     return MeshHead(head, model, max_seq, kv_dtype)

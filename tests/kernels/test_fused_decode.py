@@ -278,19 +278,20 @@ def test_out_gate_matches_reference(t, hq, d, dtype):
 
 
 def test_model_rows_forward_fused_matches_unfused(monkeypatch):
-    """The call sites in model/qwen35.py: a 3-row verify through the fused kernels (forced on, CPU
-    tensors in the interpreter) gives the unfused logits, KV rows and rows' log, and commit(1)
-    the same state."""
+    """The call sites in layers/ (the GPU's layers, CPU tensors in the interpreter): a 3-row
+    verify through the fused kernels (forced on) gives the unfused logits, KV rows and rows' log,
+    and commit(1) the same state."""
     from specfire.config import ModelConfig
-    from specfire.model.qwen35 import Qwen35Trunk
     from specfire.kernels import fusion
+    from specfire.layers import CUDA
+    from specfire.model.qwen35 import Qwen35Trunk
 
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       layer_types=("linear_attention", "full_attention"), num_attention_heads=2,
                       num_key_value_heads=1, head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2,
                       linear_key_head_dim=8, linear_value_head_dim=8)
     torch.manual_seed(0)
-    m = Qwen35Trunk(cfg)
+    m = Qwen35Trunk(cfg, CUDA)
     with torch.no_grad():
         for p in m.parameters():
             p.copy_(torch.randn(p.shape) * (0.1 if p.dim() == 1 else p.shape[-1] ** -0.5))

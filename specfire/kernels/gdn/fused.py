@@ -50,7 +50,7 @@ from .._triton import triton, tl
 
 from . import ref as gdn_ops
 from .. import pdl
-from ..cpu_exact import lanes
+from .. import lanes
 from ..norm.ref import gated_rms_norm_ref
 from ..pdl import wait as pdl_wait
 
