@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ..kernels import fusion
 from ..kernels import head as kh
-from .qwen35 import MtpHead
+from .qwen35 import MtpHead, rotary
 
 
 class FusedMtpHead(MtpHead):
@@ -31,5 +31,5 @@ class FusedMtpHead(MtpHead):
         if lc.k_scale is None and fusion.enabled(x):                 # the fused q/k kernel reads the table
             cos_sin = kh.rope_table(x.device, self.cfg.rotary_dim, self.cfg.rope_theta, lc.k.shape[0])
         if cos_sin is None:
-            cos_sin = self.rotary(pos0, x, rows)
+            cos_sin = rotary(self.target, self.cfg, pos0, x.shape[0], x.device, rows)
         return self.block(x, cos_sin, pos0, state, rows)

@@ -9,8 +9,9 @@ Two forward modes share the weights and the math:
   `SequenceState.commit(n)` applies rows 0..n to the live state.
 
 Each layer kind's implementation comes from the model's `Target`, picked once when it is built
-(layers/__init__.py: one GPU, one CPU device, the canonical math; a mesh's shards, parallel/layers.py). Parameter names follow the HF checkpoint (without the
-`model.language_model.` prefix), so loading is a rename. Shapes: [T, ...] for T rows of one sequence.
+(layers/__init__.py: one GPU, one CPU device, the canonical math; a mesh rank's shards:
+parallel/layers.py). Parameter names follow the HF checkpoint (without the `model.language_model.`
+prefix), so loading is a rename. Shapes: [T, ...] for T rows of one sequence.
 """
 from __future__ import annotations
 
@@ -35,6 +36,11 @@ def positions(pos0, t: int, device: torch.device) -> torch.Tensor:
 def _default_target() -> Target:
     """One device's target for the device modules are being built on (training, tests)."""
     return target_for(torch.get_default_device().type)
+
+
+def rotary(target: Target, cfg: ModelConfig, pos0, t: int, device: torch.device, rows: bool):
+    """cos, sin [t, rotary_dim] of positions pos0.."""
+    return target.rowmap.rotary(positions(pos0, t, device), cfg.rotary_dim, cfg.rope_theta, rows)
 
 
 class MLP(nn.Module):
@@ -116,8 +122,7 @@ class Qwen35Trunk(nn.Module):
         """ids [T] at positions pos0.. -> (post-norm hidden [T, H], float32 logits [T or 1, V] or None)."""
         with self.target.scope():
             x = self.embed_tokens(ids)
-            cos_sin = self.target.rowmap.rotary(positions(pos0, ids.shape[0], ids.device), self.cfg.rotary_dim,
-                                               self.cfg.rope_theta, rows)
+            cos_sin = rotary(self.target, self.cfg, pos0, ids.shape[0], ids.device, rows)
             pending = None
             for layer, lc in zip(self.layers, state.layers):
                 x, pending = layer(x, pos0, cos_sin, lc, rows, pending)
@@ -162,15 +167,12 @@ class MtpHead(nn.Module):
             return self.step(emb, hidden, pos0, state, rows, ids, embed_weight)
 
     def step(self, emb, hidden, pos0, state, rows, ids=None, embed_weight=None):
+        """fc(cat(norm(emb), norm(hidden))), then the decoder layer and the final norm."""
         if emb is None:
             emb = F.embedding(ids, embed_weight)
-        x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb, rows), self.pre_fc_norm_hidden(hidden, rows)], dim=-1),
-                    rows)
-        return self.block(x, self.rotary(pos0, x, rows), pos0, state, rows)
-
-    def rotary(self, pos0, x: torch.Tensor, rows: bool):
-        return self.target.rowmap.rotary(positions(pos0, x.shape[0], x.device), self.cfg.rotary_dim,
-                                        self.cfg.rope_theta, rows)
+        x = torch.cat([self.pre_fc_norm_embedding(emb, rows), self.pre_fc_norm_hidden(hidden, rows)], dim=-1)
+        x = self.fc(x, rows)
+        return self.block(x, rotary(self.target, self.cfg, pos0, x.shape[0], x.device, rows), pos0, state, rows)
 
     def block(self, x: torch.Tensor, cos_sin, pos0, state: SequenceState, rows: bool):
         """The decoder layer and the final norm over the fc's output x [R, H]."""
