@@ -138,7 +138,6 @@ def main() -> None:
     from synthetic import random_head
 
     from specfire import LLM, SamplingParams, SpecPolicy
-    from specfire.kernels import fusion
     from specfire.train.export import export_checkpoint
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -173,15 +172,11 @@ def main() -> None:
     seqs["transformers bf16"] = [hf_greedy(hf16, p, args.tokens, dev) for p in prompts]
     del hf16
     sp = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
-    modes = [("specfire bf16 (default kernels)", None, "off"), ("specfire bf16 MTP k=3", None, "mtp")]
-    if dev == "cuda":
-        modes.append(("specfire bf16 (fusion off)", False, "off"))
-    for name, fuse, spec in modes:
-        fusion.set_enabled(fuse)
+    modes = [("specfire bf16 (default kernels)", "off"), ("specfire bf16 MTP k=3", "mtp")]
+    for name, spec in modes:
         with LLM(path, device=dev, dtype="bfloat16") as llm:
             llm.generate(prompts[0][:64], SamplingParams(max_tokens=8), spec=SpecPolicy(mode=spec, k=3))
             seqs[name] = [llm.generate(p, sp, spec=SpecPolicy(mode=spec, k=3)).token_ids for p in prompts]
-    fusion.set_enabled(None)
     with LLM(path, device=dev, dtype="float32") as llm:
         seqs["specfire float32"] = [llm.generate(p, sp, spec=SpecPolicy(mode="off")).token_ids for p in prompts]
     ref = hf_model(path, torch.float32, dev)

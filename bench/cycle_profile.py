@@ -496,6 +496,7 @@ def head_check(cfg, device: str, log: Log) -> bool:
     from specfire.kernels import head as head_fused
     from specfire.kernels.head import kernel as head_kernel
     from specfire.kernels.small import kernel as ts
+    from specfire.kernels.norm import kernel as nk
     from specfire.kernels.attention.fused import qk_norm_rope_write_triton
     from specfire.kernels.small import rope_cos_sin
 
@@ -511,8 +512,8 @@ def head_check(cfg, device: str, log: Log) -> bool:
         ids = torch.randint(0, 1000, (r,), generator=g, device=device)
         hid = rnd(r, h, scale=3.0)
         y = head_kernel.fc_input_triton(ids, table, hid, we, wh, cfg.rms_norm_eps, cfg.rms_norm_eps)
-        ref = torch.cat([ts.rms_norm_triton(table[ids], we, cfg.rms_norm_eps),
-                         ts.rms_norm_triton(hid, wh, cfg.rms_norm_eps)], -1)
+        ref = torch.cat([nk.rms_norm_triton(table[ids], we, cfg.rms_norm_eps),
+                         nk.rms_norm_triton(hid, wh, cfg.rms_norm_eps)], -1)
         fc_same &= torch.equal(y, ref)
     n = 4096
     head_fused._TABLES.clear()

@@ -166,16 +166,17 @@ def stage_norms(rep: Report, dev: str) -> None:
     """Warps per row of the hidden-size add+RMSNorm (27B: 5120) timed inside a CUDA graph; the
     fastest is kept (kernels/small/kernel.py NORM_WARPS)."""
     from specfire.kernels.small import kernel as triton_small
+    from specfire.kernels.norm import kernel as triton_norm
     if dev != "cuda":
         return
     x, h = (torch.randn(1, 5120, device=dev).to(torch.bfloat16) for _ in range(2))
     wt = torch.randn(5120, device=dev).to(torch.bfloat16)
     times = {}
     for nw in (4, 8, 16, 32):
-        triton_small.NORM_WARPS = nw
-        times[f"w{nw}"] = graph_time([lambda: triton_small.add_rms_norm_triton(x, h, wt, 1e-6)]) * 1e6
+        triton_norm.NORM_WARPS = nw
+        times[f"w{nw}"] = graph_time([lambda: triton_norm.add_rms_norm_triton(x, h, wt, 1e-6)]) * 1e6
     best = min(times, key=times.get)
-    triton_small.NORM_WARPS = int(best[1:])
+    triton_norm.NORM_WARPS = int(best[1:])
     rep.put("norms", {"add_rms_norm_5120_us": times, "pick": best})
 
 

@@ -37,8 +37,10 @@ from specfire.kernels import small as rope
 from specfire.kernels.small import silu_mul_ref  # noqa: E402
 from specfire.kernels.q4 import QuantWeight, hadamard_rotate, quantize_tensor  # noqa: E402
 from specfire.kernels.small import kernel as ts  # noqa: E402
+from specfire.kernels.norm import kernel as nk  # noqa: E402
 from specfire.kernels.gemv.kernel import GemvConfig, gemv, gemv_config, gemv_group  # noqa: E402
-from specfire.kernels.q4.gemv import Q4Config, q4_config, q4_gemv  # noqa: E402
+from specfire.kernels.q4.config import Q4Config, q4_config  # noqa: E402
+from specfire.kernels.q4.gemv import q4_gemv  # noqa: E402
 
 PEAK = 4.17e12  # measured device-to-device copy bandwidth of the H200, bytes/s
 SHAPES = [(17408, 5120), (5120, 17408), (12288, 5120), (5120, 12288), (6144, 5120), (10240, 5120),
@@ -557,10 +559,10 @@ def bench_small(res: dict) -> None:
     draft = tgt[:3].clone()
     draft[2] += 1
     cases = [
-        ("rms_norm 8x5120", lambda: ts.rms_norm_triton(x, w, 1e-6), lambda: norm.rms_norm_ref(x, w, 1e-6)),
-        ("add_rms_norm 8x5120", lambda: ts.add_rms_norm_triton(x, h, w, 1e-6)[1],
+        ("rms_norm 8x5120", lambda: nk.rms_norm_triton(x, w, 1e-6), lambda: norm.rms_norm_ref(x, w, 1e-6)),
+        ("add_rms_norm 8x5120", lambda: nk.add_rms_norm_triton(x, h, w, 1e-6)[1],
          lambda: norm.add_rms_norm_ref(x, h, w, 1e-6)[1]),
-        ("gated_rms_norm 8x48x128", lambda: ts.gated_rms_norm_triton(xg, zg, wg, 1e-6),
+        ("gated_rms_norm 8x48x128", lambda: nk.gated_rms_norm_triton(xg, zg, wg, 1e-6),
          lambda: norm.gated_rms_norm_ref(xg, zg, wg, 1e-6)),
         ("rope 8x24x256 (64 rotary)", lambda: ts.apply_rope_triton(q, cos, sin), lambda: rope.apply_rope_ref(q, cos, sin)),
         ("silu_mul 8x17408", lambda: ts.silu_mul_triton(a, b), lambda: silu_mul_ref(a, b)),

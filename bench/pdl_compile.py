@@ -92,6 +92,7 @@ def launch_all(dev: str) -> None:
     from specfire.kernels.gemv import kernel as triton_gemv
     from specfire.kernels.q4 import gemv as triton_quant
     from specfire.kernels.small import kernel as triton_small
+    from specfire.kernels.norm import kernel as triton_norm
     from specfire.kernels.splitk import fused as triton_splitk
     from specfire.kernels.q4 import QuantWeight
 
@@ -118,10 +119,10 @@ def launch_all(dev: str) -> None:
     triton_gemv.gemv(x, torch.randn(256, k, generator=g).to(bf), triton_gemv.GemvConfig(64, 128, split_k=4))
     h = torch.randn(1, k, generator=g).to(bf)
     wn = torch.randn(k, generator=g).to(bf)
-    triton_small.rms_norm_triton(h, wn, 1e-6)
-    triton_small.add_rms_norm_triton(h, h.clone(), wn, 1e-6)
+    triton_norm.rms_norm_triton(h, wn, 1e-6)
+    triton_norm.add_rms_norm_triton(h, h.clone(), wn, 1e-6)
     triton_small.silu_mul_triton(torch.randn(1, 17408).to(bf), torch.randn(1, 17408).to(bf))
-    triton_small.gated_rms_norm_triton(torch.randn(1, 48, 128).to(bf), torch.randn(1, 48, 128).to(bf),
+    triton_norm.gated_rms_norm_triton(torch.randn(1, 48, 128).to(bf), torch.randn(1, 48, 128).to(bf),
                                        torch.randn(128).to(bf), 1e-6)
     triton_small.apply_rope_triton(torch.randn(1, 24, 256).to(bf), torch.randn(1, 64), torch.randn(1, 64))
     # Gated DeltaNet decode (27B: 16 key heads x 128, 48 value heads x 128, conv 4), split heads as default

@@ -215,6 +215,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+_FLA = gdn_fla.kernel()     # flash-linear-attention's kernel where it imports, else None
+
+
+def use_fla(on: bool) -> None:
+    """The library in (on, where installed) or out of every prefill: its memoised kernel swapped."""
+    gdn_fla._kernel = _FLA if on else None
+
+
 def stage_gdn_kernels(rep: Report, cfg, lengths: list[int], dev: str) -> None:
     hv, hk, dk, dv = cfg.linear_num_value_heads, cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     rep_ = hv // hk
@@ -223,10 +231,11 @@ def stage_gdn_kernels(rep: Report, cfg, lengths: list[int], dev: str) -> None:
         q, k, v, gl, beta, s0 = gdn_inputs(t, hv, hk, dk, dv, dev)
         qr, kr = q.repeat_interleave(rep_, 1), k.repeat_interleave(rep_, 1)
         ro, rs = G.gdn_chunked_ref(qr, kr, v, gl, beta, s0)
-        gdn_fla.set_enabled(False)
+        use_fla(False)
         r = {"ours_ms": timed(lambda: G.gdn_chunked(q, k, v, gl, beta, s0), 3) * 1e3}    # repeats the keys inside
         o, s = G.gdn_chunked(q, k, v, gl, beta, s0)
         r.update(ours_o_rel_err=rel(o, ro), ours_state_rel_err=rel(s, rs))
+        use_fla(True)
         if gdn_fla.kernel() is not None:
             t0 = time.perf_counter()
             o, s = gdn_fla.gdn_chunked_fla(q, k, v, gl, beta, s0)       # first call: compile + autotune
@@ -240,7 +249,7 @@ def stage_gdn_kernels(rep: Report, cfg, lengths: list[int], dev: str) -> None:
         if dev == "cuda":
             torch.cuda.empty_cache()
         rep.put("gdn_kernels", res)
-    gdn_fla.set_enabled(None)
+    use_fla(False)
 
 
 def main() -> None:
@@ -266,7 +275,7 @@ def main() -> None:
     if a.smoke:
         import dataclasses
         cfg = dataclasses.replace(cfg, vocab_size=1024)
-    gdn_fla.set_enabled(False)           # our kernels first; flash-linear-attention in its own stage
+    use_fla(False)                       # our kernels first; flash-linear-attention in its own stage
     t = time.perf_counter()
     model = build(cfg, dev, dtype)
     head = random_head(cfg, dev, dtype)
@@ -311,16 +320,16 @@ def old_path(rep: Report, trunk: LocalTrunk, lengths: list[int]) -> None:
 
 
 def fla_prefill(rep: Report, eng: Engine, lengths: list[int], a) -> None:
-    if gdn_fla.kernel() is None:
+    if _FLA is None:
         rep.put("fla_prefill", "flash-linear-attention not importable: skipped")
         return
-    gdn_fla.set_enabled(True)
+    use_fla(True)
     try:
         stage_prefill(rep, eng.trunk, lengths, "fla", {lengths[0]: 3, lengths[1]: 2})
         if rep.left(a.budget) > 30:
             stage_context(rep, eng, a.long, a.tokens // 2, "long_fla", oracle=False, reuse=True)
     finally:
-        gdn_fla.set_enabled(False)
+        use_fla(False)
 
 
 def summary(d: dict) -> None:

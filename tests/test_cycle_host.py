@@ -1,14 +1,11 @@
 """The host path of a cycle: the eager commit that replays the log in place,
-a worker's riders run straight (commit(n)), and the clocked serve loop bench/cycle_host.py reads."""
+and a worker's riders run straight (commit(n))."""
 from __future__ import annotations
-
-import json
 
 import torch
 
 from specfire.config import FULL, LINEAR, ModelConfig
 from specfire.model.state import SequenceState
-from specfire.parallel import control
 from specfire.parallel.control import DRAFT, Call, RankExecutor
 
 
@@ -81,17 +78,6 @@ class _Comm:
     def captured(self, on=True):
         import contextlib
         return contextlib.nullcontext()
-
-
-def test_clocked_serve_runs_riders_in_order_and_writes_the_timeline(tmp_path, monkeypatch):
-    trunk = _Trunk()
-    comm = _Comm([Call("begin", (), (3, 1)).header(), Call("close", ()).header()])
-    monkeypatch.setenv(control.CLOCK_ENV, str(tmp_path / "clock"))
-    control.serve(comm, trunk)
-    assert trunk.log == [("commit", 3), ("commit", 1), ("begin",)]
-    rows = json.loads((tmp_path / "clock.rank1.json").read_text())
-    assert [r[:2] for r in rows] == [["begin", 2], ["close", 0]]
-    assert all(r[2] <= r[3] <= r[4] <= r[5] <= r[6] for r in rows)
 
 
 def test_rank_commit_counts_like_a_call():

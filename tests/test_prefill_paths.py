@@ -69,7 +69,6 @@ def fresh_guard(monkeypatch):
     monkeypatch.setattr(gdn_fla, "_tried", False)
     monkeypatch.setattr(gdn_fla, "_kernel", None)
     yield
-    gdn_fla.set_enabled(None)
 
 
 def test_without_the_library_prefill_keeps_our_kernel(monkeypatch, fresh_guard):
@@ -103,10 +102,6 @@ def test_library_wrapper_layout_and_dispatch(monkeypatch, fresh_guard):
     assert gdn_fla.kernel() is mod.chunk_gated_delta_rule
     gpu = SimpleNamespace(is_cuda=True)
     assert gdn_fla.use_for(gpu) and not gdn_fla.use_for(torch.zeros(1))
-    monkeypatch.setenv("SPECFIRE_FLA", "0")
-    assert not gdn_fla.use_for(gpu)
-    gdn_fla.set_enabled(True)
-    assert gdn_fla.use_for(gpu)
 
     q, k, v, g, beta, s0 = _gdn_inputs()
     ro, rs = G.gdn_chunked_ref(q.repeat_interleave(3, 1), k.repeat_interleave(3, 1), v, g, beta, s0)
@@ -133,16 +128,13 @@ def _install_standin(monkeypatch, fn) -> None:
 
 def test_library_warm_up_at_load(monkeypatch, fresh_guard, capsys):
     """`warm` runs the library once on the model's head shapes (where it is used), is skipped where
-    it is not or with SPECFIRE_FLA_WARM=0, and a failure only reports (the prefill meets it later)."""
+    it is not, and a failure only reports (the prefill meets it later)."""
     log: list = []
     _install_standin(monkeypatch, _standin(log))
     assert gdn_fla.warm(2, 6, 8, 16, torch.device("cpu")) is None and not log     # the CPU never uses it
     monkeypatch.setattr(gdn_fla, "use_for", lambda q: True)
     assert gdn_fla.warm(2, 6, 8, 16, torch.device("cpu"), rows=8) >= 0.0
     assert len(log) == 1 and log[0]["dtypes"][0] == torch.bfloat16
-    monkeypatch.setenv("SPECFIRE_FLA_WARM", "0")
-    assert gdn_fla.warm(2, 6, 8, 16, torch.device("cpu")) is None and len(log) == 1
-    monkeypatch.delenv("SPECFIRE_FLA_WARM")
 
     def broken(*a, **kw):
         raise RuntimeError("no kernel for this GPU")

@@ -9,11 +9,8 @@ _enabled: bool | None = None   # None: the default (off on one device), see enab
 
 def enabled(x: torch.Tensor | None = None) -> bool:
     """Whether a single device computes row-parallel projections as the canonical split (and, on
-    the CPU, pads elementwise math to whole vectors, kernels/lanes.py). Default (None): no, on a GPU and
-    on the CPU alike: one device has no shard to match. Measured: on an H200 (bench/tp.py, 4B
-    shape) the split cost 13% of AR decode with the fused kernel (budget 2%); on one CPU thread the
-    split plus the padding cost ~27% of the bundled model's AR decode (bench/bundled_cpu_profile.py).
-    `set_enabled(True)` makes one device bit-equal to a mesh. A mesh always splits canonically."""
+    the CPU, pads elementwise math to whole vectors). Default: no (one device has no shard to match,
+    and the split costs decode time); `set_enabled(True)` makes one device bit-equal to a mesh."""
     return bool(_enabled)
 
 

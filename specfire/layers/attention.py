@@ -14,7 +14,6 @@ import torch.nn as nn
 
 from ..config import ModelConfig
 from ..kernels import attention as ka
-from ..kernels import fusion
 from ..kernels import lanes
 from ..kernels.head import RopeTable
 from ..kernels.small import apply_rope
@@ -62,10 +61,18 @@ class GatedAttention(nn.Module):
         return ka.attention_prefill(q, lc.k, lc.v, pos0, self.scale, lc.k_scale, lc.v_scale, q_block=self.q_block)
 
 
+def fuses(mod: nn.Module, x: torch.Tensor) -> bool:
+    """Whether a fused layer (or the MTP head) runs its Triton kernels: on CUDA, unless its `fused`
+    says otherwise (a CPU test sets True: the interpreter)."""
+    return x.is_cuda if mod.fused is None else mod.fused
+
+
 class FusedGatedAttention(GatedAttention):
+    fused: bool | None = None     # None: on CUDA (`fuses`)
+
     def forward(self, x, pos0, cos_sin, lc, rows):
         table = isinstance(cos_sin, RopeTable)
-        if not ((rows or table) and lc.k_scale is None and fusion.enabled(x)):
+        if not ((rows or table) and lc.k_scale is None and fuses(self, x)):
             if table:
                 raise ValueError("GatedAttention: a rotary table is read by the fused q/k kernel only")
             return super().forward(x, pos0, cos_sin, lc, rows)

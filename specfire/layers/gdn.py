@@ -2,7 +2,8 @@
 
 `GatedDeltaNet` computes the layer with the kernels of kernels/gdn and the formulation of
 kernels/gdn/ref.py that training shares. Its variants: `FusedGatedDeltaNet` (CUDA: a decode /
-verify is one kernel from the conv to the gated norm, kernels/gdn/fused.py) and
+verify is one kernel from the conv to the gated norm, kernels/gdn/fused.py, for convs of up to
+FUSED_MAX_CONV taps) and
 `CpuGatedDeltaNet` (one CPU device: the gates with -exp(A_log) kept, the q / k norms as two
 rms_norm calls).
 """
@@ -15,8 +16,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from ..kernels import fusion, xsum
 from ..kernels import gdn as kg
+from ..kernels import xsum
+from .attention import fuses
 from .norm import cached
 
 if TYPE_CHECKING:
@@ -84,8 +86,10 @@ class GatedDeltaNet(nn.Module):
 
 
 class FusedGatedDeltaNet(GatedDeltaNet):
+    fused: bool | None = None     # None: on CUDA (`fuses`)
+
     def forward(self, x, lc, rows):
-        if not (rows and fusion.enabled(x)):
+        if not (rows and fuses(self, x) and self.conv1d.weight.shape[-1] <= kg.FUSED_MAX_CONV):
             return super().forward(x, lc, rows)
         t = x.shape[0]
         qkv, z, b, a = self.in_proj_qkv.group(x, rows, self.in_proj_z, self.in_proj_b, self.in_proj_a)

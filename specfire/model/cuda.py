@@ -9,14 +9,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels import fusion
 from ..kernels import head as kh
+from ..layers.attention import fuses
 from .qwen35 import MtpHead, rotary
 
 
 class FusedMtpHead(MtpHead):
     def step(self, emb, hidden, pos0, state, rows, ids=None, embed_weight=None):
-        if not (kh.enabled(hidden) if rows else kh.catchup_enabled(hidden)):
+        if not fuses(self, hidden):
             return super().step(emb, hidden, pos0, state, rows, ids, embed_weight)
         if emb is None and isinstance(embed_weight, torch.Tensor) and embed_weight.dtype == hidden.dtype:
             e, hn = self.pre_fc_norm_embedding, self.pre_fc_norm_hidden      # gather + both norms + cat: one launch
@@ -28,7 +28,7 @@ class FusedMtpHead(MtpHead):
         x = self.fc(x, rows)
         lc = state.layers[0]
         cos_sin = None
-        if lc.k_scale is None and fusion.enabled(x):                 # the fused q/k kernel reads the table
+        if lc.k_scale is None and fuses(self.layers[0].self_attn, x):    # the fused q/k kernel reads the table
             cos_sin = kh.rope_table(x.device, self.cfg.rotary_dim, self.cfg.rope_theta, lc.k.shape[0])
         if cos_sin is None:
             cos_sin = rotary(self.target, self.cfg, pos0, x.shape[0], x.device, rows)

@@ -136,6 +136,8 @@ class MtpHead(nn.Module):
     """The multi-token-prediction head (15 tensors): from the trunk's post-norm hidden at p and the
     token at p+1, predict the token at p+2 through one gated-attention decoder layer (own KV cache)."""
 
+    fused: bool | None = None   # the drafter's fused picks and embedding gather (layers/attention.py fuses)
+
     def __init__(self, cfg: ModelConfig, target: Target | None = None):
         super().__init__()
         target = target or _default_target()

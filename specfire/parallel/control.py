@@ -16,10 +16,7 @@ replayed draft chain, like a commit, rides in the next call's header (`commits` 
 """
 from __future__ import annotations
 
-import json
-import os
 import pickle
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,15 +159,9 @@ class RankExecutor:
             return getattr(self.trunk, call.name)(*args)
 
 
-CLOCK_ENV = "SPECFIRE_HOSTCLOCK"    # a path prefix: each worker writes its command timeline there (bench/cycle_host.py)
-
-
 def serve(comm: Comm, trunk: LocalTrunk) -> None:
     """A worker's loop: run rank 0's calls until it says close."""
     ex = RankExecutor(comm, trunk)
-    clock = os.environ.get(CLOCK_ENV)
-    if clock:
-        return _serve_clocked(ex, comm, clock)
     while True:
         call = Call.parse(comm.recv_command())
         if call.name == CLOSE:
@@ -186,27 +177,3 @@ def _riders(ex: RankExecutor, commits: tuple) -> None:
             ex.commit(c)
         else:
             ex.run(Call(c[0], tuple(c[1:])))
-
-
-def _serve_clocked(ex: RankExecutor, comm: Comm, prefix: str) -> None:
-    """`serve` with host timestamps (perf_counter_ns: one clock for every process of a host) per
-    command: waiting from, received, header parsed, riders run, call returned; written at close."""
-    now = time.perf_counter_ns
-    rows = []
-    while True:
-        t0 = now()
-        header = comm.recv_command()
-        t1 = now()
-        call = Call.parse(header)
-        t2 = now()
-        if call.name != CLOSE:
-            _riders(ex, call.commits)
-            t3 = now()
-            ex.run(call)
-        else:
-            t3 = t2
-        rows.append((call.name, len(call.commits), t0, t1, t2, t3, now()))
-        if call.name == CLOSE:
-            with open(f"{prefix}.rank{comm.rank}.json", "w") as f:
-                json.dump(rows, f)
-            return

@@ -18,26 +18,16 @@ from multiprocessing import Pipe
 import torch
 
 from ..config import ModelConfig
+from ..env import TP_TIMEOUT as TIMEOUT_ENV, Env  # noqa: F401 - TIMEOUT_ENV: lifecycle names it in errors
 from ..errors import MeshError
 
-TIMEOUT_ENV = "SPECFIRE_TP_TIMEOUT"
-DEFAULT_TIMEOUT_S = 60.0
 START_TIMEOUT_S = 1800.0          # starting interpreters and loading shards (bounded, but generous)
 JOIN_S = 10.0                     # how long a closing worker may take before it is killed
 
 
 def mesh_timeout() -> float:
-    """The collective timeout in seconds (the one place the mesh reads its environment)."""
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None:
-        return DEFAULT_TIMEOUT_S
-    try:
-        v = float(raw)
-    except ValueError:
-        v = -1.0
-    if not v > 0:
-        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}")
-    return v
+    """The collective timeout in seconds (specfire/env.py)."""
+    return Env.read().tp_timeout_s
 
 
 @dataclass(frozen=True)

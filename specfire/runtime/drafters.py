@@ -14,6 +14,7 @@ from typing import Callable, Protocol
 import torch
 
 from ..config import SamplingParams
+from ..layers.attention import fuses
 from ..model.qwen35 import MtpHead, SequenceState
 from ..kernels import head as head_fused
 from .rng import DeviceRng
@@ -200,11 +201,11 @@ class MtpDrafter:
                 choose = penalized_argmax(pen, sp)
             else:
                 choose = argmax
-                if head_fused.enabled(hidden) and hasattr(self.trunk, "lm_scores"):
+                if fuses(self.head, hidden) and hasattr(self.trunk, "lm_scores"):
                     lm = self.trunk.lm_scores      # the argmax of the unwidened logits: the same pick
                     return draft_chain(self.head, self.trunk.embed, lm, self.state, toks, hidden, pos, k, self.feed,
                                        choose, n, getattr(self.trunk, "embed_weight", None),
-                                       fused_pick=head_fused.pick_on())
+                                       fused_pick=True)
         return draft_chain(self.head, self.trunk.embed, lm, self.state, toks, hidden, pos, k, self.feed, choose, n,
                            getattr(self.trunk, "embed_weight", None))
 
@@ -276,11 +277,11 @@ class MtpDrafter:
     def _prefill(self, toks: torch.Tensor, hidden: torch.Tensor, pos0: int) -> None:
         """The head over rows in prefill mode (on every rank of a mesh holding its shards): hidden
         [m, H] at positions pos0.., toks [m] the tokens after them. One device with the catch-up's
-        fused kernels on (kernels/head catchup_enabled): the head gathers the embedding rows
+        fused kernels on (layers/attention.py fuses): the head gathers the embedding rows
         itself (`fc_input`), else they are looked up here."""
         if self.mesh is None:
             ew = getattr(self.trunk, "embed_weight", None)
-            if isinstance(ew, torch.Tensor) and head_fused.catchup_enabled(hidden):
+            if isinstance(ew, torch.Tensor) and fuses(self.head, hidden):
                 self.head(None, hidden, pos0, self.state, rows=False, ids=toks, embed_weight=ew)
             else:
                 self.head(self.trunk.embed(toks), hidden, pos0, self.state, rows=False)

@@ -50,20 +50,16 @@ def _gate_inputs(t, hv, dv, dtype, seed):
     return z, nw
 
 
-# the row loop's forms (kernels/gdn/fused.py): as written, software-pipelined, merged reductions
-FORMS = {"plain": dict(merged=False, pipe=False), "pipe": dict(merged=False, pipe=True), "merged": dict(merged=True)}
-
 GDN_SHAPES = [(1, 1, 2, 8, 12, 4, 8), (3, 2, 4, 6, 10, 4, 8), (2, 1, 1, 5, 7, 3, 16)]   # tails: dk 6, 5; dv 10, 7
 
 
-@pytest.mark.parametrize("form", ["pipe", "merged"])
 @pytest.mark.parametrize("t,hk,hv,dk,dv,kk,bv", GDN_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gdn_decode_matches_reference(t, hk, hv, dk, dv, kk, bv, dtype, form):
+def test_gdn_decode_matches_reference(t, hk, hv, dk, dv, kk, bv, dtype):
     """bv < dv: a head's columns split over programs (no norm); bv 16: whole heads."""
     args = _gdn_inputs(t, hk, hv, dk, dv, kk, dtype, seed=t * 31 + dk + dv)
     s0 = args[-1].clone()
-    o, log, full = gdn_decode_triton(*args, hk, dk, dv, bv=bv, **FORMS[form])
+    o, log, full = gdn_decode_triton(*args, hk, dk, dv, bv=bv)
     ro, rlog, rfull = gdn_decode_ref(*args, hk, dk, dv)
     assert torch.equal(args[-1], s0)                          # the live state is not modified
     assert o.dtype == dtype and o.shape == (t, hv, dv)
@@ -76,15 +72,14 @@ def test_gdn_decode_matches_reference(t, hk, hv, dk, dv, kk, bv, dtype, form):
         torch.testing.assert_close(o.float(), ro.float(), rtol=2 ** -7, atol=1e-3)
 
 
-@pytest.mark.parametrize("form", ["pipe", "merged"])
 @pytest.mark.parametrize("t,hk,hv,dk,dv,kk", [(1, 1, 2, 8, 12, 4), (3, 2, 4, 6, 10, 4), (2, 1, 3, 5, 7, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gdn_decode_gated_norm_matches_reference(t, hk, hv, dk, dv, kk, dtype, form):
+def test_gdn_decode_gated_norm_matches_reference(t, hk, hv, dk, dv, kk, dtype):
     """The default launch: one program per whole value head, the gated RMSNorm folded in (masked
     tails: dv 12 / 10 / 7 in a block of 16 / 16 / 8 lanes)."""
     args = _gdn_inputs(t, hk, hv, dk, dv, kk, dtype, seed=t * 17 + dk + dv)
     z, nw = _gate_inputs(t, hv, dv, dtype, seed=t + dv)
-    o, log, full = gdn_decode_triton(*args, hk, dk, dv, z, nw, 1e-6, **FORMS[form])
+    o, log, full = gdn_decode_triton(*args, hk, dk, dv, z, nw, 1e-6)
     ro, rlog, rfull = gdn_decode_ref(*args, hk, dk, dv, z, nw, 1e-6)
     assert o.dtype == dtype and o.shape == (t, hv, dv)
     assert torch.equal(full, rfull)
@@ -93,22 +88,21 @@ def test_gdn_decode_gated_norm_matches_reference(t, hk, hv, dk, dv, kk, dtype, f
         torch.testing.assert_close(o, ro, rtol=1e-5, atol=1e-5)
     else:   # the norm rounds three times; a unit's difference in o can move a value by a few units
         torch.testing.assert_close(o.float(), ro.float(), rtol=2 ** -5, atol=2e-2)
-    o2, log2, _ = gdn_decode_triton(*args, hk, dk, dv, z, nw, 1e-6, bv=4, **FORMS[form])   # split heads: the norm after
+    o2, log2, _ = gdn_decode_triton(*args, hk, dk, dv, z, nw, 1e-6, bv=4)   # split heads: the norm after
     _close_logs(log2, rlog, args[-1])
     torch.testing.assert_close(o2.float(), ro.float(), rtol=2 ** -5, atol=2e-2)
 
 
-@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("norm,bv,kk", [(False, 4, 4), (True, None, 4), (True, 4, 4), (False, 2, 3), (True, None, 2)])
-def test_gdn_decode_rows_equal_chained_single_rows(norm, bv, kk, form):
+def test_gdn_decode_rows_equal_chained_single_rows(norm, bv, kk):
     """Whole heads with the norm inside, and split heads (the default form) with or without the
     gated norm's own launch after them: rows at once == single rows, each from the state commit
     left after the previous one (so commit(i) == i+1 single rows committed), bit for bit; 5 rows, so
-    the merged form's loads two rows ahead run in steady state; conv widths 2..4."""
+    the loads two rows ahead run in steady state; conv widths 2..4."""
     t, hk, hv, dk, dv = 5, 1, 2, 6, 5
     qkv, a, b, win, w, a_log, dtb, s = _gdn_inputs(t, hk, hv, dk, dv, kk, torch.bfloat16, seed=7)
     z, nw = _gate_inputs(t, hv, dv, torch.bfloat16, seed=7) if norm else (None, None)
-    kw = {"bv": bv, **FORMS[form]}
+    kw = {"bv": bv}
     o, log, full = gdn_decode_triton(qkv, a, b, win, w, a_log, dtb, s, hk, dk, dv, z, nw, **kw)
     cur_s, cur_w = s, win
     for i in range(t):
@@ -121,49 +115,12 @@ def test_gdn_decode_rows_equal_chained_single_rows(norm, bv, kk, form):
         assert torch.equal(f1[1:], cur_w)
 
 
-@pytest.mark.parametrize("t,hk,hv,dk,dv,kk,bv,norm", [(1, 1, 2, 8, 12, 4, None, True), (4, 2, 4, 6, 10, 4, 4, True),
-                                                    (3, 1, 3, 5, 7, 3, None, False), (5, 1, 1, 5, 7, 2, 2, False),
-                                                    (2, 2, 2, 4, 9, 4, 8, True)])
-def test_gdn_decode_pipelined_equals_unpipelined(t, hk, hv, dk, dv, kk, bv, norm):
-    """The software-pipelined row loop (each row's projections, a, b, z loaded one row ahead, masked
-    past the last row) computes what the plain loop does, bit for bit: outputs, logs, the window;
-    odd sizes, masked tails, conv widths 2..4, strided z, whole and split heads."""
-    args = _gdn_inputs(t, hk, hv, dk, dv, kk, torch.bfloat16, seed=t * 13 + dk + dv + kk)
-    z, nw = _gate_inputs(t, hv, dv, torch.bfloat16, seed=t + dv) if norm else (None, None)
-    o0, log0, full0 = gdn_decode_triton(*args, hk, dk, dv, z, nw, 1e-6, bv=bv, **FORMS["plain"])
-    o1, log1, full1 = gdn_decode_triton(*args, hk, dk, dv, z, nw, 1e-6, bv=bv, **FORMS["pipe"])
-    assert torch.equal(o0, o1) and torch.equal(full0, full1)
-    assert all(torch.equal(x, y) for x, y in zip(log0, log1))
-    ro, _, rfull = gdn_decode_ref(*args, hk, dk, dv, z, nw, 1e-6)
-    assert torch.equal(full1, rfull)
-    torch.testing.assert_close(o1.float(), ro.float(), rtol=2 ** -5, atol=2e-2)
-
-
-@pytest.mark.parametrize("form", ["pipe", "merged"])
-def test_gdn_decode_pipelined_zero_rows(form):
+def test_gdn_decode_zero_rows():
     """No row: the prologue loads are masked off and nothing but the window is written."""
     args = _gdn_inputs(1, 1, 2, 4, 6, 4, torch.bfloat16, seed=5)
     qkv, a, b = args[0][:0], args[1][:0], args[2][:0]
-    o, log, full = gdn_decode_triton(qkv, a, b, *args[3:], 1, 4, 6, bv=2, **FORMS[form])
+    o, log, full = gdn_decode_triton(qkv, a, b, *args[3:], 1, 4, 6, bv=2)
     assert o.shape == (0, 2, 6) and torch.equal(full, args[3])
-
-
-@pytest.mark.parametrize("norm,bv", [(False, 4), (True, None)])
-def test_gdn_decode_merged_form_close_to_loop_and_wide_conv_falls_back(norm, bv):
-    """The merged form computes u as rsqrt(sum k^2) * sum(k * S) (other roundings than the loop's
-    normalise-then-reduce): close to the loop, not equal. A conv wider than 4 taps has no merged
-    form: the launch takes the loop, bit for bit."""
-    for kk in (4, 5):
-        args = _gdn_inputs(4, 1, 2, 6, 9, kk, torch.float32, seed=21 + kk)
-        z, nw = _gate_inputs(4, 2, 9, torch.float32, seed=21) if norm else (None, None)
-        o0, log0, full0 = gdn_decode_triton(*args, 1, 6, 9, z, nw, 1e-6, bv=bv, **FORMS["pipe"])
-        o1, log1, full1 = gdn_decode_triton(*args, 1, 6, 9, z, nw, 1e-6, bv=bv, **FORMS["merged"])
-        assert torch.equal(full0, full1)
-        if kk > 4:
-            assert torch.equal(o0, o1) and all(torch.equal(x, y) for x, y in zip(log0, log1))
-        else:
-            torch.testing.assert_close(o1, o0, rtol=1e-5, atol=1e-5)
-            _close_logs(log1, log0, args[-1])
 
 
 def test_gdn_decode_compiles_one_binary_for_every_row_count():
@@ -171,18 +128,17 @@ def test_gdn_decode_compiles_one_binary_for_every_row_count():
     binary and broke row invariance (first H200 run, docs/BENCHMARKS.md); the interpreter cannot
     show that, so the guard is checked here."""
     from specfire.kernels.gdn import fused as gdn_fused
-    for k in (gdn_fused._gdn_decode_kernel, gdn_fused._gdn_merged_kernel):
+    for k in (gdn_fused._gdn_merged_kernel,):
         opts = getattr(k, "kwargs", None) or {"do_not_specialize": getattr(k, "do_not_specialize", None)}
         assert "n_rows" in (opts.get("do_not_specialize") or [])
 
 
-@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("norm,bv", [(False, 2), (True, None), (True, 2)])
-def test_gdn_decode_head_shard_equals_whole(norm, bv, form):
+def test_gdn_decode_head_shard_equals_whole(norm, bv):
     t, hk, hv, dk, dv, kk = 3, 2, 4, 4, 4, 4
     qkv, a, b, win, w, a_log, dtb, s = _gdn_inputs(t, hk, hv, dk, dv, kk, torch.bfloat16, seed=3)
     z, nw = _gate_inputs(t, hv, dv, torch.bfloat16, seed=3) if norm else (None, None)
-    kw = {"bv": bv, **FORMS[form]}
+    kw = {"bv": bv}
     o, log, full = gdn_decode_triton(qkv, a, b, win, w, a_log, dtb, s, hk, dk, dv, z, nw, **kw)
     rep, kd = hv // hk, hk * dk
     for k0, k1 in ((0, 1), (1, 2)):                       # shards of key heads and their value heads
@@ -204,6 +160,9 @@ def test_gdn_decode_rejects_bad_shapes():
     z, nw = _gate_inputs(2, 2, 12, torch.float32, seed=1)
     with pytest.raises(ValueError, match="z of shape"):
         gdn_decode_triton(*args, 1, 8, 12, z[:, :20], nw)
+    wide = _gdn_inputs(2, 1, 2, 8, 12, 5, torch.float32, seed=1)     # a conv of 5 taps: the unfused path's
+    with pytest.raises(ValueError, match="conv K=5 outside 2..4"):
+        gdn_decode_triton(*wide, 1, 8, 12)
     with pytest.raises(ValueError, match="out must be"):
         gdn_decode_triton(*args, 1, 8, 12, out=(torch.empty(2, 2, 8), torch.empty(2, 2, 12), torch.empty(2, 2),
                                                 torch.empty(3, 40)))
@@ -277,19 +236,27 @@ def test_out_gate_matches_reference(t, hq, d, dtype):
     assert torch.equal(out_gate_triton(o[1:], qg[1:]), y[1:])     # row-invariant
 
 
-def test_model_rows_forward_fused_matches_unfused(monkeypatch):
+@pytest.mark.parametrize("conv", [4, 5])
+def test_model_rows_forward_fused_matches_unfused(conv, monkeypatch):
     """The call sites in layers/ (the GPU's layers, CPU tensors in the interpreter): a 3-row
-    verify through the fused kernels (forced on) gives the unfused logits, KV rows and rows' log,
-    and commit(1) the same state."""
+    verify through the fused kernels (forced on; the position a device tensor, as in a graph) gives
+    the unfused logits, KV rows and rows' log, and commit(1) the same state; a conv wider than the
+    fused GDN kernel holds (5 taps) takes the unfused GDN."""
     from specfire.config import ModelConfig
-    from specfire.kernels import fusion
+    from specfire.kernels.attention import fused as af
+    from specfire.kernels.gdn import fused as gf
     from specfire.layers import CUDA
     from specfire.model.qwen35 import Qwen35Trunk
+
+    ran = []
+    for mod, name in ((gf, "gdn_decode_triton"), (af, "qk_norm_rope_write_triton")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, real=real, name=name, **k: ran.append(name) or real(*a, **k))
 
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       layer_types=("linear_attention", "full_attention"), num_attention_heads=2,
                       num_key_value_heads=1, head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2,
-                      linear_key_head_dim=8, linear_value_head_dim=8)
+                      linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=conv)
     torch.manual_seed(0)
     m = Qwen35Trunk(cfg, CUDA)
     with torch.no_grad():
@@ -298,13 +265,15 @@ def test_model_rows_forward_fused_matches_unfused(monkeypatch):
     ids, draft = torch.randint(0, 64, (6,)), torch.randint(0, 64, (3,))
     outs = []
     for on in (False, True):
-        monkeypatch.setattr(fusion, "enabled", lambda x, on=on: on)
+        for layer in m.layers:                         # the module's choice, forced for the interpreter
+            (layer.self_attn if hasattr(layer, "self_attn") else layer.linear_attn).fused = on
         st = m.new_state(16, torch.float32)
         m(ids, 0, st, rows=False)
-        h, logits = m(draft, 6, st, rows=True)
+        h, logits = m(draft, torch.tensor([6]), st, rows=True)
         lin, att = st.layers
         outs.append((logits, *(x.clone() for x in lin.log), att.k[6:9].clone(), att.v[6:9].clone()))
         st.commit(1)                                   # the log replays into the state's own buffers
         outs[-1] += (lin.rec.clone(), lin.conv.clone())
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert ran == (["qk_norm_rope_write_triton"] if conv > 4 else ["gdn_decode_triton", "qk_norm_rope_write_triton"])

@@ -1,14 +1,8 @@
 """Programmatic dependent launch (kernels/pdl.py): picked only on a CUDA device of compute capability
-9.0+ with a Triton that has it, never in the interpreter or on the CPU, off with SPECFIRE_PDL=0;
-the launchers pass the PDL constexpr and the launch option together, and nothing where it is off.
-(The PDL kernels themselves run on the GPU only: bench/pdl.py checks their bits against PDL off
-and the captured graph's programmatic edges; bench/pdl_compile.py compiles them for sm_90.)"""
+9.0+ with a Triton that has it, never in the interpreter or on the CPU; the launchers pass the
+PDL constexpr and the launch option together, and nothing where it is off. (The PDL kernels
+themselves run on the GPU only.)"""
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -28,7 +22,6 @@ def hopper(monkeypatch):
     monkeypatch.setattr(pdl, "INTERPRET", False)
     monkeypatch.setattr(pdl, "HAVE_GDC", True)
     monkeypatch.setattr(pdl, "_CAPABLE", {})
-    monkeypatch.setattr(pdl, "ENABLED", True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx=None: (9, 0))
     return monkeypatch
 
@@ -41,17 +34,12 @@ def test_never_on_cpu_or_in_the_interpreter():
 
 
 def test_picked_on_hopper_only(hopper):
-    assert pdl.on(FakeCuda()) == pdl.ORDER
-    assert pdl.kw(FakeCuda()) == {"PDL": pdl.ORDER, "launch_pdl": True}
-    assert pdl.launch(pdl.ORDER) == {"launch_pdl": True}
+    assert pdl.on(FakeCuda()) == pdl.WAIT_FIRST
+    assert pdl.kw(FakeCuda()) == {"PDL": pdl.WAIT_FIRST, "launch_pdl": True}
+    assert pdl.launch(pdl.WAIT_FIRST) == {"launch_pdl": True}
     assert pdl.on(torch.zeros(1)) == 0                     # a CPU tensor on the same machine
     hopper.setattr(pdl, "_CAPABLE", {})
     hopper.setattr(torch.cuda, "get_device_capability", lambda idx=None: (8, 0))   # an A100
-    assert pdl.on(FakeCuda()) == 0 and pdl.kw(FakeCuda()) == {}
-
-
-def test_switched_off_at_run_time(hopper):
-    hopper.setattr(pdl, "ENABLED", False)
     assert pdl.on(FakeCuda()) == 0 and pdl.kw(FakeCuda()) == {}
 
 
@@ -62,38 +50,6 @@ def test_no_builtins_no_pdl(hopper):
 
 def test_this_triton_has_the_launch_option():
     assert pdl._has_launch_option() == pdl.HAVE_GDC
-
-
-ENV_CASES = [({}, True, 1), ({"SPECFIRE_PDL": "0"}, False, 1), ({"SPECFIRE_PDL_EARLY": "1"}, True, 2)]
-
-
-@pytest.fixture(scope="module")
-def env_switches() -> list[list[str]]:
-    """(ENABLED, ORDER) as the module reads them at import under each case's environment, in one
-    fresh interpreter (not this one, which imported it interpreted): the case's variables set,
-    then the module imported anew (importlib.reload runs its top level again)."""
-    code = """if True:
-        import importlib, json, os, sys
-        out = []
-        for env in json.loads(sys.argv[1]):
-            for k in ("SPECFIRE_PDL", "SPECFIRE_PDL_EARLY"):
-                os.environ.pop(k, None)
-            os.environ.update(env)
-            import specfire.kernels.pdl as pdl
-            pdl = importlib.reload(pdl)
-            out.append([str(pdl.ENABLED), str(pdl.ORDER)])
-        print(json.dumps(out))
-    """
-    e = {k: v for k, v in os.environ.items() if k not in ("SPECFIRE_PDL", "SPECFIRE_PDL_EARLY", "TRITON_INTERPRET")}
-    out = subprocess.run([sys.executable, "-c", code, json.dumps([env for env, _, _ in ENV_CASES])], env=e,
-                         capture_output=True, text=True, check=True)
-    return json.loads(out.stdout)
-
-
-@pytest.mark.parametrize("case", range(len(ENV_CASES)), ids=["default", "pdl_off", "early"])
-def test_environment_switches(env_switches, case):
-    _, enabled, order = ENV_CASES[case]
-    assert env_switches[case] == [str(enabled), str(order)]
 
 
 class Recorder:
@@ -144,24 +100,19 @@ def test_launchers_pass_nothing_where_pdl_is_off(monkeypatch):
 
 def test_launchers_pick_pdl_where_on(monkeypatch):
     """With PDL picked (as on an H200), every launch of the 4-bit GEMV path carries the constexpr
-    and the launch option together, and the GEMV's prefetch only with tiled codes (recorded, not
-    run: the interpreter has no grid-dependency instructions)."""
+    and the launch option together (recorded, not run: the interpreter has no grid-dependency
+    instructions)."""
     from specfire.kernels.q4 import gemv as triton_quant
     g = torch.Generator().manual_seed(1)
     monkeypatch.setattr(pdl, "on", lambda x: pdl.WAIT_FIRST)
-    recs = {n: Recorder(getattr(triton_quant, n), run=False) for n in ("_q4_kernel", "_xsum_kernel", "_splitk_sum")}
+    recs = {n: Recorder(getattr(triton_quant, n), run=False) for n in ("_q4_kernel", "_xsum_kernel")}
     for n, r in recs.items():
         monkeypatch.setattr(triton_quant, n, r)
-    monkeypatch.setattr(triton_quant, "PDL_PREFETCH", 2)
     x = torch.randn(2, 256, generator=g)
     w = _q4_weight(40, 256, g)
-    triton_quant.q4_group(x, [w], triton_quant.Q4Config(16, split_k=2, sem=False, wa=True, rows=8))
+    for split in (2, 1):
+        triton_quant.q4_group(x, [w], triton_quant.Q4Config(16, split_k=split, wa=True, rows=8))
     for n, r in recs.items():
         assert r.calls, n
         for kw in r.calls:
             assert kw["PDL"] == pdl.WAIT_FIRST and kw["launch_pdl"] is True, (n, kw)
-    assert recs["_q4_kernel"].calls[0]["PF"] == (2 if w.tile else 0)
-    w.tile = 0        # rows layout: nothing contiguous to prefetch
-    recs["_q4_kernel"].calls.clear()
-    triton_quant.q4_group(x, [w], triton_quant.Q4Config(16, split_k=1, wa=True, rows=8))
-    assert recs["_q4_kernel"].calls[0]["PF"] == 0

@@ -1,11 +1,6 @@
-"""Causal grouped-query attention over a position-addressed KV cache.
-
-Cache layout per layer: k, v [max_seq, n_kv, head_dim]; row p holds position p. Query rows sit at
-consecutive positions pos0 .. pos0+R-1 and read keys 0 .. their own position, so rows past the
-committed length (rejected drafts) are never read and are simply overwritten later.
-
-The Q8 cache: q8.py. References: ref.py. Decode / verify rows: kernel.py on CUDA.
-"""
+"""Causal grouped-query attention over a position-addressed KV cache (k, v [max_seq, n_kv, D], row p
+holds position p; a row reads keys 0..its own position, so rejected drafts' rows are never read).
+Decode / verify rows: kernel.py on CUDA; the Q8 cache: q8.py; references: ref.py."""
 from __future__ import annotations
 
 import torch

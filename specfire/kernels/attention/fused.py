@@ -1,16 +1,6 @@
-"""Two Triton kernels around the gated attention of the rows forward (decode, verify):
-
-* `qk_norm_rope_write`: q and k RMSNorm, rotary on both, the queries stored contiguous, the keys
-  and values written into the KV cache at their positions: one launch instead of ~9 (the q view
-  copy, two norms, two rotaries, the position index and two index copies).
-* `out_gate`: the attention output rounded to the model dtype times sigmoid(gate), one launch
-  instead of four (cast, gate copy, sigmoid, product).
-
-Rounding points are those of the unfused path (norm rounded to the model dtype, cos/sin rounded
-to it, rotary computed in float32 and rounded once; sigmoid rounded before the product). One
-program per (row, head), so results never depend on the row count or on how many heads a
-tensor-parallel shard holds. A 16-bit or float32 cache only; the Q8 cache keeps the unfused path.
-"""
+"""The gated attention's small ops around the rows forward in two launches: `qk_norm_rope_write` (q/k
+norms, rotary, the KV write) and `out_gate` (the output times sigmoid(gate)), with the unfused
+path's rounding points; one program a (row, head), so row- and shard-invariant. 16-bit / fp32 cache."""
 from __future__ import annotations
 
 import torch
@@ -21,7 +11,7 @@ from .. import pdl, xsum
 from .. import lanes
 from ..norm.ref import rms_norm_ref
 from ..pdl import wait as pdl_wait
-from ..small.kernel import XG, store_group_sums
+from ..norm.kernel import XG, store_group_sums
 from ..small.ref import apply_rope_ref
 
 
@@ -152,7 +142,7 @@ def _gate_kernel(o_ptr, qg_ptr, y_ptr, HQ, D, s_qt, s_qh, BLOCK: tl.constexpr, P
     y = (o * sg).to(dt)
     tl.store(y_ptr + row * D + offs, y, mask=m)
     if XS > 0:   # the group sums of the written values (kernels/xsum.py); D a multiple of the group
-        store_group_sums(xs_ptr, tl.where(m, y.to(tl.float32), 0.0), row * (D // XG), D // XG, BLOCK, XS)
+        store_group_sums(xs_ptr, tl.where(m, y.to(tl.float32), 0.0), row * (D // XG), D // XG, BLOCK)
 
 
 def out_gate_triton(o: torch.Tensor, qg: torch.Tensor) -> torch.Tensor:
@@ -162,7 +152,7 @@ def out_gate_triton(o: torch.Tensor, qg: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"out_gate: qg {tuple(qg.shape)} does not fit o {tuple(o.shape)} (unit last stride)")
     o = o.contiguous()
     y = torch.empty(t, hq * d, device=o.device, dtype=qg.dtype)
-    fold = xsum.mode() if xsum.want(y, d) else 0
+    fold = 1 if xsum.want(y, d) else 0
     xs = xsum.new(y) if fold else y
     if t:
         _gate_kernel[(t * hq,)](o, qg, y, hq, d, qg.stride(0), qg.stride(1), BLOCK=triton.next_power_of_2(d),

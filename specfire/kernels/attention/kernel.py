@@ -1,16 +1,7 @@
-"""Triton attention for a few query rows (decode, verify) over the KV cache, bf16 / fp32 or Q8.
-
-Why this shape: one program scans one fixed span of SPLIT keys of one KV head for a tile of
-BLOCK_M (row, query head) pairs, so a KV block loaded once serves every query head of the group
-and every row (GQA packing, rows masked by causal position). Long contexts get parallelism from
-the number of spans, not from the number of rows.
-
-Row invariance (a row's result never depends on R): pair index r*rep + h is independent of R, so
-a row always lands in the same tile slot of a kernel compiled with the same constants; keys past
-a row's position contribute exactly zero (p = 0, running max unchanged); spans are fixed key
-ranges [j*SPLIT, (j+1)*SPLIT) and the combine walks a row's own spans 0..pos//SPLIT in order. None
-of SPLIT, BLOCK_M, BLOCK_N depends on R or pos0.
-"""
+"""Triton attention for a few query rows (decode, verify) over the KV cache, 16-bit or Q8: a program
+scans one fixed span of SPLIT keys of one KV head for a tile of (row, query head) pairs, so a KV
+block serves the whole group; fixed spans, tiles and combine order make a row's result independent
+of the row count and of pos0."""
 from __future__ import annotations
 
 import os
@@ -23,31 +14,27 @@ from ..pdl import wait as pdl_wait
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX in the interpreter
 
-# Chosen by bench/flash_rows.py on the H200 (docs/BENCHMARKS.md). None may depend on R or pos0.
+# Measured on the H200. None may depend on R or pos0.
 SPLIT = 512      # keys per span (fixed: part of the reduction order)
 BLOCK_M = 32     # (row, query-head) pairs per tile: up to 5 rows of a 6-head group in one tile
 BLOCK_N = 64     # keys per inner step
 CHUNK = 16       # spans merged per step of the combine (fixed: part of the reduction order)
-PREFETCH = True  # Q8: load the next int8 block into registers before dequantizing this one
 # Q8 with 16-bit queries: 0 = int8 -> float32 (I2F converts) x scale -> the query dtype;
 # 1 = int8 -> fp16 exactly by the magic-number trick (bits 0x6400 | (v + 128) are 1024 + v + 128),
 #     x fp16 scale, fp16 MMAs (q converted to fp16: exact for |q| in [6.1e-5, 65504]);
 # 2 = as 1 with the conversion done on whole 32-bit words by inline PTX (xor, prmt, sub.f16x2)
 Q8_MODE = 2
-# the Q8 fp16 path's own tile: 32 keys a step, 3 stages (bench/quant_gpu.py, H200: 60.9 us at 33k
-# positions, R = 1, against 67.6 us for mode 0 at the shared 64-key default; prefetch with 64-key
-# steps and the PTX conversion measured 281 us, so the Q8 path never takes those together)
+# the Q8 fp16 path's own tile: 32 keys a step, 3 stages (measured faster than mode 0 at 64 keys;
+# 64-key steps with the prefetch and the PTX conversion together measured far slower)
 Q8_BLOCK_N = 32
 Q8_STAGES = 3
 # Q8 with one scale per (position, KV head), the cache's default (kernels/attention): the key scale
 # multiplies the scores after an fp16 dot on the exact codes, the value scale multiplies p before
 # p.V, so no element is dequantized; values stored key-minor (kernels/attention q8_value_cache).
-# Tile measured by bench/q8kv.py on the H200 (17 configurations): 64 keys a step, 3 stages, 4 warps
-# = 41.3-44.0 us at 33k positions, R = 1..5, against 46.3-49.6 us for the bf16 cache.
+# Tile measured on the H200: 64 keys a step, 3 stages, 4 warps (faster than the bf16 cache's kernel).
 Q8T_BLOCK_N = 64
 Q8T_STAGES = 3
 Q8T_WARPS = 4
-Q8T_MAXNREG = None   # registers per thread cap (None: the compiler's choice)
 
 
 @triton.jit
@@ -112,7 +99,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
                        sq_r, sq_h, sk_n, sk_h, sv_n, sv_h, sks_n, sks_h, svs_n, svs_h,
                        REP: tl.constexpr, D: tl.constexpr, G: tl.constexpr, Q8: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                       PREC: tl.constexpr, PREFETCH: tl.constexpr, POS_PTR: tl.constexpr,
+                       PREC: tl.constexpr, POS_PTR: tl.constexpr,
                        QMODE: tl.constexpr, PDL: tl.constexpr = False):
     pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (kernels/pdl.py)
     if POS_PTR:  # position read on the device (CUDA-graph replay with a new position)
@@ -144,7 +131,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
     v_base = v_ptr + kvh * sv_h + offs_d[None, :]
     ks_base = ks_ptr + kvh * sks_h + offs_g[None, :]
     vs_base = vs_ptr + kvh * svs_h + offs_g[None, :]
-    if Q8 and PREFETCH:
+    if Q8:
         # registers hold the next block's int8 tiles while this one is dequantized and multiplied
         nxt = start + offs_b
         ok = (nxt < hi)[:, None]
@@ -171,21 +158,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
         for n0 in range(start, hi, BLOCK_N):
             offs_n = n0 + offs_b
             ok = (offs_n < hi)[:, None]
-            if Q8 and QMODE > 0:
-                k = _dequant16(tl.load(k_base + offs_n[:, None] * sk_n, mask=ok, other=0),
-                               tl.load(ks_base + offs_n[:, None] * sks_n, mask=ok, other=0.0), BLOCK_N, D, G,
-                               QMODE == 2)
-                v = _dequant16(tl.load(v_base + offs_n[:, None] * sv_n, mask=ok, other=0),
-                               tl.load(vs_base + offs_n[:, None] * svs_n, mask=ok, other=0.0), BLOCK_N, D, G,
-                               QMODE == 2)
-            elif Q8:
-                k = _dequant(tl.load(k_base + offs_n[:, None] * sk_n, mask=ok, other=0),
-                             tl.load(ks_base + offs_n[:, None] * sks_n, mask=ok, other=0.0), BLOCK_N, D, G, q.dtype)
-                v = _dequant(tl.load(v_base + offs_n[:, None] * sv_n, mask=ok, other=0),
-                             tl.load(vs_base + offs_n[:, None] * svs_n, mask=ok, other=0.0), BLOCK_N, D, G, q.dtype)
-            else:
-                k = tl.load(k_base + offs_n[:, None] * sk_n, mask=ok, other=0.0).to(q.dtype)
-                v = tl.load(v_base + offs_n[:, None] * sv_n, mask=ok, other=0.0).to(q.dtype)
+            k = tl.load(k_base + offs_n[:, None] * sk_n, mask=ok, other=0.0).to(q.dtype)
+            v = tl.load(v_base + offs_n[:, None] * sv_n, mask=ok, other=0.0).to(q.dtype)
             m_i, l_i, acc = _online_softmax_step(q, k, v, offs_n, pos, m_i, l_i, acc, qk_scale, PREC)
     # partials: acc [R, Hq, n_split, D], ml [R, Hq, n_split, 2]
     base = (row * hq + head) * n_split + sid
@@ -300,12 +274,13 @@ def _attn_combine_kernel(acc_ptr, ml_ptr, out_ptr, pos0, pos_ptr, n_split, hq,
 def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos0, scale: float,
                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                           block_m: int = BLOCK_M, split: int = SPLIT, block_n: int | None = None,
-                          num_warps: int | None = None, num_stages: int | None = None, prefetch: bool = PREFETCH,
-                          chunk: int = CHUNK, q8_mode: int | None = None, maxnreg: int | None = None) -> torch.Tensor:
+                          num_warps: int | None = None, num_stages: int | None = None,
+                          chunk: int = CHUNK) -> torch.Tensor:
     """Contract of attention_rows_ref (q [R, Hq, D] -> float32 [R, Hq, D]); Q8 when scales are given.
     `pos0` may be a one-element int tensor on the device: the kernels then read it there and the
     launch covers every span of the cache (spans past the rows' positions contribute nothing), so
-    the call can be captured in a CUDA graph and replayed at any position."""
+    the call can be captured in a CUDA graph and replayed at any position. The tile arguments
+    (default: the module's measured settings) change no row's dependence on the others."""
     r_rows, hq, d = q.shape
     hkv = k_cache.shape[1]
     rep = hq // hkv
@@ -326,7 +301,7 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if q8 and k_scale.shape[-1] == 1 and (q.dtype != torch.float32 or v_cache.stride(-1) != 1):
         _q8t_launch(q, k_cache, v_cache, k_scale, v_scale, acc, ml, pos_int, pos_arg, pos_ptr is not None,
                     r_rows, n_keys, n_split, scale, (n_mt, n_split, hkv), block_m, split, block_n, num_warps,
-                    num_stages, q8_mode, maxnreg)
+                    num_stages)
         _attn_combine_kernel[(r_rows * hq,)](acc, ml, out, pos_int, pos_arg, n_split, hq, D=d, SPLIT=split,
                                              CHUNK=chunk, POS_PTR=pos_ptr is not None, num_warps=4, **pdl.kw(q))
         return out
@@ -338,9 +313,7 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     qmode = 0  # float32 queries (the CPU tests' default) keep the float32 dequantisation
     if q8 and q.dtype in (torch.float16, torch.bfloat16):
-        qmode = Q8_MODE if q8_mode is None else q8_mode
-        if qmode == 2 and INTERPRET:
-            qmode = 1
+        qmode = 1 if INTERPRET else Q8_MODE      # no inline PTX in the interpreter
     fp16_q8 = qmode > 0
     block_n = block_n or (Q8_BLOCK_N if fp16_q8 else BLOCK_N)
     num_stages = num_stages or (Q8_STAGES if fp16_q8 else 2)
@@ -349,7 +322,7 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
         REP=rep, D=d, G=(d // k_scale.shape[-1]) if q8 else 1, Q8=q8, BLOCK_M=block_m, BLOCK_N=block_n,
-        SPLIT=split, PREC=prec, PREFETCH=prefetch, POS_PTR=pos_ptr is not None, QMODE=qmode,
+        SPLIT=split, PREC=prec, POS_PTR=pos_ptr is not None, QMODE=qmode,
         num_warps=num_warps or 4, num_stages=num_stages, **pdl.kw(q))
     _attn_combine_kernel[(r_rows * hq,)](acc, ml, out, pos_int, pos_arg, n_split, hq, D=d, SPLIT=split,
                                          CHUNK=chunk, POS_PTR=pos_ptr is not None, num_warps=4, **pdl.kw(q))
@@ -357,7 +330,7 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 def _q8t_launch(q, k_cache, v_cache, k_scale, v_scale, acc, ml, pos_int, pos_arg, pos_on_device, r_rows, n_keys,
-                n_split, scale, grid, block_m, split, block_n, num_warps, num_stages, q8_mode, maxnreg):
+                n_split, scale, grid, block_m, split, block_n, num_warps, num_stages):
     """Launch _attn_q8t_kernel: values key-minor when v_cache's position stride is 1 (the cache's
     layout), mask-free value loads when the storage covers every whole key block."""
     d = q.shape[-1]
@@ -370,13 +343,11 @@ def _q8t_launch(q, k_cache, v_cache, k_scale, v_scale, acc, ml, pos_int, pos_arg
     last = (v_cache.storage_offset() + (v_cache.shape[1] - 1) * v_cache.stride(1) + (d - 1) * v_cache.stride(2)
             + triton.cdiv(n_keys, block_n) * block_n - 1)
     vpad = vt and last < v_cache.untyped_storage().nbytes() // v_cache.element_size()
-    asm = (Q8_MODE if q8_mode is None else q8_mode) == 2 and not INTERPRET
-    maxnreg = maxnreg or Q8T_MAXNREG
-    extra = {} if maxnreg is None or INTERPRET else dict(maxnreg=maxnreg)
+    asm = Q8_MODE == 2 and not INTERPRET
     _attn_q8t_kernel[grid](
         q, k_cache, v_cache, k_scale, v_scale, acc, ml, pos_int, pos_arg, r_rows, n_split, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), k_scale.stride(0), k_scale.stride(1), v_scale.stride(0), v_scale.stride(1),
         REP=q.shape[1] // k_cache.shape[1], D=d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split,
         POS_PTR=pos_on_device, ASM=asm, VT=vt, VPAD=vpad,
-        num_warps=num_warps or Q8T_WARPS, num_stages=num_stages or Q8T_STAGES, **extra, **pdl.kw(q))
+        num_warps=num_warps or Q8T_WARPS, num_stages=num_stages or Q8T_STAGES, **pdl.kw(q))

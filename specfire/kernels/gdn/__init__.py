@@ -1,19 +1,7 @@
-"""Gated DeltaNet: causal depthwise conv1d and the gated delta rule, in two forms.
-
-Shapes: q, k [T, Hv, dk] (key heads already mapped to value heads, L2-normalised, q scaled),
-v [T, Hv, dv], g (log decay) and beta [T, Hv], state S [Hv, dk, dv]; all float32.
-Per row t:  S = exp(g_t) S;  u = S^T k_t;  S += k_t (beta_t (v_t - u))^T;  o_t = S^T q_t.
-
-* `gdn_rows_ref`: the recurrence row by row. Used for decode and verify; optionally returns, in
-  place of the final state, each row's update terms (the corrected values delta_t = beta_t (v_t -
-  S^T k_t) [T, Hv, dv] and the decay factors exp(g_t) [T, Hv]): with k_t they are all `commit_rows`
-  needs to rebuild the state after any row from the state before the rows, with the same float
-  operations (`update`), so bit for bit. A rows forward then writes no state at all.
-* `gdn_chunked_ref`: the chunked (WY) form of the same recurrence for prefill. Within a chunk of C
-  rows with cumulative log decay G, the corrected values delta solve the unit lower-triangular
-  system (I + A) delta = beta*v - beta*exp(G)*(K S0), A[t,s] = beta_t exp(G_t-G_s) k_t.k_s (s < t);
-  then o = exp(G) (Q S0) + (Q K^T * D) delta and S1 = exp(G_C) S0 + (K * exp(G_C - G))^T delta.
-"""
+"""Gated DeltaNet: the causal conv window and the gated delta rule, per row t
+S = exp(g_t) S; u = S^T k_t; S += k_t (beta_t (v_t - u))^T; o_t = S^T q_t (q, k [T, Hv, dk], v [T, Hv,
+dv], g, beta [T, Hv], S [Hv, dk, dv], float32). Rows (decode, verify) log what commit_rows replays;
+prefill runs the chunked (WY) form. References: ref.py; CUDA: kernel.py, fused.py, fla.py."""
 from __future__ import annotations
 
 import torch
@@ -21,8 +9,11 @@ import torch
 from .ref import (ChunkTerms, chunk_terms, commit_rows_ref, conv_window_ref, gates_ref, gdn_chunked_ref, gdn_rows_ref,
                   l2norm_ref, update)
 
-__all__ = ["ChunkTerms", "chunk_terms", "commit_rows", "commit_rows_ref", "conv_window", "conv_window_ref",
-           "gates_ref", "gdn_chunked", "gdn_chunked_ref", "gdn_rows", "gdn_rows_ref", "l2norm_ref", "update"]
+FUSED_MAX_CONV = 4   # conv widths the fused rows kernel (fused.py) holds in registers
+
+__all__ = ["FUSED_MAX_CONV", "ChunkTerms", "chunk_terms", "commit_rows", "commit_rows_ref", "conv_window",
+           "conv_window_ref", "gates_ref", "gdn_chunked", "gdn_chunked_ref", "gdn_rows", "gdn_rows_ref", "l2norm_ref",
+           "update"]
 
 
 def commit_rows(states: torch.Tensor, k: torch.Tensor, delta: torch.Tensor, dec: torch.Tensor, rows: int) -> None:
@@ -64,7 +55,7 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     installed (kernels/gdn/fla.py), else the chunk-to-chunk scan runs in our Triton kernel.
     `canonical` (a tensor-parallel invariant forward): never flash-linear-attention, whose configs
     are autotuned per process and keyed by the head count; our path computes a head the same way
-    among any number of heads (measured bitwise on an H200 at the 27B geometry, bench/tp.py prefill)."""
+    among any number of heads (checked bitwise on an H200 at the 27B geometry)."""
     from . import fla as gdn_fla
     if not canonical and gdn_fla.use_for(q):
         return gdn_fla.gdn_chunked_fla(q, k, v, g, beta, state)

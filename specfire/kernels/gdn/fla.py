@@ -1,15 +1,8 @@
-"""Optional Gated DeltaNet prefill through flash-linear-attention's chunk kernel (GPU only).
-
-flash-linear-attention (`pip install flash-linear-attention`, pure Python + Triton) is the kernel
-library transformers, vLLM and SGLang use for this layer. When it imports, CUDA prefill of the gated
-delta rule goes through its `chunk_gated_delta_rule` (bf16 tensor-core matmuls, float32 state);
-without it, or with SPECFIRE_FLA=0, kernels/gdn's own chunked kernel runs. Decode and verify never
-use it: they keep the row-invariant recurrence, so greedy speculation still equals AR. `warm`
-runs its kernels once at load (one device), so a server's first prompt does not compile them.
-"""
+"""Optional Gated DeltaNet prefill through flash-linear-attention's `chunk_gated_delta_rule` (the
+library transformers, vLLM and SGLang use), on CUDA wherever it imports; decode and verify keep the
+row-invariant recurrence, and `warm` runs it once at load so a first prompt does not compile it."""
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Callable
@@ -18,7 +11,6 @@ import torch
 
 _kernel: Callable | None = None
 _tried = False
-_enabled: bool | None = None    # None: on when the library imports and SPECFIRE_FLA is not "0"
 
 
 def kernel() -> Callable | None:
@@ -34,23 +26,14 @@ def kernel() -> Callable | None:
     return _kernel
 
 
-def set_enabled(on: bool | None) -> None:
-    """Force the optional path on or off (None: the default above)."""
-    global _enabled
-    _enabled = None if on is None else bool(on)
-
-
 def use_for(q: torch.Tensor) -> bool:
     """Whether a prefill on q's device goes through flash-linear-attention."""
-    if not q.is_cuda:
-        return False
-    want = _enabled if _enabled is not None else os.environ.get("SPECFIRE_FLA", "1") != "0"
-    return want and kernel() is not None
+    return q.is_cuda and kernel() is not None
 
 
 def gdn_chunked_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     state: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
-    """Contract of ops.gdn.gdn_chunked_ref: q, k [T, H, dk] (H may divide Hv: value head j reads key
+    """Contract of kernels/gdn gdn_chunked_ref: q, k [T, H, dk] (H may divide Hv: value head j reads key
     head j // (Hv / H), the library's grouping too), v [T, Hv, dv], g, beta [T, Hv], state
     [Hv, dk, dv] -> (o [T, Hv, dv] float32, final state float32). q, k, v and beta run in `dtype`,
     g in float32 (the combination transformers' Qwen3.5 passes it); q is already scaled (scale 1)."""
@@ -64,13 +47,11 @@ def gdn_chunked_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
 
 def warm(hk: int, hv: int, dk: int, dv: int, device: torch.device, rows: int = 128) -> float | None:
     """Run the library's kernels once now, at load, on a small input of these head shapes, so the
-    first prompt does not pay their compilation and autotuning (34.7 s on the H200 for the 27B
-    shape). The state kernel's autotune key is the head counts and sizes, not the length (whether
-    every kernel of the chain is covered at any length was not checked on a GPU). Returns the seconds
-    spent, or None when the library is not used here or SPECFIRE_FLA_WARM=0. A failure is reported
-    on stderr and left to the first prefill, which would meet it anyway."""
+    first prompt does not pay their compilation and autotuning (the state kernel's autotune key is
+    the head counts and sizes, not the length). Returns the seconds spent, or None when the library
+    is not used here. A failure is reported on stderr and left to the first prefill."""
     dev = torch.device(device)
-    if os.environ.get("SPECFIRE_FLA_WARM", "1") == "0" or not use_for(torch.empty(0, device=dev)):
+    if not use_for(torch.empty(0, device=dev)):
         return None
     t0 = time.perf_counter()
     try:

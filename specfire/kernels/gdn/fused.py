@@ -1,72 +1,20 @@
-"""One Triton kernel for a Gated DeltaNet layer's rows forward (decode, verify) from the
-projections to what out_proj reads: conv window + SiLU, q/k L2 norms, the gates (beta, log decay),
-the gated delta rule, and (given z) the gated RMSNorm of the output.
-
-Why: unfused this stretch is ~27 small kernels per layer per step (casts, the gate chain, the
-l2norm chain, the key-head repeat, the output norm), ~1.3k launches of the 27B shape's step.
-
-With bv = None one program owns a whole value head h (all dv columns, several warps): it computes its
-key head's q/k channels (h // rep; recomputed by the rep value heads of a key head: cheap, and it
-keeps programs independent), its v channels, its state, and then the gated norm over the head's
-dv outputs, which needs the whole head. So a program's result depends only on its head's inputs
-(tensor-parallel shards by heads give the same bits), and rows are applied in order from the state
-in registers exactly as a one-row call applies them from the committed state (verify rows equal
-decode rows bit for bit: the row count is not specialised, so a one-row call runs the same binary,
-and the conv chain is written as explicit FMAs; a first GPU run without these two measures had
-rows differ from chained single rows). The launch writes no state: per row it logs what the state
-update needs (k_t, delta_t = beta_t (v_t - S^T k_t), exp(g_t)), and commit(n) replays rows 0..n on
-the live state (kernels/gdn/kernel.py `_gdn_commit_kernel`) with the same operations, the update
-being an explicit FMA in both kernels, so the committed state is the one this launch carried.
-Each channel of the conv window after the rows (`full`, which commit reads) is written by exactly
-one program; its stores come after the loads a row needs (a store right after its own load would
-hold the program for one memory latency per row). `bv` < dv splits a head's columns over programs
-(each recomputes its key head's q/k; no norm then: the gated norm is its own launch): the default
-(BV below). Either way a build uses one form for every row count and shard.
-
-The row loop is software-pipelined (PIPE, the default): row t+1's own inputs (its projections,
-a, b and z) are loaded, masked past the last row, before row t's math and stores, so their memory
-latency overlaps a row's work instead of following the previous row's stores (a load cannot move
-above a store that may alias it). Row t's arithmetic is the same code in the same order, its last
-conv tap the prefetched value instead of a fresh load of the same element: the same bits as the
-plain loop (checked on the GPU by bench/cycle_profile.py and in the tests), the same for every row
-count. Launched with PDL the first of those loads still follows the wait.
-
-The merged-reduction form (MERGED, the default; `_gdn_merged_kernel`, conv widths up to 4) goes
-further: a row's serial part is the state, so everything else about row t+1 (its conv output from
-the window held in registers with the hoisted weights, SiLU, beta, exp(g)) is made while row t is
-still in flight, and the four reductions over the key axis a row used to run one after the other
-(sum q^2, sum k^2, S^T k, S^T q, each a cross-warp round trip, with layout changes between them)
-run as one four-operand reduce: row t+1's sum q^2, sum k^2 and sum(k * S_t exp(g_t+1)) with row
-t's sum(q * S_t). Its roundings differ from the loop's (u is rsqrt(sum k^2) times the unnormalised
-k against the state, o likewise), the same ones for every row count and shard, and the state update
-is the commit kernel's fma(k_hat, delta, S exp(g)) with the logged k_hat. On the 4-bit 27B step it
-takes 0.1 ms off the 4-row verify graph and nothing off or onto the 1-row one (docs/BENCHMARKS.md,
-"Ninth wave: the Gated DeltaNet rows ...").
-"""
+"""One Triton kernel for a Gated DeltaNet layer's rows forward, from the projections to what out_proj
+reads (conv + SiLU, q/k norms, gates, the delta rule, the gated norm on whole heads); it writes no
+state but logs what commit replays, and T rows equal T chained one-row calls bit for bit."""
 from __future__ import annotations
 
 import torch
 from .._triton import triton, tl
 
+from . import FUSED_MAX_CONV as MAX_CONV
 from . import ref as gdn_ops
 from .. import pdl
 from .. import lanes
 from ..norm.ref import gated_rms_norm_ref
 from ..pdl import wait as pdl_wait
 
-BV = 32         # value columns per program; None: the whole head (then the gated norm runs inside)
-MERGED = True   # the merged-reduction row loop (_gdn_merged_kernel; conv K <= 4, else the loop below).
-                # 4-bit 27B, H200, one process (bench/cycle_profile.py m32w2 vs gdn32w2p): 4-row graph
-                # 7.035 -> 6.913 ms, 1-row 6.600 -> 6.587, device cycle 1.158x -> 1.143x an AR step
-PIPE = True     # software-pipelined row loop: row t+1's projections, a, b, z loaded before row t's math
-                # (same arithmetic, same bits). 4-bit 27B, H200 (bench/cycle_profile.py gdn32w2 vs
-                # gdn32w2p, one process): 4-row graph 7.248 -> 7.183 ms, 1-row 6.803 -> 6.793
-NUM_WARPS = 2   # 27B heads (128 x 128), H200, in the 4-bit 27B step (bench/cycle_profile.py): whole heads
-                # (48 programs) paid the then per-row state captures on 48 SMs: 4 rows 826 us a step against
-                # 320 for one; 32 columns a program (192 programs) 558 / 269 us + the gated norm's own
-                # launch (70 us): the 4-row graph 0.17 ms faster, the 1-row 0.03 ms slower. Alone, one
-                # row (bench/fuse.py sweep): whole head 4 warps 6.9 us, 8 warps 17.6; split 32 / 1 warp
-                # + the norm kernel 7.5, split 64 / 2 warps + norm 7.9
+BV = 32         # value columns per program (the gated norm then runs as its own launch)
+NUM_WARPS = 2   # the H200's best for the 27B heads (128 x 128) with BV = 32
 
 
 def gdn_decode_ref(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, window: torch.Tensor, w: torch.Tensor,
@@ -96,147 +44,6 @@ def gdn_decode_ref(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, window: 
 
 
 @triton.jit
-def _tap(x_ptr, win_ptr, i, ch, ok, sx, C, KM1: tl.constexpr):
-    """Row i of the full conv input in float32: window row i when i < K-1, else projection row i-(K-1)."""
-    in_win = i < KM1
-    a = tl.load(win_ptr + tl.minimum(i, KM1 - 1) * C + ch, mask=ok & in_win, other=0.0).to(tl.float32)
-    b = tl.load(x_ptr + tl.maximum(i - KM1, 0) * sx + ch, mask=ok & (i >= KM1), other=0.0).to(tl.float32)
-    return tl.where(in_win, a, b)
-
-
-@triton.jit
-def _conv_silu(x_ptr, win_ptr, w_ptr, t, ch, ok, sx, C, K: tl.constexpr):
-    """Output row t of the causal depthwise conv + SiLU (a fixed chain over the K taps), and the
-    last tap (projection row t in float32: row K-1+t of the full window)."""
-    acc = _tap(x_ptr, win_ptr, t, ch, ok, sx, C, K - 1) * tl.load(w_ptr + ch * K, mask=ok, other=0.0).to(tl.float32)
-    last = acc
-    for j in tl.static_range(1, K):   # explicit FMAs: the compiler cannot contract them differently per row
-        last = _tap(x_ptr, win_ptr, t + j, ch, ok, sx, C, K - 1)
-        acc = tl.fma(last, tl.load(w_ptr + ch * K + j, mask=ok, other=0.0).to(tl.float32), acc)
-    return acc / (1.0 + tl.exp(-acc)), last
-
-
-@triton.jit
-def _conv_silu_pre(x_ptr, win_ptr, w_ptr, t, ch, ok, sx, C, K: tl.constexpr, pre):
-    """_conv_silu with its last tap (projection row t in float32) loaded earlier and passed in as
-    `pre`: the same values through the same FMA chain, so the same bits."""
-    acc = _tap(x_ptr, win_ptr, t, ch, ok, sx, C, K - 1) * tl.load(w_ptr + ch * K, mask=ok, other=0.0).to(tl.float32)
-    last = acc
-    for j in tl.static_range(1, K):
-        if j == K - 1:
-            last = pre
-        else:
-            last = _tap(x_ptr, win_ptr, t + j, ch, ok, sx, C, K - 1)
-        acc = tl.fma(last, tl.load(w_ptr + ch * K + j, mask=ok, other=0.0).to(tl.float32), acc)
-    return acc / (1.0 + tl.exp(-acc)), last
-
-
-@triton.jit(do_not_specialize=["n_rows"])   # one binary for every row count: row t runs the same code
-def _gdn_decode_kernel(x_ptr, a_ptr, b_ptr, win_ptr, w_ptr, alog_ptr, dtb_ptr, s_ptr, z_ptr, nw_ptr,
-                       o_ptr, klog_ptr, dlog_ptr, declog_ptr, full_ptr, n_rows, sx, sa, sb, sz, C, KEY_DIM, q_scale, eps,
-                       REP: tl.constexpr, K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, KM1P: tl.constexpr, NORM: tl.constexpr,
-                       PIPE: tl.constexpr = False, PDL: tl.constexpr = False):
-    pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (kernels/pdl.py)
-    h = tl.program_id(0)
-    vb = tl.program_id(1)
-    hv = tl.num_programs(0)
-    offs_k = tl.arange(0, BK)
-    k_ok = offs_k < DK
-    offs_v = vb * BV + tl.arange(0, BV)
-    v_ok = offs_v < DV
-    cq = (h // REP) * DK + offs_k                      # this head's key head: q, then k channels
-    ck = KEY_DIM + cq
-    cv = 2 * KEY_DIM + h * DV + offs_v
-    own = offs_k < DK * ((vb + h % REP) == 0).to(tl.int32)   # one program writes a key head's q/k window
-    first_k = offs_k < DK * (vb == 0).to(tl.int32)           # one program writes a value head's logged k
-    # the window rows of `full` (its first K-1 rows): loaded now, stored after the rows
-    offs_r = tl.arange(0, KM1P)
-    r_ok = offs_r < K - 1
-    wm_k = r_ok[:, None] & own[None, :]
-    wm_v = r_ok[:, None] & v_ok[None, :]
-    win_q = tl.load(win_ptr + offs_r[:, None] * C + cq[None, :], mask=wm_k, other=0.0)
-    win_k = tl.load(win_ptr + offs_r[:, None] * C + ck[None, :], mask=wm_k, other=0.0)
-    win_v = tl.load(win_ptr + offs_r[:, None] * C + cv[None, :], mask=wm_v, other=0.0)
-    hs = DK * DV
-    sm = k_ok[:, None] & v_ok[None, :]
-    s_off = offs_k[:, None] * DV + offs_v[None, :]
-    s = tl.load(s_ptr + h * hs + s_off, mask=sm, other=0.0).to(tl.float32)       # [BK, BV]
-    neg_a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
-    dtb = tl.load(dtb_ptr + h).to(tl.float32)
-    if NORM:
-        nw = tl.load(nw_ptr + offs_v, mask=v_ok, other=0.0).to(tl.float32)
-    if PIPE:   # row 0's own inputs (its projections, a, b, z), loaded ahead as every later row's are
-        go = (h * 0 < n_rows).to(tl.int32)      # a tensor (also interpreted); vector masks as int products
-        gk = k_ok & (offs_k < BK * go)
-        gv = v_ok & (tl.arange(0, BV) < BV * go)
-        pq = tl.load(x_ptr + cq, mask=gk, other=0.0).to(tl.float32)
-        pk = tl.load(x_ptr + ck, mask=gk, other=0.0).to(tl.float32)
-        pv = tl.load(x_ptr + cv, mask=gv, other=0.0).to(tl.float32)
-        pa = tl.load(a_ptr + h, mask=go > 0, other=0.0).to(tl.float32)
-        pb = tl.load(b_ptr + h, mask=go > 0, other=0.0).to(tl.float32)
-        if NORM:
-            pz = tl.load(z_ptr + h * DV + offs_v, mask=gv, other=0.0).to(tl.float32)
-    for t in range(n_rows):
-        if PIPE:
-            # software pipeline: take row t's inputs loaded one row ahead and issue row t+1's loads
-            # now (masked past the last row), before row t's math and stores, so their memory latency
-            # overlaps this row's work; row t's arithmetic below is the unpipelined code, op for op
-            xq_t, xk_t, xv_t, a_t, b_t = pq, pk, pv, pa, pb
-            if NORM:
-                zt = pz
-            go = (h * 0 + t + 1 < n_rows).to(tl.int32)
-            gk = k_ok & (offs_k < BK * go)
-            gv = v_ok & (tl.arange(0, BV) < BV * go)
-            pq = tl.load(x_ptr + (t + 1) * sx + cq, mask=gk, other=0.0).to(tl.float32)
-            pk = tl.load(x_ptr + (t + 1) * sx + ck, mask=gk, other=0.0).to(tl.float32)
-            pv = tl.load(x_ptr + (t + 1) * sx + cv, mask=gv, other=0.0).to(tl.float32)
-            pa = tl.load(a_ptr + (t + 1) * sa + h, mask=go > 0, other=0.0).to(tl.float32)
-            pb = tl.load(b_ptr + (t + 1) * sb + h, mask=go > 0, other=0.0).to(tl.float32)
-            if NORM:
-                pz = tl.load(z_ptr + (t + 1) * sz + h * DV + offs_v, mask=gv, other=0.0).to(tl.float32)
-            q, xq = _conv_silu_pre(x_ptr, win_ptr, w_ptr, t, cq, k_ok, sx, C, K, xq_t)
-            k, xk = _conv_silu_pre(x_ptr, win_ptr, w_ptr, t, ck, k_ok, sx, C, K, xk_t)
-            v, xv = _conv_silu_pre(x_ptr, win_ptr, w_ptr, t, cv, v_ok, sx, C, K, xv_t)
-        else:
-            q, xq = _conv_silu(x_ptr, win_ptr, w_ptr, t, cq, k_ok, sx, C, K)
-            k, xk = _conv_silu(x_ptr, win_ptr, w_ptr, t, ck, k_ok, sx, C, K)
-            v, xv = _conv_silu(x_ptr, win_ptr, w_ptr, t, cv, v_ok, sx, C, K)
-            b_t = tl.load(b_ptr + t * sb + h).to(tl.float32)
-            a_t = tl.load(a_ptr + t * sa + h).to(tl.float32)
-            if NORM:
-                zt = tl.load(z_ptr + t * sz + h * DV + offs_v, mask=v_ok, other=0.0).to(tl.float32)
-        q = q * (1.0 / tl.sqrt(tl.sum(q * q, 0) + 1e-6)) * q_scale
-        k = k * (1.0 / tl.sqrt(tl.sum(k * k, 0) + 1e-6))
-        beta = 1.0 / (1.0 + tl.exp(-b_t))
-        at = a_t + dtb
-        g = neg_a * tl.where(at > 20.0, at, tl.log(1.0 + tl.exp(at)))          # softplus, threshold 20
-        dec = tl.exp(g)
-        s = s * dec
-        u = tl.sum(k[:, None] * s, 0)                                          # [BV] = S^T k
-        delta = beta * (v - u)
-        s = tl.fma(k[:, None], delta[None, :], s)                              # as _gdn_commit_kernel
-        o = tl.sum(q[:, None] * s, 0)                                          # [BV] = S^T q
-        dt = o_ptr.dtype.element_ty
-        if NORM:   # the gated RMSNorm with kernels/small/kernel.py's rounding points (o rounded first)
-            ob = o.to(dt).to(tl.float32)
-            n = (ob * (1.0 / tl.sqrt(tl.sum(ob * ob, 0) / DV + eps))).to(dt).to(tl.float32)
-            o = (nw * n).to(dt).to(tl.float32) * (zt / (1.0 + tl.exp(-zt)))
-        tl.store(o_ptr + (t * hv + h) * DV + offs_v, o.to(dt), mask=v_ok)
-        # from the state's layout: the [BK, BV] broadcast, its first key row stored (no layout change)
-        tl.store(dlog_ptr + (t * hv + h) * DV + offs_v[None, :] + 0 * offs_k[:, None],
-                 tl.broadcast_to(delta[None, :], (BK, BV)), mask=(offs_k[:, None] == 0) & v_ok[None, :])
-        tl.store(klog_ptr + (t * hv + h) * DK + offs_k, k, mask=first_k)
-        tl.store(declog_ptr + t * hv + h, dec, mask=vb == 0)
-        tl.store(full_ptr + (K - 1 + t) * C + cv, xv, mask=v_ok)
-        tl.store(full_ptr + (K - 1 + t) * C + cq, xq, mask=own)
-        tl.store(full_ptr + (K - 1 + t) * C + ck, xk, mask=own)
-    tl.store(full_ptr + offs_r[:, None] * C + cv[None, :], win_v, mask=wm_v)
-    tl.store(full_ptr + offs_r[:, None] * C + cq[None, :], win_q, mask=wm_k)
-    tl.store(full_ptr + offs_r[:, None] * C + ck[None, :], win_k, mask=wm_k)
-
-
-@triton.jit
 def _add4(a0, b0, c0, d0, a1, b1, c1, d1):
     return a0 + a1, b0 + b1, c0 + c1, d0 + d1
 
@@ -244,7 +51,7 @@ def _add4(a0, b0, c0, d0, a1, b1, c1, d1):
 @triton.jit
 def _conv_taps(c1, c2, c3, x, w0, w1, w2, w3, K: tl.constexpr):
     """The causal conv's output row from the last K full-window rows held in registers (c1, c2, c3
-    the three before the projection row x; K <= 4), tap j times weight j: the chain of _conv_silu."""
+    the three before the projection row x; K <= 4), tap j times weight j, explicit FMAs."""
     if K == 4:
         acc = c1 * w0
         acc = tl.fma(c2, w1, acc)
@@ -281,7 +88,7 @@ def _gdn_merged_kernel(x_ptr, a_ptr, b_ptr, win_ptr, w_ptr, alog_ptr, dtb_ptr, s
                        eps, REP: tl.constexpr, K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, KM1P: tl.constexpr, NORM: tl.constexpr,
                        PDL: tl.constexpr = False):
-    """The merged-reduction form (MERGED; conv K <= 4). Row t's terms that do not depend on the state
+    """Row t's terms that do not depend on the state
     (conv window + SiLU from registers, the gates) are made one row ahead, and the one cross-lane
     reduction a row needs runs as a single four-operand reduce over the key axis: row t+1's
     sum(q^2), sum(k^2), sum(k * S_t exp(g_t+1)) with row t's sum(q * S_t). So
@@ -426,7 +233,7 @@ def _gdn_merged_kernel(x_ptr, a_ptr, b_ptr, win_ptr, w_ptr, alog_ptr, dtb_ptr, s
         rk = 1.0 / tl.sqrt(sk + 1e-6)
         o = so * (rq_t * q_scale)                                              # [BV]
         dt = o_ptr.dtype.element_ty
-        if NORM:   # the gated RMSNorm with kernels/small/kernel.py's rounding points (o rounded first)
+        if NORM:   # the gated RMSNorm with kernels/norm/kernel.py's rounding points (o rounded first)
             ob = o.to(dt).to(tl.float32)
             n = (ob * (1.0 / tl.sqrt(tl.sum(ob * ob, 0) / DV + eps))).to(dt).to(tl.float32)
             o = (nw * n).to(dt).to(tl.float32) * (zt / (1.0 + tl.exp(-zt)))
@@ -445,18 +252,17 @@ def gdn_decode_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, windo
                       a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, hk: int, dk: int, dv: int,
                       z: torch.Tensor | None = None, norm_w: torch.Tensor | None = None, eps: float = 1e-6,
                       bv: int | None = None, num_warps: int | None = None,
-                      out: tuple[torch.Tensor, ...] | None = None,
-                      pipe: bool | None = None, merged: bool | None = None) -> tuple[torch.Tensor, tuple, torch.Tensor]:
+                      out: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, tuple, torch.Tensor]:
     """Contract of gdn_decode_ref. `out`: where to write the log and the full window, (k [T, Hv,
     dk], delta [T, Hv, dv], dec [T, Hv], full [K-1+T, C]), contiguous float32 (default: new). bv (default BV; None: the whole head) splits a head's value
     columns over programs and num_warps (default NUM_WARPS) the reductions' lanes: neither changes
     a row's dependence on other rows or heads. The gated norm (z given) runs inside the launch on
-    whole heads, else as kernels/small/kernel.py's kernel after it. pipe (default PIPE): the row loop
-    software-pipelined (each row's input loads issued one row ahead; the same arithmetic, the same bits)."""
+    whole heads, else as kernels/norm/kernel.py's kernel after it."""
     t, c = qkv.shape
     hv, kk = a.shape[1], w.shape[-1]
-    if c != 2 * hk * dk + hv * dv or hv % hk or kk < 2:
-        raise ValueError(f"gdn_decode: channels {c} != 2*{hk}*{dk} + {hv}*{dv}, or Hv % Hk, or conv K={kk} < 2")
+    if c != 2 * hk * dk + hv * dv or hv % hk or not 2 <= kk <= MAX_CONV:
+        raise ValueError(f"gdn_decode: channels {c} != 2*{hk}*{dk} + {hv}*{dv}, or Hv % Hk, or conv K={kk} "
+                         f"outside 2..{MAX_CONV}")
     if z is not None and (norm_w is None or tuple(z.shape) != (t, hv * dv)):
         raise ValueError(f"gdn_decode: the gated norm needs its weight and z of shape [{t}, {hv * dv}] "
                          f"(got {list(z.shape)})")
@@ -479,20 +285,12 @@ def gdn_decode_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, windo
                          f"got {[tuple(x.shape) for x in out]}")
     klog, dlog, declog, full = out
     zz = z if norm else o
-    if (MERGED if merged is None else merged) and kk <= 4:
-        _gdn_merged_kernel[(hv, triton.cdiv(dv, bv))](
-            qkv, a, b, window, w, a_log, dt_bias, state, zz, norm_w if norm else a_log, o, klog, dlog, declog, full,
-            t, qkv.stride(0), a.stride(0), b.stride(0), zz.stride(0), c, hk * dk, dk ** -0.5, eps,
-            REP=hv // hk, K=kk, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv,
-            KM1P=triton.next_power_of_2(kk - 1), NORM=norm, num_warps=num_warps or NUM_WARPS, **pdl.kw(qkv))
-    else:
-        _gdn_decode_kernel[(hv, triton.cdiv(dv, bv))](
-            qkv, a, b, window, w, a_log, dt_bias, state, zz, norm_w if norm else a_log, o, klog, dlog, declog, full,
-            t, qkv.stride(0), a.stride(0), b.stride(0), zz.stride(0), c, hk * dk, dk ** -0.5, eps,
-            REP=hv // hk, K=kk, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv,
-            KM1P=triton.next_power_of_2(kk - 1), NORM=norm, PIPE=PIPE if pipe is None else pipe,
-            num_warps=num_warps or NUM_WARPS, **pdl.kw(qkv))
+    _gdn_merged_kernel[(hv, triton.cdiv(dv, bv))](
+        qkv, a, b, window, w, a_log, dt_bias, state, zz, norm_w if norm else a_log, o, klog, dlog, declog, full,
+        t, qkv.stride(0), a.stride(0), b.stride(0), zz.stride(0), c, hk * dk, dk ** -0.5, eps,
+        REP=hv // hk, K=kk, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv,
+        KM1P=triton.next_power_of_2(kk - 1), NORM=norm, num_warps=num_warps or NUM_WARPS, **pdl.kw(qkv))
     if z is not None and not norm:      # split heads: the norm as its own launch
-        from ..small.kernel import gated_rms_norm_triton
+        from ..norm.kernel import gated_rms_norm_triton
         o = gated_rms_norm_triton(o, z.view(t, hv, dv), norm_w, eps)
     return o, (klog, dlog, declog), full

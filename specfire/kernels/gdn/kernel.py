@@ -1,22 +1,13 @@
-"""Triton kernels for the Gated DeltaNet rows path (decode, verify): the recurrence, the commit
-that replays logged rows, and the conv window.
-
-The recurrence kernel reads the state once into registers (one program per value head and BV
-value columns; columns of S evolve independently), applies the rows in order, and writes each
-row's output and either the final state or (log) each row's update terms: delta_t [dv] and the
-decay factor exp(g_t). The state is never written by a rows forward; `commit_rows_triton` applies
-rows 0..n to the live state from those terms (and k_t) with the same float operations, an
-explicit FMA in both kernels, so it reproduces the state the rows kernel carried after row n bit
-for bit. Every row runs the same instructions in the same order whatever T is, so verify rows
-equal decode rows bit for bit.
-"""
+"""Triton kernels of the Gated DeltaNet rows path and prefill scan: the recurrence (state in registers,
+rows in order, each row's update terms logged, no state written), the commit that replays rows 0..n
+with the same FMAs (bit for bit), the conv window, and the chunk-to-chunk prefill scan."""
 from __future__ import annotations
 
 import torch
 from .._triton import triton, tl
 
 BV = 16         # value columns per program
-NUM_WARPS = 1   # with BV = 16: measured best on the H200 for 2..16 rows (docs/BENCHMARKS.md)
+NUM_WARPS = 1   # with BV = 16: measured best on the H200 for 2..16 rows
 COMMIT_BV = 32  # value columns per program of the commit (27B heads: 48 layers x 48 heads x 4 programs)
 
 

@@ -1,32 +1,6 @@
-"""Linear layers (y = x @ W^T) with a row-invariant path for decode and verify, whose output
-elements are computed the same way in a column shard as in the whole matrix.
-
-Row invariance: a row's result must not depend on how many rows are computed with it, so that a
-k+1-row verify reproduces k+1 one-row decodes bit for bit. A plain GEMM is not row-invariant on the
-CPU (MKL/oneDNN pick different blockings for M = 1 and M > 1: measured, every row of M = 2..8
-differed from the M = 1 result in the last bits). A batched GEMM with one row per batch entry runs
-the same per-row kernel for every M; on the 2-core CPU it is also faster than GEMM for M <= 8
-(512x1536 fp32: 45/56/92 us at M = 1/2/4 vs 44/79/137 us for GEMM). On CUDA the row path is
-the Triton skinny matmul of kernels/gemv/kernel.py (row-invariant by construction, ~bandwidth-bound).
-
-Column-shard invariance (tensor parallelism): on the CPU an output element computed in the
-vector body and in the tail of the N dimension differ in the last bits (measured: N = 131, 98,
-151 shards differed), so the product runs in panels of PANEL output rows, the last one padded
-with zero rows: then every element comes out of the same code whatever shard it is in
-(measured equal for shards starting anywhere, M = 1..300, 1 and 2 threads). On a CUDA mesh (and
-one GPU with the canonical split on) every product, prefill included, goes through the Triton
-kernel with the launch settings of the whole matrix (`launch_n`), so a shard computes each element
-exactly as the whole does (projections of one input launched together take the settings of the
-group's widest whole matrix: linear_group). One GPU without the canonical split (kernels/splitk,
-the default) has no shard to match: its prefill uses cuBLAS (~2.3x the Triton kernel's GEMM rate); decode and verify
-keep the row-invariant kernel, so greedy speculation still equals AR.
-A 4-bit `QuantWeight` (kernels/q4) is accepted in place of a weight tensor.
-
-One CPU device (`exact` False: no mesh, not the canonical mode) has no shard to match: a row is x[i] @ W^T through `torch.mm` on a cached transposed copy of W, one
-call per row, so a verify row runs the very call a one-row decode runs (row-invariant by
-construction; measured independent of the row's memory alignment, unlike F.linear at odd N).
-On the 2-core CPU it is the fastest one-row product (4096x256: 111 us vs 264 F.linear, 283 bmm).
-"""
+"""y = x @ W^T, row-invariant for decode and verify (a k+1-row verify gives k+1 one-row decodes' bits)
+and, on a mesh or in the canonical mode, computed alike in a column shard and in the whole matrix.
+A 4-bit QuantWeight (kernels/q4) is accepted in place of a weight tensor."""
 from __future__ import annotations
 
 import torch
@@ -58,9 +32,9 @@ def transposed(w: torch.Tensor) -> torch.Tensor:
 
 
 def linear_one_cpu(x: torch.Tensor, wt: torch.Tensor, rows: bool) -> torch.Tensor:
-    """x [M, K] @ wt [K, N]: in rows mode one `mm` call per row (row-invariant: a verify row runs
-    the call of a one-row decode), else one GEMM. (Cutting W^T into L2-sized column blocks made a
-    4-row verify slower on the 2-core CPU: 2.99x vs 2.02x a one-row step.)"""
+    """One CPU device, x [M, K] @ wt [K, N]: in rows mode one `mm` call per row (a verify row runs
+    the very call of a one-row decode: row-invariant, and the fastest one-row product there),
+    else one GEMM."""
     m = x.shape[0]
     if m == 1 or not rows:
         return torch.mm(x, wt)
@@ -88,8 +62,9 @@ def fused_t(ws: tuple[torch.Tensor, ...], owner) -> torch.Tensor:
 def linear(x: torch.Tensor, w, rows: bool, launch_n: int | None = None, exact: bool = False) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T. `rows` selects the row-invariant path (decode / verify). `w` is a
     tensor or a 4-bit QuantWeight. `launch_n`: the N of the whole matrix when `w` is a column
-    shard of it (CUDA launch settings). `exact`: each element as in any column shard (a mesh, or
-    one device in the canonical mode)."""
+    shard of it (CUDA launch settings). `exact` (a mesh, or one device in the canonical mode): each
+    element as in any column shard, a prefill on CUDA too through the Triton kernel; else one GPU's
+    prefill is cuBLAS."""
     if isinstance(w, torch.Tensor) and not exact and not x.is_cuda:
         return linear_one_cpu(x, transposed(w), rows)                           # one CPU device
     if not isinstance(w, torch.Tensor):

@@ -1,17 +1,8 @@
-"""Row-invariant skinny matmul (GEMV) on CUDA, in Triton: decode and verify rows, and prefill.
-
-y[M, N] = x[M, K] @ w[N, K]^T with fp32 accumulation. Row invariance by construction: the row
-tile is always 16 wide (rows past M are masked), the launch configuration is a function of
-(N, K) only, and M is not a specialised kernel argument, so every M runs the same machine code
-and row m's reduction order (tile by tile along K, one tensor-core MMA per tile, then an optional
-split-K sum in fixed order) never depends on the other rows or on how many there are.
-
-The weight is the MMA's A operand ([BLOCK_N, BLOCK_K], K-contiguous as stored) and x^T the B
-operand, so one weight tile is read once for all rows: the kernel moves the weight bytes once.
-"""
+"""Row-invariant skinny matmul (GEMV) on CUDA: the weight is the MMA's A operand (read once for all
+rows), the row tile is fixed, the settings depend on (N, K) only and M is never specialised, so a
+row's reduction order never depends on the other rows."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -45,15 +36,14 @@ def fit_stages(cfg: GemvConfig, tile: int, elt: int) -> int:
     return stages
 
 
-# (N, K) -> measured settings that the rules below do not give (bench/linear.py bf16small, H200):
-# the 27B GDN gate projections in_proj_b / in_proj_a (48 rows each, one grouped launch beside the
-# 4-bit ones) ran 2 CTAs with the rule's settings, 10.8 us; split-K 10 over 16-row tiles: 4.7 us
+# (N, K) -> measured settings that the rules below do not give: the 27B GDN gate projections
+# in_proj_b / in_proj_a (48 rows each) fill only 2 CTAs with the rule's settings; split-K 10 fills more
 _MEASURED: dict = {(48, 5120): GemvConfig(block_n=16, block_k=128, split_k=10, num_warps=4, num_stages=3)}
 
 
 def gemv_config(n: int, k: int) -> GemvConfig:
     """The launch configuration for a weight [n, k]; depends on the shape only (never on M).
-    Picked by the sweep in bench/linear.py on the H200 (27B shapes, K = 5120..17408)."""
+    Picked by a sweep on the H200 (27B shapes, K = 5120..17408)."""
     if (n, k) in _MEASURED:
         return _MEASURED[(n, k)]
     if n >= 65536:   # lm_head
@@ -148,7 +138,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig | None = None, launch
 
 
 _LOCKS: dict = {}
-GROUP_SEM = True   # a grouped split-K launch combines its partials in the kernel (bench/linear.py compares)
 
 
 def _locks(device: torch.device, n: int) -> torch.Tensor:
@@ -164,7 +153,6 @@ def _locks(device: torch.device, n: int) -> torch.Tensor:
 
 GROUP_MAX = 4      # column projections of one input that one launch can hold
 OUT_ALIGN = 64     # elements: where a grouped launch's outputs start in its buffer
-GROUP = os.environ.get("SPECFIRE_GEMV_GROUP", "1") != "0"   # bench/tp.py can turn grouping off
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -250,16 +238,15 @@ def gemv_group(x: torch.Tensor, ws: list[torch.Tensor], launch_ns: list[int | No
     """[x @ w.T for w in ws] in one launch with group_config's settings (launch_ns: each weight's
     whole N; None: its own). Each output is bit for bit gemv(x, w, group_config(...)). A column
     shard alone launches half the whole's programs; the shards of one input together fill the GPU
-    as the whole matrices do. SPECFIRE_GEMV_GROUP=0: one gemv per weight with its own settings.
-    A split-K config runs one launch and one fixed-order sum for the whole group. `cfg` replaces
-    group_config's settings (bench/linear.py sweeps)."""
+    as the whole matrices do. A split-K config runs one launch and one fixed-order sum for the whole group. `cfg` replaces
+    group_config's settings (a benchmark's sweep)."""
     m, k = x.shape
     whole = [ln or w.shape[0] for w, ln in zip(ws, launch_ns)]
     cfg = cfg or group_config(whole, k)
     esz = ws[0].element_size()
     plain = all(w.dim() == 2 and w.shape[1] == k and w.is_contiguous() and w.dtype == ws[0].dtype
                 and w.device == x.device and (w.data_ptr() - ws[0].data_ptr()) % esz == 0 for w in ws)
-    if not GROUP or len(ws) == 1:
+    if len(ws) == 1:
         return [gemv(x, w, launch_n=ln, tile=tile) for w, ln in zip(ws, launch_ns)]
     if not (plain and len(ws) <= GROUP_MAX):
         return [gemv(x, w, cfg, tile=tile) for w in ws]
@@ -279,7 +266,7 @@ def gemv_group(x: torch.Tensor, ws: list[torch.Tensor], launch_ns: list[int | No
     # split-K combined in the kernel (counters, zero between launches) where the counters exist or
     # can be made now (never during a CUDA-graph capture), else by one _splitk_sum launch
     have = _LOCKS.get(x.device)
-    sem = split > 1 and GROUP_SEM and ((have is not None and have.numel() >= grid[0] * grid[1])
+    sem = split > 1 and ((have is not None and have.numel() >= grid[0] * grid[1])
                                        or not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
     locks = _locks(x.device, grid[0] * grid[1]) if sem else y
     on = pdl.on(x)

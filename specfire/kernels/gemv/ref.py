@@ -8,14 +8,16 @@ PANEL = 16         # CPU output-row panel (elements of one AVX-512 vector)
 
 
 def linear_rows_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K], w [N, K] -> [M, N]; every row computed by the same one-row kernel."""
+    """x [M, K], w [N, K] -> [M, N]; a batched product of one row per entry, so every row runs the
+    same one-row kernel whatever M (a CPU GEMM picks another blocking for M > 1)."""
     m = x.shape[0]
     return torch.bmm(x.unsqueeze(1), w.t().unsqueeze(0).expand(m, -1, -1)).squeeze(1)
 
 
 def paneled(fn, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """fn(x, w) with N cut into whole panels plus one zero-padded panel for the tail (a weight's
-    padded tail is kept on it until the weight changes)."""
+    """fn(x, w) with N cut into whole panels plus one zero-padded panel for the tail: on the CPU an
+    element of N's tail rounds unlike one of the vector body, so a shard would differ from the
+    whole (the padded tail is kept on the weight until the weight changes)."""
     n = w.shape[0]
     body = n - n % PANEL
     if body == n:

@@ -7,14 +7,14 @@ import torch
 from .._triton import triton, tl
 from .. import pdl, xsum
 from ..pdl import wait as pdl_wait
-from ..small.kernel import _norm_warps, _sums_for, store_group_sums, XG
+from ..norm.kernel import XG, _norm_warps, _sums_for, store_group_sums
 
 
 @triton.jit
 def _fc_input_kernel(ids_ptr, e_ptr, h_ptr, we_ptr, wh_ptr, y_ptr, D, stride_e, stride_h, eps_e, eps_h,
                      BLOCK: tl.constexpr, PDL: tl.constexpr = False, xs_ptr=None, XS: tl.constexpr = 0):
     """Program (row, half): half 0 the embedding row of ids[row], half 1 hidden[row]; each through
-    the RMSNorm of kernels/small/kernel.py (_rms_norm_kernel's code, RESIDUAL off) into y[row, half*D:]."""
+    the RMSNorm of kernels/norm/kernel.py (_rms_norm_kernel's code, RESIDUAL off) into y[row, half*D:]."""
     pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (kernels/pdl.py)
     row = tl.program_id(0)
     half = tl.program_id(1)
@@ -35,7 +35,7 @@ def _fc_input_kernel(ids_ptr, e_ptr, h_ptr, we_ptr, wh_ptr, y_ptr, D, stride_e, 
     tl.store(y_ptr + row * 2 * D + half * D + offs, y, mask=mask)
     if XS > 0:   # the group sums of the rounded half-row (kernels/xsum.py); D a multiple of XG
         store_group_sums(xs_ptr, tl.where(mask, y.to(tl.float32), 0.0), (row * 2 + half) * (D // XG), D // XG,
-                         BLOCK, XS)
+                         BLOCK)
 
 
 def fc_input_triton(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor, we: torch.Tensor,

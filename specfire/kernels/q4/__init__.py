@@ -132,22 +132,13 @@ class QuantWeight:
     def linear(self, x: torch.Tensor, rows: bool, launch_n: int | None = None) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype. rows=True is row-invariant (the Triton dequant-GEMV on
         CUDA, one batched row at a time elsewhere). `launch_n`: the whole matrix's N when this is
-        a column shard (the kernel takes the whole's settings). A prefill (rows=False) on CUDA:
-        up to ROW_PATH_MAX rows the GEMV too, more through kernels/q4/matmul.py (its MODE: the
-        weight dequantized to bf16 in a scratch buffer + GEMM, the fused kernel, or "torch":
-        `linear_dequantized`, the reference path, which also keeps the few-row prefill on it)."""
+        a column shard (the kernel takes the whole's settings). A prefill on CUDA: up to
+        ROW_PATH_MAX rows the GEMV too, more through kernels/q4/matmul.py (bf16 scratch + GEMM)."""
         if x.is_cuda:  # (the CPU path imports no Triton module)
-            from . import matmul as triton_q4mm
-
-            mode = triton_q4mm.MODE
-            if rows or (x.shape[0] <= ROW_PATH_MAX and mode != "torch"):
+            if rows or x.shape[0] <= ROW_PATH_MAX:
                 return q4_rows(x, [self], [launch_n])[0]
-            xr = self.prepare_input(x)  # prefill: compute-bound, the weight goes through the tensor cores in bf16
-            if mode == "dequant":
-                return triton_q4mm.q4_linear_dequant(xr, self)
-            if mode == "fused":
-                return triton_q4mm.q4_matmul(xr, self)
-            return self.linear_dequantized(xr)
+            from .matmul import q4_linear_dequant
+            return q4_linear_dequant(self.prepare_input(x), self)
         xr = self.prepare_input(x)
         return linear_rows_ref(xr, self.dense(x.dtype)) if rows else F.linear(xr, self.dense(x.dtype))
 
@@ -167,14 +158,12 @@ class QuantWeight:
 def q4_rows(x: torch.Tensor, qws: list, launch_ns: list) -> list[torch.Tensor]:
     """Decode / verify rows of x [M, K] through 4-bit weights of that one input on CUDA, in one
     launch per 16 rows (kernels/q4/gemv.py q4_group: x rotated and its group sums made once,
-    settings from the whole matrices' shapes, so shards compute every element as the whole does).
-    SPECFIRE_GEMV_GROUP=0 (kernels/gemv/kernel.py GROUP): one launch per weight, its own settings."""
-    from ..gemv import kernel as triton_gemv
-    from .gemv import group_config, q4_group
+    settings from the whole matrices' shapes, so shards compute every element as the whole does)."""
+    from .config import group_config
+    from .gemv import q4_group
 
     a = qws[0]
-    if len(qws) > 1 and (not triton_gemv.GROUP or any(w.hadamard != a.hadamard or w.group_size != a.group_size
-                                                        for w in qws)):
+    if len(qws) > 1 and any(w.hadamard != a.hadamard or w.group_size != a.group_size for w in qws):
         return [q4_rows(x, [w], [n])[0] for w, n in zip(qws, launch_ns)]
     xr = a.prepare_input(x)
     # the group sums of x when the kernel that wrote x made them (kernels/xsum.py); never for a rotated x

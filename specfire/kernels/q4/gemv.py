@@ -1,168 +1,23 @@
-"""Row-invariant dequant-GEMV for specfire's 4-bit format (kernels/q4) on CUDA, in Triton.
-
-Factorised form: per group, t = x @ (128 + q)^T on the tensor cores (codes exact in bf16, fp32
-accumulation; x is the MMA's 16-row A operand, the codes its B operand), then
-y += s t + (z - 128 s) sum(x) in fp32, sum(x) per group from a small kernel launched first.
-Codes become bf16 128 + q by bit tricks on whole 32-bit words (inline PTX: prmt, shift, lop3).
-Why it is shaped this way (bench/quant_gpu.py, H200): a decode GEMV must keep HBM busy, so no
-load of the loop waits where it is issued (codes and x go through the software pipeline; the
-next group's scales, zeros and sum(x) are prefetched into registers one group ahead, where the
-previous kernel stalled on them every group), code rows load 16 bytes at a time, the codes are
-the MMA's A operand (wa: the sm_90 loop then needs 8-12% fewer instructions than with x as A,
-mostly register moves), and the epilogue is two FMAs per output. The codes are stored in tiles
-of 64 rows (one group of a tile = one contiguous 4 KB block, which DRAM serves better than 64 B
-from each of 64 rows: 1.2x on the lm_head) or as rows (tile 0). Split-K partials are combined in
-a fixed order by the last CTA of each N tile to arrive (a counter per tile, reset by that CTA),
-or by a second launch.
-
-Sixth session: rows may run in 8-row tiles (`rows`; M > 8 runs a second tile on grid axis 2):
-the MMA n8 shape, so a code word costs half the MMAs, x fragments and epilogue FMAs (an offline
-sm_90 compile: 301 instead of 390 loop instructions per 64 x 128 group on two warps); and with
-`zc` the zero-point term leaves the loop (the loop reads scales only) and is added after it as a
-float32 FMA dot over zc groups at a time, sum(x) made there from x's real rows, so no sum(x)
-launch comes first (a fixed ~1.8 us of every call before).
-
-Seventh session: the zero term's first chunk of scales and zeros (a split of at most zc groups:
-all of them) is loaded before the main loop, so the term after it waits only for x (in L2); with
-`rows_hi` = 16 a call of 9..16 rows runs one 16-row tile (the codes read once) instead of two
-8-row tiles: the MMA computes each output element alike for an n8 or an n16 tile, so the rows of
-a 16-row call have the bits of the 8-row calls (checked bitwise on the GPU before a config that
-uses it is adopted: bench/linear.py).
-
-Eighth session: the kernel that wrote x may hand its group sums along (kernels/xsum.py; by default
-the plain form, measured faster on the H200); q4_group then skips the sum(x) launch.
-
-Ninth session: the last CTA of a split-K tile loads the partials four at a time (COMBINE_ILP; it
-waited for one L2 round trip after another), drops their L2 lines once summed (DISCARD), and a
-launch may take another tile width / warps / stages per row count (M_TILES, never another split-K);
-the bits stay those of the plain launch. On the H200 they cut the MTP cycle on the device by ~50 us
-(1.159-1.164x -> 1.152-1.156x an AR step), the AR step unchanged; the 4-bit GEMV's M = 4 premium
-(2-3% over a chain of launches alone, ~0.11-0.15 ms a 27B step) shrank by about a quarter and is not
-an occupancy loss: no other tile won at M = 4.
-
-Tenth session: `maxnreg` caps the registers a thread (more programs resident per SM). Measured on the
-H200 (bench/q4_floor.py --phases sweep): slower on every 27B launch shape at 96, 88 and 80, so 0 (the
-compiler's choice) everywhere; the field stays so the sweep can be re-run. The same wave measured
-how far the kernel is from a plain read of its bytes (docs/BENCHMARKS.md "Tenth wave").
-
-Row invariance: a fixed 16- or 8-row tile, the split-K and the group order chosen from (N, K, G)
-only, M never specialised, group terms and split partials added in a fixed order, so every M runs
-the same arithmetic for each output element (with rows_hi: every M above `rows` the wider tile's,
-bitwise checked equal; M_TILES may give an M another tile width, warps or stages, which move no
-element's arithmetic, bitwise checked equal) and a row's arithmetic never sees the other rows.
-"""
+"""Row-invariant dequant-GEMV of the 4-bit format on CUDA: per group t = x @ (128 + q)^T on the tensor
+cores, y += s t + (z - 128 s) sum(x); settings from (N, K, G) only (config.py), M never specialised,
+every sum in a fixed order (split-K partials added in split order by the tile's last CTA)."""
 from __future__ import annotations
 
-import dataclasses
 import os
-from dataclasses import dataclass
 
 import torch
 from .._triton import triton, tl
 
-from .. import pdl, xsum
-from ..pdl import prefetch_l2
+from .. import pdl
 from ..pdl import wait as pdl_wait
-from ..gemv.kernel import ROWS, _splitk_sum
-from ..small.kernel import group_sums
+from ..gemv.kernel import ROWS
+from .config import Q4Config, group_config, launch_config
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX in the interpreter
 # added to a grouped launch's offsets between weights, so they are always passed as 64-bit
 # integers (Triton types an int argument by its value: one kernel for any allocation distance)
 _BIAS = 1 << 40
 BIAS = tl.constexpr(_BIAS)
-# launched with PDL (kernels/pdl.py), a program asks L2 for its first PDL_PREFETCH groups of codes
-# before it waits for the kernel before it (codes in tiles only; 0: no prefetch)
-PDL_PREFETCH = int(os.environ.get("SPECFIRE_PDL_PREFETCH", "0"))
-# Ninth session (docs/BENCHMARKS.md "Ninth wave"; none of the three changes a bit). DISCARD: the
-# last CTA of a split-K tile, once it has summed the partials, tells L2 their lines are dead (PTX
-# discard.global.L2: the float32 partials, ~73 MB a row over a 27B step, need no write-back to
-# DRAM). M_TILES (below): per (N, K, M) the tile width, warps and pipeline depth of a launch.
-DISCARD = os.environ.get("SPECFIRE_Q4_DISCARD", "1") != "0"
-# COMBINE_ILP: the last CTA of a split-K tile loads the partials four at a time (was: one L2 round
-# trip after the other, split - 1 of them on the launch's tail); the additions keep their order
-COMBINE_ILP = os.environ.get("SPECFIRE_Q4_COMBINE_ILP", "1") != "0"
-M_TILES_ON = os.environ.get("SPECFIRE_Q4_MTILES", "1") != "0"
-
-
-@dataclass(frozen=True)
-class Q4Config:
-    block_n: int = 64
-    split_k: int = 1
-    num_warps: int = 2
-    num_stages: int = 4
-    sem: bool = True      # split_k > 1: combine in the kernel (last CTA per tile) instead of a second launch
-    wa: bool = False      # codes as the MMA's A operand (y^T = W x^T): fewer register moves in the sm_90 loop
-    rows: int = 16        # row tile: 8 halves the MMAs, x fragments and epilogue FMAs per code word (M > 8: 2 tiles)
-    zc: int = 0           # > 0: zero-point term after the loop, zc groups at a time, sum(x) made there (no launch first)
-    rows_hi: int = 0      # > rows: calls of more than `rows` rows run tiles of rows_hi rows (M = 9..16: one 16-row
-                          # tile reads the codes once, where two 8-row tiles read them twice); 0: tiles of `rows`
-    maxnreg: int = 0      # > 0: registers per thread capped there (more programs resident per SM); 0: the compiler's
-
-    def __post_init__(self):
-        pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
-        if not pow2(self.rows) or self.rows < 8:
-            raise ValueError(f"Q4Config.rows must be a power of two >= 8, got {self.rows}")
-        if self.rows_hi and (not pow2(self.rows_hi) or self.rows_hi <= self.rows):
-            raise ValueError(f"Q4Config.rows_hi must be 0 or a power of two above rows={self.rows}, got {self.rows_hi}")
-        if self.zc and not pow2(self.zc):
-            raise ValueError(f"Q4Config.zc must be 0 or a power of two, got {self.zc}")
-        if self.maxnreg and not (24 <= self.maxnreg <= 255 and self.maxnreg % 8 == 0):
-            raise ValueError(f"Q4Config.maxnreg must be 0 or a multiple of 8 in 24..255, got {self.maxnreg}")
-
-
-# (N, K) at group 128 -> launch settings on the H200, codes in 64-row tiles (docs/BENCHMARKS.md).
-# The launch shapes of a 27B step (grouped projections launch with their concatenated N) and the
-# MTP head's fc are the seventh session's sweep winners (bench/linear.py q4rows, least
-# t(M=1) + t(M=4) of 24-40 candidates a shape, all 8-row tiles, every candidate bitwise
-# row-invariant; rows_hi = 16 checked bitwise on each and 1.1-1.5x faster at M = 16); the single
-# weights keep the fourth session's settings with 8-row tiles (not timed alone).
-_MEASURED = {
-    # single weights (SPECFIRE_GEMV_GROUP=0, or a group one launch cannot hold)
-    (17408, 5120): Q4Config(128, split_k=3, num_warps=2, num_stages=3, wa=True, rows=8),   # MLP gate, up
-    (12288, 5120): Q4Config(64, split_k=4, num_warps=2, num_stages=3, wa=True, rows=8),    # attention q + gate
-    (10240, 5120): Q4Config(64, split_k=4, num_warps=2, num_stages=3, wa=True, rows=8),    # GDN qkv
-    (6144, 5120): Q4Config(64, split_k=8, num_warps=2, num_stages=3, wa=True, rows=8),     # GDN z
-    (1024, 5120): Q4Config(32, split_k=18, num_warps=1, num_stages=4, wa=True, rows=8),    # attention k, v
-    # launch shapes of a 27B step and the MTP fc, measured (seventh session)
-    (5120, 17408): Q4Config(64, split_k=13, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),   # MLP down
-    (5120, 6144): Q4Config(64, split_k=10, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),    # attn o, GDN out
-    (248320, 5120): Q4Config(32, split_k=1, num_warps=1, num_stages=4, wa=True, rows=8, rows_hi=16),  # lm_head
-    (34816, 5120): Q4Config(64, split_k=3, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),   # gate + up
-    (16384, 5120): Q4Config(64, split_k=3, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),   # GDN qkv + z
-    (14336, 5120): Q4Config(128, split_k=7, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),  # attn q+g, k, v
-    (5120, 10240): Q4Config(64, split_k=9, num_warps=2, num_stages=3, wa=True, rows=8, rows_hi=16),   # MTP fc
-}
-
-
-# (N, K, M) -> (block_n, num_warps, num_stages) for a launch of M rows of a shape whose settings are
-# q4_config's (bench/q4_rows4.py). Only these three fields move: each output element is the same
-# MMA chain over its groups in the same order, the same split-K partials summed in the same order,
-# so the bits are those of q4_config's launch (checked bitwise on the GPU for every entry before it
-# is adopted, and by tests/kernels/test_quant.py on the CPU). Measured (ninth session, H200): no
-# other tile beat q4_config's at M = 4 on the step's launch shapes (the M = 4 premium is not an
-# occupancy loss); the MTP draft chain's lm_head over a 32,768-token draft vocabulary (M = 1, no
-# measured entry before: the fallback's 64 columns on 2 warps) runs 32 columns on one warp, 3
-# stages: 33.2 -> 31.5 us a call (docs/BENCHMARKS.md "Ninth wave").
-M_TILES: dict[tuple[int, int, int], tuple[int, int, int]] = {(32768, 5120, 1): (32, 1, 3)}
-
-
-def launch_config(cfg: Q4Config, n: int, k: int, group: int, m: int) -> Q4Config:
-    """cfg for an M-row launch of a weight (or group) of N x K: M_TILES' tile for (N, K, M) when cfg
-    is that shape's q4_config, else cfg itself."""
-    t = M_TILES.get((n, k, m)) if M_TILES_ON else None
-    if t is None or cfg != q4_config(n, k, group):
-        return cfg
-    return dataclasses.replace(cfg, block_n=t[0], num_warps=t[1], num_stages=t[2])
-
-
-def q4_config(n: int, k: int, group: int) -> Q4Config:
-    """Launch configuration from the weight's shape only (never from M): the measured one for the
-    27B shapes, else what won most of them, 64 columns on two warps, 3 stages, codes as the A
-    operand, 8-row tiles, with the split-K that fills an H200 in one wave (about 6 CTAs per SM)."""
-    if group == 128 and (n, k) in _MEASURED:
-        return _MEASURED[(n, k)]
-    return Q4Config(64, split_k=max(1, min(k // group, 792 // triton.cdiv(n, 64))), num_stages=3, wa=True, rows=8)
 
 
 # inline PTX, 4 packed bytes in ($4) -> low nibbles as bf16 128+q ($0, $1) and high nibbles ($2, $3);
@@ -213,7 +68,7 @@ def _codes(qb, dtype: tl.constexpr, ASM: tl.constexpr):
 def _mmt(a, bt, acc, IEEE: tl.constexpr):
     """acc + a @ bt^T. Float32 (the CPU tests, in the interpreter) takes an explicit product-sum:
     the interpreter's matmul rounds a row differently at different row positions, the tensor-core
-    MMA does not (checked bit for bit on the GPU by bench/quant_gpu.py)."""
+    MMA does not (checked bit for bit on the GPU)."""
     if IEEE:
         return acc + tl.sum(a[:, None, :] * bt[None, :, :], axis=2)
     return tl.dot(a, tl.trans(bt), acc)
@@ -294,26 +149,6 @@ def _zero_terms(acc, zp0, x_ptr, stride_xm, s_ptr, z_ptr, g_lo, g_hi, N, offs_n,
     return acc
 
 
-@triton.jit
-def _prefetch_codes(q_ptr, tile_n, N, KH, g_lo, g_hi, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
-                    HALF: tl.constexpr, PF: tl.constexpr):
-    """L2 prefetch of the program's codes of groups g_lo .. g_lo + PF - 1 (tiled codes: a group of
-    a tile is TILE * HALF contiguous bytes, and the groups of one tile follow each other). Weights
-    only: nothing an earlier kernel writes, so it may run before the PDL wait."""
-    n0 = tile_n * BLOCK_N
-    if BLOCK_N >= TILE:     # whole tiles: each one's PF groups in one request
-        ng = tl.minimum(g_hi - g_lo, PF)
-        for j in tl.static_range(BLOCK_N // TILE):
-            row = n0 + j * TILE
-            prefetch_l2(q_ptr + (row // TILE) * (KH * TILE) + g_lo * (TILE * HALF), ng * (TILE * HALF),
-                        ((row < N) & (ng > 0)).to(tl.int32))
-    else:                   # part of a tile: BLOCK_N rows of each group
-        for i in tl.static_range(PF):
-            g = g_lo + i
-            prefetch_l2(q_ptr + (n0 // TILE) * (KH * TILE) + (n0 % TILE) * HALF + g * (TILE * HALF),
-                        n0 * 0 + BLOCK_N * HALF, ((g < g_hi) & (n0 < N)).to(tl.int32))
-
-
 # one 128-byte L2 line made dead (no write-back); $2 = 0: nothing (masked)
 _ASM_DISCARD = tl.constexpr("""{
 .reg .pred p;
@@ -340,9 +175,9 @@ def _discard_partials(part_ptr, offs_m, m_mask, n0, N, M, split, BLOCK_N: tl.con
 def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M, N0, KH, stride_xm,
                n_groups, groups_per_split, split, N1, N2, N3, T1, T2, T3, DQ1, DQ2, DQ3, DS1, DS2, DS3,
                DZ1, DZ2, DZ3, O1, O2, O3, SEGS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
-               ROWS_: tl.constexpr, TILE: tl.constexpr, SEM: tl.constexpr, ASM: tl.constexpr,
+               ROWS_: tl.constexpr, TILE: tl.constexpr, ASM: tl.constexpr,
                IEEE: tl.constexpr, WA: tl.constexpr = False, ZC: tl.constexpr = 0, PDL: tl.constexpr = False,
-               PF: tl.constexpr = 0, DISCARD: tl.constexpr = False, ILP4: tl.constexpr = False):
+               DISCARD: tl.constexpr = False):
     # Kernel packing (kernels/q4): in group g, byte j of a row holds codes g*G + j (low nibble)
     # and g*G + G/2 + j (high nibble), rows stored in tiles [N/TILE, K/G, TILE, G/2] (TILE = 0: rows
     # [N, K/2]); scales / zeros are [K/G, N]; KH = K / 2 bytes per row.
@@ -352,8 +187,9 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
     # part + split * M * Os. A tile runs the loop a launch of its weight alone would run. The Ds
     # come with BIAS added (always 64-bit: one compiled kernel whatever the allocations' distance).
     # Rows run in tiles of ROWS_ over grid axis 2, every tile the same code (row-invariant).
-    # PDL (kernels/pdl.py): launched while the kernel before it runs; the codes of the first PF groups
-    # are requested before the wait, x, sum(x), the outputs, partials and counters only after it.
+    # PDL (kernels/pdl.py): launched while the kernel before it runs; it reads and writes only after
+    # its wait. Split-K: the last CTA of a tile to arrive sums the partials (DISCARD: then drops
+    # their L2 lines, which need no write-back).
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_r = tl.program_id(2)
@@ -374,7 +210,7 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
             dq, ds, dz = tl.where(sel, DQ3, dq), tl.where(sel, DS3, ds), tl.where(sel, DZ3, dz)
         # the offsets between the weights' tensors are multiples of 16 bytes (_groupable): said so,
         # the codes keep their 16-byte cp.async loads (without it an offline sm_90 compile loaded
-        # them byte by byte, and a grouped launch ran up to 1.13x slower than one weight of its size)
+        # them byte by byte, and a grouped launch ran slower than one weight of its size)
         q_ptr += tl.multiple_of(dq - BIAS, 16)
         s_ptr += tl.multiple_of(ds - BIAS, 8)
         z_ptr += tl.multiple_of(dz - BIAS, 8)
@@ -398,8 +234,6 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
         q_rows = q_ptr + ((offs_n // TILE) * (KH * TILE) + (offs_n % TILE) * HALF)[:, None] + offs_c[None, :]
         q_step = TILE * HALF
     x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_c[None, :]
-    if PDL and PF > 0 and TILE > 0:
-        _prefetch_codes(q_ptr, pid_n - t0, N, KH, g_lo, g_hi, BLOCK_N, TILE, HALF, PF)
     pdl_wait(PDL)
     s0, z0, xs0 = _group_terms(s_ptr, z_ptr, xs_ptr, g_lo, g_hi, N, n_groups, offs_n, n_mask, offs_m, m_mask, ZC)
     if ZC > 0:      # the zero term's first chunk of scales / zeros: loaded now, used after the loop
@@ -438,53 +272,42 @@ def _q4_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, z_ptr, y_ptr, part_ptr, lock_ptr, M,
     else:
         p_ptrs = part_ptr + offs_m[:, None] * N + offs_n[None, :]                   # partials [split, M, N]
         tl.store(p_ptrs + pid_s * M * N, acc, mask=out_mask)
-        if SEM:
-            # the last CTA of this N tile to arrive sums the partials in split order 0..split-1
-            # (the arrival order never enters the arithmetic), then resets the counter
-            tl.debug_barrier()
-            lock_ptr += pid_r * tl.num_programs(0) + pid_n        # a counter per (row tile, column tile)
-            cnt = tl.atomic_add(lock_ptr, 1, sem="acq_rel", scope="gpu")
-            if cnt == split - 1:
-                tot = tl.load(p_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
-                if ILP4:    # four partials' loads in flight at a time, added in the same order (same bits)
-                    for sp in range(1, split, 4):
-                        ok2 = (offs_m[:, None] * 0 + sp + 1) < split         # [ROWS, 1]: the split exists
-                        ok3 = (offs_m[:, None] * 0 + sp + 2) < split
-                        ok4 = (offs_m[:, None] * 0 + sp + 3) < split
-                        v1 = tl.load(p_ptrs + sp * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-                        v2 = tl.load(p_ptrs + (sp + 1) * M * N, mask=out_mask & ok2, other=0.0, cache_modifier=".cg")
-                        v3 = tl.load(p_ptrs + (sp + 2) * M * N, mask=out_mask & ok3, other=0.0, cache_modifier=".cg")
-                        v4 = tl.load(p_ptrs + (sp + 3) * M * N, mask=out_mask & ok4, other=0.0, cache_modifier=".cg")
-                        tot += v1
-                        tot = tl.where(ok2, tot + v2, tot)       # past the last split: tot as it was
-                        tot = tl.where(ok3, tot + v3, tot)
-                        tot = tl.where(ok4, tot + v4, tot)
-                else:       # one partial at a time: each load waits for the one before (an L2 round trip each)
-                    for sp in range(1, split):
-                        tot += tl.load(p_ptrs + sp * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-                tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=out_mask)
-                if DISCARD:     # every thread's loads of the partials are done (their sums stored)
-                    tl.debug_barrier()
-                    _discard_partials(part_ptr, offs_m, m_mask, (pid_n - t0) * BLOCK_N, N, M, split, BLOCK_N)
-                tl.atomic_xchg(lock_ptr, 0, sem="relaxed", scope="gpu")
+        # the last CTA of this N tile to arrive sums the partials in split order 0..split-1, four
+        # loads in flight at a time (the arrival order never enters the arithmetic), then resets the counter
+        tl.debug_barrier()
+        lock_ptr += pid_r * tl.num_programs(0) + pid_n        # a counter per (row tile, column tile)
+        cnt = tl.atomic_add(lock_ptr, 1, sem="acq_rel", scope="gpu")
+        if cnt == split - 1:
+            tot = tl.load(p_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
+            for sp in range(1, split, 4):
+                ok2 = (offs_m[:, None] * 0 + sp + 1) < split         # [ROWS, 1]: the split exists
+                ok3 = (offs_m[:, None] * 0 + sp + 2) < split
+                ok4 = (offs_m[:, None] * 0 + sp + 3) < split
+                v1 = tl.load(p_ptrs + sp * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+                v2 = tl.load(p_ptrs + (sp + 1) * M * N, mask=out_mask & ok2, other=0.0, cache_modifier=".cg")
+                v3 = tl.load(p_ptrs + (sp + 2) * M * N, mask=out_mask & ok3, other=0.0, cache_modifier=".cg")
+                v4 = tl.load(p_ptrs + (sp + 3) * M * N, mask=out_mask & ok4, other=0.0, cache_modifier=".cg")
+                tot += v1
+                tot = tl.where(ok2, tot + v2, tot)       # past the last split: tot as it was
+                tot = tl.where(ok3, tot + v3, tot)
+                tot = tl.where(ok4, tot + v4, tot)
+            tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=out_mask)
+            if DISCARD:     # every thread's loads of the partials are done (their sums stored)
+                tl.debug_barrier()
+                _discard_partials(part_ptr, offs_m, m_mask, (pid_n - t0) * BLOCK_N, N, M, split, BLOCK_N)
+            tl.atomic_xchg(lock_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["M"])
-def _xsum_kernel(x_ptr, xs_ptr, K, stride_xm, G: tl.constexpr, GB: tl.constexpr, PDL: tl.constexpr = False,
-                 TREE: tl.constexpr = False):
-    """xs[m, g] = sum of row m's inputs in group g, float32 (one program per row and GB groups).
-    TREE (the sum(x) fold on, kernels/xsum.py; G a power of two up to 256): by the fold's pairwise
-    tree, the bits of the sums a producer kernel folds into its launch; else tl.sum."""
+def _xsum_kernel(x_ptr, xs_ptr, K, stride_xm, G: tl.constexpr, GB: tl.constexpr, PDL: tl.constexpr = False):
+    """xs[m, g] = sum of row m's inputs in group g, float32 (one program per row and GB groups)."""
     pdl_wait(PDL)
     m = tl.program_id(0)
     n_groups = K // G
     offs_g = tl.program_id(1) * GB + tl.arange(0, GB)
     ok = offs_g < n_groups
     x = tl.load(x_ptr + m * stride_xm + offs_g[:, None] * G + tl.arange(0, G)[None, :], mask=ok[:, None], other=0.0)
-    if TREE:
-        tl.store(xs_ptr + m * n_groups + offs_g, group_sums(x.to(tl.float32), GB, G), mask=ok)
-    else:
-        tl.store(xs_ptr + m * n_groups + offs_g, tl.sum(x.to(tl.float32), 1), mask=ok)
+    tl.store(xs_ptr + m * n_groups + offs_g, tl.sum(x.to(tl.float32), 1), mask=ok)
 
 
 _LOCKS: dict = {}
@@ -504,13 +327,6 @@ GROUP_MAX = 4      # weights of one input that one launch can hold
 OUT_ALIGN = 64     # elements: where a grouped launch's outputs start in its buffer (128 bytes in bf16)
 
 
-def group_config(whole_ns: list[int], k: int, group: int) -> Q4Config:
-    """Settings of weights of one input launched together: those of their concatenation (the sum
-    of the whole matrices' N, measured for the 27B groups). A function of the whole shapes only,
-    so a tensor-parallel shard group computes every element as the whole group does."""
-    return q4_config(sum(whole_ns), k, group)
-
-
 def _groupable(x: torch.Tensor, qws: list) -> bool:
     """One launch can hold these weights: same K, group, code layout and device, offsets between
     their tensors multiples of 16 bytes (the kernel tells the compiler so)."""
@@ -524,7 +340,8 @@ def _groupable(x: torch.Tensor, qws: list) -> bool:
 
 
 def discard_ok(on: bool, block_n: int, ns: list[int], part_ptr: int) -> bool:
-    """Whether a launch may drop its split-K partials' L2 lines after the combine (DISCARD): only
+    """Whether a launch may drop its split-K partials' L2 lines after the combine (`on`: split-K on
+    a GPU, not the interpreter): only
     where every 128-byte line (32 float32) of the partials lies inside one row of one column tile,
     so no line holds a value another tile still has to read: the tile width, every weight's N and
     the buffer's start on 32-float boundaries (the weights' outputs start OUT_ALIGN apart)."""
@@ -568,18 +385,15 @@ def q4_group(x: torch.Tensor, qws: list, cfg: Q4Config | None = None,
     y = torch.empty(m * offs[-1], device=x.device, dtype=x.dtype)
     tiles = [triton.cdiv(v, cfg.block_n) for v in ns]
     part = y if split == 1 else torch.empty(split * m * offs[-1], device=x.device, dtype=torch.float32)
-    sem = cfg.sem and split > 1
     rows = cfg.rows_hi if cfg.rows_hi > cfg.rows and m > cfg.rows else cfg.rows
     row_tiles = triton.cdiv(m, rows)
-    locks = _locks(x.device, sum(tiles) * row_tiles) if sem else y
-    discard = discard_ok(DISCARD and sem and not INTERPRET and x.is_cuda, cfg.block_n, ns, part.data_ptr())
+    locks = _locks(x.device, sum(tiles) * row_tiles) if split > 1 else y
+    discard = discard_ok(split > 1 and not INTERPRET and x.is_cuda, cfg.block_n, ns, part.data_ptr())
     if cfg.zc:                            # the kernel sums x itself (xs is not read)
         xs = part if split > 1 else torch.empty(1, device=x.device, dtype=torch.float32)
     elif xs is None:
         xs = torch.empty(m, n_groups, device=x.device, dtype=torch.float32)
-        tree = xsum.mode() == xsum.TREE and g <= 256 and g & (g - 1) == 0    # the folded sums' bits (kernels/xsum.py)
-        _xsum_kernel[(m, triton.cdiv(n_groups, 16))](x, xs, k, x.stride(0), G=g, GB=16, PDL=on,
-                                                     **({"TREE": True} if tree else {}), **pdl.launch(on))
+        _xsum_kernel[(m, triton.cdiv(n_groups, 16))](x, xs, k, x.stride(0), G=g, GB=16, PDL=on, **pdl.launch(on))
     a = qws[0]
     pad = [0] * (GROUP_MAX - len(qws))
     bounds = [sum(tiles[:i]) for i in range(1, GROUP_MAX)]
@@ -589,15 +403,8 @@ def q4_group(x: torch.Tensor, qws: list, cfg: Q4Config | None = None,
     _q4_kernel[(sum(tiles), split, row_tiles)](
         x, xs, a.qtiled, a.scales_t, a.zeros_t, y, part, locks, m, ns[0], k // 2, x.stride(0), n_groups, per, split,
         *(ns[1:] + pad), *bounds, *dq, *dsc, *dz, *(offs[1:len(ns)] + pad),
-        SEGS=len(qws), BLOCK_N=cfg.block_n, G=g, ROWS_=rows, TILE=a.tile, SEM=sem,
+        SEGS=len(qws), BLOCK_N=cfg.block_n, G=g, ROWS_=rows, TILE=a.tile,
         ASM=x.dtype == torch.bfloat16 and not INTERPRET, IEEE=x.dtype == torch.float32, WA=cfg.wa, ZC=cfg.zc,
-        PDL=on, PF=PDL_PREFETCH if on and a.tile else 0, **({"DISCARD": True} if discard else {}),
-        **({"ILP4": True} if sem and COMBINE_ILP else {}),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(on),
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not INTERPRET else {}))
-    outs = [y[m * o:m * o + m * v].view(m, v) for v, o in zip(ns, offs)]
-    if split > 1 and not sem:  # partials summed in split order by a second launch, per weight
-        for v, o, yy in zip(ns, offs, outs):
-            _splitk_sum[(triton.cdiv(m * v, 1024),)](part[split * m * o:], yy, m * v, SPLIT=split, BLOCK=1024,
-                                                     PDL=on, **pdl.launch(on))
-    return outs
+        PDL=on, **({"DISCARD": True} if discard else {}),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(on))
+    return [y[m * o:m * o + m * v].view(m, v) for v, o in zip(ns, offs)]

@@ -1,29 +1,7 @@
-"""4-bit products of many rows (prefill, the MTP head's prompt catch-up) on CUDA, in Triton.
-
-More than kernels/gemv ROW_PATH_MAX rows through a 4-bit weight (kernels/q4) is compute-bound,
-so the weight is expanded to the activation dtype and multiplied on the tensor cores. Two forms,
-chosen by `MODE` (environment SPECFIRE_Q4_PREFILL at import; benches switch the attribute):
-
-- "dequant": `q4_dequantize` writes the weight's bf16 values (codes x scale + zero in float32,
-  rounded once: the very bits of `QuantWeight.dequantize().to(bf16)`, since a 4-bit code times a
-  bf16 scale is exact in float32) into a per-device scratch buffer, reused by every call, in
-  chunks of output rows of at most SCRATCH_MAX elements; then the stock GEMM (cuBLAS) multiplies.
-  The product is the one the torch path computed (same weight bits, same GEMM), without its
-  float32 temporaries (about 30 bytes of traffic per weight element through torch ops, against
-  2.5 here).
-- "fused": `q4_matmul`, one kernel: each program dequantizes a [BLOCK_N, G] tile of the weight
-  per group in registers (the same bf16 bits) and accumulates x_tile @ w_tile^T in float32 with
-  tl.dot, so the weight is read as 4-bit codes only (no scratch traffic); the sum over K runs in
-  group order, so it rounds differently from cuBLAS (close, not bitwise).
-- "torch": the reference path kept in kernels/q4 (float32 dequantize through torch ops, GEMM).
-
-Measured on the H200 (bench/q4_prefill.py, docs/BENCHMARKS.md "Eighth wave: 4-bit prefill through
-Triton"), 27B shapes at 1024 rows: dequant 505-607 TFLOP/s on the large weights (cuBLAS alone on the
-bf16 weight: 708-806), fused 224-320 (its 4 configs), torch 55-128; so dequant is the default.
-
-Nothing here is row-invariant or needs to be: decode and verify (rows=True) keep the row-invariant
-GEMV of kernels/q4/gemv.py, and a prompt's prefill is the same computation for AR and for
-speculative decoding, so greedy MTP == AR is untouched.
+"""4-bit products of many rows (prefill, the MTP head's prompt catch-up) on CUDA: compute-bound, so
+`q4_dequantize` writes the weight's bf16 values (the very bits of QuantWeight.dequantize().to(bf16))
+into a per-device scratch buffer in chunks of output rows, and cuBLAS multiplies. Not row-invariant
+and need not be: decode and verify keep the GEMV of kernels/q4/gemv.py.
 """
 from __future__ import annotations
 
@@ -34,10 +12,6 @@ import torch
 import torch.nn.functional as F
 from .._triton import triton, tl
 
-MODES = ("dequant", "fused", "torch")
-MODE = os.environ.get("SPECFIRE_Q4_PREFILL", "dequant")
-if MODE not in MODES:
-    raise ValueError(f"SPECFIRE_Q4_PREFILL must be one of {', '.join(MODES)}, got {MODE!r}")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SCRATCH_MAX = 1 << 27        # elements of the dequantize scratch per device (256 MB in bf16)
 
@@ -91,95 +65,6 @@ def _dequant_kernel(q_ptr, s_ptr, z_ptr, w_ptr, n0, rows, N, KH, n_groups,
         tl.store(w_rows + g * G + HALF, _narrow(hi, w_ptr.dtype.element_ty, EMU), mask=ok[:, None])
 
 
-@dataclass(frozen=True)
-class MMConfig:
-    block_m: int = 128
-    block_n: int = 128
-    num_warps: int = 8
-    num_stages: int = 3
-    wa: bool = True          # the weight tile as the MMA's A operand (y^T = W x^T): on sm_90 the
-                             # register operand of wgmma is A, so the dequantized tile stays in registers
-    group_m: int = 8         # row tiles per band of the launch order (L2 reuse of the weight tiles)
-
-
-# launch settings by the number of rows (prefill pieces are ops trunk PREFILL_PIECE = 1024 rows)
-MM_SMALL = MMConfig(64, 128, num_warps=4, num_stages=4)    # up to 64 rows
-MM_LARGE = MMConfig(128, 128, num_warps=8, num_stages=3)
-
-
-def mm_config(m: int) -> MMConfig:
-    return MM_SMALL if m <= 64 else MM_LARGE
-
-
-@triton.jit
-def _dot(a, b, acc, F32: tl.constexpr):
-    if F32:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _q4_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, KH, stride_xm, n_groups,
-                  G: tl.constexpr, TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  GROUP_M: tl.constexpr, WA: tl.constexpr, F32: tl.constexpr, INTERP: tl.constexpr):
-    # y [M, N] = x [M, K] @ W^T, W dequantized a [BLOCK_N, G] tile per group in registers (same
-    # packing as _dequant_kernel), rounded to x's dtype. F32: float32 products (float32
-    # activations, or the CPU interpreter, whose bf16 arithmetic is wrong: x converted right after
-    # loading, the bf16 weight values converted back to float32).
-    HALF: tl.constexpr = G // 2
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    band = GROUP_M * tiles_n
-    first_m = (pid // band) * GROUP_M
-    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % band) % size_m
-    pid_n = (pid % band) // size_m
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_c = tl.arange(0, HALF)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    if TILE == 0:
-        q_rows = q_ptr + offs_n[:, None] * KH + offs_c[None, :]
-        q_step = HALF
-    else:
-        q_rows = q_ptr + ((offs_n // TILE) * (KH * TILE) + (offs_n % TILE) * HALF)[:, None] + offs_c[None, :]
-        q_step = TILE * HALF
-    x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_c[None, :]
-    if WA:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g in range(0, n_groups):
-        xe = tl.load(x_rows + g * G, mask=m_ok[:, None], other=0.0)              # [BLOCK_M, HALF] low-nibble k
-        xo = tl.load(x_rows + g * G + HALF, mask=m_ok[:, None], other=0.0)       # high-nibble k
-        if F32:
-            xe = xe.to(tl.float32)
-            xo = xo.to(tl.float32)
-        qb = tl.load(q_rows + g * q_step, mask=n_ok[:, None], other=0)          # [BLOCK_N, HALF] bytes
-        s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        wl = (qb & 15).to(tl.float32) * s + z           # the weight in float32 (exact product, one rounding)
-        wh = (qb >> 4).to(tl.float32) * s + z
-        if x_ptr.dtype.element_ty != tl.float32:         # rounded to x's dtype (the reference's weight bits)
-            wl = _narrow(wl, x_ptr.dtype.element_ty, INTERP)
-            wh = _narrow(wh, x_ptr.dtype.element_ty, INTERP)
-        if F32:
-            wl = wl.to(tl.float32)
-            wh = wh.to(tl.float32)
-        if WA:
-            acc = _dot(wl, tl.trans(xe), acc, F32)
-            acc = _dot(wh, tl.trans(xo), acc, F32)
-        else:
-            acc = _dot(xe, tl.trans(wl), acc, F32)
-            acc = _dot(xo, tl.trans(wh), acc, F32)
-    if WA:
-        acc = tl.trans(acc)
-    tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], _narrow(acc, y_ptr.dtype.element_ty, INTERP),
-             mask=m_ok[:, None] & n_ok[None, :])
-
-
 _SCRATCH: dict = {}
 
 
@@ -208,8 +93,7 @@ class DequantConfig:
 
 
 DQ_DEFAULT = DequantConfig()
-DQ_MEASURED: dict = {}       # (rows, K) at group 128 -> DequantConfig measured fastest on the H200 (empty: the
-                             # one sweep so far, bench/q4_prefill.py dqsweep, covered 3 shapes and adopted nothing)
+DQ_MEASURED: dict = {}       # (rows, K) at group 128 -> DequantConfig measured faster on the H200 (none yet)
 DQ_MIN_PROGRAMS = 528        # 4 per SM of an H200: fewer, and the groups are spread over more programs
 
 
@@ -261,19 +145,3 @@ def q4_linear_dequant(x: torch.Tensor, qw, limit: int | None = None) -> torch.Te
     return y
 
 
-def q4_matmul(x: torch.Tensor, qw, cfg: MMConfig | None = None) -> torch.Tensor:
-    """x [M, K] (already rotated if the weight is) @ W^T in one fused kernel -> [M, N] in x's dtype."""
-    _check(x, qw)
-    m, k = x.shape
-    n = qw.shape[0]
-    cfg = cfg or mm_config(m)
-    x = x if x.stride(1) == 1 else x.contiguous()
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    if m == 0:
-        return y
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    _q4_mm_kernel[grid](x, qw.qtiled, qw.scales_t, qw.zeros_t, y, m, n, k // 2, x.stride(0), k // qw.group_size,
-                        G=qw.group_size, TILE=qw.tile, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                        GROUP_M=cfg.group_m, WA=cfg.wa, F32=x.dtype == torch.float32 or INTERPRET, INTERP=INTERPRET,
-                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return y

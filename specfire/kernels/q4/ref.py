@@ -1,31 +1,21 @@
-"""specfire's 4-bit weight format: asymmetric, group-quantised along K, optional Hadamard rotation.
-
-On disk (safetensors, one stable layout, never a kernel's private packing), for a weight [N, K]
-with groups of G consecutive input features:
-  <name>.qweight  uint8 [N, K/2]   two codes per byte: low nibble = even k, high nibble = odd k
-  <name>.scales   bf16  [N, K/G]   step of each group
-  <name>.zeros    bf16  [N, K/G]   the value of code 0 in each group (its minimum, after clipping)
-  w[n, k] = qweight_code[n, k] * scales[n, k // G] + zeros[n, k // G]
-With `hadamard` the stored weight is W' = W H (H block-diagonal orthonormal Walsh-Hadamard of
-block G along K) and the matmul rotates x the same way, x' = x H, since x W^T = x' W'^T; the
-rotation spreads outliers across a group before rounding. G is implied per tensor by the shapes.
-At load the tensors are packed into kernel layout (kernels/q4/gemv.py): scales and zeros are
-transposed to [K/G, N] so a kernel reads them contiguously, and within each group byte j holds
-codes j (low nibble) and j + G/2 (high nibble), so each nibble plane meets a contiguous half of x.
-The codes can be stored in tiles of `tile` output rows, [N/tile, K/G, tile, G/2] (N padded with
-zero rows): one group of one tile is then one contiguous block, so the GEMV streams whole blocks
-instead of G/2 bytes per row (TILE = 64, the default: 1.2x faster on the lm_head on the H200,
-up to 1.05x on the layer shapes; tile 0 keeps rows).
-"""
+"""specfire's 4-bit weight format and its PyTorch references: asymmetric, group-quantised along K,
+optional Hadamard rotation (the layouts: the comment below)."""
 from __future__ import annotations
+
+# On disk (safetensors, one stable layout), a weight [N, K] in groups of G consecutive inputs:
+#   <name>.qweight uint8 [N, K/2] (low nibble = even k), .scales / .zeros bf16 [N, K/G];
+#   w[n, k] = code[n, k] * scales[n, k // G] + zeros[n, k // G]. With `hadamard` the stored weight is
+#   W' = W H (H block-diagonal orthonormal Walsh-Hadamard of block G) and x is rotated alike.
+# In memory (kernel layout): scales / zeros transposed to [K/G, N]; in group g byte j holds codes j
+# (low nibble) and j + G/2 (high nibble); the codes in tiles of `tile` output rows [N/tile, K/G,
+# tile, G/2] (N padded with zero rows), so one group of a tile is one contiguous block.
 
 import math
 
 import torch
 
 FORMAT = "specfire-q4"
-# output rows per contiguous block of the stored codes (0 keeps rows): 64-row tiles won the
-# step-weighted sweep of bench/quant_gpu.py on the H200 (lm_head 72.7% vs 60.9% of 4.17 TB/s)
+# output rows per contiguous block of the stored codes (0 keeps rows): 64 measured fastest on the H200
 TILE = 64
 FORMAT_VERSION = 1
 DEFAULT_GROUP = 128

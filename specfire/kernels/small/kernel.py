@@ -1,12 +1,6 @@
-"""Fused small ops on CUDA, in Triton: RMSNorm (+ residual add), gated RMSNorm, rotary, SiLU-mul,
-row argmax and the greedy accept rule.
-
-The norms and SiLU-mul keep the rounding points of their PyTorch references (kernels/norm,
-kernels/small): values are cast back to the model dtype exactly where the reference casts, so they
-differ from it only by float32 reduction order. Rotary computes in float32 and rounds once (the
-reference rounds each product, so the two may differ by one unit in the last place). One
-program handles whole rows, so every op is row-invariant.
-"""
+"""Small ops on CUDA, in Triton: rotary (float32, rounded once), SiLU-mul (the reference's rounding
+points, with the 4-bit GEMV's group sums), row argmax and the greedy accept rule; one program
+handles whole rows, so every op is row-invariant."""
 from __future__ import annotations
 
 import torch
@@ -15,171 +9,7 @@ from .._triton import triton, tl
 from .. import pdl, xsum
 from ..pdl import wait as pdl_wait
 
-XG = tl.constexpr(xsum.G)   # the group of the folded sums (kernels/xsum.py)
-
-
-def _rows2d(x: torch.Tensor) -> torch.Tensor:
-    """A [rows, D] view with unit stride along D (copies only when no such view exists)."""
-    d = x.shape[-1]
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    try:
-        return x.view(-1, d)
-    except RuntimeError:
-        return x.reshape(-1, d)
-
-
-# ---- group sums (kernels/xsum.py) -----------------------------------------------------------
-
-@triton.jit
-def _pair_step(v, NG: tl.constexpr, W: tl.constexpr):
-    """[NG, W] -> [NG, W / 2]: each adjacent pair of a row added (one float32 add per pair)."""
-    a, b = tl.split(tl.reshape(v, (NG, W // 2, 2)))
-    return a + b
-
-
-@triton.jit
-def group_sums(v, NG: tl.constexpr, G: tl.constexpr, MODE: tl.constexpr = 1):
-    """v (NG * G float32 values, group after group) -> [NG] group sums. MODE 1 (xsum.TREE): by the
-    fixed pairwise tree of kernels/xsum.py group_sums_ref (G a power of two, 2..256): elementwise adds
-    only, so the bits never depend on the thread layout of the kernel that calls it (an offline
-    sm_90 compile: ~300-400 more instructions and up to 8 shared-memory round trips in a norm).
-    MODE 2 (xsum.PLAIN): tl.sum over each group, in the order the calling kernel's layout gives
-    (the same code for every row, so still row-invariant; the last bits may differ from the GEMV's
-    own sum(x))."""
-    if MODE == 2:
-        out = tl.sum(tl.reshape(v, (NG, G)), 1)
-    else:
-        out = _tree_sums(v, NG, G)
-    return out
-
-
-@triton.jit
-def _tree_sums(v, NG: tl.constexpr, G: tl.constexpr):
-    """group_sums' pairwise tree."""
-    tl.static_assert(G >= 2 and G <= 256 and (G & (G - 1)) == 0, "group_sums: G must be a power of two in 2..256")
-    v = tl.reshape(v, (NG, G))
-    if G >= 256:
-        v = _pair_step(v, NG, 256)
-    if G >= 128:
-        v = _pair_step(v, NG, 128)
-    if G >= 64:
-        v = _pair_step(v, NG, 64)
-    if G >= 32:
-        v = _pair_step(v, NG, 32)
-    if G >= 16:
-        v = _pair_step(v, NG, 16)
-    if G >= 8:
-        v = _pair_step(v, NG, 8)
-    if G >= 4:
-        v = _pair_step(v, NG, 4)
-    v = _pair_step(v, NG, 2)
-    return tl.reshape(v, (NG,))
-
-
-@triton.jit
-def store_group_sums(xs_ptr, y, base_group, n_groups, BLOCK: tl.constexpr, MODE: tl.constexpr):
-    """Store the group sums of y ([BLOCK] float32, the values written, zero past the row) at
-    xs_ptr + base_group + i for the block's groups i below n_groups (MODE: group_sums')."""
-    NG: tl.constexpr = BLOCK // XG
-    gi = tl.arange(0, NG)
-    tl.store(xs_ptr + base_group + gi, group_sums(y, NG, XG, MODE), mask=gi < n_groups)
-
-
-def _sums_for(y: torch.Tensor, d: int):
-    """(xs buffer or a placeholder, XS mode: 0 none, else xsum.mode()) for a producer writing y in
-    rows of d (kernels/xsum.py)."""
-    if xsum.want(y, d):
-        return xsum.new(y), xsum.mode()
-    return y, 0
-
-
-# ---- RMSNorm --------------------------------------------------------------------------------
-
-NORM_WARPS = 32      # warps per row of a wide norm (D >= 2048): H200, D 5120: 2.1 us vs 2.9 us at 4 (bench/fuse.py)
-
-
-def _norm_warps(d: int) -> int:
-    return NORM_WARPS if d >= 2048 else 4
-
-
-@triton.jit
-def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, D, stride_x, stride_r, eps,
-                     BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr = False,
-                     xs_ptr=None, XS: tl.constexpr = 0):
-    pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (kernels/pdl.py)
-    row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < D
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    if RESIDUAL:  # sum rounded to the model dtype first, exactly like `x = x + h`; a float32 h
-        r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(x.dtype)  # is rounded first
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        tl.store(s_ptr + row * D + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = (xf * inv * (1.0 + w)).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + row * D + offs, y, mask=mask)
-    if XS > 0:   # the group sums of the rounded row (kernels/xsum.py); D a multiple of XG
-        store_group_sums(xs_ptr, tl.where(mask, y.to(tl.float32), 0.0), row * (D // XG), D // XG, BLOCK, XS)
-
-
-def rms_norm_triton(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    d = x.shape[-1]
-    x2 = _rows2d(x)
-    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
-    xs, fold = _sums_for(y, d)
-    if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, x2, w, y, y, d, x2.stride(0), 0, eps,
-                                         BLOCK=triton.next_power_of_2(d), RESIDUAL=False, num_warps=_norm_warps(d),
-                                         xs_ptr=xs, XS=fold, **pdl.kw(x))
-    return xsum.attach(y, xs) if fold else y
-
-
-def add_rms_norm_triton(x: torch.Tensor, h: torch.Tensor, w: torch.Tensor,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    d = x.shape[-1]
-    x2, h2 = _rows2d(x), _rows2d(h)
-    s = torch.empty(x.shape, device=x.device, dtype=x.dtype)
-    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
-    xs, fold = _sums_for(y, d)
-    if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, h2, w, y, s, d, x2.stride(0), h2.stride(0), eps,
-                                         BLOCK=triton.next_power_of_2(d), RESIDUAL=True, num_warps=_norm_warps(d),
-                                         xs_ptr=xs, XS=fold, **pdl.kw(x))
-    return s, (xsum.attach(y, xs) if fold else y)
-
-
-@triton.jit
-def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, D, stride_x, stride_z, eps, BLOCK: tl.constexpr,
-                           PDL: tl.constexpr = False, xs_ptr=None, XS: tl.constexpr = 0):
-    pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (kernels/pdl.py)
-    row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < D
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    xf = x.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
-    n = (xf * inv).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    wn = (w.to(tl.float32) * n).to(x.dtype).to(tl.float32)
-    z = tl.load(z_ptr + row * stride_z + offs, mask=mask, other=0.0).to(tl.float32)
-    y = (wn * (z / (1.0 + tl.exp(-z)))).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + row * D + offs, y, mask=mask)
-    if XS > 0:
-        store_group_sums(xs_ptr, tl.where(mask, y.to(tl.float32), 0.0), row * (D // XG), D // XG, BLOCK, XS)
-
-
-def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    d = x.shape[-1]
-    x2, z2 = _rows2d(x), _rows2d(z)
-    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
-    xs, fold = _sums_for(y, d)
-    if x2.shape[0]:
-        _gated_rms_norm_kernel[(x2.shape[0],)](x2, z2, w, y, d, x2.stride(0), z2.stride(0), eps,
-                                               BLOCK=triton.next_power_of_2(d), xs_ptr=xs, XS=fold, **pdl.kw(x))
-    return xsum.attach(y, xs) if fold else y
+from ..norm.kernel import XG, _rows2d, _sums_for, store_group_sums
 
 
 # ---- rotary ---------------------------------------------------------------------------------
@@ -247,7 +77,7 @@ def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, D, stride_g, stride_u, BLOCK: tl.const
     if XS > 0:   # this block's groups (BLOCK a multiple of XG)
         store_group_sums(xs_ptr, tl.where(mask, y.to(tl.float32), 0.0),
                          row * (D // XG) + tl.program_id(1) * (BLOCK // XG), D // XG - tl.program_id(1) * (BLOCK // XG),
-                         BLOCK, XS)
+                         BLOCK)
 
 
 def silu_mul_triton(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

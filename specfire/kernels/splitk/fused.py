@@ -1,11 +1,6 @@
-"""The canonical split-K product of a row-parallel projection on CUDA, in Triton, in its chunk
-forms (kernels/splitk says why: tp = 1, 2, 4, 8 add the same float32 chunk partials in the same tree).
-
-Two forms, the same bits: `chunk_partials` + `tree_combine` (two launches, the reference form) and
-`gemv_chunks_fused` (one launch: the last chunk program of an output tile adds the tree). The
-one-loop form, the default where chunks are equal multiples of 128 columns, is
-kernels/splitk/loop.py. All run the row-invariant 16-row tile of kernels/gemv/kernel.py.
-"""
+"""The canonical split-K product on CUDA in one launch for any chunk bounds: each program a chunk's
+partial, the last chunk program of an output tile adds the tree (loop.py serves equal chunks that
+are multiples of 128 columns, with the same bits)."""
 from __future__ import annotations
 
 import torch

@@ -1,18 +1,6 @@
-"""The canonical split of a tensor-parallel reduction, so tp = 1, 2, 4, 8 compute the same bits.
-
-A row-parallel projection (attention o_proj, Gated DeltaNet out_proj, MLP down_proj) reduces over
-K, which tensor parallelism cuts between ranks. Whatever the degree, tp = 1 included, K is cut
-into CHUNKS canonical chunks (bounds floor(K * j / CHUNKS)); each chunk's product is a float32
-partial sum, and the partials are added in one fixed pairwise tree ((c0+c1)+(c2+c3))+(...). Rank r
-of tp holds the contiguous chunks [r * CHUNKS/tp, (r+1) * CHUNKS/tp), adds its own subtree, and the
-cross-rank combine adds the ranks' subtrees in the same tree (Comm.tree_all_reduce). Every shard
-boundary of the mesh (by head, or floor(I * r / tp) for the MLP) is a chunk bound, so a degree
-must divide CHUNKS.
-
-CPU arithmetic (measured, this machine's MKL): a chunk's product equals the same chunk computed
-inside another shard only if its inputs start at the same alignment, so when a chunk bound is not
-a multiple of ALIGN elements the chunk's x and weight are made contiguous (weights cached once).
-"""
+"""The canonical split of a row-parallel reduction, so tp = 1, 2, 4, 8 (and one device in the canonical
+mode) compute the same bits: K in CHUNKS canonical chunks, float32 partials added in one fixed
+pairwise tree; rank r holds a contiguous run of chunks and adds its own subtree."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,7 +9,9 @@ import torch
 import torch.nn.functional as F
 
 CHUNKS = 8
-ALIGN = 16          # elements; chunk bounds that are multiples of this compute in place on the CPU
+# CPU (MKL): a chunk's product equals the same chunk inside another shard only if its inputs start at
+# the same alignment, so chunks whose bounds are not multiples of ALIGN elements are made contiguous
+ALIGN = 16
 
 
 def chunk_bounds(k_total: int) -> list[int]:

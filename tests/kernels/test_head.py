@@ -10,7 +10,7 @@ import torch
 from specfire.kernels import head as head_fused
 from specfire.kernels.head import kernel as head_kernel
 from specfire.kernels import xsum
-from specfire.kernels.small import kernel as ts
+from specfire.kernels.norm import kernel as nk
 from specfire.kernels.attention import fused as af
 from specfire.kernels.attention.fused import qk_norm_rope_write_triton
 from specfire.kernels.small import rope_cos_sin
@@ -33,7 +33,7 @@ def _fc_inputs(r, d, v, dtype, seed, stride_pad=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("r,d,v,pad", [(1, 96, 7, 0), (3, 200, 11, 5), (4, 256, 5, 3), (2, 384, 9, 0)])
 def test_fc_input_matches_reference_and_the_norm_kernels(r, d, v, pad, dtype, monkeypatch):
-    monkeypatch.setenv("SPECFIRE_XSUM_FOLD", "0")
+    monkeypatch.setattr(xsum, "_CONSUMERS", set())          # no 4-bit consumer: no group sums
     ids, table, hidden, we, wh = _fc_inputs(r, d, v, dtype, seed=r * d + v, stride_pad=pad)
     y = head_kernel.fc_input_triton(ids, table, hidden, we, wh, 1e-6, 2e-6)
     ref = head_fused.fc_input_ref(ids, table, hidden, we, wh, 1e-6, 2e-6)
@@ -41,25 +41,21 @@ def test_fc_input_matches_reference_and_the_norm_kernels(r, d, v, pad, dtype, mo
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -6, atol=2e-2)
     torch.testing.assert_close(y.float(), ref.float(), **tol)
     # the launches it replaces: the two norm kernels over the gathered and the hidden rows, bit for bit
-    unfused = torch.cat([ts.rms_norm_triton(table[ids], we, 1e-6), ts.rms_norm_triton(hidden, wh, 2e-6)], -1)
+    unfused = torch.cat([nk.rms_norm_triton(table[ids], we, 1e-6), nk.rms_norm_triton(hidden, wh, 2e-6)], -1)
     assert torch.equal(y, unfused)
     for i in range(r):                                       # row-invariant
         assert torch.equal(head_kernel.fc_input_triton(ids[i:i + 1], table, hidden[i:i + 1], we, wh, 1e-6, 2e-6),
                            y[i:i + 1])
 
 
-@pytest.mark.parametrize("mode", ["1", "plain"])
 @pytest.mark.parametrize("r,d", [(1, 128), (3, 256), (2, 384)])     # 384: a masked block tail (512)
-def test_fc_input_folds_the_group_sums(r, d, mode, monkeypatch):
-    monkeypatch.setenv("SPECFIRE_XSUM_FOLD", mode)
+def test_fc_input_folds_the_group_sums(r, d, monkeypatch):
     monkeypatch.setattr(xsum, "_CONSUMERS", {"cpu"})
     ids, table, hidden, we, wh = _fc_inputs(r, d, 13, torch.bfloat16, seed=d + r)
     y = head_kernel.fc_input_triton(ids, table, hidden, we, wh, 1e-6, 1e-6)
     xs = xsum.take(y, xsum.G)
     assert xs is not None and xs.shape == (r, 2 * d // xsum.G)
-    if mode == "1":
-        assert torch.equal(xs.reshape(-1), xsum.group_sums_ref(y))
-    torch.testing.assert_close(xs.reshape(-1), y.float().reshape(-1, xsum.G).sum(1), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(xs.reshape(-1), xsum.group_sums_ref(y), rtol=1e-5, atol=1e-4)
     # a width that is not a whole number of groups carries none
     ids, table, hidden, we, wh = _fc_inputs(r, 200, 13, torch.bfloat16, seed=3)
     assert xsum.take(head_kernel.fc_input_triton(ids, table, hidden, we, wh, 1e-6, 1e-6), xsum.G) is None
@@ -116,7 +112,6 @@ def test_head_rows_step_fused_equals_unfused(monkeypatch):
     step forced on (ids + embedding, the rotary table, the fused q/k kernel) gives the unfused
     path's outputs and KV rows."""
     from specfire.config import ModelConfig
-    from specfire.kernels import fusion
     from specfire.layers import CUDA
     from specfire.model.cuda import FusedMtpHead
 
@@ -133,16 +128,13 @@ def test_head_rows_step_fused_equals_unfused(monkeypatch):
     ids, hid = torch.randint(0, 40, (4,)), torch.randn(4, 64)
     head_fused._TABLES.clear()
     outs = []
-    monkeypatch.setattr(fusion, "enabled", lambda x: True)    # the fused attention kernels, interpreted
+    head.layers[0].self_attn.fused = True                      # the fused attention kernels, interpreted
     for on in (False, True):
-        head_fused.set_enabled(on)
-        try:
-            st = head.new_state(16, torch.float32)
-            a = head(None, hid[:3], 2, st, rows=True, ids=ids[:3], embed_weight=embed)
-            b = head(None, a[1][-1:], torch.tensor([5]), st, rows=True, ids=ids[3:], embed_weight=embed)
-            outs.append((*a, *b, st.layers[0].k[2:6].clone(), st.layers[0].v[2:6].clone()))
-        finally:
-            head_fused.set_enabled(None)
+        head.fused = on
+        st = head.new_state(16, torch.float32)
+        a = head(None, hid[:3], 2, st, rows=True, ids=ids[:3], embed_weight=embed)
+        b = head(None, a[1][-1:], torch.tensor([5]), st, rows=True, ids=ids[3:], embed_weight=embed)
+        outs.append((*a, *b, st.layers[0].k[2:6].clone(), st.layers[0].v[2:6].clone()))
     assert head_fused._TABLES, "the fused step built no rotary table"
     for x, y in zip(*outs):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
@@ -157,7 +149,6 @@ def test_head_prompt_catchup_fused_equals_unfused(t, pos0, monkeypatch):
     gate around the prefill attention) gives the unfused prefill path's outputs and KV rows, at an
     odd row count and a later start; the head's next rows step reads them alike."""
     from specfire.config import ModelConfig
-    from specfire.kernels import fusion
     from specfire.layers import CUDA
     from specfire.model.cuda import FusedMtpHead
 
@@ -177,23 +168,19 @@ def test_head_prompt_catchup_fused_equals_unfused(t, pos0, monkeypatch):
     real_fc, real_gate = head_fused.fc_input, af.out_gate_triton
     monkeypatch.setattr(head_fused, "fc_input", lambda *a: calls.append("fc") or real_fc(*a))
     monkeypatch.setattr(af, "out_gate_triton", lambda *a: calls.append("gate") or real_gate(*a))
-    monkeypatch.setattr(fusion, "enabled", lambda x: True)    # the fused attention kernels, interpreted
+    head.layers[0].self_attn.fused = True                      # the fused attention kernels, interpreted
     outs = []
     for on in (False, True):
-        head_fused.set_catchup(on)
-        head_fused.set_enabled(False)        # the rows step below: the unfused one both times
-        try:
-            st = head.new_state(16, torch.float32)
-            if pos0:                          # earlier KV rows, as a later catch-up finds them
-                head(embed[ids[:pos0]], hid[:pos0], 0, st, rows=False)
-            calls.clear()
-            a = head(None, hid[pos0:t], pos0, st, rows=False, ids=ids[pos0:t], embed_weight=embed)
-            seen = list(calls)                # the catch-up's kernels (the rows step's are its own)
-            b = head(embed[ids[t:]], a[1][-1:], t, st, rows=True)
-            outs.append((*a, *b, st.layers[0].k[:t + 1].clone(), st.layers[0].v[:t + 1].clone()))
-        finally:
-            head_fused.set_catchup(None)
-            head_fused.set_enabled(None)
+        head.fused = on
+        st = head.new_state(16, torch.float32)
+        if pos0:                          # earlier KV rows, as a later catch-up finds them
+            head(embed[ids[:pos0]], hid[:pos0], 0, st, rows=False)
+        calls.clear()
+        a = head(None, hid[pos0:t], pos0, st, rows=False, ids=ids[pos0:t], embed_weight=embed)
+        seen = list(calls)                # the catch-up's kernels (the rows step's attention has its own)
+        head.fused = False                # the rows step below: the unfused head step both times
+        b = head(embed[ids[t:]], a[1][-1:], t, st, rows=True)
+        outs.append((*a, *b, st.layers[0].k[:t + 1].clone(), st.layers[0].v[:t + 1].clone()))
         if not on:
             assert not seen, "the catch-up took the fused kernels while switched off"
     assert "fc" in seen and "gate" in seen, f"the fused catch-up did not run its kernels: {seen}"
@@ -202,12 +189,11 @@ def test_head_prompt_catchup_fused_equals_unfused(t, pos0, monkeypatch):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
 
-def test_trunk_prefill_never_takes_the_catchup_kernels(monkeypatch):
+def test_trunk_prefill_never_takes_the_catchup_kernels():
     """A rotary table in prefill mode is the head's catch-up alone: the trunk's prefill keeps its
     own path (its attention layers see cos / sin, not a table), and a table given to a layer
     whose fused kernels are off is refused."""
     from specfire.config import ModelConfig
-    from specfire.kernels import fusion
     from specfire.layers import CUDA
     from specfire.layers.attention import FusedGatedAttention
     from specfire.model.qwen35 import SequenceState
@@ -219,7 +205,7 @@ def test_trunk_prefill_never_takes_the_catchup_kernels(monkeypatch):
     attn = FusedGatedAttention(cfg, CUDA)
     st = SequenceState.allocate(cfg, ("full_attention",), 8, torch.device("cpu"), torch.float32)
     table = head_fused.RopeTable(rope_cos_sin(torch.arange(8), cfg.rotary_dim, cfg.rope_theta))
-    monkeypatch.setattr(fusion, "enabled", lambda x: False)
+    attn.fused = False
     with pytest.raises(ValueError, match="rotary table"):
         attn(torch.randn(3, 32), 0, table, st.layers[0], rows=False)
 
@@ -235,7 +221,6 @@ def test_greedy_mtp_with_the_fused_head_step_equals_ar(ckpt_cache, attn_fused, m
 
     import specfit
     from specfire import LLM, SamplingParams
-    from specfire.kernels import fusion
     from specfire.layers.attention import FusedGatedAttention
     from specfire.model import loader
     from specfire.model.cuda import FusedMtpHead
@@ -264,16 +249,11 @@ def test_greedy_mtp_with_the_fused_head_step_equals_ar(ckpt_cache, attn_fused, m
         calls = []
         real_fc = head_fused.fc_input
         monkeypatch.setattr(head_fused, "fc_input", lambda *a: calls.append(1) or real_fc(*a))
-        head_fused.set_enabled(True)
-        try:
-            if attn_fused:       # the trunk's fused kernels too (interpreted): only the head reads the table;
-                monkeypatch.setattr(fusion, "enabled", lambda x: True)   # and the prompt catch-up's kernels
-                head_fused.set_catchup(True)
-                monkeypatch.setattr(head_fused, "fc_input", lambda *a: calls.append(a[0].shape[0]) or real_fc(*a))
-            eager, graphed = run(False), run(True)
-        finally:
-            head_fused.set_enabled(None)
-            head_fused.set_catchup(None)
+        d.head.fused = True      # the head's rows step and prompt catch-up, interpreted
+        if attn_fused:           # the head's fused attention kernels too (interpreted), reading the table
+            d.head.layers[0].self_attn.fused = True
+            monkeypatch.setattr(head_fused, "fc_input", lambda *a: calls.append(a[0].shape[0]) or real_fc(*a))
+        eager, graphed = run(False), run(True)
     assert base[0] == ar and base[1] > 0
     assert calls, "the fused head step never ran"
     if attn_fused:

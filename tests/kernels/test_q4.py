@@ -11,7 +11,8 @@ import torch
 from specfire.kernels.gemv import linear, linear_rows_ref
 from specfire.kernels.q4 import (QuantWeight, dequantize_ref, hadamard_rotate, pick_group, quantize_tensor,
                                 unpack_codes)
-from specfire.kernels.q4.gemv import Q4Config, q4_gemv
+from specfire.kernels.q4.config import Q4Config
+from specfire.kernels.q4.gemv import q4_gemv
 
 
 def _g(seed):
@@ -140,25 +141,24 @@ def test_pick_group():
 
 
 CASES = [  # odd N, masked group tails (a split's last group range shorter), split-K combined by
-    # the last CTA (counters) or a second launch, group sizes 32 / 64 / 128, codes as rows and in
-    # tiles (last field)
+    # the last CTA (four partials at a time: masked past the last split), group sizes 32 / 64 / 128,
+    # codes as rows and in tiles (last field)
     (1, 37, 128, 32, False, Q4Config(16), 0),
     (5, 100, 384, 64, True, Q4Config(32, split_k=2), 64),
     (3, 70, 640, 128, False, Q4Config(64, split_k=4), 0),
-    (7, 50, 160, 32, False, Q4Config(16, split_k=3, sem=False), 16),
+    (7, 50, 160, 32, False, Q4Config(16, split_k=3), 16),
     (9, 33, 2304, 64, False, Q4Config(32, split_k=5, wa=True, rows=8), 64),   # 8-row tiles: M = 9 runs two
-    (4, 48, 512, 128, False, Q4Config(16, split_k=3, num_warps=1, sem=False, zc=16), 0),
+    (4, 48, 512, 128, False, Q4Config(16, split_k=3, num_warps=1, zc=16), 0),
     (16, 64, 256, 128, False, None, 0),
-    # codes as the MMA's A operand (wa, the adopted form): odd N, masked tails, both combines,
-    # both layouts; the default config on the default layout (64-row tiles, N padded); the
+    # codes as the MMA's A operand (wa, the adopted form): odd N, masked tails, both layouts; the default config on the default layout (64-row tiles, N padded); the
     # adopted gate/up form (128 columns, 2 warps, 3 stages) with a short last split
     (5, 45, 384, 128, False, Q4Config(32, split_k=2, wa=True, rows=8, zc=16), 0),   # zero term after the loop
-    (11, 70, 640, 64, True, Q4Config(16, split_k=4, sem=False, wa=True, rows=8), 64),
+    (11, 70, 640, 64, True, Q4Config(16, split_k=4, wa=True, rows=8), 64),
     (13, 77, 384, 128, False, None, 64),
     (2, 150, 640, 128, False, Q4Config(128, split_k=3, num_warps=2, num_stages=3, wa=True), 64),
     # the zero term after the loop (zc): splits of one group, of two and a short last one, zc chunks
     # shorter than a split (the first chunk's scales / zeros loaded before the loop, the rest after)
-    (6, 40, 896, 128, True, Q4Config(16, split_k=7, sem=False, wa=True, rows=8, zc=2), 64),
+    (6, 40, 896, 128, True, Q4Config(16, split_k=7, wa=True, rows=8, zc=2), 64),
     (5, 29, 1280, 128, False, Q4Config(32, split_k=2, wa=True, rows=8, zc=2), 0),
 ]
 
@@ -190,7 +190,7 @@ def test_q4_kernel_prefixes_are_row_invariant():
 
 
 @pytest.mark.parametrize("cfg", [Q4Config(16, split_k=3, wa=True, rows=8, rows_hi=16),
-                                 Q4Config(32, split_k=2, sem=False, wa=True, rows=8, zc=2, rows_hi=16),
+                                 Q4Config(32, split_k=2, wa=True, rows=8, zc=2, rows_hi=16),
                                  Q4Config(16, wa=True, rows=8, zc=4, rows_hi=16)])
 def test_q4_wide_row_tile_is_row_invariant(cfg):
     """rows_hi: a call of more than 8 rows runs one 16-row tile instead of two 8-row tiles (the
@@ -210,8 +210,7 @@ def test_q4_wide_row_tile_is_row_invariant(cfg):
 
 
 def test_q4_config_rejects_bad_values():
-    for bad in (dict(rows=12), dict(rows=8, rows_hi=8), dict(rows=8, rows_hi=24), dict(zc=3), dict(maxnreg=20),
-                dict(maxnreg=100), dict(maxnreg=256)):
+    for bad in (dict(rows=12), dict(rows=8, rows_hi=8), dict(rows=8, rows_hi=24), dict(zc=3)):
         with pytest.raises(ValueError, match="Q4Config"):
             Q4Config(**bad)
 
@@ -418,10 +417,10 @@ def _qw(n, k, g, seed, tile=64, had=False):
 
 
 @pytest.mark.parametrize("cfg,tile", [(Q4Config(32, split_k=2, wa=True, rows=8), 64),
-                                      (Q4Config(64, split_k=2, sem=False, wa=True), 0)])
+                                      (Q4Config(64, split_k=2, wa=True), 0)])
 def test_q4_group_equals_separate_launches_and_is_row_invariant(cfg, tile):
     """q4_group: two and four weights of one input (odd N, masked group tails, split-K combined in
-    the kernel or by a second launch, rows and tiles) give each output the bits of its own launch
+    the kernel, rows and tiles) give each output the bits of its own launch
     with the same settings, 128-byte aligned; each row of an M-row call equals a one-row call."""
     from specfire.kernels.q4.gemv import q4_group
 
@@ -441,18 +440,16 @@ def test_q4_group_equals_separate_launches_and_is_row_invariant(cfg, tile):
         assert all(torch.equal(a[0], b[i]) for a, b in zip(q4_group(x[i:i + 1], group, cfg), got)), i
 
 
-def test_q4_rows_groups_shards_as_the_whole_and_falls_back(monkeypatch):
+def test_q4_rows_groups_shards_as_the_whole(monkeypatch):
     """q4_rows: the group's settings come from the whole matrices' N, so shards (rows from a tile
     bound on, launch_ns = the whole N) get the whole group's bits; Hadamard weights rotate x once;
-    more than 16 rows run in 16-row launches (row-invariant across them); SPECFIRE_GEMV_GROUP=0
-    gives one launch per weight with its own settings."""
-    from specfire.kernels.gemv import kernel as triton_gemv
-    from specfire.kernels.q4 import gemv as triton_quant
+    more than 16 rows run in 16-row launches (row-invariant across them)."""
+    from specfire.kernels.q4 import config as q4cfg
     from specfire.kernels.q4 import q4_rows
-    from specfire.kernels.q4.gemv import group_config
+    from specfire.kernels.q4.config import group_config
 
     # settings by shape: the whole group's (N = 170) differ from what the shards' own N would pick
-    monkeypatch.setattr(triton_quant, "q4_config", lambda n, k, g: Q4Config(32) if n == 170 else Q4Config(16, split_k=2))
+    monkeypatch.setattr(q4cfg, "q4_config", lambda n, k, g: Q4Config(32) if n == 170 else Q4Config(16, split_k=2))
     k, g = 256, 128
     wholes = [_qw(n, k, g, 40 + n, had=True) for n in (100, 70)]
     x = torch.randn(18, k, generator=_g(41))
@@ -466,18 +463,12 @@ def test_q4_rows_groups_shards_as_the_whole_and_falls_back(monkeypatch):
                           w.dtype) for w in wholes]
     for a, b in zip(q4_rows(x[:3], shards, [100, 70]), full):
         assert torch.equal(a, b[:3, 64:])
-    triton_gemv.GROUP = False
-    try:
-        for y, w in zip(q4_rows(x[:2], wholes, [None, None]), wholes):
-            assert torch.equal(y, q4_gemv(xr[:2], w))
-    finally:
-        triton_gemv.GROUP = True
 
 
 def test_q4_config_picks_the_measured_settings():
-    """The launch settings of a 27B step's 4-bit launches and the MTP fc are the seventh session's
-    measured winners (docs/BENCHMARKS.md, "Seventh wave"): one per (N, K), whatever M."""
-    from specfire.kernels.q4.gemv import group_config, q4_config
+    """The launch settings of a 27B step's 4-bit launches and the MTP fc are the measured winners:
+    one per (N, K), whatever M."""
+    from specfire.kernels.q4.config import group_config, q4_config
 
     want = {(34816, 5120): Q4Config(64, 3, 2, 3, wa=True, rows=8, rows_hi=16),       # MLP gate + up
             (16384, 5120): Q4Config(64, 3, 2, 3, wa=True, rows=8, rows_hi=16),       # GDN qkv + z
@@ -491,49 +482,24 @@ def test_q4_config_picks_the_measured_settings():
     assert group_config([17408, 17408], 5120, 128) == want[(34816, 5120)]
     assert group_config([12288, 1024, 1024], 5120, 128) == want[(14336, 5120)]
     assert group_config([10240, 6144], 5120, 128) == want[(16384, 5120)]
-    # the tiles per row count (ninth wave): the draft lm_head of a 32,768-token draft vocabulary at
+    # the tiles per row count: the draft lm_head of a 32,768-token draft vocabulary at
     # M = 1 runs 32 columns on one warp, 3 stages, its split-K (1) unchanged; other M as q4_config
-    from specfire.kernels.q4.gemv import M_TILES, launch_config
+    from specfire.kernels.q4.config import M_TILES, launch_config
     assert M_TILES == {(32768, 5120, 1): (32, 1, 3)}
     d = q4_config(32768, 5120, 128)
     assert launch_config(d, 32768, 5120, 128, 1) == dataclasses.replace(d, block_n=32, num_warps=1, num_stages=3)
     assert launch_config(d, 32768, 5120, 128, 4) == d
 
 
-# ---- ninth wave: the split-K combine's loads four at a time, tiles per row count, partials dropped
-
-@pytest.mark.parametrize("split", [2, 3, 5, 6, 10])
-def test_q4_combine_ilp_keeps_the_bits(split):
-    """COMBINE_ILP: the last CTA of a tile loads the partials four at a time and adds them in split
-    order, so every split count (split - 1 not a multiple of 4: masked loads past the last split)
-    gives the bits of the one-at-a-time combine; rows == single rows; odd N, 10 groups of 32."""
-    from specfire.kernels.q4 import gemv as triton_quant
-
-    qw = _qw(45, 320, 32, 50 + split)
-    x = torch.randn(5, 320, generator=_g(51))
-    cfg = Q4Config(16, split_k=split, wa=True, rows=8)
-    saved = triton_quant.COMBINE_ILP
-    try:
-        triton_quant.COMBINE_ILP = False
-        plain = q4_gemv(x, qw, cfg)
-        triton_quant.COMBINE_ILP = True
-        got = q4_gemv(x, qw, cfg)
-        assert torch.equal(got, plain)
-        for i in range(x.shape[0]):
-            assert torch.equal(q4_gemv(x[i:i + 1], qw, cfg)[0], got[i]), i
-    finally:
-        triton_quant.COMBINE_ILP = saved
-    ref = linear_rows_ref(x, qw.dequantize())
-    assert float((got - ref).norm() / ref.norm()) < 3e-5
-
+# ---- tiles per row count, partials dropped ------------------------------------------------------
 
 def test_q4_m_tiles_change_the_tile_not_the_bits(monkeypatch):
     """M_TILES: an M-row launch of a shape may run another tile width / warps / stages than
     q4_config's (never another split-K or row tile): launch_config applies it only to that (N, K, M)
     and only where the settings are q4_config's, and the outputs keep the bits of q4_config's launch
     (odd N, split-K over a short last split, rows == single rows)."""
-    from specfire.kernels.q4 import gemv as triton_quant
-    from specfire.kernels.q4.gemv import launch_config, q4_config
+    from specfire.kernels.q4 import config as q4cfg
+    from specfire.kernels.q4.config import launch_config, q4_config
 
     n, k, g = 77, 640, 64
     base = q4_config(n, k, g)
@@ -541,8 +507,7 @@ def test_q4_m_tiles_change_the_tile_not_the_bits(monkeypatch):
     qw = _qw(n, k, g, 52)
     x = torch.randn(4, k, generator=_g(53))
     want = q4_gemv(x, qw, base)
-    monkeypatch.setattr(triton_quant, "M_TILES", {(n, k, 4): (16, 1, 2), (n, k, 2): (32, 4, 3)})
-    monkeypatch.setattr(triton_quant, "M_TILES_ON", True)
+    monkeypatch.setattr(q4cfg, "M_TILES", {(n, k, 4): (16, 1, 2), (n, k, 2): (32, 4, 3)})
     got = launch_config(base, n, k, g, 4)
     assert (got.block_n, got.num_warps, got.num_stages) == (16, 1, 2)
     assert dataclasses.replace(got, block_n=base.block_n, num_warps=base.num_warps,
@@ -554,8 +519,6 @@ def test_q4_m_tiles_change_the_tile_not_the_bits(monkeypatch):
     assert torch.equal(q4_gemv(x[:2], qw), want[:2])                     # M = 2 through its own
     for i in range(4):
         assert torch.equal(q4_gemv(x[i:i + 1], qw)[0], want[i]), i
-    monkeypatch.setattr(triton_quant, "M_TILES_ON", False)
-    assert launch_config(base, n, k, g, 4) == base
 
 
 def test_q4_discard_only_where_lines_stay_inside_a_tile():
@@ -563,7 +526,7 @@ def test_q4_discard_only_where_lines_stay_inside_a_tile():
     from specfire.kernels.q4.gemv import discard_ok
 
     assert discard_ok(True, 64, [17408, 17408], 1 << 20)
-    assert not discard_ok(False, 64, [17408], 1 << 20)                  # switched off / no split-K / CPU
+    assert not discard_ok(False, 64, [17408], 1 << 20)                  # no split-K / the CPU
     assert not discard_ok(True, 16, [17408], 1 << 20)                   # a tile narrower than a line
     assert not discard_ok(True, 64, [17408, 1000], 1 << 20)             # an N off the line grid
     assert not discard_ok(True, 64, [17408], (1 << 20) + 64)            # a buffer off the line grid

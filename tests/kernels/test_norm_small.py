@@ -8,6 +8,7 @@ from specfire.kernels import norm
 from specfire.kernels import small as rope
 from specfire.kernels.small import silu_mul_ref
 from specfire.kernels.small import kernel as ts
+from specfire.kernels.norm import kernel as nk
 
 
 def _g(seed):
@@ -19,7 +20,7 @@ def test_rms_norm(shape):
     g = _g(1)
     x = torch.randn(shape, generator=g) * 3
     w = torch.randn(shape[-1], generator=g) * 0.3
-    torch.testing.assert_close(ts.rms_norm_triton(x, w, 1e-6), norm.rms_norm_ref(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(nk.rms_norm_triton(x, w, 1e-6), norm.rms_norm_ref(x, w, 1e-6), rtol=1e-5, atol=1e-5)
 
 
 def test_rms_norm_strided_view():
@@ -28,19 +29,19 @@ def test_rms_norm_strided_view():
     qg = torch.randn(3, 4, 2 * 24, generator=g)
     q = qg[..., :24]
     w = torch.randn(24, generator=g)
-    torch.testing.assert_close(ts.rms_norm_triton(q, w, 1e-6), norm.rms_norm_ref(q, w, 1e-6), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(nk.rms_norm_triton(q, w, 1e-6), norm.rms_norm_ref(q, w, 1e-6), rtol=1e-5, atol=1e-5)
 
 
 def test_add_rms_norm():
     g = _g(3)
     x, h = torch.randn(5, 77, generator=g), torch.randn(5, 77, generator=g)
     w = torch.randn(77, generator=g) * 0.3
-    s, y = ts.add_rms_norm_triton(x, h, w, 1e-6)
+    s, y = nk.add_rms_norm_triton(x, h, w, 1e-6)
     s_ref, y_ref = norm.add_rms_norm_ref(x, h, w, 1e-6)
     assert torch.equal(s, s_ref)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     h64 = torch.randn(5, 77, generator=g, dtype=torch.float64)   # a wider h is rounded to x's dtype first
-    s, _ = ts.add_rms_norm_triton(x, h64, w, 1e-6)
+    s, _ = nk.add_rms_norm_triton(x, h64, w, 1e-6)
     assert s.dtype == x.dtype and torch.equal(s, x + h64.to(x.dtype)) and torch.equal(s, norm.add_rms_norm_ref(x, h64, w, 1e-6)[0])
 
 
@@ -48,7 +49,7 @@ def test_gated_rms_norm():
     g = _g(4)
     x, z = torch.randn(3, 5, 12, generator=g), torch.randn(3, 5, 12, generator=g) * 2
     w = torch.randn(12, generator=g)
-    torch.testing.assert_close(ts.gated_rms_norm_triton(x, z, w, 1e-6), norm.gated_rms_norm_ref(x, z, w, 1e-6),
+    torch.testing.assert_close(nk.gated_rms_norm_triton(x, z, w, 1e-6), norm.gated_rms_norm_ref(x, z, w, 1e-6),
                                rtol=1e-5, atol=1e-5)
 
 

@@ -8,7 +8,7 @@ from specfire.kernels import attention as A
 from specfire.kernels.attention.kernel import attention_rows_triton
 
 SMALL = dict(block_m=16, split=32, block_n=16)  # several spans and masked tails at small sizes
-MANY = dict(block_m=16, split=16, block_n=16, chunk=2, prefetch=True)  # several combine chunks; Q8 prefetch
+MANY = dict(block_m=16, split=16, block_n=16, chunk=2)  # several combine chunks
 
 
 def _cache(n, hkv, d, q8, gen, group=32):
@@ -168,11 +168,11 @@ def test_q8_fp16_path(kw):
     hq, hkv, d, pos0, rows = 16, 1, 64, 45, 4
     kc, vc, ks, vs = _cache(pos0 + rows + 5, hkv, d, True, gen)
     q = (torch.randn(rows, hq, d, generator=gen) * 2).half()
-    out = attention_rows_triton(q, kc, vc, pos0, d ** -0.5, ks, vs, q8_mode=1, **kw)
+    out = attention_rows_triton(q, kc, vc, pos0, d ** -0.5, ks, vs, **kw)
     ref = A.attention_rows_q8_ref(q.float(), kc, vc, pos0, d ** -0.5, ks, vs)
     assert float((out - ref).norm() / ref.norm()) < 2e-3
     for r in range(rows):
-        one = attention_rows_triton(q[r:r + 1], kc, vc, pos0 + r, d ** -0.5, ks, vs, q8_mode=1, **kw)
+        one = attention_rows_triton(q[r:r + 1], kc, vc, pos0 + r, d ** -0.5, ks, vs, **kw)
         assert torch.equal(one[0], out[r]), r
 
 
