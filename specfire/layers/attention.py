@@ -21,25 +21,26 @@ from ..kernels.splitk import head_block
 
 if TYPE_CHECKING:
     from ..model.state import LayerCache
+    from . import Target
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layers):
+    def __init__(self, cfg: ModelConfig, target: Target):
         super().__init__()
-        share = layers.share(cfg)
+        share = target.share(cfg)
         self.n_heads, self.n_kv = share.n_heads, share.n_kv
         d = self.head_dim = cfg.head_dim
         h = cfg.hidden_size
-        self.q_proj = layers.column(h, self.n_heads * d * 2, cfg.num_attention_heads * d * 2)
-        self.k_proj = layers.column(h, self.n_kv * d, cfg.num_key_value_heads * d)
-        self.v_proj = layers.column(h, self.n_kv * d, cfg.num_key_value_heads * d)
-        self.o_proj = layers.row(cfg.num_attention_heads * d, h)
-        self.q_norm = layers.norm(d, cfg.rms_norm_eps)
-        self.k_norm = layers.norm(d, cfg.rms_norm_eps)
+        self.q_proj = target.column(h, self.n_heads * d * 2, cfg.num_attention_heads * d * 2)
+        self.k_proj = target.column(h, self.n_kv * d, cfg.num_key_value_heads * d)
+        self.v_proj = target.column(h, self.n_kv * d, cfg.num_key_value_heads * d)
+        self.o_proj = target.row(cfg.num_attention_heads * d, h)
+        self.q_norm = target.norm(d, cfg.rms_norm_eps)
+        self.k_norm = target.norm(d, cfg.rms_norm_eps)
         self.scale = d ** -0.5
-        self.rowmap = layers.rowmap
+        self.rowmap = target.rowmap
         # a canonical prefill calls the attention library on a fixed number of heads (kernels/splitk)
-        self.q_block = head_block(cfg.num_attention_heads) if layers.exact else None
+        self.q_block = head_block(cfg.num_attention_heads) if target.exact else None
 
     def forward(self, x: torch.Tensor, pos0: int, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 lc: LayerCache, rows: bool) -> torch.Tensor:

@@ -3,9 +3,8 @@
 `GatedDeltaNet` computes the layer with the kernels of kernels/gdn and the formulation of
 kernels/gdn/ref.py that training shares. Its variants: `FusedGatedDeltaNet` (CUDA: a decode /
 verify is one kernel from the conv to the gated norm, kernels/gdn/fused.py, for convs of up to
-FUSED_MAX_CONV taps) and
-`CpuGatedDeltaNet` (one CPU device: the gates with -exp(A_log) kept, the q / k norms as two
-rms_norm calls).
+FUSED_MAX_CONV taps) and `CpuGatedDeltaNet` (one CPU device: the gates with -exp(A_log) kept,
+the q / k norms as two rms_norm calls).
 """
 from __future__ import annotations
 
@@ -23,29 +22,30 @@ from .norm import cached
 
 if TYPE_CHECKING:
     from ..model.state import LayerCache
+    from . import Target
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: ModelConfig, layers):
+    def __init__(self, cfg: ModelConfig, target: Target):
         super().__init__()
-        share = layers.share(cfg)
+        share = target.share(cfg)
         self.hk, self.hv = share.n_k_heads, share.n_v_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
         h, vd = cfg.hidden_size, cfg.linear_num_value_heads * self.dv
-        self.in_proj_qkv = layers.column(h, self.conv_dim, cfg.conv_dim)
-        self.in_proj_z = layers.column(h, self.value_dim, vd)
-        self.in_proj_b = layers.column(h, self.hv, cfg.linear_num_value_heads)
-        self.in_proj_a = layers.column(h, self.hv, cfg.linear_num_value_heads)
+        self.in_proj_qkv = target.column(h, self.conv_dim, cfg.conv_dim)
+        self.in_proj_z = target.column(h, self.value_dim, vd)
+        self.in_proj_b = target.column(h, self.hv, cfg.linear_num_value_heads)
+        self.in_proj_a = target.column(h, self.hv, cfg.linear_num_value_heads)
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, cfg.linear_conv_kernel_dim), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.ones(self.hv), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(self.hv), requires_grad=False)
-        self.norm = layers.gated_norm(self.dv, cfg.rms_norm_eps)
-        self.out_proj = layers.row(vd, h)
-        self.rowmap = layers.rowmap
-        self.exact = layers.exact
+        self.norm = target.gated_norm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = target.row(vd, h)
+        self.rowmap = target.rowmap
+        self.exact = target.exact
 
     def forward(self, x: torch.Tensor, lc: LayerCache, rows: bool) -> torch.Tensor:
         """x [T, H] -> [T, H]. Rows mode logs each row's state update in `lc` (the live state is
