@@ -9,37 +9,51 @@ import torch.nn.functional as F
 from tinymodels import make_checkpoint
 
 from specfire import LLM, SamplingParams, SpecPolicy
-from specfire.model import cpu_rows
-from specfire.kernels.cpu_exact import lanes
-from specfire.kernels.cpu_exact import onecpu
-from specfire.kernels.cpu_exact import rowwise as rw
+from specfire.config import ModelConfig
 from specfire.kernels import canonical
+from specfire.kernels.gemv import linear
 from specfire.kernels.small import silu_mul
-from specfire.kernels.gemv import linear, one_cpu
+from specfire.layers import CPU, CPU_EXACT
+from specfire.layers.gdn import CpuGatedDeltaNet
+from specfire.layers.norm import CpuGatedRMSNorm, CpuRMSNorm
+from specfire.layers.rows import BATCHED, PER_ROW, whole_steps
+from specfire.model import cpu
+from specfire.model.qwen35 import Qwen35Trunk
 
 
 def test_one_cpu_device_is_plain_unless_canonical_or_a_mesh(monkeypatch):
+    """The layers are picked when the model is loaded: one CPU device's plain products and norms,
+    the canonical mode's exact ones (what a mesh rank computes)."""
     x = torch.randn(3, 64)
     w = torch.randn(48, 64)
-    assert not canonical.enabled() and one_cpu(x)
-    with lanes.invariant():                       # a mesh rank's forward
-        assert not one_cpu(x)
-        inv = linear(x, w, rows=True)
+    assert not canonical.enabled()
     assert torch.equal(linear(x, w, rows=True), torch.cat([x[i:i + 1] @ w.t().contiguous() for i in range(3)]))
-    torch.testing.assert_close(inv, x @ w.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear(x, w, rows=True, exact=True), x @ w.t(), rtol=1e-5, atol=1e-5)
     calls = []
-    real = onecpu.rms_norm
-    monkeypatch.setattr(onecpu, "rms_norm", lambda *a: calls.append(1) or real(*a))
+    real = CpuRMSNorm.norm
+    monkeypatch.setattr(CpuRMSNorm, "norm", lambda *a: calls.append(1) or real(*a))
     with LLM(_ckpt(), device="cpu", progress=False) as llm:
+        assert llm.engine.trunk.model.target is CPU and isinstance(llm.engine.trunk.model, cpu.CpuQwen35Trunk)
         llm.score([1, 2, 3])
         assert calls                               # the one-device norms
-        calls.clear()
-        canonical.set_enabled(True)
-        try:
+    calls.clear()
+    canonical.set_enabled(True)
+    try:
+        with LLM(_ckpt(), device="cpu", progress=False) as llm:
+            model = llm.engine.trunk.model
+            assert model.target is CPU_EXACT and type(model) is Qwen35Trunk
             llm.score([1, 2, 3])
-        finally:
-            canonical.set_enabled(None)
-        assert not calls                           # the canonical mode keeps the reference
+    finally:
+        canonical.set_enabled(None)
+    assert not calls                               # the canonical mode keeps the reference
+
+
+def _tiny_gdn(dk: int) -> CpuGatedDeltaNet:
+    cfg = ModelConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                      layer_types=("linear_attention",), num_attention_heads=1, num_key_value_heads=1,
+                      head_dim=64, linear_num_key_heads=2, linear_num_value_heads=2,
+                      linear_key_head_dim=dk, linear_value_head_dim=dk)
+    return CpuGatedDeltaNet(cfg, CPU)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -49,25 +63,29 @@ def test_batched_rows_equal_rows_alone(threads):
     torch.set_num_threads(threads)
     try:
         g = torch.Generator().manual_seed(threads)
-        w256, w64 = torch.randn(256, generator=g) * 0.1, torch.randn(64, generator=g)
+        n256, gn64 = CpuRMSNorm(256, 1e-6), CpuGatedRMSNorm(64, 1e-6)
+        with torch.no_grad():
+            n256.weight.copy_(torch.randn(256, generator=g) * 0.1)
+            gn64.weight.copy_(torch.randn(64, generator=g))
+        gdn = _tiny_gdn(64)
         fns = {
-            "add_rms_norm": (lambda a, b: onecpu.add_rms_norm(a, b, w256, 1e-6), (256, 256)),
-            "rms_norm": (lambda a: onecpu.rms_norm(a, w256, 1e-6), (256,)),
+            "add_rms_norm": (n256.add_norm, (256, 256)),
+            "rms_norm": (n256.norm, (256,)),
             "silu_mul": (silu_mul, (512, 512)),
             "sigmoid": (torch.sigmoid, (192,)),
-            "gated_norm": (lambda a, z: onecpu.gated_rms_norm(a, z, w64, 1e-6), ((4, 64), (4, 64))),
-            "l2norm_qk": (onecpu.l2norm_qk, ((2, 64), (2, 64))),
+            "gated_norm": (gn64.norm, ((4, 64), (4, 64))),
+            "l2norm_qk": (gdn.qk_norm, ((2, 64), (2, 64))),
         }
         for name, (fn, shapes) in fns.items():
             for t in range(2, 12):
                 xs = [torch.randn(t, *(s if isinstance(s, tuple) else (s,)), generator=g) * 3 for s in shapes]
-                assert rw.whole_steps(*xs)
-                got = rw.rowwise(fn, True, *xs, batch=True)
-                want = rw.rowwise(fn, True, *xs)
+                assert whole_steps(*xs)
+                got = BATCHED(fn, True, *xs)
+                want = PER_ROW(fn, True, *xs)
                 for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
                     assert torch.equal(a, b), (name, t)
         # a row width off the vector step is never batched
-        assert not rw.whole_steps(torch.randn(4, 96 + 4))
+        assert not whole_steps(torch.randn(4, 96 + 4))
     finally:
         torch.set_num_threads(old)
 
@@ -122,13 +140,13 @@ def _verify_equals_decodes(llm, threads: int) -> None:
 
 @pytest.mark.parametrize("whole", [True, False])
 def test_verify_rows_equal_one_row_decodes_and_mtp_equals_ar(monkeypatch, whole):
-    """The one-CPU rows path (model/cpu_rows.py): widths on whole vector steps (every batched op
+    """The one-CPU rows path (model/cpu.py): widths on whole vector steps (every batched op
     batched) or off them (the transcendental ops one row at a time)."""
     batched, layers = [], []
-    real_rows, real_layer = cpu_rows._rows, cpu_rows.layer
-    monkeypatch.setattr(cpu_rows, "_rows", lambda fn, w, *xs: batched.append(w and xs[0].shape[0] > 1)
+    real_rows, real_layer = cpu._rows, cpu.layer
+    monkeypatch.setattr(cpu, "_rows", lambda fn, w, *xs: batched.append(w and xs[0].shape[0] > 1)
                         or real_rows(fn, w, *xs))
-    monkeypatch.setattr(cpu_rows, "layer", lambda *a: layers.append(1) or real_layer(*a))
+    monkeypatch.setattr(cpu, "layer", lambda *a: layers.append(1) or real_layer(*a))
     with LLM(_ckpt() if whole else _odd_ckpt(), device="cpu", progress=False) as llm:
         for threads in (1, 2):
             _verify_equals_decodes(llm, threads)
@@ -157,21 +175,20 @@ def _odd_ckpt() -> str:
 def test_rows_path_matches_the_reference_and_keeps_its_rotary_table():
     """The one-CPU rows path computes the model's math (close to the canonical reference), and a
     position's rotary values do not change when the table grows."""
-    with LLM(_odd_ckpt(), device="cpu", progress=False) as llm:
-        tr = llm.engine.trunk
-        ids = torch.arange(3, 12)
-        tr.begin()
-        tr.prefill(ids)
-        fast = tr.verify(torch.tensor([5, 6, 7]), 9).logits
-        canonical.set_enabled(True)
+    ids, rows = torch.arange(3, 12), torch.tensor([5, 6, 7])
+    got = []
+    for on in (None, True):
+        canonical.set_enabled(on)
         try:
-            tr.begin()
-            tr.prefill(ids)
-            ref = tr.verify(torch.tensor([5, 6, 7]), 9).logits
+            with LLM(_odd_ckpt(), device="cpu", progress=False) as llm:
+                tr = llm.engine.trunk
+                tr.begin()
+                tr.prefill(ids)
+                got.append(tr.verify(rows, 9).logits)
         finally:
             canonical.set_enabled(None)
-        torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-4)
-    c1, s1 = cpu_rows.rope_table(8, 1e4, 32, 10)
+    torch.testing.assert_close(got[0], got[1], rtol=1e-4, atol=1e-4)
+    c1, s1 = cpu.rope_table(8, 1e4, 32, 10)
     c1, s1 = c1[:10].clone(), s1[:10].clone()
-    c2, s2 = cpu_rows.rope_table(8, 1e4, 32, 3 * cpu_rows.ROPE_BLOCK + 5)
-    assert c2.shape[0] >= 3 * cpu_rows.ROPE_BLOCK + 5 and torch.equal(c2[:10], c1) and torch.equal(s2[:10], s1)
+    c2, s2 = cpu.rope_table(8, 1e4, 32, 3 * cpu.ROPE_BLOCK + 5)
+    assert c2.shape[0] >= 3 * cpu.ROPE_BLOCK + 5 and torch.equal(c2[:10], c1) and torch.equal(s2[:10], s1)

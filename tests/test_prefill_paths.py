@@ -12,8 +12,6 @@ import torch
 
 from specfire.kernels import gdn as G
 from specfire.kernels.gdn import fla as gdn_fla
-from specfire.kernels.cpu_exact import lanes
-from specfire.kernels import canonical
 from specfire.kernels import gemv as L
 from specfire.kernels.attention import attention_prefill_fused, attention_prefill_ref
 
@@ -27,20 +25,16 @@ def calls(monkeypatch):
     monkeypatch.setattr(L, "paneled", lambda fn, x, w: seen.append("cpu"))
     monkeypatch.setattr(L, "linear_one_cpu", lambda x, wt, rows: seen.append("one cpu"))
     yield seen
-    canonical.set_enabled(None)
 
 
 def test_one_gpu_prefill_uses_cublas_and_a_mesh_keeps_the_invariant_kernel(calls):
     w, gpu = torch.zeros(4, 4), SimpleNamespace(is_cuda=True)
     L.linear(gpu, w, rows=False)                    # one GPU, canonical split off (the default)
     L.linear(gpu, w, rows=True)                     # decode / verify: always the row-invariant kernel
-    L.linear(gpu, w, rows=False, launch_n=64)       # a column shard of a mesh
-    canonical.set_enabled(True)                        # one GPU made bit-equal to a mesh
-    L.linear(gpu, w, rows=False)
-    canonical.set_enabled(None)
+    L.linear(gpu, w, rows=False, launch_n=64, exact=True)   # a column shard of a mesh
+    L.linear(gpu, w, rows=False, exact=True)        # one GPU made bit-equal to a mesh (canonical mode)
     L.linear(SimpleNamespace(is_cuda=False), w, rows=False)     # one CPU device: its plain product
-    with lanes.invariant():                         # a CPU mesh rank: the shard-invariant panels
-        L.linear(SimpleNamespace(is_cuda=False), w, rows=False)
+    L.linear(SimpleNamespace(is_cuda=False), w, rows=False, exact=True)   # a CPU mesh rank: the panels
     assert calls == ["cublas", "triton", "triton", "triton", "one cpu", "cpu"]
 
 

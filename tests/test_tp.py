@@ -197,6 +197,24 @@ def test_info_lists_valid_degrees(ckpt_cache):
 class TestMeshOfTwo:
     """Checks sharing one 2-rank mesh of the base config (closed when the class is done)."""
 
+    def test_each_model_is_built_from_its_targets_layers(self, base):
+        """One device in the canonical mode is built from the canonical layers (the split-K
+        reductions whole); rank 0 from its shards (parallel/layers.py), the mesh's fields on its
+        row-parallel projections only."""
+        from specfire.layers import CPU_EXACT, ExactLinear, Linear, SplitLinear
+        from specfire.parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+        one, mesh = base
+        ref, rank0 = one.engine.trunk.model, mesh.engine.trunk._local.model
+        assert ref.target is CPU_EXACT and rank0.target.exact
+        full = next(i for i, layer in enumerate(ref.layers) if layer.kind == "full_attention")
+        a, r = ref.layers[full].self_attn, rank0.layers[full].self_attn
+        assert type(a.q_proj) is ExactLinear and type(a.o_proj) is SplitLinear
+        assert isinstance(r.q_proj, ColumnParallelLinear) and r.q_proj.launch_n == a.q_proj.weight.shape[0]
+        assert r.q_proj.weight.shape[0] * 2 == a.q_proj.weight.shape[0]
+        assert isinstance(r.o_proj, RowParallelLinear) and r.o_proj.weight.shape[1] * 2 == a.o_proj.weight.shape[1]
+        assert not any(hasattr(m, "combine") for m in ref.modules() if isinstance(m, Linear))
+
     def test_score_tp2_matches(self, base):
         one, mesh = base
         ids = prompt(one.cfg.vocab_size, 50, seed=1)
@@ -309,8 +327,6 @@ class TestMeshOfTwo:
     def test_sharded_draft_equals_the_whole_lm_head_draft(self, base):
         """The greedy draft chain scored by every rank's vocabulary rows (parallel/draft.py, the
         GPU mesh's default) picks the tokens the whole lm_head picks, and greedy MTP still == AR."""
-        from specfire.kernels.cpu_exact import lanes
-
         one, mesh = base
         trunk, ref = mesh.engine.trunk, one.engine.trunk
         assert not trunk.draft_sharded                    # the CPU default: rank 0's whole copy
@@ -322,8 +338,7 @@ class TestMeshOfTwo:
             got = torch.cat([trunk.draft_pick(h[i:i + 1]) for i in range(4)])
         finally:
             trunk.draft_sharded = False
-        with lanes.invariant():
-            whole = ref.lm_logits(h)                      # the whole lm_head, paneled like the shards
+        whole = ref.lm_logits(h)                          # the canonical whole lm_head: paneled like the shards
         assert got.tolist() == whole.argmax(-1).tolist() and got[3] == 0
         drafter = mesh.engine.drafters["mtp"]
         seen = {}

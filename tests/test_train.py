@@ -672,3 +672,43 @@ def test_loop_bench_cut_at_block_end():
     assert got["text"] == "    x = f(\n)\n    return x\n" and got["finish"] == "stop" and got["ids"] == list(range(6))
     same = {"prompt": "p", "text": "    a\n    b", "ids": [1], "finish": "length"}
     assert mod.cut_block_end(same, Tok()) == same
+
+
+def test_training_and_inference_compute_gated_deltanet_alike(tiny_llm, monkeypatch):
+    """One formulation: the training forward, the rollout step and the inference layer (its
+    reference form) take the conv window, gates and q / k norms from kernels/gdn/ref.py, and the
+    training forward's layer output equals the inference layer's prefill of the same rows."""
+    from specfire.kernels import gdn
+    from specfire.kernels.gdn import ref
+    from specfire.layers import CUDA, GatedDeltaNet
+    from specfire.model.state import SequenceState
+    from specfire.train.rollout import _State, step_logits
+
+    trunk = tiny_llm.engine.trunk.model
+    m = next(layer.linear_attn for layer in trunk.layers if layer.kind != "full_attention")
+    calls: dict[str, int] = {}
+    for name in ("conv_window_ref", "gates_ref", "l2norm_ref"):
+        real = getattr(ref, name)
+        spy = lambda *a, _r=real, _n=name, **k: calls.__setitem__(_n, calls.get(_n, 0) + 1) or _r(*a, **k)  # noqa: E731
+        for mod in (ref, gdn):                            # the family re-exports its references
+            monkeypatch.setattr(mod, name, spy)
+
+    def used() -> set[str]:
+        got = set(calls)
+        calls.clear()
+        return got
+
+    ids = torch.randint(0, trunk.cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
+    want = {"conv_window_ref", "gates_ref", "l2norm_ref"}
+    with torch.no_grad():
+        tm.trunk_hidden(trunk, ids)
+        assert used() == want
+        step_logits(trunk, ids[:, 0], 0, _State(trunk, 1, 4, ids.device))
+        assert used() == want
+        layer = GatedDeltaNet(trunk.cfg, CUDA)            # the reference form (CPU tensors: the references)
+        layer.load_state_dict(m.state_dict())
+        x = torch.randn(1, 12, trunk.cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+        st = SequenceState.allocate(trunk.cfg, ("linear_attention",), 16, torch.device("cpu"), torch.float32)
+        got = layer(x[0], st.layers[0], rows=False)
+        assert used() == want
+        torch.testing.assert_close(got, tm._gdn(m, x, 64)[0], rtol=1e-5, atol=1e-6)

@@ -1,5 +1,5 @@
 """The canonical mode: one device computes a mesh's bits (the canonical split-K of
-kernels/splitk, CPU elementwise math padded to whole vectors, kernels/cpu_exact/lanes.py)."""
+kernels/splitk, CPU elementwise math padded to whole vectors, kernels/lanes.py)."""
 from __future__ import annotations
 
 import torch
@@ -16,6 +16,7 @@ def enabled(x: torch.Tensor | None = None) -> bool:
 
 def set_enabled(on: bool | None) -> None:
     """Force the canonical split on or off on a single device (None: the default above). Read
-    when a forward runs, so set it before loading (a captured CUDA graph keeps what it captured)."""
+    when a model is built (model/loader.py `one_device`: its layers are the canonical target's),
+    so set it before loading."""
     global _enabled
     _enabled = None if on is None else bool(on)

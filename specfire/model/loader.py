@@ -19,6 +19,10 @@ from safetensors import safe_open
 
 from ..config import ModelConfig, regular_file
 from ..errors import CheckpointError
+from ..kernels import canonical
+from ..layers import Linear, Target, target_for
+from .cpu import CpuMtpHead, CpuQwen35Trunk
+from .cuda import FusedMtpHead
 from .qwen35 import MtpHead, Qwen35Trunk
 
 log = logging.getLogger("specfire")
@@ -294,7 +298,7 @@ def load_module(module: torch.nn.Module, src: TensorSource, prefix: str, *, dtyp
         owner, _, attr = (n[len(prefix):]).rpartition(".")
         sub = module.get_submodule(owner) if owner else module
         if not isinstance(t, torch.Tensor):  # a 4-bit QuantWeight takes the Linear's weight slot
-            if attr != "weight" or type(sub).__name__ != "Linear":
+            if attr != "weight" or not isinstance(sub, Linear):
                 raise CheckpointError(f"tensor '{n}' is stored 4-bit, but the {what} needs it dense "
                                       f"(only projection weights may be quantized)")
             delattr(sub, attr)
@@ -321,13 +325,32 @@ def follow_tied(src: TensorSource, cfg: ModelConfig) -> ModelConfig:
     return replace(cfg, tie_word_embeddings=tied)
 
 
+def one_device(device: torch.device) -> Target:
+    """The layers of one device: its kind, in the canonical mode where that is on when loading
+    (kernels/canonical.py)."""
+    return target_for(torch.device(device).type, canonical.enabled())
+
+
+def build_trunk(cfg: ModelConfig, target: Target) -> Qwen35Trunk:
+    """The trunk class of the target (one CPU device: its packed rows forward, model/cpu.py)."""
+    return (CpuQwen35Trunk if target.packed_rows else Qwen35Trunk)(cfg, target)
+
+
+def build_head(cfg: ModelConfig, target: Target) -> MtpHead:
+    """The MTP head class of the target (one GPU: the fused step, model/cuda.py; one CPU device:
+    the packed rows, model/cpu.py)."""
+    cls = FusedMtpHead if target.fused_head else CpuMtpHead if target.packed_rows else MtpHead
+    return cls(cfg, target)
+
+
 def load_trunk(src: TensorSource, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
-               build: Callable[[ModelConfig], torch.nn.Module] = Qwen35Trunk, fetch: Fetch = full_fetch,
+               build: Callable[[ModelConfig], torch.nn.Module] | None = None, fetch: Fetch = full_fetch,
                progress: bool = False, what: str = "trunk") -> torch.nn.Module:
     """`build(cfg)` on the meta device, then filled from `src`. A mesh rank passes its sharded
-    model as `build` and its slicing `fetch`; one device takes the defaults."""
+    model as `build` and its slicing `fetch`; one device takes the defaults (`build_trunk` for
+    the device's layers)."""
     with torch.device("meta"):
-        model = build(cfg)
+        model = build(cfg) if build is not None else build_trunk(cfg, one_device(device))
     load_module(model, src, "", dtype=dtype, device=device, fetch=fetch, progress=progress, what=what)
     return model
 
@@ -344,7 +367,7 @@ def load_mtp_head(path: str, src: TensorSource, cfg: ModelConfig, dtype: torch.d
                                   f"and no {MTP_SIDECAR} beside it")
         return None
     with torch.device("meta"):
-        head = MtpHead(cfg)
+        head = build_head(cfg, one_device(device))
     load_module(head, msrc, "mtp.", dtype=dtype, device=device, what="MTP head")
     log.info("MTP head loaded from %s", msrc.file_of("mtp.fc.weight"))
     return head

@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 
 from ..errors import MeshError
-from ..kernels.cpu_exact import lanes
 from ..kernels.gemv import linear_prefix
 
 
@@ -68,8 +67,7 @@ def local_logits(model, x: torch.Tensor) -> torch.Tensor:
     n = max(0, min(model.plan.vocab_shard, end - model.plan.vocab[0]))
     if n == 0:
         return torch.empty(1, 0, dtype=torch.float32, device=x.device)
-    with lanes.invariant():                  # CPU: the paneled product, so a shard has the whole's bits
-        return linear_prefix(x, model.lm_weight, n, True, end).float()
+    return linear_prefix(x, model.lm_weight, n, True, end, exact=True).float()   # each logit as in the whole
 
 
 def shard_argmax(model, coll, h: torch.Tensor | None) -> torch.Tensor:

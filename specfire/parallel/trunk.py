@@ -153,7 +153,7 @@ class MeshTrunk:
         with a draft vocabulary), else through the mesh (the whole vocabulary, then cut: the eager
         GPU mesh reads every row)."""
         if self._drafter_vocab is not None:
-            return linear_prefix(h, self._drafter_vocab[1], self.draft_vocab, rows=True).float()
+            return linear_prefix(h, self._drafter_vocab[1], self.draft_vocab, rows=True, exact=True).float()
         full = self.mesh_lm_logits(h)
         return full if self.draft_vocab is None else full[:, :self.draft_vocab]
 

@@ -1,8 +1,8 @@
 """The batched training forward over the inference modules' own parameters.
 
 Qwen35Trunk and MtpHead hold the weights under their checkpoint names; these functions read those
-parameters and compute a batch [B, T] at once (GEMMs, SDPA, the chunked gated delta rule of
-kernels/gdn with batch and heads folded together), so training and inference cannot disagree on
+parameters and compute a batch [B, T] at once (GEMMs, SDPA, Gated DeltaNet by the functions of
+kernels/gdn/ref.py that inference uses, the chunked rule with batch and heads folded together), so training and inference cannot disagree on
 names or math: tests/test_train.py checks the logits against LLM.score() and the chained MTP rows
 against the MtpHead run step by step.
 
@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from ..config import FULL, ModelConfig
-from ..model.qwen35 import DecoderLayer, GatedAttention, GatedDeltaNet, MtpHead, Qwen35Trunk
-from ..kernels import gdn as gdn_ops
+from ..kernels.gdn import ref as gdn_ref
+from ..layers import GatedAttention, GatedDeltaNet
+from ..model.qwen35 import DecoderLayer, MtpHead, Qwen35Trunk
 from ..kernels.norm import gated_rms_norm_ref, rms_norm_ref
 from ..kernels.small import apply_rope_ref, rope_cos_sin
 
@@ -85,24 +86,19 @@ def count_params(trunk: Qwen35Trunk, head: MtpHead) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------
 
 def _gdn(m: GatedDeltaNet, x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The layer's formulation of kernels/gdn/ref.py (inference's too), batched: x [B, T, H]."""
     b, t, _ = x.shape
     qkv = F.linear(x, m.in_proj_qkv.weight)                            # [B, T, conv_dim]
     z = F.linear(x, m.in_proj_z.weight).view(b, t, m.hv, m.dv)
     beta_in = F.linear(x, m.in_proj_b.weight)
     a = F.linear(x, m.in_proj_a.weight)
     with torch.autocast(device_type=x.device.type, enabled=False):
-        k_size = m.conv1d.weight.shape[-1]
-        conv = F.conv1d(qkv.float().transpose(1, 2), m.conv1d.weight.float(), padding=k_size - 1,
-                        groups=m.conv_dim)[..., :t]                    # [B, conv_dim, T]
-        conv = F.silu(conv).transpose(1, 2)
-        q, k, v = torch.split(conv, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
-        q = q.reshape(b, t, m.hk, m.dk)
-        k = k.reshape(b, t, m.hk, m.dk)
-        v = v.reshape(b, t, m.hv, m.dv)
-        beta = torch.sigmoid(beta_in.float())
-        g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias.float())
-        q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6) * (m.dk ** -0.5)
-        k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
+        w = m.conv1d.weight[:, 0, :]
+        window = torch.zeros(b, w.shape[1] - 1, m.conv_dim, device=x.device, dtype=torch.float32)
+        conv, _ = gdn_ref.conv_window_ref(qkv.float(), window, w)
+        q, k, v = m.heads(conv)
+        beta, g = gdn_ref.gates_ref(beta_in, a, m.A_log, m.dt_bias)
+        q, k = gdn_ref.l2norm_ref(q, m.dk ** -0.5), gdn_ref.l2norm_ref(k)
         rep = m.hv // m.hk
         if rep > 1:
             q = q.repeat_interleave(rep, dim=2)
@@ -112,7 +108,7 @@ def _gdn(m: GatedDeltaNet, x: torch.Tensor, chunk: int) -> torch.Tensor:
             return y.transpose(0, 1).reshape(t, b * m.hv, *y.shape[3:])
 
         s0 = torch.zeros(b * m.hv, m.dk, m.dv, device=x.device, dtype=torch.float32)
-        o, _ = gdn_ops.gdn_chunked_ref(fold(q), fold(k), fold(v), fold(g), fold(beta), s0, chunk=chunk)
+        o, _ = gdn_ref.gdn_chunked_ref(fold(q), fold(k), fold(v), fold(g), fold(beta), s0, chunk=chunk)
         o = o.reshape(t, b, m.hv, m.dv).transpose(0, 1)                 # [B, T, Hv, dv]
     o = gated_rms_norm_ref(o.to(x.dtype), z, m.norm.weight, m.norm.eps)
     return F.linear(o.reshape(b, t, m.value_dim), m.out_proj.weight)

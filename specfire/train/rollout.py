@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import FULL
+from ..kernels.gdn import ref as gdn_ref
 from ..kernels.norm import gated_rms_norm_ref
 from ..kernels.small import rope_cos_sin
 from . import model as tm
@@ -35,7 +36,8 @@ class _State:
 
 
 def _gdn_step(m, x: torch.Tensor, st: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """x [B, H] -> [B, H]; advances the conv window and the delta-rule state in place."""
+    """x [B, H] -> [B, H]; advances the conv window and the delta-rule state in place (the
+    formulation of kernels/gdn/ref.py, batch folded into the heads of the recurrence)."""
     b = x.shape[0]
     win, s = st
     qkv = F.linear(x, m.in_proj_qkv.weight)
@@ -43,25 +45,20 @@ def _gdn_step(m, x: torch.Tensor, st: tuple[torch.Tensor, torch.Tensor]) -> torc
     beta_in = F.linear(x, m.in_proj_b.weight)
     a = F.linear(x, m.in_proj_a.weight)
     with torch.autocast(device_type=x.device.type, enabled=False):
-        full = torch.cat([win, qkv.float()[:, None]], dim=1)           # [B, K, C]
-        conv = F.silu((full * m.conv1d.weight[:, 0, :].float().t()).sum(1))
+        conv, full = gdn_ref.conv_window_ref(qkv.float()[:, None], win, m.conv1d.weight[:, 0, :])   # [B, 1, C]
         win.copy_(full[:, 1:])
-        q, k, v = torch.split(conv, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
-        q = q.reshape(b, m.hk, m.dk)
-        k = k.reshape(b, m.hk, m.dk)
-        v = v.reshape(b, m.hv, m.dv)
-        beta = torch.sigmoid(beta_in.float())
-        g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias.float())
-        q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6) * (m.dk ** -0.5)
-        k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
+        q, k, v = m.heads(conv[:, 0])
+        beta, g = gdn_ref.gates_ref(beta_in, a, m.A_log, m.dt_bias)
+        q, k = gdn_ref.l2norm_ref(q, m.dk ** -0.5), gdn_ref.l2norm_ref(k)
         rep = m.hv // m.hk
         if rep > 1:
             q = q.repeat_interleave(rep, dim=1)
             k = k.repeat_interleave(rep, dim=1)
-        s.mul_(g.exp()[..., None, None])
-        u = torch.einsum("bhk,bhkv->bhv", k, s)
-        s.add_(k[..., None] * (beta[..., None] * (v - u))[..., None, :])
-        o = torch.einsum("bhk,bhkv->bhv", q, s)
+        n = b * m.hv
+        o, s1 = gdn_ref.gdn_rows_ref(q.reshape(1, n, m.dk), k.reshape(1, n, m.dk), v.reshape(1, n, m.dv),
+                                     g.reshape(1, n), beta.reshape(1, n), s.view(n, m.dk, m.dv))
+        s.copy_(s1.view_as(s))
+        o = o.view(b, m.hv, m.dv)
     o = gated_rms_norm_ref(o.to(x.dtype), z, m.norm.weight, m.norm.eps)
     return F.linear(o.reshape(b, m.value_dim), m.out_proj.weight)
 

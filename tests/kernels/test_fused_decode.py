@@ -238,13 +238,14 @@ def test_out_gate_matches_reference(t, hq, d, dtype):
 
 @pytest.mark.parametrize("conv", [4, 5])
 def test_model_rows_forward_fused_matches_unfused(conv, monkeypatch):
-    """The call sites in model/qwen35.py: a 3-row verify through the fused kernels (forced on, CPU
-    tensors in the interpreter; the position a device tensor, as in a graph, so the one-CPU rows
-    path stands aside) gives the unfused logits, KV rows and rows' log, and commit(1) the same
-    state; a conv wider than the fused GDN kernel holds (5 taps) takes the unfused GDN."""
+    """The call sites in layers/ (the GPU's layers, CPU tensors in the interpreter): a 3-row
+    verify through the fused kernels (forced on; the position a device tensor, as in a graph) gives
+    the unfused logits, KV rows and rows' log, and commit(1) the same state; a conv wider than the
+    fused GDN kernel holds (5 taps) takes the unfused GDN."""
     from specfire.config import ModelConfig
     from specfire.kernels.attention import fused as af
     from specfire.kernels.gdn import fused as gf
+    from specfire.layers import CUDA
     from specfire.model.qwen35 import Qwen35Trunk
 
     ran = []
@@ -257,7 +258,7 @@ def test_model_rows_forward_fused_matches_unfused(conv, monkeypatch):
                       num_key_value_heads=1, head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2,
                       linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=conv)
     torch.manual_seed(0)
-    m = Qwen35Trunk(cfg)
+    m = Qwen35Trunk(cfg, CUDA)
     with torch.no_grad():
         for p in m.parameters():
             p.copy_(torch.randn(p.shape) * (0.1 if p.dim() == 1 else p.shape[-1] ** -0.5))

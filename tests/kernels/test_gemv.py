@@ -57,16 +57,13 @@ def test_gemv_many_rows_run_in_16_row_tiles():
 
 
 def test_linear_cpu_rows_path_is_reference():
-    """On a CPU mesh rank (an invariant scope) the rows path is the reference in panels; one CPU
-    device's own rows path is row-invariant and close to it."""
-    from specfire.kernels.cpu_exact import lanes
-
+    """On a CPU mesh rank (`exact`) the rows path is the reference in panels; one CPU device's own
+    rows path is row-invariant and close to it."""
     g = torch.Generator().manual_seed(20)
     x, w = torch.randn(3, 20, generator=g), torch.randn(32, 20, generator=g)  # whole panels: the reference itself
     w9 = torch.randn(9, 20, generator=g)                    # a padded tail panel
-    with lanes.invariant():
-        assert torch.equal(linear(x, w, rows=True), linear_rows_ref(x, w))
-        torch.testing.assert_close(linear(x, w9, rows=True), linear_rows_ref(x, w9), rtol=1e-6, atol=1e-6)
+    assert torch.equal(linear(x, w, rows=True, exact=True), linear_rows_ref(x, w))
+    torch.testing.assert_close(linear(x, w9, rows=True, exact=True), linear_rows_ref(x, w9), rtol=1e-6, atol=1e-6)
     for ww in (w, w9):
         y = linear(x, ww, rows=True)
         torch.testing.assert_close(y, linear_rows_ref(x, ww), rtol=1e-5, atol=1e-5)

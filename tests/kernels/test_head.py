@@ -112,14 +112,15 @@ def test_head_rows_step_fused_equals_unfused(monkeypatch):
     step forced on (ids + embedding, the rotary table, the fused q/k kernel) gives the unfused
     path's outputs and KV rows."""
     from specfire.config import ModelConfig
-    from specfire.model.qwen35 import MtpHead
+    from specfire.layers import CUDA
+    from specfire.model.cuda import FusedMtpHead
 
     cfg = ModelConfig(vocab_size=40, hidden_size=64, intermediate_size=48, num_hidden_layers=1,
                       layer_types=("full_attention",), num_attention_heads=2, num_key_value_heads=1,
                       head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2,
                       linear_key_head_dim=8, linear_value_head_dim=8)
     torch.manual_seed(0)
-    head = MtpHead(cfg)
+    head = FusedMtpHead(cfg, CUDA)         # the GPU's head, on CPU tensors in the interpreter
     with torch.no_grad():
         for p in head.parameters():
             p.copy_(torch.randn(p.shape) * (0.1 if p.dim() == 1 else p.shape[-1] ** -0.5))
@@ -148,14 +149,15 @@ def test_head_prompt_catchup_fused_equals_unfused(t, pos0, monkeypatch):
     gate around the prefill attention) gives the unfused prefill path's outputs and KV rows, at an
     odd row count and a later start; the head's next rows step reads them alike."""
     from specfire.config import ModelConfig
-    from specfire.model.qwen35 import MtpHead
+    from specfire.layers import CUDA
+    from specfire.model.cuda import FusedMtpHead
 
     cfg = ModelConfig(vocab_size=40, hidden_size=64, intermediate_size=48, num_hidden_layers=1,
                       layer_types=("full_attention",), num_attention_heads=2, num_key_value_heads=1,
                       head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2,
                       linear_key_head_dim=8, linear_value_head_dim=8, partial_rotary_factor=0.5)
     torch.manual_seed(1)
-    head = MtpHead(cfg)
+    head = FusedMtpHead(cfg, CUDA)
     with torch.no_grad():
         for p in head.parameters():
             p.copy_(torch.randn(p.shape) * (0.1 if p.dim() == 1 else p.shape[-1] ** -0.5))
@@ -173,13 +175,15 @@ def test_head_prompt_catchup_fused_equals_unfused(t, pos0, monkeypatch):
         st = head.new_state(16, torch.float32)
         if pos0:                          # earlier KV rows, as a later catch-up finds them
             head(embed[ids[:pos0]], hid[:pos0], 0, st, rows=False)
+        calls.clear()
         a = head(None, hid[pos0:t], pos0, st, rows=False, ids=ids[pos0:t], embed_weight=embed)
-        head.fused = False                # the rows step below: the unfused one both times
+        seen = list(calls)                # the catch-up's kernels (the rows step's attention has its own)
+        head.fused = False                # the rows step below: the unfused head step both times
         b = head(embed[ids[t:]], a[1][-1:], t, st, rows=True)
         outs.append((*a, *b, st.layers[0].k[:t + 1].clone(), st.layers[0].v[:t + 1].clone()))
         if not on:
-            assert not calls, "the catch-up took the fused kernels while switched off"
-    assert "fc" in calls and "gate" in calls, f"the fused catch-up did not run its kernels: {calls}"
+            assert not seen, "the catch-up took the fused kernels while switched off"
+    assert "fc" in seen and "gate" in seen, f"the fused catch-up did not run its kernels: {seen}"
     assert head_fused._TABLES, "the fused catch-up built no rotary table"
     for x, y in zip(*outs):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
@@ -190,13 +194,15 @@ def test_trunk_prefill_never_takes_the_catchup_kernels():
     own path (its attention layers see cos / sin, not a table), and a table given to a layer
     whose fused kernels are off is refused."""
     from specfire.config import ModelConfig
-    from specfire.model.qwen35 import GatedAttention, SequenceState
+    from specfire.layers import CUDA
+    from specfire.layers.attention import FusedGatedAttention
+    from specfire.model.qwen35 import SequenceState
 
     cfg = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                       layer_types=("full_attention",), num_attention_heads=2, num_key_value_heads=1,
                       head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2,
                       linear_key_head_dim=8, linear_value_head_dim=8)
-    attn = GatedAttention(cfg)
+    attn = FusedGatedAttention(cfg, CUDA)
     st = SequenceState.allocate(cfg, ("full_attention",), 8, torch.device("cpu"), torch.float32)
     table = head_fused.RopeTable(rope_cos_sin(torch.arange(8), cfg.rotary_dim, cfg.rope_theta))
     attn.fused = False
@@ -207,15 +213,21 @@ def test_trunk_prefill_never_takes_the_catchup_kernels():
 @pytest.mark.parametrize("attn_fused", [False, True])
 def test_greedy_mtp_with_the_fused_head_step_equals_ar(ckpt_cache, attn_fused, monkeypatch):
     """The drafter's wiring (the trunk's embedding handed to the head, the unwidened lm_head
-    scores for the argmax): greedy MTP k=3 on the fitted model with the fused head step forced on
-    (and, attn_fused, the fused attention kernels reading the rotary table) equals AR, eagerly and
-    with the chain in emulated graphs, which draft alike; the drafts are those of the unfused path
-    and are accepted as often."""
+    scores for the argmax): greedy MTP k=3 on the fitted model with the GPU's head (its fused step
+    forced on, and, attn_fused, the fused attention kernels reading the rotary table) equals AR,
+    eagerly and with the chain in emulated graphs, which draft alike; the drafts are those of the
+    unfused path and are accepted as often."""
+    from dataclasses import replace
+
     import specfit
     from specfire import LLM, SamplingParams
-    from specfire.model.qwen35 import GatedAttention, GatedDeltaNet
+    from specfire.layers.attention import FusedGatedAttention
+    from specfire.model import loader
+    from specfire.model.cuda import FusedMtpHead
     from specfire.runtime.graphs import DraftGraphs
 
+    monkeypatch.setattr(loader, "build_head",      # the GPU's head on the CPU trunk (interpreted kernels)
+                        lambda cfg, target: FusedMtpHead(cfg, replace(target, attention=FusedGatedAttention)))
     path = specfit.fitted_checkpoint(ckpt_cache["root"])
     sp = SamplingParams(max_tokens=10, ignore_eos=True)
     ps = specfit.prompts(2, seed=3)
@@ -238,10 +250,8 @@ def test_greedy_mtp_with_the_fused_head_step_equals_ar(ckpt_cache, attn_fused, m
         real_fc = head_fused.fc_input
         monkeypatch.setattr(head_fused, "fc_input", lambda *a: calls.append(1) or real_fc(*a))
         d.head.fused = True      # the head's rows step and prompt catch-up, interpreted
-        if attn_fused:           # the trunk's fused kernels too (interpreted): only the head reads the table
-            for mod in (*llm.engine.trunk.model.modules(), *d.head.modules()):
-                if isinstance(mod, (GatedAttention, GatedDeltaNet)):
-                    mod.fused = True
+        if attn_fused:           # the head's fused attention kernels too (interpreted), reading the table
+            d.head.layers[0].self_attn.fused = True
             monkeypatch.setattr(head_fused, "fc_input", lambda *a: calls.append(a[0].shape[0]) or real_fc(*a))
         eager, graphed = run(False), run(True)
     assert base[0] == ar and base[1] > 0

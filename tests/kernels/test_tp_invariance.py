@@ -1,6 +1,6 @@
 """Tensor-parallel invariance: tp = 1, 2, 4 compute the same bits (CPU, gloo), and the pieces that
 make it so: the canonical 8-chunk split of row-parallel reductions (kernels/splitk), column shards
-computed as the whole matrix (kernels/gemv), lane-independent transcendentals (kernels/cpu_exact/lanes.py),
+computed as the whole matrix (kernels/gemv), lane-independent transcendentals (kernels/lanes.py),
 and the CUDA kernels of the same scheme under TRITON_INTERPRET=1."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from tinymodels import make_checkpoint
 
 from specfire import LLM, SamplingParams, SpecPolicy
-from specfire.kernels.cpu_exact import lanes
+from specfire.kernels import lanes
 from specfire.kernels import canonical as canonical_mode
 from specfire.kernels.gemv import linear
 from specfire.kernels.splitk import CHUNKS, ChunkCache, KSplit, chunk_bounds, subtree, tree_sum
@@ -87,16 +87,15 @@ def test_row_parallel_subtrees_equal_whole_bitwise(n, k):
 
 @pytest.mark.parametrize("n", [131, 98, 151, 24])
 def test_column_shards_equal_whole_bitwise(n):
-    """In a mesh rank's invariant scope (one device's own product need not match a shard)."""
+    """The exact product of a mesh rank (one device's own product need not match a shard)."""
     g = torch.Generator().manual_seed(n)
     w = torch.randn(n, 64, generator=g)
     for m, rows in ((1, True), (6, True), (40, False)):
         x = torch.randn(m, 64, generator=g)
-        with lanes.invariant():
-            whole = linear(x, w, rows)
-            for tp in (2, 4):
-                parts = [linear(x, w[n * r // tp:n * (r + 1) // tp].contiguous(), rows) for r in range(tp)]
-                assert torch.equal(torch.cat(parts, dim=-1), whole), (m, tp)
+        whole = linear(x, w, rows, exact=True)
+        for tp in (2, 4):
+            parts = [linear(x, w[n * r // tp:n * (r + 1) // tp].contiguous(), rows, exact=True) for r in range(tp)]
+            assert torch.equal(torch.cat(parts, dim=-1), whole), (m, tp)
 
 
 @pytest.mark.parametrize("fn", [lanes.exp, lanes.sigmoid, lanes.silu, lanes.softplus, lanes.rsqrt])

@@ -8,7 +8,7 @@ from .._triton import triton, tl
 
 from . import q8 as attn_ops
 from .. import pdl, xsum
-from ..cpu_exact import lanes
+from .. import lanes
 from ..norm.ref import rms_norm_ref
 from ..pdl import wait as pdl_wait
 from ..norm.kernel import XG, store_group_sums

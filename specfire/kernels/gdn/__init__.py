@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from .ref import (ChunkTerms, chunk_terms, commit_rows_ref, conv_window_ref, gdn_chunked_ref, gdn_rows_ref,
-                  update)
+from .ref import (ChunkTerms, chunk_terms, commit_rows_ref, conv_window_ref, gates_ref, gdn_chunked_ref, gdn_rows_ref,
+                  l2norm_ref, update)
 
 FUSED_MAX_CONV = 4   # conv widths the fused rows kernel (fused.py) holds in registers
 
-__all__ = ["FUSED_MAX_CONV", "ChunkTerms", "chunk_terms", "commit_rows", "commit_rows_ref", "conv_window", "conv_window_ref",
-           "gdn_chunked", "gdn_chunked_ref", "gdn_rows", "gdn_rows_ref", "update"]
+__all__ = ["FUSED_MAX_CONV", "ChunkTerms", "chunk_terms", "commit_rows", "commit_rows_ref", "conv_window",
+           "conv_window_ref", "gates_ref", "gdn_chunked", "gdn_chunked_ref", "gdn_rows", "gdn_rows_ref", "l2norm_ref",
+           "update"]
 
 
 def commit_rows(states: torch.Tensor, k: torch.Tensor, delta: torch.Tensor, dec: torch.Tensor, rows: int) -> None:

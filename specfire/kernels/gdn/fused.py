@@ -9,7 +9,7 @@ from .._triton import triton, tl
 from . import FUSED_MAX_CONV as MAX_CONV
 from . import ref as gdn_ops
 from .. import pdl
-from ..cpu_exact import lanes
+from .. import lanes
 from ..norm.ref import gated_rms_norm_ref
 from ..pdl import wait as pdl_wait
 

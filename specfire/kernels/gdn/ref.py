@@ -1,28 +1,46 @@
-"""PyTorch references of Gated DeltaNet: the causal conv window, the recurrence row by row with its
-commit, and the chunked (WY) form for prefill (the math: kernels/gdn/__init__.py)."""
+"""PyTorch references of Gated DeltaNet: the causal conv window, the gates and q / k norms, the
+recurrence row by row with its commit, and the chunked (WY) form for prefill (the math:
+kernels/gdn/__init__.py). The one formulation: inference (layers/gdn.py) and training
+(train/model.py, train/rollout.py) compute the layer with these functions."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from ..cpu_exact import lanes
+from .. import lanes
 
 
 def conv_window_ref(x: torch.Tensor, window: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal depthwise conv + SiLU. x [T, C] inputs, window [K-1, C] previous inputs, w [C, K].
+    """Causal depthwise conv + SiLU. x [..., T, C] inputs, window [..., K-1, C] previous inputs,
+    w [C, K] (leading dimensions: a training batch).
 
-    Returns (out [T, C] float32, full [K-1+T, C]); the window after row n is full[n+1 : n+K].
-    Each output is an explicit chain over the K taps, so a row's value never depends on T.
+    Returns (out [..., T, C] float32, full [..., K-1+T, C]); the window after row n is
+    full[n+1 : n+K]. Each output is an explicit chain over the K taps, so a row's value never
+    depends on T.
     """
     kk = w.shape[1]
-    t = x.shape[0]
-    full = torch.cat([window.to(x.dtype), x], dim=0)
+    t = x.shape[-2]
+    full = torch.cat([window.to(x.dtype), x], dim=-2)
     wf = w.float()
-    acc = full[0:t].float() * wf[:, 0]
+    acc = full[..., 0:t, :].float() * wf[:, 0]
     for j in range(1, kk):
-        acc = acc + full[j:j + t].float() * wf[:, j]
+        acc = acc + full[..., j:j + t, :].float() * wf[:, j]
     return lanes.silu(acc), full
+
+
+def gates_ref(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor,
+              dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The in-projections' b, a [..., Hv] -> (beta = sigmoid(b), log decay g = -exp(A_log)
+    softplus(a + dt_bias)), float32."""
+    beta = lanes.sigmoid(b.float())
+    return beta, -lanes.exp(a_log.float()) * lanes.softplus(a.float() + dt_bias.float())
+
+
+def l2norm_ref(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + 1e-6) over the last dimension, times `scale` (q: dk^-1/2)."""
+    y = x * lanes.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+    return y if scale == 1.0 else y * scale
 
 
 def update(s: torch.Tensor, dec: torch.Tensor, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

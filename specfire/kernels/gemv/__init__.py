@@ -6,8 +6,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..cpu_exact import lanes
-from ..canonical import enabled as splitk_enabled
 from .ref import linear_rows_ref, paneled
 
 ROW_PATH_MAX = 16  # up to this many rows use the row-invariant path (decode, verify)
@@ -43,11 +41,6 @@ def linear_one_cpu(x: torch.Tensor, wt: torch.Tensor, rows: bool) -> torch.Tenso
     return torch.cat([torch.mm(x[i:i + 1], wt) for i in range(m)])
 
 
-def one_cpu(x: torch.Tensor) -> bool:
-    """One CPU device's plain products apply (no mesh, not the canonical mode)."""
-    return not x.is_cuda and not lanes.invariant_now()
-
-
 def linear_fused(x: torch.Tensor, ws: tuple[torch.Tensor, ...], rows: bool, owner) -> tuple[torch.Tensor, ...]:
     """One CPU device: the projections of x by every w in ws as one product per row on their
     cached transposed concatenation [K, sum N] (kept on `owner`), split back. Fewer calls; each
@@ -66,28 +59,35 @@ def fused_t(ws: tuple[torch.Tensor, ...], owner) -> torch.Tensor:
     return hit[1]
 
 
-def linear(x: torch.Tensor, w, rows: bool, launch_n: int | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w, rows: bool, launch_n: int | None = None, exact: bool = False) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T. `rows` selects the row-invariant path (decode / verify). `w` is a
     tensor or a 4-bit QuantWeight. `launch_n`: the N of the whole matrix when `w` is a column
-    shard of it (CUDA launch settings). A mesh or the canonical mode takes the Triton kernel for a
-    prefill too (a shard then computes every element as the whole); one GPU's prefill, cuBLAS."""
-    if isinstance(w, torch.Tensor) and one_cpu(x):
+    shard of it (CUDA launch settings). `exact` (a mesh, or one device in the canonical mode): each
+    element as in any column shard, a prefill on CUDA too through the Triton kernel; else one GPU's
+    prefill is cuBLAS."""
+    if isinstance(w, torch.Tensor) and not exact and not x.is_cuda:
         return linear_one_cpu(x, transposed(w), rows)                           # one CPU device
     if not isinstance(w, torch.Tensor):
         if x.is_cuda:
             return w.linear(x, rows, launch_n)
         return paneled(linear_rows_ref if rows else F.linear, w.prepare_input(x), w.dense(x.dtype))
-    if rows or (x.is_cuda and (launch_n is not None or splitk_enabled(x))):   # a mesh, or one GPU made mesh-equal
+    if rows or (x.is_cuda and exact):                # a mesh, or one GPU made mesh-equal
         return linear_rows(x, w, launch_n, rows)
     return F.linear(x, w) if x.is_cuda else paneled(F.linear, x, w)          # one GPU's prefill: cuBLAS
 
 
-def linear_group(x: torch.Tensor, ws: list, rows: bool, launch_ns: list[int | None]) -> list[torch.Tensor]:
-    """[linear(x, w, rows, n) for w, n in zip(ws, launch_ns)]; where they take the Triton path on
-    CUDA, one grouped launch whose settings come from the group's whole shapes, each output the
-    bits of its weight's own launch with those settings (kernels/gemv/kernel.py gemv_group; 4-bit
-    weights: kernels/q4 q4_rows). A column shard alone launches half the whole's programs, too
-    few to fill the GPU; fewer, larger calls also spend less on each call's fixed cost."""
+def linear_group(x: torch.Tensor, ws: list, rows: bool, launch_ns: list[int | None], exact: bool = False,
+                 owner=None) -> list[torch.Tensor]:
+    """[linear(x, w, rows, n, exact) for w, n in zip(ws, launch_ns)]. One CPU device (not exact,
+    plain weights, an `owner` to keep it on): one product by their concatenated W^T
+    (linear_fused). Where they take the Triton path on CUDA, one grouped launch whose settings
+    come from the group's whole shapes, each output the bits of its weight's own launch with those
+    settings (kernels/gemv/kernel.py gemv_group; 4-bit weights: kernels/q4 q4_rows). A column shard
+    alone launches half the whole's programs, too few to fill the GPU; fewer, larger calls also
+    spend less on each call's fixed cost."""
+    if (not x.is_cuda and not exact and owner is not None
+            and all(isinstance(w, torch.Tensor) and not w.is_inference() for w in ws)):
+        return list(linear_fused(x, tuple(ws), rows, owner))
     dense = [i for i, w in enumerate(ws) if isinstance(w, torch.Tensor)]
     if len(dense) < len(ws) and x.is_cuda and rows:   # 4-bit weights: one launch (kernels/q4 q4_rows)
         out: list = [None] * len(ws)
@@ -95,12 +95,12 @@ def linear_group(x: torch.Tensor, ws: list, rows: bool, launch_ns: list[int | No
         for i, y in zip(quant, ws[quant[0]].rows_group(x, [ws[i] for i in quant], [launch_ns[i] for i in quant])):
             out[i] = y
         if dense:                                      # the bf16 rest (GDN b, a): one launch of their own
-            for i, y in zip(dense, linear_group(x, [ws[i] for i in dense], rows, [launch_ns[i] for i in dense])):
+            for i, y in zip(dense, linear_group(x, [ws[i] for i in dense], rows, [launch_ns[i] for i in dense], exact)):
                 out[i] = y
         return out
-    triton_path = x.is_cuda and (rows or any(n is not None for n in launch_ns) or splitk_enabled(x))
+    triton_path = x.is_cuda and (rows or any(n is not None for n in launch_ns) or exact)
     if not triton_path or not all(isinstance(w, torch.Tensor) for w in ws):
-        return [linear(x, w, rows, n) for w, n in zip(ws, launch_ns)]
+        return [linear(x, w, rows, n, exact) for w, n in zip(ws, launch_ns)]
     from .kernel import gemv_group, row_tile
     return gemv_group(x, ws, launch_ns, row_tile(x.shape[0], rows))
 
@@ -118,15 +118,16 @@ def vocab_rows(w, n: int):
     return w.prefix(n)
 
 
-def linear_prefix(x: torch.Tensor, w, n: int | None, rows: bool = True, launch_n: int | None = None) -> torch.Tensor:
+def linear_prefix(x: torch.Tensor, w, n: int | None, rows: bool = True, launch_n: int | None = None,
+                  exact: bool = False) -> torch.Tensor:
     """x @ w[:n]^T, [M, n]: the product with the first n output rows of w only (the MTP drafter's
     reduced vocabulary), no row past n read and none copied (`vocab_rows`). n None: all of w.
     One CPU device multiplies by a column view of the cached W^T; the CPU 4-bit reference by a row
     view of its dense copy."""
     if n is None or n >= w.shape[0]:
-        return linear(x, w, rows, launch_n)
-    if isinstance(w, torch.Tensor) and one_cpu(x):
+        return linear(x, w, rows, launch_n, exact)
+    if isinstance(w, torch.Tensor) and not exact and not x.is_cuda:
         return linear_one_cpu(x, transposed(w)[:, :n], rows)
     if not isinstance(w, torch.Tensor) and not x.is_cuda:
         return paneled(linear_rows_ref if rows else F.linear, w.prepare_input(x), w.dense(x.dtype)[:n])
-    return linear(x, vocab_rows(w, n), rows, launch_n)
+    return linear(x, vocab_rows(w, n), rows, launch_n, exact)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from ...config import SamplingParams
-from ...model.qwen35 import MtpHead, fuses
+from ...layers.attention import fuses
+from ...model.qwen35 import MtpHead
 from ..graphs import DraftGraphs, penalty_key
 from ..rng import DeviceRng
 from ..sampling import Penalties, probs, sample
@@ -151,7 +152,7 @@ class MtpDrafter:
 
     def _prefill(self, toks: torch.Tensor, hidden: torch.Tensor, pos0: int) -> None:
         """The head over rows in prefill mode: hidden [m, H] at positions pos0.., toks [m] the
-        tokens after them. With the catch-up's fused kernels on (model/qwen35.py fuses)
+        tokens after them. With the catch-up's fused kernels on (layers/attention.py fuses)
         and the trunk's embedding table at hand, the head gathers the rows itself (`fc_input`),
         else they are looked up here."""
         ew = self.trunk.embed_weight

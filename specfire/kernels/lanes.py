@@ -9,10 +9,10 @@ to one, and one larger than ATen's parallel grain is cut at grain bounds (multip
 so every element takes the vectorised path, which is the same for every lane. CUDA computes
 every element the same way and takes the direct path.
 
-Only a tensor-parallel forward needs this: the padding is on inside `invariant()` scopes (a mesh
-rank's forward, or one device in the canonical mode of kernels/splitk) and off elsewhere (the
-scope also selects the shard-invariant products of kernels/gemv). One device's verify rows get
-their row invariance from per-row application (kernels/cpu_exact/rowwise.py) instead.
+Only a tensor-parallel forward needs this: the padding is on inside `invariant()` scopes (the
+forward of a model built with an exact target, layers/__init__.py: a mesh rank, or one device in
+the canonical mode) and off elsewhere. Verify rows get their row invariance from per-row
+application (layers/rows.py) instead.
 """
 from __future__ import annotations
 

@@ -1,25 +1,23 @@
-"""Decode and verify rows of the trunk and the MTP head on one float32 CPU device, in fewer calls.
+"""One CPU device's trunk and MTP head: decode and verify rows on packed float32 weights, in fewer calls.
 
-Why: on a small model a CPU decode step is ~1000 small ATen calls at 2-5 us each besides the
-products (bundled model: 1088 a decode through the module path). This path computes the same math
-(no mesh, not the canonical mode) in ~800 cheaper ones: weights packed per layer and checked once
-per forward (not per module call), norms as sum of squares + sqrt + divide (torch's CPU rms_norm
-is a composite of ~8 calls), a rotary table with the rotation as one gather, the q/k norms of a
-layer in one call with the attention scale folded into the q-norm weight, the GDN gates as one
-sigmoid and one pow over a zero-padded 64-wide block of the in-projection (exp(-c softplus(z)) =
-sigmoid(-z)^c), the GDN state update as a multiply and an add per row (kernels/gdn `update`: the
-commit replays it for every layer at once).
+Why: on a small model a CPU decode step is ~1000 small ATen calls besides the products. The rows
+forward here computes the model's math (model/qwen35.py) in ~800 cheaper ones: weights packed per
+layer and checked once per forward (not per module call), norms as sum of squares + sqrt + divide,
+a rotary table with the rotation as one gather, the q/k norms of a layer in one call with the
+attention scale folded into the q-norm weight, the GDN gates as one sigmoid and one pow over a
+zero-padded 64-wide block of the in-projection (exp(-c softplus(z)) = sigmoid(-z)^c), the GDN
+state update as kernels/gdn `update`'s multiply and add per row (the commit replays it).
 
 Row invariance (a verify row computes exactly what a one-row decode computes), how:
 * products: one `mm` per row on the same packed W^T (kernels/gemv linear_one_cpu);
 * reductions over a row's last dimension (sum of squares, the conv taps): each output reduced
   alike whatever the row count (tests/test_onecpu.py);
 * elementwise ops that round alike in ATen's vector and scalar code (+, *, /, sqrt) on any shape;
-  transcendental ones (sigmoid, SiLU, pow) only on rows of whole 64-element steps, else
-  per row (kernels/cpu_exact/rowwise.py), which is why the GDN gate inputs sit in a padded 64-wide block;
-* the recurrence and attention per row, as before.
-Bits differ from the reference path (kernels/norm etc.) in the last places; prefill and the
-canonical mode keep their own paths.
+  transcendental ones (sigmoid, SiLU, pow) only on rows of whole 64-element steps, else per row
+  (layers/rows.py), which is why the GDN gate inputs sit in a padded 64-wide block;
+* the recurrence and attention per row.
+Bits differ from the modules' path in the last places; prefill, other dtypes, 4-bit weights and
+the Q8 KV cache take the modules' path (layers/*: the `cpu` target).
 """
 from __future__ import annotations
 
@@ -29,17 +27,17 @@ import torch
 import torch.nn.functional as F
 
 from ..config import FULL
-from ..kernels.cpu_exact import lanes
 from ..kernels.gemv import fused_t, linear_one_cpu, transposed
 from ..kernels.small import rope_cos_sin
-from ..kernels.cpu_exact.rowwise import GRAIN, STEP
+from ..layers.rows import GRAIN, STEP
+from .qwen35 import MtpHead, Qwen35Trunk
 
 ROPE_BLOCK = 256      # rotary table rows computed per call (a position's values never change as it grows)
 
 
 def usable(x: torch.Tensor) -> bool:
-    """This path applies: a float32 CPU tensor outside any invariant() scope."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and not lanes.invariant_now()
+    """This path applies: a float32 CPU tensor."""
+    return x.dtype == torch.float32 and x.device.type == "cpu"
 
 
 def _rows(fn, whole: bool, *xs: torch.Tensor) -> torch.Tensor:
@@ -202,7 +200,7 @@ def _attn_pack(m, rot: int, theta: float) -> AttnPack:
     perm = torch.arange(d)
     perm[:half] += half
     perm[half:rot] -= half
-    wt = fused_t((m.q_proj.weight, m.k_proj.weight, m.v_proj.weight), m)    # the prefill's copy (kernels/gemv)
+    wt = fused_t((m.q_proj.weight, m.k_proj.weight, m.v_proj.weight), m.q_proj)   # the prefill's copy (Linear.group)
     return AttnPack(wt, w.contiguous(), perm, rot, theta, torch.tensor([d * m.q_norm.eps]),
                     transposed(m.o_proj.weight), (hq, m.n_kv, d), _whole(d))
 
@@ -286,7 +284,7 @@ def _layer_pack(layer, cfg) -> LayerPack:
     mix = _attn_pack(layer.self_attn, cfg.rotary_dim, cfg.rope_theta) if full else _gdn_pack(layer.linear_attn)
     m = layer.mlp
     return LayerPack(full, _rms(layer.input_layernorm), _rms(layer.post_attention_layernorm), mix,
-                     fused_t((m.gate_proj.weight, m.up_proj.weight), m), transposed(m.down_proj.weight),
+                     fused_t((m.gate_proj.weight, m.up_proj.weight), m.gate_proj), transposed(m.down_proj.weight),
                      m.gate_proj.weight.shape[0], _whole(m.gate_proj.weight.shape[0]))
 
 
@@ -320,35 +318,48 @@ def _packs(owner, build):
     return packs
 
 
-def trunk_rows(trunk, ids: torch.Tensor, pos0, state, logits: str):
-    """Qwen35Trunk's rows-mode forward on one CPU device, or None where this path does not apply."""
-    w = trunk.embed_tokens.weight
-    if not isinstance(pos0, int) or not usable(w) or any(lc.k_scale is not None for lc in state.layers):
-        return None
-    packs = _packs(trunk, lambda: ([_layer_pack(l, trunk.cfg) for l in trunk.layers], _rms(trunk.norm),
-                                   transposed(trunk.lm_weight)))
-    if packs is None:
-        return None
-    layers, final, lm_t = packs
-    x = F.embedding(ids, w)
-    pending = None
-    for p, lc in zip(layers, state.layers):
-        x, pending = layer(p, x, pos0, lc, pending)
-    _, h = add_norm(x, pending, final)
-    if logits == "none":
-        return h, None
-    return h, linear_one_cpu(h if logits == "all" else h[-1:], lm_t, True)
+class CpuQwen35Trunk(Qwen35Trunk):
+    def forward(self, ids, pos0, state, rows, logits="all"):
+        if rows and (got := self.packed_rows(ids, pos0, state, logits)) is not None:
+            return got
+        return super().forward(ids, pos0, state, rows, logits)
+
+    def packed_rows(self, ids: torch.Tensor, pos0, state, logits: str):
+        """The rows forward on the packs, or None where they do not apply."""
+        w = self.embed_tokens.weight
+        if not isinstance(pos0, int) or not usable(w) or any(lc.k_scale is not None for lc in state.layers):
+            return None
+        packs = _packs(self, lambda: ([_layer_pack(l, self.cfg) for l in self.layers], _rms(self.norm),
+                                      transposed(self.lm_weight)))
+        if packs is None:
+            return None
+        layers, final, lm_t = packs
+        x = F.embedding(ids, w)
+        pending = None
+        for p, lc in zip(layers, state.layers):
+            x, pending = layer(p, x, pos0, lc, pending)
+        _, h = add_norm(x, pending, final)
+        if logits == "none":
+            return h, None
+        return h, linear_one_cpu(h if logits == "all" else h[-1:], lm_t, True)
 
 
-def mtp_rows(head, emb: torch.Tensor, hidden: torch.Tensor, pos0, state):
-    """MtpHead's rows-mode forward on one CPU device, or None where this path does not apply."""
-    if not isinstance(pos0, int) or not usable(emb) or state.layers[0].k_scale is not None:
-        return None
-    packs = _packs(head, lambda: (_layer_pack(head.layers[0], head.cfg), _rms(head.pre_fc_norm_embedding),
-                                  _rms(head.pre_fc_norm_hidden), _rms(head.norm), transposed(head.fc.weight)))
-    if packs is None:
-        return None
-    lp, e, hd, fin, fc_t = packs
-    x = torch.cat([_norm(emb, e.w, e.eps_d), _norm(hidden, hd.w, hd.eps_d)], dim=-1)
-    x, h = layer(lp, linear_one_cpu(x, fc_t, True), pos0, state.layers[0], None)
-    return add_norm(x, h, fin)
+class CpuMtpHead(MtpHead):
+    def step(self, emb, hidden, pos0, state, rows, ids=None, embed_weight=None):
+        if emb is None:
+            emb = F.embedding(ids, embed_weight)
+        if rows and (got := self.packed_rows(emb, hidden, pos0, state)) is not None:
+            return got
+        return super().step(emb, hidden, pos0, state, rows)
+
+    def packed_rows(self, emb: torch.Tensor, hidden: torch.Tensor, pos0, state):
+        if not isinstance(pos0, int) or not usable(emb) or state.layers[0].k_scale is not None:
+            return None
+        packs = _packs(self, lambda: (_layer_pack(self.layers[0], self.cfg), _rms(self.pre_fc_norm_embedding),
+                                      _rms(self.pre_fc_norm_hidden), _rms(self.norm), transposed(self.fc.weight)))
+        if packs is None:
+            return None
+        lp, e, hd, fin, fc_t = packs
+        x = torch.cat([_norm(emb, e.w, e.eps_d), _norm(hidden, hd.w, hd.eps_d)], dim=-1)
+        x, h = layer(lp, linear_one_cpu(x, fc_t, True), pos0, state.layers[0], None)
+        return add_norm(x, h, fin)

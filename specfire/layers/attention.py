@@ -1,0 +1,87 @@
+"""Full attention with an output gate (interleaved per head in q_proj), q / k norms and partial
+rotary, over the position-addressed KV cache of kernels/attention.
+
+`GatedAttention` is the layer on any device; `FusedGatedAttention` (CUDA) writes q, k, v after
+their norms and rotary in one kernel and fuses the output gate (kernels/attention/fused.py) for
+decode / verify rows and for the MTP head's prompt catch-up, which hands it a rotary table.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+
+from ..config import ModelConfig
+from ..kernels import attention as ka
+from ..kernels import lanes
+from ..kernels.head import RopeTable
+from ..kernels.small import apply_rope
+from ..kernels.splitk import head_block
+
+if TYPE_CHECKING:
+    from ..model.state import LayerCache
+    from . import Target
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, target: Target):
+        super().__init__()
+        share = target.share(cfg)
+        self.n_heads, self.n_kv = share.n_heads, share.n_kv
+        d = self.head_dim = cfg.head_dim
+        h = cfg.hidden_size
+        self.q_proj = target.column(h, self.n_heads * d * 2, cfg.num_attention_heads * d * 2)
+        self.k_proj = target.column(h, self.n_kv * d, cfg.num_key_value_heads * d)
+        self.v_proj = target.column(h, self.n_kv * d, cfg.num_key_value_heads * d)
+        self.o_proj = target.row(cfg.num_attention_heads * d, h)
+        self.q_norm = target.norm(d, cfg.rms_norm_eps)
+        self.k_norm = target.norm(d, cfg.rms_norm_eps)
+        self.scale = d ** -0.5
+        self.rowmap = target.rowmap
+        # a canonical prefill calls the attention library on a fixed number of heads (kernels/splitk)
+        self.q_block = head_block(cfg.num_attention_heads) if target.exact else None
+
+    def forward(self, x: torch.Tensor, pos0: int, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                lc: LayerCache, rows: bool) -> torch.Tensor:
+        """x [T, H] at positions pos0.. -> [T, H]; writes the rows' k, v into the cache."""
+        t, d = x.shape[0], self.head_dim
+        qg, k, v = self.q_proj.group(x, rows, self.k_proj, self.v_proj)
+        qg = qg.view(t, self.n_heads, 2 * d)                              # [T, Hq, 2D]: per head [q | gate]
+        q, gate = qg[..., :d], qg[..., d:]
+        q = apply_rope(self.q_norm(q, rows), *cos_sin)
+        k = apply_rope(self.k_norm(k.view(t, self.n_kv, d), rows), *cos_sin)
+        ka.kv_write(lc, pos0, k, v.view(t, self.n_kv, d))
+        o = self.attend(q, lc, pos0, rows).to(x.dtype)                    # [T, Hq, D]
+        o = o.reshape(t, -1) * self.rowmap(lanes.sigmoid, rows, gate.reshape(t, -1))
+        return self.o_proj(o, rows)
+
+    def attend(self, q: torch.Tensor, lc: LayerCache, pos0, rows: bool) -> torch.Tensor:
+        if rows:
+            return ka.attention_rows(q, lc.k, lc.v, pos0, self.scale, lc.k_scale, lc.v_scale)
+        return ka.attention_prefill(q, lc.k, lc.v, pos0, self.scale, lc.k_scale, lc.v_scale, q_block=self.q_block)
+
+
+def fuses(mod: nn.Module, x: torch.Tensor) -> bool:
+    """Whether a fused layer (or the MTP head) runs its Triton kernels: on CUDA, unless its `fused`
+    says otherwise (a CPU test sets True: the interpreter)."""
+    return x.is_cuda if mod.fused is None else mod.fused
+
+
+class FusedGatedAttention(GatedAttention):
+    fused: bool | None = None     # None: on CUDA (`fuses`)
+
+    def forward(self, x, pos0, cos_sin, lc, rows):
+        table = isinstance(cos_sin, RopeTable)
+        if not ((rows or table) and lc.k_scale is None and fuses(self, x)):
+            if table:
+                raise ValueError("GatedAttention: a rotary table is read by the fused q/k kernel only")
+            return super().forward(x, pos0, cos_sin, lc, rows)
+        from ..kernels.attention import fused as af
+        t, d = x.shape[0], self.head_dim
+        qg, k, v = self.q_proj.group(x, rows, self.k_proj, self.v_proj)
+        qg = qg.view(t, self.n_heads, 2 * d)
+        q = af.qk_norm_rope_write_triton(qg, k.view(t, self.n_kv, d), v.view(t, self.n_kv, d),
+                                         self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                         *cos_sin, lc.k, lc.v, pos0, table=table)
+        return self.o_proj(af.out_gate_triton(self.attend(q, lc, pos0, rows), qg), rows)
