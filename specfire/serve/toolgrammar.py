@@ -8,7 +8,8 @@ arguments follow each tool's JSON schema; the assistant parser then returns them
   a string (no closing tag inside; its other keywords are not enforced), a string enum's values,
   and for every other type JSON that follows the sub-schema (bounds, enums, nested objects);
 - `qwen3_json` (earlier Qwen): `<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>`, the
-  object a JSON schema of its own (the name a const, the arguments the tool's parameters).
+  object a JSON schema of its own (the name a const, the arguments the tool's parameters, no
+  undeclared ones unless the schema's `additionalProperties` allows them).
 
 A tag the tokenizer has as one added token (`<tool_call>` in Qwen's) is written as that token: the
 grammar engine sees added tokens as special, never as their text.
@@ -68,7 +69,10 @@ def _xml_function(i: int, fn: dict[str, Any], rules: list[str]) -> str:
 
 
 def _json_call(fn: dict[str, Any]) -> dict[str, Any]:
-    params = fn.get("parameters") or {"type": "object"}
+    """The call object; its arguments hold the declared parameters only, as the XML form's do,
+    unless the schema says `additionalProperties` itself."""
+    params = dict(fn.get("parameters") or {"type": "object"})
+    params.setdefault("additionalProperties", False)
     return {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
             "required": ["name", "arguments"], "additionalProperties": False}
 
