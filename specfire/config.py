@@ -11,7 +11,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, GrammarError
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -281,6 +281,31 @@ def _check_number(name: str, v: Any, lo: float | None = None, hi: float | None =
 MAX_SEED = 2 ** 63 - 1   # torch generators take a signed 64-bit seed
 
 
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What to constrain to: `kind` one of GRAMMAR_KINDS, `value` the schema (a dict), regex,
+    choices or a Lark grammar; `param` the request field it came from (for errors); `after`: the
+    text of one token (a think block's end, `</think>`) that the output must reach before the
+    grammar applies (None: from the first token). The declarative half that
+    SamplingParams.structured_outputs carries; the engine compiles it (grammar.py) into a request's
+    matcher."""
+
+    kind: str
+    value: Any = None
+    param: str = "response_format"
+    after: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise GrammarError(f"unknown grammar kind {self.kind!r}; one of {', '.join(GRAMMAR_KINDS)}", self.param)
+
+    def __hash__(self) -> int:          # a schema is a dict: hash its canonical text
+        return hash((self.kind, json.dumps(self.value, sort_keys=True), self.param, self.after))
+
+
 MAX_LOGPROBS = 20          # top log-probabilities a request may ask for per token (OpenAI's and vLLM's default limit)
 MAX_OPENAI_PENALTY = 2.0   # presence / frequency penalty range, as OpenAI and vLLM allow
 # repetition_penalty range: inside it every penalised float32 logit stays finite (a larger logit
@@ -306,7 +331,7 @@ class SamplingParams:
     ids are masked out of the distribution, runtime/sampling.py); `skip_special_tokens` false keeps
     special tokens' text.
 
-    `structured_outputs` (a grammar.GrammarSpec: JSON schema, regex, choice or Lark grammar): every
+    `structured_outputs` (a GrammarSpec: JSON schema, regex, choice or Lark grammar): every
     token is drawn from the grammar's mask, on every route (runtime/constraint.py); the output ends
     ("stop") where the grammar is complete. `logprobs` N (0..20): each generated token's
     log-probability and the N most likely, from the distribution it was drawn from (after the
@@ -329,7 +354,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    structured_outputs: Any = None
+    structured_outputs: GrammarSpec | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
 
@@ -368,10 +393,8 @@ class SamplingParams:
             if getattr(self, name) is not None:
                 _check_number(name, getattr(self, name), lo=0, hi=MAX_LOGPROBS, integer=True)
         if self.structured_outputs is not None:
-            from .grammar import GrammarSpec
-
             if not isinstance(self.structured_outputs, GrammarSpec):
-                raise ValueError(f"structured_outputs must be a specfire.grammar.GrammarSpec, got "
+                raise ValueError(f"structured_outputs must be a GrammarSpec (specfire.grammar), got "
                                  f"{type(self.structured_outputs).__name__}")
             if self.min_tokens:
                 raise ValueError("min_tokens cannot be combined with structured_outputs: the grammar decides where "

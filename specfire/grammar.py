@@ -8,63 +8,38 @@ allows, roll back to the accepted prefix."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from .config import GRAMMAR_KINDS as KINDS
+from .config import GrammarSpec
+from .errors import GrammarError
 
 if TYPE_CHECKING:
     import torch
 
     from .tokenizer import Tokenizer
 
-KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+__all__ = ["KINDS", "GrammarSpec", "GrammarError", "GrammarCompiler", "Matcher", "spec_from_fields", "grammar_source"]
 # whitespace between JSON tokens: free in form (pretty-printed or compact) but bounded, at most one
 # line break and 20 spaces or tabs per gap, so a model cannot spin in whitespace until max_tokens
 JSON_WHITESPACE = r"(\r?\n)?[ \t]{0,20}"
 
 
-class GrammarError(ValueError):
-    """A structured-output request that cannot be compiled; `param` names the field."""
+def grammar_source(spec: GrammarSpec) -> str:
+    """The llguidance grammar text of `spec`."""
+    import llguidance
 
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """What to constrain to: `kind` one of KINDS, `value` the schema (a dict), regex, choices or a
-    Lark grammar; `param` the request field it came from (for errors); `after`: the text of one
-    token (a think block's end, `</think>`) that the output must reach before the grammar applies
-    (None: from the first token). The declarative half that SamplingParams.structured_outputs
-    carries; the engine compiles it into a request's Matcher."""
-
-    kind: str
-    value: Any = None
-    param: str = "response_format"
-    after: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise GrammarError(f"unknown grammar kind {self.kind!r}; one of {', '.join(KINDS)}", self.param)
-
-    def __hash__(self) -> int:          # a schema is a dict: hash its canonical text
-        return hash((self.kind, json.dumps(self.value, sort_keys=True), self.param, self.after))
-
-    def source(self) -> str:
-        """The llguidance grammar text."""
-        import llguidance
-
-        if self.kind in ("json_object", "json_schema"):
-            schema = {"type": "object"} if self.kind == "json_object" else self.value
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
-        if self.kind == "regex":
-            return llguidance.grammar_from("regex", self.value)
-        if self.kind == "choice":
-            return llguidance.grammar_from("choice", json.dumps(self.value))
-        return llguidance.grammar_from("grammar", self.value)
+    if spec.kind in ("json_object", "json_schema"):
+        schema = {"type": "object"} if spec.kind == "json_object" else spec.value
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
+    if spec.kind == "regex":
+        return llguidance.grammar_from("regex", spec.value)
+    if spec.kind == "choice":
+        return llguidance.grammar_from("choice", json.dumps(spec.value))
+    return llguidance.grammar_from("grammar", spec.value)
 
 
 def spec_from_fields(response_format: Any = None, guided_json: Any = None, guided_regex: Any = None,
@@ -152,7 +127,7 @@ class GrammarCompiler:
         import llguidance
 
         try:
-            src = spec.source()
+            src = grammar_source(spec)
         except (ValueError, TypeError, RuntimeError) as e:
             raise GrammarError(f"'{spec.param}' cannot be compiled: {e}", spec.param) from None
         err = llguidance.LLMatcher.validate_grammar(src, self.lltok)

@@ -37,7 +37,7 @@ class Constraint:
         pinned = device.type == "cuda"
         self.host = torch.zeros(MAX_SPEC_K + 1, matcher.words, dtype=torch.int32, pin_memory=pinned)
         self.dev = torch.empty_like(self.host, device=device) if pinned else self.host
-        self.shifts = torch.arange(32, dtype=torch.int32, device=device)
+        self.bit = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=device)
         self.done = False
         self.host_s = 0.0
 
@@ -59,8 +59,9 @@ class Constraint:
         dev = self.dev[:r]
         if self.dev is not self.host:
             dev.copy_(self.host[:r], non_blocking=True)
-        bits = ((dev.unsqueeze(-1) >> self.shifts) & 1).view(r, -1)[:, :logits.shape[-1]]   # [r, V]: 1 = allowed
-        masked = logits[start:].masked_fill(bits == 0, float("-inf"))
+        # token t is bit t % 8 of byte t // 8 (the int32 words in little-endian memory): [r, V], nonzero = allowed
+        bits = (dev.view(torch.uint8).unsqueeze(-1) & self.bit).view(r, -1)[:, :logits.shape[-1]]
+        masked = torch.where(bits.bool(), logits[start:], float("-inf"))
         return masked if start == 0 else torch.cat([logits[:start], masked])
 
     def advance(self, tokens: list[int]) -> int:
