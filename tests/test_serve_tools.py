@@ -144,6 +144,8 @@ def test_special_tokens_in_content(llm, scripted, allow, extra):
      "tool_choice.function.name"),
     ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": TOOLS, "tool_choice": "required", "min_tokens": 2}, "min_tokens"),
+    ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
     ({"tools": [{"type": "code"}]}, "tools[0]"),

@@ -100,7 +100,10 @@ class ChatPrep:
             g = self.grammar
         if g is None:
             return sp
-        return dataclasses.replace(sp, structured_outputs=dataclasses.replace(g, after=self.think_end))
+        try:
+            return dataclasses.replace(sp, structured_outputs=dataclasses.replace(g, after=self.think_end))
+        except ValueError as e:             # e.g. min_tokens with a grammar
+            raise RequestError(str(e), str(e).split(" ", 1)[0]) from None
 
 
 # ---- the prompt and the output parser ------------------------------------------------------------
