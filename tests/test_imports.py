@@ -13,13 +13,13 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 # Layers, lowest first: a module may import its own layer and those below it, never one above.
 # A name is a module or a package prefix of "specfire."; the longest prefix decides.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "config", "tokenizer", "chat_template", "grammar"),
+    ("errors", "config", "tokenizer"),
     ("ops", "kernels"),
     ("model", "quantize"),
     ("runtime",),
     ("parallel",),
     ("report", "api"),
-    ("serve", "cli", "flags", "info", "train", "__main__"),
+    ("serve", "cli", "info", "train", "__main__"),
 )
 
 

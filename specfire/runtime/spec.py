@@ -18,17 +18,19 @@ per step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from ..config import MAX_LOGPROBS, MAX_SPEC_K, SamplingParams
+from ..config import MAX_SPEC_K, SamplingParams
 from ..ops.greedy import greedy_accept
-from .constraint import Constraint
 from .drafters import NO_DRAFT, Drafter
 from .rng import DeviceRng
 from .sampling import Penalties, penalize, probs, sample, sampling_key, token_logprobs
 from .trunk import Trunk
+
+if TYPE_CHECKING:
+    from .constraint import Constraint
 
 
 def accept_device(logits: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None, sp: SamplingParams,
@@ -101,8 +103,8 @@ class StepBuffers:
         if self.pinned:
             self.stage = torch.zeros(2, kmax + 2, dtype=torch.long, pin_memory=True)
             self.slots = [torch.zeros(kmax + 2, dtype=torch.long, pin_memory=True) for _ in range(self.SLOTS)]
-            self.fslots = [torch.zeros(kmax + 1, 1 + 2 * MAX_LOGPROBS, pin_memory=True) for _ in range(self.SLOTS)]
         self._slot = 0
+        self.fslots: list[torch.Tensor] | None = None   # pinned slots for the logprobs (made on first use)
         self.pen: Penalties | None = None       # token statistics of a penalised request (made on first use)
 
     def penalties(self, vocab: int, prompt: torch.Tensor, ends: list[int] | tuple[int, ...] = ()) -> Penalties:
@@ -138,6 +140,8 @@ class StepBuffers:
             return packed, floats, None
         slot = self.slots[self._slot][:packed.shape[0]]
         if floats is not None:
+            if self.fslots is None or self.fslots[0].shape[1] < floats.shape[1]:   # (a slot in flight keeps its memory)
+                self.fslots = [torch.zeros(self.ids.shape[0], floats.shape[1], pin_memory=True) for _ in range(self.SLOTS)]
             fslot = self.fslots[self._slot][:floats.shape[0], :floats.shape[1]]
             fslot.copy_(floats, non_blocking=True)
             floats = fslot
