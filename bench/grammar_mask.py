@@ -7,7 +7,13 @@ tokenizer.json of 248,320 entries (the 256 byte tokens, then generated word, cod
 punctuation and CJK pieces, a third with a leading space; specials last). The JSON text decoded
 is tokenized by that tokenizer, so masks are computed at realistic token boundaries.
 
+`--engine`: the grammar in the decoding step instead, on a real model (default the bundled one,
+CPU): greedy decode with the same JSON schema against unconstrained, AR and MTP k, per generated
+token: decode ms, the host's grammar ms (masks and advancing: `stats["structured_outputs"]`),
+acceptance. The constrained request also reads every step before queueing the next.
+
     python bench/grammar_mask.py [--vocab 248320] [--passes 8] [--k 3] [--threads 2]
+    python -m bench.grammar_mask --engine [--model DIR] [--k 3] [--max-tokens 128] [--reps 3] [--threads 1]
 """
 from __future__ import annotations
 
@@ -205,13 +211,75 @@ def bench_xgrammar(token_bytes: list[bytes], vocab: int, eos: int, ids: list[int
     return {"tokenizer_s": t_tok, "compile_s": t_compile, "mask": stats_us(times), "spec": stats_us(spec)}
 
 
+ENGINE_PROMPT = ('people = [\n    {"name": "Grace Hopper", "age": 85, "email": "grace@example.org", "tags": ["navy"], '
+                 '"role": "admin", "address": {"street": "1 Main St", "city": "Arlington", "zip": "22201"}, '
+                 '"scores": [1.5], "active": true},\n    ')
+
+
+def bench_engine(a: argparse.Namespace) -> None:
+    """Constrained against unconstrained greedy decode through LLM.generate, AR and MTP k."""
+    from specfire import LLM, SamplingParams
+    from specfire.grammar import GrammarSpec
+
+    spec = GrammarSpec("json_schema", SCHEMA, "bench")
+    rows = []
+    with LLM(a.model, device=a.device, spec="auto", threads=a.threads, progress=False) as llm:
+        cases = [(route, constrained) for route in ({"mode": "off"}, {"mode": "mtp", "k": a.k})
+                 for constrained in (False, True)]
+
+        def params(constrained: bool) -> SamplingParams:
+            return SamplingParams(max_tokens=a.max_tokens, ignore_eos=True,
+                                  structured_outputs=spec if constrained else None)
+
+        for route, constrained in cases:                                       # warm-up
+            llm.generate(ENGINE_PROMPT, params(constrained), spec=route)
+        best: dict[int, tuple] = {}
+        for _ in range(a.reps):                 # the cases interleaved: a busy machine's drift hits them alike
+            for i, (route, constrained) in enumerate(cases):
+                r = llm.generate(ENGINE_PROMPT, params(constrained), spec=route)
+                n = len(r.token_ids)
+                ms = 1e3 * r.stats["decode_s"] / max(1, n - 1)
+                if i not in best or ms < best[i][0]:
+                    g = r.stats["structured_outputs"]
+                    best[i] = (ms, n, 1e3 * g["host_s"] / n if g else 0.0, r.stats["mean_accept_len"], r.finish_reason)
+        for i, (route, constrained) in enumerate(cases):
+            b = best[i]
+            rows.append({"route": "ar" if route["mode"] == "off" else f"mtp k={a.k}", "constrained": constrained,
+                         "tokens": b[1], "decode_ms_per_tok": round(b[0], 4), "grammar_ms_per_tok": round(b[2], 4),
+                         "mean_accept_len": round(b[3], 3), "finish": b[4]})
+        vocab, name = llm.cfg.vocab_size, os.path.basename(llm.path)
+    print(f"{name} (vocab {vocab}), {a.device}, {a.threads} thread(s), greedy, max_tokens {a.max_tokens}, best of "
+          f"{a.reps}; {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}")
+    print(f"{'route':<10}{'grammar':>9}{'tokens':>8}{'decode ms/tok':>15}{'grammar ms/tok':>16}{'accept len':>12}"
+          f"{'vs free':>9}")
+    free = {r["route"]: r["decode_ms_per_tok"] for r in rows if not r["constrained"]}
+    for r in rows:
+        ratio = r["decode_ms_per_tok"] / free[r["route"]]
+        r["vs_unconstrained"] = round(ratio, 3)
+        print(f"{r['route']:<10}{'json' if r['constrained'] else '-':>9}{r['tokens']:>8}{r['decode_ms_per_tok']:>15.3f}"
+              f"{r['grammar_ms_per_tok']:>16.3f}{r['mean_accept_len']:>12.2f}{ratio:>8.2f}x")
+    print(json.dumps({"bench": "grammar_mask", "mode": "engine", "model": name, "vocab": vocab, "k": a.k,
+                      "threads": a.threads, "max_tokens": a.max_tokens, "rows": rows}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vocab", type=int, default=248_320)
     ap.add_argument("--passes", type=int, default=8, help="times the JSON text is decoded (mask samples)")
     ap.add_argument("--k", type=int, default=3, help="drafts consumed and rolled back in the speculative pattern")
-    ap.add_argument("--threads", type=int, default=2, help="xgrammar compile threads")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="xgrammar compile threads (default 2); with --engine the model's CPU threads (default 1)")
+    ap.add_argument("--engine", action="store_true", help="the grammar in the decoding step on a real model")
+    ap.add_argument("--model", default=None, help="--engine: a checkpoint (default the bundled model)")
+    ap.add_argument("--device", default="cpu", help="--engine: the device")
+    ap.add_argument("--max-tokens", type=int, default=128, help="--engine: tokens per request")
+    ap.add_argument("--reps", type=int, default=3, help="--engine: timed requests per row (the best is kept)")
     a = ap.parse_args()
+    if a.engine:
+        a.threads = a.threads or 1
+        bench_engine(a)
+        return
+    a.threads = a.threads or 2
     from importlib.metadata import version
 
     with tempfile.TemporaryDirectory() as d:

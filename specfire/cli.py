@@ -68,7 +68,7 @@ def _run(args: argparse.Namespace) -> int:
         if from_model:
             print(model_defaults_line(llm, from_model), file=sys.stderr, flush=True)
         if args.chat:
-            prompt = llm.render_chat([{"role": "user", "content": prompt}])
+            prompt = llm.chat_ids([{"role": "user", "content": prompt}])     # typed control tokens stay text
         res = None
         for chunk in llm.stream(prompt, sp):
             if not args.json and chunk.text:

@@ -11,7 +11,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, GrammarError
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -281,6 +281,32 @@ def _check_number(name: str, v: Any, lo: float | None = None, hi: float | None =
 MAX_SEED = 2 ** 63 - 1   # torch generators take a signed 64-bit seed
 
 
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What to constrain to: `kind` one of GRAMMAR_KINDS, `value` the schema (a dict), regex,
+    choices or a Lark grammar; `param` the request field it came from (for errors); `after`: the
+    text of one token (a think block's end, `</think>`) that the output must reach before the
+    grammar applies (None: from the first token). The declarative half that
+    SamplingParams.structured_outputs carries; the engine compiles it (grammar.py) into a request's
+    matcher."""
+
+    kind: str
+    value: Any = None
+    param: str = "response_format"
+    after: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise GrammarError(f"unknown grammar kind {self.kind!r}; one of {', '.join(GRAMMAR_KINDS)}", self.param)
+
+    def __hash__(self) -> int:          # a schema is a dict: hash its canonical text
+        return hash((self.kind, json.dumps(self.value, sort_keys=True), self.param, self.after))
+
+
+MAX_LOGPROBS = 20          # top log-probabilities a request may ask for per token (OpenAI's and vLLM's default limit)
 MAX_OPENAI_PENALTY = 2.0   # presence / frequency penalty range, as OpenAI and vLLM allow
 # repetition_penalty range: inside it every penalised float32 logit stays finite (a larger logit
 # divided by 1e-40, or any logit times 1e39, is inf and the distribution NaN); at its ends the
@@ -303,7 +329,15 @@ class SamplingParams:
     the string; `include_stop_str_in_output` keeps the stop string (or the stop token's text);
     `min_tokens` forbids every end but max_tokens before that many tokens (EOS and the stop token
     ids are masked out of the distribution, runtime/sampling.py); `skip_special_tokens` false keeps
-    special tokens' text."""
+    special tokens' text.
+
+    `structured_outputs` (a GrammarSpec: JSON schema, regex, choice or Lark grammar): every
+    token is drawn from the grammar's mask, on every route (runtime/constraint.py); the output ends
+    ("stop") where the grammar is complete. `logprobs` N (0..20): each generated token's
+    log-probability and the N most likely, from the distribution it was drawn from (after the
+    penalties, the grammar mask, temperature and truncation; greedy: the processed logits at
+    temperature 1); `prompt_logprobs` N: the same for the prompt's tokens, from the model's raw
+    logits (runtime/engine.py)."""
 
     max_tokens: int = 64
     temperature: float = 0.0
@@ -320,6 +354,9 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: GrammarSpec | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check_number("max_tokens", self.max_tokens, lo=1, integer=True)
@@ -352,6 +389,16 @@ class SamplingParams:
                 or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
             raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), got {ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(ids))
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_number(name, getattr(self, name), lo=0, hi=MAX_LOGPROBS, integer=True)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, GrammarSpec):
+                raise ValueError(f"structured_outputs must be a GrammarSpec (specfire.grammar), got "
+                                 f"{type(self.structured_outputs).__name__}")
+            if self.min_tokens:
+                raise ValueError("min_tokens cannot be combined with structured_outputs: the grammar decides where "
+                                 "the output ends")
 
     @property
     def greedy(self) -> bool:

@@ -24,3 +24,11 @@ class PromptError(SpecfireError, ValueError):
     def __init__(self, message: str, too_long: bool = False):
         super().__init__(message)
         self.too_long = too_long
+
+
+class GrammarError(ValueError):
+    """A structured-output request that cannot be compiled; `param` names the field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param

@@ -8,52 +8,38 @@ allows, roll back to the accepted prefix."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from .config import GRAMMAR_KINDS as KINDS
+from .config import GrammarSpec
+from .errors import GrammarError
 
 if TYPE_CHECKING:
     import torch
 
     from .tokenizer import Tokenizer
 
-KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+__all__ = ["KINDS", "GrammarSpec", "GrammarError", "GrammarCompiler", "Matcher", "spec_from_fields", "grammar_source"]
+# whitespace between JSON tokens: free in form (pretty-printed or compact) but bounded, at most one
+# line break and 20 spaces or tabs per gap, so a model cannot spin in whitespace until max_tokens
+JSON_WHITESPACE = r"(\r?\n)?[ \t]{0,20}"
 
 
-class GrammarError(ValueError):
-    """A structured-output request that cannot be compiled; `param` names the field."""
+def grammar_source(spec: GrammarSpec) -> str:
+    """The llguidance grammar text of `spec`."""
+    import llguidance
 
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """What to constrain to: `kind` one of KINDS, `value` the schema (a dict), regex, choices or a
-    Lark grammar; `param` the request field it came from (for errors)."""
-
-    kind: str
-    value: Any = None
-    param: str = "response_format"
-
-    def source(self) -> str:
-        """The llguidance grammar text."""
-        import llguidance
-
-        if self.kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
-        if self.kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(self.value)
-        if self.kind == "regex":
-            return llguidance.grammar_from("regex", self.value)
-        if self.kind == "choice":
-            return llguidance.grammar_from("choice", json.dumps(self.value))
-        if self.kind == "grammar":
-            return llguidance.grammar_from("grammar", self.value)
-        raise GrammarError(f"unknown grammar kind {self.kind!r}; one of {', '.join(KINDS)}", self.param)
+    if spec.kind in ("json_object", "json_schema"):
+        schema = {"type": "object"} if spec.kind == "json_object" else spec.value
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
+    if spec.kind == "regex":
+        return llguidance.grammar_from("regex", spec.value)
+    if spec.kind == "choice":
+        return llguidance.grammar_from("choice", json.dumps(spec.value))
+    return llguidance.grammar_from("grammar", spec.value)
 
 
 def spec_from_fields(response_format: Any = None, guided_json: Any = None, guided_regex: Any = None,
@@ -118,7 +104,7 @@ class GrammarCompiler:
     """One per tokenizer: llguidance's view of the vocabulary, built once (a second or more on a
     large vocabulary), shared by every request's matcher."""
 
-    def __init__(self, tokenizer: "Tokenizer", eos_ids: list[int], vocab_size: int | None = None):
+    def __init__(self, tokenizer: "Tokenizer", eos_ids: list[int] | set[int], vocab_size: int | None = None):
         self.tokenizer, self.eos_ids = tokenizer, sorted(eos_ids)
         self.vocab_size = vocab_size or tokenizer.vocab_size
 
@@ -129,25 +115,45 @@ class GrammarCompiler:
         return llguidance.LLTokenizer(self.tokenizer.tok.to_str(), n_vocab=self.vocab_size,
                                       eos_token=self.eos_ids or None)
 
-    def matcher(self, spec: GrammarSpec) -> "Matcher":
+    @cached_property
+    def executor(self) -> Any:
+        """Computes a verify's row masks in one call (one thread: a request has one matcher)."""
         import llguidance
 
-        src = spec.source()
+        return llguidance.LLExecutor(num_threads=1)
+
+    def check(self, spec: GrammarSpec) -> str:
+        """The grammar text of `spec`, or a GrammarError naming its field when llguidance refuses it."""
+        import llguidance
+
+        try:
+            src = grammar_source(spec)
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise GrammarError(f"'{spec.param}' cannot be compiled: {e}", spec.param) from None
         err = llguidance.LLMatcher.validate_grammar(src, self.lltok)
         if err and not err.startswith("WARNING"):
             raise GrammarError(f"'{spec.param}' cannot be compiled: {err}", spec.param)
-        m = llguidance.LLMatcher(self.lltok, src, log_level=0)
+        return src
+
+    def matcher(self, spec: GrammarSpec) -> "Matcher":
+        import llguidance
+
+        m = llguidance.LLMatcher(self.lltok, self.check(spec), log_level=0)
         if m.is_error():
             raise GrammarError(f"'{spec.param}' cannot be compiled: {m.get_error()}", spec.param)
-        return Matcher(m, self.vocab_size)
+        return Matcher(m, self.vocab_size, self.executor)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token stands for (a byte-level piece of a character included)."""
+        return bytes(self.lltok.decode_bytes([token]))
 
 
 class Matcher:
     """A grammar's position in one output: `mask` for the next token, `advance` over tokens (it stops
     at the first the grammar forbids and says how many it took), `rollback(n)` undoes the last n."""
 
-    def __init__(self, m: Any, vocab_size: int):
-        self.m, self.vocab_size = m, vocab_size
+    def __init__(self, m: Any, vocab_size: int, executor: Any = None):
+        self.m, self.vocab_size, self.executor = m, vocab_size, executor
         self.words = (vocab_size + 31) // 32
 
     def new_bitmask(self) -> np.ndarray:
@@ -161,6 +167,19 @@ class Matcher:
         if n != 4 * self.words:
             raise ValueError(f"mask buffer has {n} bytes; this vocabulary needs {4 * self.words}")
         self.m.unsafe_compute_mask_ptr(ptr, n)
+
+    def masks(self, into: "torch.Tensor", drafts: list[int]) -> None:
+        """Rows 0..len(drafts) of `into` ([rows, words] int32, contiguous, host memory): row i the
+        mask after drafts[:i], as a verify's row i needs it; the rows after the first draft the
+        grammar forbids allow every token (they are never emitted). The matcher ends where it began."""
+        r = len(drafts) + 1
+        if into.dim() != 2 or into.shape[0] < r or into.shape[1] != self.words or not into.is_contiguous():
+            raise ValueError(f"masks: need a contiguous [>= {r}, {self.words}] buffer, got {tuple(into.shape)}")
+        if not drafts:
+            self.mask(into[0])
+            return
+        self.executor.unsafe_compute_mask_ptr_with_draft_token([(self.m, 0, list(drafts))], into.data_ptr(),
+                                                               4 * self.words, r)
 
     def allowed(self) -> np.ndarray:
         """Bool [vocab_size]: the tokens the grammar allows next."""
@@ -183,3 +202,6 @@ class Matcher:
     def is_done(self) -> bool:
         """The grammar is complete: nothing but EOS may follow."""
         return bool(self.m.is_stopped())
+
+    def error(self) -> str | None:
+        return self.m.get_error() if self.m.is_error() else None

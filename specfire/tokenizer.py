@@ -89,6 +89,37 @@ class Tokenizer:
             ids += self._encode_piece(piece, as_text)
         return ids
 
+    @cached_property
+    def _byte_alphabet(self) -> dict[str, int] | None:
+        """Byte-level BPE (Qwen's, GPT-2's): each of a piece's characters stands for one byte."""
+        if type(self.tok.decoder).__name__ != "ByteLevel":
+            return None
+        printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+        table, extra = {}, 0
+        for b in range(256):
+            if b in printable:
+                table[chr(b)] = b
+            else:
+                table[chr(256 + extra)] = b
+                extra += 1
+        return table
+
+    @cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self.tok.get_added_tokens_decoder())
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (a piece of a UTF-8 character included), as OpenAI's
+        logprobs report them; an added token's are its text's."""
+        table = self._byte_alphabet
+        piece = self.tok.id_to_token(token)
+        if table is not None and piece is not None and token not in self._added_ids:
+            try:
+                return bytes(table[c] for c in piece)
+            except KeyError:
+                pass
+        return self.decode([token]).encode("utf-8")
+
     def encode_plain(self, text: str) -> list[int]:
         """`text` through normalizer, pre-tokenizer and model only: no added token, special or not, is matched."""
         t = self.tok

@@ -149,6 +149,31 @@ def test_generate_messages(loaded):
     assert evs[-1]["type"] == "done" and evs[-1]["tokens"] <= 5
 
 
+def test_generate_chat_ids_structured_output_and_logprobs(loaded, ckpt):
+    """messages through chat_ids (a control token typed in content stays text), a guided_choice
+    grammar and logprobs on the token events, as in process."""
+    from specfire import LLM, SamplingParams
+    from specfire.grammar import GrammarSpec
+
+    msgs = [{"role": "user", "content": "a<|im_end|>b"}]
+    loaded.send({"type": "generate", "id": "s", "attempt_id": 9, "messages": msgs, "max_tokens": 8,
+                 "guided_choice": ["yes", "no way"], "logprobs": 2, "speculation": {"mode": "mtp", "k": 2}})
+    evs = loaded.until("done")
+    with LLM(ckpt, progress=False) as llm:
+        ids = llm.chat_ids(msgs)
+        assert len(ids) != len(llm.tokenizer.encode(llm.render_chat(msgs)))
+        want = llm.generate(ids, SamplingParams(max_tokens=8, logprobs=2, structured_outputs=GrammarSpec(
+            "choice", ["yes", "no way"], "guided_choice")), spec="off")
+    assert evs[0]["prompt_tokens"] == len(ids) and evs[-1]["finish_reason"] == "stop"
+    toks = [e for e in evs if e["type"] == "token"]
+    assert "".join(e["text"] for e in toks) == want.text and want.text in ("yes", "no way")
+    got = [(x["id"], x["logprob"], [tuple(t) for t in x["top"]]) for e in toks for x in e["logprobs"]]
+
+    def fin(v):                                         # JSON has no -inf: the daemon writes -9999.0
+        return v if v > float("-inf") else -9999.0
+    assert got == [(x.token, fin(x.logprob), [(t, fin(v)) for t, v in x.top]) for x in want.logprobs]
+
+
 @pytest.mark.parametrize("attempt", ["missing", "1", True, -1, 1.5, None, [1]])
 def test_attempt_id_rules(daemon, attempt):
     msg = {"type": "generate", "id": "a", "prompt": "hi", "max_tokens": 2}
@@ -315,7 +340,7 @@ def test_a_file_of_requests_is_answered_in_full(ckpt, tmp_path):
                 continue
             assert by[a][0]["type"] == "gen_start" and by[a][-1]["type"] == "done", by[a]
             kw = {k: v for k, v in g.items() if k not in ("attempt_id", "prompt", "messages", "speculation")}
-            prompt = llm.render_chat(g["messages"]) if "messages" in g else g["prompt"]
+            prompt = llm.chat_ids(g["messages"]) if "messages" in g else g["prompt"]
             want = llm.generate(prompt, SamplingParams(**kw), spec="off")
             assert "".join(e["text"] for e in by[a] if e["type"] == "token") == want.text, a
             assert by[a][-1]["tokens"] == len(want.token_ids) and by[a][-1]["finish_reason"] == want.finish_reason
@@ -340,7 +365,8 @@ def test_end_fields_and_refused_fields(loaded, ckpt):
     assert evs[-1]["type"] == "done" and evs[-1]["tokens"] == len(want.token_ids)
     assert "".join(e["text"] for e in evs if e["type"] == "token") == want.text
     for field, value in (("tools", [{"type": "function", "function": {"name": "f"}}]), ("max_token", 5),
-                         ("response_format", {"type": "json_object"}), ("min_tokens", -1),
+                         ("response_format", {"type": "xml"}), ("guided_json", {"type": "nope"}), ("echo", True),
+                         ("min_tokens", -1),
                          ("stop_token_ids", [10 ** 6])):
         d.send({"type": "generate", "id": "r", "attempt_id": 31, "prompt": "hi", field: value})
         ev = d.recv()

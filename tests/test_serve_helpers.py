@@ -136,12 +136,13 @@ def test_seed_range():
 MSG = [{"role": "user", "content": "x"}]
 REFUSED = [
     (schema.ChatBody, {"parallel_tool_calls": False}, "parallel_tool_calls", "not supported"),
-    (schema.ChatBody, {"response_format": {"type": "json_object"}}, "response_format", "structured output"),
-    (schema.ChatBody, {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format", "structured"),
     (schema.ChatBody, {"functions": [{"name": "f"}]}, "functions", "use 'tools'"),
     (schema.ChatBody, {"logit_bias": {"5": 10}}, "logit_bias", "not built"),
-    (schema.ChatBody, {"top_logprobs": 3}, "top_logprobs", "not supported"),
-    (schema.ChatBody, {"guided_json": {}}, "guided_json", "structured output"),
+    (schema.ChatBody, {"echo": True}, "echo", "/v1/completions"),
+    (schema.ChatBody, {"top_logprobs": 21}, "top_logprobs", "0..20"),
+    (schema.ChatBody, {"logprobs": 1}, "logprobs", "a boolean"),
+    (schema.CompletionBody, {"logprobs": 21}, "logprobs", "0..20"),
+    (schema.CompletionBody, {"logprobs": True}, "logprobs", "an integer"),
     (schema.ChatBody, {"max_token": 5}, "max_token", "not a field"),             # a typo is not dropped either
     (schema.ChatBody, {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats", "not a field"),
@@ -166,6 +167,45 @@ def test_fields_that_ask_for_nothing_are_accepted():
                   {"logit_bias": {}}, {"top_logprobs": 0}, {"tools": None, "response_format": None}):
         schema.validate(schema.ChatBody, {"messages": MSG, **extra})
     schema.validate(schema.CompletionBody, {"prompt": "x", "user": "u-1", "logit_bias": {}})
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("extra, kind, param", [
+    ({"response_format": {"type": "json_object"}}, "json_object", "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+     "json_schema", "response_format.json_schema.schema"),
+    ({"guided_json": SCHEMA}, "json_schema", "guided_json"),
+    ({"guided_regex": "[0-9]+"}, "regex", "guided_regex"),
+    ({"guided_choice": ["a", "b"]}, "choice", "guided_choice"),
+    ({"structured_outputs": {"choice": ["a"]}}, "choice", "structured_outputs.choice"),
+])
+def test_structured_output_fields_reach_sampling_params(extra, kind, param):
+    for model, body in ((schema.ChatBody, {"messages": MSG}), (schema.CompletionBody, {"prompt": "x"}),
+                        (schema.GenerateMessage, {"prompt": "x"})):
+        sp = schema.sampling_params(schema.validate(model, {**body, **extra}), 4)
+        assert (sp.structured_outputs.kind, sp.structured_outputs.param) == (kind, param)
+
+
+def test_logprob_fields_reach_sampling_params():
+    def sp(model, **kw):
+        body = {"messages": MSG} if model is schema.ChatBody else {"prompt": "x"}
+        p = schema.sampling_params(schema.validate(model, {**body, **kw}), 4)
+        return p.logprobs, p.prompt_logprobs
+
+    assert sp(schema.ChatBody) == (None, None) and sp(schema.ChatBody, logprobs=True) == (0, None)
+    assert sp(schema.ChatBody, logprobs=True, top_logprobs=4) == (4, None)
+    assert sp(schema.CompletionBody, logprobs=3) == (3, None) and sp(schema.CompletionBody, logprobs=2, echo=True) == (2, 2)
+    assert sp(schema.CompletionBody, echo=True) == (None, None) and sp(schema.GenerateMessage, logprobs=1) == (1, None)
+    with pytest.raises(RequestError) as e:
+        sp(schema.ChatBody, top_logprobs=2)
+    assert e.value.param == "top_logprobs" and "'logprobs': true" in e.value.message
+    for bad, param in (({"response_format": {"type": "xml"}}, "response_format.type"),
+                       ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice")):
+        with pytest.raises(RequestError) as e:
+            schema.sampling_params(schema.validate(schema.ChatBody, {"messages": MSG, **bad}), 4)
+        assert e.value.param == param
     schema.validate(schema.GenerateMessage, {"type": "generate", "id": 1, "attempt_id": 0, "prompt": "x"})
 
 
@@ -193,8 +233,9 @@ def test_end_fields_map_to_sampling_params(llm):
 
 
 def test_http_refuses_tools_and_serves_the_end_fields(llm):
-    """Through the app: tools this template cannot show, tool_choice required and response_format
-    are a 400 naming the field (they were a 200 that ignored them); the vLLM end fields reach the engine (the text is the in-process one)."""
+    """Through the app: tools this template cannot show, tool_choice required without tools and a
+    schema llguidance cannot compile are a 400 naming the field; the vLLM end fields reach the
+    engine (the text is the in-process one)."""
     from fastapi.testclient import TestClient
 
     from specfire.serve.app import build_app
@@ -204,7 +245,9 @@ def test_http_refuses_tools_and_serves_the_end_fields(llm):
     want = llm.generate("def f(x):", SamplingParams(**kw), spec="off")
     with TestClient(build_app(llm, "t")) as tc:
         for extra, param in (({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-                             ({"response_format": {"type": "json_object"}}, "response_format"),
+                             ({"guided_json": {"type": "nope"}}, "guided_json"),
+                             ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}},
+                              "response_format.json_schema.schema"),
                              ({"tool_choice": "required"}, "tool_choice")):
             r = tc.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 2, **extra})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

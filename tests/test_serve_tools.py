@@ -1,6 +1,8 @@
 """Chat completions with tools and reasoning, in process, through the real `openai` client: the
 prompt rendered with the tools, the model's answer (scripted here: a tiny random model writes no
-tool calls) parsed into tool_calls / reasoning_content, streamed and not, and the refusals."""
+tool calls unless a grammar makes it) parsed into tool_calls / reasoning_content, streamed and not,
+and the refusals; then the real engine under tool_choice required / named and structured outputs
+(the calls and the JSON validate, speculation or not), logprobs streamed and not."""
 from __future__ import annotations
 
 import json
@@ -137,8 +139,13 @@ def test_special_tokens_in_content(llm, scripted, allow, extra):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+     "tool_choice.function.name"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": TOOLS, "tool_choice": "required", "min_tokens": 2}, "min_tokens"),
+    ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
     ({"tools": [{"type": "code"}]}, "tools[0]"),
@@ -168,3 +175,138 @@ def test_tools_refused_where_the_template_shows_none(tok_path):
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
         ok = tc.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2})
         assert ok.status_code == 200 and "reasoning_content" not in ok.json()["choices"][0]["message"]
+
+
+# ---- the real engine under a grammar ----------------------------------------------------------------
+
+STRICT_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "note": {"type": "string"}, "metric": {"type": "boolean"}},
+        "required": ["city", "days"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
+NOTHINK = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+@pytest.fixture(scope="module", params=["xml", "json"])
+def real(ckpt_cache, request):
+    with LLM(qwen_ckpt(ckpt_cache, request.param), device="cpu", spec="auto", max_seq_len=2048, progress=False) as m:
+        yield m
+
+
+def check_call(name: str, args: dict) -> None:
+    """The arguments validate against STRICT_TOOLS' schema of `name`."""
+    if name == "get_time":
+        assert args == {"zone": args["zone"]} and args["zone"] in ("UTC", "CET"), args
+        return
+    assert name == "get_weather" and args["city"] in ("Paris", "Rome") and type(args["days"]) is int, args
+    assert 1 <= args["days"] <= 7 and set(args) <= {"city", "days", "note", "metric"}, args
+    assert isinstance(args.get("note", ""), str) and type(args.get("metric", True)) is bool, args
+
+
+def test_tool_choice_required_and_named_yield_calls_that_validate(real):
+    tc, client = client_for(real)
+    with tc:
+        got = {}
+        for spec in ("off", {"mode": "mtp", "k": 3}):
+            r = client.chat.completions.create(model="m", messages=USER, tools=STRICT_TOOLS, tool_choice="required",
+                                               max_tokens=300, temperature=0, extra_body={**NOTHINK, "speculation": spec})
+            ch = r.choices[0]
+            assert ch.finish_reason == "tool_calls" and ch.message.tool_calls, ch
+            calls = [(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls]
+            for name, args in calls:
+                check_call(name, args)
+            got[str(spec)] = calls
+        assert got["off"] == got[str({"mode": "mtp", "k": 3})]              # greedy: the same calls either way
+        for seed in range(3):
+            r = client.chat.completions.create(
+                model="m", messages=USER, tools=STRICT_TOOLS, max_tokens=300, temperature=1.0, seed=seed,
+                tool_choice={"type": "function", "function": {"name": "get_time"}}, extra_body=NOTHINK)
+            ch = r.choices[0]
+            assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1
+            check_call(ch.message.tool_calls[0].function.name, json.loads(ch.message.tool_calls[0].function.arguments))
+            assert ch.message.tool_calls[0].function.name == "get_time"
+
+
+def test_streamed_required_call(real):
+    tc, client = client_for(real)
+    with tc:
+        whole = client.chat.completions.create(model="m", messages=USER, tools=STRICT_TOOLS, tool_choice="required",
+                                               max_tokens=300, temperature=0, extra_body=NOTHINK)
+        stream = client.chat.completions.create(model="m", messages=USER, tools=STRICT_TOOLS, tool_choice="required",
+                                                max_tokens=300, temperature=0, extra_body=NOTHINK, stream=True)
+        acc, reasons = {}, []
+        for chunk in stream:
+            for t in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                slot = acc.setdefault(t.index, {"name": "", "arguments": ""})
+                slot["name"] += t.function.name or ""
+                slot["arguments"] += t.function.arguments or ""
+            if chunk.choices and chunk.choices[0].finish_reason:
+                reasons.append(chunk.choices[0].finish_reason)
+        assert reasons == ["tool_calls"]
+        assert [(v["name"], json.loads(v["arguments"])) for _, v in sorted(acc.items())] == \
+            [(c.function.name, json.loads(c.function.arguments)) for c in whole.choices[0].message.tool_calls]
+
+
+def test_parse_with_a_pydantic_model(real):
+    """The client's structured-output helper: a pydantic model as response_format (a strict
+    json_schema), the answer parsed into it, with speculation on."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Forecast(BaseModel):
+        city: Literal["Paris", "Rome"]
+        days: int = Field(ge=1, le=9)
+        sunny: bool
+
+    tc, client = client_for(real)
+    with tc:
+        for seed in (None, 1):
+            r = client.beta.chat.completions.parse(model="m", messages=USER, response_format=Forecast, max_tokens=400,
+                                                   temperature=0 if seed is None else 1.0, seed=seed,
+                                                   extra_body={**NOTHINK, "speculation": {"mode": "mtp", "k": 3}})
+            msg = r.choices[0].message
+            assert r.choices[0].finish_reason == "stop" and isinstance(msg.parsed, Forecast), msg.content
+            assert msg.parsed == Forecast.model_validate_json(msg.content)
+
+
+def test_chat_logprobs_streamed_and_not(real):
+    tc, client = client_for(real)
+    with tc:
+        kw = dict(model="m", messages=USER, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3,
+                  extra_body={**NOTHINK, "ignore_eos": True})
+        r = client.chat.completions.create(**kw)
+        content = r.choices[0].logprobs.content
+        assert len(content) == r.usage.completion_tokens == 12
+        assert all(len(x.top_logprobs) == 3 and x.top_logprobs[0].logprob >= x.top_logprobs[2].logprob
+                   for x in content)
+        assert all(x.logprob == x.top_logprobs[0].logprob for x in content)   # greedy: the most likely
+        assert b"".join(bytes(x.bytes) for x in content).decode("utf-8", "replace") == r.choices[0].message.content
+        streamed = []
+        for chunk in client.chat.completions.create(**kw, stream=True):
+            if chunk.choices and chunk.choices[0].logprobs is not None:
+                streamed += chunk.choices[0].logprobs.content
+        assert [(x.token, x.logprob) for x in streamed] == [(x.token, x.logprob) for x in content]
+
+
+def test_completions_echo_and_logprobs(real):
+    tc, client = client_for(real)
+    with tc:
+        r = client.completions.create(model="m", prompt="hello there", max_tokens=4, temperature=0, logprobs=2,
+                                      echo=True, extra_body={"ignore_eos": True})
+        c = r.choices[0]
+        plain = client.completions.create(model="m", prompt="hello there", max_tokens=4, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert c.text == "hello there" + plain.choices[0].text
+        n_prompt = len(real.tokenizer.encode("hello there"))
+        lp = c.logprobs
+        assert len(lp.tokens) == n_prompt + 4 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(v is not None for v in lp.token_logprobs[1:]) and lp.text_offset[0] == 0
+        assert "".join(lp.tokens[:n_prompt]) == "hello there" and lp.text_offset[n_prompt] == len("hello there")
+        text = ""
+        for chunk in client.completions.create(model="m", prompt="hello there", max_tokens=4, temperature=0,
+                                               logprobs=2, echo=True, stream=True, extra_body={"ignore_eos": True}):
+            text += chunk.choices[0].text
+        assert text == c.text

@@ -454,6 +454,26 @@ class TestMeshOfTwo:
 
 # ---- load-time policy, faults, lifecycle -------------------------------------------------------------
 
+def test_constrained_and_logprobs_on_mesh_equal_one_device(ckpt_cache, canonical):
+    """The grammar mask and the logprobs are rank 0's, after the gathered verify rows, as the
+    penalties are: a constrained request on a 2-rank mesh gives one device's tokens and logprobs
+    (canonical mode), AR, MTP and n-gram alike."""
+    from ckpts import tiny
+    from specfire.grammar import GrammarSpec
+
+    path = tiny(ckpt_cache, "base", tokenizer=True)
+    sp = SamplingParams(max_tokens=40, logprobs=2,
+                        structured_outputs=GrammarSpec("regex", r"[a-f]{2,6}( [0-9a-f]{1,4}){2,6}", "guided_regex"))
+    with LLM(path, tp=1, device="cpu", progress=False) as one, LLM(path, tp=2, device="cpu", progress=False) as mesh:
+        ids = prompt(one.cfg.vocab_size, 20, seed=3)
+        ar = one.generate(ids, sp, spec="off")
+        assert ar.finish_reason == "stop" and ar.text
+        for spec in ("off", SpecPolicy("mtp", k=3), SpecPolicy("ngram", k=2)):
+            r = mesh.generate(ids, sp, spec=spec)
+            assert "grammar" in r.stats["route_reason"]
+            assert r.token_ids == ar.token_ids and r.logprobs == ar.logprobs, spec
+
+
 def test_load_time_off_then_killed_worker(ckpt_cache):
     """spec=off at load: no MTP head anywhere, an explicit mtp request is refused, n-gram still
     served. Then a killed worker surfaces as MeshError at once, the mesh closes, nothing hangs."""

@@ -3,19 +3,25 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
 from ..config import SamplingParams, SpecPolicy
+from ..errors import SpecfireError
 from ..tokenizer import Tokenizer
+from .constraint import Constraint
 from .drafters import BY_NAME, KINDS, Drafter, MtpDrafter, drafting_routes
-from .output import OutputBuilder
+from .output import OutputBuilder, TokenLogprobs
 from .prefix import PrefixCache
 from .route import Acceptance, Controller, CostTable, Decision, RouteController, RoutePlan, select_route
-from .sampling import penalize, pick
+from .sampling import penalize, pick, token_logprobs
 from .spec import Launched, OnCycle, SpecStats, StepBuffers, finish, launch
 from .trunk import Trunk
+
+if TYPE_CHECKING:
+    from ..grammar import GrammarCompiler
 
 
 @dataclass
@@ -25,15 +31,20 @@ class GenerationResult:
     finish_reason: str                       # "stop" | "length"
     prompt_token_ids: list[int] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[TokenLogprobs] | None = None                 # per token of token_ids (sp.logprobs)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None   # per prompt token, None for the first
 
 
 @dataclass
 class StreamChunk:
-    """One streamed piece: new text and the token ids behind it; `result` is set on the last chunk."""
+    """One streamed piece: new text and the token ids behind it (and their logprobs when asked);
+    `result` is set on the last chunk."""
 
     text: str
     token_ids: list[int]
     result: GenerationResult | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None    # on the first chunk (sp.prompt_logprobs)
 
 
 class Engine:
@@ -74,7 +85,39 @@ class Engine:
             reason += f"; min_tokens={sp.min_tokens}: the stop tokens are masked on every row before it"
             if not sp.greedy and not sp.penalized and self.bufs.graphs is not None:
                 reason += " (the sampled accept runs eagerly until then)"
+        g = sp.structured_outputs
+        if g is not None:
+            self.grammars.check(g)             # a grammar llguidance refuses: GrammarError naming its field
+            rows = "the first token and every step" if route == "ar" else "the first token and every verify row"
+            if g.after is not None:
+                rows = rows.replace("the first token", f"the first token after {g.after}")
+            reason += (f"; {g.kind} grammar ({g.param}) masks {rows}; each step is read"
+                       f"{' (its drafts too)' if route != 'ar' else ''} before the next is queued "
+                       f"(no one-step-ahead overlap)")
         return RoutePlan(route, reason, policy, sp)
+
+    @cached_property
+    def grammars(self) -> "GrammarCompiler":
+        """llguidance's view of this model's vocabulary (built on first use, shared by requests)."""
+        from ..grammar import GrammarCompiler
+
+        if self.tokenizer is None:
+            raise SpecfireError("structured outputs need the model's tokenizer (tokenizer.json)")
+        vocab = self.trunk.cfg.vocab_size
+        return GrammarCompiler(self.tokenizer, {t for t in self.eos_ids if t < vocab}, vocab)
+
+    def constraint(self, sp: SamplingParams) -> Constraint | None:
+        """The request's grammar, compiled into a fresh matcher (None: unconstrained)."""
+        g = sp.structured_outputs
+        if g is None:
+            return None
+        after = None
+        if g.after is not None:
+            after = self.grammars.tokenizer.tok.token_to_id(g.after)
+            if after is None:
+                raise SpecfireError(f"'{g.param}': the grammar starts after {g.after!r}, which is not one token of this "
+                                    f"model's vocabulary")
+        return Constraint(self.grammars.matcher(g), g, self.trunk.cfg.vocab_size, self.trunk.device, after)
 
     def penalty_note(self, sp: SamplingParams, route: str = "auto") -> str:
         """How a penalised request on `route` is served (the route reason and the `penalties` stat
@@ -158,7 +201,7 @@ class Engine:
             k = max(0, min(d.k, room - 1, trunk.max_seq - pos - 1))
             # past min_tokens (the host's count is a lower bound) only penalties need the statistics
             p = pen if sp.penalized or len(out.token_ids) < sp.min_tokens else None
-            step = launch(trunk, drafters.get(d.route), d.route, last, last_dev, pos, k, sp, gen, bufs, p)
+            step = launch(trunk, drafters.get(d.route), d.route, last, last_dev, pos, k, sp, gen, bufs, p, con)
             step.decision = d
             return step
 
@@ -167,28 +210,46 @@ class Engine:
         vocab = trunk.cfg.vocab_size
         pen = (bufs.penalties(vocab, prompt, sorted(t for t in out.eos if t < vocab)) if sp.tracked
                else None)                                                               # reset per request
+        con = self.constraint(sp)               # the request's grammar (runtime/constraint.py), or None
+        prompt_lps = self.prompt_logprobs(ids, prompt, sp.prompt_logprobs) if sp.prompt_logprobs is not None else None
         cached = 0
         if self.prefix is not None:
             rows, cached = self.prefix.prefill(ids, prompt)
         else:
             trunk.begin()
             rows = trunk.prefill(prompt)
-        first = pick(penalize(rows.logits[-1:], pen, sp), sp, gen)
+        logits = penalize(rows.logits[-1:], pen, sp)
+        if con is not None:
+            logits = con.mask(logits, [])
+        first = pick(logits, sp, gen)
         if pen is not None:
             pen.add(first)
         last = int(first)
+        lps: list[TokenLogprobs] | None = [] if sp.logprobs is not None else None
+        rows_lp = token_logprobs(logits, first, sp).tolist() if lps is not None else None
         t1 = t_prev = time.perf_counter()
         pos, last_dev, toks = len(ids), first, [last]
+        if con is not None:
+            con.advance(toks)
         cur: Launched | None = None
         ahead: Launched | None = None
         suspended = 0.0
         begun = False
         while True:
             n_before = len(out.token_ids)
-            text = "".join(out.add(t) for t in toks if not out.done)
+            text = ""
+            for i, t in enumerate(toks):
+                if out.done:
+                    break
+                text += out.add(t)
+                if lps is not None:
+                    lps.append(TokenLogprobs.from_row(t, rows_lp[i]))
+            if con is not None and con.done:    # the grammar is complete: nothing but EOS could follow
+                text += out.end("stop")
             if not out.done and (text or len(out.token_ids) > n_before):
                 ts = time.perf_counter()
-                yield StreamChunk(text, out.token_ids[n_before:])
+                yield StreamChunk(text, out.token_ids[n_before:], logprobs=None if lps is None else lps[n_before:],
+                                  prompt_logprobs=prompt_lps if n_before == 0 else None)
                 suspended += time.perf_counter() - ts
             if out.done:
                 break
@@ -204,11 +265,14 @@ class Engine:
                 t_prev, suspended = time.perf_counter(), 0.0
             if cur is None:
                 cur = start(ctl.decide(), last, last_dev, pos, out.remaining)
-            if ahead is None and cur.k == 0 and out.remaining >= 2 and bufs.pinned:   # (a CPU runs at launch)
+            if ahead is None and cur.k == 0 and out.remaining >= 2 and bufs.pinned and con is None:   # (a CPU runs at launch)
                 d = ctl.decide()
                 if d.k == 0 or d.route == "ar":      # its input is cur's token, already on the device
                     ahead = start(d, -1, cur.targets[:1], cur.pos + 1, out.remaining - 1)
             n, toks = finish(cur, trunk, fed)
+            rows_lp = cur.logprobs()
+            if con is not None:                  # the matcher follows the output before the next step's masks
+                toks = toks[:con.advance(toks)]
             now = time.perf_counter()
             stats.record(cur.k, n, toks, cur.route)
             ctl.observe(cur.decision, cur.k, n, now - t_prev - suspended)
@@ -219,7 +283,8 @@ class Engine:
             pos, last, last_dev = pos + n + 1, toks[-1], cur.targets[n:n + 1]
             cur, ahead = ahead, None
             # queue the next step before the text work when these tokens cannot end the output
-            if cur is None and out.remaining > len(toks) and not any(t in out.eos for t in toks):
+            if (cur is None and out.remaining > len(toks) and not any(t in out.eos for t in toks)
+                    and not (con is not None and con.done)):
                 cur = start(ctl.decide(), last, last_dev, pos, out.remaining - len(toks))
         t2 = time.perf_counter()
         n_gen = len(out.token_ids)
@@ -239,9 +304,20 @@ class Engine:
             "mean_accept_len": stats.mean_accept_len, "accept_per_pos": stats.accept_per_pos,
             "accepted_per_pos": list(stats.accepted_per_pos),
             "penalties": penalties,
+            "structured_outputs": None if con is None else {"kind": con.spec.kind, "param": con.spec.param,
+                                                            "host_s": con.host_s},
             "prefill_s": prefill_s, "decode_s": decode_s,
             "prefill_tok_s": len(ids) / prefill_s if prefill_s > 0 else 0.0,
             "decode_tok_s": (n_gen - 1) / decode_s if decode_s > 0 and n_gen > 1 else 0.0,
         }
-        res = GenerationResult(out.text, list(out.token_ids), out.finish_reason or "length", list(ids), st)
-        yield StreamChunk(text, out.token_ids[n_before:], res)
+        res = GenerationResult(out.text, list(out.token_ids), out.finish_reason or "length", list(ids), st,
+                               lps, prompt_lps)
+        yield StreamChunk(text, out.token_ids[n_before:], res, None if lps is None else lps[n_before:])
+
+    def prompt_logprobs(self, ids: list[int], prompt: torch.Tensor, top: int) -> list[TokenLogprobs | None]:
+        """Each prompt token's log-probability under the model's raw logits at the position before
+        it (the first has none), and the `top` most likely there. A scoring pass of its own, before
+        the request's prefill, so the generated tokens are those of a request without it."""
+        logits = self.trunk.score(prompt)[:-1]                                  # [T-1, V]
+        rows = token_logprobs(logits, prompt[1:], SamplingParams(logprobs=top)).tolist()
+        return [None] + [TokenLogprobs.from_row(t, r) for t, r in zip(ids[1:], rows)]

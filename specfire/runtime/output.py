@@ -9,8 +9,26 @@ include_stop_str_in_output); no end but the length falls on the first `min_token
 engine masks the stop tokens out of their distribution, so none is generated there)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..config import SamplingParams
 from ..tokenizer import Detokenizer, Tokenizer
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One token's log-probability and the most likely alternatives at its position, as
+    (token id, log-probability), most likely first; -inf where the distribution gives 0."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    @classmethod
+    def from_row(cls, token: int, row: list[float]) -> "TokenLogprobs":
+        """From a `sampling.token_logprobs` row: [chosen, N values, N ids]."""
+        n = (len(row) - 1) // 2
+        return cls(token, row[0], tuple((int(i), v) for v, i in zip(row[1:1 + n], row[1 + n:])))
 
 
 class OutputBuilder:
@@ -66,6 +84,16 @@ class OutputBuilder:
                 self._text += self.detok.flush()
             return self._release(len(self._text))
         return self._release(len(self._text) - self._held_back())
+
+    def end(self, reason: str) -> str:
+        """End the output after the tokens added so far (a grammar that is complete); the text held
+        back (a partial stop string, a partial character) is released."""
+        if self.done:
+            return ""
+        self.finish_reason = reason
+        if self.detok is not None:
+            self._text += self.detok.flush()
+        return self._release(len(self._text))
 
     def _push(self, token: int) -> None:
         if self.detok is not None and token not in self.skip:

@@ -148,6 +148,22 @@ def pick(logits: torch.Tensor, sp: SamplingParams, rng: DeviceRng | None) -> tor
     return sample(probs(logits, sp), rng)
 
 
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """Rows [R, 1 + 2N] float32 (N = sp.logprobs): log p_i(tokens[i]), then row i's N largest
+    log-probabilities and their ids (as floats: exact below 2**24). p_i is the distribution row i's
+    token is drawn from: `probs` of the processed logits (penalised and masked), or for a greedy
+    request the processed logits' softmax at temperature 1. Fixed shapes, no host read: the step
+    sends it with its one read."""
+    x = logits.float()
+    lp = torch.log_softmax(x, -1) if sp.greedy else torch.log(probs(x, sp))
+    chosen = lp.gather(1, tokens.view(-1, 1))
+    n = int(sp.logprobs or 0)
+    if not n:
+        return chosen
+    top = torch.topk(lp, min(n, lp.shape[-1]), dim=-1)
+    return torch.cat([chosen, top.values, top.indices.to(torch.float32)], 1)
+
+
 def sampling_key(sp: SamplingParams) -> tuple | None:
     """What a captured sampling graph bakes in (None for greedy)."""
     return None if sp.greedy else (float(sp.temperature), int(sp.top_k), float(sp.top_p), float(sp.min_p))

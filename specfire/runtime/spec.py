@@ -18,7 +18,7 @@ per step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -26,8 +26,11 @@ from ..config import MAX_SPEC_K, SamplingParams
 from ..kernels.small import greedy_accept
 from .drafters import NO_DRAFT, Drafter
 from .rng import DeviceRng
-from .sampling import Penalties, penalize, probs, sample, sampling_key
+from .sampling import Penalties, penalize, probs, sample, sampling_key, token_logprobs
 from .trunk import Trunk
+
+if TYPE_CHECKING:
+    from .constraint import Constraint
 
 
 def accept_device(logits: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None, sp: SamplingParams,
@@ -101,6 +104,7 @@ class StepBuffers:
             self.stage = torch.zeros(2, kmax + 2, dtype=torch.long, pin_memory=True)
             self.slots = [torch.zeros(kmax + 2, dtype=torch.long, pin_memory=True) for _ in range(self.SLOTS)]
         self._slot = 0
+        self.fslots: list[torch.Tensor] | None = None   # pinned slots for the logprobs (made on first use)
         self.pen: Penalties | None = None       # token statistics of a penalised request (made on first use)
 
     def penalties(self, vocab: int, prompt: torch.Tensor, ends: list[int] | tuple[int, ...] = ()) -> Penalties:
@@ -128,16 +132,24 @@ class StepBuffers:
         st.copy_(torch.as_tensor(src, dtype=torch.long))
         dst.copy_(st, non_blocking=True)
 
-    def send(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Queue the copy of `packed` to the host; returns (where it lands, event to wait on)."""
+    def send(self, packed: torch.Tensor, floats: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Event | None]:
+        """Queue the copy of `packed` (and of `floats` [rows, cols] float32, the logprobs) to the
+        host; returns (where each lands, the one event to wait on)."""
         if not self.pinned:
-            return packed, None
+            return packed, floats, None
         slot = self.slots[self._slot][:packed.shape[0]]
+        if floats is not None:
+            if self.fslots is None or self.fslots[0].shape[1] < floats.shape[1]:   # (a slot in flight keeps its memory)
+                self.fslots = [torch.zeros(self.ids.shape[0], floats.shape[1], pin_memory=True) for _ in range(self.SLOTS)]
+            fslot = self.fslots[self._slot][:floats.shape[0], :floats.shape[1]]
+            fslot.copy_(floats, non_blocking=True)
+            floats = fslot
         self._slot = (self._slot + 1) % self.SLOTS
         slot.copy_(packed, non_blocking=True)
         ev = torch.cuda.Event()
         ev.record()
-        return slot, ev
+        return slot, floats, ev
 
 
 @dataclass
@@ -153,6 +165,7 @@ class Launched:
     event: torch.cuda.Event | None = None
     got: tuple[int, list[int]] | None = None   # set at launch when the accept already read
     decision: Any = None                 # what the route controller asked for (the engine's note)
+    lp: torch.Tensor | None = None       # host copy of the rows' logprobs (`token_logprobs`), when asked
 
     def read(self) -> tuple[int, list[int]]:
         if self.got is None:
@@ -162,9 +175,16 @@ class Launched:
             self.got = (v[0], v[1:v[0] + 2])
         return self.got
 
+    def logprobs(self) -> list[list[float]] | None:
+        """The emitted tokens' logprob rows (read with the step, after `read`), or None."""
+        if self.lp is None:
+            return None
+        return self.lp[:self.read()[0] + 1].tolist()
+
 
 def launch(trunk: Trunk, drafter: Drafter | None, route: str, last: int, last_dev: torch.Tensor, pos: int, k: int,
-           sp: SamplingParams, gen: DeviceRng | None, bufs: StepBuffers, pen: Penalties | None = None) -> Launched:
+           sp: SamplingParams, gen: DeviceRng | None, bufs: StepBuffers, pen: Penalties | None = None,
+           con: Constraint | None = None) -> Launched:
     """Queue one draft -> verify -> accept. `last` (host) and `last_dev` ([1], device) are the
     newest token, at `pos`. An AR step (no drafter or k = 0) also commits here: n = 0.
 
@@ -174,7 +194,11 @@ def launch(trunk: Trunk, drafter: Drafter | None, route: str, last: int, last_de
     emitted tokens are counted on the device afterwards. The drafter gets the statistics too
     (`propose`, `prepare`); one that `penalises(sp)` picks a greedy request's drafts penalised the
     same way, the others ignore them (drafts only change what is accepted, never what is emitted).
-    The sampled accept then runs eagerly, not from its CUDA graph (the route reason says so)."""
+    The sampled accept then runs eagerly, not from its CUDA graph (the route reason says so).
+
+    `con` (a request with structured outputs): after the penalties, row i keeps only the tokens the
+    grammar allows after drafts 0..i-1 (runtime/constraint.py; the drafts are read to the host for
+    it). With `sp.logprobs`, every row's `token_logprobs` goes to the host with (n, tokens)."""
     if drafter is None or k <= 0:
         draft, q = NO_DRAFT, None
     else:
@@ -191,23 +215,28 @@ def launch(trunk: Trunk, drafter: Drafter | None, route: str, last: int, last_de
     if kk == 0:
         trunk.commit(0)
     logits = rows.logits
-    if pen is not None:
-        with torch.inference_mode():
+    with torch.inference_mode():
+        if pen is not None:
             logits = penalize(logits, pen, sp, ids[1:])
+        if con is not None:
+            logits = con.mask(logits, draft)
     if sp.greedy:
         targets, n = greedy_accept(logits, ids[1:])
         if pen is not None:
             pen.add(targets, n)
-        res, ev = bufs.send(torch.cat([n.view(1), targets]))
+        with torch.inference_mode():
+            lp = token_logprobs(logits, targets, sp) if sp.logprobs is not None else None
+        res, lp, ev = bufs.send(torch.cat([n.view(1), targets]), lp)
         if kk:                                    # e.g. the next MTP chain drafts while the host reads this step
             drafter.prepare(rows.hidden, targets, n, pos, kk, pen=pen, sp=sp)
-        return Launched(route, kk, pos, rows.hidden, targets, res, ev)
+        return Launched(route, kk, pos, rows.hidden, targets, res, ev, lp=lp)
     with torch.inference_mode():
         n, targets = bufs.accept(logits, ids[1:], q, sp, gen, graph=pen is None)
         if pen is not None:
             pen.add(targets, n)
-    res, ev = bufs.send(torch.cat([n.view(1), targets]))
-    return Launched(route, kk, pos, rows.hidden, targets, res, ev)
+        lp = token_logprobs(logits, targets, sp) if sp.logprobs is not None else None
+    res, lp, ev = bufs.send(torch.cat([n.view(1), targets]), lp)
+    return Launched(route, kk, pos, rows.hidden, targets, res, ev, lp=lp)
 
 
 def finish(step: Launched, trunk: Trunk, drafters: Sequence[Drafter]) -> tuple[int, list[int]]:

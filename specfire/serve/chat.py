@@ -2,12 +2,15 @@
 `tools` / `tool_choice`, the prompt through the checkpoint's template, and the AssistantOutput the
 relay turns the generated text into.
 
-tool_choice `required` and a named function need the grammar's mask in the decoding step, which
-this server does not apply yet: they are refused (400), as is a tool list the template cannot
-show the model."""
+tool_choice `required` and a named function are a grammar over the template's call form
+(serve/toolgrammar.py) that the decoding step applies; a tool list the template cannot show the
+model is refused (400). Where the prompt leaves the model inside a think block, a grammar (the
+tools' or the request's structured output) starts after the block's end token."""
 from __future__ import annotations
 
+import dataclasses
 import re
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -17,6 +20,8 @@ from .schema import RequestError
 
 if TYPE_CHECKING:
     from ..api import LLM
+    from ..config import SamplingParams
+    from ..grammar import GrammarSpec
 
 NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
@@ -50,25 +55,63 @@ def parse_tools(v: Any) -> list[dict[str, Any]] | None:
     return v
 
 
-def parse_tool_choice(v: Any, tools: list[dict[str, Any]] | None) -> str:
-    """"auto" or "none" (the default: auto with tools, none without)."""
+def parse_tool_choice(v: Any, tools: list[dict[str, Any]] | None) -> tuple[str, str | None]:
+    """(choice, function name): choice "auto", "none", "required" or "named" (the default: auto
+    with tools, none without)."""
     if v is None:
-        return "auto" if tools else "none"
+        return ("auto" if tools else "none"), None
     if v in ("auto", "none"):
-        return v
+        return v, None
     if v == "required" or isinstance(v, dict):
-        raise RequestError("'tool_choice' required or a named function needs constrained decoding, which this "
-                           "server does not do yet; use \"auto\" or \"none\"", "tool_choice")
+        if not tools:
+            raise RequestError(f"'tool_choice' {v if isinstance(v, str) else 'a named function'} needs 'tools'",
+                               "tool_choice")
+        if v == "required":
+            return "required", None
+        f = v.get("function")
+        name = f.get("name") if v.get("type") == "function" and isinstance(f, dict) else None
+        if not isinstance(name, str):
+            raise RequestError("'tool_choice' must name a function as {\"type\": \"function\", \"function\": "
+                               "{\"name\": ...}}", "tool_choice")
+        if name not in {t["function"]["name"] for t in tools}:
+            raise RequestError(f"'tool_choice.function.name' {name!r} is not one of 'tools'", "tool_choice.function.name")
+        return "named", name
     raise RequestError(f"'tool_choice' must be \"auto\", \"none\", \"required\" or a named function, got {v!r}",
                        "tool_choice")
+
+
+@dataclass
+class ChatPrep:
+    """A chat body made ready: the prompt ids, a factory of its AssistantOutput, the tools' grammar
+    (tool_choice required / named) and the token after which any grammar starts (a think block the
+    prompt opened)."""
+
+    ids: list[int]
+    assistant: Callable[[], AssistantOutput]
+    grammar: "GrammarSpec | None" = None
+    think_end: str | None = None
+
+    def params(self, sp: "SamplingParams") -> "SamplingParams":
+        """`sp` with the request's one grammar (the tools' or the body's), started after the think block."""
+        g = sp.structured_outputs
+        if self.grammar is not None:
+            if g is not None:
+                raise RequestError(f"'{g.param}' and 'tool_choice' both constrain the output; give one", g.param)
+            g = self.grammar
+        if g is None:
+            return sp
+        try:
+            return dataclasses.replace(sp, structured_outputs=dataclasses.replace(g, after=self.think_end))
+        except ValueError as e:             # e.g. min_tokens with a grammar
+            raise RequestError(str(e), str(e).split(" ", 1)[0]) from None
 
 
 # ---- the prompt and the output parser ------------------------------------------------------------
 
 def prepare_chat(llm: "LLM", messages: list[dict[str, Any]], extra: dict[str, Any], kwargs: dict[str, Any],
-                 opts: ChatOptions) -> tuple[list[int], Callable[[], AssistantOutput]]:
-    """(prompt ids, a factory of the request's AssistantOutput) for a chat body; `extra`: the
-    body's tools and tool_choice."""
+                 opts: ChatOptions) -> ChatPrep:
+    """The prompt ids, the AssistantOutput factory and the grammars' place for a chat body;
+    `extra`: the body's tools and tool_choice."""
     from jinja2 import TemplateError
 
     from ..chat_template import ChatInputError
@@ -79,7 +122,7 @@ def prepare_chat(llm: "LLM", messages: list[dict[str, Any]], extra: dict[str, An
         raise RequestError("this model has no tokenizer, so it cannot serve chat; use /v1/completions with token "
                            "ids", "messages")
     tools = parse_tools(extra.get("tools"))
-    choice = parse_tool_choice(extra.get("tool_choice"), tools)
+    choice, named = parse_tool_choice(extra.get("tool_choice"), tools)
     t = tok.template
     if tools and not t.renders_tools:
         raise RequestError("'tools': this model's chat template does not show tools to the model", "tools")
@@ -101,7 +144,17 @@ def prepare_chat(llm: "LLM", messages: list[dict[str, Any]], extra: dict[str, An
         raise RequestError(f"'messages': {e}", "messages", code="context_length_exceeded" if e.too_long else None) \
             from None
     form = None
-    if tools and choice == "auto":
+    if tools and choice != "none":
         form = (t.tool_call_form or "auto") if opts.tool_call_parser == "auto" else opts.tool_call_parser
+    grammar = None
+    if choice in ("required", "named"):
+        assert tools is not None
+        if form not in ("qwen3_xml", "qwen3_json"):
+            raise RequestError("'tool_choice': this model's chat template teaches no tool-call form to enforce; pass "
+                               "--tool-call-parser qwen3_xml or qwen3_json, or use \"auto\"", "tool_choice")
+        from .toolgrammar import tool_grammar
+
+        grammar = tool_grammar(tools, form, named, set(t.added))
+    think_end = "</think>" if in_think and tok.tok.token_to_id("</think>") is not None else None
     schemas = {x["function"]["name"]: x["function"].get("parameters") or {} for x in tools or []}
-    return ids, partial(AssistantOutput, reasoning, in_think, form, schemas)
+    return ChatPrep(ids, partial(AssistantOutput, reasoning, in_think, form, schemas), grammar, think_end)

@@ -274,7 +274,7 @@ class Daemon:
         if b.messages is not None:
             if llm.tokenizer is None:
                 raise DaemonError("this model has no tokenizer, so it cannot take messages", "invalid_request")
-            ids = encode(llm, llm.render_chat(b.messages), "messages")
+            ids = encode(llm, llm.chat_ids(b.messages), "messages")      # control tokens typed in text stay text
         else:
             ids = encode(llm, b.prompt, "prompt")
         sp = sampling_params(b, default_max_tokens=DEFAULT_MAX_TOKENS, default_temperature=0.0,
@@ -293,9 +293,11 @@ class Daemon:
                 if ttft is None and chunk.token_ids:
                     ttft = time.perf_counter() - t0
                 n += len(chunk.token_ids)
-                if chunk.text:
-                    self.emit({"type": "token", "id": mid, "attempt_id": attempt, "text": chunk.text,
-                               "ids": chunk.token_ids})
+                if chunk.text or chunk.logprobs:         # with logprobs a textless token (EOS) is sent too
+                    ev = {"type": "token", "id": mid, "attempt_id": attempt, "text": chunk.text, "ids": chunk.token_ids}
+                    if chunk.logprobs is not None:
+                        ev["logprobs"] = logprob_entries(chunk.logprobs)
+                    self.emit(ev)
                 res = chunk.result
                 if res is None:
                     self.poll(attempt)
@@ -343,6 +345,13 @@ class Daemon:
                     raise Stop("cancel", msg.get("id"))
             else:
                 self.pending.append(raw)
+
+
+def logprob_entries(lps: Any) -> list[dict[str, Any]]:
+    """A token event's `logprobs`: per id, its log-probability and the top ids' (-9999.0 for -inf)."""
+    from .logprobs import finite
+
+    return [{"id": x.token, "logprob": finite(x.logprob), "top": [[t, finite(v)] for t, v in x.top]} for x in lps]
 
 
 def main(args: argparse.Namespace) -> int:

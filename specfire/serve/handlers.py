@@ -117,10 +117,12 @@ def prepare(st: ServeState, raw: bytes, chat: bool) -> relay.Prepared:
     if b.model is not None and b.model != st.model_name:
         raise RequestError(f"model {b.model!r} does not exist; this server serves {st.model_name!r}", "model", 404,
                            "not_found_error", "model_not_found")
+    chat_prep = None
     if chat:
         assert isinstance(b, ChatBody)
-        ids, assistant = prepare_chat(llm, b.messages, {"tools": b.tools, "tool_choice": b.tool_choice},
-                                       b.chat_template_kwargs or {}, st.chat)
+        chat_prep = prepare_chat(llm, b.messages, {"tools": b.tools, "tool_choice": b.tool_choice},
+                                 b.chat_template_kwargs or {}, st.chat)
+        ids, assistant = chat_prep.ids, chat_prep.assistant
         default_max = llm.max_model_len
     else:
         assert isinstance(b, CompletionBody)
@@ -128,9 +130,14 @@ def prepare(st: ServeState, raw: bytes, chat: bool) -> relay.Prepared:
         default_max = COMPLETIONS_DEFAULT_MAX_TOKENS
     sp = sampling_params(b, default_max_tokens=default_max, defaults=st.sampling_defaults,
                          room=llm.max_model_len - len(ids))
+    if chat_prep is not None:
+        sp = chat_prep.params(sp)
     policy = spec_policy(b.speculation, llm.spec)
     plan = check_route(llm, sp, policy)
     so = b.stream_options
+    echo = None
+    if isinstance(b, CompletionBody) and b.echo:
+        echo = b.prompt if isinstance(b.prompt, str) else llm.tokenizer.decode(ids) if llm.tokenizer else ""
     return relay.Prepared(ids, sp, policy, chat, bool(b.stream), bool(so is not None and so.include_usage),
-                          plan, assistant)
+                          plan, assistant, echo)
 

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..config import SamplingParams, SpecPolicy
 from ..errors import SpecfireError
+from .logprobs import LogprobFormat, merge
 from .schema import RequestError
 from .worker import CANCELLED, CHUNK, DONE, ERROR, Finished, Job
 
@@ -39,6 +40,7 @@ class Prepared:
     include_usage: bool
     plan: "RoutePlan"        # the route, decided once (schema.check_route)
     assistant: Callable[[], AssistantOutput] | None = None   # chat: reasoning / tool-call parsing
+    echo: str | None = None  # completions with echo: the prompt's text, returned before the answer
 
 
 Event = tuple[str, Any]
@@ -137,6 +139,7 @@ async def respond(request: Request, st: "ServeState", prep: "Prepared") -> Respo
         raise RequestError(SHUTTING_DOWN, None, 503, "server_error")
     fin: Finished = ev[1]
     res = fin.result
+    fmt = LogprobFormat(st.llm.tokenizer)
     choice: dict[str, Any] = {"index": 0, "finish_reason": res.finish_reason, "logprobs": None}
     if prep.assistant is not None:
         out = prep.assistant()
@@ -146,7 +149,13 @@ async def respond(request: Request, st: "ServeState", prep: "Prepared") -> Respo
     elif prep.chat:
         choice["message"] = {"role": "assistant", "content": res.text}
     else:
-        choice["text"] = res.text
+        choice["text"] = (prep.echo or "") + res.text
+    if prep.chat and res.logprobs is not None:
+        choice["logprobs"] = {"content": fmt.chat(res.logprobs), "refusal": None}
+    elif res.logprobs is not None:
+        head = (fmt.completion(res.prompt_logprobs, prep.ids) if prep.echo is not None and res.prompt_logprobs
+                else None)
+        choice["logprobs"] = merge(head, fmt.completion(res.logprobs, res.token_ids, len(prep.echo or "")))
     return JSONResponse({"id": r.rid, "object": "chat.completion" if prep.chat else "text_completion",
                          "created": int(time.time()), "model": st.model_name, "choices": [choice],
                          "usage": usage(fin), "timings": timings(fin)})
@@ -157,10 +166,12 @@ async def stream(r: Relay, first: Event) -> AsyncIterator[str]:
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     out = r.prep.assistant() if r.prep.assistant is not None else None
+    fmt = LogprobFormat(r.st.llm.tokenizer)
+    sent = {"tokens": 0, "chars": len(r.prep.echo or "")}      # logprobs sent, text offset of the next
 
     def piece(text: str | None, finish: str | None, role: bool = False,
-              delta: dict[str, Any] | None = None) -> dict[str, Any]:
-        c: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+              delta: dict[str, Any] | None = None, logprobs: Any = None) -> dict[str, Any]:
+        c: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
         if chat:
             d: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
@@ -170,25 +181,54 @@ async def stream(r: Relay, first: Event) -> AsyncIterator[str]:
             c["text"] = text or ""
         return {"id": r.rid, "object": obj, "created": int(time.time()), "model": name, "choices": [c]}
 
-    def pieces(text: str, final: bool = False) -> list[str]:
-        """SSE events for generated text: the assistant parser's deltas, or the text as content."""
+    def shaped(lps: list | None, ids: list[int]) -> Any:
+        """These tokens' logprobs in the endpoint's shape (None when not asked or none)."""
+        if not lps:
+            return None
+        if chat:
+            return {"content": fmt.chat(lps), "refusal": None}
+        got = fmt.completion(lps, ids, sent["chars"])
+        sent["chars"] += sum(len(t) for t in got["tokens"])
+        return got
+
+    def pieces(text: str, lps: list | None, ids: list[int], final: bool = False) -> list[str]:
+        """SSE events for generated text: the assistant parser's deltas, or the text as content;
+        these tokens' logprobs ride on the first (on an empty delta when the text made none)."""
+        lp = shaped(lps, ids)
         if out is None:
-            return [sse(piece(text, None))] if text else []
+            return [sse(piece(text, None, logprobs=lp))] if text or lp else []
         deltas = out.feed(text) + (out.finish() if final else [])
-        return [sse(piece(None, None, delta=d)) for d in deltas]
+        if lp is not None and not deltas:
+            deltas = [{}]
+        return [sse(piece(None, None, delta=d, logprobs=lp if i == 0 else None)) for i, d in enumerate(deltas)]
+
+    def chunk_logprobs(lps: list | None, res: Any = None) -> tuple[list | None, list[int]]:
+        if res is not None:                        # the last chunk: whatever was not sent yet
+            lps, ids = res.logprobs, res.token_ids
+            lps, ids = (None, []) if lps is None else (lps[sent["tokens"]:], ids[sent["tokens"]:])
+        else:
+            ids = [x.token for x in lps] if lps else []
+        sent["tokens"] += len(ids)
+        return lps, ids
 
     ev = first
     try:
         if chat:
             yield sse(piece("", None, role=True))
+        elif r.prep.echo is not None:              # the prompt first (and its logprobs, known by then)
+            kind, payload = ev
+            plp = payload.prompt_logprobs if kind == CHUNK else payload.result.prompt_logprobs if kind == DONE else None
+            yield sse(piece(r.prep.echo, None, logprobs=fmt.completion(plp, r.prep.ids) if plp else None))
         while True:
             kind, payload = ev
             if kind == CHUNK:
-                for event in pieces(payload.text):
+                lps, ids = chunk_logprobs(payload.logprobs)
+                for event in pieces(payload.text, lps, ids):
                     yield event
             elif kind == DONE:
                 fin: Finished = payload
-                for event in pieces(fin.text, final=True):
+                lps, ids = chunk_logprobs(None, fin.result)
+                for event in pieces(fin.text, lps, ids, final=True):
                     yield event
                 reason = fin.result.finish_reason if out is None else out.finish_reason(fin.result.finish_reason)
                 last = piece(None if chat else "", reason)

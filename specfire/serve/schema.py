@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..config import SamplingParams, SpecPolicy
+from ..config import MAX_LOGPROBS, SamplingParams, SpecPolicy
 from ..errors import PromptError, SpecfireError
+from ..grammar import GrammarError, GrammarSpec, spec_from_fields
 
 if TYPE_CHECKING:
     from ..api import LLM
@@ -111,16 +112,13 @@ class _Strict(BaseModel):
 
 
 # why some well-known fields are refused (any other undeclared field is refused as unknown)
-TOOLS, STRUCTURED = "use 'tools' and 'tool_choice'", "structured output is not built yet"
+TOOLS = "use 'tools' and 'tool_choice'"
 NOT_BUILT = {"functions": TOOLS, "function_call": TOOLS,
-             "response_format": STRUCTURED, "guided_json": STRUCTURED, "guided_regex": STRUCTURED,
-             "guided_choice": STRUCTURED, "guided_grammar": STRUCTURED, "structured_outputs": STRUCTURED,
              "logit_bias": "biasing logits is not built", "suffix": "suffix (fill-in-the-middle) is not supported",
-             "use_beam_search": "beam search is not supported"}
+             "use_beam_search": "beam search is not supported",
+             "echo": "echo is a /v1/completions field"}
 # fields accepted only with a value that asks for nothing: (the values, what else would need)
-ONLY_TRIVIAL = {"response_format": ((None, {"type": "text"}), STRUCTURED + " (only {\"type\": \"text\"})"),
-                "logit_bias": ((None, {}), "biasing logits is not built (only {})"),
-                "top_logprobs": ((None, 0), "logprobs are not supported")}
+ONLY_TRIVIAL = {"logit_bias": ((None, {}), "biasing logits is not built (only {})")}
 
 
 def check_trivial(v: Any, info: Any) -> Any:
@@ -196,13 +194,18 @@ class SamplingBody(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logprobs: Any = None
-    echo: Any = None
     speculation: Any = None
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    # structured outputs (grammar.spec_from_fields checks their shapes): OpenAI's and vLLM's spellings
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -220,13 +223,6 @@ class SamplingBody(_Strict):
     def check_one(cls, v: Any) -> Any:
         if v is not None and (type(v) is not int or v != 1):
             raise ValueError(f"must be 1 (one completion per request), got {_short(v)}")
-        return v
-
-    @field_validator("logprobs", "echo")
-    @classmethod
-    def check_unsupported(cls, v: Any) -> Any:
-        if v not in (None, False, 0):
-            raise ValueError("is not supported")
         return v
 
     @field_validator("speculation")
@@ -252,9 +248,15 @@ class ChatBody(HttpBody):
     tools: Any = None                            # checked by serve/chat.py against the template
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None      # several calls in one turn are parsed either way
-    response_format: Any = None
-    top_logprobs: Any = None
-    _trivial_chat = field_validator("response_format", "top_logprobs")(check_trivial)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def check_top(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise ValueError(f"must be in 0..{MAX_LOGPROBS}, got {v}")
+        return v
 
     @field_validator("parallel_tool_calls")
     @classmethod
@@ -269,8 +271,17 @@ class ChatBody(HttpBody):
         return _required(v, parse_messages)
 
 
+def check_logprobs(v: int | None) -> int | None:
+    if v is not None and not 0 <= v <= MAX_LOGPROBS:
+        raise ValueError(f"must be in 0..{MAX_LOGPROBS} (the most likely tokens returned per token), got {v}")
+    return v
+
+
 class CompletionBody(HttpBody):
     prompt: Any = Field(default=None, validate_default=True)
+    logprobs: int | None = None
+    echo: bool | None = None
+    _logprobs = field_validator("logprobs")(check_logprobs)
 
     @field_validator("prompt")
     @classmethod
@@ -286,6 +297,8 @@ class GenerateMessage(SamplingBody):
     attempt_id: Any = None              # checked by the daemon
     prompt: Any = None
     messages: Any = None
+    logprobs: int | None = None
+    _logprobs = field_validator("logprobs")(check_logprobs)
 
     @field_validator("messages")
     @classmethod
@@ -370,6 +383,8 @@ def sampling_params(b: SamplingBody, default_max_tokens: int, default_temperatur
             v = d.get(name)
         if v is not None:
             kw[name] = 0 if name == "top_k" and v == -1 else v
+    kw["structured_outputs"] = structured(b)
+    kw["logprobs"], kw["prompt_logprobs"] = logprobs_of(b)
     try:
         return SamplingParams(**kw)
     except ValueError as e:
@@ -378,6 +393,26 @@ def sampling_params(b: SamplingBody, default_max_tokens: int, default_temperatur
         if field == "max_tokens":
             field, msg = mt_name, mt_name + msg[len("max_tokens"):]
         raise RequestError(msg, field) from None
+
+
+def structured(b: SamplingBody) -> GrammarSpec | None:
+    """The body's one structured-output constraint (response_format, guided_*, structured_outputs)."""
+    try:
+        return spec_from_fields(b.response_format, b.guided_json, b.guided_regex, b.guided_choice, b.guided_grammar,
+                                b.structured_outputs)
+    except GrammarError as e:
+        raise RequestError(str(e), e.param) from None
+
+
+def logprobs_of(b: SamplingBody) -> tuple[int | None, int | None]:
+    """(SamplingParams.logprobs, prompt_logprobs): chat's `logprobs: true` + `top_logprobs` N, the
+    completions' and the daemon's `logprobs` N (with completions' `echo`, the prompt's too)."""
+    if isinstance(b, ChatBody):
+        if b.top_logprobs and not b.logprobs:
+            raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return ((b.top_logprobs or 0) if b.logprobs else None), None
+    n = getattr(b, "logprobs", None)
+    return n, (n if n is not None and getattr(b, "echo", None) else None)
 
 
 def spec_policy(v: Any, default: SpecPolicy, name: str = "speculation") -> SpecPolicy:
@@ -410,5 +445,7 @@ def check_route(llm: "LLM", sp: SamplingParams, policy: SpecPolicy, name: str = 
                                "stop_token_ids")
     try:
         return llm.plan_route(sp, policy)
+    except GrammarError as e:
+        raise RequestError(str(e), e.param) from None
     except SpecfireError as e:
         raise RequestError(str(e), f"{name}.mode") from None
