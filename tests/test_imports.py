@@ -15,6 +15,7 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "env", "config", "chat_template", "tokenizer", "grammar"),
     ("kernels",),
+    ("layers",),
     ("model", "quantize"),
     ("runtime",),
     ("parallel",),
@@ -38,11 +39,19 @@ def module_names() -> dict[str, str]:
 
 
 def imports(name: str, path: str, modules: set[str]) -> set[str]:
-    """The specfire modules `name` imports (a `from pkg import mod` names the module itself)."""
+    """The specfire modules `name` imports at run time (a `from pkg import mod` names the module
+    itself; imports under `if TYPE_CHECKING:` are for annotations and do not count)."""
     is_pkg = path.endswith("__init__.py")
     pkg = name if is_pkg else name.rpartition(".")[0]
     got: set[str] = set()
-    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    typing_only = set()          # `if TYPE_CHECKING:` imports: annotations, never run
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            typing_only.update(id(n) for b in node.body for n in ast.walk(b))
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             bases = [a.name for a in node.names]
             for b in bases:
