@@ -387,7 +387,7 @@ def q4_group(x: torch.Tensor, qws: list, cfg: Q4Config | None = None,
     part = y if split == 1 else torch.empty(split * m * offs[-1], device=x.device, dtype=torch.float32)
     rows = cfg.rows_hi if cfg.rows_hi > cfg.rows and m > cfg.rows else cfg.rows
     row_tiles = triton.cdiv(m, rows)
-    locks = _locks(x.device, sum(tiles) * row_tiles) if split > 1 else y
+    locks = _locks(x.device, sum(tiles) * row_tiles)   # int32 even at split 1: the kernel's combine must compile
     discard = discard_ok(split > 1 and not INTERPRET and x.is_cuda, cfg.block_n, ns, part.data_ptr())
     if cfg.zc:                            # the kernel sums x itself (xs is not read)
         xs = part if split > 1 else torch.empty(1, device=x.device, dtype=torch.float32)
