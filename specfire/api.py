@@ -10,7 +10,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .config import (DTYPE_NAMES, GenerationDefaults, ModelConfig, SamplingParams, SpecPolicy, check_draft_vocab,
-                     check_generation_config)
+                     check_generation_config, check_max_num_seqs, parse_bytes)
 from .errors import CheckpointError, PromptError, SpecfireError
 from .ops.attention import Q8_KV
 from .report import RequestFigures
@@ -19,7 +19,7 @@ from .runtime.engine import GenerationResult, StreamChunk
 from .runtime.prefix import PrefixCache
 from .runtime.route import RoutePlan
 from .runtime.scheduler import Request, Scheduler, follow, run_all
-from .runtime.slots import SlotPool, default_max_num_seqs, parse_bytes, state_bytes
+from .runtime.slots import SlotPool, default_max_num_seqs, state_bytes
 from .runtime.spec import OnCycle
 from .runtime.trunk import LocalTrunk
 from .tokenizer import Tokenizer
@@ -164,9 +164,7 @@ class LLM:
             raise CheckpointError(f"model path {self.path} is not a directory")
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads must be a positive integer, got {threads!r}")
-        if max_num_seqs is not None and (isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int)
-                                         or max_num_seqs < 1):
-            raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
+        check_max_num_seqs(max_num_seqs)
         kv_budget = parse_bytes(kv_cache_memory_bytes)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)

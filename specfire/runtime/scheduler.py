@@ -111,12 +111,23 @@ class Scheduler:
                 if done():
                     return
                 self.driving = True
-            try:
-                self.round()
-            finally:
-                with self.cond:
-                    self.driving = False
-                    self.cond.notify_all()
+            self._round_then_release()
+
+    def run_round(self) -> None:
+        """One round now (after the one another thread is running, if any)."""
+        with self.cond:
+            while self.driving:
+                self.cond.wait()
+            self.driving = True
+        self._round_then_release()
+
+    def _round_then_release(self) -> None:
+        try:
+            self.round()
+        finally:
+            with self.cond:
+                self.driving = False
+                self.cond.notify_all()
 
     def close(self) -> None:
         """Refuse new requests, cancel the rest and run the rounds that end them."""

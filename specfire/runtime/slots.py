@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-from ..config import FULL, ModelConfig
+from ..config import FULL, ModelConfig, check_max_num_seqs
 from ..model.state import SequenceState
 from .engine import Engine
 
@@ -57,35 +57,13 @@ def state_bytes(cfg: ModelConfig, max_seq: int, kv_dtype: torch.dtype, mtp: bool
     return total
 
 
-def parse_bytes(value: str | int | None, name: str = "kv_cache_memory_bytes") -> int | None:
-    """An integer byte count, or one with a K / M / G / T suffix (powers of 1024); None stays None."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be a byte count (e.g. 8589934592 or 8G), got {value!r}")
-    if isinstance(value, int):
-        n = value
-    else:
-        text = str(value).strip()
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(text[-1:].upper(), 1)
-        digits = text[:-1] if scale != 1 else text
-        try:
-            n = int(float(digits) * scale) if "." in digits else int(digits) * scale
-        except ValueError:
-            raise ValueError(f"{name} must be a byte count (e.g. 8589934592 or 8G), got {value!r}") from None
-    if n < 1:
-        raise ValueError(f"{name} must be positive, got {value!r}")
-    return n
-
-
 class SlotPool:
     """The slots of one model: `acquire` a free one (building it when under the limit and the
     budget), `release` it when its request ends. `first` is the engine LLM built; `first.fork`
     makes the others (None: the topology holds one sequence, so the pool has one slot)."""
 
     def __init__(self, first: Engine, max_num_seqs: int, slot_bytes: int, budget: int | None = None):
-        if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
+        check_max_num_seqs(max_num_seqs)
         if budget is not None and budget < slot_bytes:
             raise ValueError(f"kv_cache_memory_bytes {budget} is less than one sequence's state, {slot_bytes} "
                              f"bytes at max_seq_len {first.max_seq} (lower max_seq_len or raise the budget)")
