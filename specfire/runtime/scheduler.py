@@ -22,6 +22,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+import torch
+
 from ..config import SamplingParams, SpecPolicy
 from ..errors import SpecfireError
 from .slots import SlotPool
@@ -63,7 +65,9 @@ class Scheduler:
 
     def __init__(self, pool: SlotPool):
         self.pool = pool
-        self.cond = threading.Condition()
+        dev = pool.first.trunk.device
+        self.device = dev if dev.type == "cuda" else None
+        self.cond = threading.Condition(threading.Lock())
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.driving = False                # a thread is running a round
@@ -104,30 +108,35 @@ class Scheduler:
     def drive_until(self, done: Callable[[], bool]) -> None:
         """Run rounds until `done()`. While another thread drives (it delivers this thread's events
         too) or there is nothing to run, wait."""
-        while True:
-            with self.cond:
+        with self.cond:
+            while True:
                 while not done() and (self.driving or not self.busy()):
                     self.cond.wait()
                 if done():
                     return
-                self.driving = True
-            self._round_then_release()
+                self._round_unlocked()
 
     def run_round(self) -> None:
         """One round now (after the one another thread is running, if any)."""
         with self.cond:
             while self.driving:
                 self.cond.wait()
-            self.driving = True
-        self._round_then_release()
+            self._round_unlocked()
 
-    def _round_then_release(self) -> None:
+    def _round_unlocked(self) -> None:
+        """A round, called and returning with `cond` held (released while it runs)."""
+        self.driving = True
+        self.cond.release()
         try:
-            self.round()
+            if self.device is not None:         # whichever thread drives: the model's device is current
+                with torch.cuda.device(self.device):
+                    self.round()
+            else:
+                self.round()
         finally:
-            with self.cond:
-                self.driving = False
-                self.cond.notify_all()
+            self.cond.acquire()
+            self.driving = False
+            self.cond.notify_all()
 
     def close(self) -> None:
         """Refuse new requests, cancel the rest and run the rounds that end them."""
@@ -139,15 +148,16 @@ class Scheduler:
     # ---- the driving thread -----------------------------------------------------------------------
     def round(self) -> None:
         """One step boundary: leave, join, then one step of every running request."""
-        with self.cond:
-            gone = [r for r in self.waiting if r.cancel.is_set()]
-            for r in gone:
-                self.waiting.remove(r)
-        for r in gone:
-            self._send(r, CANCELLED, None)
         for r in [r for r in self.running if r.cancel.is_set()]:
             self._end(r, CANCELLED, None)
-        self._join()
+        if self.waiting:                    # (read unlocked: a request submitted meanwhile joins next round)
+            with self.cond:
+                gone = [r for r in self.waiting if r.cancel.is_set()]
+                for r in gone:
+                    self.waiting.remove(r)
+            for r in gone:
+                self._send(r, CANCELLED, None)
+            self._join()
         for r in list(self.running):
             self._advance(r)
 
