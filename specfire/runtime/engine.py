@@ -154,7 +154,8 @@ class Engine:
     def stream(self, ids: list[int], sp: SamplingParams, policy: SpecPolicy, on_cycle: OnCycle | None = None,
                drafter: Drafter | None = None, controller: Controller | None = None,
                plan: RoutePlan | None = None) -> Iterator[StreamChunk]:
-        """Generate from `ids` (`steps` without its pauses)."""
+        """Generate from `ids` (`steps` without its pauses). LLM runs requests through its scheduler;
+        a direct call uses this engine's slot and must not overlap a scheduled request on it."""
         steps = self.steps(ids, sp, policy, on_cycle, drafter, controller, plan)
         try:
             for chunk in steps:

@@ -67,7 +67,7 @@ class Scheduler:
         self.pool = pool
         dev = pool.first.trunk.device
         self.device = dev if dev.type == "cuda" else None
-        self.cond = threading.Condition(threading.Lock())
+        self.cond = threading.Condition()   # reentrant: a generator finalised by the GC may cancel inside it
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.driving = False                # a thread is running a round
@@ -256,9 +256,8 @@ def follow(sched: Scheduler, req: Request) -> Iterator["StreamChunk"]:
             elif kind == CANCELLED:
                 raise SpecfireError("the request was cancelled: the LLM was closed")
     finally:
-        if not req.over:
+        if not req.over:                    # the next round ends it (no lock here: this may run in a GC pass)
             req.cancel.set()
-            sched.wake()
 
 
 def run_all(sched: Scheduler, reqs: list[Request]) -> list[Any]:
@@ -286,7 +285,6 @@ def run_all(sched: Scheduler, reqs: list[Request]) -> list[Any]:
         if not all(r.over for r in reqs):
             for r in reqs:
                 r.cancel.set()
-            sched.wake()
     for e in errors:
         if e is not None:
             raise e

@@ -275,7 +275,8 @@ class Daemon:
         cfg = llm.cfg
         self.emit({"type": "loaded", "id": msg.get("id"), "model": llm.path, "arch": cfg.model_type,
                    "layers": cfg.num_hidden_layers, "vocab": cfg.vocab_size, "mtp": bool(llm.mtp_loaded),
-                   "tp": llm.tp, "max_seq_len": llm.max_model_len, "device": str(llm.device),
+                   "tp": llm.tp, "max_seq_len": llm.max_model_len, "max_num_seqs": llm.max_num_seqs,
+                   "device": str(llm.device),
                    "dtype": str(llm.dtype).replace("torch.", ""), "chat": llm.tokenizer is not None,
                    "sampling_defaults": llm.generation_defaults.as_dict(),
                    "load_ms": 1000.0 * (time.perf_counter() - t0)})
