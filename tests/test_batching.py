@@ -113,17 +113,24 @@ def test_requests_interleave_and_wait_in_arrival_order(path, prompts, alone):
         assert peak == 2 and len(m.slots.engines) == 2
 
 
-def test_streams_from_threads_share_the_rounds(llm, prompts, alone):
+def test_streams_from_threads_share_the_rounds(llm, prompts):
     """LLM.stream from four threads: each thread gets its own request's chunks, equal to the request
     alone, and the streams overlap (each has its first chunk before any has ended)."""
+    reqs = [(SamplingParams(max_tokens=80, ignore_eos=True), SpecPolicy("off")),
+            (SamplingParams(max_tokens=80, ignore_eos=True), SpecPolicy("mtp", 3)),
+            (SamplingParams(max_tokens=80, ignore_eos=True, temperature=0.8, seed=2), SpecPolicy("ngram", 2)),
+            (SamplingParams(max_tokens=80, ignore_eos=True, presence_penalty=0.5), SpecPolicy("auto", 3))]
+    alone = [llm.generate(p, sp, spec=pol).token_ids for p, (sp, pol) in zip(prompts, reqs)]
     order: list[tuple[int, bool]] = []
     got: list = [None] * 4
     lock = threading.Lock()
+    ready = threading.Barrier(4)
 
     def go(i: int) -> None:
-        sp, pol = MIXED[i]
         ids = []
-        for chunk in llm.stream(prompts[i], sp, pol):
+        it = llm.stream(prompts[i], *reqs[i])
+        ready.wait(60)
+        for chunk in it:
             ids += chunk.token_ids
             with lock:
                 order.append((i, chunk.result is not None))
@@ -134,7 +141,7 @@ def test_streams_from_threads_share_the_rounds(llm, prompts, alone):
         t.start()
     for t in threads:
         t.join(300)
-    assert got == alone[:4]
+    assert got == alone
     first_end = next(n for n, (_, last) in enumerate(order) if last)
     assert {i for i, _ in order[:first_end]} == {0, 1, 2, 3}, order
 

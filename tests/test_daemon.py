@@ -293,7 +293,7 @@ def test_concurrent_generates_share_steps_and_stay_exact(daemon, ckpt):
     d = daemon
     d.send({"type": "load", "id": "four", "model": ckpt, "params": {"max_num_seqs": 4, "max_seq_len": 2048}})
     assert d.recv()["type"] == "loaded"
-    gens = [dict(attempt_id=20, prompt="def add(a, b):", max_tokens=24, ignore_eos=True),
+    gens = [dict(attempt_id=20, prompt="def add(a, b):", max_tokens=120, ignore_eos=True),
             dict(attempt_id=21, prompt="hello", max_tokens=16, speculation={"mode": "mtp", "k": 2}),
             dict(attempt_id=22, prompt="for i in", max_tokens=16, temperature=0.8, seed=4,
                  speculation={"mode": "ngram", "k": 2}),
@@ -455,3 +455,21 @@ def test_a_generate_is_routed_once(ckpt, monkeypatch):
                             "max_tokens": 6, "speculation": {"mode": "mtp", "k": 2}}).encode()]))
     events = [json.loads(line) for line in out.getvalue().decode().splitlines()]
     assert events[-1]["type"] == "done" and len(calls) == 1, (events[-1], calls)
+
+
+def test_a_load_waits_for_the_generations_before_it(ckpt):
+    """However lines reach it, a load (or unload) lets the generations before it end first, not
+    cancel them."""
+    import io
+
+    from specfire.serve.daemon import Daemon
+
+    out = io.BytesIO()
+    d = Daemon(out)
+    for msg in ({"type": "load", "model": ckpt, "params": {"max_seq_len": 512}},
+                {"type": "generate", "id": "g", "attempt_id": 1, "prompt": "hello", "max_tokens": 8, "ignore_eos": True},
+                {"type": "unload", "id": "u"}):
+        d.handle_line(json.dumps(msg).encode())
+    evs = [json.loads(line) for line in out.getvalue().decode().splitlines()]
+    assert [e["type"] for e in evs if e["type"] != "token"] == ["loaded", "gen_start", "done", "unloaded"], evs
+    assert evs[-2]["tokens"] == 8

@@ -261,6 +261,7 @@ class Daemon:
             raise DaemonError(f"'params.prefix_cache_mb' must be an integer >= 0, got {cache_mb!r}", "invalid_request")
         if piece is not None and (not is_int(piece) or piece < 1):
             raise DaemonError(f"'params.prefill_piece' must be a positive integer, got {piece!r}", "invalid_request")
+        self.finish_generations()
         self._unload()
         t0 = time.perf_counter()
         try:
@@ -281,6 +282,12 @@ class Daemon:
                    "sampling_defaults": llm.generation_defaults.as_dict(),
                    "load_ms": 1000.0 * (time.perf_counter() - t0)})
 
+    def finish_generations(self) -> None:
+        """Run the scheduler until every generation the daemon holds has ended (a load or unload
+        waits for them; the run loop keeps answering pings and cancels meanwhile)."""
+        if self.llm is not None and self.attempts:
+            self.llm.scheduler.drive_until(lambda: not self.attempts)
+
     def _unload(self) -> bool:
         if self.llm is None:
             return False
@@ -289,6 +296,7 @@ class Daemon:
         return True
 
     def unload(self, msg: dict[str, Any]) -> None:
+        self.finish_generations()
         was = self._unload()
         self.emit({"type": "unloaded", "id": msg.get("id"), "was_loaded": was})
 
