@@ -10,7 +10,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .config import (DTYPE_NAMES, GenerationDefaults, ModelConfig, SamplingParams, SpecPolicy, check_draft_vocab,
-                     check_generation_config)
+                     check_generation_config, check_max_num_seqs, parse_bytes)
 from .errors import CheckpointError, PromptError, SpecfireError
 from .kernels.attention import Q8_KV
 from .report import RequestFigures
@@ -18,6 +18,8 @@ from .runtime.build import EngineOptions, TrunkFactory, build_engine, local_trun
 from .runtime.engine import GenerationResult, StreamChunk
 from .runtime.prefix import PrefixCache
 from .runtime.route import RoutePlan
+from .runtime.scheduler import Request, Scheduler, follow, run_all
+from .runtime.slots import SlotPool, default_max_num_seqs, state_bytes
 from .runtime.spec import OnCycle
 from .runtime.trunk import LocalTrunk
 from .tokenizer import Tokenizer
@@ -107,15 +109,36 @@ def trunk_factory(tp: int) -> TrunkFactory:
     return mesh_trunk
 
 
+def _is_batch(prompt: Any) -> bool:
+    """A list (or tuple) of prompts, not one prompt of token ids."""
+    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+
+
+def _per_prompt(value: Any, n: int, name: str, many: bool) -> list[Any]:
+    """`value` for each of n prompts: a list of n values (several prompts only), or one for all."""
+    if many and isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts; give one for all or one per prompt")
+        return list(value)
+    return [value] * n
+
+
 class LLM:
     """A loaded model ready to generate. Use as a context manager or call close(). On a CPU it sets
-    the process's intra-op threads to `threads`, else to default_threads()'s choice."""
+    the process's intra-op threads to `threads`, else to default_threads()'s choice.
+
+    Requests run concurrently, each in its own slot (runtime/slots.py, runtime/scheduler.py):
+    `max_num_seqs` at most (default 8 on a GPU, 4 on a CPU; one on a tensor-parallel mesh), and as
+    many as `kv_cache_memory_bytes` holds (each slot reserves max_seq_len positions of state;
+    default on a GPU: what leaves 10% of the device free); more wait in arrival order."""
 
     def __init__(self, model: str | None = None, tp: int = 1, device: Any = None, dtype: Any = None,
                  kv_dtype: str = "auto", max_seq_len: int | None = None, spec: SpecPolicy | dict | str | None = None,
                  mtp_path: str | None = None, progress: bool | None = None, cuda_graphs: bool | None = None,
                  ngram: tuple[int, int] = (1, 4), draft_vocab: int | None = None, generation_config: str = "auto",
-                 threads: int | None = None):
+                 threads: int | None = None, max_num_seqs: int | None = None,
+                 kv_cache_memory_bytes: int | str | None = None):
         self._closed = True                   # until the engine is built
         # "auto": the checkpoint's generation_config.json supplies the default sampling of a
         # request that passes no SamplingParams (get_default_sampling_params); "none": built-in
@@ -141,6 +164,8 @@ class LLM:
             raise CheckpointError(f"model path {self.path} is not a directory")
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads must be a positive integer, got {threads!r}")
+        check_max_num_seqs(max_num_seqs)
+        kv_budget = parse_bytes(kv_cache_memory_bytes)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         if self.device.type == "cpu":         # the process's intra-op threads (default_threads)
@@ -171,6 +196,13 @@ class LLM:
                              draft_vocab=self.draft_vocab)
         self.engine = build_engine(opts, self.tokenizer, eos, trunk_factory(tp))
         self.cfg = self.engine.trunk.cfg      # the checkpoint decides whether lm_head is tied
+        try:
+            self.slots = SlotPool(self.engine, max_num_seqs or default_max_num_seqs(self.device),
+                                  state_bytes(self.cfg, self.max_seq_len, kvd, self.engine.mtp_loaded), kv_budget)
+        except BaseException:
+            self.engine.trunk.close()
+            raise
+        self.scheduler = Scheduler(self.slots)
         self._closed = False
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -178,8 +210,12 @@ class LLM:
         if self._closed:
             return
         self._closed = True
-        self.engine.trunk.close()
-        self.engine = None  # type: ignore[assignment]
+        try:
+            self.scheduler.close()            # running and waiting requests end (cancelled)
+        finally:
+            for eng in self.slots.engines:
+                eng.trunk.close()
+            self.engine = None  # type: ignore[assignment]
 
     def __enter__(self) -> "LLM":
         return self
@@ -216,14 +252,10 @@ class LLM:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         return list(prompt)
 
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-               spec: SpecPolicy | dict | str | None = None, *, on_cycle: OnCycle | None = None,
-               plan: RoutePlan | None = None) -> Iterator[StreamChunk]:
-        """Yield StreamChunk(text, token_ids); the last chunk carries `result`. `on_cycle(k, n,
-        emitted)` is called after every decoding step (k drafted, n accepted; k = 0 for AR).
-        `plan`: the route `plan_route` decided for these params and spec (then they may be left
-        out), so it is not decided again."""
-        self._check_open()
+    def _request(self, prompt: str | Sequence[int], params: SamplingParams | None,
+                 spec: SpecPolicy | dict | str | None, on_cycle: OnCycle | None,
+                 plan: RoutePlan | None) -> Request:
+        """A scheduler request of one prompt; its arguments checked as stream() checks them."""
         if plan is not None and not isinstance(plan, RoutePlan):
             raise ValueError(f"plan must be a RoutePlan from plan_route(), got {type(plan).__name__}")
         if params is None and plan is not None:
@@ -232,15 +264,43 @@ class LLM:
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(sp).__name__}")
         policy = plan.policy if spec is None and plan is not None else SpecPolicy.coerce(spec, self.spec)
-        return self.engine.stream(self._ids(prompt), sp, policy, on_cycle=on_cycle, plan=plan)
+        return Request(self._ids(prompt), sp, policy, lambda kind, payload: None, plan=plan, on_cycle=on_cycle)
 
-    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                 spec: SpecPolicy | dict | str | None = None, *, on_cycle: OnCycle | None = None) -> GenerationResult:
-        res = None
-        for chunk in self.stream(prompt, params, spec, on_cycle=on_cycle):
-            res = chunk.result
-        assert res is not None
-        return res
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+               spec: SpecPolicy | dict | str | None = None, *, on_cycle: OnCycle | None = None,
+               plan: RoutePlan | None = None) -> Iterator[StreamChunk]:
+        """Yield StreamChunk(text, token_ids); the last chunk carries `result`. `on_cycle(k, n,
+        emitted)` is called after every decoding step (k drafted, n accepted; k = 0 for AR), on
+        the thread that runs the step. `plan`: the route `plan_route` decided for these params and
+        spec (then they may be left out), so it is not decided again. Streams from several threads
+        run concurrently (the scheduler's rounds), each yielding its own request's chunks; closing
+        the iterator early cancels the request."""
+        self._check_open()
+        return follow(self.scheduler, self._request(prompt, params, spec, on_cycle, plan))
+
+    def generate(self, prompt: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 spec: SpecPolicy | dict | str | Sequence[SpecPolicy | dict | str] | None = None, *,
+                 on_cycle: OnCycle | None = None) -> GenerationResult | list[GenerationResult]:
+        """One prompt (text or token ids) -> its GenerationResult. A list of prompts (texts or
+        lists of token ids), as vLLM takes them, -> their results in order, run concurrently;
+        `params` and `spec` may then be one for all or a list, one per prompt. Every request's
+        output is what it gives alone. Bad input raises before anything runs."""
+        self._check_open()
+        many = _is_batch(prompt)
+        prompts = list(prompt) if many else [prompt]
+        n = len(prompts)
+        sps = _per_prompt(params, n, "params", many)
+        specs = _per_prompt(spec, n, "spec", many)
+        reqs = []
+        for p, sp, sc in zip(prompts, sps, specs):
+            req = self._request(p, sp, sc, on_cycle, None)
+            self.engine.check_prompt(req.ids)
+            self.engine.check_sampling(req.params)
+            req.plan = self.engine.route(req.spec, req.params)     # decided once, refused before any runs
+            reqs.append(req)
+        results = [chunk.result for chunk in run_all(self.scheduler, reqs)]
+        return results if many else results[0]
 
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
              spec: SpecPolicy | dict | str | None = None) -> GenerationResult:
@@ -263,12 +323,22 @@ class LLM:
         self._check_open()
         ids = self._ids(ids)
         self.engine.check_prompt(ids)
-        return self.engine.trunk.score(torch.tensor(ids, device=self.engine.trunk.device))
+
+        def task(eng) -> torch.Tensor:        # on a free slot, between the running requests' steps
+            return eng.trunk.score(torch.tensor(ids, device=eng.trunk.device))
+        return run_all(self.scheduler, [Request(ids, None, None, lambda kind, payload: None, task=task)])[0]
 
     # ==== serving helpers ========================================================================
     # What the servers and the CLI need (specfire/serve, cli.py), so they never reach into the
     # engine or the trunk: the context length, a route preview, prompt validation, one stats
     # projection.
+
+    @property
+    def max_num_seqs(self) -> int:
+        """How many requests run at once (more wait in arrival order); `slots.why` says why it is
+        below what was asked, where it is."""
+        self._check_open()
+        return self.slots.limit
 
     @property
     def max_model_len(self) -> int:
@@ -330,7 +400,9 @@ class LLM:
         trunk = self.engine.trunk
         assert isinstance(trunk, LocalTrunk)
         if piece is not None:
-            trunk.piece = piece
+            for eng in self.slots.engines:    # every slot prefills in the pieces snapshots sit between
+                assert isinstance(eng.trunk, LocalTrunk)
+                eng.trunk.piece = piece
         self.engine.prefix = PrefixCache(trunk, max_bytes)
 
     @functools.cached_property

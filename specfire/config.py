@@ -579,3 +579,33 @@ def check_draft_vocab(n: Any, vocab_size: int) -> int | None:
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= vocab_size:
         raise ValueError(f"draft_vocab must be an integer in 1..{vocab_size} (the model's vocabulary), got {n!r}")
     return None if n == vocab_size else n
+
+
+# ---- concurrency (runtime/slots.py) ------------------------------------------------------------------
+
+def check_max_num_seqs(n: Any) -> int | None:
+    """How many requests may run at once: a positive integer, or None for the device's default."""
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"max_num_seqs must be a positive integer, got {n!r}")
+    return n
+
+
+def parse_bytes(value: str | int | None, name: str = "kv_cache_memory_bytes") -> int | None:
+    """An integer byte count, or one with a K / M / G / T suffix (powers of 1024); None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a byte count (e.g. 8589934592 or 8G), got {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        text = str(value).strip()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(text[-1:].upper(), 1)
+        digits = text[:-1] if scale != 1 else text
+        try:
+            n = int(digits) * scale if digits.isdigit() else int(float(digits) * scale)
+        except (ValueError, OverflowError):
+            raise ValueError(f"{name} must be a byte count (e.g. 8589934592 or 8G), got {value!r}") from None
+    if n < 1:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return n

@@ -39,6 +39,28 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
     add_generation_config_arg(p)
 
 
+def add_batch_args(p: argparse.ArgumentParser) -> None:
+    """How many requests run at once (serve): vLLM's --max-num-seqs and a KV memory budget."""
+    p.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                   help="requests that run at once, each in its own sequence slot; more wait in arrival order "
+                        "(default: 8 on a GPU, 4 on a CPU; 1 on a tensor-parallel mesh)")
+    p.add_argument("--kv-cache-memory-bytes", default=None, metavar="BYTES",
+                   help="memory for the slots' sequence state (each reserves --max-seq-len positions of KV "
+                        "and the recurrent state), e.g. 17179869184 or 16G; slots are built as requests come, "
+                        "within this and --max-num-seqs (default: on a GPU, leave 10%% of its memory free)")
+
+
+def check_batch_flags(args: argparse.Namespace) -> None:
+    """--max-num-seqs and --kv-cache-memory-bytes, checked before the model loads."""
+    from .config import check_max_num_seqs, parse_bytes
+
+    try:
+        check_max_num_seqs(getattr(args, "max_num_seqs", None))
+        parse_bytes(getattr(args, "kv_cache_memory_bytes", None))
+    except ValueError as e:
+        raise flagged(e) from None
+
+
 def add_generation_config_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--generation-config", default="auto", choices=GENERATION_CONFIG_MODES,
                    help="auto: the checkpoint's generation_config.json sets the sampling (temperature, top_p, "
@@ -86,7 +108,8 @@ FLAGS = {"max_tokens": "-n/--max-tokens", "temperature": "-t/--temperature", "to
          "spec.mode": "--spec", "tp": "--tp", "device": "--device", "dtype": "--dtype", "kv_dtype": "--kv-dtype",
          "max_seq_len": "--max-seq-len", "ngram": "--ngram-n", "draft_vocab": "--draft-vocab",
          "repetition_penalty": "--repetition-penalty", "presence_penalty": "--presence-penalty",
-         "frequency_penalty": "--frequency-penalty"}
+         "frequency_penalty": "--frequency-penalty", "max_num_seqs": "--max-num-seqs",
+         "kv_cache_memory_bytes": "--kv-cache-memory-bytes"}
 
 
 def flagged(e: ValueError) -> ValueError:
@@ -122,7 +145,9 @@ def load_model(args: argparse.Namespace):
         return LLM(model_path(args), tp=args.tp, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
                    max_seq_len=args.max_seq_len, spec=spec, mtp_path=args.mtp_path, progress=sys.stderr.isatty(),
                    cuda_graphs=False if args.eager else None, ngram=ngram, draft_vocab=args.draft_vocab,
-                   generation_config=getattr(args, "generation_config", "auto"))
+                   generation_config=getattr(args, "generation_config", "auto"),
+                   max_num_seqs=getattr(args, "max_num_seqs", None),
+                   kv_cache_memory_bytes=getattr(args, "kv_cache_memory_bytes", None))
     except SpecfireError:
         raise
     except ValueError as e:

@@ -278,30 +278,74 @@ def test_generate_with_penalties(loaded, ckpt):
 LONG = {"type": "generate", "prompt": "hello", "max_tokens": 2000, "ignore_eos": True}
 
 
-def test_cancel_by_attempt_id(loaded):
-    d = loaded
+def test_cancel_by_attempt_id(daemon, ckpt):
+    """With one slot, attempt 12 waits behind 11: a cancel drops it unstarted (tokens 0, no
+    gen_start); the running one stops at its next step; an unknown one is not found."""
+    d = daemon
+    d.send({"type": "load", "id": "one", "model": ckpt, "params": {"max_num_seqs": 1, "max_seq_len": 2048}})
+    assert d.recv()["type"] == "loaded"
     d.send({**LONG, "id": "g", "attempt_id": 11})
     d.send({**LONG, "id": "q", "attempt_id": 12})          # waits behind attempt 11
-    assert d.recv()["type"] == "gen_start"
+    ev = d.recv()
+    assert ev["type"] == "gen_start" and ev["attempt_id"] == 11, ev
     assert d.recv()["type"] == "token"
     d.send({"type": "cancel", "id": "c0", "attempt_id": 12})   # the queued one: dropped, never started
     d.send({"type": "ping", "id": "p"})                     # answered while 11 runs
     d.send({"type": "cancel", "id": "c1", "attempt_id": 11})
     d.send({"type": "cancel", "id": "c2", "attempt_id": 99})
     evs = []
-    while not (evs and evs[-1]["type"] == "cancelled" and evs[-1]["id"] == "c2"):
+    while len(evs) < 6:
         ev = d.recv()
         if ev["type"] != "token":
             evs.append(ev)
-    assert evs == [{"type": "aborted", "id": "q", "attempt_id": 12, "tokens": 0, "reason": "cancel"},
-                   {"type": "cancelled", "id": "c0", "attempt_id": 12, "found": True},
-                   {"type": "pong", "id": "p"},
-                   {**evs[3], "type": "aborted", "id": "g", "attempt_id": 11, "reason": "cancel"},
-                   {"type": "cancelled", "id": "c1", "attempt_id": 11, "found": True},
-                   {"type": "cancelled", "id": "c2", "attempt_id": 99, "found": False}], evs
-    assert 0 < evs[3]["tokens"] < 2000
+    assert {"type": "pong", "id": "p"} in evs and {"type": "cancelled", "id": "c2", "attempt_id": 99,
+                                                   "found": False} in evs, evs
+    q = evs.index({"type": "aborted", "id": "q", "attempt_id": 12, "tokens": 0, "reason": "cancel"})
+    assert evs[q + 1] == {"type": "cancelled", "id": "c0", "attempt_id": 12, "found": True}, evs
+    g = next(i for i, e in enumerate(evs) if e["type"] == "aborted" and e["id"] == "g")
+    assert evs[g] == {**evs[g], "attempt_id": 11, "reason": "cancel"} and 0 < evs[g]["tokens"] < 2000, evs
+    assert evs[g + 1] == {"type": "cancelled", "id": "c1", "attempt_id": 11, "found": True}, evs
+    assert not any(e["type"] == "gen_start" for e in evs)
     d.send({"type": "generate", "id": "after", "attempt_id": 13, "prompt": "hi", "max_tokens": 3})
     assert d.until("done")[-1]["type"] == "done"
+
+
+def test_concurrent_generates_share_steps_and_stay_exact(daemon, ckpt):
+    """Generates sent together run at once (each starts before the first one ends), each giving
+    what it gives alone; an attempt_id already in use is refused; a load waits for them to end."""
+    from specfire import LLM, SamplingParams
+
+    d = daemon
+    d.send({"type": "load", "id": "four", "model": ckpt, "params": {"max_num_seqs": 4, "max_seq_len": 2048}})
+    assert d.recv()["type"] == "loaded"
+    gens = [dict(attempt_id=20, prompt="def add(a, b):", max_tokens=120, ignore_eos=True),
+            dict(attempt_id=21, prompt="hello", max_tokens=16, speculation={"mode": "mtp", "k": 2}),
+            dict(attempt_id=22, prompt="for i in", max_tokens=16, temperature=0.8, seed=4,
+                 speculation={"mode": "ngram", "k": 2}),
+            dict(attempt_id=23, prompt="x = 1", max_tokens=12, frequency_penalty=0.5, stop=[" "],
+                 speculation={"mode": "auto", "k": 2})]
+    for g in gens:
+        d.send({"type": "generate", "id": g["attempt_id"], **g})
+    d.send({"type": "generate", "id": "dup", "attempt_id": 20, "prompt": "hi"})
+    d.send({"type": "load", "id": "again", "model": ckpt, "params": {"max_seq_len": 2048}})
+    evs = [d.recv()]
+    while evs[-1]["type"] != "loaded":
+        evs.append(d.recv())
+    dup = [e for e in evs if e["type"] == "error"]
+    assert len(dup) == 1 and dup[0]["id"] == "dup" and "already running" in dup[0]["message"], dup
+    assert evs[-1]["type"] == "loaded"
+    by = {g["attempt_id"]: [e for e in evs if e.get("attempt_id") == g["attempt_id"] and e["id"] != "dup"]
+          for g in gens}
+    first_done = min(evs.index(b[-1]) for b in by.values())
+    assert all(evs.index(b[0]) < first_done for b in by.values())      # all started before any ended
+    with LLM(ckpt, progress=False, max_seq_len=2048) as llm:
+        for g in gens:
+            kw = {k: v for k, v in g.items() if k not in ("attempt_id", "prompt", "speculation")}
+            want = llm.generate(g["prompt"], SamplingParams(**kw), spec=g.get("speculation", "off"))
+            got = by[g["attempt_id"]]
+            assert got[0]["type"] == "gen_start" and got[-1]["type"] == "done", got
+            assert "".join(e["text"] for e in got if e["type"] == "token") == want.text, g
+            assert got[-1]["tokens"] == len(want.token_ids) and got[-1]["finish_reason"] == want.finish_reason
 
 
 def test_a_file_of_requests_is_answered_in_full(ckpt, tmp_path):
@@ -325,11 +369,12 @@ def test_a_file_of_requests_is_answered_in_full(ckpt, tmp_path):
     req.write_text("\n".join(lines) + "\n")
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     with open(req, "rb") as f:
-        p = subprocess.run([sys.executable, "-m", "specfire.cli", "daemon", "--model", ckpt], stdin=f,
+        p = subprocess.run([sys.executable, "-m", "specfire.cli", "daemon", "--max-num-seqs", "2", "--model", ckpt],
+                           stdin=f,
                            capture_output=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr.decode()[-2000:]
     evs = [json.loads(line) for line in p.stdout.decode().splitlines()]
-    assert evs[0]["type"] == "loaded" and evs[-1]["type"] == "error" and evs[-1]["class"] == "parse_error"
+    assert evs[0]["type"] == "loaded" and [e["class"] for e in evs if e["type"] == "error"] == ["parse_error"]
     by = {a: [e for e in evs if e.get("attempt_id") == a] for a in range(1, 6)}
     assert [e["type"] for e in by[3]] == ["aborted", "cancelled"] and by[3][0]["tokens"] == 0
     assert {"type": "pong", "id": "p"} in evs and not any(e["type"] == "aborted" for a in (1, 2, 4, 5) for e in by[a])
@@ -345,7 +390,8 @@ def test_a_file_of_requests_is_answered_in_full(ckpt, tmp_path):
             assert "".join(e["text"] for e in by[a] if e["type"] == "token") == want.text, a
             assert by[a][-1]["tokens"] == len(want.token_ids) and by[a][-1]["finish_reason"] == want.finish_reason
     assert by[1][-1]["tokens"] == 60
-    assert evs.index(by[1][-1]) < evs.index(by[2][0]) < evs.index(by[4][0]) < evs.index(by[5][0])   # in order
+    assert evs.index(by[1][0]) < evs.index(by[2][0]) < evs.index(by[4][0]) < evs.index(by[5][0])   # in order
+    assert evs.index(by[2][0]) < evs.index(by[1][-1])          # two slots: 2 ran beside 1
 
 
 def test_end_fields_and_refused_fields(loaded, ckpt):
@@ -431,10 +477,25 @@ def test_a_generate_is_routed_once(ckpt, monkeypatch):
     out = io.BytesIO()
     d = Daemon(out)
     d.llm = LLM(ckpt, progress=False)
-    try:
-        d.generate({"type": "generate", "id": "r", "attempt_id": 1, "prompt": "def add(a, b):", "max_tokens": 6,
-                    "speculation": {"mode": "mtp", "k": 2}})
-    finally:
-        d.llm.close()
+    d.run(iter([json.dumps({"type": "generate", "id": "r", "attempt_id": 1, "prompt": "def add(a, b):",
+                            "max_tokens": 6, "speculation": {"mode": "mtp", "k": 2}}).encode()]))
     events = [json.loads(line) for line in out.getvalue().decode().splitlines()]
     assert events[-1]["type"] == "done" and len(calls) == 1, (events[-1], calls)
+
+
+def test_a_load_waits_for_the_generations_before_it(ckpt):
+    """However lines reach it, a load (or unload) lets the generations before it end first, not
+    cancel them."""
+    import io
+
+    from specfire.serve.daemon import Daemon
+
+    out = io.BytesIO()
+    d = Daemon(out)
+    for msg in ({"type": "load", "model": ckpt, "params": {"max_seq_len": 512}},
+                {"type": "generate", "id": "g", "attempt_id": 1, "prompt": "hello", "max_tokens": 8, "ignore_eos": True},
+                {"type": "unload", "id": "u"}):
+        d.handle_line(json.dumps(msg).encode())
+    evs = [json.loads(line) for line in out.getvalue().decode().splitlines()]
+    assert [e["type"] for e in evs if e["type"] != "token"] == ["loaded", "gen_start", "done", "unloaded"], evs
+    assert evs[-2]["tokens"] == 8

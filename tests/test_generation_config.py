@@ -282,9 +282,7 @@ def daemon_lines(*msgs):
 
     out = io.BytesIO()
     d = Daemon(out)
-    for m in msgs:
-        d.handle_line(json.dumps(m).encode())
-    d._unload()
+    d.run(iter([json.dumps(m).encode() for m in msgs]))   # every line answered, then the model freed
     return [json.loads(x) for x in out.getvalue().decode().splitlines()]
 
 

@@ -32,29 +32,30 @@ def llm(ckpt_cache):
 
 @pytest.fixture
 def scripted(llm, monkeypatch):
-    """llm.stream runs the real engine on the prompt (one token), then streams ANSWER token by token."""
-    seen: dict = {}
-    real = llm.stream
+    """A request's engine steps (what the scheduler runs on its slot) run the real engine on the
+    prompt (one token), then stream ANSWER token by token."""
+    from specfire.runtime.engine import Engine
 
-    def stream(ids, params, spec=None, **kw):
+    seen: dict = {}
+    real = Engine.steps
+
+    def steps(self, ids, params, spec=None, **kw):
         seen["ids"] = list(ids)
         res = None
-        for chunk in real(ids, params.__class__(max_tokens=1, ignore_eos=True), spec):
-            res = chunk.result
+        for chunk in real(self, ids, params.__class__(max_tokens=1, ignore_eos=True), spec):
+            if chunk is not None:
+                res = chunk.result
         toks = llm.tokenizer.encode(seen.get("answer", ANSWER))
+        text = ""
+        for n in range(1, len(toks) + 1):
+            cur = llm.tokenizer.decode(toks[:n])
+            if cur.endswith("\ufffd"):
+                continue
+            yield StreamChunk(cur[len(text):], toks[n - 1:n])
+            text = cur
+        yield StreamChunk("", [], GenerationResult(text, toks, "stop", list(ids), res.stats))
 
-        def gen():
-            text = ""
-            for n in range(1, len(toks) + 1):
-                cur = llm.tokenizer.decode(toks[:n])
-                if cur.endswith("\ufffd"):
-                    continue
-                yield StreamChunk(cur[len(text):], toks[n - 1:n])
-                text = cur
-            yield StreamChunk("", [], GenerationResult(text, toks, "stop", list(ids), res.stats))
-        return gen()
-
-    monkeypatch.setattr(llm, "stream", stream)
+    monkeypatch.setattr(Engine, "steps", steps)
     return seen
 
 

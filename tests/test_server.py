@@ -212,6 +212,82 @@ def test_concurrent_requests_match_sequential(client):
     assert got == seq
 
 
+CHATS = [  # mixed policies and sampling, one chat each
+    dict(messages=[{"role": "user", "content": "Write a Python function that adds two numbers."}], max_tokens=40,
+         temperature=0, extra_body={"speculation": {"mode": "off"}, "ignore_eos": True}),
+    dict(messages=[{"role": "user", "content": "Tell me a story about a fox."}], max_tokens=40, temperature=0,
+         extra_body={"speculation": {"mode": "mtp", "k": 3}, "ignore_eos": True}),
+    dict(messages=[{"role": "user", "content": "for i in range(10):"}], max_tokens=40, temperature=0.8, seed=3,
+         extra_body={"speculation": {"mode": "ngram", "k": 2}, "ignore_eos": True}),
+    dict(messages=[{"role": "user", "content": "Hello, world!"}], max_tokens=40, temperature=0,
+         frequency_penalty=0.5, stop=["\n\n"], extra_body={"speculation": {"mode": "auto", "k": 3}}),
+]
+
+
+def test_concurrent_chats_stream_at_once_and_match_alone(client):
+    """Four simultaneous streamed chats (off, MTP, seeded sampled n-gram, penalised auto with a stop
+    string) each get their first token before any of them ends, and each streams the text it
+    gives alone."""
+    alone = [client.chat.completions.create(model=NAME, **kw).choices[0].message.content for kw in CHATS]
+    got: list = [None] * 4
+    first: list = [None] * 4
+    ended: list = [None] * 4
+
+    def go(i):
+        text = ""
+        for c in client.chat.completions.create(model=NAME, stream=True, **CHATS[i]):
+            if c.choices and c.choices[0].delta.content:
+                if first[i] is None:
+                    first[i] = time.perf_counter()
+                text += c.choices[0].delta.content
+        ended[i] = time.perf_counter()
+        got[i] = text
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == alone
+    assert max(first) < min(ended), (first, ended)
+
+
+def test_metrics_count_running_and_waiting(server):
+    """Six long streams on four slots (the CPU default): four run, two wait in line; when the clients
+    leave, every one ends and the gauges return to 0."""
+    body = {"prompt": "hello", "max_tokens": MAX_SEQ - 10, "temperature": 0, "ignore_eos": True, "stream": True}
+    stop_all = threading.Event()
+
+    def go():
+        with httpx.stream("POST", server["base"] + "/v1/completions", json=body,
+                          headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+            for _ in r.iter_lines():
+                if stop_all.is_set():
+                    return
+
+    threads = [threading.Thread(target=go) for _ in range(6)]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.time() + 30
+        seen = None
+        while time.time() < deadline:
+            seen = (_metric(server, "num_requests_running"), _metric(server, "num_requests_waiting"),
+                    _metric(server, "kv_cache_usage_perc"))
+            if seen == (4.0, 2.0, 1.0):
+                break
+            time.sleep(0.05)
+        assert seen == (4.0, 2.0, 1.0), seen
+    finally:
+        stop_all.set()
+        for t in threads:
+            t.join(60)
+    deadline = time.time() + 30
+    while (_metric(server, "num_requests_running"), _metric(server, "num_requests_waiting")) != (0.0, 0.0):
+        assert time.time() < deadline, "the abandoned streams did not end"
+        time.sleep(0.1)
+
+
 def test_disconnect_mid_stream_stops_generation(server, client):
     aborted0 = _metric(server, "request_success_total", finished_reason="abort") or 0.0
     body = {"prompt": "hello", "max_tokens": MAX_SEQ - 10, "temperature": 0, "ignore_eos": True, "stream": True}

@@ -9,7 +9,7 @@ same `commit(n)`.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Generator
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +99,11 @@ class MeshTrunk:
 
     def prefill(self, ids: torch.Tensor, logits: str = "last") -> Rows:
         return self._call("prefill", ids, logits)
+
+    def prefill_steps(self, ids: torch.Tensor, logits: str = "last") -> Generator[None, None, Rows]:
+        """The prefill in one call: the mesh holds one sequence, so no other request runs between its pieces."""
+        return self.prefill(ids, logits)
+        yield  # noqa: unreachable (this makes it a generator)
 
     def verify(self, ids: torch.Tensor, pos: int) -> Rows:
         if self._mesh.comm.symm is not None:    # the ids stay on the device: no host read to send the step

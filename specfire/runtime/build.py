@@ -18,7 +18,7 @@ from ..model.qwen35 import MtpHead
 from ..kernels.gdn import fla as gdn_fla
 from ..tokenizer import Tokenizer
 from .drafters import DraftSource, MtpDrafter, make_drafters
-from .engine import Engine
+from .engine import Engine, Shared
 from .trunk import LocalTrunk, Trunk
 
 
@@ -51,6 +51,9 @@ class BuiltTrunk:
     trunk: Trunk
     mtp_head: MtpHead | None
     topology: str                    # a label for route reasons: "single" | "tp<N>"
+    # another trunk over the same weights with its own sequence state (a slot: runtime/slots.py);
+    # None where the topology holds one sequence
+    fork: Callable[[], Trunk] | None = None
 
 
 TrunkFactory = Callable[[EngineOptions], BuiltTrunk]
@@ -65,18 +68,27 @@ def local_trunk(opts: EngineOptions) -> BuiltTrunk:
     if cfg.n_linear:     # the optional prefill library compiles now, not in the first request (kernels/gdn/fla.py)
         gdn_fla.warm(cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                      cfg.linear_value_head_dim, opts.device)
-    return BuiltTrunk(LocalTrunk(model, opts.max_seq_len, opts.kv_dtype, opts.cuda_graphs, opts.draft_vocab), head,
-                      "single")
+    trunk = LocalTrunk(model, opts.max_seq_len, opts.kv_dtype, opts.cuda_graphs, opts.draft_vocab)
+    return BuiltTrunk(trunk, head, "single", fork=trunk.view)
 
 
 def build_engine(opts: EngineOptions, tokenizer: Tokenizer | None, eos_ids: set[int],
                  factory: TrunkFactory = local_trunk) -> Engine:
     """The Engine over the trunk `factory` builds, with every drafter the registry makes over it
-    (the n-gram drafter always, the MTP drafter when the head was loaded)."""
+    (the n-gram drafter always, the MTP drafter when the head was loaded). Its `fork` makes another
+    engine over the same weights and `shared` (a slot), where the topology can hold more sequences."""
     built = factory(opts)
+
+    def engine(trunk: Trunk, shared: Shared | None) -> Engine:
+        drafters = make_drafters(DraftSource(trunk, built.mtp_head, opts.kv_dtype, opts.ngram))
+        return Engine(trunk, tokenizer, eos_ids, drafters, topology=built.topology, shared=shared)
+
     try:
-        drafters = make_drafters(DraftSource(built.trunk, built.mtp_head, opts.kv_dtype, opts.ngram))
-        return Engine(built.trunk, tokenizer, eos_ids, drafters, topology=built.topology)
+        first = engine(built.trunk, None)
     except BaseException:
         built.trunk.close()     # a mesh's processes never outlive a failed build
         raise
+    fork = built.fork
+    if fork is not None:
+        first.fork = lambda: engine(fork(), first.shared)
+    return first

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -47,20 +47,49 @@ class StreamChunk:
     prompt_logprobs: list[TokenLogprobs | None] | None = None    # on the first chunk (sp.prompt_logprobs)
 
 
+@dataclass
+class Shared:
+    """What the engines of one model's slots share (runtime/slots.py): the cycle times `auto`
+    measures (one device, one model: a slot's costs are any slot's), the acceptance earlier
+    requests saw, and the prefix cache (a snapshot restores into any slot's state)."""
+
+    costs: CostTable = field(default_factory=CostTable)
+    accept_prior: dict[str, Acceptance] = field(default_factory=dict)
+    prefix: PrefixCache | None = None       # multi-turn prefix reuse (single device; off by default)
+
+
 class Engine:
-    """Token ids in, token ids (and text) out, over one trunk and optional drafters."""
+    """Token ids in, token ids (and text) out, over one trunk and optional drafters: one request at
+    a time (a slot). Engines over one model share `shared`."""
 
     def __init__(self, trunk: Trunk, tokenizer: Tokenizer | None, eos_ids: set[int],
-                 drafters: dict[str, Drafter], topology: str = "single"):
+                 drafters: dict[str, Drafter], topology: str = "single", shared: Shared | None = None):
         self.trunk = trunk
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.topology = topology                # a label in route reasons; every topology serves every drafter
         self.drafters = drafters                # route name -> drafter (drafters/registry.py)
-        self.prefix: PrefixCache | None = None  # multi-turn prefix reuse (single device; off by default)
+        self.shared = shared if shared is not None else Shared()
         self.bufs = StepBuffers(trunk.device, graphs=trunk.graphs_enabled)   # reused by every request
-        self.costs = CostTable()                # measured cycle times on this engine, for `auto`
-        self.accept_prior: dict[str, Acceptance] = {}   # acceptance seen by earlier requests
+        self.fork: Callable[[], Engine] | None = None   # another slot's engine (set by runtime/build.py)
+
+    @property
+    def costs(self) -> CostTable:
+        """Measured cycle times on this model, for `auto`."""
+        return self.shared.costs
+
+    @property
+    def accept_prior(self) -> dict[str, Acceptance]:
+        """Acceptance seen by earlier requests."""
+        return self.shared.accept_prior
+
+    @property
+    def prefix(self) -> PrefixCache | None:
+        return self.shared.prefix
+
+    @prefix.setter
+    def prefix(self, cache: PrefixCache | None) -> None:
+        self.shared.prefix = cache
 
     @property
     def mtp_loaded(self) -> bool:
@@ -168,7 +197,21 @@ class Engine:
     def stream(self, ids: list[int], sp: SamplingParams, policy: SpecPolicy, on_cycle: OnCycle | None = None,
                drafter: Drafter | None = None, controller: Controller | None = None,
                plan: RoutePlan | None = None) -> Iterator[StreamChunk]:
-        """Generate from `ids`. `on_cycle(k, n, emitted)` is called after every step; `drafter`,
+        """Generate from `ids` (`steps` without its pauses). LLM runs requests through its scheduler;
+        a direct call uses this engine's slot and must not overlap a scheduled request on it."""
+        steps = self.steps(ids, sp, policy, on_cycle, drafter, controller, plan)
+        try:
+            for chunk in steps:
+                if chunk is not None:
+                    yield chunk
+        finally:
+            steps.close()
+
+    def steps(self, ids: list[int], sp: SamplingParams, policy: SpecPolicy, on_cycle: OnCycle | None = None,
+              drafter: Drafter | None = None, controller: Controller | None = None,
+              plan: RoutePlan | None = None) -> Iterator[StreamChunk | None]:
+        """Generate from `ids`, yielding a chunk after every step and None between the prefill's
+        forwards (a scheduler runs other requests' steps at every yield). `on_cycle(k, n, emitted)` is called after every step; `drafter`,
         when given, serves the request instead of the routed one (tests script drafts with it);
         `controller` (the `Controller` protocol), when given, replaces the route's;
         `plan`: the route already decided for this policy and these params (`route`), else decided here.
@@ -214,10 +257,10 @@ class Engine:
         prompt_lps = self.prompt_logprobs(ids, prompt, sp.prompt_logprobs) if sp.prompt_logprobs is not None else None
         cached = 0
         if self.prefix is not None:
-            rows, cached = self.prefix.prefill(ids, prompt)
+            rows, cached = yield from self.prefix.prefill_steps(ids, prompt, trunk)
         else:
             trunk.begin()
-            rows = trunk.prefill(prompt)
+            rows = yield from trunk.prefill_steps(prompt)
         logits = penalize(rows.logits[-1:], pen, sp)
         if con is not None:
             logits = con.mask(logits, [])

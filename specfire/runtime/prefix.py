@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generator
 
 import torch
 
@@ -114,14 +114,25 @@ class PrefixCache:
     def clear(self) -> None:
         self.entries.clear()
 
+    def prefill(self, ids: list[int], prompt: torch.Tensor, trunk: "LocalTrunk | None" = None) -> tuple["Rows", int]:
+        """The prefill of `prompt` (= ids) on `trunk` (default: the one this cache was made for)
+        from the longest cached prefix, keeping a snapshot at this prompt's boundary. Returns
+        (rows: last logits, hidden of every prompt row; cached prompt tokens)."""
+        steps = self.prefill_steps(ids, prompt, trunk)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
     @torch.inference_mode()
-    def prefill(self, ids: list[int], prompt: torch.Tensor) -> tuple["Rows", int]:
-        """The trunk's prefill of `prompt` (= ids) from the longest cached prefix, keeping a
-        snapshot at this prompt's boundary. Returns (rows: last logits, hidden of every prompt
-        row; cached prompt tokens)."""
+    def prefill_steps(self, ids: list[int], prompt: torch.Tensor,
+                      trunk: "LocalTrunk | None" = None) -> Generator[None, None, tuple["Rows", int]]:
+        """`prefill`, yielding between its forwards (LocalTrunk.prefill_steps). Any trunk over the
+        same model takes any snapshot: every slot's state has the same layout."""
         from .trunk import Rows
 
-        t = self.trunk
+        t = trunk if trunk is not None else self.trunk
         snap = self.lookup(ids)
         start = len(snap.ids) if snap is not None else 0
         t.begin()
@@ -130,9 +141,10 @@ class PrefixCache:
             restore(t.state, snap)
         cut = self.wants(ids)
         if cut > start:                       # prefill up to the boundary, snapshot, then the rest
-            head = t.prefill(prompt[start:cut], start=start)
+            head = yield from t.prefill_steps(prompt[start:cut], start=start)
             hs.append(head.hidden)
             self.add(take(t.state, ids[:cut], torch.cat(hs)))
             start = cut
-        rows = t.prefill(prompt[start:], start=start)
+            yield
+        rows = yield from t.prefill_steps(prompt[start:], start=start)
         return Rows(rows.logits, torch.cat(hs + [rows.hidden])), (len(snap.ids) if snap is not None else 0)

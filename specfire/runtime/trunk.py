@@ -12,7 +12,7 @@ state after every row, 151 MB a row on the 27B, and made commit a copy). Re-runn
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generator, Protocol
 
 import torch
 
@@ -44,6 +44,7 @@ class Trunk(Protocol):
 
     def begin(self) -> None: ...                                   # new sequence: reset state
     def prefill(self, ids: torch.Tensor, logits: str = "last") -> Rows: ...  # logits "last" | "all"; hidden of all
+    def prefill_steps(self, ids: torch.Tensor, logits: str = "last") -> Generator[None, None, Rows]: ...  # prefill, yielding between forwards
     def verify(self, ids: torch.Tensor, pos: int) -> Rows: ...     # R rows at pos.., per-row capture
     def commit(self, n: int) -> None: ...                          # state := after row n of verify
     def score(self, ids: torch.Tensor) -> torch.Tensor: ...        # float32 logits [T, V]
@@ -68,6 +69,7 @@ class LocalTrunk:
         self.draft_vocab = check_draft_vocab(draft_vocab, model.cfg.vocab_size)
         self.device = model.embed_tokens.weight.device
         self.piece = PREFILL_PIECE                # prompt rows per prefill forward
+        self.kv_dtype = kv_dtype
         self.state: SequenceState = model.new_state(max_seq, kv_dtype)
         if cuda_graphs is None:  # graphs need the attention kernel (it reads the position on the device)
             from ..kernels.attention import KERNEL_HEAD_DIMS
@@ -77,6 +79,13 @@ class LocalTrunk:
             from .graphs import RowsGraphs
             self.graphs = RowsGraphs(model, self.state)
 
+    def view(self) -> "LocalTrunk":
+        """Another trunk over the same model (weights shared) with its own sequence state and CUDA
+        graphs: a slot for one more concurrent request (runtime/slots.py)."""
+        other = LocalTrunk(self.model, self.max_seq, self.kv_dtype, self.graphs is not None, self.draft_vocab)
+        other.piece = self.piece
+        return other
+
     def begin(self) -> None:
         self.state.reset()
 
@@ -84,12 +93,24 @@ class LocalTrunk:
     def graphs_enabled(self) -> bool:
         return self.graphs is not None
 
-    @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, logits: str = "last", start: int = 0) -> Rows:
         """Rows at positions start.. (0 after begin(); a prefix cache resumes later, on a piece
         boundary, so the forwards are those of a prefill from 0)."""
+        steps = self.prefill_steps(ids, logits, start)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    @torch.inference_mode()
+    def prefill_steps(self, ids: torch.Tensor, logits: str = "last", start: int = 0) -> Generator[None, None, Rows]:
+        """`prefill`, one forward of `piece` rows per step, yielding between them, so a scheduler
+        runs other requests' steps while a long prompt is read (the same forwards, the same bits)."""
         hs, lg = [], []
         for s in range(0, ids.shape[0], self.piece):
+            if s:
+                yield
             piece = ids[s:s + self.piece]
             last = s + self.piece >= ids.shape[0]
             h, l = self.model(piece, start + s, self.state, rows=False,

@@ -1,8 +1,11 @@
 """`specfire daemon`: JSON lines on stdin/stdout, for tools that drive the engine as a child process.
 
 One message per line in, one event per line out, in order; the protocol is in docs/PROTOCOL.md.
-A reader thread feeds stdin lines to a queue, so a running generation sees `cancel` and `ping`
-between engine steps. The end of input means no more input (`specfire daemon < requests.jsonl`):
+A reader thread feeds stdin lines to a queue; the main thread handles each line in its turn and,
+while generations run, drives the model's scheduler (runtime/scheduler.py) one round at a time,
+so concurrent generates share the steps (up to max_num_seqs; more wait in arrival order) and
+`ping` / `cancel` are answered between rounds. A `load` or `unload` waits for the generations
+before it to end. The end of input means no more input (`specfire daemon < requests.jsonl`):
 every line read before it is answered, then the daemon exits. stdout carries only protocol JSON:
 while the daemon runs, `sys.stdout` points at stderr so a stray print from any library cannot
 corrupt the stream; a reader that goes away (`specfire daemon | head`) ends the daemon quietly."""
@@ -17,6 +20,7 @@ import queue
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any, Iterable
 
 from ..errors import CheckpointError, SpecfireError
@@ -29,7 +33,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("specfire")
 
 LOAD_PARAMS = ("tp", "device", "dtype", "kv_dtype", "max_seq_len", "spec", "mtp_path", "prefix_cache_mb",
-               "prefill_piece", "draft_vocab", "generation_config")
+               "prefill_piece", "draft_vocab", "generation_config", "max_num_seqs", "kv_cache_memory_bytes")
+BARRIERS = ("load", "unload")      # wait for every generation before them to end
 PREFIX_CACHE_MB = 1024
 DEFAULT_MAX_TOKENS = 256
 EOF = None
@@ -44,13 +49,20 @@ class DaemonError(Exception):
         self.message, self.cls, self.retryable = message, cls, retryable
 
 
-class Stop(Exception):
-    """The running generation ends early: `reason` is "cancel" (with the cancel message's id) or
-    "closed" (stdout's reader has gone)."""
+@dataclass(eq=False)
+class Attempt:
+    """A generate message the scheduler holds (waiting or running)."""
 
-    def __init__(self, reason: str, cancel_id: Any = None):
-        super().__init__(reason)
-        self.reason, self.cancel_id = reason, cancel_id
+    mid: Any
+    attempt: int
+    params: Any
+    prompt_tokens: int
+    t0: float = field(default_factory=time.perf_counter)
+    ttft: float | None = None
+    tokens: int = 0
+    started: bool = False
+    cancelled_by: dict[str, Any] | None = None   # the cancel message that stopped it
+    req: Any = None                     # its runtime.scheduler.Request
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,6 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default generation_config of every load (a load message's params.generation_config "
                         "overrides it): auto, the checkpoint's generation_config.json supplies the default "
                         "sampling of a generate message; none, the built-in defaults (default: auto)")
+    p.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                   help="default max_num_seqs of every load: generations that run at once (more wait in "
+                        "arrival order; default: 8 on a GPU, 4 on a CPU)")
 
 
 def is_int(v: Any) -> bool:
@@ -71,10 +86,13 @@ def is_int(v: Any) -> bool:
 
 
 class Daemon:
-    def __init__(self, out: IO[bytes], draft_vocab: int | None = None, generation_config: str | None = None):
+    def __init__(self, out: IO[bytes], draft_vocab: int | None = None, generation_config: str | None = None,
+                 max_num_seqs: int | None = None):
         self.out = out
         self.draft_vocab = draft_vocab         # --draft-vocab: the default of every load
         self.generation_config = generation_config   # --generation-config: the default of every load
+        self.max_num_seqs = max_num_seqs       # --max-num-seqs: the default of every load
+        self.attempts: dict[int, Attempt] = {}   # generates the scheduler holds, by attempt_id
         self.llm: "LLM | None" = None
         self.lines: queue.Queue[bytes | None] = queue.Queue()
         self.pending: collections.deque[bytes] = collections.deque()  # read during a generation, not yet handled
@@ -116,18 +134,28 @@ class Daemon:
         threading.Thread(target=read, name="specfire-stdin", daemon=True).start()
         try:
             while not self.closed:
-                if self.pending:
-                    raw = self.pending.popleft()
+                self.poll()
+                if self.pending and not (self.attempts and self._kind(self.pending[0]) in BARRIERS):
+                    self.handle_line(self.pending.popleft())
+                elif self.attempts:
+                    assert self.llm is not None
+                    self.llm.scheduler.run_round()     # events go out through each attempt's listener
                 elif self.eof:
                     break
                 else:
                     raw = self.lines.get()
                     if raw is EOF:
                         self.eof = True
-                        continue
-                self.handle_line(raw)
+                    else:
+                        self.pending.append(raw)
         finally:
             self._unload()
+
+    def _kind(self, raw: bytes) -> Any:
+        try:
+            return self.parse(raw).get("type")
+        except DaemonError:
+            return None
 
     def handle_line(self, raw: bytes) -> None:
         if not raw.strip():
@@ -182,27 +210,30 @@ class Daemon:
     def ping(self, msg: dict[str, Any]) -> None:
         self.emit({"type": "pong", "id": msg.get("id")})
 
-    def cancel(self, msg: dict[str, Any], running: int | None = None) -> bool:
-        """Cancel attempt `attempt_id`: one waiting in line is dropped here (its generate ends with
-        `aborted`); returns whether it is the running one, which the caller stops."""
+    def cancel(self, msg: dict[str, Any]) -> None:
+        """Cancel attempt `attempt_id`: one the scheduler holds stops at its next step boundary (it
+        then ends with `aborted` and this `cancelled`); one still waiting in line here is dropped now."""
         attempt = msg.get("attempt_id")
         if not is_int(attempt) or attempt < 0:
             raise DaemonError(f"'attempt_id' must be a non-negative integer, got {attempt!r}", "invalid_request")
-        found = attempt == running
-        if not found:
-            for raw in list(self.pending):
-                try:
-                    m = self.parse(raw)
-                except DaemonError:
-                    continue
-                if m.get("type") == "generate" and m.get("attempt_id") == attempt:
-                    self.pending.remove(raw)
-                    self.emit({"type": "aborted", "id": m.get("id"), "attempt_id": attempt, "tokens": 0,
-                               "reason": "cancel"})
-                    found = True
-                    break
-            self.emit({"type": "cancelled", "id": msg.get("id"), "attempt_id": attempt, "found": found})
-        return attempt == running
+        held = self.attempts.get(attempt)
+        if held is not None and held.cancelled_by is None:
+            held.cancelled_by = msg
+            held.req.cancel.set()
+            return
+        found = False
+        for raw in list(self.pending):
+            try:
+                m = self.parse(raw)
+            except DaemonError:
+                continue
+            if m.get("type") == "generate" and m.get("attempt_id") == attempt:
+                self.pending.remove(raw)
+                self.emit({"type": "aborted", "id": m.get("id"), "attempt_id": attempt, "tokens": 0,
+                           "reason": "cancel"})
+                found = True
+                break
+        self.emit({"type": "cancelled", "id": msg.get("id"), "attempt_id": attempt, "found": found})
 
     def load(self, msg: dict[str, Any]) -> None:
         from ..api import LLM
@@ -218,6 +249,8 @@ class Daemon:
             raise DaemonError(f"'params' has unknown field(s) {unknown}; allowed: {', '.join(LOAD_PARAMS)}",
                               "invalid_request")
         params = dict(params)
+        if self.max_num_seqs is not None:
+            params.setdefault("max_num_seqs", self.max_num_seqs)
         if self.draft_vocab is not None:
             params.setdefault("draft_vocab", self.draft_vocab)
         if self.generation_config is not None:
@@ -228,6 +261,7 @@ class Daemon:
             raise DaemonError(f"'params.prefix_cache_mb' must be an integer >= 0, got {cache_mb!r}", "invalid_request")
         if piece is not None and (not is_int(piece) or piece < 1):
             raise DaemonError(f"'params.prefill_piece' must be a positive integer, got {piece!r}", "invalid_request")
+        self.finish_generations()
         self._unload()
         t0 = time.perf_counter()
         try:
@@ -242,10 +276,17 @@ class Daemon:
         cfg = llm.cfg
         self.emit({"type": "loaded", "id": msg.get("id"), "model": llm.path, "arch": cfg.model_type,
                    "layers": cfg.num_hidden_layers, "vocab": cfg.vocab_size, "mtp": bool(llm.mtp_loaded),
-                   "tp": llm.tp, "max_seq_len": llm.max_model_len, "device": str(llm.device),
+                   "tp": llm.tp, "max_seq_len": llm.max_model_len, "max_num_seqs": llm.max_num_seqs,
+                   "device": str(llm.device),
                    "dtype": str(llm.dtype).replace("torch.", ""), "chat": llm.tokenizer is not None,
                    "sampling_defaults": llm.generation_defaults.as_dict(),
                    "load_ms": 1000.0 * (time.perf_counter() - t0)})
+
+    def finish_generations(self) -> None:
+        """Run the scheduler until every generation the daemon holds has ended (a load or unload
+        waits for them; the run loop keeps answering pings and cancels meanwhile)."""
+        if self.llm is not None and self.attempts:
+            self.llm.scheduler.drive_until(lambda: not self.attempts)
 
     def _unload(self) -> bool:
         if self.llm is None:
@@ -255,6 +296,7 @@ class Daemon:
         return True
 
     def unload(self, msg: dict[str, Any]) -> None:
+        self.finish_generations()
         was = self._unload()
         self.emit({"type": "unloaded", "id": msg.get("id"), "was_loaded": was})
 
@@ -282,44 +324,62 @@ class Daemon:
         policy = spec_policy(b.speculation, llm.spec)
         plan = check_route(llm, sp, policy)
 
-        t0 = time.perf_counter()
-        self.emit({"type": "gen_start", "id": mid, "attempt_id": attempt, "prompt_tokens": len(ids)})
-        ttft = None
-        res = None
-        n = 0
-        stream = llm.stream(ids, sp, policy, plan=plan)
-        try:
-            for chunk in stream:
-                if ttft is None and chunk.token_ids:
-                    ttft = time.perf_counter() - t0
-                n += len(chunk.token_ids)
-                if chunk.text or chunk.logprobs:         # with logprobs a textless token (EOS) is sent too
-                    ev = {"type": "token", "id": mid, "attempt_id": attempt, "text": chunk.text, "ids": chunk.token_ids}
-                    if chunk.logprobs is not None:
-                        ev["logprobs"] = logprob_entries(chunk.logprobs)
-                    self.emit(ev)
-                res = chunk.result
-                if res is None:
-                    self.poll(attempt)
-        except Stop as s:
-            self.emit({"type": "aborted", "id": mid, "attempt_id": attempt, "tokens": n, "reason": s.reason})
-            if s.reason == "cancel":
-                self.emit({"type": "cancelled", "id": s.cancel_id, "attempt_id": attempt, "found": True})
-            return
-        finally:
-            stream.close()
-        assert res is not None
-        fig = llm.figures(res, sp)
-        self.emit({"type": "done", "id": mid, "attempt_id": attempt, "tokens": fig.generated_tokens,
-                   "prefill_tokens": fig.prompt_tokens, **fig.timings(1000.0 * (ttft or 0.0)),
-                   "finish_reason": res.finish_reason, "context_limited": fig.context_limited,
-                   "tau": fig.mean_accept_len})
+        if attempt in self.attempts:
+            raise DaemonError(f"attempt_id {attempt} is already running or waiting; give each generate its own",
+                              "invalid_request")
+        from ..runtime.scheduler import Request
 
-    def poll(self, attempt: int) -> None:
-        """Between engine steps: answer pings, act on cancels, keep the rest (and note the end of
-        input, which stops nothing: the lines before it are still answered)."""
-        if self.closed:
-            raise Stop("closed")
+        a = Attempt(mid, attempt, sp, len(ids))
+        a.req = Request(ids, sp, policy, lambda kind, payload: self._event(a, kind, payload), plan=plan)
+        self.attempts[attempt] = a
+        llm.scheduler.submit(a.req)
+
+    def _event(self, a: Attempt, kind: str, payload: Any) -> None:
+        """One scheduler event of attempt `a` (on this thread, which drives the rounds) -> its events out."""
+        from ..runtime import scheduler as sch
+
+        ev = {"id": a.mid, "attempt_id": a.attempt}
+        if kind == sch.STARTED:
+            a.started = True
+            self.emit({"type": "gen_start", **ev, "prompt_tokens": a.prompt_tokens})
+            return
+        if kind in (sch.CHUNK, sch.DONE):
+            if a.ttft is None and payload.token_ids:
+                a.ttft = time.perf_counter() - a.t0
+            a.tokens += len(payload.token_ids)
+            lps = getattr(payload, "logprobs", None)
+            if payload.text or lps:                 # with logprobs a textless token (EOS) is sent too
+                tok = {"type": "token", **ev, "text": payload.text, "ids": payload.token_ids}
+                if lps is not None:
+                    tok["logprobs"] = logprob_entries(lps)
+                self.emit(tok)
+            if kind == sch.CHUNK:
+                return
+        self.attempts.pop(a.attempt, None)
+        if kind == sch.DONE:
+            res = payload.result
+            fig = self.llm.figures(res, a.params)
+            self.emit({"type": "done", **ev, "tokens": fig.generated_tokens, "prefill_tokens": fig.prompt_tokens,
+                       **fig.timings(1000.0 * (a.ttft or 0.0)), "finish_reason": res.finish_reason,
+                       "context_limited": fig.context_limited, "tau": fig.mean_accept_len})
+        elif kind == sch.CANCELLED:
+            by = a.cancelled_by
+            self.emit({"type": "aborted", **ev, "tokens": a.tokens, "reason": "closed" if by is None else "cancel"})
+            if by is not None:
+                self.emit({"type": "cancelled", "id": by.get("id"), "attempt_id": a.attempt, "found": True})
+        else:
+            e = payload
+            if isinstance(e, (SpecfireError, ValueError)):
+                err = DaemonError(str(e), "invalid_request")
+            else:
+                oom = "out of memory" in str(e).lower()
+                err = DaemonError(f"{type(e).__name__}: {e}", "oom" if oom else "internal_error", True)
+            self.error(a.mid, err, a.attempt)
+
+    def poll(self) -> None:
+        """Take the lines read so far: while generations run, answer pings and act on cancels at
+        once; keep the rest in line (and note the end of input, which stops nothing: the lines
+        before it are still answered)."""
         while not self.eof:
             try:
                 raw = self.lines.get_nowait()
@@ -328,23 +388,10 @@ class Daemon:
             if raw is EOF:
                 self.eof = True
                 return
-            try:
-                msg = self.parse(raw)
-            except DaemonError:
-                self.pending.append(raw)       # reported in its turn
-                continue
-            if msg.get("type") == "ping":
+            if self.attempts and self._kind(raw) in ("ping", "cancel"):
                 self.handle_line(raw)
-            elif msg.get("type") == "cancel":
-                try:
-                    running = self.cancel(msg, running=attempt)
-                except DaemonError as e:
-                    self.error(msg.get("id"), e)
-                    continue
-                if running:
-                    raise Stop("cancel", msg.get("id"))
             else:
-                self.pending.append(raw)
+                self.pending.append(raw)      # (a bad line too: reported in its turn)
 
 
 def logprob_entries(lps: Any) -> list[dict[str, Any]]:
@@ -359,7 +406,8 @@ def main(args: argparse.Namespace) -> int:
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)                      # fd 1 (C libraries) and sys.stdout now write to stderr
     real_stdout, sys.stdout = sys.stdout, sys.stderr
-    d = Daemon(out, getattr(args, "draft_vocab", None), getattr(args, "generation_config", None))
+    d = Daemon(out, getattr(args, "draft_vocab", None), getattr(args, "generation_config", None),
+               getattr(args, "max_num_seqs", None))
     try:
         if args.model is not None:
             d.handle_line(json.dumps({"type": "load", "model": None if args.model == "bundled" else args.model})

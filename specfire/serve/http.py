@@ -41,8 +41,10 @@ def __getattr__(name: str) -> Any:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..cli import add_model_args, add_penalty_args
+    from ..flags import add_batch_args
 
     add_model_args(p, positional=True)
+    add_batch_args(p)
     add_penalty_args(p, what=" for requests that leave the field out")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -128,8 +130,11 @@ def main(args: argparse.Namespace) -> int:
     from ..config import SamplingParams
 
     # ---- everything checkable before the port: flags, the key, the packages ----------------------
+    from ..flags import check_batch_flags
+
     if args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    check_batch_flags(args)
     try:
         defaults = penalty_kw(args)
         SamplingParams(**defaults)                # range errors before the port and the model
@@ -193,7 +198,8 @@ def main(args: argparse.Namespace) -> int:
         print(model_defaults_line(llm, from_model), file=sys.stderr, flush=True)
     if empty_key:
         say(f"the API key is empty ({empty_key}): requests need no key")
-    say(f"serving {name} on http://{args.host}:{args.port}/v1")
+    say(f"serving {name} on http://{args.host}:{args.port}/v1, up to {llm.max_num_seqs} request(s) at once"
+        + (f" ({llm.slots.why})" if llm.slots.why else ""))
     # uvicorn handles SIGINT / SIGTERM (stop accepting, end streams, run the lifespan shutdown) and then
     # re-raises the signal with the handler that was installed before it; a no-op one makes a SIGTERM
     # shutdown end with status 0.

@@ -37,8 +37,10 @@ class Metrics:
             return Histogram(PREFIX + name, help_, lb, buckets=buckets, registry=self.registry).labels(**m)
 
         self.model = m
-        self.running = gauge("num_requests_running", "Requests in the engine now (0 or 1: one engine, one stream).")
-        self.waiting = gauge("num_requests_waiting", "Requests queued behind the running one.")
+        self.running = gauge("num_requests_running", "Requests holding a sequence slot now, each streaming.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting for a free slot, in arrival order.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Share of the sequence slots' reserved state in use "
+                              "(busy slots / max_num_seqs; 1 = full).")
         self.success = counter("request_success", "Finished requests by finish reason (abort = client left).",
                                ["finished_reason"])
         for reason in FINISH_REASONS:
@@ -66,6 +68,9 @@ class Metrics:
     def started(self) -> None:
         self.waiting.dec()
         self.running.inc()
+
+    def slots_used(self, share: float) -> None:
+        self.kv_usage.set(share)
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)

@@ -1,13 +1,13 @@
-"""One engine, one thread: requests run to completion in arrival order.
+"""The engine thread: it drives the model's scheduler (runtime/scheduler.py) while any request runs
+or waits, so concurrent requests each get their own slot and stream at once (more than
+max_num_seqs wait in arrival order).
 
-The engine keeps a single sequence state and is not re-entrant, so every generation goes through
-this worker's FIFO queue; callers get events through a callback and cancel by setting an Event,
-which the worker checks before a job starts and after every engine step (a cancelled request's
-state is simply reset by the next request's prefill)."""
+Callers get events through a callback, called on this thread, and cancel by setting an Event,
+which the scheduler checks at every step boundary (a cancelled request leaves its slot there; a
+queued one never starts)."""
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..config import SamplingParams, SpecPolicy
 from ..report import RequestFigures
+from ..runtime import scheduler as sch
 from .metrics import Metrics
 
 if TYPE_CHECKING:
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("specfire")
 
 # event kinds passed to Job.on_event(kind, payload)
-CHUNK, DONE, ERROR, CANCELLED = "chunk", "done", "error", "cancelled"
+CHUNK, DONE, ERROR, CANCELLED = sch.CHUNK, sch.DONE, sch.ERROR, sch.CANCELLED
 
 
 @dataclass
@@ -47,21 +48,23 @@ class Job:
     arrived: float = field(default_factory=time.perf_counter)
     ttft_s: float | None = None
     plan: "RoutePlan | None" = None     # the route decided when the request was checked (else decided here)
+    started: bool = False               # it holds a slot (or did)
 
 
 class EngineWorker:
     def __init__(self, llm: "LLM", metrics: Metrics | None = None):
         self.llm = llm
         self.metrics = metrics
-        self.q: queue.Queue[Job | None] = queue.Queue()
-        self.current: Job | None = None
+        self.sched = llm.scheduler
+        self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="specfire-engine", daemon=True)
         self.thread.start()
 
     def submit(self, job: Job) -> Job:
         if self.metrics:
             self.metrics.queued()
-        self.q.put(job)
+        self.sched.submit(sch.Request(job.ids, job.params, job.spec, self._listener(job), plan=job.plan,
+                                      cancel=job.cancel, arrived=job.arrived))
         return job
 
     @property
@@ -69,71 +72,64 @@ class EngineWorker:
         return self.thread.is_alive()
 
     def cancel_all(self) -> None:
-        """Cancel the running request and every queued one (they end with a CANCELLED event)."""
-        with self.q.mutex:
-            queued = [j for j in self.q.queue if j is not None]
-        cur = self.current
-        for job in queued + ([cur] if cur is not None else []):
-            job.cancel.set()
+        """Cancel the running requests and every queued one (they end with a CANCELLED event)."""
+        self.sched.cancel_all()
 
     def close(self, timeout: float | None = 30.0) -> None:
-        """Cancel the running request and every queued one, then stop the thread."""
+        """Cancel the running requests and every queued one, then stop the thread once they have ended."""
         self.cancel_all()
-        self.q.put(None)
+        self.stopping.set()
+        self.sched.wake()
         self.thread.join(timeout)
 
-    # ---- the loop -------------------------------------------------------------------------------
+    # ---- the thread -----------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            job = self.q.get()
-            if job is None:
-                return
-            if job.cancel.is_set():
-                if self.metrics:
-                    self.metrics.finished("abort", time.perf_counter() - job.arrived, None, started=False)
-                job.on_event(CANCELLED, None)
-                continue
-            if self.metrics:
-                self.metrics.started()
-            self.current = job
             try:
-                self._run(job)
-            except BaseException as e:  # the server must outlive any one request
-                log.exception("request failed")
-                if self.metrics:
-                    self.metrics.finished("error", time.perf_counter() - job.arrived, None)
-                job.on_event(ERROR, e)
-            finally:
-                self.current = None
+                self.sched.drive_until(lambda: self.stopping.is_set() and not self.sched.busy())
+                return
+            except Exception:  # the server must outlive any one round
+                log.exception("scheduler round failed")
 
-    def _run(self, job: Job) -> None:
+    def _listener(self, job: Job) -> Callable[[str, Any], None]:
+        """The scheduler's events of `job` -> metrics and the job's own events."""
         m = self.metrics
-        last_t = None
-        stream = self.llm.stream(job.ids, job.params, job.spec, plan=job.plan)
-        try:
-            for chunk in stream:
-                now = time.perf_counter()
-                n = len(chunk.token_ids)
-                n_gap = n
+        last_t: list[float | None] = [None]
+
+        def on_event(kind: str, payload: Any) -> None:
+            now = time.perf_counter()
+            if m and kind != CHUNK:
+                pool = self.sched.pool
+                m.slots_used(pool.busy / pool.limit)
+            if kind == sch.STARTED:
+                job.started = True
+                if m:
+                    m.started()
+                return
+            if kind == CHUNK or kind == DONE:
+                n = n_gap = len(payload.token_ids)
                 if job.ttft_s is None and n:
                     job.ttft_s = now - job.arrived
                     if m:
                         m.first_token(job.ttft_s)
                     n_gap = 0
-                if m and last_t is not None and n_gap > 0:
-                    m.tokens_arrived(now - last_t, n_gap)
-                last_t = now
-                if chunk.result is not None:
-                    fig = self.llm.figures(chunk.result, job.params)
-                    if m:
-                        m.finished(chunk.result.finish_reason, now - job.arrived, fig)
-                    job.on_event(DONE, Finished(chunk.text, chunk.result, fig, job.ttft_s or 0.0))
-                    return
-                job.on_event(CHUNK, chunk)
-                if job.cancel.is_set():
-                    if m:
-                        m.finished("abort", now - job.arrived, None)
-                    job.on_event(CANCELLED, None)
-                    return
-        finally:
-            stream.close()
+                if m and last_t[0] is not None and n_gap > 0:
+                    m.tokens_arrived(now - last_t[0], n_gap)
+                last_t[0] = now
+            if kind == CHUNK:
+                job.on_event(CHUNK, payload)
+            elif kind == DONE:
+                fig = self.llm.figures(payload.result, job.params)
+                if m:
+                    m.finished(payload.result.finish_reason, now - job.arrived, fig)
+                job.on_event(DONE, Finished(payload.text, payload.result, fig, job.ttft_s or 0.0))
+            elif kind == ERROR:
+                if m:
+                    m.finished("error", now - job.arrived, None, started=job.started)
+                job.on_event(ERROR, payload)
+            elif kind == CANCELLED:
+                if m:
+                    m.finished("abort", now - job.arrived, None, started=job.started)
+                job.on_event(CANCELLED, None)
+
+        return on_event

@@ -1,0 +1,126 @@
+"""Slots: one engine per running request, over one loaded model.
+
+A slot is an `Engine` whose trunk is a view of the model (weights shared, its own sequence state:
+Gated DeltaNet states, conv windows, KV rows; its own CUDA graphs) with its own drafters (the MTP
+head's weights shared, its own KV cache; its own n-gram index) and step buffers (staging,
+penalties, random stream). The slots' engines share `Engine.shared` (auto's cycle costs and
+acceptance, the prefix cache). A request owns a slot from its prefill to its end; `begin()` resets
+the state for the next one, so a slot is reused, never rebuilt.
+
+Slots are built on demand up to `limit` (max_num_seqs) and a memory budget: each one reserves its
+whole max_seq of KV rows (KV blocks allocated as a sequence grows are the next step), so admission
+counts `state_bytes` per slot. A topology that holds one sequence (the mesh) has one slot.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from ..config import FULL, ModelConfig, check_max_num_seqs
+from ..model.state import SequenceState
+from .engine import Engine
+
+log = logging.getLogger("specfire")
+
+# the device share the model and the slots may fill when no budget is given (vLLM's
+# gpu_memory_utilization default): the rest is left to activations, graphs and other processes
+GPU_MEMORY_SHARE = 0.9
+MAX_NUM_SEQS_GPU = 8     # the issue's first concurrency target; 8 x max_seq of KV is what each slot reserves
+MAX_NUM_SEQS_CPU = 4     # requests share the CPU's cores one step at a time: more slots only divide them
+
+
+def default_max_num_seqs(device: torch.device) -> int:
+    return MAX_NUM_SEQS_GPU if device.type == "cuda" else MAX_NUM_SEQS_CPU
+
+
+def _bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.untyped_storage().nbytes()
+
+
+def state_bytes(cfg: ModelConfig, max_seq: int, kv_dtype: torch.dtype, mtp: bool) -> int:
+    """Bytes of one slot's sequence state (the trunk's and, with `mtp`, the MTP head's KV cache),
+    from the config, max_seq and the KV dtype: the same allocation a slot makes, laid out on the
+    meta device (no memory). Step buffers, rows logs and graph pools are not counted."""
+    meta = torch.device("meta")
+    states = [SequenceState.allocate(cfg, cfg.layer_types, max_seq, meta, kv_dtype)]
+    if mtp:
+        states.append(SequenceState.allocate(cfg, (FULL,), max_seq, meta, kv_dtype))
+    total = 0
+    for st in states:
+        if st.book is not None:
+            total += _bytes(st.book.rec) + _bytes(st.book.conv)
+        for lc in st.layers:
+            if lc.rec is None:
+                total += sum(_bytes(t) for t in (lc.k, lc.v, lc.k_scale, lc.v_scale))
+    return total
+
+
+class SlotPool:
+    """The slots of one model: `acquire` a free one (building it when under the limit and the
+    budget), `release` it when its request ends. `first` is the engine LLM built; `first.fork`
+    makes the others (None: the topology holds one sequence, so the pool has one slot)."""
+
+    def __init__(self, first: Engine, max_num_seqs: int, slot_bytes: int, budget: int | None = None):
+        check_max_num_seqs(max_num_seqs)
+        if budget is not None and budget < slot_bytes:
+            raise ValueError(f"kv_cache_memory_bytes {budget} is less than one sequence's state, {slot_bytes} "
+                             f"bytes at max_seq_len {first.max_seq} (lower max_seq_len or raise the budget)")
+        self.first = first
+        self.engines: list[Engine] = [first]
+        self.free: list[Engine] = [first]
+        self.slot_bytes = slot_bytes
+        self.budget = budget
+        self.asked = max_num_seqs
+        by_budget = max_num_seqs if budget is None else budget // slot_bytes
+        self.limit = 1 if first.fork is None else max(1, min(max_num_seqs, by_budget))
+        self.why = ""                   # why the limit is below what was asked (one line; empty if not)
+        if first.fork is None and max_num_seqs > 1:
+            self.why = f"the {first.topology} topology holds one sequence"
+        elif self.limit < max_num_seqs:
+            self.why = f"kv_cache_memory_bytes {budget} holds {self.limit} sequence states of {slot_bytes} bytes"
+        self.lock = threading.Lock()
+
+    @property
+    def busy(self) -> int:
+        return len(self.engines) - len(self.free)
+
+    def acquire(self) -> Engine | None:
+        """A free slot, or None when every slot is busy and no other fits (the request waits)."""
+        with self.lock:
+            if self.free:
+                return self.free.pop()
+            if len(self.engines) >= self.limit or not self._fits():
+                return None
+        try:
+            eng = self.first.fork()
+        except torch.OutOfMemoryError:
+            with self.lock:      # the device is fuller than the budget said: stay at this many slots
+                self.limit = len(self.engines)
+                self.why = f"the device ran out of memory building slot {self.limit + 1}"
+            log.warning("no memory for another sequence slot: serving %d at a time", self.limit)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            return None
+        with self.lock:
+            self.engines.append(eng)
+        return eng
+
+    def _fits(self) -> bool:
+        """Without a budget, a GPU slot must leave (1 - GPU_MEMORY_SHARE) of the device free."""
+        dev = self.first.trunk.device
+        if self.budget is not None or dev.type != "cuda":
+            return True
+        free, total = torch.cuda.mem_get_info(dev)
+        if total - free + self.slot_bytes <= GPU_MEMORY_SHARE * total:
+            return True
+        self.limit = len(self.engines)
+        self.why = f"slot {self.limit + 1} would fill more than {GPU_MEMORY_SHARE:.0%} of the device's memory"
+        log.warning("%s: serving %d sequences at a time", self.why, self.limit)
+        return False
+
+    def release(self, eng: Engine) -> None:
+        with self.lock:
+            if eng not in self.free:
+                self.free.append(eng)

@@ -1,0 +1,306 @@
+"""Concurrent requests (runtime/slots.py, runtime/scheduler.py): each request runs on its own slot,
+and its output, greedy or seeded sampled, is the one it gives alone, whatever shares the rounds and
+in whatever order the requests arrive."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import specfit
+from specfire import LLM, SamplingParams, SpecPolicy
+from specfire.config import parse_bytes
+from specfire.errors import SpecfireError
+from specfire.runtime import scheduler as sch
+from specfire.runtime.slots import state_bytes
+
+# mixed policies and sampling: greedy AR, greedy MTP, seeded sampled n-gram, penalised auto, a stop
+# string on seeded sampled MTP, min_tokens on AR
+MIXED = [
+    (SamplingParams(max_tokens=20), SpecPolicy("off")),
+    (SamplingParams(max_tokens=24), SpecPolicy("mtp", 3)),
+    (SamplingParams(max_tokens=18, temperature=0.8, seed=5), SpecPolicy("ngram", 2)),
+    (SamplingParams(max_tokens=22, frequency_penalty=0.5, repetition_penalty=1.1), SpecPolicy("auto", 3)),
+    (SamplingParams(max_tokens=30, temperature=0.9, top_p=0.9, seed=11, stop=["C"]), SpecPolicy("mtp", 3)),
+    (SamplingParams(max_tokens=16, min_tokens=12), SpecPolicy("off")),
+]
+
+
+@pytest.fixture(scope="module")
+def path(ckpt_cache) -> str:
+    """The fitted tiny model (drafts really get accepted) with a one-character-per-token tokenizer."""
+    return specfit.variant(specfit.fitted_checkpoint(ckpt_cache["root"]), str(ckpt_cache["root"] / "batch_chars"),
+                           tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def llm(path):
+    with LLM(path, device="cpu", progress=False, max_seq_len=512, max_num_seqs=4) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return specfit.prompts(len(MIXED), length=10, seed=42)
+
+
+@pytest.fixture(scope="module")
+def alone(llm, prompts) -> list[list[int]]:
+    """Each request by itself, one after another."""
+    out = [llm.generate(p, sp, spec=pol).token_ids for p, (sp, pol) in zip(prompts, MIXED)]
+    assert len(llm.slots.engines) == 1          # one at a time needs one slot
+    return out
+
+
+def test_state_bytes_is_what_a_slot_allocates(path):
+    """The admission figure is the bytes a slot's sequence state takes (trunk and MTP head), for
+    every KV dtype."""
+    for kv in ("auto", "q8"):
+        with LLM(path, device="cpu", progress=False, max_seq_len=300, kv_dtype=kv) as m:
+            slot = m.slots.first.fork()
+            states = [slot.trunk.state, slot.drafters["mtp"].state]
+            got = 0
+            for st in states:
+                seen = set()
+                for lc in st.layers:
+                    for t in (lc.k, lc.v, lc.k_scale, lc.v_scale, lc.rec, lc.conv):
+                        if t is not None and t.untyped_storage().data_ptr() not in seen:
+                            seen.add(t.untyped_storage().data_ptr())
+                            got += t.untyped_storage().nbytes()
+            assert got == state_bytes(m.cfg, 300, m.kv_dtype, True) == m.slots.slot_bytes, kv
+            assert state_bytes(m.cfg, 300, m.kv_dtype, False) < got
+
+
+def test_generate_list_equals_each_alone_in_any_order(llm, prompts, alone):
+    """LLM.generate(list) runs the requests concurrently on four slots; each output is its own
+    alone, token for token, in arrival order and reversed."""
+    got = llm.generate(prompts, [sp for sp, _ in MIXED], spec=[pol for _, pol in MIXED])
+    assert [r.token_ids for r in got] == alone
+    assert len(llm.slots.engines) == 4 and llm.slots.busy == 0
+    rev = llm.generate(prompts[::-1], [sp for sp, _ in MIXED][::-1], spec=[pol for _, pol in MIXED][::-1])
+    assert [r.token_ids for r in rev] == alone[::-1]
+    assert any(r.stats["cycles"] for r in got) and got[4].finish_reason in ("stop", "length")
+
+
+def test_requests_interleave_and_wait_in_arrival_order(path, prompts, alone):
+    """With two slots six requests take turns: every running request advances once a round (the
+    second's first token comes before the first's last), the rest wait and start in arrival order,
+    and the outputs are still each one's own."""
+    with LLM(path, device="cpu", progress=False, max_seq_len=512, max_num_seqs=2) as m:
+        log: list[tuple[int, str]] = []
+        reqs = []
+        for i, (p, (sp, pol)) in enumerate(zip(prompts, MIXED)):
+            def on_event(kind, payload, i=i):
+                log.append((i, kind))
+                if kind == sch.DONE:
+                    results[i] = payload.result
+            reqs.append(sch.Request(p, sp, pol, on_event))
+        results: list = [None] * len(reqs)
+        for r in reqs:
+            m.scheduler.submit(r)
+        m.scheduler.drive_until(lambda: all(r.over for r in reqs))
+        assert [r.token_ids for r in results] == alone
+        starts = [i for i, kind in log if kind == sch.STARTED]
+        assert starts == list(range(len(reqs)))
+        assert log.index((1, sch.CHUNK)) < log.index((0, sch.DONE))
+        # never more than two running at once
+        running = peak = 0
+        for _, kind in log:
+            running += kind == sch.STARTED
+            running -= kind in (sch.DONE, sch.ERROR, sch.CANCELLED)
+            peak = max(peak, running)
+        assert peak == 2 and len(m.slots.engines) == 2
+
+
+def test_streams_from_threads_share_the_rounds(llm, prompts):
+    """LLM.stream from four threads: each thread gets its own request's chunks, equal to the request
+    alone, and the streams overlap (each has its first chunk before any has ended)."""
+    reqs = [(SamplingParams(max_tokens=80, ignore_eos=True), SpecPolicy("off")),
+            (SamplingParams(max_tokens=80, ignore_eos=True), SpecPolicy("mtp", 3)),
+            (SamplingParams(max_tokens=80, ignore_eos=True, temperature=0.8, seed=2), SpecPolicy("ngram", 2)),
+            (SamplingParams(max_tokens=80, ignore_eos=True, presence_penalty=0.5), SpecPolicy("auto", 3))]
+    alone = [llm.generate(p, sp, spec=pol).token_ids for p, (sp, pol) in zip(prompts, reqs)]
+    order: list[tuple[int, bool]] = []
+    got: list = [None] * 4
+    lock = threading.Lock()
+    ready = threading.Barrier(4)
+
+    def go(i: int) -> None:
+        ids = []
+        it = llm.stream(prompts[i], *reqs[i])
+        ready.wait(60)
+        for chunk in it:
+            ids += chunk.token_ids
+            with lock:
+                order.append((i, chunk.result is not None))
+        got[i] = ids
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert got == alone
+    first_end = next(n for n, (_, last) in enumerate(order) if last)
+    assert {i for i, _ in order[:first_end]} == {0, 1, 2, 3}, order
+
+
+def test_a_long_prompt_prefills_between_the_others_steps(path, prompts, alone):
+    """A prompt of many prefill pieces joins while another request streams: the running one keeps
+    getting tokens between the newcomer's pieces, and both outputs are their own alone."""
+    long = specfit.prompts(1, length=200, seed=7)[0]
+    sp = SamplingParams(max_tokens=8)
+    with LLM(path, device="cpu", progress=False, max_seq_len=512) as m:
+        m.enable_prefix_cache(0, piece=16)       # no cache; prefill pieces of 16 rows
+        for eng in m.slots.engines:
+            eng.trunk.piece = 16
+        want_long = m.generate(long, sp, spec="off").token_ids
+        log: list[tuple[str, str]] = []
+        a = sch.Request(prompts[0], SamplingParams(max_tokens=60, ignore_eos=True), SpecPolicy("off"),
+                        lambda kind, payload: log.append(("a", kind)))
+        b = sch.Request(long, sp, SpecPolicy("off"), lambda kind, payload: log.append(("b", kind)))
+        res = {}
+        a.on_event = lambda kind, payload: (log.append(("a", kind)), kind == sch.DONE and res.update(a=payload))
+        b.on_event = lambda kind, payload: (log.append(("b", kind)), kind == sch.DONE and res.update(b=payload))
+        m.scheduler.submit(a)
+        m.scheduler.drive_until(lambda: ("a", sch.CHUNK) in log)
+        m.scheduler.submit(b)
+        m.scheduler.drive_until(lambda: a.over and b.over)
+        assert m.slots.first.trunk.piece == 16
+        i0, i1 = log.index(("b", sch.STARTED)), log.index(next(e for e in log if e[0] == "b" and e[1] != sch.STARTED))
+        between = [e for e in log[i0:i1] if e == ("a", sch.CHUNK)]
+        assert len(between) >= 10, log            # 13 pieces: one step of `a` after each but the last
+        assert res["b"].result.token_ids == want_long
+        assert res["a"].result.token_ids == m.generate(prompts[0], SamplingParams(max_tokens=60, ignore_eos=True),
+                                                       spec="off").token_ids
+
+
+def test_cancel_frees_the_slot_at_the_next_step(path, prompts, alone):
+    """One slot: a stream left early is cancelled and its slot goes to the next request at the next
+    boundary; a waiting request cancelled never starts."""
+    with LLM(path, device="cpu", progress=False, max_seq_len=512, max_num_seqs=1) as m:
+        it = m.stream(prompts[1], SamplingParams(max_tokens=200, ignore_eos=True), SpecPolicy("mtp", 3))
+        next(it)
+        next(it)
+        it.close()                                 # the consumer leaves
+        log = []
+        w = sch.Request(prompts[2], *MIXED[2], lambda kind, payload: log.append(kind))
+        w.cancel.set()
+        m.scheduler.submit(w)
+        assert m.generate(prompts[1], *MIXED[1]).token_ids == alone[1]
+        assert log == [sch.CANCELLED] and len(m.slots.engines) == 1 and m.scheduler.num_running == 0
+
+
+def test_score_runs_on_a_free_slot_beside_a_stream(llm, prompts, alone):
+    ref = llm.score(prompts[0])
+    it = llm.stream(prompts[1], *MIXED[1])
+    ids = list(next(it).token_ids)
+    mid = llm.score(prompts[0])                    # between the stream's steps, on another slot
+    for chunk in it:
+        ids += chunk.token_ids
+    assert torch.equal(mid, ref) and ids == alone[1]
+
+
+def test_prefix_reuse_under_concurrency(path, prompts):
+    """Prompts that extend a cached one resume from its snapshot on whatever slot they get; greedy
+    output is a cold run's."""
+    turn = specfit.prompts(1, length=40, seed=3)[0]
+    nexts = [turn + p for p in prompts[:3]]
+    sp = SamplingParams(max_tokens=12)
+    with LLM(path, device="cpu", progress=False, max_seq_len=512) as cold:
+        want = [cold.generate(p, sp, spec="mtp").token_ids for p in nexts]
+    with LLM(path, device="cpu", progress=False, max_seq_len=512) as m:
+        m.enable_prefix_cache(64 << 20, piece=16)
+        m.generate(turn, sp)
+        got = m.generate(nexts, sp, spec="mtp")
+        assert [r.token_ids for r in got] == want
+        # the first turn's 32 (a repeated prompt may find the 48 its twin kept a round earlier)
+        assert all(r.stats["cached_tokens"] in (32, 48) for r in got) and got[0].stats["cached_tokens"] == 32
+
+
+def test_admission_limits_and_their_errors(path):
+    one = None
+    with LLM(path, device="cpu", progress=False, max_seq_len=256) as m:
+        one = m.slots.slot_bytes
+        assert m.max_num_seqs == 4 and m.slots.why == ""
+    with LLM(path, device="cpu", progress=False, max_seq_len=256, kv_cache_memory_bytes=int(2.5 * one)) as m:
+        assert m.max_num_seqs == 2 and "holds 2 sequence states" in m.slots.why
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes .* less than one sequence's state"):
+        LLM(path, device="cpu", progress=False, max_seq_len=256, kv_cache_memory_bytes=one - 1)
+    with pytest.raises(ValueError, match="max_num_seqs must be a positive integer, got 0"):
+        LLM(path, device="cpu", progress=False, max_num_seqs=0)
+    assert parse_bytes("16G") == 16 << 30 and parse_bytes("1.5K") == 1536 and parse_bytes(1000) == 1000
+    for bad in ("lots", "-1", 0, True, "inf"):
+        with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
+            parse_bytes(bad)
+
+
+def test_batch_flags_are_checked_and_named(cli_run):
+    import argparse
+
+    from specfire.flags import add_batch_args, check_batch_flags
+
+    p = argparse.ArgumentParser()
+    add_batch_args(p)
+    for argv, flag in ((["--max-num-seqs", "0"], "--max-num-seqs"), (["--kv-cache-memory-bytes", "x"],
+                                                                      "--kv-cache-memory-bytes")):
+        with pytest.raises(ValueError, match=flag):
+            check_batch_flags(p.parse_args(argv))
+    check_batch_flags(p.parse_args(["--max-num-seqs", "3", "--kv-cache-memory-bytes", "2G"]))
+
+
+def test_generate_list_arguments(llm, prompts):
+    with pytest.raises(ValueError, match="params has 2 entries for 3 prompts"):
+        llm.generate(prompts[:3], [SamplingParams(), SamplingParams()])
+    with pytest.raises(ValueError, match="out of range"):          # refused before anything runs
+        llm.generate([prompts[0], [10 ** 6]], SamplingParams(max_tokens=4))
+    assert llm.scheduler.num_waiting == 0 and llm.scheduler.num_running == 0
+    one = llm.generate(prompts[0], SamplingParams(max_tokens=4))
+    assert not isinstance(one, list) and llm.generate([prompts[0]], SamplingParams(max_tokens=4))[0].token_ids == \
+        one.token_ids
+
+
+def test_closed_llm_refuses_and_ends_waiting_requests(path, prompts):
+    m = LLM(path, device="cpu", progress=False, max_seq_len=256)
+    log = []
+    m.scheduler.submit(sch.Request(prompts[0], SamplingParams(max_tokens=4), SpecPolicy("off"),
+                                   lambda kind, payload: log.append(kind)))
+    m.close()
+    assert log == [sch.CANCELLED]
+    with pytest.raises(SpecfireError, match="closed"):
+        m.generate(prompts[0])
+
+
+def test_the_mesh_serves_one_sequence_at_a_time_exactly(path, prompts):
+    """The 2-rank gloo mesh holds one sequence state per rank, so its scheduler has one slot:
+    concurrent requests wait in arrival order, each giving its output alone (and, greedy, the
+    canonical one-device output)."""
+    from specfire.ops import splitk
+
+    reqs = MIXED[:4]
+    splitk.set_enabled(True)
+    try:
+        with LLM(path, tp=1, device="cpu", progress=False, max_seq_len=256) as one:
+            canon = [one.generate(p, sp, spec=pol).token_ids for p, (sp, pol) in zip(prompts, reqs)]
+        with LLM(path, tp=2, device="cpu", progress=False, max_seq_len=256, max_num_seqs=4) as mesh:
+            assert mesh.max_num_seqs == 1 and mesh.slots.why == "the tp2 topology holds one sequence"
+            alone = [mesh.generate(p, sp, spec=pol).token_ids for p, (sp, pol) in zip(prompts, reqs)]
+            got = mesh.generate(prompts[:4], [sp for sp, _ in reqs], spec=[pol for _, pol in reqs])
+            assert [r.token_ids for r in got] == alone
+            streamed: list = [None] * 4
+
+            def go(i: int) -> None:
+                streamed[i] = [t for c in mesh.stream(prompts[i], *reqs[i]) for t in c.token_ids]
+
+            threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(300)
+            assert streamed == alone
+    finally:
+        splitk.set_enabled(None)
+    for i, (sp, _) in enumerate(reqs):
+        if sp.greedy:
+            assert alone[i] == canon[i], i
