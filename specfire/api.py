@@ -110,9 +110,10 @@ def trunk_factory(tp: int) -> TrunkFactory:
 
 
 def _is_batch(prompt: Any) -> bool:
-    """A list (or tuple) of prompts, not one prompt of token ids."""
-    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    """A list (or tuple) of prompts (texts or token-id lists); anything else in a list is one prompt
+    of token ids, checked id by id (so [1, 2.0] is refused for its 2.0, not read as two prompts)."""
+    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(
+        isinstance(p, (str, list, tuple)) for p in prompt)
 
 
 def _per_prompt(value: Any, n: int, name: str, many: bool) -> list[Any]:

@@ -276,10 +276,10 @@ def test_the_mesh_serves_one_sequence_at_a_time_exactly(path, prompts):
     """The 2-rank gloo mesh holds one sequence state per rank, so its scheduler has one slot:
     concurrent requests wait in arrival order, each giving its output alone (and, greedy, the
     canonical one-device output)."""
-    from specfire.ops import splitk
+    from specfire.kernels import canonical
 
     reqs = MIXED[:4]
-    splitk.set_enabled(True)
+    canonical.set_enabled(True)
     try:
         with LLM(path, tp=1, device="cpu", progress=False, max_seq_len=256) as one:
             canon = [one.generate(p, sp, spec=pol).token_ids for p, (sp, pol) in zip(prompts, reqs)]
@@ -300,7 +300,7 @@ def test_the_mesh_serves_one_sequence_at_a_time_exactly(path, prompts):
                 t.join(300)
             assert streamed == alone
     finally:
-        splitk.set_enabled(None)
+        canonical.set_enabled(None)
     for i, (sp, _) in enumerate(reqs):
         if sp.greedy:
             assert alone[i] == canon[i], i
