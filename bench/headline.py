@@ -136,9 +136,9 @@ def main() -> int:
         run(bf16, "bf16", None, ["ar", "mtp3"])
         run(bf16, "bf16", args.draft_vocab, ["mtp3"])
         qargs = ["--group-size", str(args.group_size)] + (["--device", "cpu"] if dev == "cpu" else [])
-        info["quantize_s"] = round(quantize(bf16, q4, *qargs), 1)
+        info["quantize_s"] = round(quantize(bf16, q4, *qargs), 3)
         shutil.rmtree(bf16, ignore_errors=True)
-        say(f"specfire quantize: {info['quantize_s']} s")
+        say(f"specfire quantize: {info['quantize_s']:.1f} s")
         run(q4, "4-bit", args.draft_vocab, ["ar", "mtp3"])
     finally:
         shutil.rmtree(work, ignore_errors=True)
