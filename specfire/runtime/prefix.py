@@ -118,12 +118,9 @@ class PrefixCache:
         """The prefill of `prompt` (= ids) on `trunk` (default: the one this cache was made for)
         from the longest cached prefix, keeping a snapshot at this prompt's boundary. Returns
         (rows: last logits, hidden of every prompt row; cached prompt tokens)."""
-        steps = self.prefill_steps(ids, prompt, trunk)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        from .trunk import drain
+
+        return drain(self.prefill_steps(ids, prompt, trunk))
 
     @torch.inference_mode()
     def prefill_steps(self, ids: list[int], prompt: torch.Tensor,

@@ -12,7 +12,7 @@ state after every row, 151 MB a row on the 27B, and made commit a copy). Re-runn
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Generator, Protocol
+from typing import Any, Generator, Protocol
 
 import torch
 
@@ -20,6 +20,15 @@ from ..config import ModelConfig, check_draft_vocab
 from ..model.qwen35 import Qwen35Trunk, SequenceState
 
 PREFILL_PIECE = 1024  # prompt rows per prefill forward (bounds attention-score memory)
+
+
+def drain(steps: Generator[None, None, Any]) -> Any:
+    """Run a step generator (a prefill that yields between forwards) to its end: its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 @dataclass
@@ -96,12 +105,7 @@ class LocalTrunk:
     def prefill(self, ids: torch.Tensor, logits: str = "last", start: int = 0) -> Rows:
         """Rows at positions start.. (0 after begin(); a prefix cache resumes later, on a piece
         boundary, so the forwards are those of a prefill from 0)."""
-        steps = self.prefill_steps(ids, logits, start)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        return drain(self.prefill_steps(ids, logits, start))
 
     @torch.inference_mode()
     def prefill_steps(self, ids: torch.Tensor, logits: str = "last", start: int = 0) -> Generator[None, None, Rows]:
