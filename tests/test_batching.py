@@ -75,9 +75,15 @@ def test_state_bytes_is_what_a_slot_allocates(path):
 def test_generate_list_equals_each_alone_in_any_order(llm, prompts, alone):
     """LLM.generate(list) runs the requests concurrently on four slots; each output is its own
     alone, token for token, in arrival order and reversed."""
+    sched = llm.scheduler
+    before = (sched.forwards, sched.verifies)
+    sched.widest = 0
     got = llm.generate(prompts, [sp for sp, _ in MIXED], spec=[pol for _, pol in MIXED])
     assert [r.token_ids for r in got] == alone
     assert len(llm.slots.engines) == 4 and llm.slots.busy == 0
+    # the requests' verifies really shared forwards: four at a time at most, more than one on average
+    forwards, verifies = sched.forwards - before[0], sched.verifies - before[1]
+    assert sched.widest == 4 and verifies > 1.5 * forwards
     rev = llm.generate(prompts[::-1], [sp for sp, _ in MIXED][::-1], spec=[pol for _, pol in MIXED][::-1])
     assert [r.token_ids for r in rev] == alone[::-1]
     assert any(r.stats["cycles"] for r in got) and got[4].finish_reason in ("stop", "length")

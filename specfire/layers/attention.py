@@ -20,7 +20,7 @@ from ..kernels.small import apply_rope
 from ..kernels.splitk import head_block
 
 if TYPE_CHECKING:
-    from ..model.state import LayerCache
+    from ..model.state import LayerCache, Segments
     from . import Target
 
 
@@ -45,15 +45,49 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, pos0: int, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 lc: LayerCache, rows: bool) -> torch.Tensor:
         """x [T, H] at positions pos0.. -> [T, H]; writes the rows' k, v into the cache."""
-        t, d = x.shape[0], self.head_dim
+        f = self.fused_rows(x, cos_sin, lc, rows)
+        qg, k, v = self.project(x, rows)
+        return self.out(self.core(qg, k, v, pos0, cos_sin, lc, rows, f), qg, rows, f)
+
+    def packed(self, x: torch.Tensor, segs: Segments, lcs: list[LayerCache]) -> torch.Tensor:
+        """Several sequences' rows (segs.spans of x) in one pass over the weights: the projections
+        over all rows, each sequence's norms, rotary, KV write and attention over its own cache."""
+        f = self.fused_rows(x, segs.cos_sins[0], lcs[0], True)      # (one model: every cache alike)
+        qg, k, v = self.project(x, True)
+        o = segs.cat([self.core(qg[a:b], k[a:b], v[a:b], p, cs, lc, True, f)
+                      for (a, b), p, cs, lc in zip(segs.spans, segs.pos0s, segs.cos_sins, lcs)])
+        return self.out(o, qg, True, f)
+
+    def fused_rows(self, x: torch.Tensor, cos_sin, lc: LayerCache, rows: bool) -> bool:
+        """Whether the fused q/k/write and output-gate kernels run (FusedGatedAttention)."""
+        return False
+
+    def project(self, x: torch.Tensor, rows: bool):
+        """q with its gate [T, Hq, 2D] (per head [q | gate]), k, v [T, n_kv * D]."""
         qg, k, v = self.q_proj.group(x, rows, self.k_proj, self.v_proj)
-        qg = qg.view(t, self.n_heads, 2 * d)                              # [T, Hq, 2D]: per head [q | gate]
-        q, gate = qg[..., :d], qg[..., d:]
-        q = apply_rope(self.q_norm(q, rows), *cos_sin)
+        return qg.view(x.shape[0], self.n_heads, 2 * self.head_dim), k, v
+
+    def core(self, qg, k, v, pos0, cos_sin, lc: LayerCache, rows: bool, fused: bool) -> torch.Tensor:
+        """One sequence's attention output [T, Hq, D]; writes its k, v into its cache."""
+        t, d = qg.shape[0], self.head_dim
+        if fused:
+            from ..kernels.attention import fused as af
+            q = af.qk_norm_rope_write_triton(qg, k.view(t, self.n_kv, d), v.view(t, self.n_kv, d),
+                                             self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                             *cos_sin, lc.k, lc.v, pos0, table=isinstance(cos_sin, RopeTable))
+            return self.attend(q, lc, pos0, rows)
+        q = apply_rope(self.q_norm(qg[..., :d], rows), *cos_sin)
         k = apply_rope(self.k_norm(k.view(t, self.n_kv, d), rows), *cos_sin)
         ka.kv_write(lc, pos0, k, v.view(t, self.n_kv, d))
-        o = self.attend(q, lc, pos0, rows).to(x.dtype)                    # [T, Hq, D]
-        o = o.reshape(t, -1) * self.rowmap(lanes.sigmoid, rows, gate.reshape(t, -1))
+        return self.attend(q, lc, pos0, rows).to(qg.dtype)
+
+    def out(self, o: torch.Tensor, qg: torch.Tensor, rows: bool, fused: bool) -> torch.Tensor:
+        """o_proj(o * sigmoid(gate))."""
+        if fused:
+            from ..kernels.attention import fused as af
+            return self.o_proj(af.out_gate_triton(o, qg), rows)
+        t, d = qg.shape[0], self.head_dim
+        o = o.reshape(t, -1) * self.rowmap(lanes.sigmoid, rows, qg[..., d:].reshape(t, -1))
         return self.o_proj(o, rows)
 
     def attend(self, q: torch.Tensor, lc: LayerCache, pos0, rows: bool) -> torch.Tensor:
@@ -71,17 +105,10 @@ def fuses(mod: nn.Module, x: torch.Tensor) -> bool:
 class FusedGatedAttention(GatedAttention):
     fused: bool | None = None     # None: on CUDA (`fuses`)
 
-    def forward(self, x, pos0, cos_sin, lc, rows):
+    def fused_rows(self, x, cos_sin, lc, rows):
         table = isinstance(cos_sin, RopeTable)
-        if not ((rows or table) and lc.k_scale is None and fuses(self, x)):
-            if table:
-                raise ValueError("GatedAttention: a rotary table is read by the fused q/k kernel only")
-            return super().forward(x, pos0, cos_sin, lc, rows)
-        from ..kernels.attention import fused as af
-        t, d = x.shape[0], self.head_dim
-        qg, k, v = self.q_proj.group(x, rows, self.k_proj, self.v_proj)
-        qg = qg.view(t, self.n_heads, 2 * d)
-        q = af.qk_norm_rope_write_triton(qg, k.view(t, self.n_kv, d), v.view(t, self.n_kv, d),
-                                         self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                         *cos_sin, lc.k, lc.v, pos0, table=table)
-        return self.o_proj(af.out_gate_triton(self.attend(q, lc, pos0, rows), qg), rows)
+        if (rows or table) and lc.k_scale is None and fuses(self, x):
+            return True
+        if table:
+            raise ValueError("GatedAttention: a rotary table is read by the fused q/k kernel only")
+        return False

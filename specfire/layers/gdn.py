@@ -21,7 +21,7 @@ from .attention import fuses
 from .norm import cached
 
 if TYPE_CHECKING:
-    from ..model.state import LayerCache
+    from ..model.state import LayerCache, Segments
     from . import Target
 
 
@@ -50,8 +50,41 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, lc: LayerCache, rows: bool) -> torch.Tensor:
         """x [T, H] -> [T, H]. Rows mode logs each row's state update in `lc` (the live state is
         committed later); prefill advances the live state and conv window."""
-        t = x.shape[0]
-        qkv, z, b, a = self.in_proj_qkv.group(x, rows, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        f = self.fused_rows(x, rows)
+        qkv, z, b, a = self.project(x, rows)
+        return self.out(self.core(qkv, z, b, a, lc, rows, f), rows)
+
+    def packed(self, x: torch.Tensor, segs: Segments, lcs: list[LayerCache]) -> torch.Tensor:
+        """Several sequences' rows (segs.spans of x) in one pass over the weights: the projections
+        over all rows, each sequence's conv, recurrence and log over its own state."""
+        f = self.fused_rows(x, True)
+        qkv, z, b, a = self.project(x, True)
+        o = segs.cat([self.core(qkv[i:j], z[i:j], b[i:j], a[i:j], lc, True, f)
+                      for (i, j), lc in zip(segs.spans, lcs)])
+        return self.out(o, True)
+
+    def fused_rows(self, x: torch.Tensor, rows: bool) -> bool:
+        """Whether the fused decode kernel runs (FusedGatedDeltaNet)."""
+        return False
+
+    def project(self, x: torch.Tensor, rows: bool):
+        """qkv [T, conv_dim], z [T, value_dim], b, a [T, Hv]."""
+        return self.in_proj_qkv.group(x, rows, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+
+    def out(self, o: torch.Tensor, rows: bool) -> torch.Tensor:
+        """out_proj of the gated norm's output [T, Hv, dv]."""
+        return self.out_proj(xsum.reshaped(o, (o.shape[0], self.value_dim)), rows)   # the norm's group sums kept
+
+    def core(self, qkv, z, b, a, lc: LayerCache, rows: bool, fused: bool) -> torch.Tensor:
+        """One sequence's gated-norm output [T, Hv, dv] (x's dtype) over its state."""
+        t = qkv.shape[0]
+        if fused:
+            from ..kernels.gdn.fused import gdn_decode_triton
+            o, log, full = gdn_decode_triton(qkv, a, b, lc.conv, self.conv1d.weight[:, 0, :], self.A_log, self.dt_bias,
+                                             lc.rec, self.hk, self.dk, self.dv, z, self.norm.weight, self.norm.eps,
+                                             out=lc.log_buffers(t))
+            lc.set_log(*log, full)
+            return o
         conv, full = self.rowmap.conv(qkv.float(), lc.conv, self.conv1d.weight[:, 0, :], rows)
         q, k, v = self.heads(conv)
         beta, g = self.gates(b, a, rows)
@@ -67,8 +100,7 @@ class GatedDeltaNet(nn.Module):
             o, s = kg.gdn_chunked(q, k, v, g, beta, lc.rec, canonical=self.exact)
             lc.rec.copy_(s)
             lc.conv.copy_(full[-lc.conv.shape[0]:])
-        o = self.norm(o.to(x.dtype), z.view(t, self.hv, self.dv), rows)                # [T, Hv, dv]
-        return self.out_proj(o.reshape(t, self.value_dim), rows)
+        return self.norm(o.to(z.dtype), z.view(t, self.hv, self.dv), rows)                # [T, Hv, dv]
 
     def heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The conv's output [..., C] -> q, k [..., Hk, dk], v [..., Hv, dv]."""
@@ -88,17 +120,8 @@ class GatedDeltaNet(nn.Module):
 class FusedGatedDeltaNet(GatedDeltaNet):
     fused: bool | None = None     # None: on CUDA (`fuses`)
 
-    def forward(self, x, lc, rows):
-        if not (rows and fuses(self, x) and self.conv1d.weight.shape[-1] <= kg.FUSED_MAX_CONV):
-            return super().forward(x, lc, rows)
-        t = x.shape[0]
-        qkv, z, b, a = self.in_proj_qkv.group(x, rows, self.in_proj_z, self.in_proj_b, self.in_proj_a)
-        from ..kernels.gdn.fused import gdn_decode_triton
-        o, log, full = gdn_decode_triton(qkv, a, b, lc.conv, self.conv1d.weight[:, 0, :], self.A_log, self.dt_bias,
-                                         lc.rec, self.hk, self.dk, self.dv, z, self.norm.weight, self.norm.eps,
-                                         out=lc.log_buffers(t))
-        lc.set_log(*log, full)
-        return self.out_proj(xsum.reshaped(o, (t, self.value_dim)), rows)   # the norm's group sums kept
+    def fused_rows(self, x, rows):
+        return rows and fuses(self, x) and self.conv1d.weight.shape[-1] <= kg.FUSED_MAX_CONV
 
 
 class CpuGatedDeltaNet(GatedDeltaNet):

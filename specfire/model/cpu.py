@@ -31,6 +31,7 @@ from ..kernels.gemv import fused_t, linear_one_cpu, transposed
 from ..kernels.small import rope_cos_sin
 from ..layers.rows import GRAIN, STEP
 from .qwen35 import MtpHead, Qwen35Trunk
+from .state import Segments
 
 ROPE_BLOCK = 256      # rotary table rows computed per call (a position's values never change as it grows)
 
@@ -152,10 +153,20 @@ def _gate(n: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return n.mul_(F.silu(z))
 
 
-def gdn(p: GdnPack, x: torch.Tensor, lc) -> torch.Tensor:
-    t = x.shape[0]
-    cd, vd, kd, hk, hv, dk, dv = p.dims
+def gdn(p: GdnPack, x: torch.Tensor, lcs, segs=None) -> torch.Tensor:
+    """The layer over one sequence's rows (lcs its cache), or several (`segs`, lcs their caches):
+    the products over all rows, the conv and recurrence over each sequence's own state."""
     qkv, z, blk = linear_one_cpu(x, p.wt, True).split(p.split, 1)
+    if segs is None:
+        o = _gdn_core(p, qkv, z, blk, lcs)
+    else:
+        o = segs.cat([_gdn_core(p, qkv[a:b], z[a:b], blk[a:b], lc) for (a, b), lc in zip(segs.spans, lcs)])
+    return linear_one_cpu(o.view(x.shape[0], p.dims[1]), p.out_t, True)
+
+
+def _gdn_core(p: GdnPack, qkv, z, blk, lc) -> torch.Tensor:
+    t = qkv.shape[0]
+    cd, vd, kd, hk, hv, dk, dv = p.dims
     full = torch.cat([lc.conv, qkv])                                  # [K-1+T, C]
     conv = _rows(F.silu, p.whole[0], (full.unfold(0, p.wc.shape[1], 1) * p.wc).sum(-1))   # causal taps
     qk, v = conv.split((2 * kd, vd), 1)
@@ -170,8 +181,7 @@ def gdn(p: GdnPack, x: torch.Tensor, lc) -> torch.Tensor:
     o, delta = _recurrence(q, k, v.view(t, hv, dv), dec, sg[:, :hv], lc.rec, t)
     lc.set_log(k, delta, dec, full)
     den = (o * o).sum(-1, keepdim=True).add_(p.eps_d).sqrt_()
-    o = _rows(_gate, p.whole[1], (o / den).mul_(p.nw), z.view(t, hv, dv))
-    return linear_one_cpu(o.view(t, vd), p.out_t, True)
+    return _rows(_gate, p.whole[1], (o / den).mul_(p.nw), z.reshape(t, hv, dv))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,27 +246,40 @@ def _out_gate(o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return o.mul_(torch.sigmoid(g))
 
 
-def attention(p: AttnPack, x: torch.Tensor, pos0: int, lc) -> torch.Tensor:
+def attention(p: AttnPack, x: torch.Tensor, pos0, lcs, segs=None) -> torch.Tensor:
+    """The layer over one sequence's rows at pos0.. (lcs its cache), or several (`segs`, lcs their
+    caches): the products over all rows, norms, rotary and attention per sequence."""
     t = x.shape[0]
     hq, hkv, d = p.dims
     qg, k, v = linear_one_cpu(x, p.wt, True).split((2 * hq * d, hkv * d, hkv * d), 1)
     qg = qg.view(t, hq, 2 * d)
-    qk = torch.cat([qg[..., :d], k.view(t, hkv, d)], 1)              # [T, Hq + Hkv, D]
+    if segs is None:
+        o = _attn_core(p, qg, k, v, pos0, lcs)
+    else:
+        o = segs.cat([_attn_core(p, qg[a:b], k[a:b], v[a:b], q0, lc)
+                      for (a, b), q0, lc in zip(segs.spans, segs.pos0s, lcs)])
+    return linear_one_cpu(o.view(t, hq * d), p.out_t, True)
+
+
+def _attn_core(p: AttnPack, qg, k, v, pos0: int, lc) -> torch.Tensor:
+    """One sequence's gated attention output [T, Hq, D]; writes its k, v."""
+    t = qg.shape[0]
+    hq, hkv, d = p.dims
+    qk = torch.cat([qg[..., :d], k.reshape(t, hkv, d)], 1)           # [T, Hq + Hkv, D]
     den = (qk * qk).sum(-1, keepdim=True).add_(p.eps_d).sqrt_()
     qk = (qk / den).mul_(p.qk_w)
     c, s = rope_table(p.rot, p.theta, d, pos0 + t)
     qk = _rows(lambda a, cc, ss: (a * cc).addcmul_(a.index_select(-1, p.perm), ss), p.whole,
                qk, c[pos0:pos0 + t], s[pos0:pos0 + t])
     lc.k[pos0:pos0 + t] = qk[:, hq:]
-    lc.v[pos0:pos0 + t] = v.view(t, hkv, d)
+    lc.v[pos0:pos0 + t] = v.reshape(t, hkv, d)
     o = torch.empty(t, hq, d)
     rep = hq // hkv
     for r in range(t):
         n = pos0 + r + 1
         sc = torch.bmm(qk[r, :hq].view(hkv, rep, d), lc.k[:n].float().permute(1, 2, 0))
         torch.bmm(torch.softmax(sc, -1), lc.v[:n].float().transpose(0, 1), out=o[r].view(hkv, rep, d))
-    o = _rows(_out_gate, p.whole, o, qg[..., d:])
-    return linear_one_cpu(o.view(t, hq * d), p.out_t, True)
+    return _rows(_out_gate, p.whole, o, qg[..., d:])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -288,12 +311,13 @@ def _layer_pack(layer, cfg) -> LayerPack:
                      m.gate_proj.weight.shape[0], _whole(m.gate_proj.weight.shape[0]))
 
 
-def layer(p: LayerPack, x, pos0, lc, pending):
-    """One decoder layer: (residual, this layer's MLP output), as DecoderLayer.forward."""
+def layer(p: LayerPack, x, pos0, lc, pending, segs=None):
+    """One decoder layer: (residual, this layer's MLP output), as DecoderLayer.forward (`segs`:
+    several sequences' rows, `lc` their caches)."""
     h = add_norm(x, pending, p.n1)
     if pending is not None:
         x, h = h
-    h = attention(p.mix, h, pos0, lc) if p.full else gdn(p.mix, h, lc)
+    h = attention(p.mix, h, pos0, lc, segs) if p.full else gdn(p.mix, h, lc, segs)
     x, h = add_norm(x, h, p.n2)
     g, u = linear_one_cpu(h, p.gu_t, True).split(p.inter, 1)
     return x, linear_one_cpu(_rows(_act, p.whole, g, u), p.down_t, True)
@@ -324,10 +348,18 @@ class CpuQwen35Trunk(Qwen35Trunk):
             return got
         return super().forward(ids, pos0, state, rows, logits)
 
+    def packed(self, ids, segs):
+        if (got := self.packed_rows(ids, segs, None, "all")) is not None:
+            return got
+        return super().packed(ids, segs)
+
     def packed_rows(self, ids: torch.Tensor, pos0, state, logits: str):
         """The rows forward on the packs, or None where they do not apply."""
         w = self.embed_tokens.weight
-        if not isinstance(pos0, int) or not usable(w) or any(lc.k_scale is not None for lc in state.layers):
+        segs = pos0 if isinstance(pos0, Segments) else None        # several sequences' rows (`packed`)
+        states = segs.states if segs is not None else [state]
+        if not (segs is not None or isinstance(pos0, int)) or not usable(w) or any(
+                lc.k_scale is not None for st in states for lc in st.layers):
             return None
         packs = _packs(self, lambda: ([_layer_pack(l, self.cfg) for l in self.layers], _rms(self.norm),
                                       transposed(self.lm_weight)))
@@ -336,8 +368,9 @@ class CpuQwen35Trunk(Qwen35Trunk):
         layers, final, lm_t = packs
         x = F.embedding(ids, w)
         pending = None
-        for p, lc in zip(layers, state.layers):
-            x, pending = layer(p, x, pos0, lc, pending)
+        for i, p in enumerate(layers):
+            x, pending = (layer(p, x, None, segs.layer(i), pending, segs) if segs is not None else
+                          layer(p, x, pos0, state.layers[i], pending))
         _, h = add_norm(x, pending, final)
         if logits == "none":
             return h, None

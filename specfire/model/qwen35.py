@@ -23,7 +23,7 @@ from ..config import FULL, ModelConfig
 from ..kernels.gemv import linear_prefix
 from ..kernels.small import silu_mul
 from ..layers import Target, target_for
-from .state import LayerCache, SequenceState  # noqa: F401  (imported from here by runtime/, parallel/, tests)
+from .state import LayerCache, Segments, SequenceState  # noqa: F401  (imported from here by runtime/, parallel/, tests)
 
 
 def positions(pos0, t: int, device: torch.device) -> torch.Tensor:
@@ -74,12 +74,15 @@ class DecoderLayer(nn.Module):
                 pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the residual stream, `pending` the previous layer's MLP output not yet added to it
         (None: none). Returns (x, this layer's MLP output): the layer's output is their sum, which
-        the next norm computes with its own add (one kernel, the same bits as `x + mlp` then the norm)."""
+        the next norm computes with its own add (one kernel, the same bits as `x + mlp` then the norm).
+        `pos0` Segments (rows mode): x holds several sequences' rows and `lc` is their caches' list."""
         if pending is None:
             h = self.input_layernorm(x, rows)
         else:
             x, h = self.input_layernorm.add(x, pending, rows)
-        if self.kind == FULL:
+        if isinstance(pos0, Segments):      # several sequences' rows: `lc` is each one's cache
+            h = self.self_attn.packed(h, pos0, lc) if self.kind == FULL else self.linear_attn.packed(h, pos0, lc)
+        elif self.kind == FULL:
             h = self.self_attn(h, pos0, cos_sin, lc, rows)
         else:
             h = self.linear_attn(h, lc, rows)
@@ -116,6 +119,21 @@ class Qwen35Trunk(nn.Module):
         widen False: in the product's own dtype (a greedy pick's argmax is the same)."""
         y = linear_prefix(h, self.lm_weight, vocab, rows, exact=self.target.exact)
         return y.float() if widen else y
+
+    def packed(self, ids: torch.Tensor, segs: Segments) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows forward of several sequences at once (ids [sum T] packed by segs.spans): each
+        row computes what it computes in its own sequence's forward, bit for bit (row-invariant
+        products and elementwise math; attention and Gated DeltaNet per sequence), while every
+        weight is read once for all of them. -> (post-norm hidden, float32 logits) over all rows."""
+        with self.target.scope():
+            x = self.embed_tokens(ids)
+            segs.cos_sins = [rotary(self.target, self.cfg, p, b - a, ids.device, True)
+                             for p, (a, b) in zip(segs.pos0s, segs.spans)]
+            pending = None
+            for i, layer in enumerate(self.layers):
+                x, pending = layer(x, segs, None, segs.layer(i), True, pending)
+            _, h = self.norm.add(x, pending, True)
+            return h, self.logits(h, True)
 
     def forward(self, ids: torch.Tensor, pos0: int, state: SequenceState, rows: bool,
                 logits: str = "all") -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -152,3 +152,27 @@ def _stacked(book: RowsBook, layers: list[LayerCache], t: int) -> bool:
     logs = book.logs[t]
     return len(layers) == book.rec.shape[0] and all(
         lc.book is book and all(x._base is y for x, y in zip(lc.log, logs)) for lc in layers)
+
+
+@dataclass
+class Segments:
+    """Several sequences' rows in one rows-mode forward (runtime/trunk.py verify_packed): sequence i
+    is rows spans[i] of the packed input, at positions pos0s[i].., over states[i]."""
+
+    states: list[SequenceState]
+    pos0s: list[int]
+    spans: list[tuple[int, int]]
+    cos_sins: list = field(default_factory=list)     # each sequence's rotary (set by the forward)
+
+    @classmethod
+    def of(cls, states: list[SequenceState], pos0s: list[int], counts: list[int]) -> "Segments":
+        ends = [sum(counts[:i + 1]) for i in range(len(counts))]
+        return cls(list(states), list(pos0s), [(e - c, e) for c, e in zip(counts, ends)])
+
+    def layer(self, i: int) -> list[LayerCache]:
+        return [s.layers[i] for s in self.states]
+
+    @staticmethod
+    def cat(parts: list[torch.Tensor]) -> torch.Tensor:
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator
 
 import torch
 
@@ -17,8 +17,8 @@ from .output import OutputBuilder, TokenLogprobs
 from .prefix import PrefixCache
 from .route import Acceptance, Controller, CostTable, Decision, RouteController, RoutePlan, select_route
 from .sampling import penalize, pick, token_logprobs
-from .spec import Launched, OnCycle, SpecStats, StepBuffers, finish, launch
-from .trunk import Trunk
+from .spec import Launched, OnCycle, SpecStats, StepBuffers, complete, finish, prepare
+from .trunk import Rows, Trunk, Verify
 
 if TYPE_CHECKING:
     from ..grammar import GrammarCompiler
@@ -201,17 +201,25 @@ class Engine:
         a direct call uses this engine's slot and must not overlap a scheduled request on it."""
         steps = self.steps(ids, sp, policy, on_cycle, drafter, controller, plan)
         try:
-            for chunk in steps:
-                if chunk is not None:
-                    yield chunk
+            got = None
+            while True:
+                try:
+                    ev = steps.send(got)
+                except StopIteration:
+                    return
+                got = ev.run() if isinstance(ev, Verify) else None
+                if isinstance(ev, StreamChunk):
+                    yield ev
         finally:
             steps.close()
 
     def steps(self, ids: list[int], sp: SamplingParams, policy: SpecPolicy, on_cycle: OnCycle | None = None,
               drafter: Drafter | None = None, controller: Controller | None = None,
-              plan: RoutePlan | None = None) -> Iterator[StreamChunk | None]:
-        """Generate from `ids`, yielding a chunk after every step and None between the prefill's
-        forwards (a scheduler runs other requests' steps at every yield). `on_cycle(k, n, emitted)` is called after every step; `drafter`,
+              plan: RoutePlan | None = None) -> Generator[StreamChunk | Verify | None, Rows | None, None]:
+        """Generate from `ids`, yielding a chunk after every step, None between the prefill's
+        forwards (a scheduler runs other requests' steps at every yield) and, where a step needs
+        its verify forward, a `Verify`, to be sent back its rows (the scheduler runs every running
+        request's verify in one packed forward: runtime/trunk.py verify_many). `on_cycle(k, n, emitted)` is called after every step; `drafter`,
         when given, serves the request instead of the routed one (tests script drafts with it);
         `controller` (the `Controller` protocol), when given, replaces the route's;
         `plan`: the route already decided for this policy and these params (`route`), else decided here.
@@ -240,11 +248,12 @@ class Engine:
         by_route: dict[str, int] = {}
         log: list[dict[str, Any]] = []
 
-        def start(d: Decision, last: int, last_dev: torch.Tensor, pos: int, room: int) -> Launched:
+        def start(d: Decision, last: int, last_dev: torch.Tensor, pos: int, room: int):
             k = max(0, min(d.k, room - 1, trunk.max_seq - pos - 1))
             # past min_tokens (the host's count is a lower bound) only penalties need the statistics
             p = pen if sp.penalized or len(out.token_ids) < sp.min_tokens else None
-            step = launch(trunk, drafters.get(d.route), d.route, last, last_dev, pos, k, sp, gen, bufs, p, con)
+            staged = prepare(trunk, drafters.get(d.route), d.route, last, last_dev, pos, k, sp, gen, bufs, p, con)
+            step = complete(staged, (yield staged.verify))
             step.decision = d
             return step
 
@@ -307,11 +316,11 @@ class Engine:
                 begun = True
                 t_prev, suspended = time.perf_counter(), 0.0
             if cur is None:
-                cur = start(ctl.decide(), last, last_dev, pos, out.remaining)
+                cur = yield from start(ctl.decide(), last, last_dev, pos, out.remaining)
             if ahead is None and cur.k == 0 and out.remaining >= 2 and bufs.pinned and con is None:   # (a CPU runs at launch)
                 d = ctl.decide()
                 if d.k == 0 or d.route == "ar":      # its input is cur's token, already on the device
-                    ahead = start(d, -1, cur.targets[:1], cur.pos + 1, out.remaining - 1)
+                    ahead = yield from start(d, -1, cur.targets[:1], cur.pos + 1, out.remaining - 1)
             n, toks = finish(cur, trunk, fed)
             rows_lp = cur.logprobs()
             if con is not None:                  # the matcher follows the output before the next step's masks
@@ -328,7 +337,7 @@ class Engine:
             # queue the next step before the text work when these tokens cannot end the output
             if (cur is None and out.remaining > len(toks) and not any(t in out.eos for t in toks)
                     and not (con is not None and con.done)):
-                cur = start(ctl.decide(), last, last_dev, pos, out.remaining - len(toks))
+                cur = yield from start(ctl.decide(), last, last_dev, pos, out.remaining - len(toks))
         t2 = time.perf_counter()
         n_gen = len(out.token_ids)
         prefill_s, decode_s = t1 - t0, t2 - t1

@@ -66,6 +66,11 @@ class RowsGraphs:
             if lc.rec is not None:
                 lc.log = log
 
+    def logged(self, rows: int) -> None:
+        """An eager forward of `rows` rows left its log in the state's fixed buffers (a packed
+        verify of several slots): commit reads those, as after a replay of that many rows."""
+        self._rows = rows
+
     def attached(self, state: SequenceState) -> bool:
         """Whether the state holds the log of a replay not yet committed."""
         return self._rows > 0 and any(lc.log is not None for lc in state.layers)

@@ -2,11 +2,13 @@
 in turn on its own slot (runtime/slots.py).
 
 A round, at a step boundary: requests cancelled since the last one leave (their slots are free
-again), waiting requests take free slots in arrival order, then every running request advances
-once: `next()` of its `Engine.steps` runs one step (or one forward of its prefill, so a long prompt
-does not stall the others) and leaves its next step queued on the device, so the device works on
-one request while the host reads another. When every slot is busy, requests wait in arrival
-order; none is refused for memory.
+again), waiting requests take free slots in arrival order, then every running request advances to
+its next pause: a step staged up to its verify (its drafts made), one forward of its prefill (so a
+long prompt does not stall the others), or a chunk of output. Then one packed forward runs every
+staged verify (runtime/trunk.py verify_many: each weight read once for all the requests' rows,
+each row computed as in its request's own forward), and each request goes on from its rows: the
+accept, its commit, its next step staged (or the chunk it yields). When every slot is busy,
+requests wait in arrival order; none is refused for memory.
 
 Whoever waits for output drives (`drive_until`): the server's engine thread, or a caller of
 LLM.generate / LLM.stream. One thread at a time runs rounds and delivers every request's events,
@@ -20,17 +22,19 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator
 
 import torch
 
 from ..config import SamplingParams, SpecPolicy
 from ..errors import SpecfireError
 from .slots import SlotPool
+from .trunk import Verify, verify_many
 
 if TYPE_CHECKING:
     from .engine import Engine, StreamChunk
     from .route import RoutePlan
+    from .trunk import Rows
     from .spec import OnCycle
 
 log = logging.getLogger("specfire")
@@ -56,7 +60,8 @@ class Request:
     cancel: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.perf_counter)
     engine: "Engine | None" = None          # its slot, while it runs
-    steps: "Iterator[StreamChunk | None] | None" = None
+    steps: "Generator[StreamChunk | Verify | None, Rows | None, None] | None" = None
+    verify: "Verify | None" = None          # the verify forward its step waits for
     over: bool = False                      # DONE, ERROR or CANCELLED was sent
 
 
@@ -72,6 +77,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.driving = False                # a thread is running a round
         self.closed = False
+        self.forwards = 0                   # verify forwards run, the verifies they held, the most in one
+        self.verifies = 0
+        self.widest = 0
 
     # ---- any thread -------------------------------------------------------------------------------
     def submit(self, req: Request) -> Request:
@@ -159,7 +167,25 @@ class Scheduler:
                 self._send(r, CANCELLED, None)
             self._join()
         for r in list(self.running):
-            self._advance(r)
+            if r.verify is None:
+                self._advance(r, None)
+        waiting = [r for r in self.running if r.verify is not None]
+        if waiting:                         # one packed forward for every running request's verify
+            calls = [r.verify for r in waiting]
+            for r in waiting:
+                r.verify = None
+            try:
+                rows = verify_many(calls)
+            except Exception as e:          # the forward failed: every request in it fails, the rest go on
+                log.exception("a packed verify forward failed")
+                for r in waiting:
+                    self._end(r, ERROR, e)
+                return
+            self.forwards += 1
+            self.verifies += len(calls)
+            self.widest = max(self.widest, len(calls))
+            for r, got in zip(waiting, rows):
+                self._advance(r, got)
 
     def _join(self) -> None:
         """Waiting requests take free slots, in arrival order (the head waits for the next free one)."""
@@ -179,7 +205,9 @@ class Scheduler:
                 head.steps = eng.steps(head.ids, head.params, head.spec, on_cycle=head.on_cycle, plan=head.plan)
             self._send(head, STARTED, None)
 
-    def _advance(self, r: Request) -> None:
+    def _advance(self, r: Request, rows: "Rows | None") -> None:
+        """Run the request to its next pause: `rows` answers the verify it waits for (None: it
+        waits for none). A `Verify` it yields waits for this round's packed forward, or the next."""
         if r.task is not None:
             try:
                 value = r.task(r.engine)
@@ -191,7 +219,7 @@ class Scheduler:
             self._end(r, DONE, value)
             return
         try:
-            chunk = next(r.steps)
+            chunk = r.steps.send(rows)
         except StopIteration:
             self._end(r, ERROR, SpecfireError("the generation ended without a result"))
             return
@@ -201,6 +229,9 @@ class Scheduler:
             self._end(r, ERROR, e)
             if not isinstance(e, Exception):
                 raise
+            return
+        if isinstance(chunk, Verify):
+            r.verify = chunk
             return
         if chunk is None:                   # between prefill forwards
             return
@@ -221,7 +252,7 @@ class Scheduler:
                 self.running.remove(r)
         if r.engine is not None:
             self.pool.release(r.engine)
-        r.engine, r.steps = None, None
+        r.engine, r.steps, r.verify = None, None, None
         self._send(r, kind, payload)
 
     @staticmethod

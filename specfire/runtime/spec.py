@@ -27,7 +27,7 @@ from ..kernels.small import greedy_accept
 from .drafters import NO_DRAFT, Drafter
 from .rng import DeviceRng
 from .sampling import Penalties, penalize, probs, sample, sampling_key, token_logprobs
-from .trunk import Trunk
+from .trunk import Rows, Trunk, Verify
 
 if TYPE_CHECKING:
     from .constraint import Constraint
@@ -182,6 +182,29 @@ class Launched:
         return self.lp[:self.read()[0] + 1].tolist()
 
 
+@dataclass
+class Prepared:
+    """A step drafted and staged, waiting for its verify forward (`verify`), which a scheduler may
+    run together with other requests' (runtime/trunk.py verify_many); `complete` takes its rows."""
+
+    trunk: Trunk
+    drafter: Drafter | None
+    route: str
+    pos: int
+    ids: torch.Tensor                    # [k+1] verify ids in the step buffers
+    draft: torch.Tensor
+    q: torch.Tensor | None
+    sp: SamplingParams
+    gen: DeviceRng | None
+    bufs: StepBuffers
+    pen: Penalties | None
+    con: Constraint | None
+
+    @property
+    def verify(self) -> Verify:
+        return Verify(self.trunk, self.ids, self.pos)
+
+
 def launch(trunk: Trunk, drafter: Drafter | None, route: str, last: int, last_dev: torch.Tensor, pos: int, k: int,
            sp: SamplingParams, gen: DeviceRng | None, bufs: StepBuffers, pen: Penalties | None = None,
            con: Constraint | None = None) -> Launched:
@@ -199,6 +222,14 @@ def launch(trunk: Trunk, drafter: Drafter | None, route: str, last: int, last_de
     `con` (a request with structured outputs): after the penalties, row i keeps only the tokens the
     grammar allows after drafts 0..i-1 (runtime/constraint.py; the drafts are read to the host for
     it). With `sp.logprobs`, every row's `token_logprobs` goes to the host with (n, tokens)."""
+    p = prepare(trunk, drafter, route, last, last_dev, pos, k, sp, gen, bufs, pen, con)
+    return complete(p, p.verify.run())
+
+
+def prepare(trunk: Trunk, drafter: Drafter | None, route: str, last: int, last_dev: torch.Tensor, pos: int, k: int,
+            sp: SamplingParams, gen: DeviceRng | None, bufs: StepBuffers, pen: Penalties | None = None,
+            con: Constraint | None = None) -> Prepared:
+    """`launch` up to its verify: the draft and the verify ids staged."""
     if drafter is None or k <= 0:
         draft, q = NO_DRAFT, None
     else:
@@ -211,7 +242,14 @@ def launch(trunk: Trunk, drafter: Drafter | None, route: str, last: int, last_de
             ids[1:].copy_(draft)
         else:
             bufs.upload(ids[1:], draft, 0)
-    rows = trunk.verify(ids, pos)
+    return Prepared(trunk, drafter, route, pos, ids, draft, q, sp, gen, bufs, pen, con)
+
+
+def complete(p: Prepared, rows: Rows) -> Launched:
+    """`launch` from its verify's rows on: the AR commit, penalties, mask, accept, the host copy."""
+    trunk, drafter, route, pos, ids, draft, q = p.trunk, p.drafter, p.route, p.pos, p.ids, p.draft, p.q
+    sp, gen, bufs, pen, con = p.sp, p.gen, p.bufs, p.pen, p.con
+    kk = draft.shape[0]
     if kk == 0:
         trunk.commit(0)
     logits = rows.logits

@@ -17,7 +17,7 @@ from typing import Any, Generator, Protocol
 import torch
 
 from ..config import ModelConfig, check_draft_vocab
-from ..model.qwen35 import Qwen35Trunk, SequenceState
+from ..model.qwen35 import Qwen35Trunk, Segments, SequenceState
 
 PREFILL_PIECE = 1024  # prompt rows per prefill forward (bounds attention-score memory)
 
@@ -37,6 +37,41 @@ class Rows:
 
     logits: torch.Tensor
     hidden: torch.Tensor
+
+
+@dataclass
+class Verify:
+    """A verify forward a step waits for (runtime/spec.py prepare): `trunk.verify(ids, pos)`, which
+    a scheduler may run together with other requests' in one packed forward (`verify_many`)."""
+
+    trunk: "Trunk"
+    ids: torch.Tensor
+    pos: int
+
+    def run(self) -> Rows:
+        return self.trunk.verify(self.ids, self.pos)
+
+
+def verify_many(calls: list[Verify]) -> list[Rows]:
+    """Every call's rows. Calls on trunks over one model (LocalTrunk.view slots) share one packed
+    forward, which reads each weight once for all their rows and gives each row the bits of its
+    own verify (model/qwen35.py Qwen35Trunk.packed); any other call runs alone."""
+    out: list[Rows | None] = [None] * len(calls)
+    groups: dict[int, list[int]] = {}
+    for i, c in enumerate(calls):
+        if isinstance(c.trunk, LocalTrunk):
+            groups.setdefault(id(c.trunk.model), []).append(i)
+        else:
+            out[i] = c.run()
+    for idx in groups.values():
+        if len(idx) == 1:
+            out[idx[0]] = calls[idx[0]].run()
+            continue
+        trunks = [calls[i].trunk for i in idx]
+        got = trunks[0].verify_packed(trunks, [calls[i].ids for i in idx], [calls[i].pos for i in idx])
+        for i, rows in zip(idx, got):
+            out[i] = rows
+    return out  # type: ignore[return-value]
 
 
 class Trunk(Protocol):
@@ -131,6 +166,18 @@ class LocalTrunk:
         else:
             h, l = self.model(ids, pos, self.state, rows=True, logits="all")
         return Rows(l, h)
+
+    @torch.inference_mode()
+    def verify_packed(self, trunks: list["LocalTrunk"], ids: list[torch.Tensor], pos: list[int]) -> list[Rows]:
+        """`verify` of several slots over this model (self among or beside them) in one forward:
+        each slot's rows as its own verify gives them, bit for bit (eager: no CUDA graph)."""
+        counts = [x.shape[0] for x in ids]
+        segs = Segments.of([t.state for t in trunks], pos, counts)
+        h, l = self.model.packed(torch.cat(ids), segs)
+        for t, c in zip(trunks, counts):
+            if t.graphs is not None:
+                t.graphs.logged(c)              # the commit graph of c rows reads the log just written
+        return [Rows(l[a:b], h[a:b]) for a, b in segs.spans]
 
     def commit(self, n: int) -> None:
         if self.graphs is not None and self.graphs.attached(self.state):
