@@ -112,6 +112,71 @@ class RowsGraphs:
 
 
 @dataclass
+class _PackedGraph:
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor                       # [sum R] static input
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    logs: list[list[tuple[torch.Tensor, ...] | None]]   # per slot, per layer
+    spans: list[tuple[int, int]]
+
+
+class PackedGraphs:
+    """CUDA graphs of the packed verify forward (Qwen35Trunk.packed over several slots' states),
+    one per (slots, rows of each): a step's hundreds of launches replayed as one, as a lone slot's
+    RowsGraphs does. Each slot's position is its own RowsGraphs' device tensor; the rows' logs land
+    in each state's fixed buffers, so commit replays as after that slot's own graph. Shared by the
+    views of one model (LocalTrunk.view); the least recently used graph goes past MAX_GRAPHS."""
+
+    MAX_GRAPHS = 32     # keys follow which slots run together: requests join and leave
+
+    def __init__(self, model: Qwen35Trunk):
+        self.model = model
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: OrderedDict[tuple, _PackedGraph] = OrderedDict()
+
+    def run(self, trunks: list, ids: list[torch.Tensor], pos: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(hidden, logits) of each slot's rows; `trunks` are LocalTrunk views with graphs."""
+        key = tuple((id(t), x.shape[0]) for t, x in zip(trunks, ids))
+        for t, p in zip(trunks, pos):
+            t.graphs.pos.fill_(p)
+        g = self.graphs.get(key)
+        if g is None:
+            while len(self.graphs) >= self.MAX_GRAPHS:
+                self.graphs.popitem(last=False)
+            with torch.cuda.device(ids[0].device):
+                g = self.graphs[key] = self._capture(trunks, ids)
+        else:
+            self.graphs.move_to_end(key)
+        for (a, b), x in zip(g.spans, ids):
+            g.ids[a:b].copy_(x)
+        g.graph.replay()
+        for t, logs, x in zip(trunks, g.logs, ids):
+            for lc, lg in zip(t.state.layers, logs):
+                if lc.rec is not None:
+                    lc.log = lg
+            t.graphs.logged(x.shape[0])
+        return [(g.hidden[a:b].clone(), g.logits[a:b].clone()) for a, b in g.spans]
+
+    def _capture(self, trunks: list, ids: list[torch.Tensor]) -> _PackedGraph:
+        from ..model.state import Segments
+        ids_buf = torch.cat(ids)
+        segs = Segments.of([t.state for t in trunks], [t.graphs.pos for t in trunks], [x.shape[0] for x in ids])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: compile and autotune outside the capture (same KV rows as the call)
+            for _ in range(2):
+                self.model.packed(ids_buf, segs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden, logits = self.model.packed(ids_buf, segs)
+        logs = [[lc.log for lc in t.state.layers] for t in trunks]
+        log.info("captured a CUDA graph for %d slots' %d rows", len(trunks), ids_buf.shape[0])
+        return _PackedGraph(graph, ids_buf, hidden, logits, logs, segs.spans)
+
+
+@dataclass
 class _FnGraph:
     replay: Callable[[], None]
     inputs: tuple[torch.Tensor, ...]        # static copies the replay reads

@@ -119,15 +119,18 @@ class LocalTrunk:
             from ..kernels.attention import KERNEL_HEAD_DIMS
             cuda_graphs = self.device.type == "cuda" and self.cfg.head_dim in KERNEL_HEAD_DIMS
         self.graphs = None
+        self.packs = None                         # graphs of packed verifies over this model's views
         if cuda_graphs:
-            from .graphs import RowsGraphs
+            from .graphs import PackedGraphs, RowsGraphs
             self.graphs = RowsGraphs(model, self.state)
+            self.packs = PackedGraphs(model)
 
     def view(self) -> "LocalTrunk":
         """Another trunk over the same model (weights shared) with its own sequence state and CUDA
         graphs: a slot for one more concurrent request (runtime/slots.py)."""
         other = LocalTrunk(self.model, self.max_seq, self.kv_dtype, self.graphs is not None, self.draft_vocab)
         other.piece = self.piece
+        other.packs = self.packs                  # one model: one set of packed graphs
         return other
 
     def begin(self) -> None:
@@ -170,7 +173,10 @@ class LocalTrunk:
     @torch.inference_mode()
     def verify_packed(self, trunks: list["LocalTrunk"], ids: list[torch.Tensor], pos: list[int]) -> list[Rows]:
         """`verify` of several slots over this model (self among or beside them) in one forward:
-        each slot's rows as its own verify gives them, bit for bit (eager: no CUDA graph)."""
+        each slot's rows as its own verify gives them, bit for bit (replayed from a CUDA graph per
+        slots and row counts where the slots capture graphs: runtime/graphs.py PackedGraphs)."""
+        if self.packs is not None and all(t.graphs is not None for t in trunks):
+            return [Rows(l, h) for h, l in self.packs.run(trunks, ids, pos)]
         counts = [x.shape[0] for x in ids]
         segs = Segments.of([t.state for t in trunks], pos, counts)
         h, l = self.model.packed(torch.cat(ids), segs)
@@ -223,6 +229,7 @@ class LocalTrunk:
 
     def close(self) -> None:
         self.graphs = None
+        self.packs = None
         self.state = None  # type: ignore[assignment]
         self.model = None  # type: ignore[assignment]
         if torch.cuda.is_available():
