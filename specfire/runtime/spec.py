@@ -54,8 +54,7 @@ def accept_device(logits: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | N
     ok = (qd > 0) & (u * qd < pd)
     n = ok.to(torch.long).cumprod(0).sum()
     if q is None:
-        resid = p[:k].clone()
-        resid[rows, draft] = 0.0
+        resid = p[:k].clone().scatter_(1, draft.view(k, 1), 0.0)        # (a scalar fill: graph-capturable)
     elif q.shape[-1] < p.shape[-1]:                                    # q = 0 past its width
         resid = p[:k].clone()
         resid[:, :q.shape[-1]] = (resid[:, :q.shape[-1]] - q).clamp_min(0.0)
