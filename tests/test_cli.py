@@ -12,10 +12,10 @@ import sys
 import pytest
 
 from ckpts import tiny
+from repo import REPO
 from specfire import LLM, SamplingParams
 from specfire import cli
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUMMARY = re.compile(r"^\[specfire\] (\d+) prompt \+ (\d+) generated tokens, prefill ([\d.]+) tok/s, "
                      r"decode ([\d.]+) tok/s, route (\w+)")
 

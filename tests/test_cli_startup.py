@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
+from repo import REPO
 from specfire import cli
 from specfire.config import SpecPolicy
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def python(code: str, *args: str) -> subprocess.CompletedProcess:

@@ -8,16 +8,16 @@ import threading
 
 import pytest
 
+from repo import REPO
 from tinytok import make_tok_checkpoint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Pipe:
     """A running daemon: send one message, read the events it answers with."""
 
     def __init__(self, *args: str):
-        env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "specfire.cli", "daemon", *args], env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -367,7 +367,7 @@ def test_a_file_of_requests_is_answered_in_full(ckpt, tmp_path):
     lines.append("not json")
     req = tmp_path / "requests.jsonl"
     req.write_text("\n".join(lines) + "\n")
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     with open(req, "rb") as f:
         p = subprocess.run([sys.executable, "-m", "specfire.cli", "daemon", "--max-num-seqs", "2", "--model", ckpt],
                            stdin=f,
@@ -422,7 +422,7 @@ def test_end_fields_and_refused_fields(loaded, ckpt):
 
 def test_reader_that_leaves_ends_it_quietly(ckpt):
     """`specfire daemon | head -1`: no BrokenPipeError traceback, exit status 0."""
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "specfire.cli", "daemon", "--model", ckpt], env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert json.loads(proc.stdout.readline())["type"] == "loaded"

@@ -18,7 +18,8 @@ import urllib.parse
 import httpx
 import pytest
 
-from serving import ROOT, free_port, start_server, stop
+from repo import REPO
+from serving import free_port, start_server, stop
 from tinytok import make_tok_checkpoint
 
 NAME = "tiny"
@@ -232,7 +233,7 @@ def test_api_key_no_client_can_send_is_refused(key):
 
 def test_api_key_is_checked_at_start(tmp_path):
     """SPECFIRE_API_KEY with a trailing space: one line, before the port and the model."""
-    e = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "SPECFIRE_API_KEY": "sk-key "}
+    e = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "SPECFIRE_API_KEY": "sk-key "}
     p = subprocess.run([sys.executable, "-m", "specfire.cli", "serve", str(tmp_path / "no-such-model"), "--port",
                         str(free_port())], capture_output=True, text=True, timeout=120, env=e)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
@@ -331,14 +332,14 @@ def test_port_in_use_is_found_before_heavy_imports():
         s.bind(("127.0.0.1", 0))
         s.listen(1)
         port = s.getsockname()[1]
-        p = subprocess.run([sys.executable, "-c", NO_HEAVY.format(root=ROOT, port=port, missing=())],
+        p = subprocess.run([sys.executable, "-c", NO_HEAVY.format(root=REPO, port=port, missing=())],
                            capture_output=True, text=True, timeout=60)
     assert p.stdout.strip() == (f"SpecfireError: cannot listen on 127.0.0.1:{port}: the port is already in use "
                                 f"(choose another --port)"), p.stdout + p.stderr
 
 
 def test_missing_server_package_is_named():
-    p = subprocess.run([sys.executable, "-c", NO_HEAVY.format(root=ROOT, port=free_port(), missing=("uvicorn",))],
+    p = subprocess.run([sys.executable, "-c", NO_HEAVY.format(root=REPO, port=free_port(), missing=("uvicorn",))],
                        capture_output=True, text=True, timeout=60)
     assert p.stdout.strip() == ("MissingPackage: 'specfire serve' needs the Python package uvicorn, which is not "
                                 "installed: pip install fastapi uvicorn"), \

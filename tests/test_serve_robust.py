@@ -11,7 +11,8 @@ import time
 import httpx
 import pytest
 
-from serving import ROOT, free_port, start_server, stop
+from repo import REPO
+from serving import free_port, start_server, stop
 from tinytok import make_tok_checkpoint
 
 NAME = "tiny"
@@ -176,7 +177,7 @@ def test_port_in_use_fails_before_loading(tmp_path):
         t0 = time.time()
         p = subprocess.run([sys.executable, "-m", "specfire.cli", "serve", str(tmp_path / "no-such-model"),
                             "--port", str(port)], capture_output=True, text=True, timeout=120,
-                           env={"PYTHONPATH": ROOT, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+                           env={"PYTHONPATH": REPO, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in p.stderr and "already in use" in p.stderr
     assert "serving" not in p.stderr and "no-such-model" not in p.stderr

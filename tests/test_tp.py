@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from repo import REPO
 from tinymodels import make_checkpoint
 
 from specfire import LLM, SamplingParams, SpecPolicy
@@ -23,7 +24,6 @@ from specfire.parallel.shard import ShardPlan
 from specfire.errors import MeshError, SpecfireError
 from specfire.kernels import canonical as canonical_mode
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GREEDY = SamplingParams(max_tokens=24)
 
 
@@ -521,7 +521,7 @@ def test_no_orphans_and_exit_without_close_and_torchrun(ckpt_cache, canonical):
     launch (RANK/WORLD_SIZE/MASTER_*) joins the group: rank 0 drives and exits without close(),
     so only the finalizer at interpreter exit can tell rank 1, which then exits 0."""
     path = ckpt(ckpt_cache, "base")
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = {**os.environ, "PYTHONPATH": REPO}
     env.pop("WORLD_SIZE", None)
     env.pop("RANK", None)
     common = f"""
