@@ -200,7 +200,7 @@ def test_mesh_bits_equal_one_device(ckpt_cache, canonical, name, degrees):
     """Odd vocabularies (padded), replicated KV heads (2 KV heads on 4 ranks, 1 on 2), tied and
     untied embeddings, uneven MLP rows: every degree gives one device's logits bit for bit and its
     tokens. Each mesh starts tp - 1 workers and leaves no process behind when closed."""
-    from test_tp import children, wait_gone
+    from procs import children, wait_gone
 
     path = str(ckpt_cache["root"] / f"tpinv-{name}")
     if path not in ckpt_cache["made"].values():

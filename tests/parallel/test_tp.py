@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from procs import children, wait_gone
 from repo import REPO
 from tinymodels import make_checkpoint
 
@@ -31,35 +32,6 @@ def ckpt(cache, name: str) -> str:
     if name not in cache["made"]:
         cache["made"][name] = make_checkpoint(str(cache["root"] / f"tp-{name}"), name, seed=7)
     return cache["made"][name]
-
-
-def children() -> set[int]:
-    """Live child processes of this process (from /proc)."""
-    pids: set[int] = set()
-    for tid in os.listdir(f"/proc/{os.getpid()}/task"):
-        try:
-            with open(f"/proc/{os.getpid()}/task/{tid}/children") as f:
-                pids.update(int(x) for x in f.read().split())
-        except FileNotFoundError:
-            pass
-    return {p for p in pids if _alive(p)}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pids, within: float) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if not any(_alive(p) for p in pids):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def prompt(vocab: int, n: int, seed: int) -> list[int]:
@@ -405,7 +377,7 @@ class TestMeshOfTwo:
     def test_mesh_trunk_is_read_only_through_the_protocol(self, base):
         """The MTP drafter over the mesh trunk (sharded picks, the chain in emulated graphs, greedy
         with and without penalties, sampled) reads only `Trunk` members of it."""
-        from test_protocols import Recorder, members
+        from recorder import Recorder, members
 
         from specfire.runtime.graphs import DraftGraphs
         from specfire.runtime.trunk import Trunk
