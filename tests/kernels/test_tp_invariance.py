@@ -13,7 +13,6 @@ from tinymodels import make_checkpoint
 
 from specfire import LLM, SamplingParams, SpecPolicy
 from specfire.kernels import lanes
-from specfire.kernels import canonical as canonical_mode
 from specfire.kernels.gemv import linear
 from specfire.kernels.splitk import CHUNKS, ChunkCache, KSplit, chunk_bounds, subtree, tree_sum
 
@@ -108,14 +107,6 @@ def test_transcendentals_do_not_depend_on_position(fn):
         for lo, hi in ((0, 49), (49, 98), (24, 73), (1, 2)):
             assert torch.equal(fn(x[:, lo:hi].contiguous()), whole[:, lo:hi])
         assert torch.equal(fn(x[3:4]), whole[3:4])
-
-
-@pytest.fixture
-def canonical():
-    """One device in the canonical mode (off by default): the bits a mesh must reproduce."""
-    canonical_mode.set_enabled(True)
-    yield
-    canonical_mode.set_enabled(None)
 
 
 # ---- the CUDA kernels of the scheme, interpreted -------------------------------------------------

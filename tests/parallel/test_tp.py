@@ -44,14 +44,6 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-@pytest.fixture
-def canonical():
-    """One device in the canonical mode (kernels/splitk; off by default): the bits a mesh reproduces."""
-    canonical_mode.set_enabled(True)
-    yield
-    canonical_mode.set_enabled(None)
-
-
 @pytest.fixture(scope="class")
 def base(ckpt_cache):
     """The base config (vocab 131: odd, 2 KV heads) on one device (canonical mode, for the class)

@@ -25,11 +25,6 @@ from test_spec_sampled import BINS, chi2, chi2_critical, pit_chi2
 ALPHA_MIN, ALPHA_MAX = 14, 119          # the fitted model's alphabet (specfit._rule, vocab 131)
 
 
-@pytest.fixture(scope="module")
-def fitted(ckpt_cache) -> str:
-    return specfit.fitted_checkpoint(ckpt_cache["root"])
-
-
 def run(llm, graphs: bool, k: int = 3, n: int = 24):
     """Greedy MTP k over the fitted prompts (drafts recorded), eager or with the chain in emulated graphs."""
     d = llm.engine.drafters["mtp"]

@@ -25,11 +25,6 @@ REQUESTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def fitted(ckpt_cache) -> str:
-    return specfit.fitted_checkpoint(ckpt_cache["root"])
-
-
 def test_protocol_members_are_declared():
     """The members the drafters need of a trunk are declared; both drafters have every member of
     `Drafter`, both trunks every member of `Trunk`."""
