@@ -13,7 +13,6 @@ import pytest
 
 from repo import REPO
 from serving import free_port, start_server, stop
-from tinytok import make_tok_checkpoint
 
 NAME = "tiny"
 MAX_SEQ = 4096
@@ -21,9 +20,9 @@ LIMIT = 300_000
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tinytok_ckpt, tmp_path_factory):
     root = tmp_path_factory.mktemp("robust")
-    path = make_tok_checkpoint(str(root / "ckpt"), seed=3)
+    path = tinytok_ckpt
     proc, base = start_server([path, "--served-model-name", NAME, "--max-seq-len", str(MAX_SEQ),
                                "--max-request-bytes", str(LIMIT)], str(root / "server.log"))
     yield {"base": base, "proc": proc, "path": path}
