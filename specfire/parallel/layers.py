@@ -1,6 +1,6 @@
 """One rank's layers: the canonical target (layers/__init__.py) with this rank's shards of every
-projection and of the embedding, so the rank computes each of its elements as one device in the
-canonical mode does, and the ranks' partial sums add up in the canonical tree.
+projection and of the embedding, so the rank computes each of its elements as one device with
+tp_invariant does, and the ranks' partial sums add up in the canonical tree.
 
 Column shards (by head, by MLP row, by vocabulary row) carry the whole matrix's N (`launch_n`)
 for the CUDA kernel's launch settings; a row-parallel projection holds this rank's canonical
