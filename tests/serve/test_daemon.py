@@ -112,6 +112,29 @@ def test_draft_vocab_flag_is_every_loads_default(ckpt):
         d.close()
 
 
+def test_tp_invariant_load_param_and_flag(ckpt):
+    """params.tp_invariant reaches LLM and the loaded event names it; `daemon --tp-invariant` is
+    every load's default (a load's own False wins); a non-bool is refused naming the field."""
+    import io
+
+    from specfire.serve.daemon import Daemon
+
+    for flag, params, want in ((False, {}, False), (False, {"tp_invariant": True}, True),
+                               (True, {}, True), (True, {"tp_invariant": False}, False)):
+        out = io.BytesIO()
+        d = Daemon(out, tp_invariant=flag)
+        d.handle_line(json.dumps({"type": "load", "model": ckpt, "params": {"device": "cpu", **params}}).encode())
+        ev = json.loads(out.getvalue().decode().splitlines()[0])
+        assert ev["type"] == "loaded" and ev["tp_invariant"] is want, (flag, params, ev)
+        assert d.llm.engine.trunk.model.target.exact is want
+        d._unload()
+    out = io.BytesIO()
+    Daemon(out).handle_line(json.dumps({"type": "load", "model": ckpt, "params": {"tp_invariant": "yes"}}).encode())
+    ev = json.loads(out.getvalue().decode().splitlines()[0])
+    assert ev["type"] == "error" and ev["class"] == "invalid_request"
+    assert ev["message"] == "tp_invariant must be True or False, got 'yes'", ev
+
+
 def test_generate_events_match_in_process(loaded, ckpt):
     daemon = loaded
     from specfire import LLM, SamplingParams
