@@ -93,16 +93,6 @@ def bundled():
         yield m
 
 
-@pytest.fixture
-def canonical():
-    """One device in the canonical mode (kernels/splitk; off by default): the bits a mesh reproduces."""
-    from specfire.kernels import canonical as canonical_mode
-
-    canonical_mode.set_enabled(True)
-    yield
-    canonical_mode.set_enabled(None)
-
-
 class Ran:
     """What one in-process `specfire ...` invocation returned (the shape of subprocess's answer)."""
 
