@@ -9,7 +9,7 @@ Each job runs in its own process with a time limit (a hung mesh costs its limit,
 and is skipped when the remaining budget (--budget-s) is below its estimate. Every result is one
 JSON line appended to OUT/tp.jsonl as it is measured.
 
-  bundled   the bundled model in bf16: tp2 logits == tp1 (canonical split on) bitwise, greedy AR
+  bundled   the bundled model in bf16: tp2 logits == tp1 (tp_invariant) bitwise, greedy AR
             tokens equal, MTP k=3 == AR on both
   ckpt      random weights of the shape with an MTP head (bench/common.py write_checkpoint), and a
             tied copy whose final norms are -1 (every MTP draft accepted: the best case for speed)
@@ -17,8 +17,8 @@ JSON line appended to OUT/tp.jsonl as it is measured.
             graphs replayed back to back (the device time of a step with no host in between), the
             MTP draft graphs, and per-rank kernel time by family (torch.profiler, parallel/probe.py);
             --ar-only: AR and the 1-row graph only
-  canon1    speed1 in the canonical mode (the bits a mesh computes, on one GPU): what invariance costs
-  identN    normal checkpoint on N ranks (tp1 in the canonical mode): md5 of greedy output,
+  canon1    speed1 with tp_invariant (the bits a mesh computes, on one GPU): what invariance costs
+  identN    normal checkpoint on N ranks, tp_invariant: md5 of greedy output,
             AR / MTP k=3 (/ n-gram on tp2) at a short context (--prompt) and a long one (--long)
 """
 from __future__ import annotations
@@ -51,12 +51,6 @@ def job_ckpt(cfg, d: str, device: str, log: Log) -> None:
     log("ckpt", shape=cfg.hidden_size, write_s=time.perf_counter() - t0)
 
 
-def canonical(on: bool) -> None:
-    """tp1 computes the mesh's canonical split-K (off by default on one GPU), so its bits are tp2's."""
-    from specfire.kernels import canonical
-    canonical.set_enabled(True if on else None)
-
-
 # ---- speed --------------------------------------------------------------------------------------------
 
 def job_speed(path: str, tp: int, device: str, log: Log, prompt: int, tokens: int, out: str | None,
@@ -64,13 +58,12 @@ def job_speed(path: str, tp: int, device: str, log: Log, prompt: int, tokens: in
     from specfire import LLM, SamplingParams, SpecPolicy
     from specfire.parallel.probe import time_rows
 
-    canonical(canon)
-
     t0 = time.perf_counter()
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
     warm = SamplingParams(max_tokens=8, ignore_eos=True)
-    with LLM(path, tp=tp, device=device, progress=False, max_seq_len=prompt + 2 * tokens + 64) as llm:
+    with LLM(path, tp=tp, device=device, progress=False, max_seq_len=prompt + 2 * tokens + 64,
+             tp_invariant=canon) as llm:
         load_s = time.perf_counter() - t0
         trunk = llm.engine.trunk
         mtp = llm.engine.drafters.get("mtp")
@@ -143,10 +136,10 @@ def job_ident(path: str, tp: int, device: str, log: Log, contexts: list[int], to
               deadline: float) -> None:
     from specfire import LLM, SamplingParams, SpecPolicy
 
-    canonical(True)
     sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    with LLM(path, tp=tp, device=device, progress=False, max_seq_len=max(contexts) + 2 * tokens + 64) as llm:
+    with LLM(path, tp=tp, device=device, progress=False, max_seq_len=max(contexts) + 2 * tokens + 64,
+             tp_invariant=True) as llm:
         log("progress", job=f"ident{tp}", load_s=time.perf_counter() - t0)
         for ctx in contexts:
             if time.monotonic() > deadline:
@@ -167,7 +160,6 @@ def job_ident(path: str, tp: int, device: str, log: Log, contexts: list[int], to
                     row[name + "_drafted"] = r.stats["drafted"]
                     row[name + "_accepted"] = r.stats["accepted"]
             log("identity", **row)
-    canonical(False)
 
 
 # ---- bundled ------------------------------------------------------------------------------------------
@@ -175,13 +167,12 @@ def job_ident(path: str, tp: int, device: str, log: Log, contexts: list[int], to
 def job_bundled(device: str, log: Log, tokens: int) -> None:
     from specfire import LLM, SamplingParams, SpecPolicy
 
-    canonical(True)
     text = "def fibonacci(n):\n    if n < 2:\n        return n\n"
     sp = SamplingParams(max_tokens=tokens)
     res = {}
     dtype = "bfloat16" if device == "cuda" else "float32"
     for tp in (1, 2):
-        with LLM(None, tp=tp, device=device, dtype=dtype, progress=False, max_seq_len=512) as llm:
+        with LLM(None, tp=tp, device=device, dtype=dtype, progress=False, max_seq_len=512, tp_invariant=True) as llm:
             ids = llm.tokenizer.encode(text)
             lg = llm.score(ids).cpu()
             llm.generate(ids, SamplingParams(max_tokens=16), spec="off")
@@ -195,7 +186,6 @@ def job_bundled(device: str, log: Log, tokens: int) -> None:
     (lg1, ar1, _), (lg2, ar2, mtp2) = res[1], res[2]
     log("bundled", logits_tp2_equal_tp1=bool(torch.equal(lg1, lg2)), ar_tokens_equal=ar1 == ar2,
         mtp_tp2_equals_ar_tp1=mtp2 == ar1, tokens=len(ar1), ar_md5=md5(ar1))
-    canonical(False)
 
 
 # ---- driver -------------------------------------------------------------------------------------------

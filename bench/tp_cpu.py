@@ -1,10 +1,11 @@
 """CPU decode speed on one device and on a gloo mesh (tp = 1, 2), and whether greedy output is identical.
 
-    python -m bench.tp_cpu [--model bundled|PATH] [--tokens 64] [--tp 1 2] [--threads 1]
+    python -m bench.tp_cpu [--model bundled|PATH] [--tokens 64] [--tp 1 2] [--threads 1] [--tp-invariant]
 
 Without --model: random weights of a small Qwen3.5 shape (bench/common.py; no draft is ever
 accepted); `--model bundled` takes the bundled trained model and a text prompt. Greedy, float32.
-Prints a table and one JSON line last."""
+Tokens are identical across tp by design only with --tp-invariant (tp 1 then computes the mesh's
+bits; without it tp 1 runs its faster plain products). Prints a table and one JSON line last."""
 from __future__ import annotations
 
 import argparse
@@ -29,6 +30,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads for tp=1 (default: torch's); a mesh gives each rank cores // tp")
+    ap.add_argument("--tp-invariant", action="store_true", help="load every degree with LLM(tp_invariant=True)")
     args = ap.parse_args()
 
     if args.model is None:
@@ -44,7 +46,7 @@ def main() -> None:
     for tp in args.tp:
         if tp == 1 and args.threads is not None:
             torch.set_num_threads(args.threads)
-        with LLM(path, tp=tp, progress=False) as llm:
+        with LLM(path, tp=tp, progress=False, tp_invariant=args.tp_invariant) as llm:
             llm.generate(ids, SamplingParams(max_tokens=4), spec="off")        # warm-up
             for route in ("off", "mtp", "ngram"):
                 res = llm.generate(ids, sp, spec=SpecPolicy(route, k=3))

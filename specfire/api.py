@@ -132,14 +132,18 @@ class LLM:
     Requests run concurrently, each in its own slot (runtime/slots.py, runtime/scheduler.py):
     `max_num_seqs` at most (default 8 on a GPU, 4 on a CPU; one on a tensor-parallel mesh), and as
     many as `kv_cache_memory_bytes` holds (each slot reserves max_seq_len positions of state;
-    default on a GPU: what leaves 10% of the device free); more wait in arrival order."""
+    default on a GPU: what leaves 10% of the device free); more wait in arrival order.
+
+    `tp_invariant=True`: the same bits at every tp degree, one device included (the canonical math,
+    docs/TENSOR_PARALLEL.md; on one device it costs some decode speed). A mesh's trunk computes
+    them always; there the option also builds rank 0's MTP head in them, so drafts agree too."""
 
     def __init__(self, model: str | None = None, tp: int = 1, device: Any = None, dtype: Any = None,
                  kv_dtype: str = "auto", max_seq_len: int | None = None, spec: SpecPolicy | dict | str | None = None,
                  mtp_path: str | None = None, progress: bool | None = None, cuda_graphs: bool | None = None,
                  ngram: tuple[int, int] = (1, 4), draft_vocab: int | None = None, generation_config: str = "auto",
                  threads: int | None = None, max_num_seqs: int | None = None,
-                 kv_cache_memory_bytes: int | str | None = None):
+                 kv_cache_memory_bytes: int | str | None = None, tp_invariant: bool = False):
         self._closed = True                   # until the engine is built
         # "auto": the checkpoint's generation_config.json supplies the default sampling of a
         # request that passes no SamplingParams (get_default_sampling_params); "none": built-in
@@ -154,6 +158,9 @@ class LLM:
         self.ngram = (int(ngram[0]), int(ngram[1]))   # n-gram drafter: suffix sizes to look up
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tp must be a positive integer, got {tp!r}")
+        if not isinstance(tp_invariant, bool):
+            raise ValueError(f"tp_invariant must be True or False, got {tp_invariant!r}")
+        self.tp_invariant = tp_invariant
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
         if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 2):
@@ -194,7 +201,7 @@ class LLM:
         opts = EngineOptions(path=self.path, cfg=self.cfg, tp=tp, device=self.device, dtype=self.dtype,
                              kv_dtype=kvd, max_seq_len=self.max_seq_len, spec=self.spec, mtp_path=mtp_path,
                              cuda_graphs=cuda_graphs, ngram=self.ngram, progress=progress,
-                             draft_vocab=self.draft_vocab)
+                             draft_vocab=self.draft_vocab, tp_invariant=tp_invariant)
         self.engine = build_engine(opts, self.tokenizer, eos, trunk_factory(tp))
         self.cfg = self.engine.trunk.cfg      # the checkpoint decides whether lm_head is tied
         try:

@@ -18,6 +18,9 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
                    help="the checkpoint, as a flag" + (" (same as the positional MODEL)" if positional else ""))
     p.add_argument("--tp", "--tensor-parallel-size", "-tp", dest="tp", type=int, default=1, metavar="N",
                    help="tensor-parallel degree")
+    p.add_argument("--tp-invariant", action="store_true",
+                   help="compute the bits every --tp degree computes, one device included (slower decode on "
+                        "one device; a mesh's trunk always does, this also makes its MTP drafts agree)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, metavar="DTYPE", help=f"{_dtype_help()} (default: auto)")
     p.add_argument("--kv-dtype", default="auto", help="auto | bf16 | fp32 | q8")
@@ -109,7 +112,7 @@ FLAGS = {"max_tokens": "-n/--max-tokens", "temperature": "-t/--temperature", "to
          "max_seq_len": "--max-seq-len", "ngram": "--ngram-n", "draft_vocab": "--draft-vocab",
          "repetition_penalty": "--repetition-penalty", "presence_penalty": "--presence-penalty",
          "frequency_penalty": "--frequency-penalty", "max_num_seqs": "--max-num-seqs",
-         "kv_cache_memory_bytes": "--kv-cache-memory-bytes"}
+         "kv_cache_memory_bytes": "--kv-cache-memory-bytes", "tp_invariant": "--tp-invariant"}
 
 
 def flagged(e: ValueError) -> ValueError:
@@ -147,7 +150,8 @@ def load_model(args: argparse.Namespace):
                    cuda_graphs=False if args.eager else None, ngram=ngram, draft_vocab=args.draft_vocab,
                    generation_config=getattr(args, "generation_config", "auto"),
                    max_num_seqs=getattr(args, "max_num_seqs", None),
-                   kv_cache_memory_bytes=getattr(args, "kv_cache_memory_bytes", None))
+                   kv_cache_memory_bytes=getattr(args, "kv_cache_memory_bytes", None),
+                   tp_invariant=args.tp_invariant)
     except SpecfireError:
         raise
     except ValueError as e:

@@ -59,6 +59,40 @@ def tok(tok_path):
     return Tokenizer(tok_path)
 
 
+@pytest.fixture(scope="module")
+def tok_llm(tok_path):
+    """The tok_path checkpoint loaded without speculation: the reference for text-level runs."""
+    from specfire import LLM
+
+    with LLM(tok_path, device="cpu", spec="off", progress=False) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def tinytok_ckpt(tmp_path_factory) -> str:
+    """A tiny checkpoint with a trained BPE and ChatML (tests/tinytok.py, seed 3), fresh per module."""
+    from tinytok import make_tok_checkpoint
+
+    return make_tok_checkpoint(str(tmp_path_factory.mktemp("tinytok") / "ckpt"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def fitted(ckpt_cache) -> str:
+    """The fitted tiny model (tests/specfit.py): its MTP head's drafts really get accepted."""
+    import specfit
+
+    return specfit.fitted_checkpoint(ckpt_cache["root"])
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    """The bundled model (specfire/bundled/) on the CPU, loaded once per module."""
+    from specfire import LLM
+
+    with LLM(device="cpu", progress=False) as m:
+        yield m
+
+
 class Ran:
     """What one in-process `specfire ...` invocation returned (the shape of subprocess's answer)."""
 

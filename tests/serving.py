@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from repo import REPO
 
 
 def free_port() -> int:
@@ -26,7 +26,7 @@ def start_server(args: list[str], log_path: str, timeout: float = 120.0, env: di
     `python -m specfire.cli`); popen: more subprocess.Popen arguments (e.g. preexec_fn)."""
     port = free_port()
     # one intra-op thread: tiny models gain nothing from more, and a busy CI box loses a lot
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
            **(env or {})}
     log = open(log_path, "w")
     cmd = launcher or [sys.executable, "-m", "specfire.cli"]

@@ -12,10 +12,10 @@ import sys
 import pytest
 
 from ckpts import tiny
+from repo import REPO
 from specfire import LLM, SamplingParams
 from specfire import cli
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUMMARY = re.compile(r"^\[specfire\] (\d+) prompt \+ (\d+) generated tokens, prefill ([\d.]+) tok/s, "
                      r"decode ([\d.]+) tok/s, route (\w+)")
 
@@ -28,17 +28,6 @@ def specfire(*args: str, stdin: str | None = None, cwd: str | None = None) -> su
                           text=True, env=env, cwd=cwd, timeout=300)
 
 
-@pytest.fixture(scope="module")
-def model(ckpt_cache):
-    return tiny(ckpt_cache, "base", tokenizer=True)
-
-
-@pytest.fixture(scope="module")
-def llm(model):
-    with LLM(model, device="cpu", spec="off", progress=False) as m:
-        yield m
-
-
 def summary(stderr: str) -> re.Match:
     lines = stderr.strip().splitlines()
     assert len(lines) == 1, stderr
@@ -47,16 +36,16 @@ def summary(stderr: str) -> re.Match:
     return m
 
 
-def test_run_json(model, llm, tmp_path):
-    p = specfire("run", "--model", model, "--prompt", "def fibonacci(n):", "-n", "12", "--spec", "off",
+def test_run_json(tok_path, tok_llm, tmp_path):
+    p = specfire("run", "--model", tok_path, "--prompt", "def fibonacci(n):", "-n", "12", "--spec", "off",
                  "--json", cwd=str(tmp_path))
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
-    ref = llm.generate("def fibonacci(n):", SamplingParams(max_tokens=12))
+    ref = tok_llm.generate("def fibonacci(n):", SamplingParams(max_tokens=12))
     assert out["text"] == ref.text and out["token_ids"] == ref.token_ids
     assert out["finish_reason"] == ref.finish_reason
     st = out["stats"]
-    assert st["prompt_tokens"] == len(llm.tokenizer.encode("def fibonacci(n):"))
+    assert st["prompt_tokens"] == len(tok_llm.tokenizer.encode("def fibonacci(n):"))
     assert st["generated_tokens"] == len(ref.token_ids) and st["route"] == "ar"
     for key in ("prefill_tok_s", "decode_tok_s", "prefill_s", "decode_s", "route_reason"):
         assert key in st
@@ -65,20 +54,20 @@ def test_run_json(model, llm, tmp_path):
     assert float(m.group(3)) > 0 and (float(m.group(4)) > 0 or st["generated_tokens"] < 2)
 
 
-def test_run_stdin_streams_text(model, llm, cli_run):
+def test_run_stdin_streams_text(tok_path, tok_llm, cli_run):
     prompt = "The quick brown fox 🙂\n"
-    p = cli_run("run", "--model", model, "-n", "20", "--spec", "off", stdin=prompt)
+    p = cli_run("run", "--model", tok_path, "-n", "20", "--spec", "off", stdin=prompt)
     assert p.returncode == 0, p.stderr
-    ref = llm.generate(prompt, SamplingParams(max_tokens=20))
+    ref = tok_llm.generate(prompt, SamplingParams(max_tokens=20))
     assert p.stdout == ref.text + "\n"
     assert int(summary(p.stderr).group(2)) == len(ref.token_ids)
 
 
-def test_run_sampling_flags_and_chat(model, llm, cli_run):
-    p = cli_run("run", "--model", model, "--prompt", "Hi", "--chat", "-n", "10", "-t", "0.9", "--top-k", "7",
+def test_run_sampling_flags_and_chat(tok_path, tok_llm, cli_run):
+    p = cli_run("run", "--model", tok_path, "--prompt", "Hi", "--chat", "-n", "10", "-t", "0.9", "--top-k", "7",
                  "--top-p", "0.9", "--min-p", "0.05", "--seed", "3", "--stop", "zz", "--spec", "off", "--json")
     assert p.returncode == 0, p.stderr
-    ref = llm.chat([{"role": "user", "content": "Hi"}],
+    ref = tok_llm.chat([{"role": "user", "content": "Hi"}],
                    SamplingParams(max_tokens=10, temperature=0.9, top_k=7, top_p=0.9, min_p=0.05, seed=3,
                                   stop=["zz"]))
     out = json.loads(p.stdout)
@@ -86,40 +75,40 @@ def test_run_sampling_flags_and_chat(model, llm, cli_run):
     assert out["stats"]["prompt_tokens"] == len(ref.prompt_token_ids)
 
 
-def test_run_chat_keeps_typed_control_tokens_text(model, llm, cli_run):
+def test_run_chat_keeps_typed_control_tokens_text(tok_path, tok_llm, cli_run):
     """`run --chat` renders through chat_ids: a control token typed in the prompt is text, not a control token."""
     prompt = "a<|im_end|>\n<|im_start|>system\nb"
-    p = cli_run("run", "--model", model, "--prompt", prompt, "--chat", "-n", "3", "--spec", "off", "--json")
+    p = cli_run("run", "--model", tok_path, "--prompt", prompt, "--chat", "-n", "3", "--spec", "off", "--json")
     assert p.returncode == 0, p.stderr
     msgs = [{"role": "user", "content": prompt}]
-    ids = llm.chat_ids(msgs)
-    assert len(ids) != len(llm.tokenizer.encode(llm.render_chat(msgs)))
+    ids = tok_llm.chat_ids(msgs)
+    assert len(ids) != len(tok_llm.tokenizer.encode(tok_llm.render_chat(msgs)))
     out = json.loads(p.stdout)
     assert out["stats"]["prompt_tokens"] == len(ids)
-    assert out["token_ids"] == llm.generate(ids, SamplingParams(max_tokens=3)).token_ids
+    assert out["token_ids"] == tok_llm.generate(ids, SamplingParams(max_tokens=3)).token_ids
 
 
-def test_run_penalty_flags(model, llm, cli_run):
-    p = cli_run("run", "--model", model, "--prompt", "def add(a, b):", "-n", "12", "--repetition-penalty", "1.4",
+def test_run_penalty_flags(tok_path, tok_llm, cli_run):
+    p = cli_run("run", "--model", tok_path, "--prompt", "def add(a, b):", "-n", "12", "--repetition-penalty", "1.4",
                 "--presence-penalty", "0.5", "--frequency-penalty", "0.7", "--spec", "mtp", "--json")
     assert p.returncode == 0, p.stderr
-    ref = llm.generate("def add(a, b):", SamplingParams(max_tokens=12, repetition_penalty=1.4, presence_penalty=0.5,
+    ref = tok_llm.generate("def add(a, b):", SamplingParams(max_tokens=12, repetition_penalty=1.4, presence_penalty=0.5,
                                                         frequency_penalty=0.7))
     out = json.loads(p.stdout)
     assert out["token_ids"] == ref.token_ids and "penalties" in out["stats"]["route_reason"]
 
 
-def test_serve_penalty_flags_checked_before_the_port_and_the_model(model, cli_run):
-    p = cli_run("serve", model, "--presence-penalty", "5", "--port", "1")
+def test_serve_penalty_flags_checked_before_the_port_and_the_model(tok_path, cli_run):
+    p = cli_run("serve", tok_path, "--presence-penalty", "5", "--port", "1")
     assert p.returncode == 2 and p.stderr.strip() == "specfire: error: --presence-penalty must be <= 2.0, got 5.0"
     p = cli_run("serve", "--help")
     assert p.returncode == 0 and all(f in p.stdout for f in ("--repetition-penalty", "--presence-penalty",
                                                                "--frequency-penalty"))
 
 
-def test_run_default_route(model, cli_run):
+def test_run_default_route(tok_path, cli_run):
     """Without --spec the load-time policy is auto; the answer is still one JSON object."""
-    p = cli_run("run", "--model", model, "--prompt", "x", "-n", "4", "--json")
+    p = cli_run("run", "--model", tok_path, "--prompt", "x", "-n", "4", "--json")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert len(out["token_ids"]) <= 4 and out["stats"]["route"] in ("ar", "mtp", "ngram")
@@ -168,11 +157,11 @@ def test_info_without_mtp(ckpt_cache, capsys):
 
 # ---- errors ------------------------------------------------------------------------------------------
 
-def test_bad_path_and_bad_parameter_through_a_process(model, tmp_path, cli_run):
+def test_bad_path_and_bad_parameter_through_a_process(tok_path, tmp_path, cli_run):
     """One real process (exit code, nothing but one line on stderr); the other bad inputs in process."""
     for i, args in enumerate((["run", "--model", str(tmp_path / "nope"), "--prompt", "x"],
-                              ["run", "--model", model, "--prompt", "x", "-t", "-1"],
-                              ["run", "--model", model, "--prompt", "x", "--top-k", "many"])):
+                              ["run", "--model", tok_path, "--prompt", "x", "-t", "-1"],
+                              ["run", "--model", tok_path, "--prompt", "x", "--top-k", "many"])):
         p = specfire(*args) if i == 0 else cli_run(*args)
         assert p.returncode != 0 and p.stdout == ""
         assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
@@ -216,8 +205,8 @@ BAD_ARGS = [
 
 
 @pytest.mark.parametrize("extra,pattern", BAD_ARGS, ids=[" ".join(b[0]) for b in BAD_ARGS])
-def test_bad_run_arguments_are_one_line(model, extra, pattern, capsys):
-    argv = ["run", "--model", model, "--prompt", "def fibonacci(n): return fibonacci(n - 1)", "-n", "2", *extra]
+def test_bad_run_arguments_are_one_line(tok_path, extra, pattern, capsys):
+    argv = ["run", "--model", tok_path, "--prompt", "def fibonacci(n): return fibonacci(n - 1)", "-n", "2", *extra]
     try:
         rc = cli.main(argv)
     except SystemExit as e:          # argparse errors leave through exit()
@@ -229,9 +218,9 @@ def test_bad_run_arguments_are_one_line(model, extra, pattern, capsys):
     assert re.search(pattern, err), err
 
 
-def test_other_bad_invocations_are_one_line(model, capsys, monkeypatch):
+def test_other_bad_invocations_are_one_line(tok_path, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
-    cases = [["run", "--model", model],                       # empty stdin
+    cases = [["run", "--model", tok_path],                    # empty stdin
              [],                                                # no command
              ["frobnicate"]]                                    # unknown command
     cli.register("notbuilt", "a command whose module is absent", ".no_such_module")
@@ -265,22 +254,22 @@ def test_help_shows_defaults(capsys):
         assert f"(default: {default})" in entry, (flag, entry)
 
 
-def test_run_takes_the_model_positionally(model, llm, cli_run):
-    p = cli_run("run", model, "--prompt", "def f(x):", "-n", "5", "--spec", "off", "--json")
+def test_run_takes_the_model_positionally(tok_path, tok_llm, cli_run):
+    p = cli_run("run", tok_path, "--prompt", "def f(x):", "-n", "5", "--spec", "off", "--json")
     assert p.returncode == 0, p.stderr
-    assert json.loads(p.stdout)["token_ids"] == llm.generate("def f(x):", SamplingParams(max_tokens=5)).token_ids
-    p = cli_run("run", model, "--model", model + "x", "--prompt", "x")
+    assert json.loads(p.stdout)["token_ids"] == tok_llm.generate("def f(x):", SamplingParams(max_tokens=5)).token_ids
+    p = cli_run("run", tok_path, "--model", tok_path + "x", "--prompt", "x")
     assert p.returncode == 2 and "two models given" in p.stderr and "Traceback" not in p.stderr
 
 
-def test_run_cut_short_by_the_context_says_so(model, cli_run):
-    p = cli_run("run", model, "--prompt", "def f(x):", "-n", "50", "--max-seq-len", "12", "--spec", "off",
+def test_run_cut_short_by_the_context_says_so(tok_path, cli_run):
+    p = cli_run("run", tok_path, "--prompt", "def f(x):", "-n", "50", "--max-seq-len", "12", "--spec", "off",
                  "--json")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["finish_reason"] == "length" and out["context_limited"] is True and len(out["token_ids"]) < 50
     assert "cut short: the context is full" in p.stderr and len(p.stderr.strip().splitlines()) == 1
-    p = cli_run("run", model, "--prompt", "def f(x):", "-n", "3", "--spec", "off", "--json")
+    p = cli_run("run", tok_path, "--prompt", "def f(x):", "-n", "3", "--spec", "off", "--json")
     assert json.loads(p.stdout)["context_limited"] is False and "cut short" not in p.stderr
 
 
@@ -291,8 +280,8 @@ def _copy(src: str, dst) -> str:
     return str(dst)
 
 
-def test_nan_config_is_refused_naming_the_field(model, tmp_path, cli_run):
-    path = _copy(model, tmp_path / "nan")
+def test_nan_config_is_refused_naming_the_field(tok_path, tmp_path, cli_run):
+    path = _copy(tok_path, tmp_path / "nan")
     cfg_path = os.path.join(path, "config.json")
     with open(cfg_path) as f:
         text = f.read()
@@ -307,12 +296,12 @@ def test_nan_config_is_refused_naming_the_field(model, tmp_path, cli_run):
         assert "'rope_theta' must be > 0 and finite" in p.stderr and "nan" in p.stderr
 
 
-def test_nan_weight_is_refused_naming_the_tensor(model, tmp_path):
+def test_nan_weight_is_refused_naming_the_tensor(tok_path, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from specfire.errors import CheckpointError
 
-    path = _copy(model, tmp_path / "nanw")
+    path = _copy(tok_path, tmp_path / "nanw")
     f = os.path.join(path, "model.safetensors")
     tensors = load_file(f)
     name = next(n for n in tensors if n.endswith("mlp.up_proj.weight"))

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
+from repo import REPO
 from specfire import cli
 from specfire.config import SpecPolicy
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def python(code: str, *args: str) -> subprocess.CompletedProcess:
@@ -94,6 +94,25 @@ def test_vllm_spellings_of_the_model_flags(command):
         assert (theirs.tp, theirs.max_seq_len) == (ours.tp, ours.max_seq_len) == (2, 512)
     if command == "run":
         assert parse("run", "-t", "0.5", "-tp", "2").temperature == 0.5      # -t stays the temperature
+
+
+def test_tp_invariant_flag_reaches_the_llm(monkeypatch):
+    """--tp-invariant on run, serve, daemon and bench battery; run's and serve's reach LLM(tp_invariant=...)."""
+    import specfire.api
+
+    seen = []
+
+    class Recorder:
+        def __init__(self, model, **kw):
+            seen.append(kw["tp_invariant"])
+
+    monkeypatch.setattr(specfire.api, "LLM", Recorder)
+    for command in ("run", "serve"):
+        for argv, want in (((), False), (("--tp-invariant",), True)):
+            cli.load_model(parse(command, *argv))
+            assert seen.pop() is want, (command, argv)
+    assert parse("daemon", "--tp-invariant").tp_invariant and not parse("daemon").tp_invariant
+    assert parse("bench", "battery", "--tp-invariant").tp_invariant
 
 
 def test_global_flags_after_the_subcommand(cli_run):

@@ -8,7 +8,9 @@ import ast
 import os
 import sys
 
-ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "specfire")
+from repo import REPO
+
+ROOT = os.path.join(REPO, "specfire")
 
 # Layers, lowest first: a module may import its own layer and those below it, never one above.
 # A name is a module or a package prefix of "specfire."; the longest prefix decides.

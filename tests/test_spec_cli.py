@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from repo import REPO
 import specfit
 from specfire.config import ModelConfig
 
@@ -57,9 +58,8 @@ def test_run_bad_spec_values_are_one_line_errors(model, ckpt_cache, tmp_path, cl
 
 def test_bad_ngram_range_is_one_line_error():
     """Through a real process: exit code, one line, no traceback (the other errors run in process)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-m", "specfire.cli", "run", "--prompt", "x", "--ngram-n", "4"],
-                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root}, timeout=120)
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO}, timeout=120)
     assert r.returncode != 0
     assert "--ngram-n must be MIN:MAX" in r.stderr and "Traceback" not in r.stderr
 

@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
+from repo import REPO
 from specfire import LLM, api
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # torch's own count, the policy's idea of it, then the count after each way of building an LLM
 PROBE = """

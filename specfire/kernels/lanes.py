@@ -10,8 +10,8 @@ so every element takes the vectorised path, which is the same for every lane. CU
 every element the same way and takes the direct path.
 
 Only a tensor-parallel forward needs this: the padding is on inside `invariant()` scopes (the
-forward of a model built with an exact target, layers/__init__.py: a mesh rank, or one device in
-the canonical mode) and off elsewhere. Verify rows get their row invariance from per-row
+forward of a model built with an exact target, layers/__init__.py: a mesh rank, or one device with
+LLM(tp_invariant=True)) and off elsewhere. Verify rows get their row invariance from per-row
 application (layers/rows.py) instead.
 """
 from __future__ import annotations

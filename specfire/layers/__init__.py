@@ -71,7 +71,7 @@ class Target:
     attention: type[GatedAttention]
     gdn: type[GatedDeltaNet]
     rowmap: Direct                          # how elementwise math meets verify rows (layers/rows.py)
-    exact: bool = False                     # tensor-parallel invariant math (a mesh, or the canonical mode)
+    exact: bool = False                     # tensor-parallel invariant math (a mesh, or tp_invariant)
     fused_head: bool = False                # the MTP head's fused step (kernels/head): one GPU
     packed_rows: bool = False               # the packed decode / verify forward (model/cpu.py): one CPU device
     share: Callable[[ModelConfig], Share] = field(default=Share.whole)
@@ -95,7 +95,7 @@ CPU_EXACT = Target("cpu-exact", partial(_column, ExactLinear), SplitLinear, Exac
 
 def target_for(device_type: str, canonical: bool = False) -> Target:
     """One device's table: CUDA or else the CPU's; `canonical`, the mesh-equal math
-    (kernels/canonical.py)."""
+    (LLM(tp_invariant=True), passed down by model/loader.py)."""
     if device_type == "cuda":
         return CUDA_EXACT if canonical else CUDA
     return CPU_EXACT if canonical else CPU

@@ -7,7 +7,7 @@ cos / sin: row r of a k+1-row verify could differ from the row decoded alone. So
 rows mode applies that math one row at a time (`PerRow`); one CPU device may also take all rows in
 one call where every row is a whole number of STEP elements and no loop is split between threads
 (`Batched`: every element then takes the vector path; torch's rms_norm reduces each row alike
-whatever the row count, tests/test_onecpu.py). CUDA computes every element alike (`Direct`).
+whatever the row count, tests/model/test_onecpu.py). CUDA computes every element alike (`Direct`).
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ state update as kernels/gdn `update`'s multiply and add per row (the commit repl
 Row invariance (a verify row computes exactly what a one-row decode computes), how:
 * products: one `mm` per row on the same packed W^T (kernels/gemv linear_one_cpu);
 * reductions over a row's last dimension (sum of squares, the conv taps): each output reduced
-  alike whatever the row count (tests/test_onecpu.py);
+  alike whatever the row count (tests/model/test_onecpu.py);
 * elementwise ops that round alike in ATen's vector and scalar code (+, *, /, sqrt) on any shape;
   transcendental ones (sigmoid, SiLU, pow) only on rows of whole 64-element steps, else per row
   (layers/rows.py), which is why the GDN gate inputs sit in a padded 64-wide block;

@@ -19,7 +19,6 @@ from safetensors import safe_open
 
 from ..config import ModelConfig, regular_file
 from ..errors import CheckpointError
-from ..kernels import canonical
 from ..layers import Linear, Target, target_for
 from .cpu import CpuMtpHead, CpuQwen35Trunk
 from .cuda import FusedMtpHead
@@ -325,10 +324,10 @@ def follow_tied(src: TensorSource, cfg: ModelConfig) -> ModelConfig:
     return replace(cfg, tie_word_embeddings=tied)
 
 
-def one_device(device: torch.device) -> Target:
-    """The layers of one device: its kind, in the canonical mode where that is on when loading
-    (kernels/canonical.py)."""
-    return target_for(torch.device(device).type, canonical.enabled())
+def one_device(device: torch.device, canonical: bool = False) -> Target:
+    """The layers of one device: its kind's, or with `canonical` the math a mesh computes
+    (LLM(tp_invariant=True): one device gives a mesh's bits)."""
+    return target_for(torch.device(device).type, canonical)
 
 
 def build_trunk(cfg: ModelConfig, target: Target) -> Qwen35Trunk:
@@ -345,19 +344,20 @@ def build_head(cfg: ModelConfig, target: Target) -> MtpHead:
 
 def load_trunk(src: TensorSource, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
                build: Callable[[ModelConfig], torch.nn.Module] | None = None, fetch: Fetch = full_fetch,
-               progress: bool = False, what: str = "trunk") -> torch.nn.Module:
+               progress: bool = False, what: str = "trunk", canonical: bool = False) -> torch.nn.Module:
     """`build(cfg)` on the meta device, then filled from `src`. A mesh rank passes its sharded
     model as `build` and its slicing `fetch`; one device takes the defaults (`build_trunk` for
-    the device's layers)."""
+    the device's layers, the canonical ones with `canonical`)."""
     with torch.device("meta"):
-        model = build(cfg) if build is not None else build_trunk(cfg, one_device(device))
+        model = build(cfg) if build is not None else build_trunk(cfg, one_device(device, canonical))
     load_module(model, src, "", dtype=dtype, device=device, fetch=fetch, progress=progress, what=what)
     return model
 
 
 def load_mtp_head(path: str, src: TensorSource, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                  want_mtp: str, mtp_path: str | None = None) -> MtpHead | None:
-    """The MTP head by `want_mtp`: 'never' | 'must' | 'if_present' (whole, on one device)."""
+                  want_mtp: str, mtp_path: str | None = None, canonical: bool = False) -> MtpHead | None:
+    """The MTP head by `want_mtp`: 'never' | 'must' | 'if_present' (whole, on one device; with
+    `canonical`, in the math every tp degree shares, so drafts agree across degrees too)."""
     if want_mtp == "never":
         return None
     msrc = mtp_source(path, src, mtp_path)
@@ -367,7 +367,7 @@ def load_mtp_head(path: str, src: TensorSource, cfg: ModelConfig, dtype: torch.d
                                   f"and no {MTP_SIDECAR} beside it")
         return None
     with torch.device("meta"):
-        head = build_head(cfg, one_device(device))
+        head = build_head(cfg, one_device(device, canonical))
     load_module(head, msrc, "mtp.", dtype=dtype, device=device, what="MTP head")
     log.info("MTP head loaded from %s", msrc.file_of("mtp.fc.weight"))
     return head

@@ -70,7 +70,8 @@ def mesh_trunk(opts: EngineOptions) -> BuiltTrunk:
         comm, created = comm_mod.init(place.rank, tp, my_device, timeout_s, None, START_TIMEOUT_S)
         sys.exit(run_worker(comm, spec, created))
 
-    head = loader.load_mtp_head(opts.path, src, cfg, opts.dtype, my_device, opts.want_mtp, opts.mtp_path)
+    head = loader.load_mtp_head(opts.path, src, cfg, opts.dtype, my_device, opts.want_mtp, opts.mtp_path,
+                                canonical=opts.tp_invariant)
     store = None
     workers: list[LocalWorker] = []
     if not place.joined:

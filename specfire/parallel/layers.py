@@ -1,6 +1,6 @@
 """One rank's layers: the canonical target (layers/__init__.py) with this rank's shards of every
-projection and of the embedding, so the rank computes each of its elements as one device in the
-canonical mode does, and the ranks' partial sums add up in the canonical tree.
+projection and of the embedding, so the rank computes each of its elements as one device with
+tp_invariant does, and the ranks' partial sums add up in the canonical tree.
 
 Column shards (by head, by MLP row, by vocabulary row) carry the whole matrix's N (`launch_n`)
 for the CUDA kernel's launch settings; a row-parallel projection holds this rank's canonical
@@ -14,9 +14,8 @@ import torch
 import torch.nn as nn
 
 from ..config import ModelConfig
-from ..kernels import canonical
 from ..kernels.splitk import KSplit, subtree
-from ..layers import ExactLinear, Linear, Share, SplitLinear, Target, target_for
+from ..layers import ExactLinear, Share, SplitLinear, Target, target_for
 from .comm import Comm
 from .shard import ShardPlan
 
@@ -62,8 +61,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def mesh_target(plan: ShardPlan, comm: Comm) -> Target:
-    """Rank `plan.rank`'s layers. A projection every rank computes whole (the MTP head's fc) is
-    one device's on a GPU (outside the canonical mode) and the exact one on the CPU."""
+    """Rank `plan.rank`'s layers: always the canonical math (a shard has no other). The MTP head is
+    not among them: it is whole on rank 0, built by model/loader.py as one device's."""
     kind = comm.device.type
     i0, i1 = plan.inter
     share = Share(plan.n_heads, plan.n_kv, plan.n_k_heads, plan.n_v_heads, i1 - i0, plan.conv_dim, plan.vocab_shard)
@@ -77,6 +76,5 @@ def mesh_target(plan: ShardPlan, comm: Comm) -> Target:
     def shares(cfg: ModelConfig) -> Share:
         return share
 
-    whole = ExactLinear if kind != "cuda" or canonical.enabled() else Linear
     return replace(target_for(kind, canonical=True), name=f"tp{plan.tp} rank {plan.rank}", column=ColumnParallelLinear,
-                   row=row, replicated=whole, share=shares, embedding=embedding)
+                   row=row, share=shares, embedding=embedding)

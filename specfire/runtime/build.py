@@ -39,6 +39,9 @@ class EngineOptions:
     ngram: tuple[int, int] = (1, 4)
     progress: bool = False
     draft_vocab: int | None = None   # the MTP drafter scores token ids 0..N-1 only (None: all)
+    # the canonical math (layers/__init__.py) on one device, and for the MTP head on a mesh's
+    # rank 0: the bits of every tp degree (a mesh's trunk computes them always)
+    tp_invariant: bool = False
 
     @property
     def want_mtp(self) -> str:
@@ -63,8 +66,10 @@ def local_trunk(opts: EngineOptions) -> BuiltTrunk:
     """The trunk on one device."""
     src = loader.open_checkpoint(opts.path)
     cfg = loader.follow_tied(src, opts.cfg)
-    model = loader.load_trunk(src, cfg, dtype=opts.dtype, device=opts.device, progress=opts.progress)
-    head = loader.load_mtp_head(opts.path, src, cfg, opts.dtype, opts.device, opts.want_mtp, opts.mtp_path)
+    model = loader.load_trunk(src, cfg, dtype=opts.dtype, device=opts.device, progress=opts.progress,
+                              canonical=opts.tp_invariant)
+    head = loader.load_mtp_head(opts.path, src, cfg, opts.dtype, opts.device, opts.want_mtp, opts.mtp_path,
+                                canonical=opts.tp_invariant)
     if cfg.n_linear:     # the optional prefill library compiles now, not in the first request (kernels/gdn/fla.py)
         gdn_fla.warm(cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                      cfg.linear_value_head_dim, opts.device)

@@ -1,8 +1,9 @@
 """`specfire bench battery`: the five-prompt serving battery, one JSON line per prompt on stdout.
 
 With --url it drives a running server; otherwise it loads MODEL itself. --identity runs the
-battery with speculation off and on (and at tp 1 and --tp N when N > 1, in process) and ends with
-one JSON line saying whether every content md5 matched; the exit status is 1 when one did not."""
+battery with speculation off and on (and at tp 1 and --tp N when N > 1, in process, both
+tp-invariant) and ends with one JSON line saying whether every content md5 matched; the exit
+status is 1 when one did not."""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     b.add_argument("--identity", action="store_true",
                    help="run with speculation off and on (and tp 1 and N) and compare content md5s")
     b.add_argument("--tp", type=int, default=1, help="tensor-parallel degree for the in-process model")
+    b.add_argument("--tp-invariant", action="store_true",
+                   help="load with the bits every tp degree computes (implied by --identity with --tp N > 1, "
+                        "whose tp 1 run must compute the mesh's bits)")
     b.add_argument("--device", default=None)
     b.add_argument("--dtype", default=None)
     b.add_argument("--max-seq-len", type=int, default=None)
@@ -65,9 +69,10 @@ def main(args: argparse.Namespace) -> int:
         from ..api import LLM
 
         tps = [1, args.tp] if args.identity and args.tp > 1 else [args.tp]
+        invariant = args.tp_invariant or len(tps) > 1
         for tp in tps:
             with LLM(args.model, tp=tp, device=args.device, dtype=args.dtype, max_seq_len=args.max_seq_len,
-                     spec={"mode": "auto", "k": args.spec_k}, progress=False) as llm:
+                     spec={"mode": "auto", "k": args.spec_k}, progress=False, tp_invariant=invariant) as llm:
                 def local(name: str, prompt: str, n: int, spec: dict[str, Any] | None, llm=llm) -> dict[str, Any]:
                     return battery.run_local(llm, name, prompt, n, spec)
 

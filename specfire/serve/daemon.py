@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("specfire")
 
 LOAD_PARAMS = ("tp", "device", "dtype", "kv_dtype", "max_seq_len", "spec", "mtp_path", "prefix_cache_mb",
-               "prefill_piece", "draft_vocab", "generation_config", "max_num_seqs", "kv_cache_memory_bytes")
+               "prefill_piece", "draft_vocab", "generation_config", "max_num_seqs", "kv_cache_memory_bytes",
+               "tp_invariant")
 BARRIERS = ("load", "unload")      # wait for every generation before them to end
 PREFIX_CACHE_MB = 1024
 DEFAULT_MAX_TOKENS = 256
@@ -79,6 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
                    help="default max_num_seqs of every load: generations that run at once (more wait in "
                         "arrival order; default: 8 on a GPU, 4 on a CPU)")
+    p.add_argument("--tp-invariant", action="store_true",
+                   help="default tp_invariant of every load: the bits every tp degree computes, one device "
+                        "included (a load message's params.tp_invariant overrides it)")
 
 
 def is_int(v: Any) -> bool:
@@ -87,11 +91,12 @@ def is_int(v: Any) -> bool:
 
 class Daemon:
     def __init__(self, out: IO[bytes], draft_vocab: int | None = None, generation_config: str | None = None,
-                 max_num_seqs: int | None = None):
+                 max_num_seqs: int | None = None, tp_invariant: bool = False):
         self.out = out
         self.draft_vocab = draft_vocab         # --draft-vocab: the default of every load
         self.generation_config = generation_config   # --generation-config: the default of every load
         self.max_num_seqs = max_num_seqs       # --max-num-seqs: the default of every load
+        self.tp_invariant = tp_invariant       # --tp-invariant: the default of every load
         self.attempts: dict[int, Attempt] = {}   # generates the scheduler holds, by attempt_id
         self.llm: "LLM | None" = None
         self.lines: queue.Queue[bytes | None] = queue.Queue()
@@ -255,6 +260,8 @@ class Daemon:
             params.setdefault("draft_vocab", self.draft_vocab)
         if self.generation_config is not None:
             params.setdefault("generation_config", self.generation_config)
+        if self.tp_invariant:
+            params.setdefault("tp_invariant", True)
         cache_mb = params.pop("prefix_cache_mb", PREFIX_CACHE_MB)
         piece = params.pop("prefill_piece", None)
         if not is_int(cache_mb) or cache_mb < 0:
@@ -276,7 +283,8 @@ class Daemon:
         cfg = llm.cfg
         self.emit({"type": "loaded", "id": msg.get("id"), "model": llm.path, "arch": cfg.model_type,
                    "layers": cfg.num_hidden_layers, "vocab": cfg.vocab_size, "mtp": bool(llm.mtp_loaded),
-                   "tp": llm.tp, "max_seq_len": llm.max_model_len, "max_num_seqs": llm.max_num_seqs,
+                   "tp": llm.tp, "tp_invariant": llm.tp_invariant, "max_seq_len": llm.max_model_len,
+                   "max_num_seqs": llm.max_num_seqs,
                    "device": str(llm.device),
                    "dtype": str(llm.dtype).replace("torch.", ""), "chat": llm.tokenizer is not None,
                    "sampling_defaults": llm.generation_defaults.as_dict(),
@@ -407,7 +415,7 @@ def main(args: argparse.Namespace) -> int:
     os.dup2(2, 1)                      # fd 1 (C libraries) and sys.stdout now write to stderr
     real_stdout, sys.stdout = sys.stdout, sys.stderr
     d = Daemon(out, getattr(args, "draft_vocab", None), getattr(args, "generation_config", None),
-               getattr(args, "max_num_seqs", None))
+               getattr(args, "max_num_seqs", None), getattr(args, "tp_invariant", False))
     try:
         if args.model is not None:
             d.handle_line(json.dumps({"type": "load", "model": None if args.model == "bundled" else args.model})

@@ -199,7 +199,8 @@ def main(args: argparse.Namespace) -> int:
     if empty_key:
         say(f"the API key is empty ({empty_key}): requests need no key")
     say(f"serving {name} on http://{args.host}:{args.port}/v1, up to {llm.max_num_seqs} request(s) at once"
-        + (f" ({llm.slots.why})" if llm.slots.why else ""))
+        + (f" ({llm.slots.why})" if llm.slots.why else "")
+        + ("; tp-invariant: the bits of every --tp degree" if llm.tp_invariant else ""))
     # uvicorn handles SIGINT / SIGTERM (stop accepting, end streams, run the lifespan shutdown) and then
     # re-raises the signal with the handler that was installed before it; a no-op one makes a SIGTERM
     # shutdown end with status 0.

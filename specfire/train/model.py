@@ -3,7 +3,7 @@
 Qwen35Trunk and MtpHead hold the weights under their checkpoint names; these functions read those
 parameters and compute a batch [B, T] at once (GEMMs, SDPA, Gated DeltaNet by the functions of
 kernels/gdn/ref.py that inference uses, the chunked rule with batch and heads folded together), so training and inference cannot disagree on
-names or math: tests/test_train.py checks the logits against LLM.score() and the chained MTP rows
+names or math: tests/train/test_train.py checks the logits against LLM.score() and the chained MTP rows
 against the MtpHead run step by step.
 
 MTP training follows the inference convention exactly. Step 1 at position p sees the trunk's

@@ -3,7 +3,7 @@
 Sequence-level unlikelihood needs the model's own greedy continuations of many prompts at every
 refresh; a full forward per new token would cost O(T^2), so this keeps per-layer recurrent state
 (GDN conv window and delta-rule state, attention KV cache) and advances B sequences one token per
-step with the same math as `model.py`'s batched forward (tests/test_train.py checks the two agree).
+step with the same math as `model.py`'s batched forward (tests/train/test_train.py checks the two agree).
 """
 from __future__ import annotations
 

@@ -13,7 +13,6 @@ from tinymodels import make_checkpoint
 
 from specfire import LLM, SamplingParams, SpecPolicy
 from specfire.kernels import lanes
-from specfire.kernels import canonical as canonical_mode
 from specfire.kernels.gemv import linear
 from specfire.kernels.splitk import CHUNKS, ChunkCache, KSplit, chunk_bounds, subtree, tree_sum
 
@@ -100,7 +99,7 @@ def test_column_shards_equal_whole_bitwise(n):
 
 @pytest.mark.parametrize("fn", [lanes.exp, lanes.sigmoid, lanes.silu, lanes.softplus, lanes.rsqrt])
 def test_transcendentals_do_not_depend_on_position(fn):
-    """In an invariant scope (a mesh's forward, or one device in the canonical mode)."""
+    """In an invariant scope (a mesh's forward, or one device with tp_invariant)."""
     g = torch.Generator().manual_seed(1)
     x = torch.rand(7, 98, generator=g) * 4 + 0.1
     with lanes.invariant():
@@ -108,14 +107,6 @@ def test_transcendentals_do_not_depend_on_position(fn):
         for lo, hi in ((0, 49), (49, 98), (24, 73), (1, 2)):
             assert torch.equal(fn(x[:, lo:hi].contiguous()), whole[:, lo:hi])
         assert torch.equal(fn(x[3:4]), whole[3:4])
-
-
-@pytest.fixture
-def canonical():
-    """One device in the canonical mode (off by default): the bits a mesh must reproduce."""
-    canonical_mode.set_enabled(True)
-    yield
-    canonical_mode.set_enabled(None)
 
 
 # ---- the CUDA kernels of the scheme, interpreted -------------------------------------------------
@@ -196,18 +187,18 @@ CASES = [  # (config, degrees): KV heads replicated (2 on 4 ranks), odd vocabula
 
 
 @pytest.mark.parametrize("name,degrees", CASES)
-def test_mesh_bits_equal_one_device(ckpt_cache, canonical, name, degrees):
+def test_mesh_bits_equal_one_device(ckpt_cache, name, degrees):
     """Odd vocabularies (padded), replicated KV heads (2 KV heads on 4 ranks, 1 on 2), tied and
     untied embeddings, uneven MLP rows: every degree gives one device's logits bit for bit and its
     tokens. Each mesh starts tp - 1 workers and leaves no process behind when closed."""
-    from test_tp import children, wait_gone
+    from procs import children, wait_gone
 
     path = str(ckpt_cache["root"] / f"tpinv-{name}")
     if path not in ckpt_cache["made"].values():
         ckpt_cache["made"][f"tpinv-{name}"] = make_checkpoint(path, name, seed=11)
     sp = SamplingParams(max_tokens=32)
     samp = SamplingParams(max_tokens=12, temperature=0.9, top_k=30, seed=5)
-    with LLM(path, tp=1, device="cpu", progress=False) as one:
+    with LLM(path, tp=1, device="cpu", progress=False, tp_invariant=True) as one:
         ids = _prompt(one.cfg.vocab_size, 36, seed=3)
         ref = one.score(ids)
         ar = one.generate(ids, sp, spec="off").token_ids
@@ -215,7 +206,7 @@ def test_mesh_bits_equal_one_device(ckpt_cache, canonical, name, degrees):
         sampled = one.generate(ids, samp, spec="off").token_ids
     for tp in degrees:
         before = children()
-        with LLM(path, tp=tp, device="cpu", progress=False) as mesh:
+        with LLM(path, tp=tp, device="cpu", progress=False, tp_invariant=True) as mesh:
             pids = mesh.engine.trunk.worker_pids
             assert len(pids) == tp - 1
             symm = mesh.engine.trunk._mesh.comm.symm         # the captured forward's collectives
@@ -243,7 +234,7 @@ def test_mesh_bits_equal_one_device(ckpt_cache, canonical, name, degrees):
         assert children() == before
 
 
-def test_four_bit_mesh_bits_equal_one_device(ckpt_cache, tmp_path, canonical):
+def test_four_bit_mesh_bits_equal_one_device(ckpt_cache, tmp_path):
     """A 4-bit checkpoint (Hadamard-rotated groups of 32) whose row-parallel inputs split on group
     bounds at tp = 2: same logits and greedy tokens as one device. (A shard off the groups is
     refused before any process starts: tests/test_tp.py.)"""
@@ -253,7 +244,7 @@ def test_four_bit_mesh_bits_equal_one_device(ckpt_cache, tmp_path, canonical):
     dst = str(tmp_path / "q4")
     assert main(["quantize", src, dst, "--group-size", "32", "--hadamard", "--device", "cpu"]) == 0
     sp = SamplingParams(max_tokens=16)
-    with LLM(dst, tp=1, device="cpu", progress=False) as one:
+    with LLM(dst, tp=1, device="cpu", progress=False, tp_invariant=True) as one:
         ids = _prompt(one.cfg.vocab_size, 30, seed=4)
         ref = one.score(ids)
         ar = one.generate(ids, sp, spec="off").token_ids
@@ -265,9 +256,9 @@ def test_four_bit_mesh_bits_equal_one_device(ckpt_cache, tmp_path, canonical):
 
 # ---- one command starts the mesh ----------------------------------------------------------------
 
-def test_cli_run_and_serve_start_the_mesh(tmp_path, capsys, canonical):
+def test_cli_run_and_serve_start_the_mesh(tmp_path, capsys):
     """`specfire run --tp 2` and `specfire serve --tp 2` (bundled model, CPU) each start the
-    2-rank mesh themselves and answer exactly as one device in the canonical mode."""
+    2-rank mesh themselves and answer exactly as `specfire run --tp-invariant` on one device."""
     import json
 
     import httpx
@@ -277,12 +268,13 @@ def test_cli_run_and_serve_start_the_mesh(tmp_path, capsys, canonical):
 
     outs = {}
     for tp in (1, 2):
-        assert main(["run", "--tp", str(tp), "--device", "cpu", "--spec", "off", "--prompt", "def fibonacci(n):",
-                     "-n", "12", "--json"]) == 0
+        assert main(["run", "--tp", str(tp), "--tp-invariant", "--device", "cpu", "--spec", "off", "--prompt",
+                     "def fibonacci(n):", "-n", "12", "--json"]) == 0
         outs[tp] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert outs[2]["token_ids"] == outs[1]["token_ids"] and len(outs[1]["token_ids"]) == 12
-    proc, base = start_server(["--tp", "2", "--device", "cpu"], str(tmp_path / "serve.log"))
+    proc, base = start_server(["--tp", "2", "--tp-invariant", "--device", "cpu"], str(tmp_path / "serve.log"))
     try:
+        assert "tp-invariant: the bits of every --tp degree" in (tmp_path / "serve.log").read_text()
         r = httpx.post(base + "/v1/completions", json={"prompt": "def fibonacci(n):", "max_tokens": 12,
                                                         "temperature": 0}, timeout=60)
         assert r.status_code == 200, r.text

@@ -1,5 +1,5 @@
 """y = x @ W^T, row-invariant for decode and verify (a k+1-row verify gives k+1 one-row decodes' bits)
-and, on a mesh or in the canonical mode, computed alike in a column shard and in the whole matrix.
+and, on a mesh or with tp_invariant, computed alike in a column shard and in the whole matrix.
 A 4-bit QuantWeight (kernels/q4) is accepted in place of a weight tensor."""
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def fused_t(ws: tuple[torch.Tensor, ...], owner) -> torch.Tensor:
 def linear(x: torch.Tensor, w, rows: bool, launch_n: int | None = None, exact: bool = False) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T. `rows` selects the row-invariant path (decode / verify). `w` is a
     tensor or a 4-bit QuantWeight. `launch_n`: the N of the whole matrix when `w` is a column
-    shard of it (CUDA launch settings). `exact` (a mesh, or one device in the canonical mode): each
+    shard of it (CUDA launch settings). `exact` (a mesh, or one device with tp_invariant): each
     element as in any column shard, a prefill on CUDA too through the Triton kernel; else one GPU's
     prefill is cuBLAS."""
     if isinstance(w, torch.Tensor) and not exact and not x.is_cuda:

@@ -7,9 +7,10 @@ import os
 import openai
 import pytest
 
-from serving import ROOT, start_server, stop
+from repo import REPO
+from serving import start_server, stop
 
-BUNDLED = os.path.join(ROOT, "specfire", "bundled")
+BUNDLED = os.path.join(REPO, "specfire", "bundled")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

@@ -117,12 +117,6 @@ def test_eos_after_partial_character_is_not_dropped(tok):
 
 # ---- through the LLM ----------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def llm(tok_path):
-    with LLM(tok_path, device="cpu", spec="off", progress=False) as m:
-        yield m
-
-
 def collect(llm, prompt, sp):
     deltas, ids, res = [], [], None
     for chunk in llm.stream(prompt, sp):
@@ -132,34 +126,34 @@ def collect(llm, prompt, sp):
     return deltas, ids, res
 
 
-def test_streamed_deltas_concatenate_to_final_text(llm):
+def test_streamed_deltas_concatenate_to_final_text(tok_llm):
     rnd = random.Random(0)
     for i in range(6):
         sp = SamplingParams(max_tokens=rnd.randint(1, 40), temperature=rnd.choice([0.0, 0.8, 1.5]), seed=i,
                             ignore_eos=bool(i % 2))
-        deltas, ids, res = collect(llm, "def fibonacci(n):", sp)
+        deltas, ids, res = collect(tok_llm, "def fibonacci(n):", sp)
         assert "".join(deltas) == res.text
         assert ids == res.token_ids
-        stopped = res.token_ids[-1] in llm.eos_ids and not sp.ignore_eos
+        stopped = res.token_ids[-1] in tok_llm.eos_ids and not sp.ignore_eos
         assert res.finish_reason == ("stop" if stopped else "length")
         assert stopped or len(res.token_ids) == sp.max_tokens
-        assert not any(t in llm.eos_ids for t in res.token_ids[:-1]) or sp.ignore_eos
+        assert not any(t in tok_llm.eos_ids for t in res.token_ids[:-1]) or sp.ignore_eos
         body = res.token_ids[:-1] if stopped else res.token_ids
-        assert res.text == llm.tokenizer.decode(body)
+        assert res.text == tok_llm.tokenizer.decode(body)
         assert res.stats["generated_tokens"] == len(res.token_ids) <= sp.max_tokens
 
 
-def test_stop_string_through_llm(llm):
-    base = llm.generate("The quick", SamplingParams(max_tokens=40, temperature=1.0, seed=5, ignore_eos=True))
+def test_stop_string_through_llm(tok_llm):
+    base = tok_llm.generate("The quick", SamplingParams(max_tokens=40, temperature=1.0, seed=5, ignore_eos=True))
     text = base.text
     start = next(i for i in range(len(text) // 2, len(text) - 3) if "\ufffd" not in text[i:i + 3])
     stop = text[start:start + 3]
     sp = SamplingParams(max_tokens=40, temperature=1.0, seed=5, ignore_eos=True, stop=[stop, "\x00never"])
-    deltas, _, res = collect(llm, "The quick", sp)
+    deltas, _, res = collect(tok_llm, "The quick", sp)
     assert res.finish_reason == "stop"
     assert res.text == base.text[:base.text.find(stop)] == "".join(deltas)
     assert base.token_ids[:len(res.token_ids)] == res.token_ids
-    assert stop in llm.tokenizer.decode(res.token_ids)
+    assert stop in tok_llm.tokenizer.decode(res.token_ids)
 
 
 def test_eos_through_llm(tok_path, tmp_path):
@@ -179,9 +173,9 @@ def test_eos_through_llm(tok_path, tmp_path):
         assert res.finish_reason == "length" and res.token_ids == ref.token_ids
 
 
-def test_max_tokens_through_llm(llm):
+def test_max_tokens_through_llm(tok_llm):
     for n in (1, 2, 17):
-        res = llm.generate([1, 2, 3], SamplingParams(max_tokens=n, ignore_eos=True))
+        res = tok_llm.generate([1, 2, 3], SamplingParams(max_tokens=n, ignore_eos=True))
         assert res.finish_reason == "length" and len(res.token_ids) == n
         assert res.stats["generated_tokens"] == n and res.stats["prompt_tokens"] == 3
 
@@ -194,27 +188,28 @@ def test_generation_stops_at_max_seq_len(tok_path):
 
 # ---- bad requests leave the LLM usable --------------------------------------------------------------
 
-def test_failed_requests_leave_llm_usable(llm):
+def test_failed_requests_leave_llm_usable(tok_llm):
     sp = SamplingParams(max_tokens=12, temperature=0.8, seed=4, ignore_eos=True)
-    before = llm.generate("Hello, world", sp)
-    vocab = llm.cfg.vocab_size
+    before = tok_llm.generate("Hello, world", sp)
+    vocab = tok_llm.cfg.vocab_size
     bad = [([1, vocab, 2], rf"token id {vocab} is out of range \[0, {vocab}\)"),
            ([-1], r"token id -1 is out of range"), ([1, 2.0], r"token id 2\.0 is not an integer"),
            ([], r"prompt is empty"),
-           ([1] * llm.max_seq_len, rf"prompt has {llm.max_seq_len} tokens; max_seq_len is {llm.max_seq_len}"),
+           ([1] * tok_llm.max_seq_len,
+            rf"prompt has {tok_llm.max_seq_len} tokens; max_seq_len is {tok_llm.max_seq_len}"),
            (123, r"prompt must be a string or a list of token ids")]
     for prompt, pattern in bad:
         with pytest.raises(ValueError, match=pattern):
-            llm.generate(prompt, sp)
+            tok_llm.generate(prompt, sp)
         with pytest.raises(ValueError, match=pattern):
-            llm.score(prompt)
+            tok_llm.score(prompt)
     with pytest.raises(ValueError, match="params must be SamplingParams"):
-        llm.generate([1, 2], {"max_tokens": 3})
+        tok_llm.generate([1, 2], {"max_tokens": 3})
     # a stream abandoned half-way
-    it = llm.stream("Hello, world", SamplingParams(max_tokens=30, temperature=1.0, seed=9, ignore_eos=True))
+    it = tok_llm.stream("Hello, world", SamplingParams(max_tokens=30, temperature=1.0, seed=9, ignore_eos=True))
     next(it), next(it)
     del it
-    after = llm.generate("Hello, world", sp)
+    after = tok_llm.generate("Hello, world", sp)
     assert after.token_ids == before.token_ids and after.text == before.text
 
 
@@ -367,8 +362,8 @@ def test_sampled_speculation_with_min_tokens_follows_the_masked_distribution(tin
             assert acc["accepted"] > 0
 
 
-def test_stop_token_ids_outside_the_vocabulary(llm):
-    v = llm.cfg.vocab_size
+def test_stop_token_ids_outside_the_vocabulary(tok_llm):
+    v = tok_llm.cfg.vocab_size
     with pytest.raises(ValueError, match=rf"stop_token_ids\[1\] is {v}, outside the vocabulary \[0, {v}\)"):
-        llm.generate("Hi", SamplingParams(max_tokens=3, stop_token_ids=[1, v]))
-    assert len(llm.generate("Hi", SamplingParams(max_tokens=3, ignore_eos=True)).token_ids) == 3
+        tok_llm.generate("Hi", SamplingParams(max_tokens=3, stop_token_ids=[1, v]))
+    assert len(tok_llm.generate("Hi", SamplingParams(max_tokens=3, ignore_eos=True)).token_ids) == 3

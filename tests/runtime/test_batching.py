@@ -281,32 +281,26 @@ def test_closed_llm_refuses_and_ends_waiting_requests(path, prompts):
 def test_the_mesh_serves_one_sequence_at_a_time_exactly(path, prompts):
     """The 2-rank gloo mesh holds one sequence state per rank, so its scheduler has one slot:
     concurrent requests wait in arrival order, each giving its output alone (and, greedy, the
-    canonical one-device output)."""
-    from specfire.kernels import canonical
-
+    tp-invariant one-device output)."""
     reqs = MIXED[:4]
-    canonical.set_enabled(True)
-    try:
-        with LLM(path, tp=1, device="cpu", progress=False, max_seq_len=256) as one:
-            canon = [one.generate(p, sp, spec=pol).token_ids for p, (sp, pol) in zip(prompts, reqs)]
-        with LLM(path, tp=2, device="cpu", progress=False, max_seq_len=256, max_num_seqs=4) as mesh:
-            assert mesh.max_num_seqs == 1 and mesh.slots.why == "the tp2 topology holds one sequence"
-            alone = [mesh.generate(p, sp, spec=pol).token_ids for p, (sp, pol) in zip(prompts, reqs)]
-            got = mesh.generate(prompts[:4], [sp for sp, _ in reqs], spec=[pol for _, pol in reqs])
-            assert [r.token_ids for r in got] == alone
-            streamed: list = [None] * 4
+    with LLM(path, tp=1, device="cpu", progress=False, max_seq_len=256, tp_invariant=True) as one:
+        canon = [one.generate(p, sp, spec=pol).token_ids for p, (sp, pol) in zip(prompts, reqs)]
+    with LLM(path, tp=2, device="cpu", progress=False, max_seq_len=256, max_num_seqs=4, tp_invariant=True) as mesh:
+        assert mesh.max_num_seqs == 1 and mesh.slots.why == "the tp2 topology holds one sequence"
+        alone = [mesh.generate(p, sp, spec=pol).token_ids for p, (sp, pol) in zip(prompts, reqs)]
+        got = mesh.generate(prompts[:4], [sp for sp, _ in reqs], spec=[pol for _, pol in reqs])
+        assert [r.token_ids for r in got] == alone
+        streamed: list = [None] * 4
 
-            def go(i: int) -> None:
-                streamed[i] = [t for c in mesh.stream(prompts[i], *reqs[i]) for t in c.token_ids]
+        def go(i: int) -> None:
+            streamed[i] = [t for c in mesh.stream(prompts[i], *reqs[i]) for t in c.token_ids]
 
-            threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(300)
-            assert streamed == alone
-    finally:
-        canonical.set_enabled(None)
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert streamed == alone
     for i, (sp, _) in enumerate(reqs):
         if sp.greedy:
             assert alone[i] == canon[i], i

@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from serving import ROOT, free_port, start_server, stop
-from tinytok import make_tok_checkpoint
+from repo import REPO
+from serving import free_port, start_server, stop
 
 NAME = "tiny"
 MAX_SEQ = 4096
@@ -20,9 +20,9 @@ LIMIT = 300_000
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tinytok_ckpt, tmp_path_factory):
     root = tmp_path_factory.mktemp("robust")
-    path = make_tok_checkpoint(str(root / "ckpt"), seed=3)
+    path = tinytok_ckpt
     proc, base = start_server([path, "--served-model-name", NAME, "--max-seq-len", str(MAX_SEQ),
                                "--max-request-bytes", str(LIMIT)], str(root / "server.log"))
     yield {"base": base, "proc": proc, "path": path}
@@ -176,7 +176,7 @@ def test_port_in_use_fails_before_loading(tmp_path):
         t0 = time.time()
         p = subprocess.run([sys.executable, "-m", "specfire.cli", "serve", str(tmp_path / "no-such-model"),
                             "--port", str(port)], capture_output=True, text=True, timeout=120,
-                           env={"PYTHONPATH": ROOT, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+                           env={"PYTHONPATH": REPO, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in p.stderr and "already in use" in p.stderr
     assert "serving" not in p.stderr and "no-such-model" not in p.stderr

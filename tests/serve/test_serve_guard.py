@@ -18,26 +18,21 @@ import urllib.parse
 import httpx
 import pytest
 
-from serving import ROOT, free_port, start_server, stop
-from tinytok import make_tok_checkpoint
+from repo import REPO
+from serving import free_port, start_server, stop
 
 NAME = "tiny"
 GOOD_ORIGIN = "http://good.example"
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_tok_checkpoint(str(tmp_path_factory.mktemp("guard") / "ckpt"), seed=3)
-
-
-@pytest.fixture(scope="module")
-def server(ckpt, tmp_path_factory):
+def server(tinytok_ckpt, tmp_path_factory):
     """Short timeouts, one allowed origin, and SPECFIRE_API_KEY set but empty."""
     log = str(tmp_path_factory.mktemp("guard-log") / "server.log")
-    proc, base = start_server([ckpt, "--served-model-name", NAME, "--max-seq-len", "512", "--header-timeout", "1",
-                               "--body-timeout", "1", "--allowed-origins", GOOD_ORIGIN], log,
+    proc, base = start_server([tinytok_ckpt, "--served-model-name", NAME, "--max-seq-len", "512",
+                               "--header-timeout", "1", "--body-timeout", "1", "--allowed-origins", GOOD_ORIGIN], log,
                               env={"SPECFIRE_API_KEY": ""})
-    yield {"base": base, "port": urllib.parse.urlsplit(base).port, "log": log, "ckpt": ckpt}
+    yield {"base": base, "port": urllib.parse.urlsplit(base).port, "log": log, "ckpt": tinytok_ckpt}
     stop(proc)
 
 
@@ -232,7 +227,7 @@ def test_api_key_no_client_can_send_is_refused(key):
 
 def test_api_key_is_checked_at_start(tmp_path):
     """SPECFIRE_API_KEY with a trailing space: one line, before the port and the model."""
-    e = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "SPECFIRE_API_KEY": "sk-key "}
+    e = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "SPECFIRE_API_KEY": "sk-key "}
     p = subprocess.run([sys.executable, "-m", "specfire.cli", "serve", str(tmp_path / "no-such-model"), "--port",
                         str(free_port())], capture_output=True, text=True, timeout=120, env=e)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
@@ -249,7 +244,7 @@ def test_models_names_no_path(server):
 
 # ---- the open-file limit ----------------------------------------------------------------------------
 
-def test_connection_flood_under_a_file_limit(ckpt, tmp_path):
+def test_connection_flood_under_a_file_limit(tinytok_ckpt, tmp_path):
     """260 sockets that send half a request, against `ulimit -n 256`: /health answers (503 while
     they stay, 200 once their header deadline closes them), the refused ones read a 503, and the
     log does not grow per failed accept."""
@@ -258,7 +253,7 @@ def test_connection_flood_under_a_file_limit(ckpt, tmp_path):
     def limit():
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 
-    proc, base = start_server([ckpt, "--max-seq-len", "512", "--header-timeout", "5"], log, preexec_fn=limit)
+    proc, base = start_server([tinytok_ckpt, "--max-seq-len", "512", "--header-timeout", "5"], log, preexec_fn=limit)
     port = urllib.parse.urlsplit(base).port
     socks = []
     try:
@@ -331,27 +326,27 @@ def test_port_in_use_is_found_before_heavy_imports():
         s.bind(("127.0.0.1", 0))
         s.listen(1)
         port = s.getsockname()[1]
-        p = subprocess.run([sys.executable, "-c", NO_HEAVY.format(root=ROOT, port=port, missing=())],
+        p = subprocess.run([sys.executable, "-c", NO_HEAVY.format(root=REPO, port=port, missing=())],
                            capture_output=True, text=True, timeout=60)
     assert p.stdout.strip() == (f"SpecfireError: cannot listen on 127.0.0.1:{port}: the port is already in use "
                                 f"(choose another --port)"), p.stdout + p.stderr
 
 
 def test_missing_server_package_is_named():
-    p = subprocess.run([sys.executable, "-c", NO_HEAVY.format(root=ROOT, port=free_port(), missing=("uvicorn",))],
+    p = subprocess.run([sys.executable, "-c", NO_HEAVY.format(root=REPO, port=free_port(), missing=("uvicorn",))],
                        capture_output=True, text=True, timeout=60)
     assert p.stdout.strip() == ("MissingPackage: 'specfire serve' needs the Python package uvicorn, which is not "
                                 "installed: pip install fastapi uvicorn"), \
         p.stdout + p.stderr
 
 
-def test_sigterm_skips_the_interpreter_teardown(ckpt, tmp_path):
+def test_sigterm_skips_the_interpreter_teardown(tinytok_ckpt, tmp_path):
     """An exit handler that would take 60 s never runs: once the server has stopped and the model
     is freed, the process ends at once (torch's teardown took seconds)."""
     launcher = [sys.executable, "-c", "import atexit, sys, time; atexit.register(time.sleep, 60); "
                                       "from specfire.cli import main; sys.exit(main(sys.argv[1:]))"]
     log = str(tmp_path / "server.log")
-    proc, base = start_server([ckpt, "--max-seq-len", "512"], log, launcher=launcher)
+    proc, base = start_server([tinytok_ckpt, "--max-seq-len", "512"], log, launcher=launcher)
     try:
         assert httpx.post(base + "/v1/completions", json=COMPLETION, timeout=30).status_code == 200
         proc.send_signal(signal.SIGTERM)

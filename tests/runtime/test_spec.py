@@ -23,11 +23,6 @@ def ckpt(cache, name: str) -> str:
 
 
 
-@pytest.fixture(scope="module")
-def fitted(ckpt_cache) -> str:
-    return specfit.fitted_checkpoint(ckpt_cache["root"])
-
-
 def greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=n, ignore_eos=kw.pop("ignore_eos", True), **kw)
 

@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ckpts import copy_checkpoint, tiny
+from repo import REPO
 from specfire import LLM, CheckpointError, SamplingParams
 from specfire import cli
 from specfire.model import loader
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TENSOR = "model.layers.0.mlp.up_proj.weight"          # a text-layout trunk tensor [96, 64]
 
 

@@ -14,6 +14,8 @@ import time
 import pytest
 import torch
 
+from procs import children, wait_gone
+from repo import REPO
 from tinymodels import make_checkpoint
 
 from specfire import LLM, SamplingParams, SpecPolicy
@@ -21,9 +23,7 @@ from specfire.config import ModelConfig
 from specfire.parallel import valid_tp_degrees
 from specfire.parallel.shard import ShardPlan
 from specfire.errors import MeshError, SpecfireError
-from specfire.kernels import canonical as canonical_mode
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GREEDY = SamplingParams(max_tokens=24)
 
 
@@ -31,35 +31,6 @@ def ckpt(cache, name: str) -> str:
     if name not in cache["made"]:
         cache["made"][name] = make_checkpoint(str(cache["root"] / f"tp-{name}"), name, seed=7)
     return cache["made"][name]
-
-
-def children() -> set[int]:
-    """Live child processes of this process (from /proc)."""
-    pids: set[int] = set()
-    for tid in os.listdir(f"/proc/{os.getpid()}/task"):
-        try:
-            with open(f"/proc/{os.getpid()}/task/{tid}/children") as f:
-                pids.update(int(x) for x in f.read().split())
-        except FileNotFoundError:
-            pass
-    return {p for p in pids if _alive(p)}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pids, within: float) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if not any(_alive(p) for p in pids):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def prompt(vocab: int, n: int, seed: int) -> list[int]:
@@ -72,24 +43,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-@pytest.fixture
-def canonical():
-    """One device in the canonical mode (kernels/splitk; off by default): the bits a mesh reproduces."""
-    canonical_mode.set_enabled(True)
-    yield
-    canonical_mode.set_enabled(None)
-
-
 @pytest.fixture(scope="class")
 def base(ckpt_cache):
-    """The base config (vocab 131: odd, 2 KV heads) on one device (canonical mode, for the class)
-    and on a 2-rank mesh."""
+    """The base config (vocab 131: odd, 2 KV heads) on one device and on a 2-rank mesh, both
+    tp-invariant (one device computes the mesh's bits; the mesh's MTP head, whole on rank 0, too)."""
     path = ckpt(ckpt_cache, "base")
-    canonical_mode.set_enabled(True)
-    one = LLM(path, tp=1, device="cpu", progress=False)
-    mesh = LLM(path, tp=2, device="cpu", progress=False)
+    one = LLM(path, tp=1, device="cpu", progress=False, tp_invariant=True)
+    mesh = LLM(path, tp=2, device="cpu", progress=False, tp_invariant=True)
     yield one, mesh
-    canonical_mode.set_enabled(None)
     pids = mesh.engine.trunk.worker_pids
     mesh.close()
     one.close()
@@ -191,22 +152,25 @@ def test_info_lists_valid_degrees(ckpt_cache):
 
 # ---- numerics: the mesh equals one device ---------------------------------------------------------
 
-# One device's logits and tokens on the tp4 and kv1 configs at every degree, bit for bit (canonical
-# mode), with the workers counted and gone after close: tests/kernels/test_tp_invariance.py.
+# One device's logits and tokens on the tp4 and kv1 configs at every degree, bit for bit
+# (tp_invariant), with the workers counted and gone after close: tests/kernels/test_tp_invariance.py.
 
 class TestMeshOfTwo:
     """Checks sharing one 2-rank mesh of the base config (closed when the class is done)."""
 
     def test_each_model_is_built_from_its_targets_layers(self, base):
-        """One device in the canonical mode is built from the canonical layers (the split-K
+        """One device with tp_invariant is built from the canonical layers (the split-K
         reductions whole); rank 0 from its shards (parallel/layers.py), the mesh's fields on its
-        row-parallel projections only."""
+        row-parallel projections only. The MTP head, whole on rank 0, is the canonical one on both."""
         from specfire.layers import CPU_EXACT, ExactLinear, Linear, SplitLinear
         from specfire.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
         one, mesh = base
+        assert one.tp_invariant and mesh.tp_invariant
         ref, rank0 = one.engine.trunk.model, mesh.engine.trunk._local.model
         assert ref.target is CPU_EXACT and rank0.target.exact
+        assert one.engine.drafters["mtp"].head.target is CPU_EXACT
+        assert mesh.engine.drafters["mtp"].head.target is CPU_EXACT
         full = next(i for i, layer in enumerate(ref.layers) if layer.kind == "full_attention")
         a, r = ref.layers[full].self_attn, rank0.layers[full].self_attn
         assert type(a.q_proj) is ExactLinear and type(a.o_proj) is SplitLinear
@@ -231,6 +195,8 @@ class TestMeshOfTwo:
             r = mesh.generate(ids, sp, spec=SpecPolicy("mtp", k=k))
             assert r.stats["route"] == "mtp" and r.stats["drafted"] > 0
             assert r.token_ids == ar
+            r1 = one.generate(ids, sp, spec=SpecPolicy("mtp", k=k))      # the same drafts, accepted alike
+            assert (r.stats["drafted"], r.stats["accepted"]) == (r1.stats["drafted"], r1.stats["accepted"])
         r = mesh.generate(ids, sp, spec=SpecPolicy("ngram", k=4))
         assert r.stats["route"] == "ngram" and r.stats["drafted"] > 0
         assert r.token_ids == ar
@@ -405,7 +371,7 @@ class TestMeshOfTwo:
     def test_mesh_trunk_is_read_only_through_the_protocol(self, base):
         """The MTP drafter over the mesh trunk (sharded picks, the chain in emulated graphs, greedy
         with and without penalties, sampled) reads only `Trunk` members of it."""
-        from test_protocols import Recorder, members
+        from recorder import Recorder, members
 
         from specfire.runtime.graphs import DraftGraphs
         from specfire.runtime.trunk import Trunk
@@ -454,17 +420,18 @@ class TestMeshOfTwo:
 
 # ---- load-time policy, faults, lifecycle -------------------------------------------------------------
 
-def test_constrained_and_logprobs_on_mesh_equal_one_device(ckpt_cache, canonical):
+def test_constrained_and_logprobs_on_mesh_equal_one_device(ckpt_cache):
     """The grammar mask and the logprobs are rank 0's, after the gathered verify rows, as the
     penalties are: a constrained request on a 2-rank mesh gives one device's tokens and logprobs
-    (canonical mode), AR, MTP and n-gram alike."""
+    (tp_invariant), AR, MTP and n-gram alike."""
     from ckpts import tiny
     from specfire.grammar import GrammarSpec
 
     path = tiny(ckpt_cache, "base", tokenizer=True)
     sp = SamplingParams(max_tokens=40, logprobs=2,
                         structured_outputs=GrammarSpec("regex", r"[a-f]{2,6}( [0-9a-f]{1,4}){2,6}", "guided_regex"))
-    with LLM(path, tp=1, device="cpu", progress=False) as one, LLM(path, tp=2, device="cpu", progress=False) as mesh:
+    with (LLM(path, tp=1, device="cpu", progress=False, tp_invariant=True) as one,
+          LLM(path, tp=2, device="cpu", progress=False, tp_invariant=True) as mesh):
         ids = prompt(one.cfg.vocab_size, 20, seed=3)
         ar = one.generate(ids, sp, spec="off")
         assert ar.finish_reason == "stop" and ar.text
@@ -499,6 +466,23 @@ def test_load_time_off_then_killed_worker(ckpt_cache):
     llm.close()
 
 
+def test_a_mesh_without_tp_invariant_keeps_its_exact_trunk(ckpt_cache):
+    """tp_invariant=False is a mesh's default too: its trunk computes the canonical math anyway (a
+    shard has no other), so greedy output is still one invariant device's; only rank 0's whole MTP
+    head is one device's plain one (its drafts may then differ in the last bits)."""
+    from specfire.layers import CPU
+
+    path = ckpt(ckpt_cache, "base")
+    ids = prompt(131, 20, seed=11)
+    with LLM(path, tp=1, device="cpu", progress=False, tp_invariant=True) as one:
+        ar = one.generate(ids, GREEDY, spec="off").token_ids
+    with LLM(path, tp=2, device="cpu", progress=False, tp_invariant=False) as mesh:
+        assert not mesh.tp_invariant and mesh.engine.trunk._local.model.target.exact
+        assert mesh.engine.drafters["mtp"].head.target is CPU
+        assert mesh.generate(ids, GREEDY, spec="off").token_ids == ar
+        assert mesh.generate(ids, GREEDY, spec=SpecPolicy("mtp", k=3)).token_ids == ar
+
+
 def test_hung_worker_times_out(ckpt_cache, monkeypatch):
     monkeypatch.setenv("SPECFIRE_TP_TIMEOUT", "2")
     path = ckpt(ckpt_cache, "base")
@@ -516,12 +500,12 @@ def _script(body: str) -> list[str]:
     return [sys.executable, "-c", textwrap.dedent(body)]
 
 
-def test_no_orphans_and_exit_without_close_and_torchrun(ckpt_cache, canonical):
+def test_no_orphans_and_exit_without_close_and_torchrun(ckpt_cache):
     """At once: (a) a parent killed with SIGKILL takes its worker with it; (b) a torchrun-style
     launch (RANK/WORLD_SIZE/MASTER_*) joins the group: rank 0 drives and exits without close(),
     so only the finalizer at interpreter exit can tell rank 1, which then exits 0."""
     path = ckpt(ckpt_cache, "base")
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = {**os.environ, "PYTHONPATH": REPO}
     env.pop("WORLD_SIZE", None)
     env.pop("RANK", None)
     common = f"""
@@ -549,7 +533,7 @@ def test_no_orphans_and_exit_without_close_and_torchrun(ckpt_cache, canonical):
                 p.kill()
     assert kill.returncode == -signal.SIGKILL
     assert wait_gone([int(out_kill.split()[0])], 5.0), "worker outlived its killed parent"
-    with LLM(path, tp=1, device="cpu", progress=False) as one:
+    with LLM(path, tp=1, device="cpu", progress=False, tp_invariant=True) as one:
         ref = one.generate([5, 6, 7, 5, 6], SamplingParams(max_tokens=6), spec="off").token_ids
     assert [p.returncode for p in ranks] == [0, 0]
     assert outs[0].strip() == str(ref) and outs[1].strip() == ""

@@ -18,9 +18,9 @@ MAX_SEQ = 1024
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tinytok_ckpt, tmp_path_factory):
     root = tmp_path_factory.mktemp("srv")
-    path = make_tok_checkpoint(str(root / "ckpt"), seed=3)
+    path = tinytok_ckpt
     log = str(root / "server.log")
     proc, base = start_server([path, "--api-key", KEY, "--served-model-name", NAME, "--max-seq-len", str(MAX_SEQ)],
                               log)
@@ -339,10 +339,10 @@ def test_battery_against_server(server, capsys):
     assert {r["tau"] >= 1.0 for r in rows if r["spec"] == "mtp"} == {True}
 
 
-def test_sigterm_is_clean(tmp_path):
+def test_sigterm_is_clean(tinytok_ckpt, tmp_path):
     """SIGTERM with a long stream in flight: the process ends promptly with status 0 (its own server:
     the module's stays up for the other tests, whatever order they run in)."""
-    path = make_tok_checkpoint(str(tmp_path / "ckpt"), seed=3)
+    path = tinytok_ckpt
     log = str(tmp_path / "server.log")
     proc, base = start_server([path, "--api-key", KEY, "--max-seq-len", str(MAX_SEQ)], log)
     server = {"base": base, "proc": proc, "log": log}

@@ -149,11 +149,6 @@ class Forced:
         self.i += 1
 
 
-@pytest.fixture(scope="module")
-def fitted(ckpt_cache) -> str:
-    return specfit.fitted_checkpoint(ckpt_cache["root"])
-
-
 SCHEDULES = [
     [("ar", 0), ("mtp", 3), ("ngram", 2), ("mtp", 1), ("ar", 0), ("ar", 0), ("mtp", 2), ("ngram", 3)],
     [("mtp", 4)] * 3 + [("ar", 0)] * 15 + [("mtp", 3)] * 2,      # rows pile up past the draft graphs' limit

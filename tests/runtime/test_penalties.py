@@ -23,7 +23,6 @@ import torch
 import specfit
 from ckpts import tiny
 from specfire import LLM, SamplingParams
-from specfire.api import BUNDLED_MODEL
 from specfire.runtime import spec as spec_mod
 from specfire.runtime.sampling import Penalties, penalize, penalize_draft
 from test_spec_sampled import BINS, chi2_critical
@@ -160,11 +159,6 @@ def test_tiny_models_greedy_spec_equals_ar(ckpt_cache, name):
         assert changed > 0
 
 
-@pytest.fixture(scope="module")
-def fitted(ckpt_cache) -> str:
-    return specfit.fitted_checkpoint(ckpt_cache["root"])
-
-
 def test_fitted_greedy_spec_equals_ar(fitted):
     """The fitted model accepts drafts, so accepted drafts really feed later rows' counts."""
     with LLM(fitted, device="cpu", progress=False) as llm:
@@ -175,12 +169,6 @@ def test_fitted_greedy_spec_equals_ar(fitted):
 
 
 BUNDLED_PROMPTS = ["def read_lines(path):", "class Stack:\n    def __init__(self):"]
-
-
-@pytest.fixture(scope="module")
-def bundled():
-    with LLM(BUNDLED_MODEL, device="cpu", progress=False) as llm:
-        yield llm
 
 
 @pytest.fixture(scope="module")
@@ -290,20 +278,17 @@ def test_sampled_accept_with_penalties_skips_the_graph(tiny_vocab):
 # ---- the HTTP server ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tok_llm(tmp_path_factory):
-    from tinytok import make_tok_checkpoint
-
-    path = make_tok_checkpoint(str(tmp_path_factory.mktemp("pen") / "ckpt"), seed=3)
-    with LLM(path, device="cpu", progress=False) as llm:
+def tinytok_llm(tinytok_ckpt):
+    with LLM(tinytok_ckpt, device="cpu", progress=False) as llm:
         yield llm
 
 
-def test_server_accepts_and_validates_penalties(tok_llm):
+def test_server_accepts_and_validates_penalties(tinytok_llm):
     from fastapi.testclient import TestClient
 
     from specfire.serve.http import build_app
 
-    llm = tok_llm
+    llm = tinytok_llm
     body = {"prompt": "def add(a, b):", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
     pen = {"repetition_penalty": 1.4, "presence_penalty": 0.5, "frequency_penalty": 1}
     want = llm.generate("def add(a, b):", SamplingParams(max_tokens=16, ignore_eos=True, **pen), spec="off")

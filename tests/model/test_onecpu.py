@@ -1,4 +1,4 @@
-"""One CPU device (no mesh, canonical mode off): the plain fast products and norms, and verify rows
+"""One CPU device (no mesh, tp_invariant off): the plain fast products and norms, and verify rows
 batched only where every row keeps the bits it gets alone, so greedy speculation still equals AR."""
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from tinymodels import make_checkpoint
 
 from specfire import LLM, SamplingParams, SpecPolicy
 from specfire.config import ModelConfig
-from specfire.kernels import canonical
 from specfire.kernels.gemv import linear
 from specfire.kernels.small import silu_mul
 from specfire.layers import CPU, CPU_EXACT
@@ -21,31 +20,37 @@ from specfire.model import cpu
 from specfire.model.qwen35 import Qwen35Trunk
 
 
-def test_one_cpu_device_is_plain_unless_canonical_or_a_mesh(monkeypatch):
+def test_one_cpu_device_is_plain_unless_tp_invariant(monkeypatch):
     """The layers are picked when the model is loaded: one CPU device's plain products and norms,
-    the canonical mode's exact ones (what a mesh rank computes)."""
+    with LLM(tp_invariant=True) the canonical exact ones (what a mesh rank computes), the MTP
+    head's too."""
     x = torch.randn(3, 64)
     w = torch.randn(48, 64)
-    assert not canonical.enabled()
     assert torch.equal(linear(x, w, rows=True), torch.cat([x[i:i + 1] @ w.t().contiguous() for i in range(3)]))
     torch.testing.assert_close(linear(x, w, rows=True, exact=True), x @ w.t(), rtol=1e-5, atol=1e-5)
     calls = []
     real = CpuRMSNorm.norm
     monkeypatch.setattr(CpuRMSNorm, "norm", lambda *a: calls.append(1) or real(*a))
     with LLM(_ckpt(), device="cpu", progress=False) as llm:
+        assert not llm.tp_invariant
         assert llm.engine.trunk.model.target is CPU and isinstance(llm.engine.trunk.model, cpu.CpuQwen35Trunk)
+        assert llm.engine.drafters["mtp"].head.target is CPU
         llm.score([1, 2, 3])
         assert calls                               # the one-device norms
     calls.clear()
-    canonical.set_enabled(True)
-    try:
-        with LLM(_ckpt(), device="cpu", progress=False) as llm:
-            model = llm.engine.trunk.model
-            assert model.target is CPU_EXACT and type(model) is Qwen35Trunk
-            llm.score([1, 2, 3])
-    finally:
-        canonical.set_enabled(None)
-    assert not calls                               # the canonical mode keeps the reference
+    with LLM(_ckpt(), device="cpu", progress=False, tp_invariant=True) as llm:
+        model = llm.engine.trunk.model
+        assert llm.tp_invariant and model.target is CPU_EXACT and type(model) is Qwen35Trunk
+        assert llm.engine.drafters["mtp"].head.target is CPU_EXACT
+        llm.score([1, 2, 3])
+    assert not calls                               # the canonical math keeps the reference
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_tp_invariant_is_a_bool(bad):
+    """A typed option: anything but True or False is refused before the model loads, naming it."""
+    with pytest.raises(ValueError, match=rf"^tp_invariant must be True or False, got {bad!r}$"):
+        LLM(_ckpt(), device="cpu", progress=False, tp_invariant=bad)
 
 
 def _tiny_gdn(dk: int) -> CpuGatedDeltaNet:
@@ -177,16 +182,12 @@ def test_rows_path_matches_the_reference_and_keeps_its_rotary_table():
     position's rotary values do not change when the table grows."""
     ids, rows = torch.arange(3, 12), torch.tensor([5, 6, 7])
     got = []
-    for on in (None, True):
-        canonical.set_enabled(on)
-        try:
-            with LLM(_odd_ckpt(), device="cpu", progress=False) as llm:
-                tr = llm.engine.trunk
-                tr.begin()
-                tr.prefill(ids)
-                got.append(tr.verify(rows, 9).logits)
-        finally:
-            canonical.set_enabled(None)
+    for on in (False, True):
+        with LLM(_odd_ckpt(), device="cpu", progress=False, tp_invariant=on) as llm:
+            tr = llm.engine.trunk
+            tr.begin()
+            tr.prefill(ids)
+            got.append(tr.verify(rows, 9).logits)
     torch.testing.assert_close(got[0], got[1], rtol=1e-4, atol=1e-4)
     c1, s1 = cpu.rope_table(8, 1e4, 32, 10)
     c1, s1 = c1[:10].clone(), s1[:10].clone()

@@ -8,31 +8,11 @@ import pytest
 import torch
 
 import specfit
+from recorder import Recorder, members
 from specfire import LLM, SamplingParams, SpecPolicy
 from specfire.runtime.drafters import Drafter, MtpDrafter, NgramDrafter
 from specfire.runtime.engine import Engine
 from specfire.runtime.trunk import LocalTrunk, Trunk
-
-
-def members(proto: type) -> set[str]:
-    names = set(getattr(proto, "__annotations__", {}))
-    return names | {n for n, v in vars(proto).items() if callable(v) and not n.startswith("_")}
-
-
-class Recorder:
-    """Forwards every attribute to `inner` and notes its name."""
-
-    def __init__(self, inner):
-        object.__setattr__(self, "_inner", inner)
-        object.__setattr__(self, "seen", set())
-
-    def __getattr__(self, name):
-        self.seen.add(name)
-        return getattr(self._inner, name)
-
-    def __setattr__(self, name, value):
-        self.seen.add(name)
-        setattr(self._inner, name, value)
 
 
 REQUESTS = [
@@ -43,11 +23,6 @@ REQUESTS = [
     (SamplingParams(max_tokens=12, presence_penalty=1.0), SpecPolicy("auto", 3)),
     (SamplingParams(max_tokens=6), SpecPolicy("off")),
 ]
-
-
-@pytest.fixture(scope="module")
-def fitted(ckpt_cache) -> str:
-    return specfit.fitted_checkpoint(ckpt_cache["root"])
 
 
 def test_protocol_members_are_declared():

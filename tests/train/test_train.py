@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from repo import REPO
 from specfire.api import LLM
 from specfire.config import SamplingParams
 from specfire.train import model as tm
@@ -659,7 +660,7 @@ def test_loop_bench_cut_at_block_end():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "bundled_loops", os.path.join(os.path.dirname(__file__), "..", "bench", "bundled_loops.py"))
+        "bundled_loops", os.path.join(REPO, "bench", "bundled_loops.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
 

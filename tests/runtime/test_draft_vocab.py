@@ -25,11 +25,6 @@ from test_spec_sampled import BINS, chi2, chi2_critical, pit_chi2
 ALPHA_MIN, ALPHA_MAX = 14, 119          # the fitted model's alphabet (specfit._rule, vocab 131)
 
 
-@pytest.fixture(scope="module")
-def fitted(ckpt_cache) -> str:
-    return specfit.fitted_checkpoint(ckpt_cache["root"])
-
-
 def run(llm, graphs: bool, k: int = 3, n: int = 24):
     """Greedy MTP k over the fitted prompts (drafts recorded), eager or with the chain in emulated graphs."""
     d = llm.engine.drafters["mtp"]
@@ -171,17 +166,11 @@ def test_sampled_mtp_with_draft_vocab_matches_ar_distribution(tiny_vocab, monkey
 
 @pytest.fixture(scope="module")
 def canonical_ar(fitted) -> list[list[int]]:
-    """One device's greedy AR outputs of the fitted prompts in the canonical mode (what a mesh
+    """One device's greedy AR outputs of the fitted prompts with tp_invariant (what a mesh
     reproduces), computed once for the mesh cases."""
-    from specfire.kernels import canonical
-
-    canonical.set_enabled(True)
-    try:
-        with LLM(fitted, device="cpu", progress=False) as one:
-            return [one.generate(p, SamplingParams(max_tokens=24, ignore_eos=True), spec="off").token_ids
-                    for p in specfit.prompts(3, seed=7)]
-    finally:
-        canonical.set_enabled(None)
+    with LLM(fitted, device="cpu", progress=False, tp_invariant=True) as one:
+        return [one.generate(p, SamplingParams(max_tokens=24, ignore_eos=True), spec="off").token_ids
+                for p in specfit.prompts(3, seed=7)]
 
 
 @pytest.mark.parametrize("n", [ALPHA_MIN, 69], ids=["inside_rank0", "both_ranks"])
@@ -190,21 +179,15 @@ def test_mesh_draft_vocab_equals_ar(fitted, canonical_ar, n):
     needs no pick collective (the trunk does not shard the picks); N = 69 has rank 1 score its rows
     66..68 only (alphabet ids 81..119 lie in its shard past N: a rank scoring its whole shard would
     draft them)."""
-    from specfire.kernels import canonical
-
-    canonical.set_enabled(True)
     ar = canonical_ar
-    try:
-        with LLM(fitted, tp=2, device="cpu", progress=False, draft_vocab=n) as mesh:
-            trunk = mesh.engine.trunk
-            assert not trunk.draft_sharded                  # the CPU default: rank 0's whole copy
-            trunk.draft_sharded = True
-            assert trunk.draft_sharded == (n > trunk._local.model.plan.vocab_shard)
-            out, acc, drafts = run(mesh, False)
-            assert out == ar and drafts and max(drafts) < n
-            assert (acc == 0) if n <= ALPHA_MIN else (acc > 0)
-            s = SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True)
-            r = mesh.generate(specfit.prompts(1, seed=7)[0], s, spec=SpecPolicy("mtp", 3))
-            assert len(r.token_ids) == 10
-    finally:
-        canonical.set_enabled(None)
+    with LLM(fitted, tp=2, device="cpu", progress=False, draft_vocab=n, tp_invariant=True) as mesh:
+        trunk = mesh.engine.trunk
+        assert not trunk.draft_sharded                  # the CPU default: rank 0's whole copy
+        trunk.draft_sharded = True
+        assert trunk.draft_sharded == (n > trunk._local.model.plan.vocab_shard)
+        out, acc, drafts = run(mesh, False)
+        assert out == ar and drafts and max(drafts) < n
+        assert (acc == 0) if n <= ALPHA_MIN else (acc > 0)
+        s = SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True)
+        r = mesh.generate(specfit.prompts(1, seed=7)[0], s, spec=SpecPolicy("mtp", 3))
+        assert len(r.token_ids) == 10

@@ -3,7 +3,6 @@ inputs copied in, outputs overwritten, the stream's state kept out of the captur
 emulated on the CPU, where it must give the eager path's tokens exactly for a seed."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 from specfire import LLM, SamplingParams
@@ -84,12 +83,6 @@ def test_fn_graphs_keep_at_most_max_graphs_least_recent_out(monkeypatch):
     assert list(g.graphs) == [2, 0, 3]
     assert torch.equal(g.run(1, lambda a: (a + 1,), (x,))[0], x + 1)
     assert len(g.graphs) == 3 and 2 not in g.graphs
-
-
-@pytest.fixture(scope="module")
-def bundled():
-    with LLM(device="cpu", progress=False) as llm:
-        yield llm
 
 
 def _run(llm: LLM, graphs: bool, sp: SamplingParams, mode: str = "mtp") -> tuple[list[int], dict, int]:

@@ -8,16 +8,16 @@ import threading
 
 import pytest
 
+from repo import REPO
 from tinytok import make_tok_checkpoint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Pipe:
     """A running daemon: send one message, read the events it answers with."""
 
     def __init__(self, *args: str):
-        env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "specfire.cli", "daemon", *args], env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -110,6 +110,29 @@ def test_draft_vocab_flag_is_every_loads_default(ckpt):
         assert d.recv()["type"] == "loaded"
     finally:
         d.close()
+
+
+def test_tp_invariant_load_param_and_flag(ckpt):
+    """params.tp_invariant reaches LLM and the loaded event names it; `daemon --tp-invariant` is
+    every load's default (a load's own False wins); a non-bool is refused naming the field."""
+    import io
+
+    from specfire.serve.daemon import Daemon
+
+    for flag, params, want in ((False, {}, False), (False, {"tp_invariant": True}, True),
+                               (True, {}, True), (True, {"tp_invariant": False}, False)):
+        out = io.BytesIO()
+        d = Daemon(out, tp_invariant=flag)
+        d.handle_line(json.dumps({"type": "load", "model": ckpt, "params": {"device": "cpu", **params}}).encode())
+        ev = json.loads(out.getvalue().decode().splitlines()[0])
+        assert ev["type"] == "loaded" and ev["tp_invariant"] is want, (flag, params, ev)
+        assert d.llm.engine.trunk.model.target.exact is want
+        d._unload()
+    out = io.BytesIO()
+    Daemon(out).handle_line(json.dumps({"type": "load", "model": ckpt, "params": {"tp_invariant": "yes"}}).encode())
+    ev = json.loads(out.getvalue().decode().splitlines()[0])
+    assert ev["type"] == "error" and ev["class"] == "invalid_request"
+    assert ev["message"] == "tp_invariant must be True or False, got 'yes'", ev
 
 
 def test_generate_events_match_in_process(loaded, ckpt):
@@ -367,7 +390,7 @@ def test_a_file_of_requests_is_answered_in_full(ckpt, tmp_path):
     lines.append("not json")
     req = tmp_path / "requests.jsonl"
     req.write_text("\n".join(lines) + "\n")
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     with open(req, "rb") as f:
         p = subprocess.run([sys.executable, "-m", "specfire.cli", "daemon", "--max-num-seqs", "2", "--model", ckpt],
                            stdin=f,
@@ -422,7 +445,7 @@ def test_end_fields_and_refused_fields(loaded, ckpt):
 
 def test_reader_that_leaves_ends_it_quietly(ckpt):
     """`specfire daemon | head -1`: no BrokenPipeError traceback, exit status 0."""
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "specfire.cli", "daemon", "--model", ckpt], env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert json.loads(proc.stdout.readline())["type"] == "loaded"
