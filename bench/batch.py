@@ -1,0 +1,110 @@
+"""Concurrent decoding in process: `LLM.generate` of c prompts at once (one packed verify forward a
+round over every running request, runtime/scheduler.py), against c = 1.
+
+    python -m bench.batch --shape 27B --tied --concurrency 1,2,4,8 --spec off,mtp
+    python -m bench.batch --smoke                # CPU: the bundled model, tiny levels
+
+Per (route, c): one warm-up batch (kernels, CUDA graphs of each row layout), then c requests of a
+--prompt-len random prompt generating --output-len tokens each (greedy, ignore_eos). Reports the
+aggregate tok/s (all tokens / wall time, prefills included), its ratio to c = 1, per-request decode
+tok/s, the forwards the scheduler ran (verifies per forward) and, for AR, the fraction of the
+bandwidth ceiling a round's bytes reach (the weights once plus every request's state). The in-process
+rate is what bench/serving.py's HTTP figures are held against. A table, then one JSON line last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+from bench.common import (CEILING, checkpoint_step_bytes, machine, model_config, random_prompt, scratch_dir,
+                          state_bytes, write_checkpoint, write_tokenizer)
+
+
+def level(m, mode: str, k: int, c: int, args, step_bytes: int, per_seq: int) -> dict:
+    from specfire import SamplingParams, SpecPolicy
+
+    pol = SpecPolicy(mode, k) if mode != "off" else SpecPolicy("off")
+    vocab = m.cfg.vocab_size
+    prompts = [random_prompt(vocab, args.prompt_len, seed=100 * c + i) for i in range(c)]
+    m.generate(prompts, [SamplingParams(max_tokens=8, ignore_eos=True)] * c, spec=[pol] * c)
+    s = m.scheduler
+    f0, v0 = s.forwards, s.verifies
+    t = time.perf_counter()
+    rs = m.generate(prompts, [SamplingParams(max_tokens=args.output_len, ignore_eos=True)] * c, spec=[pol] * c)
+    dt = time.perf_counter() - t
+    toks = sum(len(r.token_ids) for r in rs)
+    fw = s.forwards - f0
+    dec = sorted(r.stats["decode_tok_s"] for r in rs)
+    row = {"route": mode, "k": k, "c": c, "tokens": toks, "wall_s": round(dt, 3), "agg_tok_s": round(toks / dt, 1),
+           "decode_tok_s_min": round(dec[0], 1), "decode_tok_s_median": round(dec[len(dec) // 2], 1),
+           "forwards": fw, "verifies_per_forward": round((s.verifies - v0) / fw, 2) if fw else 0.0,
+           "mean_accept_len": round(rs[0].stats["mean_accept_len"], 2)}
+    if mode == "off" and fw and torch.cuda.is_available():
+        round_bytes = step_bytes + (c - 1) * per_seq
+        row["of_ceiling"] = round(round_bytes * fw / dt / CEILING, 3)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="checkpoint (default: the bundled model)")
+    ap.add_argument("--shape", default=None, help="random weights of this shape (bench/common.py SHAPES)")
+    ap.add_argument("--tied", action="store_true", help="--shape: final norms -1, every MTP draft accepted")
+    ap.add_argument("--concurrency", default="1,2,4,8")
+    ap.add_argument("--spec", default="off,mtp", help="routes: off, mtp, ngram (comma-separated)")
+    ap.add_argument("--spec-k", type=int, default=3)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="slots (default: the largest concurrency)")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for batch.json")
+    ap.add_argument("--smoke", action="store_true", help="CPU: the bundled model, tiny levels")
+    args = ap.parse_args()
+    if args.smoke:
+        args.shape, args.model, args.concurrency, args.prompt_len, args.output_len = None, None, "1,2", 12, 8
+    concs = [int(x) for x in args.concurrency.split(",")]
+    routes = args.spec.split(",")
+    from specfire import LLM
+    from specfire.api import BUNDLED_MODEL
+
+    work = tempfile.mkdtemp(prefix="batch-", dir=scratch_dir() if args.shape else None)
+    path = args.model or BUNDLED_MODEL
+    if args.shape:
+        cfg = model_config(args.shape)
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        path = write_checkpoint(os.path.join(work, args.shape), cfg, torch.bfloat16 if dev == "cuda" else torch.float32,
+                                dev, tied=args.tied)
+        write_tokenizer(path, cfg.vocab_size)
+    kw = {"device": "cpu", "threads": 1} if args.smoke else {}
+    rows = []
+    with LLM(path, progress=False, max_seq_len=args.prompt_len + args.output_len + 16,
+             max_num_seqs=args.max_num_seqs or max(concs), **kw) as m:
+        ctx = args.prompt_len + args.output_len // 2
+        step, per_seq = checkpoint_step_bytes(path, ctx), state_bytes(m.cfg, ctx)
+        for mode in routes:
+            for c in concs:
+                rows.append(level(m, mode, args.spec_k if mode != "off" else 0, c, args, step, per_seq))
+                base = next(r for r in rows if r["route"] == mode)
+                rows[-1]["x_c1"] = round(rows[-1]["agg_tok_s"] / base["agg_tok_s"], 2)
+                print(json.dumps({"stage": "level", **rows[-1]}), flush=True)
+    print(f"{'route':6} {'c':>3} {'agg tok/s':>10} {'x c=1':>6} {'decode p50':>10} {'verif/fwd':>9} {'of ceil':>8}")
+    for r in rows:
+        print(f"{r['route']:6} {r['c']:>3} {r['agg_tok_s']:>10} {r['x_c1']:>6} {r['decode_tok_s_median']:>10} "
+              f"{r['verifies_per_forward']:>9} {r.get('of_ceiling', ''):>8}")
+    model = f"random {args.shape}{' tied' if args.tied else ''}" if args.shape else path
+    summary = {"bench": "batch", **machine(), "model": model, "prompt_len": args.prompt_len,
+               "output_len": args.output_len, "levels": rows}
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "batch.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
