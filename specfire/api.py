@@ -9,10 +9,10 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .config import (DTYPE_NAMES, GenerationDefaults, ModelConfig, SamplingParams, SpecPolicy, check_draft_vocab,
-                     check_generation_config, check_max_num_seqs, parse_bytes)
+from .config import GenerationDefaults, ModelConfig, check_generation_config
 from .errors import CheckpointError, PromptError, SpecfireError
 from .kernels.attention import Q8_KV
+from .params import DTYPE_NAMES, SamplingParams, SpecPolicy, check_draft_vocab, check_max_num_seqs, parse_bytes
 from .report import RequestFigures
 from .runtime.build import EngineOptions, TrunkFactory, build_engine, local_trunk
 from .runtime.engine import GenerationResult, StreamChunk

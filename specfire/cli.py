@@ -12,10 +12,10 @@ import sys
 import traceback
 from typing import Callable, NoReturn
 
-from .config import SamplingParams
 from .errors import SpecfireError
 # the model and sampling flags, also used by serve/http.py (imported from here)
 from .flags import add_model_args, add_penalty_args, flagged, load_model, model_defaults_line, penalty_kw  # noqa: F401
+from .params import SamplingParams
 
 
 # ---- run ----------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from specfire.api import BUNDLED_MODEL, LLM
-from specfire.config import SamplingParams
+from specfire.params import SamplingParams
 
 PROMPT = "def is_even(n):\n    \"\"\"Return True if n is even.\"\"\"\n"
 

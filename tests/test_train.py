@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specfire.api import LLM
-from specfire.config import SamplingParams
+from specfire.params import SamplingParams
 from specfire.train import model as tm
 from specfire.train.corpus import HELD_OUT, build_corpus
 from specfire.train.train import PRESETS, TrainConfig, run

@@ -38,7 +38,7 @@ def build_app(llm: "LLM", model_name: str, api_key: str | None = None, close_llm
     if max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
     api_key = check_api_key(api_key)
-    from ..config import SamplingParams
+    from ..params import SamplingParams
 
     SamplingParams(**dict(sampling_defaults or {}))   # a bad default is refused here, not per request
     defaults = {**llm.generation_defaults.as_dict(), **(sampling_defaults or {})}

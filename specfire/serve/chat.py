@@ -20,8 +20,8 @@ from .schema import RequestError
 
 if TYPE_CHECKING:
     from ..api import LLM
-    from ..config import SamplingParams
     from ..grammar import GrammarSpec
+    from ..params import SamplingParams
 
 NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..config import MAX_LOGPROBS, SamplingParams, SpecPolicy
 from ..errors import PromptError, SpecfireError
 from ..grammar import GrammarError, GrammarSpec, spec_from_fields
+from ..params import MAX_LOGPROBS, SamplingParams, SpecPolicy
 
 if TYPE_CHECKING:
     from ..api import LLM
