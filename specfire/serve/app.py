@@ -14,9 +14,9 @@ from starlette.requests import ClientDisconnect
 from . import handlers
 from .chat_options import ChatOptions
 from .guard import Access, AccessMiddleware, check_api_key
-from .schema import RequestError
 from .state import ServeState, state_of
 from .transport import BODY_TIMEOUT_S, MAX_REQUEST_BYTES
+from .wire import RequestError
 from .worker import EngineWorker
 
 if TYPE_CHECKING:

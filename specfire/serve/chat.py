@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .assistant import AssistantOutput
 from .chat_options import ChatOptions
-from .schema import RequestError
+from .wire import RequestError
 
 if TYPE_CHECKING:
     from ..api import LLM

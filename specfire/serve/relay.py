@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..errors import SpecfireError
 from ..params import SamplingParams, SpecPolicy
 from .logprobs import LogprobFormat, merge
-from .schema import RequestError
+from .wire import RequestError
 from .worker import CANCELLED, CHUNK, DONE, ERROR, Finished, Job
 
 if TYPE_CHECKING:
