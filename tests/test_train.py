@@ -329,7 +329,7 @@ def test_phrase_loop_lines_counts_loops_inside_a_line():
 
 
 def test_ul_schedule_fit():
-    from specfire.train.finetune import fit_schedule
+    from specfire.train.phase import fit_schedule
 
     assert fit_schedule(11, 0.5, 20.0, 1000) == 51          # 40 more steps fit in 20 s
     assert fit_schedule(11, 0.5, 20.0, 30) == 30            # capped by ul_steps
