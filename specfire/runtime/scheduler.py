@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from ..config import SamplingParams, SpecPolicy
 from ..errors import SpecfireError
+from ..params import SamplingParams, SpecPolicy
 from .slots import SlotPool
 
 if TYPE_CHECKING:
