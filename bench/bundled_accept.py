@@ -25,7 +25,7 @@ import torch
 from bench.common import held_out_prompts
 
 from specfire.api import LLM
-from specfire.config import SamplingParams, SpecPolicy
+from specfire.params import SamplingParams, SpecPolicy
 
 
 def run_prompts(llm: LLM, prompts, sp: SamplingParams, spec) -> list:

@@ -21,7 +21,7 @@ import time
 
 
 from specfire import cli
-from specfire.config import SamplingParams
+from specfire.params import SamplingParams
 
 PROMPTS = ("def fibonacci(n):",
            'class Stack:\n    """A last-in, first-out stack backed by a list."""\n\n    def __init__(self):\n')

@@ -51,7 +51,7 @@ import sys
 import torch
 
 from specfire.api import LLM
-from specfire.config import SamplingParams
+from specfire.params import SamplingParams
 from specfire.train.select import LOOP_PROMPTS as PROMPTS, guarded   # the prompts, the guard
 from specfire.train.unlikelihood import line_stats, phrase_loop_lines   # the measures
 

@@ -21,7 +21,7 @@ import time
 
 
 from specfire.api import LLM
-from specfire.config import SamplingParams, SpecPolicy
+from specfire.params import SamplingParams, SpecPolicy
 from specfire.train.select import LOOP_PROMPTS
 
 SETTINGS = [

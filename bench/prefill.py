@@ -31,9 +31,10 @@ import traceback
 import torch
 
 from bench.common import CEILING, model_config, model_step_bytes, random_head, random_trunk, sync
-from specfire.config import FULL, SamplingParams, SpecPolicy
+from specfire.config import FULL
 from specfire.kernels import gdn as G
 from specfire.kernels.gdn import fla as gdn_fla
+from specfire.params import SamplingParams, SpecPolicy
 from specfire.runtime.drafters import HostDrafter, MtpDrafter, NgramDrafter
 from specfire.runtime.engine import Engine
 from specfire.runtime.prefix import PrefixCache

@@ -30,7 +30,7 @@ import torch
 
 from bench.common import held_out_prompts, model_config, write_checkpoint
 from specfire import LLM, SamplingParams
-from specfire.config import SpecPolicy
+from specfire.params import SpecPolicy
 from specfire.quantize import quantize_checkpoint
 
 

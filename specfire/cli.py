@@ -12,10 +12,10 @@ import sys
 import traceback
 from typing import Callable, NoReturn
 
-from .config import SamplingParams
 from .errors import SpecfireError
 # the model and sampling flags, also used by serve/http.py (imported from here)
 from .flags import add_model_args, add_penalty_args, flagged, load_model, model_defaults_line, penalty_kw  # noqa: F401
+from .params import SamplingParams
 
 
 # ---- run ----------------------------------------------------------------------------------------
@@ -221,13 +221,13 @@ def _one_line(e: BaseException) -> str:
 
 
 def apply_threads(n: int | None) -> None:
-    """--threads N: the process's intra-op threads (api.set_threads); left out, a model on a CPU
-    gets the API's default (api.default_threads)."""
+    """--threads N: the process's intra-op threads (threads.set_threads); left out, a model on a CPU
+    gets the API's default (threads.default_threads)."""
     if n is None:
         return
     if n < 1:
         raise ValueError(f"--threads must be >= 1, got {n}")
-    from .api import set_threads
+    from .threads import set_threads
 
     set_threads(n)
 

@@ -6,8 +6,9 @@ import argparse
 import json
 import sys
 
-from .config import DTYPE_NAMES, GENERATION_CONFIG_MODES, MAX_SPEC_K, SPEC_MODES, SpecPolicy
+from .config import GENERATION_CONFIG_MODES
 from .errors import SpecfireError
+from .params import DTYPE_NAMES, MAX_SPEC_K, SPEC_MODES, SpecPolicy
 
 
 def add_model_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
@@ -55,7 +56,7 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
 
 def check_batch_flags(args: argparse.Namespace) -> None:
     """--max-num-seqs and --kv-cache-memory-bytes, checked before the model loads."""
-    from .config import check_max_num_seqs, parse_bytes
+    from .params import check_max_num_seqs, parse_bytes
 
     try:
         check_max_num_seqs(getattr(args, "max_num_seqs", None))
@@ -130,7 +131,7 @@ def model_path(args: argparse.Namespace) -> str | None:
 
 
 def _dtype_help() -> str:
-    """What --dtype accepts, from the names LLM(dtype=...) takes (config.DTYPE_NAMES)."""
+    """What --dtype accepts, from the names LLM(dtype=...) takes (params.DTYPE_NAMES)."""
     by: dict[str, list[str]] = {}
     for name, target in DTYPE_NAMES.items():
         if target is not None and name != target:

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .config import GRAMMAR_KINDS as KINDS
-from .config import GrammarSpec
 from .errors import GrammarError
+from .params import GRAMMAR_KINDS as KINDS
+from .params import GrammarSpec
 
 if TYPE_CHECKING:
     import torch

@@ -5,7 +5,7 @@ import ast
 import os
 
 from specfire.api import BUNDLED_MODEL
-from specfire.config import SamplingParams
+from specfire.params import SamplingParams
 
 PROMPT = "def is_even(n):\n    \"\"\"Return True if n is even.\"\"\"\n"
 

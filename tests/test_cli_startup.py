@@ -11,7 +11,7 @@ import pytest
 
 from repo import REPO
 from specfire import cli
-from specfire.config import SpecPolicy
+from specfire.params import SpecPolicy
 
 
 
@@ -185,7 +185,7 @@ def help_entry(command: str, flag: str, capsys) -> str:
 
 
 def test_dtype_help_lists_what_the_api_takes(capsys):
-    from specfire.config import DTYPE_NAMES
+    from specfire.params import DTYPE_NAMES
 
     entry = help_entry("run", "--dtype", capsys)
     assert all(name in entry for name in DTYPE_NAMES), entry

@@ -15,7 +15,7 @@ ROOT = os.path.join(REPO, "specfire")
 # Layers, lowest first: a module may import its own layer and those below it, never one above.
 # A name is a module or a package prefix of "specfire."; the longest prefix decides.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "env", "config", "chat_template", "tokenizer", "grammar"),
+    ("errors", "env", "threads", "params", "config", "chat_template", "tokenizer", "grammar"),
     ("kernels",),
     ("layers",),
     ("model", "quantize"),

@@ -1,4 +1,4 @@
-"""One CPU thread policy for LLM() and the command line (api.default_threads): a model on a CPU
+"""One CPU thread policy for LLM() and the command line (threads.default_threads): a model on a CPU
 runs on one intra-op thread unless the process chose a count."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from repo import REPO
-from specfire import LLM, api
+from specfire import LLM, threads
 
 
 # torch's own count, the policy's idea of it, then the count after each way of building an LLM
@@ -19,7 +19,7 @@ PROBE = """
 import json, os, torch
 start = torch.get_num_threads()
 from specfire import LLM
-from specfire.api import torch_start_threads
+from specfire.threads import torch_start_threads
 seen = {"start": start, "estimate": torch_start_threads()}
 with LLM(spec="off", device="cpu", progress=False):
     seen["default"] = torch.get_num_threads()
@@ -68,8 +68,8 @@ def fresh_process(monkeypatch):
     """This process as if torch had just started on two cores with nothing chosen."""
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(api, "torch_start_threads", lambda: 2)
-    monkeypatch.setattr(api, "_threads_chosen", False)
+    monkeypatch.setattr(threads, "torch_start_threads", lambda: 2)
+    monkeypatch.setattr(threads, "_threads_chosen", False)
     torch.set_num_threads(2)
     yield
     torch.set_num_threads(1)
@@ -78,13 +78,13 @@ def fresh_process(monkeypatch):
 def test_cli_and_api_share_the_policy(fresh_process, cli_run):
     """`specfire run` leaves the count to the same policy as LLM(); --threads (before or after the
     subcommand) is the process's choice, which LLM() then keeps."""
-    assert api.default_threads() == 1
+    assert threads.default_threads() == 1
     r = cli_run("run", "--device", "cpu", "--prompt", "def f(x):", "-n", "2", "--spec", "off")
     assert r.returncode == 0, r.stderr
     assert torch.get_num_threads() == 1
     torch.set_num_threads(2)
     r = cli_run("run", "--device", "cpu", "--prompt", "def f(x):", "-n", "2", "--spec", "off", "--threads", "2")
     assert r.returncode == 0, r.stderr
-    assert torch.get_num_threads() == 2 and api.default_threads() is None
+    assert torch.get_num_threads() == 2 and threads.default_threads() is None
     with LLM(spec="off", device="cpu", progress=False):
         assert torch.get_num_threads() == 2

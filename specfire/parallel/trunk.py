@@ -14,9 +14,10 @@ from typing import Any, Generator
 import torch
 import torch.nn.functional as F
 
-from ..config import ModelConfig, check_draft_vocab
+from ..config import ModelConfig
 from ..errors import MeshError
 from ..kernels.gemv import linear_prefix
+from ..params import check_draft_vocab
 from ..runtime.trunk import LocalTrunk, Rows
 from .control import DRAFT, RANK_STATS, RANK_TIME, STAT_NAMES, Call, RankExecutor, SharedIds
 from .draft import shard_argmax

@@ -12,10 +12,11 @@ from typing import Callable
 
 import torch
 
-from ..config import ModelConfig, SpecPolicy
+from ..config import ModelConfig
 from ..model import loader
 from ..model.qwen35 import MtpHead
 from ..kernels.gdn import fla as gdn_fla
+from ..params import SpecPolicy
 from ..tokenizer import Tokenizer
 from .drafters import DraftSource, MtpDrafter, make_drafters
 from .engine import Engine, Shared

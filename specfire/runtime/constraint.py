@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import MAX_SPEC_K
+from ..params import MAX_SPEC_K
 
 if TYPE_CHECKING:
     from ..grammar import GrammarSpec, Matcher

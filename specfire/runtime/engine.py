@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator
 
 import torch
 
-from ..config import SamplingParams, SpecPolicy
 from ..errors import SpecfireError
+from ..params import SamplingParams, SpecPolicy
 from ..tokenizer import Tokenizer
 from .constraint import Constraint
 from .drafters import BY_NAME, KINDS, Drafter, MtpDrafter, drafting_routes

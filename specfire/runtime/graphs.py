@@ -20,8 +20,8 @@ from typing import Callable
 
 import torch
 
-from ..config import SamplingParams
 from ..model.qwen35 import Qwen35Trunk, SequenceState
+from ..params import SamplingParams
 from .sampling import Penalties, sampling_key
 
 log = logging.getLogger("specfire")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import SamplingParams
+from ..params import SamplingParams
 from ..tokenizer import Detokenizer, Tokenizer
 
 

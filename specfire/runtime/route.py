@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Collection, Protocol
 
-from ..config import SamplingParams, SpecPolicy
 from ..errors import SpecfireError
+from ..params import SamplingParams, SpecPolicy
 from .drafters.registry import BY_NAME, KINDS
 
 

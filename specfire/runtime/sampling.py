@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import SamplingParams
+from ..params import SamplingParams
 from .rng import DeviceRng, race_sample
 
 

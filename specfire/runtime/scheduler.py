@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator
 
 import torch
 
-from ..config import SamplingParams, SpecPolicy
 from ..errors import SpecfireError
+from ..params import SamplingParams, SpecPolicy
 from .slots import SlotPool
 from .trunk import Verify, verify_many
 

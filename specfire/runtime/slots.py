@@ -18,8 +18,9 @@ import threading
 
 import torch
 
-from ..config import FULL, ModelConfig, check_max_num_seqs
+from ..config import FULL, ModelConfig
 from ..model.state import SequenceState
+from ..params import check_max_num_seqs
 from .engine import Engine
 
 log = logging.getLogger("specfire")

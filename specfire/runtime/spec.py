@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from ..config import MAX_SPEC_K, SamplingParams
 from ..kernels.small import greedy_accept
+from ..params import MAX_SPEC_K, SamplingParams
 from .drafters import NO_DRAFT, Drafter
 from .rng import DeviceRng
 from .sampling import Penalties, penalize, probs, sample, sampling_key, token_logprobs

@@ -16,8 +16,9 @@ from typing import Any, Generator, Protocol
 
 import torch
 
-from ..config import ModelConfig, check_draft_vocab
+from ..config import ModelConfig
 from ..model.qwen35 import Qwen35Trunk, Segments, SequenceState
+from ..params import check_draft_vocab
 
 PREFILL_PIECE = 1024  # prompt rows per prefill forward (bounds attention-score memory)
 
@@ -102,7 +103,7 @@ class Trunk(Protocol):
 
 class LocalTrunk:
     """The trunk on one device. `draft_vocab` n: the MTP drafter's lm_logits scores token ids
-    0..n-1 only, through a row-prefix view of the lm_head (config.check_draft_vocab; the verify
+    0..n-1 only, through a row-prefix view of the lm_head (params.check_draft_vocab; the verify
     always scores the whole vocabulary)."""
 
     def __init__(self, model: Qwen35Trunk, max_seq: int, kv_dtype: torch.dtype, cuda_graphs: bool | None = None,

@@ -14,9 +14,9 @@ from starlette.requests import ClientDisconnect
 from . import handlers
 from .chat_options import ChatOptions
 from .guard import Access, AccessMiddleware, check_api_key
-from .schema import RequestError
 from .state import ServeState, state_of
 from .transport import BODY_TIMEOUT_S, MAX_REQUEST_BYTES
+from .wire import RequestError
 from .worker import EngineWorker
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ def build_app(llm: "LLM", model_name: str, api_key: str | None = None, close_llm
     if max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
     api_key = check_api_key(api_key)
-    from ..config import SamplingParams
+    from ..params import SamplingParams
 
     SamplingParams(**dict(sampling_defaults or {}))   # a bad default is refused here, not per request
     defaults = {**llm.generation_defaults.as_dict(), **(sampling_defaults or {})}

@@ -158,7 +158,7 @@ def run_server(url: str, prompt_name: str, prompt: str, max_tokens: int, spec: d
 
 def run_local(llm: "LLM", prompt_name: str, prompt: str, max_tokens: int, spec: dict[str, Any] | None) -> dict[str, Any]:
     """One battery row from an LLM in this process (the same request, without HTTP)."""
-    from ..config import SamplingParams
+    from ..params import SamplingParams
 
     body = request_body(prompt, max_tokens, spec)
     ids = llm.prompt_ids(llm.render_chat(body["messages"]))

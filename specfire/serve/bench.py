@@ -10,7 +10,7 @@ import argparse
 import json
 from typing import Any
 
-from ..config import SPEC_MODES
+from ..params import SPEC_MODES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

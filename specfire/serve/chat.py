@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .assistant import AssistantOutput
 from .chat_options import ChatOptions
-from .schema import RequestError
+from .wire import RequestError
 
 if TYPE_CHECKING:
     from ..api import LLM
-    from ..config import SamplingParams
     from ..grammar import GrammarSpec
+    from ..params import SamplingParams
 
 NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 

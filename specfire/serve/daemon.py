@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any, Iterable
 
 from ..errors import CheckpointError, SpecfireError
-from .schema import (GenerateMessage, RequestError, check_route, check_tree, encode, sampling_params,
-                     spec_policy, validate)
+from .schema import GenerateMessage, check_route, encode, sampling_params, spec_policy, validate
+from .wire import RequestError, check_tree
 
 if TYPE_CHECKING:
     from ..api import LLM

@@ -12,9 +12,9 @@ from fastapi.responses import JSONResponse, Response
 from . import relay
 from .chat import prepare_chat
 from .metrics import CONTENT_TYPE
-from .schema import (ChatBody, CompletionBody, HttpBody, RequestError, check_route, encode, parse_object,
-                     sampling_params, spec_policy, validate)
+from .schema import ChatBody, CompletionBody, HttpBody, check_route, encode, sampling_params, spec_policy, validate
 from .state import ServeState, state_of
+from .wire import RequestError, parse_object
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
 

@@ -127,7 +127,7 @@ def api_key(args: argparse.Namespace) -> tuple[str | None, str | None]:
 def main(args: argparse.Namespace) -> int:
     """Serve until SIGTERM / Ctrl-C; then, the model freed, end the process at once (exit_now)."""
     from ..cli import flagged, penalty_kw
-    from ..config import SamplingParams
+    from ..params import SamplingParams
 
     # ---- everything checkable before the port: flags, the key, the packages ----------------------
     from ..flags import check_batch_flags

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..config import SamplingParams, SpecPolicy
 from ..errors import SpecfireError
+from ..params import SamplingParams, SpecPolicy
 from .logprobs import LogprobFormat, merge
-from .schema import RequestError
+from .wire import RequestError
 from .worker import CANCELLED, CHUNK, DONE, ERROR, Finished, Job
 
 if TYPE_CHECKING:

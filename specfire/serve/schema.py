@@ -1,105 +1,20 @@
-"""Request bodies shared by the HTTP server and the daemon: JSON in, pydantic models for the shape,
-SamplingParams / SpecPolicy for the ranges, or a RequestError naming the offending field (`param`).
-
-Parsing walks the decoded JSON once (iteratively) before anything else touches it, so a deeply
-nested body or a lone surrogate is a 400 naming where it is, not a RecursionError or a tokenizer
-TypeError later."""
+"""Request bodies shared by the HTTP server and the daemon: pydantic models for the shape,
+SamplingParams / SpecPolicy for the ranges, or a RequestError naming the offending field (`param`);
+the raw JSON under them is checked first (wire.py)."""
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..config import MAX_LOGPROBS, SamplingParams, SpecPolicy
 from ..errors import PromptError, SpecfireError
 from ..grammar import GrammarError, GrammarSpec, spec_from_fields
+from ..params import MAX_LOGPROBS, SamplingParams, SpecPolicy
+from .wire import RequestError, short, type_name
 
 if TYPE_CHECKING:
     from ..api import LLM
     from ..runtime.route import RoutePlan
-
-MAX_DEPTH = 32          # nesting levels a request may use (real bodies need about 5)
-
-
-class RequestError(Exception):
-    """A request the server refuses; rendered in the OpenAI error shape."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type_: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.message, self.param, self.status, self.type, self.code = message, param, status, type_, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def type_name(v: Any) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null",
-            int: "integer", float: "number"}.get(type(v), type(v).__name__)
-
-
-def _short(v: Any) -> str:
-    r = repr(v)
-    return r if len(r) <= 60 else r[:57] + "..."
-
-
-# ---- raw JSON -------------------------------------------------------------------------------------
-
-def check_tree(value: Any, max_depth: int = MAX_DEPTH) -> None:
-    """Refuse nesting deeper than `max_depth` and strings that are not valid Unicode (lone
-    surrogates from `\\ud800` escapes), naming the path of the first offender."""
-    stack: list[tuple[Any, str, int]] = [(value, "", 0)]
-    while stack:
-        v, path, depth = stack.pop()
-        if isinstance(v, str):
-            _check_text(v, path)
-        elif isinstance(v, (dict, list)):
-            if depth >= max_depth:
-                raise RequestError(f"'{path or 'body'}' is nested more than {max_depth} levels deep", path or None)
-            items = v.items() if isinstance(v, dict) else enumerate(v)
-            for k, x in items:
-                if isinstance(k, str):
-                    _check_text(k, path or "body")
-                stack.append((x, _join(path, k), depth + 1))
-
-
-def _join(path: str, key: Any) -> str:
-    if isinstance(key, int):
-        return f"{path}[{key}]"
-    return f"{path}.{key}" if path else str(key)
-
-
-def _check_text(s: str, path: str) -> None:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise RequestError(f"'{path}' has a lone surrogate {s[e.start]!r} at character {e.start}; strings must "
-                           f"be valid Unicode", path or None) from None
-
-
-def parse_json(raw: bytes | str, what: str = "request body") -> Any:
-    """Decode and parse one JSON document, with every failure a 400 (param null)."""
-    if isinstance(raw, bytes):
-        try:
-            raw = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise RequestError(f"{what} is not valid UTF-8 (byte {e.start})") from None
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise RequestError(f"{what} is not valid JSON: {e}") from None
-    except RecursionError:
-        raise RequestError(f"{what} is nested more than {MAX_DEPTH} levels deep") from None
-    check_tree(value)
-    return value
-
-
-def parse_object(raw: bytes | str, what: str = "request body") -> dict[str, Any]:
-    value = parse_json(raw, what)
-    if not isinstance(value, dict):
-        raise RequestError(f"{what} must be a JSON object, got {type_name(value)}")
-    return value
 
 
 # ---- shapes ---------------------------------------------------------------------------------------
@@ -124,7 +39,7 @@ ONLY_TRIVIAL = {"logit_bias": ((None, {}), "biasing logits is not built (only {}
 def check_trivial(v: Any, info: Any) -> Any:
     allowed, why = ONLY_TRIVIAL[info.field_name]
     if not any(v == a and type(v) is type(a) for a in allowed):
-        raise ValueError(f"is not supported: {why}; got {_short(v)}")
+        raise ValueError(f"is not supported: {why}; got {short(v)}")
     return v
 
 
@@ -143,7 +58,7 @@ def parse_messages(v: Any) -> list[dict[str, Any]]:
             raise ValueError(f"'{where}' must be an object with 'role' and 'content', got {type_name(m)}")
         role = m.get("role")
         if not isinstance(role, str) or not role:
-            raise ValueError(f"'{where}.role' must be a non-empty string, got {_short(role)}")
+            raise ValueError(f"'{where}.role' must be a non-empty string, got {short(role)}")
         content = m.get("content")
         if content is None:
             content = ""
@@ -216,20 +131,20 @@ class SamplingBody(_Strict):
             return [v] if v else []
         if isinstance(v, list) and all(isinstance(s, str) for s in v):
             return [s for s in v if s]
-        raise ValueError(f"must be a string or an array of strings, got {_short(v)}")
+        raise ValueError(f"must be a string or an array of strings, got {short(v)}")
 
     @field_validator("n", "best_of")
     @classmethod
     def check_one(cls, v: Any) -> Any:
         if v is not None and (type(v) is not int or v != 1):
-            raise ValueError(f"must be 1 (one completion per request), got {_short(v)}")
+            raise ValueError(f"must be 1 (one completion per request), got {short(v)}")
         return v
 
     @field_validator("speculation")
     @classmethod
     def check_speculation(cls, v: Any) -> Any:
         if v is not None and not isinstance(v, (dict, str)):
-            raise ValueError(f"must be an object {{\"mode\", \"k\"}} or a mode string, got {type_name(v)} {_short(v)}")
+            raise ValueError(f"must be an object {{\"mode\", \"k\"}} or a mode string, got {type_name(v)} {short(v)}")
         return v
 
 
@@ -344,7 +259,7 @@ def validate(model: type[BaseModel], body: dict[str, Any]) -> Any:
         kind = KINDS.get(err["type"])
         got = err.get("input")
         if kind is not None:
-            raise RequestError(f"'{param}' must be {kind}, got {type_name(got)} {_short(got)}", param) from None
+            raise RequestError(f"'{param}' must be {kind}, got {type_name(got)} {short(got)}", param) from None
         raise RequestError(f"'{param}': {err['msg']}", param) from None
 
 

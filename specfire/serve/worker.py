@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..config import SamplingParams, SpecPolicy
+from ..params import SamplingParams, SpecPolicy
 from ..report import RequestFigures
 from ..runtime import scheduler as sch
 from .metrics import Metrics

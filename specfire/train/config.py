@@ -2,7 +2,7 @@
 
 `bundled` is the pretraining recipe of the shipped weights; `bundled-ul` adds the unlikelihood
 fine-tune phase (finetune.py) and, with `init`, runs that phase alone on an existing checkpoint.
-`bundled-snip` runs the definition-snippet fine-tune (finetune.run_snippet_phase) from `init`.
+`bundled-snip` runs the definition-snippet fine-tune (snippet_phase.run_snippet_phase) from `init`.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ PRESETS: dict[str, dict] = {
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                       linear_num_key_heads=2, linear_num_value_heads=4, linear_head_dim=64,
                       steps=2200, stop_after_steps=2107, batch_size=64, seq_len=512, lr=2e-3, warmup=150),
-    # the definition-snippet fine-tune (finetune.run_snippet_phase) alone from --init: corpus rows (LM +
+    # the definition-snippet fine-tune (snippet_phase.run_snippet_phase) alone from --init: corpus rows (LM +
     # MTP) mixed with rows of definition blocks each ended by end-of-text (snippets.py), the snapshot
     # the validation rule picks (select.py, on top-level definition prompts of files set aside) exported.
     "bundled-snip": dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_layers=12,
@@ -144,7 +144,7 @@ class TrainConfig:
     ul_anneal_lr: float = 2e-4          #   ul_anneal_steps steps when no time is set), scored (ul_select) at
     ul_anneal_snapshots: int = 2        #   ul_anneal_snapshots even fractions of it (the last at its end)
 
-    # ---- definition-snippet fine-tune phase (finetune.run_snippet_phase, snippets.py), from `init` ------
+    # ---- definition-snippet fine-tune phase (snippet_phase.run_snippet_phase, snippets.py), from `init`
     snip_steps: int = 0                 # 0: no snippet phase; else its step count (a cap when snip_time_s is set)
     snip_time_s: float = 0.0            # wall-clock budget of the phase (0: none)
     snip_lr: float = 3e-4               # peak lr (linear warmup, cosine to snip_min_lr_frac x it)

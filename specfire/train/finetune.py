@@ -9,62 +9,21 @@ prompts (the model card's line measure) is logged before, at each snapshot and a
 (`ul_kl_weight`) a KL term holds the corpus distribution at the starting model's, and (`ul_select`)
 each snapshot is scored (select.py: repetition on the benchmark's prompts, held-out perplexity) and
 the phase ends on the one the rule of select.py picks, instead of exporting every snapshot.
-
-`run_snippet_phase` is another phase, without rollouts or unlikelihood: corpus rows mixed with
-definition snippets that end with end-of-text (snippets.py), scored by the same snapshot rule.
 """
 from __future__ import annotations
 
 import copy
 import json
 import math
-import os
 import random
 import time
 
 import torch
 import torch.nn.functional as F
 
-from . import select as sel
 from . import unlikelihood as ul
-from .evaluate import token_stream, total_nll
+from .phase import Guard, Prompts, fit_schedule
 from .rollout import greedy_rollout
-
-
-class Prompts:
-    """Token prompts cut at the start of `def` / `class` lines of some documents."""
-
-    def __init__(self, tok, docs: list[tuple[str, str]], seed: int, limit: int = 40000, chars: int = 600):
-        starts = ul.definition_starts(docs)
-        rng = random.Random(seed)
-        rng.shuffle(starts)
-        self.snippets = [text[a:a + chars] for text, a, _ in starts[:limit]]
-        self.tok, self.rng = tok, rng
-
-    def batch(self, n: int, length: int, device) -> torch.Tensor:
-        """[n, length] prompts of exactly `length` tokens (snippets too short are skipped)."""
-        if not self.snippets:
-            raise ValueError("no `def` / `class` line in the documents to cut rollout prompts from")
-        rows: list[list[int]] = []
-        while len(rows) < n:
-            pick = [self.snippets[self.rng.randrange(len(self.snippets))] for _ in range(2 * (n - len(rows)))]
-            for enc in self.tok.encode_batch(pick, add_special_tokens=False):
-                if len(enc.ids) >= length and len(rows) < n:
-                    rows.append(enc.ids[:length])
-        return torch.tensor(rows, dtype=torch.long, device=device)
-
-    def varied(self, n: int, lo: int, hi: int) -> list[list[int]]:
-        """n prompts of lengths drawn from [lo, hi] (one rollout batch takes several lengths), from
-        distinct snippets in the seeded order: the same documents and seed give the same prompts."""
-        rows: list[list[int]] = []
-        for snip in self.snippets:
-            if len(rows) == n:
-                break
-            ids = self.tok.encode(snip, add_special_tokens=False).ids
-            want = self.rng.randint(lo, hi)
-            if len(ids) >= want:
-                rows.append(ids[:want])
-        return rows
 
 
 @torch.no_grad()
@@ -105,12 +64,6 @@ def _lr(step: int, sched: int, tc) -> float:
     return tc.ul_lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def fit_schedule(step: int, per_step_s: float, left_s: float, cap: int) -> int:
-    """The schedule length that ends when the time left does, at `per_step_s` a step (at least
-    one more step, at most `cap`)."""
-    return min(cap, step + max(1, int(left_s / per_step_s)))
-
-
 def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, val_docs, tok,
               eos_ids: tuple[int, ...], limit_s: float, save, log) -> dict:
     """Fine-tune in place for `tc.ul_steps` steps or `limit_s` seconds (schedule fitted after a
@@ -145,7 +98,7 @@ def run_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, v
             p.requires_grad_(False)
     edges = ul.word_edges(tok, trunk.cfg.vocab_size) if tc.ul_word_bans else None
     newline = ul.newline_tokens(tok, trunk.cfg.vocab_size) if tc.ul_line_ngram else None
-    guard = _Guard(tc, trunk, head, tok, held_docs, val_docs, eos_ids, held_prompts, log) if tc.ul_select else None
+    guard = Guard(tc, trunk, head, tok, held_docs, val_docs, eos_ids, held_prompts, log) if tc.ul_select else None
     out = {"repetition_before": guard.start if guard else rep_eval(), "history": [], "snapshots": []}
     log("UL phase, held-out greedy repetition before: " + json.dumps(out["repetition_before"]))
     pool, used, p_len = None, 0, 0
@@ -307,210 +260,3 @@ def _anneal(tc, trunk, head, teacher, opt, params, train_ids, gen, step0: int, g
         guard.score(step0 + step)
     log(f"UL anneal: {step} steps in {time.time() - t0:.1f}s")
     return {"steps_done": step, "seconds": time.time() - t0, "history": history}
-
-
-class _Guard:
-    """Scores snapshots (select.py) and keeps the weights of the best one so far in memory."""
-
-    def __init__(self, tc, trunk, head, tok, held_docs, val_docs, eos_ids, held_prompts, log, val_kind: str = "any"):
-        self.tc, self.trunk, self.head, self.tok, self.eos, self.log = tc, trunk, head, tok, eos_ids, log
-        self.dev = next(trunk.parameters()).device
-        if val_kind == "top":     # a user's prompt: the first lines of a top-level definition, from position 0
-            from .snippets import definition_prompts
-            val = definition_prompts(val_docs, tc.ul_val_prompts, tc.seed + 2, tok)
-        else:
-            val = Prompts(tok, val_docs, tc.seed + 2).varied(tc.ul_val_prompts, tc.ul_prompt_min, tc.ul_prompt_max)
-        if not val:
-            raise ValueError(f"ul_select: the validation files ({len(val_docs)}, ul_val_permille "
-                             f"{tc.ul_val_permille}) have no `def` / `class` line long enough for a prompt")
-        # "val" decides (select.py); "bench" (bench/bundled_loops.py's prompts) and "held_out" (held-out
-        # packages) are only logged: the figures the phase is judged on afterwards
-        self.prompts = {"val": val, "bench": [tok.encode(p, add_special_tokens=False).ids for p in sel.LOOP_PROMPTS]}
-        if held_prompts is not None:
-            self.prompts["held_out"] = held_prompts.tolist()
-        eot = eos_ids[0]
-        self.stream = token_stream(tok, eot, val_docs) if val_docs else None
-        if self.stream is not None and self.stream.numel() <= tc.seq_len:
-            self.stream = None
-        # logged only: held-out packages perplexity on every max(4, ul_ppl_every)th window (bench/bundled_ppl.py's documents and order)
-        held_docs = sorted(held_docs, key=lambda d: (d[0].split("/", 1)[0], d[0]))
-        self.held_stream = token_stream(tok, eot, held_docs) if held_docs else None
-        if self.held_stream is not None and self.held_stream.numel() <= tc.seq_len:
-            self.held_stream = None
-        self.cands: list[sel.Candidate] = []
-        self.rows: list[dict] = []
-        self.best: tuple[sel.Candidate, dict] | None = None
-        self.start = self._figures()
-        self.ppl0 = self.start.get("ppl")
-        self.prompt_text = {k: [tok.decode(p) for p in v] for k, v in self.prompts.items() if k != "bench"}
-        log("UL guard, starting model: " + json.dumps(self.start))
-
-    def _figures(self) -> dict:
-        t = time.time()
-        f = sel.loop_figures(self.trunk, self.tok, self.prompts, self.tc.ul_select_tokens, self.eos)
-        self.trunk.eval()
-        if self.stream is not None:
-            nll, n = total_nll(self.trunk, self.stream, self.tc.seq_len, self.dev, 32, self.tc.ul_ppl_every)
-            f["ppl"] = math.exp(nll / max(1, n))
-            f["ppl_tokens"] = n
-        if self.held_stream is not None:
-            every = max(4, self.tc.ul_ppl_every)
-            nll, n = total_nll(self.trunk, self.held_stream, self.tc.seq_len, self.dev, 32, every)
-            f[f"held_out_ppl_every{every}"] = math.exp(nll / max(1, n))
-        self.trunk.train()
-        f["seconds"] = round(time.time() - t, 2)
-        return f
-
-    def score(self, step: int) -> dict:
-        f = self._figures()
-        ratio = f["ppl"] / self.ppl0 if self.ppl0 else 1.0
-        v = f["val"]
-        c = sel.Candidate(step, v["repeated_line_frac_guarded"] + self.tc.ul_select_phrase * v["phrase_loop_line_frac"],
-                          ratio)
-        self.cands.append(c)
-        row = {"step": step, "rep": c.rep, "ppl_ratio": ratio, **f}
-        self.rows.append(row)
-        if sel.choose(self.cands, self.tc.ul_ppl_budget) is c:
-            self.best = (c, (copy.deepcopy(self.trunk.state_dict()), copy.deepcopy(self.head.state_dict())))
-        self.log(f"UL guard at step {step}: " + json.dumps(row))
-        return row
-
-    def finish(self, step: int, save, out: dict) -> dict:
-        """Apply the rule: load the chosen snapshot's weights (the last weights are packed as
-        last.tar first when they differ), or keep the last weights when none is within budget."""
-        choice = sel.choose(self.cands, self.tc.ul_ppl_budget)
-        res = {"rule": f"lowest guarded repetition + {self.tc.ul_select_phrase:g} x phrase-loop lines on "
-                       f"{len(self.prompts['val'])} validation prompts, with validation "
-                       f"ppl (every {self.tc.ul_ppl_every}th window) <= {1 + self.tc.ul_ppl_budget:.2f}x start",
-               "start": self.start, "candidates": self.rows, "prompt_text": self.prompt_text,
-               "chosen_step": choice.step if choice else None}
-        if choice is None:
-            self.log("UL guard: no snapshot within the perplexity budget; the last weights stay")
-        elif choice.step != step:
-            save(f"UL last weights, step {step} (not chosen)", "last.tar", {**out, "selection": res})
-            trunk_sd, head_sd = self.best[1]
-            self.trunk.load_state_dict(trunk_sd)
-            self.head.load_state_dict(head_sd)
-            self.log(f"UL guard: chose step {choice.step} (rep {choice.rep:.3f}, ppl x{choice.ppl_ratio:.3f})")
-        else:
-            self.log(f"UL guard: chose the last step {step} (rep {choice.rep:.3f}, ppl x{choice.ppl_ratio:.3f})")
-        return res
-
-
-def _cosine(step: int, sched: int, peak: float, warmup: int, floor: float) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    frac = min(1.0, (step - warmup) / max(1, sched - warmup))
-    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
-
-
-def run_snippet_phase(tc, trunk, head, train_ids: torch.Tensor, train_docs, held_docs, val_docs, tok,
-                      eos_ids: tuple[int, ...], limit_s: float, save, log) -> dict:
-    """The definition-snippet fine-tune (snippets.py): each step one batch of `snip_data_rows` whole-file
-    corpus rows (the pretraining packing) and `snip_rows` snippet rows (definition blocks of
-    `train_docs`, each ended by end-of-text, the first at position 0), with the LM loss over all of
-    it and the MTP head trained jointly on the same batch (+ KL to the starting model on the corpus
-    rows when ul_kl_weight is set). `tc.snip_steps` steps or `limit_s` seconds (the cosine fitted to
-    the time left after `snip_probe_steps` timed steps, less the snapshot scoring); with ul_select,
-    `snip_snapshots` snapshots are scored by the rule of select.py on validation prompts (`snip_val_kind`)
-    and the phase ends on its pick. Returns the phase's metrics."""
-    from .snippets import SnippetRows, corpus_blocks
-    from .losses import mtp_losses, optimizer, trunk_forward
-
-    dev = train_ids.device
-    autocast = dev.type == "cuda"
-    eot = eos_ids[0]
-    t0 = time.time()
-    blocks = corpus_blocks(train_docs, bool(tc.snip_nested), import_frac=tc.snip_import_frac, seed=tc.seed + 12,
-                           workers=min(16, os.cpu_count() or 1))
-    rows = SnippetRows(tok, blocks, eot, tc.seq_len, tc.seed + 13, tc.snip_blank_frac)
-    out: dict = {"snippets": {**rows.summary(), "files": len(train_docs), "seconds": round(time.time() - t0, 2)},
-                 "history": [], "snapshots": []}
-    log("snippet phase: " + json.dumps(out["snippets"]))
-    params = [p for m in (trunk, head) for p in m.parameters()]
-    opt = optimizer(params, tc.snip_lr, tc.weight_decay, dev)
-    gen = torch.Generator(device="cpu").manual_seed(tc.seed + 11)
-    offs = torch.arange(tc.seq_len, device=dev)
-    held = Prompts(tok, held_docs, tc.seed + 1)
-    held_prompts = (held.batch(tc.ul_eval_prompts, tc.ul_eval_prompt_tokens, dev)
-                    if tc.ul_eval_prompts and held.snippets else None)
-    teacher = None
-    if tc.ul_kl_weight:
-        teacher = copy.deepcopy(trunk).eval()
-        for p in teacher.parameters():
-            p.requires_grad_(False)
-    guard = (_Guard(tc, trunk, head, tok, held_docs, val_docs, eos_ids, held_prompts, log, tc.snip_val_kind)
-             if tc.ul_select else None)
-    if guard:
-        out["repetition_before"] = guard.start
-    score_s = guard.start["seconds"] if guard else 0.0
-    t0 = time.time()                                  # the phase's clock starts after its preparation
-    sched, t_probe = tc.snip_steps, 0.0
-
-    def marks_for(n: int) -> list[int]:
-        return [max(1, round(n * (i + 1) / (tc.snip_snapshots + 1))) for i in range(tc.snip_snapshots)]
-
-    marks = marks_for(sched)
-    step = 0
-    for step in range(tc.snip_steps):
-        if limit_s and step == 3:
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t_probe = time.time()
-        if limit_s and step == 3 + tc.snip_probe_steps:
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            per = (time.time() - t_probe) / tc.snip_probe_steps
-            left = limit_s - (time.time() - t0) - score_s * (tc.snip_snapshots + 1)
-            sched = fit_schedule(step, per, left, tc.snip_steps)
-            marks = [m for m in marks_for(sched) if m > step]
-            log(f"snippet phase: {per * 1e3:.0f} ms/step: schedule fitted to {sched} steps for {limit_s:.0f}s "
-                f"({score_s:.1f}s a snapshot score)")
-        lr = _cosine(step, sched, tc.snip_lr, tc.snip_warmup, tc.snip_min_lr_frac)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        starts = torch.randint(0, train_ids.numel() - tc.seq_len, (tc.snip_data_rows,), generator=gen).to(dev)
-        ids = torch.cat([train_ids[starts[:, None] + offs], rows.batch(tc.snip_rows, dev)])
-        with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=autocast):
-            h, logits = trunk_forward(trunk, ids)
-            ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                 reduction="none").view(ids.shape[0], -1)
-            lm = ce.mean()
-            mls, _ = mtp_losses(trunk, head, ids, h, logits, tc.mtp_steps, tc.mtp_distill)
-            kl = lm.new_zeros(())
-            if teacher is not None:
-                with torch.no_grad():
-                    _, clogits = trunk_forward(teacher, ids[:tc.snip_data_rows])
-                kl = ul.kl_to_teacher(logits[:tc.snip_data_rows, :-1], clogits[:, :-1])
-            loss = lm + tc.mtp_weight * sum(mls) + tc.ul_kl_weight * kl
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
-        opt.step()
-        if step % 25 == 0 or step == sched - 1:
-            with torch.no_grad():
-                d = tc.snip_data_rows
-                ends = ids[d:, 1:] == eot            # the snippet rows' end-of-text targets
-                rec = {"step": step, "lr": lr, "loss": loss.item(), "lm_corpus": ce[:d].mean().item(),
-                       "lm_snippets": ce[d:].mean().item(), "nll_end_of_text": ce[d:][ends].mean().item(),
-                       "kl": kl.item(), "mtp": [m.item() for m in mls], "grad_norm": gn.item(),
-                       "t": time.time() - t0}
-            out["history"].append(rec)
-            log(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()}))
-        done = step + 1
-        if marks and done >= marks[0] and done < sched:
-            marks.pop(0)
-            if guard:
-                out["snapshots"].append(guard.score(done))
-            else:
-                out["snapshots"].append({"step": done})
-                save(f"snippet snapshot, step {done} of {sched}", f"snip-{len(out['snapshots'])}.tar", out)
-        if done >= sched or (limit_s and time.time() - t0 > limit_s):
-            break
-    step += 1
-    out.update(steps_done=step, schedule_steps=sched, seconds=time.time() - t0)
-    if guard:
-        last = guard.rows[-1] if guard.rows and guard.rows[-1]["step"] == step else guard.score(step)
-        out.update(repetition_after=last, selection=guard.finish(step, save, out))
-    log(f"snippet phase done: {step} steps in {out['seconds']:.1f}s")
-    return out

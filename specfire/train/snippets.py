@@ -1,5 +1,5 @@
 """Definition snippets: the exact source of each `def` / `class` block of a file, for the fine-tune
-that teaches the model to END after the definition it completes (finetune.run_snippet_phase).
+that teaches the model to END after the definition it completes (snippet_phase.run_snippet_phase).
 
 Training documents are whole files, so after a definition the model only ever saw more of the file:
 given a bare `def` / `class` prompt at the start of the text it writes one body and then starts the

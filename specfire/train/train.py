@@ -189,8 +189,8 @@ def _snippet_arms(tc: TrainConfig, trunk, head, train_ids, corpus, val_docs, tok
     are not kept)."""
     import copy
 
-    from .finetune import run_snippet_phase
     from .select import Candidate, choose
+    from .snippet_phase import run_snippet_phase
 
     total = tc.snip_rows + tc.snip_data_rows
     start = (copy.deepcopy(trunk.state_dict()), copy.deepcopy(head.state_dict()))
@@ -301,7 +301,8 @@ def run(tc: TrainConfig, log=print) -> dict:
             limit = min(limit, avail)
         metrics.update(_pretrain(tc, trunk, head, train_ids, limit, save, log))
     if tc.ul_steps or tc.snip_steps:
-        from .finetune import run_phase, run_snippet_phase
+        from .finetune import run_phase
+        from .snippet_phase import run_snippet_phase
 
         key, phase, phase_s = (("ul", run_phase, tc.ul_time_s) if tc.ul_steps
                                else ("snip", run_snippet_phase, tc.snip_time_s))

@@ -161,13 +161,15 @@ def test_q8_asm_conversion_model():
 
 
 @pytest.mark.parametrize("kw", [SMALL], ids=["small"])
-def test_q8_fp16_path(kw):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_q8_fp16_path(kw, dtype):
     """16-bit queries on a Q8 cache take the fp16 path (codes by the magic-number trick, fp16 MMAs):
-    near the float32 reference, and row-invariant bit for bit (one row per tile, as above)."""
+    near the float32 reference, and row-invariant bit for bit (one row per tile, as above). bf16
+    queries are converted to fp16 as they are loaded, so the interpreter computes no bf16 math."""
     gen = torch.Generator().manual_seed(3)
     hq, hkv, d, pos0, rows = 16, 1, 64, 45, 4
     kc, vc, ks, vs = _cache(pos0 + rows + 5, hkv, d, True, gen)
-    q = (torch.randn(rows, hq, d, generator=gen) * 2).half()
+    q = (torch.randn(rows, hq, d, generator=gen) * 2).to(dtype)
     out = attention_rows_triton(q, kc, vc, pos0, d ** -0.5, ks, vs, **kw)
     ref = A.attention_rows_q8_ref(q.float(), kc, vc, pos0, d ** -0.5, ks, vs)
     assert float((out - ref).norm() / ref.norm()) < 2e-3

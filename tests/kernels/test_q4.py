@@ -78,7 +78,7 @@ def test_bit_trick_constants():
 def test_asm_word_conversion_model():
     """The inline-PTX nibble conversion (modelled bit for bit in Python): element i of each output
     is byte i of the word, low nibble -> bf16 128 + lo, high nibble -> bf16 128 + hi."""
-    from specfire.kernels.q4.gemv import asm_q4_emulate
+    from specfire.kernels.q4.kernel import asm_q4_emulate
 
     gen = _g(11)
     words = [0, 0xFFFFFFFF, 0x12345678, 0x0F0F0F0F, 0xF0F0F0F0] + \
@@ -112,7 +112,7 @@ def test_kernel_module_defines_each_kernel_once():
     import inspect
     import re
 
-    import specfire.kernels.q4.gemv as tq
+    import specfire.kernels.q4.kernel as tq
 
     names = re.findall(r"^def (\w+)\(", inspect.getsource(tq), flags=re.M)
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)

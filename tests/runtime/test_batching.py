@@ -10,8 +10,8 @@ import torch
 
 import specfit
 from specfire import LLM, SamplingParams, SpecPolicy
-from specfire.config import parse_bytes
 from specfire.errors import SpecfireError
+from specfire.params import parse_bytes
 from specfire.runtime import scheduler as sch
 from specfire.runtime.slots import state_bytes
 

@@ -74,7 +74,7 @@ def test_select_route():
 def test_every_drafting_spec_mode_is_a_registered_drafter(ckpt_cache):
     """The SpecPolicy modes past off / auto are exactly the registry's routes, in auto's order, and
     the engine's drafters are the registry's, each under its own name."""
-    from specfire.config import SPEC_MODES
+    from specfire.params import SPEC_MODES
     from specfire.runtime.drafters import KINDS, DraftSource, make_drafters
 
     assert SPEC_MODES == ("off", "auto") + tuple(k.name for k in KINDS)

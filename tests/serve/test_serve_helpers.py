@@ -8,8 +8,8 @@ import torch
 from specfire import LLM, SamplingParams, SpecPolicy
 from specfire.errors import PromptError, SpecfireError
 from specfire.report import RequestFigures
-from specfire.serve import schema
-from specfire.serve.schema import RequestError
+from specfire.serve import schema, wire
+from specfire.serve.wire import RequestError
 from tinytok import make_tok_checkpoint
 
 
@@ -111,15 +111,15 @@ def test_schema_errors_name_the_field(body, param, word):
 
 
 def test_check_tree_depth_and_surrogates():
-    schema.check_tree({"a": [[[1]]]}, max_depth=4)
+    wire.check_tree({"a": [[[1]]]}, max_depth=4)
     with pytest.raises(RequestError) as e:
-        schema.check_tree({"a": [[[[1]]]]}, max_depth=4)
+        wire.check_tree({"a": [[[[1]]]]}, max_depth=4)
     assert e.value.param == "a[0][0][0]"
     with pytest.raises(RequestError) as e:
-        schema.check_tree({"messages": [{"content": "ok"}, {"content": "\udc00"}]})
+        wire.check_tree({"messages": [{"content": "ok"}, {"content": "\udc00"}]})
     assert e.value.param == "messages[1].content" and "surrogate" in e.value.message
     with pytest.raises(RequestError):
-        schema.parse_json("[" * 100_000)
+        wire.parse_json("[" * 100_000)
 
 
 def test_seed_range():

@@ -10,7 +10,7 @@ import torch
 
 from repo import REPO
 from specfire.api import LLM
-from specfire.config import SamplingParams
+from specfire.params import SamplingParams
 from specfire.train import model as tm
 from specfire.train.corpus import HELD_OUT, build_corpus
 from specfire.train.train import PRESETS, TrainConfig, run
@@ -330,7 +330,7 @@ def test_phrase_loop_lines_counts_loops_inside_a_line():
 
 
 def test_ul_schedule_fit():
-    from specfire.train.finetune import fit_schedule
+    from specfire.train.phase import fit_schedule
 
     assert fit_schedule(11, 0.5, 20.0, 1000) == 51          # 40 more steps fit in 20 s
     assert fit_schedule(11, 0.5, 20.0, 30) == 30            # capped by ul_steps

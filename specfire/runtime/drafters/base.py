@@ -5,7 +5,7 @@ from typing import Protocol
 
 import torch
 
-from ...config import SamplingParams
+from ...params import SamplingParams
 from ..rng import DeviceRng
 from ..sampling import Penalties
 

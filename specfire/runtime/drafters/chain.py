@@ -6,9 +6,9 @@ from typing import Callable
 
 import torch
 
-from ...config import SamplingParams
 from ...model.qwen35 import MtpHead, SequenceState
 from ...kernels import head as head_fused
+from ...params import SamplingParams
 from ..sampling import Penalties, penalize_draft
 
 

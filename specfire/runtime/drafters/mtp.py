@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from ...config import SamplingParams
 from ...layers.attention import fuses
 from ...model.qwen35 import MtpHead
+from ...params import SamplingParams
 from ..graphs import DraftGraphs, penalty_key
 from ..rng import DeviceRng
 from ..sampling import Penalties, probs, sample

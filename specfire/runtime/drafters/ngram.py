@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ...config import SamplingParams
+from ...params import SamplingParams
 from ..rng import DeviceRng
 from ..sampling import Penalties
 from .base import NO_DRAFT, HostDrafter
