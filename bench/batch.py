@@ -2,14 +2,18 @@
 round over every running request, runtime/scheduler.py), against c = 1.
 
     python -m bench.batch --shape 27B --tied --concurrency 1,2,4,8 --spec off,mtp
-    python -m bench.batch --smoke                # CPU: the bundled model, tiny levels
+    python -m bench.batch --exact-only           # the bundled model: mixed requests at once == each alone
+    python -m bench.batch --smoke                # CPU: the bundled model, tiny levels and the check
 
 Per (route, c): one warm-up batch (kernels, CUDA graphs of each row layout), then c requests of a
 --prompt-len random prompt generating --output-len tokens each (greedy, ignore_eos). Reports the
 aggregate tok/s (all tokens / wall time, prefills included), its ratio to c = 1, per-request decode
 tok/s, the forwards the scheduler ran (verifies per forward) and, for AR, the fraction of the
 bandwidth ceiling a round's bytes reach (the weights once plus every request's state). The in-process
-rate is what bench/serving.py's HTTP figures are held against. A table, then one JSON line last.
+rate is what bench/serving.py's HTTP figures are held against. `--exact` (default on) first runs
+eight requests of mixed policies (AR, MTP k=1 / 3, n-gram, seeded sampled, penalised, min_tokens)
+on the bundled model, alone and then all at once in both arrival orders, and records whether each
+output equals its own alone (bf16 and Q8 KV on a GPU). A table, then one JSON line last.
 """
 from __future__ import annotations
 
@@ -50,6 +54,43 @@ def level(m, mode: str, k: int, c: int, args, step_bytes: int, per_seq: int) -> 
     return row
 
 
+def mixed(max_tokens: int):
+    """(SamplingParams, SpecPolicy) of the exactness check's eight requests."""
+    from specfire import SamplingParams as S, SpecPolicy as P
+
+    n = max_tokens
+    return [(S(max_tokens=n), P("off")), (S(max_tokens=n + 8), P("mtp", 3)),
+            (S(max_tokens=n - 4, temperature=0.8, seed=5), P("ngram", 2)),
+            (S(max_tokens=n + 4, frequency_penalty=0.5, repetition_penalty=1.1), P("auto", 3)),
+            (S(max_tokens=n + 20, temperature=0.9, top_p=0.9, seed=11), P("mtp", 3)),
+            (S(max_tokens=n - 8, min_tokens=(n - 8) // 2), P("off")), (S(max_tokens=n + 10), P("mtp", 1)),
+            (S(max_tokens=n + 10), P("off"))]
+
+
+def exact(path: str, max_tokens: int, kw: dict) -> list[dict]:
+    """Each mixed request alone, then all at once in arrival and reversed order: equal or not."""
+    from specfire import LLM
+    from specfire.config import ModelConfig
+
+    reqs = mixed(max_tokens)
+    vocab = ModelConfig.from_dir(path).vocab_size
+    prompts = [random_prompt(vocab, 20 + 7 * i, seed=i) for i in range(len(reqs))]
+    sps, pols = [sp for sp, _ in reqs], [p for _, p in reqs]
+    out = []
+    for kv in ("auto", "q8") if torch.cuda.is_available() else ("auto",):
+        with LLM(path, progress=False, max_seq_len=1024, max_num_seqs=len(reqs), kv_dtype=kv, **kw) as m:
+            alone = [m.generate(p, sp, spec=pol).token_ids for p, sp, pol in zip(prompts, sps, pols)]
+            fwd0, ver0 = m.scheduler.forwards, m.scheduler.verifies
+            got = [r.token_ids for r in m.generate(prompts, sps, spec=pols)]
+            rev = [r.token_ids for r in m.generate(prompts[::-1], sps[::-1], spec=pols[::-1])][::-1]
+            rec = {"kv_dtype": kv, "equal": [a == b for a, b in zip(alone, got)],
+                   "equal_reversed": [a == b for a, b in zip(alone, rev)],
+                   "verifies_per_forward": round((m.scheduler.verifies - ver0) / max(1, m.scheduler.forwards - fwd0), 2)}
+            print(json.dumps({"stage": "exact", **rec}), flush=True)
+            out.append(rec)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint (default: the bundled model)")
@@ -62,6 +103,9 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=None, help="slots (default: the largest concurrency)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for batch.json")
+    ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=True,
+                    help="first check mixed requests at once == each alone on the bundled model")
+    ap.add_argument("--exact-only", action="store_true", help="only that check")
     ap.add_argument("--smoke", action="store_true", help="CPU: the bundled model, tiny levels")
     args = ap.parse_args()
     if args.smoke:
@@ -71,6 +115,12 @@ def main() -> int:
     from specfire import LLM
     from specfire.api import BUNDLED_MODEL
 
+    kw = {"device": "cpu", "threads": 1} if args.smoke else {}
+    checks = exact(BUNDLED_MODEL, 12 if args.smoke else 40, kw) if args.exact or args.exact_only else []
+    ok = all(all(c["equal"]) and all(c["equal_reversed"]) for c in checks)
+    if args.exact_only:
+        print(json.dumps({"bench": "batch", **machine(), "exact": checks, "ok": ok}))
+        return 0 if ok else 1
     work = tempfile.mkdtemp(prefix="batch-", dir=scratch_dir() if args.shape else None)
     path = args.model or BUNDLED_MODEL
     if args.shape:
@@ -79,7 +129,6 @@ def main() -> int:
         path = write_checkpoint(os.path.join(work, args.shape), cfg, torch.bfloat16 if dev == "cuda" else torch.float32,
                                 dev, tied=args.tied)
         write_tokenizer(path, cfg.vocab_size)
-    kw = {"device": "cpu", "threads": 1} if args.smoke else {}
     rows = []
     with LLM(path, progress=False, max_seq_len=args.prompt_len + args.output_len + 16,
              max_num_seqs=args.max_num_seqs or max(concs), **kw) as m:
@@ -97,13 +146,13 @@ def main() -> int:
               f"{r['verifies_per_forward']:>9} {r.get('of_ceiling', ''):>8}")
     model = f"random {args.shape}{' tied' if args.tied else ''}" if args.shape else path
     summary = {"bench": "batch", **machine(), "model": model, "prompt_len": args.prompt_len,
-               "output_len": args.output_len, "levels": rows}
+               "output_len": args.output_len, "levels": rows, "exact": checks, "ok": ok}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "batch.json"), "w") as f:
             json.dump(summary, f, indent=1)
     print(json.dumps(summary))
-    return 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,21 @@
+"""bench/batch.py --smoke: c = 1 and 2 requests at once on the bundled model (CPU), each level's
+verifies packed into shared forwards, mixed requests at once equal to each alone, one JSON line last and its file under --out."""
+import json
+import sys
+
+from bench import batch
+
+
+def test_batch_smoke_packs_each_level(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(sys, "argv", ["batch", "--smoke", "--out", str(tmp_path)])
+    assert batch.main() == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["bench"] == "batch" and last["ok"] is True
+    assert [len(c["equal"]) for c in last["exact"]] == [8] and all(last["exact"][0]["equal_reversed"])
+    got = [(r["route"], r["c"]) for r in last["levels"]]
+    assert got == [("off", 1), ("off", 2), ("mtp", 1), ("mtp", 2)]
+    for r in last["levels"]:
+        assert r["tokens"] == 8 * r["c"] and r["agg_tok_s"] > 0
+        # rounds held several requests' verifies (one ends earlier where its drafts were accepted more)
+        assert r["verifies_per_forward"] == 1.0 if r["c"] == 1 else r["verifies_per_forward"] > 1.5
+    assert json.loads((tmp_path / "batch.json").read_text())["levels"] == last["levels"]
