@@ -443,6 +443,20 @@ def test_end_fields_and_refused_fields(loaded, ckpt):
         assert field in ev["message"], ev
 
 
+def test_echo_is_refused_and_false_is_the_default(loaded):
+    """`echo` (the prompt sent back, as /v1/completions does) is not built in the daemon: true is
+    refused naming the field and saying why; false, what the daemon does anyway, is accepted."""
+    d = loaded
+    for value, word in ((True, "does not send the prompt back"), (1, "must be a boolean")):
+        d.send({"type": "generate", "id": "e", "attempt_id": 41, "prompt": "hi", "max_tokens": 2, "echo": value})
+        ev = d.recv()
+        assert ev["type"] == "error" and ev["class"] == "invalid_request" and ev["attempt_id"] == 41, ev
+        assert ev["message"].startswith("'echo' ") and word in ev["message"], ev
+    d.send({"type": "generate", "id": "e", "attempt_id": 42, "prompt": "hi", "max_tokens": 2, "echo": False})
+    evs = d.until("done")
+    assert evs[0]["type"] == "gen_start" and evs[-1]["type"] == "done" and evs[-1]["tokens"] == 2, evs
+
+
 def test_reader_that_leaves_ends_it_quietly(ckpt):
     """`specfire daemon | head -1`: no BrokenPipeError traceback, exit status 0."""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
