@@ -110,3 +110,48 @@ def test_refusal_reaches_the_client_as_a_400(ckpt_cache):
             ok = tc.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                        "tools": tools, "max_tokens": 4})
             assert ok.status_code == 200, ok.text               # auto: no grammar, nothing to enforce
+
+
+# ---- where the calls start when the model reasons -------------------------------------------------
+
+JSON_CALL = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+TIME = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
+    "zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
+
+
+@pytest.mark.parametrize("thinking, text, ok", [
+    (True, "<think>\nThe user wants the time.\n</think>\n\n" + JSON_CALL, True),   # reasons first, then calls
+    (True, JSON_CALL, True),                                                     # or calls at once
+    (True, "<think>\nhm\n</think>\n\nSure: " + JSON_CALL, False),                # nothing but calls after it
+    (True, "<think>\nhm", False),                                                # the block must end
+    (False, "<think>\nhm\n</think>\n\n" + JSON_CALL, False),     # the prompt closed the block: calls only
+    (False, JSON_CALL, True),
+])
+def test_required_calls_after_a_think_block_the_model_opens(ckpt_cache, thinking, text, ok):
+    """An earlier Qwen3 template with thinking on leaves the think block to the model (no `<think>`
+    in the generation prompt): as in vLLM, it may reason until `</think>` before the calls are
+    enforced; with thinking off the prompt holds a closed block and the calls start at once."""
+    from specfire import LLM
+    from specfire.serve.chat import prepare_chat
+    from specfire.serve.chat_options import ChatOptions
+
+    with LLM(qwen_ckpt(ckpt_cache, "json"), device="cpu", spec="off", max_seq_len=1024, progress=False) as llm:
+        prep = prepare_chat(llm, [{"role": "user", "content": "Time?"}],
+                            {"tools": TIME, "tool_choice": "required"}, {"enable_thinking": thinking}, ChatOptions())
+        tok = llm.tokenizer
+        assert prep.think_end is None                        # no block open in the prompt: no wait for one
+        m = GrammarCompiler(tok, [tok.tok.token_to_id("<|im_end|>")]).matcher(prep.grammar)
+        ids = tok.encode(text)
+        assert (m.advance(ids) == len(ids) and m.is_accepting()) is ok
+
+
+def test_an_open_think_block_delays_the_calls_until_it_closes(ckpt_cache):
+    """Qwen3.5 / 3.6 open the block in the prompt: the grammar starts after `</think>`, no think rule."""
+    from specfire import LLM
+    from specfire.serve.chat import prepare_chat
+    from specfire.serve.chat_options import ChatOptions
+
+    with LLM(qwen_ckpt(ckpt_cache, "xml"), device="cpu", spec="off", max_seq_len=1024, progress=False) as llm:
+        prep = prepare_chat(llm, [{"role": "user", "content": "Time?"}], {"tools": TIME, "tool_choice": "required"},
+                            {}, ChatOptions())
+    assert prep.think_end == "</think>" and "think:" not in prep.grammar.value
