@@ -12,7 +12,8 @@ CPU): greedy decode with the same JSON schema against unconstrained, AR and MTP 
 token: decode ms, the host's grammar ms (masks and advancing: `stats["structured_outputs"]`),
 acceptance. The constrained request also reads every step before queueing the next.
 
-    python bench/grammar_mask.py [--vocab 248320] [--passes 8] [--k 3] [--threads 2]
+    python bench/grammar_mask.py [--vocab 248320] [--passes 8] [--k 3] [--threads 2] [--compare xgrammar|none]
+    python -m bench.grammar_mask --compare none --vocab 4096 --passes 1     (quick: llguidance alone)
     python -m bench.grammar_mask --engine [--model DIR] [--k 3] [--max-tokens 128] [--reps 3] [--threads 1]
 """
 from __future__ import annotations
@@ -267,6 +268,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=248_320)
     ap.add_argument("--passes", type=int, default=8, help="times the JSON text is decoded (mask samples)")
     ap.add_argument("--k", type=int, default=3, help="drafts consumed and rolled back in the speculative pattern")
+    ap.add_argument("--compare", choices=("xgrammar", "none"), default="xgrammar",
+                    help="the engine llguidance is measured against (xgrammar needs the grammar-bench extra); none: "
+                         "llguidance alone")
     ap.add_argument("--threads", type=int, default=None,
                     help="xgrammar compile threads (default 2); with --engine the model's CPU threads (default 1)")
     ap.add_argument("--engine", action="store_true", help="the grammar in the decoding step on a real model")
@@ -282,6 +286,12 @@ def main() -> None:
     a.threads = a.threads or 2
     from importlib.metadata import version
 
+    if a.compare == "xgrammar":
+        try:
+            import xgrammar  # noqa: F401
+        except ImportError:
+            raise SystemExit("grammar_mask: --compare xgrammar (the default) needs xgrammar, which is not installed: "
+                             "pip install 'specfire[grammar-bench]', or pass --compare none for llguidance alone")
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
         token_bytes = build_tokenizer(d, a.vocab)
@@ -290,9 +300,10 @@ def main() -> None:
         text = json.dumps(INSTANCE, separators=(",", ":")).encode()
         ids = encode(d, text.decode())
         rows = {"llguidance " + version("llguidance"):
-                bench_llguidance(os.path.join(d, "tokenizer.json"), a.vocab, eos, ids, a.k, a.passes),
-                "xgrammar " + version("xgrammar"): bench_xgrammar(token_bytes, a.vocab, eos, ids, a.k, a.passes,
-                                                                  a.threads)}
+                bench_llguidance(os.path.join(d, "tokenizer.json"), a.vocab, eos, ids, a.k, a.passes)}
+        if a.compare == "xgrammar":
+            rows["xgrammar " + version("xgrammar")] = bench_xgrammar(token_bytes, a.vocab, eos, ids, a.k, a.passes,
+                                                                     a.threads)
     print(f"vocab {a.vocab} (synthetic byte-level BPE, built in {t_build:.1f} s); {len(ids)} tokens of schema-valid "
           f"JSON ({len(text)} bytes, {len(text) / len(ids):.2f} bytes/token); {os.cpu_count()} CPUs, "
           f"{platform.processor() or platform.machine()}")

@@ -129,10 +129,11 @@ def prepare_chat(llm: "LLM", messages: list[dict[str, Any]], extra: dict[str, An
     try:
         ids = tok.chat_ids(messages, tools or None, True, kwargs, opts.allow_special_tokens_in_content)
         reasoning = opts.reasoning_parser == "qwen3" or (opts.reasoning_parser == "auto" and t.thinks)
-        in_think = False
+        in_think = may_think = False
         if reasoning:
             gen = t.generation_prompt(messages, tools or None, kwargs)
             in_think = gen.rfind("<think>") > gen.rfind("</think>")
+            may_think = "<think>" not in gen and "</think>" not in gen   # the model may open one itself
     except ChatInputError as e:
         raise RequestError(str(e), e.param) from None
     except (ValueError, TypeError, TemplateError, RecursionError) as e:
@@ -154,7 +155,7 @@ def prepare_chat(llm: "LLM", messages: list[dict[str, Any]], extra: dict[str, An
                                "--tool-call-parser qwen3_xml or qwen3_json, or use \"auto\"", "tool_choice")
         from .toolgrammar import tool_grammar
 
-        grammar = tool_grammar(tools, form, named, set(t.added))
+        grammar = tool_grammar(tools, form, named, set(t.added), may_think)
     think_end = "</think>" if in_think and tok.tok.token_to_id("</think>") is not None else None
     schemas = {x["function"]["name"]: x["function"].get("parameters") or {} for x in tools or []}
     return ChatPrep(ids, partial(AssistantOutput, reasoning, in_think, form, schemas), grammar, think_end)

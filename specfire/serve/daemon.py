@@ -356,7 +356,7 @@ class Daemon:
                 a.ttft = time.perf_counter() - a.t0
             a.tokens += len(payload.token_ids)
             lps = getattr(payload, "logprobs", None)
-            if payload.text or lps:                 # with logprobs a textless token (EOS) is sent too
+            if payload.text or payload.token_ids:   # a token without text yet (a partial character) too
                 tok = {"type": "token", **ev, "text": payload.text, "ids": payload.token_ids}
                 if lps is not None:
                     tok["logprobs"] = logprob_entries(lps)

@@ -213,7 +213,16 @@ class GenerateMessage(SamplingBody):
     prompt: Any = None
     messages: Any = None
     logprobs: int | None = None
+    echo: bool | None = None             # only false: the prompt is not sent back
     _logprobs = field_validator("logprobs")(check_logprobs)
+
+    @field_validator("echo")
+    @classmethod
+    def check_echo(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("true is not supported: the daemon does not send the prompt back (gen_start's "
+                             "prompt_tokens counts it; /v1/completions echoes it)")
+        return v
 
     @field_validator("messages")
     @classmethod

@@ -144,7 +144,7 @@ def test_generate_events_match_in_process(loaded, ckpt):
     evs = daemon.until("done")
     start, toks, done = evs[0], evs[1:-1], evs[-1]
     assert start["type"] == "gen_start" and start["attempt_id"] == 3 and start["id"] == "g1"
-    assert toks and all(t["type"] == "token" and t["attempt_id"] == 3 and t["text"] for t in toks)
+    assert toks and all(t["type"] == "token" and t["attempt_id"] == 3 and t["ids"] for t in toks)
     assert done["type"] == "done" and done["attempt_id"] == 3 and done["id"] == "g1"
     for key in ("tokens", "prefill_tokens", "prefill_tok_s", "decode_tok_s", "ttft_ms", "finish_reason",
                 "mean_accept_len", "cycles"):
@@ -154,6 +154,7 @@ def test_generate_events_match_in_process(loaded, ckpt):
     with LLM(ckpt, progress=False) as llm:
         ref = llm.generate("def add(a, b):", SamplingParams(max_tokens=12), spec="off")
     assert text == ref.text and done["tokens"] == len(ref.token_ids)
+    assert [i for t in toks for i in t["ids"]] == ref.token_ids
     assert done["finish_reason"] == ref.finish_reason and done["prefill_tokens"] == len(ref.prompt_token_ids)
 
     # the same request with speculation off gives the same greedy text
@@ -195,6 +196,28 @@ def test_generate_chat_ids_structured_output_and_logprobs(loaded, ckpt):
     def fin(v):                                         # JSON has no -inf: the daemon writes -9999.0
         return v if v > float("-inf") else -9999.0
     assert got == [(x.token, fin(x.logprob), [(t, fin(v)) for t, v in x.top]) for x in want.logprobs]
+
+
+def test_token_events_carry_every_id_a_partial_character_included(loaded, ckpt):
+    """A character split over tokens (the grammar forces the two bytes of "é", one token each): the
+    first token has no text yet, and its id still comes in a token event, so the events' ids are
+    the generation's ids in order (EOS included), as LLM.stream gives them."""
+    from specfire import LLM, SamplingParams
+    from specfire.grammar import GrammarSpec
+
+    loaded.send({"type": "generate", "id": "u", "attempt_id": 40, "prompt": "hello", "max_tokens": 8,
+                 "guided_choice": ["\u00e9t\u00e9"], "speculation": {"mode": "off"}})
+    evs = loaded.until("done")
+    with LLM(ckpt, progress=False) as llm:
+        sp = SamplingParams(max_tokens=8, structured_outputs=GrammarSpec("choice", ["\u00e9t\u00e9"], "guided_choice"))
+        chunks = list(llm.stream("hello", sp, spec="off"))
+    want = chunks[-1].result
+    assert any(c.token_ids and not c.text for c in chunks)      # the case this test is about
+    toks = [e for e in evs if e["type"] == "token"]
+    assert [i for e in toks for i in e["ids"]] == want.token_ids and evs[-1]["tokens"] == len(want.token_ids)
+    assert [(e["text"], e["ids"]) for e in toks] == [(c.text, c.token_ids) for c in chunks if c.token_ids]
+    assert "".join(e["text"] for e in toks) == want.text == "\u00e9t\u00e9"
+
 
 
 @pytest.mark.parametrize("attempt", ["missing", "1", True, -1, 1.5, None, [1]])
@@ -441,6 +464,20 @@ def test_end_fields_and_refused_fields(loaded, ckpt):
         ev = d.recv()
         assert ev["type"] == "error" and ev["class"] == "invalid_request" and ev["attempt_id"] == 31, ev
         assert field in ev["message"], ev
+
+
+def test_echo_is_refused_and_false_is_the_default(loaded):
+    """`echo` (the prompt sent back, as /v1/completions does) is not built in the daemon: true is
+    refused naming the field and saying why; false, what the daemon does anyway, is accepted."""
+    d = loaded
+    for value, word in ((True, "does not send the prompt back"), (1, "must be a boolean")):
+        d.send({"type": "generate", "id": "e", "attempt_id": 41, "prompt": "hi", "max_tokens": 2, "echo": value})
+        ev = d.recv()
+        assert ev["type"] == "error" and ev["class"] == "invalid_request" and ev["attempt_id"] == 41, ev
+        assert ev["message"].startswith("'echo' ") and word in ev["message"], ev
+    d.send({"type": "generate", "id": "e", "attempt_id": 42, "prompt": "hi", "max_tokens": 2, "echo": False})
+    evs = d.until("done")
+    assert evs[0]["type"] == "gen_start" and evs[-1]["type"] == "done" and evs[-1]["tokens"] == 2, evs
 
 
 def test_reader_that_leaves_ends_it_quietly(ckpt):
