@@ -48,8 +48,9 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def alone(llm, prompts) -> list[list[int]]:
     """Each request by itself, one after another."""
+    before = len(llm.slots.engines)             # (another test of this module may have built slots)
     out = [llm.generate(p, sp, spec=pol).token_ids for p, (sp, pol) in zip(prompts, MIXED)]
-    assert len(llm.slots.engines) == 1          # one at a time needs one slot
+    assert len(llm.slots.engines) == max(1, before)     # one at a time builds no other slot
     return out
 
 
