@@ -6,7 +6,7 @@ arguments follow each tool's JSON schema; the assistant parser then returns them
   ...</function>\\n</tool_call>`; the parameters in the schema's order, the required ones always, the
   others optional; a VALUE in the text form serve/toolcalls.py `convert` reads back: text for a
   string (no closing tag inside; `minLength`, `maxLength`, `pattern` as JSON Schema means them, a
-  `const`; a `format` is refused, since the text form cannot enforce it), a string enum's values,
+  `const`; a `format` is refused, since the text form cannot enforce it), an enum's values (strings as themselves, others as JSON),
   and for every other type JSON that follows the sub-schema (bounds, enums, nested objects);
 - `qwen3_json` (earlier Qwen): `<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>`, the
   object a JSON schema of its own (the name a const, the arguments the tool's parameters, no
@@ -112,7 +112,8 @@ def _xml_string(schema: dict[str, Any], where: Where) -> str:
     lo = lo or 0
     if hi is not None and lo > hi:
         raise where.refuse(f"'minLength' {lo} is above 'maxLength' {hi}: no text fits")
-    parts = [f"/(?s:.{{{lo},{'' if hi is None else hi}}})/"] if lo or hi is not None else []
+    # (a complement alone is not a terminal llguidance closes: a call could never end)
+    parts = [f"/(?s:.{{{lo},{'' if hi is None else hi}}})/" if lo or hi is not None else "/(?s:.*)/"]
     pattern = schema.get("pattern")
     if pattern is not None:
         if not isinstance(pattern, str):
@@ -134,8 +135,8 @@ def _xml_value(schema: Any, name: str, rules: list[str], where: Where) -> str:
     if isinstance(schema, dict) and isinstance(schema.get("const"), str):
         enum = [schema["const"]]
     close = lit("\n</parameter>\n")
-    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
-        rules.append(f"{name}: ({' | '.join(lit(v) for v in enum)}) {close}")
+    if isinstance(enum, list) and enum:      # a string value is written as itself, any other as JSON
+        rules.append(f"{name}: ({' | '.join(lit(v if isinstance(v, str) else json.dumps(v)) for v in enum)}) {close}")
     elif not types or "string" in types:
         text = _xml_string(schema, where) if isinstance(schema, dict) else STRING
         rules.append(f"{name.upper()}: {text} {close}")

@@ -155,3 +155,23 @@ def test_an_open_think_block_delays_the_calls_until_it_closes(ckpt_cache):
         prep = prepare_chat(llm, [{"role": "user", "content": "Time?"}], {"tools": TIME, "tool_choice": "required"},
                             {}, ChatOptions())
     assert prep.think_end == "</think>" and "think:" not in prep.grammar.value
+
+
+def plain(code: dict) -> list[dict]:
+    """The tool with `code` as given and two unbounded string parameters."""
+    return [{"type": "function", "function": {"name": "send", "parameters": {"type": "object", "properties": {
+        "code": code, "note": {"type": "string"}, "tag": {"type": "string"}}, "required": ["code", "note", "tag"]}}}]
+
+
+@pytest.mark.parametrize("code, value, ok", [
+    ({"type": "string"}, "any text", True), ({"type": "integer"}, "12", True), ({"type": "integer"}, "x", False),
+    ({"enum": ["a", "b"]}, "a", True), ({"enum": ["a", "b"]}, "c", False),
+    ({"enum": ["a", 1, None]}, "a", True), ({"enum": ["a", 1, None]}, "1", True),      # mixed: others as JSON
+    ({"enum": ["a", 1, None]}, "null", True), ({"enum": ["a", 1, None]}, "2", False),
+])
+def test_a_call_with_unbounded_strings_ends(compiler, tok, code, value, ok):
+    """Unbounded string parameters keep the call closable (its </tool_call> accepted), and an
+    enum, mixed types too, allows exactly its values."""
+    m = compiler.matcher(tool_grammar(plain(code), "qwen3_xml", "send", set(tok.template.added)))
+    ids = tok.encode(call(value, "a note", "t"))
+    assert (m.advance(ids) == len(ids) and m.is_accepting()) is ok
