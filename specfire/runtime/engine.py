@@ -14,7 +14,7 @@ from ..tokenizer import Tokenizer
 from .constraint import Constraint
 from .drafters import BY_NAME, KINDS, Drafter, MtpDrafter, drafting_routes
 from .output import OutputBuilder, TokenLogprobs
-from .prefix import PrefixCache
+from .prefix import Fork, PrefixCache, restore
 from .route import Acceptance, Controller, CostTable, Decision, RouteController, RoutePlan, select_route
 from .sampling import penalize, pick, token_logprobs
 from .spec import Launched, OnCycle, SpecStats, StepBuffers, complete, finish, prepare
@@ -215,7 +215,8 @@ class Engine:
 
     def steps(self, ids: list[int], sp: SamplingParams, policy: SpecPolicy, on_cycle: OnCycle | None = None,
               drafter: Drafter | None = None, controller: Controller | None = None,
-              plan: RoutePlan | None = None) -> Generator[StreamChunk | Verify | None, Rows | None, None]:
+              plan: RoutePlan | None = None, fork: Fork | None = None
+              ) -> Generator[StreamChunk | Verify | None, Rows | None, None]:
         """Generate from `ids`, yielding a chunk after every step, None between the prefill's
         forwards (a scheduler runs other requests' steps at every yield) and, where a step needs
         its verify forward, a `Verify`, to be sent back its rows (the scheduler runs every running
@@ -223,6 +224,7 @@ class Engine:
         when given, serves the request instead of the routed one (tests script drafts with it);
         `controller` (the `Controller` protocol), when given, replaces the route's;
         `plan`: the route already decided for this policy and these params (`route`), else decided here.
+        `fork`: the prompt's prefill shared with other requests of the same prompt (prefix.Fork).
 
         The device stays busy: the next step is queued before the host turns this step's tokens
         into text, and an AR step is queued before the one before it is read (its input token
@@ -265,11 +267,28 @@ class Engine:
         con = self.constraint(sp)               # the request's grammar (runtime/constraint.py), or None
         prompt_lps = self.prompt_logprobs(ids, prompt, sp.prompt_logprobs) if sp.prompt_logprobs is not None else None
         cached = 0
-        if self.prefix is not None:
-            rows, cached = yield from self.prefix.prefill_steps(ids, prompt, trunk)
-        else:
+        while fork is not None and fork.leading and fork.snap is None and not fork.abandoned:
+            yield None                          # another choice of this request prefills the prompt
+        if fork is not None and fork.snap is not None:
             trunk.begin()
-            rows = yield from trunk.prefill_steps(prompt)
+            restore(trunk.state, fork.snap)
+            rows, cached = Rows(fork.logits, fork.snap.hidden), len(ids)
+        else:
+            lead = fork is not None and not fork.abandoned
+            if lead:
+                fork.leading = True
+            try:
+                if self.prefix is not None:
+                    rows, cached = yield from self.prefix.prefill_steps(ids, prompt, trunk)
+                else:
+                    trunk.begin()
+                    rows = yield from trunk.prefill_steps(prompt)
+            except BaseException:               # (a cancel closes the generator here too)
+                if lead:
+                    fork.abandoned = True
+                raise
+            if lead:
+                fork.keep(trunk.state, ids, rows)
         logits = penalize(rows.logits[-1:], pen, sp)
         if con is not None:
             logits = con.mask(logits, [])

@@ -145,3 +145,22 @@ class PrefixCache:
             yield
         rows = yield from t.prefill_steps(prompt[start:], start=start)
         return Rows(rows.logits, torch.cat(hs + [rows.hidden])), (len(snap.ids) if snap is not None else 0)
+
+
+class Fork:
+    """One prompt prefilled once for several requests (a request's n choices): the first member to
+    reach its prefill (the leader) runs it and leaves a copy of the state after the prompt (`take`)
+    and the last row's logits; the others restore that copy, which is exactly the state they would
+    have computed (the same forwards), so each member's output is the one it gives alone. If the
+    leader ends before its copy is made, the others prefill for themselves."""
+
+    def __init__(self) -> None:
+        self.leading = False              # a member is prefilling the prompt
+        self.abandoned = False            # the leader ended before its copy was made
+        self.snap: Snapshot | None = None
+        self.logits: torch.Tensor | None = None
+
+    def keep(self, state: SequenceState, ids: list[int], rows: "Rows") -> None:
+        self.snap = take(state, ids, rows.hidden)
+        self.logits = rows.logits[-1:].clone()
+

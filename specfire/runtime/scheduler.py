@@ -33,6 +33,7 @@ from .trunk import Verify, verify_many
 
 if TYPE_CHECKING:
     from .engine import Engine, StreamChunk
+    from .prefix import Fork
     from .route import RoutePlan
     from .trunk import Rows
     from .spec import OnCycle
@@ -62,6 +63,7 @@ class Request:
     engine: "Engine | None" = None          # its slot, while it runs
     steps: "Generator[StreamChunk | Verify | None, Rows | None, None] | None" = None
     verify: "Verify | None" = None          # the verify forward its step waits for
+    fork: "Fork | None" = None              # the prompt's prefill, shared with requests of the same prompt
     over: bool = False                      # DONE, ERROR or CANCELLED was sent
 
 
@@ -202,7 +204,8 @@ class Scheduler:
                 self.running.append(head)
             head.engine = eng
             if head.task is None:
-                head.steps = eng.steps(head.ids, head.params, head.spec, on_cycle=head.on_cycle, plan=head.plan)
+                head.steps = eng.steps(head.ids, head.params, head.spec, on_cycle=head.on_cycle, plan=head.plan,
+                                       fork=head.fork)
             self._send(head, STARTED, None)
 
     def _advance(self, r: Request, rows: "Rows | None") -> None:

@@ -139,5 +139,5 @@ def prepare(st: ServeState, raw: bytes, chat: bool) -> relay.Prepared:
     if isinstance(b, CompletionBody) and b.echo:
         echo = b.prompt if isinstance(b.prompt, str) else llm.tokenizer.decode(ids) if llm.tokenizer else ""
     return relay.Prepared(ids, sp, policy, chat, bool(b.stream), bool(so is not None and so.include_usage),
-                          plan, assistant, echo)
+                          plan, assistant, echo, b.n or 1)
 

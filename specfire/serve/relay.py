@@ -1,23 +1,27 @@
 """Run one prepared request on the engine worker and relay its events as an OpenAI response: a JSON
 object, or server-sent events.
 
-A watcher task waits on the connection for the whole life of the job: when the client goes away
-(streaming or not, queued or running) it sets the job's cancel flag, which the worker checks after
-every engine step, so an abandoned request stops within one step and counts as `abort`."""
+A request with `n` choices runs as n engine requests (`choice_params`), which share the engine's
+steps like any concurrent requests; their choices are indexed 0..n-1 in one response or one
+stream. A watcher task waits on the connection for the whole life of the jobs: when the client
+goes away (streaming or not, queued or running) it sets every job's cancel flag, which the worker
+checks after every engine step, so an abandoned request stops within one step and counts as
+`abort`."""
 from __future__ import annotations
 
 import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import SpecfireError
-from ..params import SamplingParams, SpecPolicy
+from ..params import MAX_SEED, SamplingParams, SpecPolicy
+from ..runtime.prefix import Fork
 from .logprobs import LogprobFormat, merge
 from .wire import RequestError
 from .worker import CANCELLED, CHUNK, DONE, ERROR, Finished, Job
@@ -41,16 +45,24 @@ class Prepared:
     plan: "RoutePlan"        # the route, decided once (schema.check_route)
     assistant: Callable[[], AssistantOutput] | None = None   # chat: reasoning / tool-call parsing
     echo: str | None = None  # completions with echo: the prompt's text, returned before the answer
+    n: int = 1               # choices: each a request of its own (`choice_params`), sharing the engine's steps
+
+
+def choice_params(sp: SamplingParams, i: int) -> SamplingParams:
+    """Choice i's sampling: a seeded request's choice i draws from seed + i (so each choice is the
+    request with that seed alone); greedy choices are alike."""
+    return sp if i == 0 or sp.seed is None else replace(sp, seed=(sp.seed + i) % (MAX_SEED + 1))
 
 
 Event = tuple[str, Any]
 SHUTTING_DOWN = "the request was cancelled: the server is shutting down"
 
 
-def usage(fin: Finished) -> dict[str, Any]:
-    f = fin.figures
-    return {"prompt_tokens": f.prompt_tokens, "completion_tokens": f.generated_tokens,
-            "total_tokens": f.prompt_tokens + f.generated_tokens,
+def usage(*fins: Finished) -> dict[str, Any]:
+    """The request's usage: its prompt once, every choice's completion tokens."""
+    f = fins[0].figures
+    gen = sum(x.figures.generated_tokens for x in fins)
+    return {"prompt_tokens": f.prompt_tokens, "completion_tokens": gen, "total_tokens": f.prompt_tokens + gen,
             "prompt_tokens_details": {"cached_tokens": f.cached_tokens}}
 
 
@@ -69,20 +81,11 @@ def engine_error(e: BaseException) -> RequestError:
     return RequestError(f"internal error: {type(e).__name__}: {e}", None, 500, "server_error")
 
 
-async def watch(request: Request, job: Job) -> None:
-    """Cancel `job` when the client disconnects (the ASGI server reports it on receive)."""
-    while True:
-        msg = await request.receive()
-        if msg["type"] == "http.disconnect":
-            job.cancel.set()
-            return
-
-
 class Relay:
-    """One request's job and its event queue."""
+    """One choice's job and its event queue."""
 
-    def __init__(self, request: Request, st: "ServeState", prep: "Prepared"):
-        self.request, self.st, self.prep = request, st, prep
+    def __init__(self, st: "ServeState", prep: "Prepared", index: int, rid: str, fork: "Fork | None" = None):
+        self.st, self.prep, self.index, self.rid = st, prep, index, rid
         loop = asyncio.get_running_loop()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -93,85 +96,158 @@ class Relay:
                 pass
 
         assert st.worker is not None
-        self.job = st.worker.submit(Job(prep.ids, prep.params, prep.spec, on_event, plan=prep.plan))
-        self.watcher = asyncio.create_task(watch(request, self.job))
-        self.rid = ("chatcmpl-" if prep.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        sp = choice_params(prep.params, index)
+        # the route does not depend on the seed's value (only on whether there is one): the plan holds
+        plan = prep.plan if sp is prep.params else replace(prep.plan, params=sp)
+        self.job = st.worker.submit(Job(prep.ids, sp, prep.spec, on_event, plan=plan, fork=fork))
 
     async def next(self) -> Event:
         return await self.events.get()
 
+
+class Relays:
+    """A request's n choices, one Relay (one engine request) each, and one watcher of the connection
+    (its receive channel has one reader) that cancels them all when the client goes away."""
+
+    def __init__(self, request: Request, st: "ServeState", prep: "Prepared"):
+        rid = ("chatcmpl-" if prep.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.prep, self.rid = prep, rid
+        fork = Fork() if prep.n > 1 else None        # the prompt is prefilled once for every choice
+        self.all = [Relay(st, prep, i, rid, fork) for i in range(prep.n)]
+        self.watcher = asyncio.create_task(self._watch(request))
+
+    async def _watch(self, request: Request) -> None:
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                for r in self.all:
+                    r.job.cancel.set()
+                return
+
     def end(self) -> None:
-        """The job is over or abandoned: stop it (a no-op once done) and the watcher."""
-        self.job.cancel.set()
+        """The request is over or abandoned: stop every choice (a no-op once done) and the watcher."""
+        for r in self.all:
+            r.job.cancel.set()
         self.watcher.cancel()
 
     def gone(self) -> bool:
-        return self.watcher.done() and self.job.cancel.is_set()
+        return self.watcher.done() and all(r.job.cancel.is_set() for r in self.all)
 
 
-async def respond(request: Request, st: "ServeState", prep: "Prepared") -> Response:
-    r = Relay(request, st, prep)
-    try:
-        first = await r.next()
-        if first[0] == ERROR:
-            raise engine_error(first[1])
-        if first[0] == CANCELLED:
-            if r.gone():
-                return Response(status_code=499)
-            raise RequestError(SHUTTING_DOWN, None, 503, "server_error")
-    except BaseException:
-        r.end()
-        raise
-    if prep.stream:
-        return StreamingResponse(stream(r, first), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    try:
-        ev = first
-        while ev[0] == CHUNK:
-            ev = await r.next()
-    finally:
-        r.end()
+def check_event(g: Relays, ev: Event) -> Response | None:
+    """An ERROR raises its error; a CANCELLED answers 499 (the client left) or raises a 503."""
     if ev[0] == ERROR:
         raise engine_error(ev[1])
     if ev[0] == CANCELLED:
-        if r.gone():
+        if g.gone():
             return Response(status_code=499)
         raise RequestError(SHUTTING_DOWN, None, 503, "server_error")
-    fin: Finished = ev[1]
-    res = fin.result
+    return None
+
+
+async def respond(request: Request, st: "ServeState", prep: "Prepared") -> Response:
+    g = Relays(request, st, prep)
+    try:
+        firsts = [await r.next() for r in g.all]
+        for ev in firsts:
+            if (early := check_event(g, ev)) is not None:
+                g.end()
+                return early
+    except BaseException:
+        g.end()
+        raise
+    if prep.stream:
+        return StreamingResponse(stream(g, firsts), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        ends = []
+        for r, ev in zip(g.all, firsts):
+            while ev[0] == CHUNK:
+                ev = await r.next()
+            if (early := check_event(g, ev)) is not None:
+                return early
+            ends.append(ev[1])
+    finally:
+        g.end()
     fmt = LogprobFormat(st.llm.tokenizer)
-    choice: dict[str, Any] = {"index": 0, "finish_reason": res.finish_reason, "logprobs": None}
+    fins: list[Finished] = ends
+    return JSONResponse({"id": g.rid, "object": "chat.completion" if prep.chat else "text_completion",
+                         "created": int(time.time()), "model": st.model_name,
+                         "choices": [choice(prep, fin, i, fmt) for i, fin in enumerate(fins)],
+                         "usage": usage(*fins), "timings": timings(fins[0])})
+
+
+def choice(prep: "Prepared", fin: Finished, index: int, fmt: LogprobFormat) -> dict[str, Any]:
+    """One choice of a whole (not streamed) response."""
+    res = fin.result
+    c: dict[str, Any] = {"index": index, "finish_reason": res.finish_reason, "logprobs": None}
     if prep.assistant is not None:
         out = prep.assistant()
         out.feed(res.text)
         out.finish()
-        choice["message"], choice["finish_reason"] = out.message(), out.finish_reason(res.finish_reason)
+        c["message"], c["finish_reason"] = out.message(), out.finish_reason(res.finish_reason)
     elif prep.chat:
-        choice["message"] = {"role": "assistant", "content": res.text}
+        c["message"] = {"role": "assistant", "content": res.text}
     else:
-        choice["text"] = (prep.echo or "") + res.text
+        c["text"] = (prep.echo or "") + res.text
     if prep.chat and res.logprobs is not None:
-        choice["logprobs"] = {"content": fmt.chat(res.logprobs), "refusal": None}
+        c["logprobs"] = {"content": fmt.chat(res.logprobs), "refusal": None}
     elif res.logprobs is not None:
         head = (fmt.completion(res.prompt_logprobs, prep.ids) if prep.echo is not None and res.prompt_logprobs
                 else None)
-        choice["logprobs"] = merge(head, fmt.completion(res.logprobs, res.token_ids, len(prep.echo or "")))
-    return JSONResponse({"id": r.rid, "object": "chat.completion" if prep.chat else "text_completion",
-                         "created": int(time.time()), "model": st.model_name, "choices": [choice],
-                         "usage": usage(fin), "timings": timings(fin)})
+        c["logprobs"] = merge(head, fmt.completion(res.logprobs, res.token_ids, len(prep.echo or "")))
+    return c
 
 
-async def stream(r: Relay, first: Event) -> AsyncIterator[str]:
-    chat, name = r.prep.chat, r.st.model_name
-    obj = "chat.completion.chunk" if chat else "text_completion"
+async def stream(g: Relays, firsts: list[Event]) -> AsyncIterator[str]:
+    """The choices' events as server-sent events: each choice's pieces in order (interleaved
+    between choices as they come), then the usage (when asked) and [DONE]."""
+    prep, fins = g.prep, []
+    obj = "chat.completion.chunk" if prep.chat else "text_completion"
+    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
-    out = r.prep.assistant() if r.prep.assistant is not None else None
+    async def run(r: Relay, first: Event) -> None:
+        try:
+            async for kind, item in choice_stream(r, first, obj):
+                await queue.put((kind, item))
+        finally:
+            await queue.put(("over", None))
+
+    tasks = [asyncio.create_task(run(r, first)) for r, first in zip(g.all, firsts)]
+    try:
+        left = len(tasks)
+        while left:
+            kind, item = await queue.get()
+            if kind == "over":
+                left -= 1
+            elif kind == "fin":
+                fins.append(item)
+            elif kind == "error":
+                yield sse(item)
+                yield "data: [DONE]\n\n"
+                return
+            else:
+                yield sse(item)
+        if prep.include_usage:
+            yield sse({"id": g.rid, "object": obj, "created": int(time.time()), "model": g.all[0].st.model_name,
+                       "choices": [], "usage": usage(*fins), "timings": timings(fins[0])})
+        yield "data: [DONE]\n\n"
+    finally:
+        for t in tasks:
+            t.cancel()
+        g.end()  # the client left or the stream ended: stop generating
+
+
+async def choice_stream(r: Relay, first: Event, obj: str) -> AsyncIterator[tuple[str, Any]]:
+    """One choice's chunks ("chunk", dict), then ("fin", Finished) or ("error", an error body)."""
+    prep, chat, name = r.prep, r.prep.chat, r.st.model_name
+    out = prep.assistant() if prep.assistant is not None else None
     fmt = LogprobFormat(r.st.llm.tokenizer)
-    sent = {"tokens": 0, "chars": len(r.prep.echo or "")}      # logprobs sent, text offset of the next
+    sent = {"tokens": 0, "chars": len(prep.echo or "")}      # logprobs sent, text offset of the next
 
     def piece(text: str | None, finish: str | None, role: bool = False,
               delta: dict[str, Any] | None = None, logprobs: Any = None) -> dict[str, Any]:
-        c: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
+        c: dict[str, Any] = {"index": r.index, "finish_reason": finish, "logprobs": logprobs}
         if chat:
             d: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
@@ -191,16 +267,16 @@ async def stream(r: Relay, first: Event) -> AsyncIterator[str]:
         sent["chars"] += sum(len(t) for t in got["tokens"])
         return got
 
-    def pieces(text: str, lps: list | None, ids: list[int], final: bool = False) -> list[str]:
-        """SSE events for generated text: the assistant parser's deltas, or the text as content;
-        these tokens' logprobs ride on the first (on an empty delta when the text made none)."""
+    def pieces(text: str, lps: list | None, ids: list[int], final: bool = False) -> list[dict[str, Any]]:
+        """Chunks for generated text: the assistant parser's deltas, or the text as content; these
+        tokens' logprobs ride on the first (on an empty delta when the text made none)."""
         lp = shaped(lps, ids)
         if out is None:
-            return [sse(piece(text, None, logprobs=lp))] if text or lp else []
+            return [piece(text, None, logprobs=lp)] if text or lp else []
         deltas = out.feed(text) + (out.finish() if final else [])
         if lp is not None and not deltas:
             deltas = [{}]
-        return [sse(piece(None, None, delta=d, logprobs=lp if i == 0 else None)) for i, d in enumerate(deltas)]
+        return [piece(None, None, delta=d, logprobs=lp if i == 0 else None) for i, d in enumerate(deltas)]
 
     def chunk_logprobs(lps: list | None, res: Any = None) -> tuple[list | None, list[int]]:
         if res is not None:                        # the last chunk: whatever was not sent yet
@@ -212,39 +288,31 @@ async def stream(r: Relay, first: Event) -> AsyncIterator[str]:
         return lps, ids
 
     ev = first
-    try:
-        if chat:
-            yield sse(piece("", None, role=True))
-        elif r.prep.echo is not None:              # the prompt first (and its logprobs, known by then)
-            kind, payload = ev
-            plp = payload.prompt_logprobs if kind == CHUNK else payload.result.prompt_logprobs if kind == DONE else None
-            yield sse(piece(r.prep.echo, None, logprobs=fmt.completion(plp, r.prep.ids) if plp else None))
-        while True:
-            kind, payload = ev
-            if kind == CHUNK:
-                lps, ids = chunk_logprobs(payload.logprobs)
-                for event in pieces(payload.text, lps, ids):
-                    yield event
-            elif kind == DONE:
-                fin: Finished = payload
-                lps, ids = chunk_logprobs(None, fin.result)
-                for event in pieces(fin.text, lps, ids, final=True):
-                    yield event
-                reason = fin.result.finish_reason if out is None else out.finish_reason(fin.result.finish_reason)
-                last = piece(None if chat else "", reason)
-                last["timings"] = timings(fin)
-                yield sse(last)
-                if r.prep.include_usage:
-                    yield sse({"id": r.rid, "object": obj, "created": int(time.time()), "model": name,
-                               "choices": [], "usage": usage(fin), "timings": timings(fin)})
-                yield "data: [DONE]\n\n"
-                return
-            else:  # ERROR, or CANCELLED: the server is shutting down (or the client already left)
-                err = engine_error(payload) if kind == ERROR else RequestError(SHUTTING_DOWN, None, 503,
-                                                                               "server_error")
-                yield sse(err.body())
-                yield "data: [DONE]\n\n"
-                return
-            ev = await r.next()
-    finally:
-        r.end()  # the client left or the stream ended: stop generating
+    if chat:
+        yield "chunk", piece("", None, role=True)
+    elif prep.echo is not None:                # the prompt first (and its logprobs, known by then)
+        kind, payload = ev
+        plp = payload.prompt_logprobs if kind == CHUNK else payload.result.prompt_logprobs if kind == DONE else None
+        yield "chunk", piece(prep.echo, None, logprobs=fmt.completion(plp, prep.ids) if plp else None)
+    while True:
+        kind, payload = ev
+        if kind == CHUNK:
+            lps, ids = chunk_logprobs(payload.logprobs)
+            for p in pieces(payload.text, lps, ids):
+                yield "chunk", p
+        elif kind == DONE:
+            fin: Finished = payload
+            lps, ids = chunk_logprobs(None, fin.result)
+            for p in pieces(fin.text, lps, ids, final=True):
+                yield "chunk", p
+            reason = fin.result.finish_reason if out is None else out.finish_reason(fin.result.finish_reason)
+            last = piece(None if chat else "", reason)
+            last["timings"] = timings(fin)
+            yield "chunk", last
+            yield "fin", fin
+            return
+        else:  # ERROR, or CANCELLED: the server is shutting down (or the client already left)
+            err = engine_error(payload) if kind == ERROR else RequestError(SHUTTING_DOWN, None, 503, "server_error")
+            yield "error", err.body()
+            return
+        ev = await r.next()

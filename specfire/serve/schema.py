@@ -92,6 +92,9 @@ def parse_prompt(p: Any) -> str | list[int]:
                      f"request), got {type_name(p)}")
 
 
+MAX_N = 64         # choices a request may ask for (each a request of its own in the scheduler)
+
+
 class SamplingBody(_Strict):
     """The OpenAI sampling fields (and `speculation`), shared by chat, completions and the daemon."""
 
@@ -133,11 +136,19 @@ class SamplingBody(_Strict):
             return [s for s in v if s]
         raise ValueError(f"must be a string or an array of strings, got {short(v)}")
 
-    @field_validator("n", "best_of")
+    @field_validator("best_of")
     @classmethod
     def check_one(cls, v: Any) -> Any:
         if v is not None and (type(v) is not int or v != 1):
             raise ValueError(f"must be 1 (one completion per request), got {short(v)}")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def check_n(cls, v: Any) -> Any:
+        """Choices per request: the HTTP endpoints run them as concurrent requests (the daemon takes 1)."""
+        if v is not None and (type(v) is not int or not 1 <= v <= MAX_N):
+            raise ValueError(f"must be an integer from 1 to {MAX_N}, got {short(v)}")
         return v
 
     @field_validator("speculation")
@@ -209,6 +220,13 @@ class GenerateMessage(SamplingBody):
 
     type: Any = None
     id: Any = None
+
+    @field_validator("n")
+    @classmethod
+    def check_one_choice(cls, v: Any) -> Any:
+        if v is not None and v != 1:
+            raise ValueError(f"must be 1: the daemon's events carry one completion (send {v} requests), got {v}")
+        return v
     attempt_id: Any = None              # checked by the daemon
     prompt: Any = None
     messages: Any = None

@@ -19,6 +19,7 @@ from ..runtime import scheduler as sch
 from .metrics import Metrics
 
 if TYPE_CHECKING:
+    from ..runtime.prefix import Fork
     from ..api import LLM, GenerationResult
     from ..runtime.route import RoutePlan
 
@@ -49,6 +50,7 @@ class Job:
     ttft_s: float | None = None
     plan: "RoutePlan | None" = None     # the route decided when the request was checked (else decided here)
     started: bool = False               # it holds a slot (or did)
+    fork: "Fork | None" = None          # the prompt's prefill shared with the request's other choices
 
 
 class EngineWorker:
@@ -64,7 +66,7 @@ class EngineWorker:
         if self.metrics:
             self.metrics.queued()
         self.sched.submit(sch.Request(job.ids, job.params, job.spec, self._listener(job), plan=job.plan,
-                                      cancel=job.cancel, arrived=job.arrived))
+                                      cancel=job.cancel, arrived=job.arrived, fork=job.fork))
         return job
 
     @property

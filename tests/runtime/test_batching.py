@@ -199,6 +199,35 @@ def test_cancel_frees_the_slot_at_the_next_step(path, prompts, alone):
         assert log == [sch.CANCELLED] and len(m.slots.engines) == 1 and m.scheduler.num_running == 0
 
 
+@pytest.mark.parametrize("slots", [4, 2])
+def test_a_forked_prompt_is_prefilled_once_and_each_request_is_its_own(path, prompts, slots, monkeypatch):
+    """Requests of one prompt sharing a prefix.Fork (a request's n choices): the prompt is prefilled
+    once, the others restore its copy, and each output is the request alone; with fewer slots than
+    members the later ones restore the copy after the leader has ended."""
+    from specfire.runtime.prefix import Fork
+    from specfire.runtime.trunk import LocalTrunk
+
+    members = [(SamplingParams(max_tokens=16, temperature=0.9, seed=3), SpecPolicy("mtp", 3)),
+               (SamplingParams(max_tokens=20, temperature=0.9, seed=4), SpecPolicy("ngram", 2)),
+               (SamplingParams(max_tokens=18), SpecPolicy("off")),
+               (SamplingParams(max_tokens=12, frequency_penalty=0.4), SpecPolicy("mtp", 3))]
+    with LLM(path, device="cpu", progress=False, max_seq_len=512, max_num_seqs=slots) as m:
+        want = [m.generate(prompts[1], sp, spec=pol).token_ids for sp, pol in members]
+        real, calls = LocalTrunk.prefill_steps, []
+
+        def counted(self, ids, *a, **k):
+            calls.append(ids.shape[0])
+            return real(self, ids, *a, **k)
+
+        monkeypatch.setattr(LocalTrunk, "prefill_steps", counted)
+        fork = Fork()
+        reqs = [sch.Request(prompts[1], sp, pol, None, fork=fork) for sp, pol in members]
+        got = [chunk.result.token_ids for chunk in sch.run_all(m.scheduler, reqs)]
+        assert got == want
+        assert calls == [len(prompts[1])]                      # one prefill for the four
+        assert fork.snap is not None and not fork.abandoned
+
+
 def test_score_runs_on_a_free_slot_beside_a_stream(llm, prompts, alone):
     ref = llm.score(prompts[0])
     it = llm.stream(prompts[1], *MIXED[1])

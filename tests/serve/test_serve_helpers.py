@@ -102,7 +102,10 @@ def test_figures_is_the_one_projection(llm):
     ({"messages": [{"role": "user"}], "max_tokens": True}, "max_tokens", "integer"),
     ({"messages": [{"role": "user"}], "temperature": "0.5"}, "temperature", "number"),
     ({"messages": [{"role": "user"}], "stop": ["a", 3]}, "stop", "strings"),
-    ({"messages": [{"role": "user"}], "n": 2}, "n", "must be 1"),
+    ({"messages": [{"role": "user"}], "n": 0}, "n", "from 1 to 64"),
+    ({"messages": [{"role": "user"}], "n": 65}, "n", "from 1 to 64"),
+    ({"messages": [{"role": "user"}], "n": 2.0}, "n", "from 1 to 64"),
+    ({"messages": [{"role": "user"}], "best_of": 2}, "best_of", "must be 1"),
 ])
 def test_schema_errors_name_the_field(body, param, word):
     with pytest.raises(RequestError) as e:
@@ -335,3 +338,12 @@ def test_http_reports_cached_tokens(pair):
     assert cached >= 16 and cached % 16 == 0 and cached < second["usage"]["prompt_tokens"]
     assert second["timings"]["cached_tokens"] == cached
     assert second["choices"][0]["message"]["content"] == cold.chat(msgs2, SamplingParams(max_tokens=6)).text
+
+
+def test_the_daemon_takes_one_choice():
+    """The daemon's events carry one completion: n other than 1 is refused naming n (HTTP takes 1..64)."""
+    with pytest.raises(RequestError) as e:
+        schema.validate(schema.GenerateMessage, {"type": "generate", "prompt": "hi", "n": 2})
+    assert e.value.param == "n" and "must be 1" in e.value.message
+    assert schema.validate(schema.GenerateMessage, {"type": "generate", "prompt": "hi", "n": 1}).n == 1
+    assert schema.validate(schema.ChatBody, {"messages": [{"role": "user", "content": "x"}], "n": 64}).n == 64

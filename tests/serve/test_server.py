@@ -148,7 +148,8 @@ ERRORS = [
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, None, 400, "repetition_penalty"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, None, 400, "presence_penalty"),
     ("/v1/chat/completions", {"messages": MSGS, "frequency_penalty": "high"}, None, 400, "frequency_penalty"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, None, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, None, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 3}, None, 400, "best_of"),
     ("/v1/completions", {"prompt": "hi", "stop": 3}, None, 400, "stop"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, None, 400, "stream"),
     ("/v1/completions", {"prompt": "hi", "speculation": {"mode": "mtp", "k": 0}}, None, 400, "speculation.k"),
@@ -161,6 +162,37 @@ ERRORS = [
     ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, None, 404, "model"),
     ("/v1/completions", {"prompt": "hi", "model": 7}, None, 400, "model"),
 ]
+
+
+def test_n_choices_are_the_requests_alone(client):
+    """n = 3: three choices indexed 0..2, each the request alone (a seeded one with seed + i);
+    usage counts the prompt once; streamed choices carry their index and equal the whole response."""
+    kw = dict(model=NAME, prompt="Once upon", max_tokens=10, temperature=1.0, top_p=0.95)
+    alone = [client.completions.create(seed=7 + i, **kw).choices[0].text for i in range(3)]
+    full = client.completions.create(seed=7, n=3, **kw)
+    assert [c.index for c in full.choices] == [0, 1, 2] and [c.text for c in full.choices] == alone
+    one = client.completions.create(seed=7, **kw)
+    assert full.usage.prompt_tokens == one.usage.prompt_tokens
+    assert full.usage.completion_tokens == sum(
+        client.completions.create(seed=7 + i, **kw).usage.completion_tokens for i in range(3))
+    chunks = list(client.completions.create(seed=7, n=3, stream=True, stream_options={"include_usage": True}, **kw))
+    texts = ["", "", ""]
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+    assert texts == alone and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    chat = client.chat.completions.create(model=NAME, messages=MSGS, max_tokens=8, temperature=0, n=2)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content      # greedy: alike
+    streamed = list(client.chat.completions.create(model=NAME, messages=MSGS, max_tokens=8, temperature=0, n=2,
+                                                   stream=True))
+    roles = sorted(ch.index for c in streamed for ch in c.choices if ch.delta.role == "assistant")
+    assert roles == [0, 1]
+    got = ["", ""]
+    for c in streamed:
+        for ch in c.choices:
+            got[ch.index] += ch.delta.content or ""
+    assert got == [chat.choices[0].message.content] * 2
 
 
 @pytest.mark.parametrize("path,body,raw,status,param", ERRORS)
