@@ -22,10 +22,13 @@ if TYPE_CHECKING:
 
     from .tokenizer import Tokenizer
 
-__all__ = ["KINDS", "GrammarSpec", "GrammarError", "GrammarCompiler", "Matcher", "spec_from_fields", "grammar_source"]
+__all__ = ["KINDS", "GrammarSpec", "GrammarError", "GrammarCompiler", "Matcher", "spec_from_fields", "grammar_source",
+           "think_first"]
 # whitespace between JSON tokens: free in form (pretty-printed or compact) but bounded, at most one
 # line break and 20 spaces or tabs per gap, so a model cannot spin in whitespace until max_tokens
 JSON_WHITESPACE = r"(\r?\n)?[ \t]{0,20}"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+THINK_LEAD = r"/[ \n]{0,4}/"     # the layout a think block's end leaves before the answer ("</think>\n\n")
 
 
 def grammar_source(spec: GrammarSpec) -> str:
@@ -40,6 +43,22 @@ def grammar_source(spec: GrammarSpec) -> str:
     if spec.kind == "choice":
         return llguidance.grammar_from("choice", json.dumps(spec.value))
     return llguidance.grammar_from("grammar", spec.value)
+
+
+def think_first(src: str, open_: str, close: str | None) -> str:
+    """The grammar `src` (llguidance text) after an optional think block: `open_` (a Lark
+    expression), free text, the block's end (`close`: a Lark expression of one special token, which
+    text cannot contain; None: the literal text, which the free text then cannot contain), then at
+    most four spaces or line breaks. The answer is `src` itself as a sub-grammar: its constraint is
+    unchanged, with or without the block."""
+    sub = json.loads(src)["grammars"] if src.lstrip().startswith("{") else [{"lark_grammar": src}]
+    sub = [dict(sub[0], name="answer")] + sub[1:]
+    if close is None:       # the text and its end as one terminal: the lexer knows where the text stops
+        block = f"THINK\nTHINK: (/(?s:.*)/ & ~/(?s:.*)<\\/think>(?s:.*)/) {json.dumps(THINK_CLOSE)}"
+    else:
+        block = f"THINK {close}\nTHINK: /(?s:.*)/"
+    main = f"start: (think LEAD)? @answer\nthink: {open_} {block}\nLEAD: {THINK_LEAD}\n"
+    return json.dumps({"grammars": [{"name": "think_first", "lark_grammar": main}] + sub})
 
 
 def spec_from_fields(response_format: Any = None, guided_json: Any = None, guided_regex: Any = None,
@@ -128,12 +147,22 @@ class GrammarCompiler:
 
         try:
             src = grammar_source(spec)
+            if spec.think:
+                src = think_first(src, self.tag(THINK_OPEN) or json.dumps(THINK_OPEN), self.tag(THINK_CLOSE))
         except (ValueError, TypeError, RuntimeError) as e:
             raise GrammarError(f"'{spec.param}' cannot be compiled: {e}", spec.param) from None
         err = llguidance.LLMatcher.validate_grammar(src, self.lltok)
         if err and not err.startswith("WARNING"):
             raise GrammarError(f"'{spec.param}' cannot be compiled: {err}", spec.param)
         return src
+
+    def tag(self, text: str) -> str | None:
+        """`text` as a Lark reference to its token where the vocabulary has it as one special token
+        (llguidance never matches those as text), else None."""
+        i = self.tokenizer.tok.token_to_id(text)
+        if i is None or i >= self.vocab_size or not self.lltok.is_special_token(i):
+            return None
+        return f"<[{i}]>"
 
     def matcher(self, spec: GrammarSpec) -> "Matcher":
         import llguidance

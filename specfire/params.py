@@ -34,7 +34,9 @@ class GrammarSpec:
     """What to constrain to: `kind` one of GRAMMAR_KINDS, `value` the schema (a dict), regex,
     choices or a Lark grammar; `param` the request field it came from (for errors); `after`: the
     text of one token (a think block's end, `</think>`) that the output must reach before the
-    grammar applies (None: from the first token). The declarative half that
+    grammar applies (None: from the first token); `think`: the output may open with a
+    `<think>...</think>` block of free text before the grammar applies (a model the prompt leaves free
+    to reason first). The declarative half that
     SamplingParams.structured_outputs carries; the engine compiles it (grammar.py) into a request's
     matcher."""
 
@@ -42,13 +44,17 @@ class GrammarSpec:
     value: Any = None
     param: str = "response_format"
     after: str | None = None
+    think: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
             raise GrammarError(f"unknown grammar kind {self.kind!r}; one of {', '.join(GRAMMAR_KINDS)}", self.param)
+        if self.think and self.after is not None:
+            raise GrammarError(f"'{self.param}': a grammar starts after {self.after!r} or after an optional think "
+                               f"block, not both", self.param)
 
     def __hash__(self) -> int:          # a schema is a dict: hash its canonical text
-        return hash((self.kind, json.dumps(self.value, sort_keys=True), self.param, self.after))
+        return hash((self.kind, json.dumps(self.value, sort_keys=True), self.param, self.after, self.think))
 
 
 MAX_LOGPROBS = 20          # top log-probabilities a request may ask for per token (OpenAI's and vLLM's default limit)

@@ -124,3 +124,24 @@ def test_uncompilable_schema_names_the_field(compiler):
     with pytest.raises(GrammarError, match="guided_json") as e:
         compiler.matcher(GrammarSpec("json_schema", {"type": "nope"}, "guided_json"))
     assert e.value.param == "guided_json"
+
+
+@pytest.mark.parametrize("text, ok", [
+    ('<think>\nhm, </think\n</think>\n\n{"name": "a", "n": 1, "ok": true, "kind": "b"}', True),
+    ('{"name": "a", "n": 1, "ok": true, "kind": "b"}', True),
+    ('<think>\nhm\n</think>\n\n{"name": "a", "n": 1, "ok": true, "kind": "c"}', False),
+    ('<think>\nhm\n</think> x </think>\n{"name": "a", "n": 1, "ok": true, "kind": "b"}', False),
+])
+def test_an_optional_think_block_in_text(compiler, text, ok):
+    """A vocabulary without think tokens: the tags are text, and the block's text ends at the first
+    `</think>`; the schema after it holds as without the block."""
+    assert compiler.tokenizer.tok.token_to_id("</think>") is None
+    m = compiler.matcher(GrammarSpec("json_schema", SCHEMA, "guided_json", think=True))
+    ids = compiler.tokenizer.encode(text)
+    assert (m.advance(ids) == len(ids) and m.is_accepting()) is ok
+
+
+def test_think_and_after_exclude_each_other():
+    with pytest.raises(GrammarError, match="not both") as e:
+        GrammarSpec("regex", "a", "guided_regex", after="</think>", think=True)
+    assert e.value.param == "guided_regex"

@@ -4,8 +4,9 @@ relay turns the generated text into.
 
 tool_choice `required` and a named function are a grammar over the template's call form
 (serve/toolgrammar.py) that the decoding step applies; a tool list the template cannot show the
-model is refused (400). Where the prompt leaves the model inside a think block, a grammar (the
-tools' or the request's structured output) starts after the block's end token."""
+model is refused (400). A grammar (the tools' or the request's structured output) starts where
+`think_start` says: after the think block the prompt opened, after one the model may open itself,
+or at the first token."""
 from __future__ import annotations
 
 import dataclasses
@@ -80,19 +81,33 @@ def parse_tool_choice(v: Any, tools: list[dict[str, Any]] | None) -> tuple[str, 
                        "tool_choice")
 
 
+def think_start(gen: str | None, kwargs: dict[str, Any]) -> tuple[bool, bool]:
+    """(in_think, may_think) from the generation prompt `gen` (None: no reasoning parser): the prompt
+    opened a think block (the answer starts inside it, a grammar after its end), or neither opened
+    nor closed one with thinking not turned off (the model may open one itself, as earlier Qwen3
+    templates leave it; vLLM's Qwen3 parser then reads the reasoning as not ended, so a grammar
+    waits for it)."""
+    if gen is None:
+        return False, False
+    in_think = gen.rfind("<think>") > gen.rfind("</think>")
+    may_think = "<think>" not in gen and "</think>" not in gen and kwargs.get("enable_thinking") is not False
+    return in_think, may_think
+
+
 @dataclass
 class ChatPrep:
     """A chat body made ready: the prompt ids, a factory of its AssistantOutput, the tools' grammar
-    (tool_choice required / named) and the token after which any grammar starts (a think block the
-    prompt opened)."""
+    (tool_choice required / named) and where any grammar starts: after `think_end` (a think block
+    the prompt opened), after an optional think block the model writes (`may_think`), or at once."""
 
     ids: list[int]
     assistant: Callable[[], AssistantOutput]
     grammar: "GrammarSpec | None" = None
     think_end: str | None = None
+    may_think: bool = False
 
     def params(self, sp: "SamplingParams") -> "SamplingParams":
-        """`sp` with the request's one grammar (the tools' or the body's), started after the think block."""
+        """`sp` with the request's one grammar (the tools' or the body's), placed after the think block."""
         g = sp.structured_outputs
         if self.grammar is not None:
             if g is not None:
@@ -101,7 +116,8 @@ class ChatPrep:
         if g is None:
             return sp
         try:
-            return dataclasses.replace(sp, structured_outputs=dataclasses.replace(g, after=self.think_end))
+            return dataclasses.replace(sp, structured_outputs=dataclasses.replace(g, after=self.think_end,
+                                                                                  think=self.may_think))
         except ValueError as e:             # e.g. min_tokens with a grammar
             raise RequestError(str(e), str(e).split(" ", 1)[0]) from None
 
@@ -129,11 +145,8 @@ def prepare_chat(llm: "LLM", messages: list[dict[str, Any]], extra: dict[str, An
     try:
         ids = tok.chat_ids(messages, tools or None, True, kwargs, opts.allow_special_tokens_in_content)
         reasoning = opts.reasoning_parser == "qwen3" or (opts.reasoning_parser == "auto" and t.thinks)
-        in_think = may_think = False
-        if reasoning:
-            gen = t.generation_prompt(messages, tools or None, kwargs)
-            in_think = gen.rfind("<think>") > gen.rfind("</think>")
-            may_think = "<think>" not in gen and "</think>" not in gen   # the model may open one itself
+        in_think, may_think = think_start(t.generation_prompt(messages, tools or None, kwargs) if reasoning else None,
+                                          kwargs)
     except ChatInputError as e:
         raise RequestError(str(e), e.param) from None
     except (ValueError, TypeError, TemplateError, RecursionError) as e:
@@ -155,7 +168,7 @@ def prepare_chat(llm: "LLM", messages: list[dict[str, Any]], extra: dict[str, An
                                "--tool-call-parser qwen3_xml or qwen3_json, or use \"auto\"", "tool_choice")
         from .toolgrammar import tool_grammar
 
-        grammar = tool_grammar(tools, form, named, set(t.added), may_think)
+        grammar = tool_grammar(tools, form, named, set(t.added))
     think_end = "</think>" if in_think and tok.tok.token_to_id("</think>") is not None else None
     schemas = {x["function"]["name"]: x["function"].get("parameters") or {} for x in tools or []}
-    return ChatPrep(ids, partial(AssistantOutput, reasoning, in_think, form, schemas), grammar, think_end)
+    return ChatPrep(ids, partial(AssistantOutput, reasoning, in_think, form, schemas), grammar, think_end, may_think)

@@ -170,20 +170,11 @@ def _json_call(fn: dict[str, Any]) -> dict[str, Any]:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def _think(added: Collection[str]) -> str:
-    """An optional think block before the calls: free text between the tags (as vLLM lets a model
-    reason until `</think>` before a constraint starts, when the prompt leaves it free to open one)."""
-    open_, close = (t if t in added else lit(t) for t in ("<think>", "</think>"))
-    text = "/(?s:.*)/" if "</think>" in added else r"(/(?s:.*)/ & ~/(?s:.*)<\/think>(?s:.*)/)"
-    return f"think: {open_} THINK {close}\nTHINK: {text}"
-
-
 def tool_grammar(tools: list[dict[str, Any]], form: str, named: str | None = None,
-                 added: Collection[str] = (), think: bool = False) -> GrammarSpec:
+                 added: Collection[str] = ()) -> GrammarSpec:
     """The grammar for tool_choice "required" (one or more calls of any tool) or a named function
     (exactly one call of it), in `form` ("qwen3_xml" or "qwen3_json"); `added`: the tokenizer's
-    added tokens; `think`: the model may write a think block first (the prompt neither opened nor
-    closed one, as earlier Qwen3 templates leave it with thinking on)."""
+    added tokens. Where the calls start when the model reasons is the chat's (serve/chat.py)."""
     picked = [(k, t["function"]) for k, t in enumerate(tools) if named is None or t["function"]["name"] == named]
     fns = [fn for _, fn in picked]
     rules: list[str] = []
@@ -196,7 +187,5 @@ def tool_grammar(tools: list[dict[str, Any]], form: str, named: str | None = Non
         body = _json_call(fns[0]) if len(fns) == 1 else {"anyOf": [_json_call(f) for f in fns]}
         rules.append(f"call: {open_} {lit(chr(10))} {_json(body)} {lit(chr(10))} {close}")
     more = "" if named is not None else f" ({lit(chr(10))} call)*"
-    start = f"start: {'think? ' if think else ''}LEAD call{more}\nLEAD: {LEAD}"
-    if think:
-        rules.append(_think(added))
+    start = f"start: LEAD call{more}\nLEAD: {LEAD}"
     return GrammarSpec("grammar", "\n".join([start] + rules) + "\n", "tool_choice")

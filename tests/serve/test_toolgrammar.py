@@ -11,6 +11,7 @@ import pytest
 
 from qwenstyle import qwen_ckpt
 from specfire.grammar import GrammarCompiler
+from specfire.params import SamplingParams
 from specfire.serve.schema import RequestError
 from specfire.serve.toolgrammar import tool_grammar
 
@@ -140,7 +141,8 @@ def test_required_calls_after_a_think_block_the_model_opens(ckpt_cache, thinking
                             {"tools": TIME, "tool_choice": "required"}, {"enable_thinking": thinking}, ChatOptions())
         tok = llm.tokenizer
         assert prep.think_end is None                        # no block open in the prompt: no wait for one
-        m = GrammarCompiler(tok, [tok.tok.token_to_id("<|im_end|>")]).matcher(prep.grammar)
+        spec = prep.params(SamplingParams()).structured_outputs
+        m = GrammarCompiler(tok, [tok.tok.token_to_id("<|im_end|>")]).matcher(spec)
         ids = tok.encode(text)
         assert (m.advance(ids) == len(ids) and m.is_accepting()) is ok
 
@@ -154,7 +156,8 @@ def test_an_open_think_block_delays_the_calls_until_it_closes(ckpt_cache):
     with LLM(qwen_ckpt(ckpt_cache, "xml"), device="cpu", spec="off", max_seq_len=1024, progress=False) as llm:
         prep = prepare_chat(llm, [{"role": "user", "content": "Time?"}], {"tools": TIME, "tool_choice": "required"},
                             {}, ChatOptions())
-    assert prep.think_end == "</think>" and "think:" not in prep.grammar.value
+    spec = prep.params(SamplingParams()).structured_outputs
+    assert spec.after == "</think>" and not spec.think
 
 
 def plain(code: dict) -> list[dict]:
