@@ -72,6 +72,9 @@ class Engine:
         self.shared = shared if shared is not None else Shared()
         self.bufs = StepBuffers(trunk.device, graphs=trunk.graphs_enabled)   # reused by every request
         self.fork: Callable[[], Engine] | None = None   # another slot's engine (set by runtime/build.py)
+        # queue an AR step before reading the one before it (a GPU: the device runs it while the host
+        # reads; a CPU runs each launch at once, so it gains nothing there)
+        self.queue_ahead = self.bufs.pinned
 
     @property
     def costs(self) -> CostTable:
@@ -120,9 +123,12 @@ class Engine:
             rows = "the first token and every step" if route == "ar" else "the first token and every verify row"
             if g.after is not None:
                 rows = rows.replace("the first token", f"the first token after {g.after}")
-            reason += (f"; {g.kind} grammar ({g.param}) masks {rows}; each step is read"
-                       f"{' (its drafts too)' if route != 'ar' else ''} before the next is queued "
-                       f"(no one-step-ahead overlap)")
+            reason += f"; {g.kind} grammar ({g.param}) masks {rows}"
+            if route != "ar":
+                reason += "; a drafting step is read (its drafts too) before the next is queued"
+            if route in ("ar", "auto") and self.queue_ahead:
+                reason += ("; an AR step's forward is queued before the step before it is read, its mask "
+                           "built while that forward runs")
         return RoutePlan(route, reason, policy, sp)
 
     @cached_property
@@ -250,14 +256,28 @@ class Engine:
         by_route: dict[str, int] = {}
         log: list[dict[str, Any]] = []
 
-        def start(d: Decision, last: int, last_dev: torch.Tensor, pos: int, room: int):
+        def start(d: Decision, last: int, last_dev: torch.Tensor, pos: int, room: int,
+                  before: Callable[[], bool] | None = None):
+            """Stage, verify and complete a step; `before` runs between its verify and the rest
+            (False: the step is not wanted, None comes back)."""
             k = max(0, min(d.k, room - 1, trunk.max_seq - pos - 1))
             # past min_tokens (the host's count is a lower bound) only penalties need the statistics
             p = pen if sp.penalized or len(out.token_ids) < sp.min_tokens else None
             staged = prepare(trunk, drafters.get(d.route), d.route, last, last_dev, pos, k, sp, gen, bufs, p, con)
-            step = complete(staged, (yield staged.verify))
+            rows = yield staged.verify
+            if before is not None and not before():
+                return None
+            step = complete(staged, rows)
             step.decision = d
             return step
+
+        def read(step: Launched) -> tuple[int, list[int], list[list[float]] | None]:
+            """The step's one host read and commit; its tokens reach the grammar's matcher."""
+            n, toks = finish(step, trunk, fed)
+            lp = step.logprobs()
+            if con is not None:                  # the matcher follows the output before the next step's masks
+                toks = toks[:con.advance(toks)]
+            return n, toks, lp
 
         t0 = time.perf_counter()
         prompt = torch.tensor(ids, device=dev)
@@ -336,14 +356,19 @@ class Engine:
                 t_prev, suspended = time.perf_counter(), 0.0
             if cur is None:
                 cur = yield from start(ctl.decide(), last, last_dev, pos, out.remaining)
-            if ahead is None and cur.k == 0 and out.remaining >= 2 and bufs.pinned and con is None:   # (a CPU runs at launch)
+            got = None
+            if ahead is None and cur.k == 0 and out.remaining >= 2 and self.queue_ahead:
                 d = ctl.decide()
                 if d.k == 0 or d.route == "ar":      # its input is cur's token, already on the device
-                    ahead = yield from start(d, -1, cur.targets[:1], cur.pos + 1, out.remaining - 1)
-            n, toks = finish(cur, trunk, fed)
-            rows_lp = cur.logprobs()
-            if con is not None:                  # the matcher follows the output before the next step's masks
-                toks = toks[:con.advance(toks)]
+                    if con is None:
+                        ahead = yield from start(d, -1, cur.targets[:1], cur.pos + 1, out.remaining - 1)
+                    else:   # its mask needs cur's token in the matcher: cur is read while its verify runs
+                        def read_cur(step: Launched = cur) -> bool:
+                            nonlocal got
+                            got = read(step)
+                            return not con.done
+                        ahead = yield from start(d, -1, cur.targets[:1], cur.pos + 1, out.remaining - 1, read_cur)
+            n, toks, rows_lp = got if got is not None else read(cur)
             now = time.perf_counter()
             stats.record(cur.k, n, toks, cur.route)
             ctl.observe(cur.decision, cur.k, n, now - t_prev - suspended)
