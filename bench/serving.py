@@ -13,8 +13,9 @@ flight (each client thread sends its next request when its last one ends), greed
 every request generates --output-len tokens. Per level: aggregate output tok/s (output tokens /
 wall time), requests/s, TTFT and inter-token latency (between streamed chunks) p50 / p99, time per
 output token, per-request decode tok/s (first to last chunk) p50 / min, the server's mean accept length, and its peak
-memory (GPU memory of its process from nvidia-smi, else its resident set). The server runs one
-request at a time today, so concurrency shows as queueing in TTFT. A table, then one JSON line last.
+memory (GPU memory of its process from nvidia-smi, else its resident set). The server runs the
+requests it holds in shared steps (one packed forward a round); against bench/batch.py's in-process
+rate the figures show what HTTP costs. A table, then one JSON line last.
 """
 from __future__ import annotations
 

@@ -160,12 +160,12 @@ class Segments:
     is rows spans[i] of the packed input, at positions pos0s[i].., over states[i]."""
 
     states: list[SequenceState]
-    pos0s: list[int]
+    pos0s: list                # each an int, or a one-element device tensor (CUDA-graph replay)
     spans: list[tuple[int, int]]
     cos_sins: list = field(default_factory=list)     # each sequence's rotary (set by the forward)
 
     @classmethod
-    def of(cls, states: list[SequenceState], pos0s: list[int], counts: list[int]) -> "Segments":
+    def of(cls, states: list[SequenceState], pos0s: list, counts: list[int]) -> "Segments":
         ends = [sum(counts[:i + 1]) for i in range(len(counts))]
         return cls(list(states), list(pos0s), [(e - c, e) for c, e in zip(counts, ends)])
 

@@ -56,6 +56,7 @@ class Shared:
     costs: CostTable = field(default_factory=CostTable)
     accept_prior: dict[str, Acceptance] = field(default_factory=dict)
     prefix: PrefixCache | None = None       # multi-turn prefix reuse (single device; off by default)
+    width: int = 1                          # verifies in the last forward (the scheduler's packed rounds)
 
 
 class Engine:
@@ -371,7 +372,9 @@ class Engine:
             n, toks, rows_lp = got if got is not None else read(cur)
             now = time.perf_counter()
             stats.record(cur.k, n, toks, cur.route)
-            ctl.observe(cur.decision, cur.k, n, now - t_prev - suspended)
+            # a cycle that shared its forward costs the round, whatever its own route: only cycles
+            # run alone measure the costs auto compares (its acceptance counts either way)
+            ctl.observe(cur.decision, cur.k, n, now - t_prev - suspended if self.shared.width <= 1 else None)
             t_prev, suspended = now, 0.0
             if not log or (log[-1]["route"], log[-1]["k"]) != (cur.route, cur.k):
                 log.append({"at": len(out.token_ids), "route": cur.route, "k": cur.k})

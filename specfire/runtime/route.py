@@ -141,7 +141,7 @@ class Controller(Protocol):
     acc: dict[str, "Acceptance"]         # acceptance per route, carried to the engine's next requests
 
     def decide(self) -> "Decision": ...
-    def observe(self, d: "Decision", k: int, n: int, seconds: float) -> None: ...
+    def observe(self, d: "Decision", k: int, n: int, seconds: float | None) -> None: ...
 
 
 @dataclass
@@ -243,9 +243,11 @@ class RouteController:
         what = "ar" if best[0] == "ar" else f"{best[0]} k={best[1]}"
         return f"auto: {what}; AR step {1e3 * self.cost('ar', 0):.3f} ms; " + "; ".join(parts)
 
-    def observe(self, d: Decision, k: int, n: int, seconds: float) -> None:
-        """A cycle decided as `d` verified k drafts (k <= d.k), accepted n, took `seconds`."""
-        self.costs.add(d.route, k, seconds)
+    def observe(self, d: Decision, k: int, n: int, seconds: float | None) -> None:
+        """A cycle decided as `d` verified k drafts (k <= d.k), accepted n, took `seconds` (None: its
+        time says nothing of its own cost, e.g. it shared a forward with other requests)."""
+        if seconds is not None:
+            self.costs.add(d.route, k, seconds)
         if d.route in self.acc:
             self.acc[d.route].update(k, n, self.tuning.alpha)
         if self.fixed is not None:

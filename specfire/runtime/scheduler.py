@@ -186,6 +186,7 @@ class Scheduler:
             self.forwards += 1
             self.verifies += len(calls)
             self.widest = max(self.widest, len(calls))
+            self.pool.first.shared.width = len(calls)   # (one model: every slot's engine shares it)
             for r, got in zip(waiting, rows):
                 self._advance(r, got)
 

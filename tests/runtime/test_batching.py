@@ -228,6 +228,25 @@ def test_a_forked_prompt_is_prefilled_once_and_each_request_is_its_own(path, pro
         assert fork.snap is not None and not fork.abandoned
 
 
+def test_auto_measures_cycle_costs_only_when_alone(path, prompts, monkeypatch):
+    """A cycle that shared its forward costs the round whatever its route, so auto's cost table
+    takes only cycles run alone (their acceptance still counts): four requests at once add few
+    samples, the same four one after another one per cycle."""
+    from specfire.runtime.route import CostTable
+
+    added = []
+    real = CostTable.add
+    monkeypatch.setattr(CostTable, "add", lambda self, *a: added.append(a) or real(self, *a))
+    reqs = [(SamplingParams(max_tokens=24, ignore_eos=True), SpecPolicy("auto", 3)) for _ in range(4)]
+    with LLM(path, device="cpu", progress=False, max_seq_len=512, max_num_seqs=4) as m:
+        for p, (sp, pol) in zip(prompts, reqs):
+            m.generate(p, sp, spec=pol)
+        alone, added[:] = len(added), []
+        got = m.generate(prompts[:4], [sp for sp, _ in reqs], spec=[pol for _, pol in reqs])
+        cycles = sum(r.stats["per_route"][route]["steps"] for r in got for route in r.stats["per_route"])
+    assert alone >= cycles / 2 and len(added) < cycles / 4, (alone, len(added), cycles)
+
+
 def test_score_runs_on_a_free_slot_beside_a_stream(llm, prompts, alone):
     ref = llm.score(prompts[0])
     it = llm.stream(prompts[1], *MIXED[1])
