@@ -147,21 +147,23 @@ def check_event(g: Relays, ev: Event) -> Response | None:
 
 async def respond(request: Request, st: "ServeState", prep: "Prepared") -> Response:
     g = Relays(request, st, prep)
-    try:
-        firsts = [await r.next() for r in g.all]
-        for ev in firsts:
-            if (early := check_event(g, ev)) is not None:
-                g.end()
-                return early
+    try:                                     # the first choice's first event decides the status
+        first = await g.all[0].next()
+        if (early := check_event(g, first)) is not None:
+            g.end()
+            return early
     except BaseException:
         g.end()
         raise
-    if prep.stream:
+    firsts: list[Event | None] = [first] + [None] * (prep.n - 1)
+    if prep.stream:                          # (a choice still waiting for a slot does not hold the others back)
         return StreamingResponse(stream(g, firsts), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
         ends = []
         for r, ev in zip(g.all, firsts):
+            if ev is None:
+                ev = await r.next()
             while ev[0] == CHUNK:
                 ev = await r.next()
             if (early := check_event(g, ev)) is not None:
@@ -199,16 +201,16 @@ def choice(prep: "Prepared", fin: Finished, index: int, fmt: LogprobFormat) -> d
     return c
 
 
-async def stream(g: Relays, firsts: list[Event]) -> AsyncIterator[str]:
+async def stream(g: Relays, firsts: list[Event | None]) -> AsyncIterator[str]:
     """The choices' events as server-sent events: each choice's pieces in order (interleaved
     between choices as they come), then the usage (when asked) and [DONE]."""
     prep, fins = g.prep, []
     obj = "chat.completion.chunk" if prep.chat else "text_completion"
     queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
-    async def run(r: Relay, first: Event) -> None:
+    async def run(r: Relay, first: Event | None) -> None:
         try:
-            async for kind, item in choice_stream(r, first, obj):
+            async for kind, item in choice_stream(r, first if first is not None else await r.next(), obj):
                 await queue.put((kind, item))
         finally:
             await queue.put(("over", None))
