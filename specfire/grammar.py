@@ -61,6 +61,16 @@ def think_first(src: str, open_: str, close: str | None) -> str:
     return json.dumps({"grammars": [{"name": "think_first", "lark_grammar": main}] + sub})
 
 
+def led(src: str) -> str:
+    """The grammar `src` after at most four spaces or line breaks: a JSON answer that starts after
+    a think block's end ("</think>\n\n{...}"; JSON allows the leading layout, llguidance's JSON
+    grammar does not). The answer is `src` itself as a sub-grammar, its constraint unchanged."""
+    sub = json.loads(src)["grammars"] if src.lstrip().startswith("{") else [{"lark_grammar": src}]
+    sub = [dict(sub[0], name="answer")] + sub[1:]
+    return json.dumps({"grammars": [{"name": "led", "lark_grammar": f"start: LEAD @answer\nLEAD: {THINK_LEAD}\n"}]
+                       + sub})
+
+
 def spec_from_fields(response_format: Any = None, guided_json: Any = None, guided_regex: Any = None,
                      guided_choice: Any = None, guided_grammar: Any = None,
                      structured_outputs: Any = None) -> GrammarSpec | None:
@@ -149,6 +159,8 @@ class GrammarCompiler:
             src = grammar_source(spec)
             if spec.think:
                 src = think_first(src, self.tag(THINK_OPEN) or json.dumps(THINK_OPEN), self.tag(THINK_CLOSE))
+            elif spec.after is not None and spec.kind in ("json_schema", "json_object"):
+                src = led(src)
         except (ValueError, TypeError, RuntimeError) as e:
             raise GrammarError(f"'{spec.param}' cannot be compiled: {e}", spec.param) from None
         err = llguidance.LLMatcher.validate_grammar(src, self.lltok)

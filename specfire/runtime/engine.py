@@ -124,6 +124,8 @@ class Engine:
             rows = "the first token and every step" if route == "ar" else "the first token and every verify row"
             if g.after is not None:
                 rows = rows.replace("the first token", f"the first token after {g.after}")
+            elif g.think:
+                rows = rows.replace("the first token", "the first token after an optional think block")
             reason += f"; {g.kind} grammar ({g.param}) masks {rows}"
             if route != "ar":
                 reason += "; a drafting step is read (its drafts too) before the next is queued"

@@ -93,6 +93,12 @@ def test_an_open_think_block_delays_the_constraint_until_it_closes(xml_llm):
     assert brace in allowed and word not in allowed and tok.tok.token_to_id("<think>") not in allowed
     assert c.advance(tok.encode("reasoning </think>")) == len(tok.encode("reasoning </think>")) and not c.waiting
     assert prep.assistant().reasoning and prep.assistant().in_think
+    # the layout a block's end leaves ("</think>\n\n") may come before the JSON, nothing else may
+    good = FIELDS["response_format"][1]
+    for text, ok in (("\n\n" + good, True), (good, True), ("Sure " + good, False)):
+        m = compiler(xml_llm).matcher(spec)
+        ids = tok.encode(text)
+        assert (m.advance(ids) == len(ids) and m.is_accepting()) is ok, text
 
 
 @pytest.mark.parametrize("kwargs, opts", [({"enable_thinking": False}, ChatOptions()),
@@ -158,3 +164,10 @@ def test_sampled_answers_keep_the_schema(json_llm):
         assert got["city"] in ("Paris", "Rome") and isinstance(got["n"], int) and set(got) == {"city", "n"}
         thought += out.message()["reasoning_content"] is not None
     assert thought                          # the walk took the think block at least once
+
+
+def test_the_route_reason_names_the_optional_block(json_llm):
+    spec, _ = placed(json_llm, FIELDS["guided_regex"][0])
+    assert spec.think
+    reason = json_llm.plan_route(SamplingParams(structured_outputs=spec), {"mode": "off"}).reason
+    assert "after an optional think block" in reason
