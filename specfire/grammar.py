@@ -51,8 +51,7 @@ def think_first(src: str, open_: str, close: str | None) -> str:
     text cannot contain; None: the literal text, which the free text then cannot contain), then at
     most four spaces or line breaks. The answer is `src` itself as a sub-grammar: its constraint is
     unchanged, with or without the block."""
-    sub = json.loads(src)["grammars"] if src.lstrip().startswith("{") else [{"lark_grammar": src}]
-    sub = [dict(sub[0], name="answer")] + sub[1:]
+    sub = _answer(src)
     if close is None:       # the text and its end as one terminal: the lexer knows where the text stops
         block = f"THINK\nTHINK: (/(?s:.*)/ & ~/(?s:.*)<\\/think>(?s:.*)/) {json.dumps(THINK_CLOSE)}"
     else:
@@ -65,10 +64,15 @@ def led(src: str) -> str:
     """The grammar `src` after at most four spaces or line breaks: a JSON answer that starts after
     a think block's end ("</think>\n\n{...}"; JSON allows the leading layout, llguidance's JSON
     grammar does not). The answer is `src` itself as a sub-grammar, its constraint unchanged."""
-    sub = json.loads(src)["grammars"] if src.lstrip().startswith("{") else [{"lark_grammar": src}]
-    sub = [dict(sub[0], name="answer")] + sub[1:]
     return json.dumps({"grammars": [{"name": "led", "lark_grammar": f"start: LEAD @answer\nLEAD: {THINK_LEAD}\n"}]
-                       + sub})
+                       + _answer(src)})
+
+
+def _answer(src: str) -> list[dict]:
+    """The grammars of `src` (llguidance text) with its first one named `answer`, to be referenced
+    as `@answer` from a grammar around it."""
+    sub = json.loads(src)["grammars"] if src.lstrip().startswith("{") else [{"lark_grammar": src}]
+    return [dict(sub[0], name="answer")] + sub[1:]
 
 
 def spec_from_fields(response_format: Any = None, guided_json: Any = None, guided_regex: Any = None,

@@ -216,8 +216,11 @@ class Engine:
                     ev = steps.send(got)
                 except StopIteration:
                     return
-                got = ev.run() if isinstance(ev, Verify) else None
-                if isinstance(ev, StreamChunk):
+                got = None
+                if isinstance(ev, Verify):
+                    self.shared.width = 1           # this engine's verify runs alone
+                    got = ev.run()
+                elif isinstance(ev, StreamChunk):
                     yield ev
         finally:
             steps.close()

@@ -67,8 +67,8 @@ class RowsGraphs:
                 lc.log = log
 
     def logged(self, rows: int) -> None:
-        """An eager forward of `rows` rows left its log in the state's fixed buffers (a packed
-        verify of several slots): commit reads those, as after a replay of that many rows."""
+        """A packed graph's replay (PackedGraphs) left a log of `rows` rows in the state's fixed
+        buffers: commit reads those, as after a replay of this slot's own graph of that many rows."""
         self._rows = rows
 
     def attached(self, state: SequenceState) -> bool:

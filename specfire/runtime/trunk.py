@@ -176,14 +176,10 @@ class LocalTrunk:
         """`verify` of several slots over this model (self among or beside them) in one forward:
         each slot's rows as its own verify gives them, bit for bit (replayed from a CUDA graph per
         slots and row counts where the slots capture graphs: runtime/graphs.py PackedGraphs)."""
-        if self.packs is not None and all(t.graphs is not None for t in trunks):
+        if self.packs is not None:              # (the views of one model all capture graphs, or none)
             return [Rows(l, h) for h, l in self.packs.run(trunks, ids, pos)]
-        counts = [x.shape[0] for x in ids]
-        segs = Segments.of([t.state for t in trunks], pos, counts)
+        segs = Segments.of([t.state for t in trunks], pos, [x.shape[0] for x in ids])
         h, l = self.model.packed(torch.cat(ids), segs)
-        for t, c in zip(trunks, counts):
-            if t.graphs is not None:
-                t.graphs.logged(c)              # the commit graph of c rows reads the log just written
         return [Rows(l[a:b], h[a:b]) for a, b in segs.spans]
 
     def commit(self, n: int) -> None:
