@@ -4,6 +4,7 @@ round over every running request, runtime/scheduler.py), against c = 1.
     python -m bench.batch --shape 27B --tied --concurrency 1,2,4,8 --spec off,mtp
     python -m bench.batch --exact-only           # the bundled model: mixed requests at once == each alone
     python -m bench.batch --smoke                # CPU: the bundled model, tiny levels and the check
+    python -m bench.batch --shape 27B --tied --concurrency 4 --spec off --join 32768   # a long prompt joins
 
 Per (route, c): one warm-up batch (kernels, CUDA graphs of each row layout), then c requests of a
 --prompt-len random prompt generating --output-len tokens each (greedy, ignore_eos). Reports the
@@ -13,7 +14,10 @@ bandwidth ceiling a round's bytes reach (the weights once plus every request's s
 rate is what bench/serving.py's HTTP figures are held against. `--exact` (default on) first runs
 eight requests of mixed policies (AR, MTP k=1 / 3, n-gram, seeded sampled, penalised, min_tokens)
 on the bundled model, alone and then all at once in both arrival orders, and records whether each
-output equals its own alone (bf16 and Q8 KV on a GPU). A table, then one JSON line last.
+output equals its own alone (bf16 and Q8 KV on a GPU). `--join N`: while the largest
+concurrency's AR streams run, an N-token prompt arrives; its prefill goes one piece a round between
+their steps, and the streams' inter-token gaps while it prefills (p50 / p99 / max) are held against
+their median gap before it came. A table, then one JSON line last.
 """
 from __future__ import annotations
 
@@ -52,6 +56,56 @@ def level(m, mode: str, k: int, c: int, args, step_bytes: int, per_seq: int) -> 
         round_bytes = step_bytes + (c - 1) * per_seq
         row["of_ceiling"] = round(round_bytes * fw / dt / CEILING, 3)
     return row
+
+
+def join(m, c: int, n: int, args) -> dict:
+    """c AR streams; once each has streamed 16 chunks an n-token prompt arrives (one warm-up first,
+    for its prefill's kernels): the streams' gaps between chunks before it arrived, and while it
+    prefilled (until its first token)."""
+    import threading
+
+    from specfire import SamplingParams
+
+    vocab = m.cfg.vocab_size
+    long_prompt = random_prompt(vocab, n, seed=999)
+    m.generate(long_prompt, SamplingParams(max_tokens=1))
+    prompts = [random_prompt(vocab, args.prompt_len, seed=700 + i) for i in range(c)]
+    stamps: list[list[float]] = [[] for _ in range(c)]
+    stop = threading.Event()
+
+    def run(i: int) -> None:
+        sp = SamplingParams(max_tokens=m.max_seq_len - args.prompt_len - 1, ignore_eos=True)
+        for _ in m.stream(prompts[i], sp, spec="off"):
+            stamps[i].append(time.perf_counter())
+            if stop.is_set():
+                break                  # closing the stream cancels the request
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(c)]
+    for t in threads:
+        t.start()
+    while min(len(s) for s in stamps) < 16:
+        time.sleep(0.005)
+    t_join = time.perf_counter()
+    first = m.generate(long_prompt, SamplingParams(max_tokens=1))
+    t_first = time.perf_counter()
+    stop.set()
+    for t in threads:
+        t.join()
+    before, during = [], []
+    for s in stamps:
+        for a, b in zip(s, s[1:]):
+            (before if b <= t_join else during if b <= t_first else []).append(b - a)
+    before, during = sorted(before[c:]), sorted(during)   # the first gaps may include prefills
+
+    def pct(xs: list[float], q: float) -> float:
+        return round(1000 * xs[min(len(xs) - 1, int(q * len(xs)))], 2) if xs else 0.0
+
+    med = pct(before, 0.5)
+    return {"c": c, "join_tokens": n, "join_ttft_s": round(t_first - t_join, 3),
+            "gap_ms_median_before": med, "gap_ms_p50_during": pct(during, 0.5), "gap_ms_p99_during": pct(during, 0.99),
+            "gap_ms_max_during": pct(during, 1.0), "gaps_during": len(during),
+            "p99_over_median": round(pct(during, 0.99) / med, 2) if med else 0.0,
+            "join_cached_tokens": first.stats.get("cached_tokens", 0)}
 
 
 def mixed(max_tokens: int):
@@ -106,10 +160,13 @@ def main() -> int:
     ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=True,
                     help="first check mixed requests at once == each alone on the bundled model")
     ap.add_argument("--exact-only", action="store_true", help="only that check")
+    ap.add_argument("--join", type=int, default=None, metavar="N",
+                    help="also: an N-token prompt joins the largest concurrency's AR streams")
     ap.add_argument("--smoke", action="store_true", help="CPU: the bundled model, tiny levels")
     args = ap.parse_args()
     if args.smoke:
         args.shape, args.model, args.concurrency, args.prompt_len, args.output_len = None, None, "1,2", 12, 8
+        args.join = args.join and 48
     concs = [int(x) for x in args.concurrency.split(",")]
     routes = args.spec.split(",")
     from specfire import LLM
@@ -129,9 +186,12 @@ def main() -> int:
         path = write_checkpoint(os.path.join(work, args.shape), cfg, torch.bfloat16 if dev == "cuda" else torch.float32,
                                 dev, tied=args.tied)
         write_tokenizer(path, cfg.vocab_size)
-    rows = []
-    with LLM(path, progress=False, max_seq_len=args.prompt_len + args.output_len + 16,
-             max_num_seqs=args.max_num_seqs or max(concs), **kw) as m:
+    rows, joined = [], None
+    seq_len = args.prompt_len + args.output_len + 16
+    if args.join:
+        seq_len = max(seq_len, args.join + 16, args.prompt_len + 4 * args.output_len)
+    with LLM(path, progress=False, max_seq_len=seq_len, max_num_seqs=args.max_num_seqs or max(concs) + bool(args.join),
+             **kw) as m:
         ctx = args.prompt_len + args.output_len // 2
         step, per_seq = checkpoint_step_bytes(path, ctx), state_bytes(m.cfg, ctx)
         for mode in routes:
@@ -140,13 +200,16 @@ def main() -> int:
                 base = next(r for r in rows if r["route"] == mode)
                 rows[-1]["x_c1"] = round(rows[-1]["agg_tok_s"] / base["agg_tok_s"], 2)
                 print(json.dumps({"stage": "level", **rows[-1]}), flush=True)
+        if args.join:
+            joined = join(m, max(concs), args.join, args)
+            print(json.dumps({"stage": "join", **joined}), flush=True)
     print(f"{'route':6} {'c':>3} {'agg tok/s':>10} {'x c=1':>6} {'decode p50':>10} {'verif/fwd':>9} {'of ceil':>8}")
     for r in rows:
         print(f"{r['route']:6} {r['c']:>3} {r['agg_tok_s']:>10} {r['x_c1']:>6} {r['decode_tok_s_median']:>10} "
               f"{r['verifies_per_forward']:>9} {r.get('of_ceiling', ''):>8}")
     model = f"random {args.shape}{' tied' if args.tied else ''}" if args.shape else path
     summary = {"bench": "batch", **machine(), "model": model, "prompt_len": args.prompt_len,
-               "output_len": args.output_len, "levels": rows, "exact": checks, "ok": ok}
+               "output_len": args.output_len, "levels": rows, "join": joined, "exact": checks, "ok": ok}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "batch.json"), "w") as f:

@@ -1,5 +1,5 @@
 """bench/batch.py --smoke: c = 1 and 2 requests at once on the bundled model (CPU), each level's
-verifies packed into shared forwards, mixed requests at once equal to each alone, one JSON line last and its file under --out."""
+verifies packed into shared forwards, mixed requests at once equal to each alone, one JSON line last and its file under --out; a long prompt joining running streams (--join)."""
 import json
 import sys
 
@@ -7,7 +7,7 @@ from bench import batch
 
 
 def test_batch_smoke_packs_each_level(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(sys, "argv", ["batch", "--smoke", "--out", str(tmp_path)])
+    monkeypatch.setattr(sys, "argv", ["batch", "--smoke", "--join", "1", "--out", str(tmp_path)])
     assert batch.main() == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["bench"] == "batch" and last["ok"] is True
@@ -18,4 +18,8 @@ def test_batch_smoke_packs_each_level(monkeypatch, capsys, tmp_path):
         assert r["tokens"] == 8 * r["c"] and r["agg_tok_s"] > 0
         # rounds held several requests' verifies (one ends earlier where its drafts were accepted more)
         assert r["verifies_per_forward"] == 1.0 if r["c"] == 1 else r["verifies_per_forward"] > 1.5
+    # a 48-token prompt joined the two streams: its prefill ran between their steps (gaps recorded)
+    j = last["join"]
+    assert j["c"] == 2 and j["join_tokens"] == 48 and j["gaps_during"] >= 1 and j["gap_ms_median_before"] > 0
+    assert j["join_cached_tokens"] == 0
     assert json.loads((tmp_path / "batch.json").read_text())["levels"] == last["levels"]
