@@ -15,7 +15,7 @@ from .constraint import Constraint
 from .drafters import BY_NAME, KINDS, Drafter, MtpDrafter, drafting_routes
 from .output import OutputBuilder, TokenLogprobs
 from .prefix import Fork, PrefixCache, restore
-from .route import Acceptance, Controller, CostTable, Decision, RouteController, RoutePlan, select_route
+from .route import Acceptance, Controller, CostTable, Decision, RoundView, RouteController, RoutePlan, select_route
 from .sampling import penalize, pick, token_logprobs
 from .spec import Launched, OnCycle, SpecStats, StepBuffers, complete, finish, prepare
 from .trunk import Rows, Trunk, Verify
@@ -56,7 +56,7 @@ class Shared:
     costs: CostTable = field(default_factory=CostTable)
     accept_prior: dict[str, Acceptance] = field(default_factory=dict)
     prefix: PrefixCache | None = None       # multi-turn prefix reuse (single device; off by default)
-    width: int = 1                          # verifies in the last forward (the scheduler's packed rounds)
+    round: RoundView = field(default_factory=RoundView)   # the scheduler's last shared round (auto prices drafts by it)
 
 
 class Engine:
@@ -179,7 +179,8 @@ class Engine:
         if route == "auto" and not sp.greedy and sp.seed is not None:
             route = next((k.name for k in KINDS if k.seeded and k.name in self.drafters), "ar")
         if route == "auto":
-            return RouteController(policy.k, drafting_routes(self.drafters), self.costs, prior=self.accept_prior)
+            return RouteController(policy.k, drafting_routes(self.drafters), self.costs, prior=self.accept_prior,
+                                   round=self.shared.round)
         fixed = (route, 0 if route == "ar" else policy.k)
         return RouteController(policy.k, () if route == "ar" else (route,), self.costs, fixed=fixed)
 
@@ -218,7 +219,7 @@ class Engine:
                     return
                 got = None
                 if isinstance(ev, Verify):
-                    self.shared.width = 1           # this engine's verify runs alone
+                    self.shared.round.alone()       # this engine's verify runs alone
                     got = ev.run()
                 elif isinstance(ev, StreamChunk):
                     yield ev
@@ -379,7 +380,7 @@ class Engine:
             stats.record(cur.k, n, toks, cur.route)
             # a cycle that shared its forward costs the round, whatever its own route: only cycles
             # run alone measure the costs auto compares (its acceptance counts either way)
-            ctl.observe(cur.decision, cur.k, n, now - t_prev - suspended if self.shared.width <= 1 else None)
+            ctl.observe(cur.decision, cur.k, n, now - t_prev - suspended if self.shared.round.width <= 1 else None)
             t_prev, suspended = now, 0.0
             if not log or (log[-1]["route"], log[-1]["k"]) != (cur.route, cur.k):
                 log.append({"at": len(out.token_ids), "route": cur.route, "k": cur.k})

@@ -3,7 +3,9 @@
 Explicit modes (`off`, `mtp`, `ngram` with the given k) are served exactly as asked. `auto` is
 measured: a `RouteController` that the engine consults between cycles picks AR, MTP or n-gram and
 k by expected tokens per second, from cycle times measured on this engine (`CostTable`, kept
-across requests) and the running acceptance per draft position of this request. Greedy output
+across requests) and the running acceptance per draft position of this request. While requests
+share rounds (`RoundView`), a drafting route is priced by what it adds to the round against the
+request's share of it, so drafting pays less as the batch grows. Greedy output
 does not depend on the choice (every route emits exactly the AR tokens), so it may change at any
 cycle; sampled output keeps AR's distribution on every route.
 """
@@ -82,6 +84,24 @@ class CostTable:
         return sorted(k for (r, k), s in self.samples.items() if r == route and s and k > 0)
 
 
+@dataclass
+class RoundView:
+    """What the scheduler's rounds tell auto: `width`, the verifies in the last forward (1: alone);
+    and of the last round in which every running request verified in that one forward, its wall
+    seconds and each verify's (route, k)."""
+
+    width: int = 1
+    seconds: float | None = None
+    members: tuple[tuple[str, int], ...] = ()
+
+    def alone(self) -> None:
+        self.width, self.seconds, self.members = 1, None, ()
+
+    @property
+    def shared(self) -> bool:
+        return self.width > 1 and len(self.members) > 1 and bool(self.seconds)
+
+
 @dataclass(frozen=True)
 class RouteTuning:
     probe: int = 4           # cycles of each drafting route at the policy's k before choosing
@@ -155,6 +175,7 @@ class RouteController:
     fixed: tuple[str, int] | None = None
     tuning: RouteTuning = field(default_factory=RouteTuning)
     prior: dict[str, Acceptance] | None = None   # acceptance carried over from earlier requests
+    round: RoundView | None = None               # the rounds this request shares (None: it runs alone)
 
     def __post_init__(self) -> None:
         self.acc = {r: Acceptance([None] * self.kmax) for r in self.candidates}
@@ -201,6 +222,31 @@ class RouteController:
         h = 1.0 if a.hit is None else a.hit
         return (h * a.expected_tokens(k) + (1 - h)) / (h * c + (1 - h) * c0)
 
+    def added(self, route: str, k: int) -> float | None:
+        """Seconds a cycle of `route` at k adds to a round over an AR cycle: its alone cost less the
+        AR step's (its drafting, and its extra verify rows priced as alone)."""
+        ar, c = self.cost("ar", 0), self.cost(route, k)
+        return None if ar is None or c is None else max(0.0, c - ar)
+
+    def share(self) -> float:
+        """A request's seconds of the last shared round were every member at AR: the round's time
+        less what its members' drafting added, over its width (at least a quarter of the even split)."""
+        rv = self.round
+        extra = sum(self.added(r, k) or 0.0 for r, k in rv.members if r != "ar" and k > 0)
+        return max(rv.seconds - extra, 0.25 * rv.seconds) / len(rv.members)
+
+    def shared_rate(self, route: str, k: int, share: float) -> float | None:
+        """Expected tokens per second of the request's share of a round with `route` at k: AR's one
+        token per share; a drafting route's expected tokens per share plus what it adds."""
+        if route == "ar" or k == 0:
+            return 1.0 / share
+        a = self.acc[route]
+        d, d0 = self.added(route, k), self.added(route, 0)
+        if d is None or d0 is None:
+            return None
+        h = 1.0 if a.hit is None else a.hit
+        return (h * a.expected_tokens(k) + (1 - h)) / (share + h * d + (1 - h) * d0)
+
     # ---- decisions -------------------------------------------------------------------------------
     def decide(self) -> Decision:
         """The next cycle's route and k; the same answer until the next `observe`."""
@@ -214,7 +260,11 @@ class RouteController:
                 self.reason = f"auto: measuring {r} at k={self.kmax}"
                 return Decision(r, self.kmax, True)
         options = [("ar", 0)] + [(r, k) for r in self.candidates for k in range(1, self.kmax + 1)]
-        rated = {o: self.rate(*o) or 0.0 for o in options}
+        share = self.share() if self.round is not None and self.round.shared else None
+        if share is None:
+            rated = {o: self.rate(*o) or 0.0 for o in options}
+        else:
+            rated = {o: self.shared_rate(*o, share) or 0.0 for o in options}
         best = max(options, key=lambda o: rated[o])
         cur = self.current
         if best != cur and rated.get(cur, 0.0) >= rated[best] * (1 - self.tuning.margin):
@@ -222,7 +272,7 @@ class RouteController:
         if best != cur:
             self.interval = self.tuning.reprobe
         self.current = best
-        self.reason = self._explain(best, rated)
+        self.reason = self._explain(best, rated, share)
         if self.since >= self.interval:                          # check what is not being measured
             stale = [r for r in self.candidates if best != (r, self.kmax)]
             if stale:
@@ -231,17 +281,24 @@ class RouteController:
                 return Decision(r, self.kmax, True)
         return Decision(*best)
 
-    def _explain(self, best: tuple[str, int], rated: dict[tuple[str, int], float]) -> str:
+    def _explain(self, best: tuple[str, int], rated: dict[tuple[str, int], float], share: float | None) -> str:
         ar = rated[("ar", 0)]
         parts = []
         for r in self.candidates:
             k = max(range(1, self.kmax + 1), key=lambda k: rated[(r, k)])
             a = self.acc[r]
             acc = "/".join(f"{x:.2f}" for x in a.rates(k))
-            parts.append(f"{r} k={k} {rated[(r, k)] / ar:.2f}x AR (accept {acc}, {a.expected_tokens(k):.2f} tok "
-                         f"per {self.cost(r, k) / self.cost('ar', 0):.2f}x-AR cycle)")
+            if share is None:
+                per = f"per {self.cost(r, k) / self.cost('ar', 0):.2f}x-AR cycle"
+            else:
+                per = f"for +{1e3 * (self.added(r, k) or 0.0):.3f} ms"
+            parts.append(f"{r} k={k} {rated[(r, k)] / ar:.2f}x AR (accept {acc}, {a.expected_tokens(k):.2f} tok {per})")
         what = "ar" if best[0] == "ar" else f"{best[0]} k={best[1]}"
-        return f"auto: {what}; AR step {1e3 * self.cost('ar', 0):.3f} ms; " + "; ".join(parts)
+        if share is None:
+            return f"auto: {what}; AR step {1e3 * self.cost('ar', 0):.3f} ms; " + "; ".join(parts)
+        rv = self.round
+        return (f"auto: {what}; {len(rv.members)} requests share a {1e3 * rv.seconds:.3f} ms round ({1e3 * share:.3f} ms "
+                f"each at AR: drafting pays less as the batch grows); " + "; ".join(parts))
 
     def observe(self, d: Decision, k: int, n: int, seconds: float | None) -> None:
         """A cycle decided as `d` verified k drafts (k <= d.k), accepted n, took `seconds` (None: its

@@ -168,12 +168,14 @@ class Scheduler:
             for r in gone:
                 self._send(r, CANCELLED, None)
             self._join()
+        t0 = time.perf_counter()
         for r in list(self.running):
             if r.verify is None:
                 self._advance(r, None)
         waiting = [r for r in self.running if r.verify is not None]
         if waiting:                         # one packed forward for every running request's verify
             calls = [r.verify for r in waiting]
+            clean = len(waiting) == len(self.running)     # no prefill piece or chunk-only step in this round
             for r in waiting:
                 r.verify = None
             try:
@@ -186,9 +188,13 @@ class Scheduler:
             self.forwards += 1
             self.verifies += len(calls)
             self.widest = max(self.widest, len(calls))
-            self.pool.first.shared.width = len(calls)   # (one model: every slot's engine shares it)
+            view = self.pool.first.shared.round    # (one model: every slot's engine shares it)
+            view.width = len(calls)
             for r, got in zip(waiting, rows):
                 self._advance(r, got)
+            if clean:                       # what the round cost, for auto's price of drafting under sharing
+                view.seconds = time.perf_counter() - t0
+                view.members = tuple((c.route, c.ids.shape[0] - 1) for c in calls)
 
     def _join(self) -> None:
         """Waiting requests take free slots, in arrival order (the head waits for the next free one)."""

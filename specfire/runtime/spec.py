@@ -201,7 +201,7 @@ class Prepared:
 
     @property
     def verify(self) -> Verify:
-        return Verify(self.trunk, self.ids, self.pos)
+        return Verify(self.trunk, self.ids, self.pos, self.route)
 
 
 def launch(trunk: Trunk, drafter: Drafter | None, route: str, last: int, last_dev: torch.Tensor, pos: int, k: int,

@@ -48,6 +48,7 @@ class Verify:
     trunk: "Trunk"
     ids: torch.Tensor
     pos: int
+    route: str = "ar"                # the step's route (its k is ids' length less one)
 
     def run(self) -> Rows:
         return self.trunk.verify(self.ids, self.pos)

@@ -245,6 +245,9 @@ def test_auto_measures_cycle_costs_only_when_alone(path, prompts, monkeypatch):
         got = m.generate(prompts[:4], [sp for sp, _ in reqs], spec=[pol for _, pol in reqs])
         cycles = sum(r.stats["per_route"][route]["steps"] for r in got for route in r.stats["per_route"])
     assert alone >= cycles / 2 and len(added) < cycles / 4, (alone, len(added), cycles)
+    # a round in which all the running requests verified together was recorded for auto's price of drafting
+    view = m.slots.first.shared.round
+    assert len(view.members) >= 2 and view.seconds > 0 and {r for r, _ in view.members} <= {"ar", "mtp", "ngram"}
 
 
 def test_score_runs_on_a_free_slot_beside_a_stream(llm, prompts, alone):

@@ -7,7 +7,7 @@ import pytest
 
 import specfit
 from specfire import LLM, SamplingParams, SpecPolicy
-from specfire.runtime.route import CostTable, Decision, RouteController, RouteTuning
+from specfire.runtime.route import CostTable, Decision, RoundView, RouteController, RouteTuning
 
 MS = 1e-3
 
@@ -63,6 +63,31 @@ def test_gpu_like_costs_pick_mtp_full_k():
     assert [d.route for d in ds[:2]] == ["ar", "ar"]          # the AR step is measured first
     assert ds[2] == Decision("mtp", 3, check=True)            # then the drafting route
     assert ds[-1] == Decision("mtp", 3) and ctl.reason.startswith("auto: mtp k=3")
+
+
+def test_a_shared_round_prices_drafting_by_what_it_adds():
+    """Alone, MTP k=3 at 2x an AR step with 90% acceptance pays (2.7 tokens per 2 steps). In a round
+    eight requests share, a request's AR share is an eighth of the round, while its drafting still
+    adds a whole AR step: AR wins, and the reason says the round was shared."""
+    view = RoundView()
+    ctl = RouteController(3, ("mtp",), CostTable(), round=view)
+    costs = linear(10 * MS, 10 * MS / 3)
+    it = iter([1] * 9 + [0] + [1] * 9 + [0] + [1] * 100)
+    ds = feed(ctl, costs, lambda r, k: k if next(it) else 0, 16)
+    assert ds[-1] == Decision("mtp", 3)                        # alone: drafting pays
+    view.width, view.seconds, view.members = 8, 24 * MS, (("ar", 0),) * 8
+    assert ctl.share() == pytest.approx(3 * MS)
+    d = ctl.decide()
+    assert d == Decision("ar", 0), ctl.reason
+    assert ctl.reason.startswith("auto: ar; 8 requests share a 24.000 ms round (3.000 ms each at AR")
+    assert "mtp k=" in ctl.reason and "+" in ctl.reason
+    # the round's members that drafted paid for it: their additions come off every member's share
+    view.members = (("mtp", 3),) + (("ar", 0),) * 7
+    assert ctl.share() == pytest.approx((24 - 10) * MS / 8)
+    view.members = (("mtp", 3),) * 3 + (("ar", 0),) * 5      # (never below a quarter of the even split)
+    assert ctl.share() == pytest.approx(0.25 * 24 * MS / 8)
+    view.alone()                                              # alone again: MTP
+    assert ctl.decide() == Decision("mtp", 3)
 
 
 def test_collapse_shortens_k_then_stops_drafting():
