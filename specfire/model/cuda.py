@@ -7,7 +7,6 @@ kernel, and the rotary comes from a table the fused q/k kernel indexes by positi
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..kernels import head as kh
 from ..layers.attention import fuses
@@ -18,14 +17,7 @@ class FusedMtpHead(MtpHead):
     def step(self, emb, hidden, pos0, state, rows, ids=None, embed_weight=None):
         if not fuses(self, hidden):
             return super().step(emb, hidden, pos0, state, rows, ids, embed_weight)
-        if emb is None and isinstance(embed_weight, torch.Tensor) and embed_weight.dtype == hidden.dtype:
-            e, hn = self.pre_fc_norm_embedding, self.pre_fc_norm_hidden      # gather + both norms + cat: one launch
-            x = kh.fc_input(ids, embed_weight, hidden, e.weight, hn.weight, e.eps, hn.eps)
-        else:
-            if emb is None:
-                emb = F.embedding(ids, embed_weight)
-            x = torch.cat([self.pre_fc_norm_embedding(emb, rows), self.pre_fc_norm_hidden(hidden, rows)], dim=-1)
-        x = self.fc(x, rows)
+        x = self.fc(self.fc_input(emb, hidden, rows, ids, embed_weight), rows)
         lc = state.layers[0]
         cos_sin = None
         if lc.k_scale is None and fuses(self.layers[0].self_attn, x):    # the fused q/k kernel reads the table
@@ -33,3 +25,10 @@ class FusedMtpHead(MtpHead):
         if cos_sin is None:
             cos_sin = rotary(self.target, self.cfg, pos0, x.shape[0], x.device, rows)
         return self.block(x, cos_sin, pos0, state, rows)
+
+    def fc_input(self, emb, hidden, rows, ids=None, embed_weight=None):
+        if (emb is None and fuses(self, hidden) and isinstance(embed_weight, torch.Tensor)
+                and embed_weight.dtype == hidden.dtype):
+            e, hn = self.pre_fc_norm_embedding, self.pre_fc_norm_hidden      # gather + both norms + cat: one launch
+            return kh.fc_input(ids, embed_weight, hidden, e.weight, hn.weight, e.eps, hn.eps)
+        return super().fc_input(emb, hidden, rows, ids, embed_weight)

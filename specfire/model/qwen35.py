@@ -188,11 +188,26 @@ class MtpHead(nn.Module):
 
     def step(self, emb, hidden, pos0, state, rows, ids=None, embed_weight=None):
         """fc(cat(norm(emb), norm(hidden))), then the decoder layer and the final norm."""
+        x = self.fc(self.fc_input(emb, hidden, rows, ids, embed_weight), rows)
+        return self.block(x, rotary(self.target, self.cfg, pos0, x.shape[0], x.device, rows), pos0, state, rows)
+
+    def fc_input(self, emb, hidden, rows, ids=None, embed_weight=None) -> torch.Tensor:
+        """cat(norm(emb), norm(hidden)) [R, 2H] (emb None: gathered from embed_weight by ids)."""
         if emb is None:
             emb = F.embedding(ids, embed_weight)
-        x = torch.cat([self.pre_fc_norm_embedding(emb, rows), self.pre_fc_norm_hidden(hidden, rows)], dim=-1)
-        x = self.fc(x, rows)
-        return self.block(x, rotary(self.target, self.cfg, pos0, x.shape[0], x.device, rows), pos0, state, rows)
+        return torch.cat([self.pre_fc_norm_embedding(emb, rows), self.pre_fc_norm_hidden(hidden, rows)], dim=-1)
+
+    def packed(self, emb: torch.Tensor | None, hidden: torch.Tensor, segs: Segments, ids: torch.Tensor | None = None,
+               embed_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows step of several sequences at once (rows segs.spans of emb / hidden, each over its
+        own state in segs.states): the fc, projections, MLP and norms over every row once (every
+        weight read once: the drafters of a round draft together), attention per sequence."""
+        with self.target.scope():
+            x = self.fc(self.fc_input(emb, hidden, True, ids, embed_weight), True)
+            segs.cos_sins = [rotary(self.target, self.cfg, p, b - a, x.device, True)
+                             for p, (a, b) in zip(segs.pos0s, segs.spans)]
+            x, mlp = self.layers[0](x, segs, None, segs.layer(0), True)
+            return self.norm.add(x, mlp, True)
 
     def block(self, x: torch.Tensor, cos_sin, pos0, state: SequenceState, rows: bool):
         """The decoder layer and the final norm over the fc's output x [R, H]."""

@@ -17,7 +17,7 @@ from .output import OutputBuilder, TokenLogprobs
 from .prefix import Fork, PrefixCache, restore
 from .route import Acceptance, Controller, CostTable, Decision, RoundView, RouteController, RoutePlan, select_route
 from .sampling import penalize, pick, token_logprobs
-from .spec import Launched, OnCycle, SpecStats, StepBuffers, complete, finish, prepare
+from .spec import Chains, Launched, OnCycle, SpecStats, StepBuffers, complete, finish, prepare
 from .trunk import Rows, Trunk, Verify
 
 if TYPE_CHECKING:
@@ -221,6 +221,8 @@ class Engine:
                 if isinstance(ev, Verify):
                     self.shared.round.alone()       # this engine's verify runs alone
                     got = ev.run()
+                elif isinstance(ev, Chains):
+                    ev.run()
                 elif isinstance(ev, StreamChunk):
                     yield ev
         finally:
@@ -229,11 +231,13 @@ class Engine:
     def steps(self, ids: list[int], sp: SamplingParams, policy: SpecPolicy, on_cycle: OnCycle | None = None,
               drafter: Drafter | None = None, controller: Controller | None = None,
               plan: RoutePlan | None = None, fork: Fork | None = None
-              ) -> Generator[StreamChunk | Verify | None, Rows | None, None]:
+              ) -> Generator[StreamChunk | Verify | Chains | None, Rows | None, None]:
         """Generate from `ids`, yielding a chunk after every step, None between the prefill's
         forwards (a scheduler runs other requests' steps at every yield) and, where a step needs
         its verify forward, a `Verify`, to be sent back its rows (the scheduler runs every running
-        request's verify in one packed forward: runtime/trunk.py verify_many). `on_cycle(k, n, emitted)` is called after every step; `drafter`,
+        request's verify in one packed forward: runtime/trunk.py verify_many), and where a step's
+        drafter left its next chain pending, a `Chains` (the scheduler queues the round's chains
+        together, spec.queue_chains; sent back None). `on_cycle(k, n, emitted)` is called after every step; `drafter`,
         when given, serves the request instead of the routed one (tests script drafts with it);
         `controller` (the `Controller` protocol), when given, replaces the route's;
         `plan`: the route already decided for this policy and these params (`route`), else decided here.
@@ -274,8 +278,10 @@ class Engine:
             rows = yield staged.verify
             if before is not None and not before():
                 return None
-            step = complete(staged, rows)
+            step = complete(staged, rows, defer=True)
             step.decision = d
+            if step.pending is not None:         # its drafter's next chain: queued with the round's others
+                yield Chains(step.pending)
             return step
 
         def read(step: Launched) -> tuple[int, list[int], list[list[float]] | None]:

@@ -29,6 +29,7 @@ import torch
 from ..errors import SpecfireError
 from ..params import SamplingParams, SpecPolicy
 from .slots import SlotPool
+from .spec import Chains, queue_chains
 from .trunk import Verify, verify_many
 
 if TYPE_CHECKING:
@@ -61,8 +62,9 @@ class Request:
     cancel: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.perf_counter)
     engine: "Engine | None" = None          # its slot, while it runs
-    steps: "Generator[StreamChunk | Verify | None, Rows | None, None] | None" = None
+    steps: "Generator[StreamChunk | Verify | Chains | None, Rows | None, None] | None" = None
     verify: "Verify | None" = None          # the verify forward its step waits for
+    chain: "Chains | None" = None           # the draft chain its step left pending (queued with the round's)
     fork: "Fork | None" = None              # the prompt's prefill, shared with requests of the same prompt
     over: bool = False                      # DONE, ERROR or CANCELLED was sent
 
@@ -192,6 +194,20 @@ class Scheduler:
             view.width = len(calls)
             for r, got in zip(waiting, rows):
                 self._advance(r, got)
+            chained = [r for r in waiting if r.chain is not None]
+            if chained:                     # the draft chains those steps left pending: one packed chain
+                items = [r.chain for r in chained]
+                for r in chained:
+                    r.chain = None
+                try:
+                    queue_chains(items)
+                except Exception as e:
+                    log.exception("a packed draft chain failed")
+                    for r in chained:
+                        self._end(r, ERROR, e)
+                    return
+                for r in chained:
+                    self._advance(r, None)
             if clean:                       # what the round cost, for auto's price of drafting under sharing
                 view.seconds = time.perf_counter() - t0
                 view.members = tuple((c.route, c.ids.shape[0] - 1) for c in calls)
@@ -243,6 +259,9 @@ class Scheduler:
         if isinstance(chunk, Verify):
             r.verify = chunk
             return
+        if isinstance(chunk, Chains):
+            r.chain = chunk
+            return
         if chunk is None:                   # between prefill forwards
             return
         if chunk.result is not None:
@@ -262,7 +281,7 @@ class Scheduler:
                 self.running.remove(r)
         if r.engine is not None:
             self.pool.release(r.engine)
-        r.engine, r.steps, r.verify = None, None, None
+        r.engine, r.steps, r.verify, r.chain = None, None, None, None
         self._send(r, kind, payload)
 
     @staticmethod

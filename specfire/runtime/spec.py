@@ -165,6 +165,7 @@ class Launched:
     got: tuple[int, list[int]] | None = None   # set at launch when the accept already read
     decision: Any = None                 # what the route controller asked for (the engine's note)
     lp: torch.Tensor | None = None       # host copy of the rows' logprobs (`token_logprobs`), when asked
+    pending: Any = None                  # the drafter whose next chain `complete(defer=True)` left pending
 
     def read(self) -> tuple[int, list[int]]:
         if self.got is None:
@@ -244,8 +245,10 @@ def prepare(trunk: Trunk, drafter: Drafter | None, route: str, last: int, last_d
     return Prepared(trunk, drafter, route, pos, ids, draft, q, sp, gen, bufs, pen, con)
 
 
-def complete(p: Prepared, rows: Rows) -> Launched:
-    """`launch` from its verify's rows on: the AR commit, penalties, mask, accept, the host copy."""
+def complete(p: Prepared, rows: Rows, defer: bool = False) -> Launched:
+    """`launch` from its verify's rows on: the AR commit, penalties, mask, accept, the host copy.
+    `defer`: the drafter's next chain, queued here where it can be, may be left pending
+    (`Launched.pending`) for the caller to queue, with other requests' (`queue_chains`)."""
     trunk, drafter, route, pos, ids, draft, q = p.trunk, p.drafter, p.route, p.pos, p.ids, p.draft, p.q
     sp, gen, bufs, pen, con = p.sp, p.gen, p.bufs, p.pen, p.con
     kk = draft.shape[0]
@@ -264,9 +267,11 @@ def complete(p: Prepared, rows: Rows) -> Launched:
         with torch.inference_mode():
             lp = token_logprobs(logits, targets, sp) if sp.logprobs is not None else None
         res, lp, ev = bufs.send(torch.cat([n.view(1), targets]), lp)
+        left = None
         if kk:                                    # e.g. the next MTP chain drafts while the host reads this step
-            drafter.prepare(rows.hidden, targets, n, pos, kk, pen=pen, sp=sp)
-        return Launched(route, kk, pos, rows.hidden, targets, res, ev, lp=lp)
+            if drafter.prepare(rows.hidden, targets, n, pos, kk, pen=pen, sp=sp, defer=defer):
+                left = drafter
+        return Launched(route, kk, pos, rows.hidden, targets, res, ev, lp=lp, pending=left)
     with torch.inference_mode():
         n, targets = bufs.accept(logits, ids[1:], q, sp, gen, graph=pen is None)
         if pen is not None:
@@ -274,6 +279,26 @@ def complete(p: Prepared, rows: Rows) -> Launched:
         lp = token_logprobs(logits, targets, sp) if sp.logprobs is not None else None
     res, lp, ev = bufs.send(torch.cat([n.view(1), targets]), lp)
     return Launched(route, kk, pos, rows.hidden, targets, res, ev, lp=lp)
+
+
+@dataclass
+class Chains:
+    """A step's pending draft chain (`complete(defer=True)`): a scheduler queues a round's together
+    (`queue_chains`), a lone step's runs at once; then the step goes on to its host read."""
+
+    drafter: Any
+
+    def run(self) -> None:
+        self.drafter.queue_pending()
+
+
+def queue_chains(items: list[Chains]) -> None:
+    """Queue every pending chain: those of one head together (MtpDrafter.queue_many)."""
+    by_name: dict[str, list] = {}
+    for c in items:
+        by_name.setdefault(c.drafter.name, []).append(c.drafter)
+    for drafters in by_name.values():
+        drafters[0].queue_many(drafters)
 
 
 def finish(step: Launched, trunk: Trunk, drafters: Sequence[Drafter]) -> tuple[int, list[int]]:

@@ -356,3 +356,38 @@ def test_the_mesh_serves_one_sequence_at_a_time_exactly(path, prompts):
     for i, (sp, _) in enumerate(reqs):
         if sp.greedy:
             assert alone[i] == canon[i], i
+
+
+def test_greedy_draft_chains_of_a_round_run_packed(path, prompts, monkeypatch):
+    """Where chains are queued after the verify (graphs; emulated here), a round's greedy MTP
+    chains run as one packed chain (every weight, the lm_head's included, read once for all the
+    requests): each output is its own alone, and each request accepts what it accepts alone (the
+    packed chain drafts what each chain drafts alone). A packed chain that reads another
+    sequence's head state changes the acceptance (the check can fail)."""
+    from specfire.runtime.drafters import chain as chain_mod
+    from specfire.runtime.drafters import mtp as mtp_mod
+    from specfire.runtime.graphs import DraftGraphs
+
+    sizes = []
+    real = chain_mod.packed_chain_after
+    monkeypatch.setattr(mtp_mod, "packed_chain_after", lambda *a: sizes.append(len(a[4])) or real(*a))
+    reqs = [SamplingParams(max_tokens=n) for n in (24, 20, 28)]
+    with LLM(path, device="cpu", progress=False, max_seq_len=512, max_num_seqs=3) as m:
+        slots = [m.slots.acquire() for _ in range(3)]
+        for eng in slots:
+            d = eng.drafters["mtp"]
+            d.graphs = DraftGraphs(d._chain_for, d.head.fc.weight.device, emulate=True)
+        for eng in slots:
+            m.slots.release(eng)
+        alone = [m.generate(p, sp, spec=SpecPolicy("mtp", 3)) for p, sp in zip(prompts, reqs)]
+        assert sizes == []                                      # one at a time: each chain alone
+        got = m.generate(prompts[:3], reqs, spec=[SpecPolicy("mtp", 3)] * 3)
+        assert [r.token_ids for r in got] == [r.token_ids for r in alone]
+        assert sizes and max(sizes) == 3, sizes
+        assert [r.stats["per_route"]["mtp"] for r in got] == [r.stats["per_route"]["mtp"] for r in alone]
+        # negative control: every sequence's packed chain over the first one's head state
+        monkeypatch.setattr(mtp_mod, "packed_chain_after",
+                            lambda head, lm, emb, ew, states, *a: real(head, lm, emb, ew, [states[0]] * len(states), *a))
+        bad = m.generate(prompts[:3], reqs, spec=[SpecPolicy("mtp", 3)] * 3)
+        assert [r.token_ids for r in bad] == [r.token_ids for r in alone]       # greedy output holds regardless
+        assert [r.stats["per_route"]["mtp"] for r in bad] != [r.stats["per_route"]["mtp"] for r in alone]

@@ -33,9 +33,17 @@ class Drafter(Protocol):
         which comes from the prefill)."""
 
     def prepare(self, hidden: torch.Tensor, targets: torch.Tensor, n: torch.Tensor, pos: int, k: int,
-                pen: Penalties | None = None, sp: SamplingParams | None = None) -> None:
+                pen: Penalties | None = None, sp: SamplingParams | None = None, defer: bool = False) -> bool:
         """Right after a greedy verify of k drafts at `pos`, before its result is read (n, the
-        accepted count, still on the device): queue the next proposal, or do nothing."""
+        accepted count, still on the device): queue the next proposal, or do nothing. `defer`: it
+        may be left pending instead (True back), to be queued with other requests' (`queue_many`)."""
+
+    def queue_pending(self) -> None:
+        """Queue the proposal `prepare(defer=True)` left pending."""
+
+    def queue_many(self, drafters: list["Drafter"]) -> None:
+        """Queue the pending proposals of several requests' drafters of this kind (self among
+        them: a round's), together where they can be."""
 
     def penalises(self, sp: SamplingParams) -> bool:
         """Whether this request's drafts are picked with its penalties (the route reason says so)."""
@@ -46,7 +54,13 @@ class HostDrafter:
     scripted drafters): it writes `name`, `begin`, `propose` and `commit`."""
 
     def prepare(self, hidden: torch.Tensor, targets: torch.Tensor, n: torch.Tensor, pos: int, k: int,
-                pen: Penalties | None = None, sp: SamplingParams | None = None) -> None:
+                pen: Penalties | None = None, sp: SamplingParams | None = None, defer: bool = False) -> bool:
+        return False
+
+    def queue_pending(self) -> None:
+        return None
+
+    def queue_many(self, drafters: list) -> None:
         return None
 
     def penalises(self, sp: SamplingParams) -> bool:

@@ -11,7 +11,7 @@ from ..rng import DeviceRng
 from ..sampling import Penalties, probs, sample
 from ..trunk import Trunk
 from .base import NO_DRAFT
-from .chain import already_picked, argmax, draft_chain, penalized_argmax
+from .chain import already_picked, argmax, draft_chain, packed_chain_after, penalized_argmax
 
 
 class MtpDrafter:
@@ -46,6 +46,7 @@ class MtpDrafter:
         self._tokens: list[torch.Tensor] = []      # the tokens following them, on the device
         self._pos0 = 0                             # position of the first pending row
         self._pre = None                           # ((k, pos, penalty key), drafts) queued by `prepare`
+        self._want = None                          # (hidden, targets, n, pos, k): a chain `prepare` left pending
         self.ahead = True                          # `prepare` queues the next chain (off: after the read)
         # a queued chain of more drafts than asked serves a shorter cycle with its first k (off: it is
         # dropped, and the pending rows are caught up in prefill mode before a new chain)
@@ -113,7 +114,7 @@ class MtpDrafter:
         if t > 1:  # rows 0..t-2: (h_p, x_{p+1})
             self._prefill(prompt[1:], hidden[:-1], 0)
         self._hidden, self._tokens, self._pos0 = [hidden[-1:]], [], t - 1
-        self._pre = None
+        self._pre = self._want = None
 
     @torch.inference_mode()
     def propose(self, last: int, pos: int, k: int, sp: SamplingParams, gen: DeviceRng | None,
@@ -163,18 +164,24 @@ class MtpDrafter:
 
     @torch.inference_mode()
     def prepare(self, hidden: torch.Tensor, targets: torch.Tensor, n: torch.Tensor, pos: int, k: int,
-                pen: Penalties | None = None, sp: SamplingParams | None = None) -> None:
+                pen: Penalties | None = None, sp: SamplingParams | None = None, defer: bool = False) -> bool:
         """Queue the next greedy chain (k drafts) right after a verify of k drafts at `pos`, before its
         result is read: over all k+1 rows (hidden, targets) from row n (the accepted count, still on
         the device). The next `propose` returns it when its pending rows are exactly this verify's
         and it asks for k drafts; otherwise it is dropped. Where the chain replays CUDA graphs, so
         the device drafts while the host reads the step and commits (no idle gap between them).
         `pen`, `sp`: the request's statistics (already counting this step's emitted tokens) and
-        parameters: a penalised chain picks penalised, as `propose` would."""
-        self._pre = None
+        parameters: a penalised chain picks penalised, as `propose` would. `defer`: a plain greedy
+        chain is left pending instead (True comes back), for `queue_many` to queue with the other
+        requests' chains of a round in one packed chain."""
+        self._pre = self._want = None
         if not self.ahead or self.graphs is None or k <= 0 or pos + 2 * k > self.trunk.max_seq:
-            return                                 # (its steps reach pos + n + k - 1)
+            return False                           # (its steps reach pos + n + k - 1)
         self._check_mode()
+        if defer and not self._trunk_picks and penalty_key(pen if sp is not None and self.penalises(sp) else None,
+                                                           sp) is None:
+            self._want = (hidden, targets, n, pos, k)
+            return True
         if self._trunk_picks:
             fresh = not self.graphs.captured(k + 1, k, "after")
             self.trunk.draft_rounds(k, self.graphs.warmup if fresh else 0, 1, now=True)
@@ -184,6 +191,33 @@ class MtpDrafter:
         drafts = self.graphs.draft_after(self._chain_after, targets, hidden, pos, n.view(1), k,
                                          pen=pen if pkey is not None else None, pen_sp=sp)
         self._pre = ((k, pos, pkey), drafts)
+        return False
+
+    @torch.inference_mode()
+    def queue_pending(self) -> None:
+        """Queue the chain `prepare(defer=True)` left pending, alone (its own graph)."""
+        hidden, targets, n, pos, k = self._want
+        self._want = None
+        self._pre = ((k, pos, None), self.graphs.draft_after(self._chain_after, targets, hidden, pos, n.view(1), k))
+
+    @torch.inference_mode()
+    def queue_many(self, drafters: list["MtpDrafter"]) -> None:
+        """The chains a round's steps left pending: those of one head, k and feed as one packed chain
+        (`packed_chain_after`: each weight read once for every request's step), a lone one alone.
+        Greedy drafts change only what is accepted, never what is emitted."""
+        groups: dict[tuple, list[MtpDrafter]] = {}
+        for d in drafters:
+            groups.setdefault((id(d.head), d._want[4], d.feed), []).append(d)
+        for (_, k, feed), group in groups.items():
+            if len(group) == 1:
+                group[0].queue_pending()
+                continue
+            t, wants = group[0].trunk, [d._want for d in group]
+            drafts = packed_chain_after(group[0].head, t.lm_scores, t.embed, t.embed_weight, [d.state for d in group],
+                                        [w[1] for w in wants], [w[0] for w in wants], [w[3] for w in wants],
+                                        [w[2].view(1) for w in wants], k, feed)
+            for i, (d, w) in enumerate(zip(group, wants)):
+                d._want, d._pre = None, ((k, w[3], None), drafts[i])
 
     def _check_mode(self) -> None:
         """Captured greedy chains keep the picks they were captured with: a changed mode drops them."""
