@@ -250,7 +250,7 @@ def test_model_rows_forward_fused_matches_unfused(conv, monkeypatch):
     from specfire.model.qwen35 import Qwen35Trunk
 
     ran = []
-    for mod, name in ((gf, "gdn_decode_triton"), (af, "qk_norm_rope_write_triton")):
+    for mod, name in ((gf, "gdn_rows_triton"), (af, "qk_norm_rope_write_triton")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, real=real, name=name, **k: ran.append(name) or real(*a, **k))
 
@@ -277,4 +277,4 @@ def test_model_rows_forward_fused_matches_unfused(conv, monkeypatch):
         outs[-1] += (lin.rec.clone(), lin.conv.clone())
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    assert ran == (["qk_norm_rope_write_triton"] if conv > 4 else ["gdn_decode_triton", "qk_norm_rope_write_triton"])
+    assert ran == (["qk_norm_rope_write_triton"] if conv > 4 else ["gdn_rows_triton", "qk_norm_rope_write_triton"])

@@ -318,8 +318,10 @@ def seq_table(spans: list[tuple[int, int]], bufs: list[tuple[torch.Tensor, ...]]
         if len(b) != SEQ_COLS - 2 or any(x.dtype != torch.float32 or not x.is_contiguous() for x in b):
             raise ValueError("gdn_decode: a sequence's buffers are (rec, conv, k, delta, dec, full), contiguous float32")
     rows = [[i, j - i, *(x.data_ptr() for x in b)] for (i, j), b in zip(spans, bufs)]
-    return SeqTable(torch.tensor(rows, dtype=torch.int64, device=device), tuple((i, j) for i, j in spans),
-                    all(p % 16 == 0 for r in rows for p in r[2:]))
+    data = torch.tensor(rows, dtype=torch.int64)
+    # pinned and asynchronous on a GPU: no host wait on the stream (the pinned block outlives the copy)
+    data = data.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else data.to(device)
+    return SeqTable(data, tuple((i, j) for i, j in spans), all(p % 16 == 0 for r in rows for p in r[2:]))
 
 
 def gdn_rows_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, a_log: torch.Tensor,
