@@ -56,7 +56,8 @@ class GatedDeltaNet(nn.Module):
 
     def packed(self, x: torch.Tensor, segs: Segments, lcs: list[LayerCache]) -> torch.Tensor:
         """Several sequences' rows (segs.spans of x) in one pass over the weights: the projections
-        over all rows, each sequence's conv, recurrence and log over its own state."""
+        over all rows, each sequence's conv, recurrence and log over its own state (fused: one
+        launch for all of them, the kernel a lone verify launches with one sequence)."""
         f = self.fused_rows(x, True)
         qkv, z, b, a = self.project(x, True)
         if f and self.booked(lcs):      # one launch for every sequence
@@ -115,7 +116,8 @@ class GatedDeltaNet(nn.Module):
             lc.book is not None and lc.slot == slot and lc.book.rec.shape[1:] == (self.hv, self.dk, self.dv)
             and lc.book.conv.shape[2] == self.conv_dim for lc in lcs)
 
-    def fused_core(self, qkv, z, b, a, lcs: list[LayerCache], spans: list[tuple[int, int]], tables: dict) -> torch.Tensor:
+    def fused_core(self, qkv, z, b, a, lcs: list[LayerCache], spans: list[tuple[int, int]],
+                   tables: dict) -> torch.Tensor:
         """Every sequence's rows (spans of qkv) through one fused launch (kernels/gdn/fused.py
         gdn_rows_triton) over their books at this layer's slot; their table is made on the first
         call and kept in `tables` (a Segments' or a book's: as long as a graph replaying it)."""

@@ -98,17 +98,22 @@ def test_gdn_one_launch_equals_each_sequence_alone(rows, hk, hv, dk, dv, kk, bv,
             commit_rows_triton(sa[None], *(x[layer:layer + 1] for x in ba[2:5]), n + 1)
             assert torch.equal(sp, sa)
     # negative control: sequence 0's row names sequence 2's recurrent state (the same head shapes)
-    wrong = gf.SeqTable(table.data.clone(), table.spans, table.aligned)
+    wrong = gf.SeqTable(table.data.clone(), table.spans, table.layers, table.dims, table.aligned)
     wrong.data[0, 2] = table.data[2, 2]
     o_bad = gf.gdn_rows_triton(qkv, a, b, w, a_log, dtb, hk, dk, dv, wrong, layer, z, nw, 1e-6, bv=bv)
     i, j = spans[0]
     assert not torch.equal(o_bad[i:j], o[i:j]) and torch.equal(o_bad[j:], o[j:])
 
 
-def test_gdn_rows_rejects_a_table_that_does_not_tile_the_rows():
+def test_gdn_rows_rejects_tables_that_do_not_fit():
     qkv, a, b, w, a_log, dtb, z, nw = _inputs(3, 1, 2, 4, 4, 4, seed=0)
     bufs = _books(2, 1, 2, 4, 4, 4, qkv.shape[1], [1, 2], seed=0)
     with pytest.raises(ValueError, match="tile the 3 rows"):
-        gf.gdn_rows_triton(qkv, a, b, w, a_log, dtb, 1, 4, 4, gf.seq_table([(0, 1), (2, 3)], bufs, qkv.device))
+        gaps = _books(2, 1, 2, 4, 4, 4, qkv.shape[1], [1, 1], seed=0)
+        gf.gdn_rows_triton(qkv, a, b, w, a_log, dtb, 1, 4, 4, gf.seq_table([(0, 1), (2, 3)], gaps, qkv.device))
     with pytest.raises(ValueError, match="contiguous float32"):
         gf.seq_table([(0, 1)], [tuple(x.double() for x in bufs[0])], qkv.device)
+    with pytest.raises(ValueError, match="contiguous float32"):      # sequence 1's log is of 2 rows
+        gf.seq_table([(0, 1), (1, 2)], bufs, qkv.device)
+    with pytest.raises(ValueError, match="do not hold layer 1"):
+        gf.gdn_rows_triton(qkv, a, b, w, a_log, dtb, 1, 4, 4, gf.seq_table([(0, 1), (1, 3)], bufs, qkv.device), 1)

@@ -299,29 +299,40 @@ def _check(qkv, a, b, w, hk, dk, dv, z, norm_w) -> tuple[int, int, int, int]:
 @dataclass(frozen=True)
 class SeqTable:
     """Where each sequence of a multi-sequence launch lives: `data` int64 [S, SEQ_COLS] on the
-    kernel's device, row s = (first row, row count, addresses of its float32 rec [L, Hv, dk, dv],
-    conv [L, K-1, C], k [L, T, Hv, dk], delta [L, T, Hv, dv], dec [L, T, Hv], full [L, K-1+T, C])
-    (L may be 1); `spans` the same rows on the host, `aligned` every address a multiple of 16 bytes.
-    A CUDA graph reads `data` at replay: build it outside the capture and keep it while the graph lives."""
+    kernel's device, row s = (first row, row count T, addresses of its float32 rec [L, Hv, dk, dv],
+    conv [L, K-1, C], k [L, T, Hv, dk], delta [L, T, Hv, dv], dec [L, T, Hv], full [L, K-1+T, C]);
+    `spans` the same rows on the host, `layers` L, `dims` (Hv, dk, dv, K-1, C), `aligned` every
+    address a multiple of 16 bytes. A CUDA graph reads `data` at replay: build it outside the
+    capture and keep it while the graph lives."""
     data: torch.Tensor
     spans: tuple[tuple[int, int], ...]
+    layers: int
+    dims: tuple[int, ...]
     aligned: bool
 
 
 def seq_table(spans: list[tuple[int, int]], bufs: list[tuple[torch.Tensor, ...]], device: torch.device) -> SeqTable:
     """The table of sequences at rows spans[s] over the buffers bufs[s] = (rec, conv, k, delta, dec,
-    full), each contiguous float32 (the layout SeqTable names)."""
+    full), each contiguous float32 of SeqTable's shapes (the same L and dims for every sequence)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("gdn_decode: a sequence table is made outside a CUDA graph capture "
                            "(the capture's warm-up runs make it; keep it for the replays)")
-    for b in bufs:
-        if len(b) != SEQ_COLS - 2 or any(x.dtype != torch.float32 or not x.is_contiguous() for x in b):
-            raise ValueError("gdn_decode: a sequence's buffers are (rec, conv, k, delta, dec, full), contiguous float32")
+    if not bufs or len(bufs) != len(spans) or any(len(b) != SEQ_COLS - 2 for b in bufs):
+        raise ValueError("gdn_decode: each sequence's buffers are (rec, conv, k, delta, dec, full)")
+    n_l, hv, dk, dv = bufs[0][0].shape
+    km1, c = bufs[0][1].shape[1:]
+    for (i, j), b in zip(spans, bufs):
+        t = j - i
+        shapes = ((n_l, hv, dk, dv), (n_l, km1, c), (n_l, t, hv, dk), (n_l, t, hv, dv), (n_l, t, hv), (n_l, km1 + t, c))
+        if any(tuple(x.shape) != sh or x.dtype != torch.float32 or not x.is_contiguous() for x, sh in zip(b, shapes)):
+            raise ValueError(f"gdn_decode: a sequence's buffers (rec, conv, k, delta, dec, full) must be contiguous "
+                             f"float32 of shapes {shapes}, got {[tuple(x.shape) for x in b]}")
     rows = [[i, j - i, *(x.data_ptr() for x in b)] for (i, j), b in zip(spans, bufs)]
     data = torch.tensor(rows, dtype=torch.int64)
     # pinned and asynchronous on a GPU: no host wait on the stream (the pinned block outlives the copy)
     data = data.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else data.to(device)
-    return SeqTable(data, tuple((i, j) for i, j in spans), all(p % 16 == 0 for r in rows for p in r[2:]))
+    return SeqTable(data, tuple((i, j) for i, j in spans), n_l, (hv, dk, dv, km1, c),
+                    all(p % 16 == 0 for r in rows for p in r[2:]))
 
 
 def gdn_rows_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, a_log: torch.Tensor,
@@ -339,6 +350,9 @@ def gdn_rows_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, w: torc
         raise ValueError(f"gdn_decode: the table's row spans {list(table.spans)} must tile the {t} rows in order")
     if table.data.device != qkv.device or tuple(table.data.shape) != (len(table.spans), SEQ_COLS):
         raise ValueError(f"gdn_decode: the table must be int64 [{len(table.spans)}, {SEQ_COLS}] on {qkv.device}")
+    if table.dims != (hv, dk, dv, kk - 1, c) or not 0 <= layer < table.layers:
+        raise ValueError(f"gdn_decode: the table's states (Hv, dk, dv, K-1, C) {table.dims} over {table.layers} "
+                         f"layer(s) do not hold layer {layer} of {(hv, dk, dv, kk - 1, c)}")
     bv = bv or BV
     bv = min(bv, triton.next_power_of_2(dv))
     norm = z is not None and bv >= dv
@@ -386,7 +400,7 @@ def gdn_decode_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, windo
     if tuple(state.shape) != (hv, dk, dv) or tuple(window.shape) != (kk - 1, c):
         raise ValueError(f"gdn_decode: state must be [{hv}, {dk}, {dv}] and window [{kk - 1}, {c}] "
                          f"(got {list(state.shape)}, {list(window.shape)})")
-    o = gdn_rows_triton(qkv, a, b, w, a_log, dt_bias, hk, dk, dv, seq_table([(0, t)], [(state, window, *out)], qkv.device),
-                        0, z, norm_w, eps, bv, num_warps)
+    table = seq_table([(0, t)], [tuple(x[None] for x in (state, window, *out))], qkv.device)
+    o = gdn_rows_triton(qkv, a, b, w, a_log, dt_bias, hk, dk, dv, table, 0, z, norm_w, eps, bv, num_warps)
     klog, dlog, declog, full = out
     return o, (klog, dlog, declog), full
