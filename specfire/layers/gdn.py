@@ -56,11 +56,15 @@ class GatedDeltaNet(nn.Module):
 
     def packed(self, x: torch.Tensor, segs: Segments, lcs: list[LayerCache]) -> torch.Tensor:
         """Several sequences' rows (segs.spans of x) in one pass over the weights: the projections
-        over all rows, each sequence's conv, recurrence and log over its own state."""
+        over all rows, each sequence's conv, recurrence and log over its own state (fused: one
+        launch for all of them, the kernel a lone verify launches with one sequence)."""
         f = self.fused_rows(x, True)
         qkv, z, b, a = self.project(x, True)
-        o = segs.cat([self.core(qkv[i:j], z[i:j], b[i:j], a[i:j], lc, True, f)
-                      for (i, j), lc in zip(segs.spans, lcs)])
+        if f and self.booked(lcs):      # one launch for every sequence
+            o = self.fused_core(qkv, z, b, a, lcs, segs.spans, segs.gdn_tables)
+        else:
+            o = segs.cat([self.core(qkv[i:j], z[i:j], b[i:j], a[i:j], lc, True, f)
+                          for (i, j), lc in zip(segs.spans, lcs)])
         return self.out(o, True)
 
     def fused_rows(self, x: torch.Tensor, rows: bool) -> bool:
@@ -78,7 +82,9 @@ class GatedDeltaNet(nn.Module):
     def core(self, qkv, z, b, a, lc: LayerCache, rows: bool, fused: bool) -> torch.Tensor:
         """One sequence's gated-norm output [T, Hv, dv] (x's dtype) over its state."""
         t = qkv.shape[0]
-        if fused:
+        if fused and self.booked([lc]):
+            return self.fused_core(qkv, z, b, a, [lc], [(0, t)], lc.book.gdn_tables)
+        if fused:                       # a state without a book (SequenceState.allocate makes one)
             from ..kernels.gdn.fused import gdn_decode_triton
             o, log, full = gdn_decode_triton(qkv, a, b, lc.conv, self.conv1d.weight[:, 0, :], self.A_log, self.dt_bias,
                                              lc.rec, self.hk, self.dk, self.dv, z, self.norm.weight, self.norm.eps,
@@ -101,6 +107,31 @@ class GatedDeltaNet(nn.Module):
             lc.rec.copy_(s)
             lc.conv.copy_(full[-lc.conv.shape[0]:])
         return self.norm(o.to(z.dtype), z.view(t, self.hv, self.dv), rows)                # [T, Hv, dv]
+
+    def booked(self, lcs: list[LayerCache]) -> bool:
+        """Whether the fused kernel can take these caches' states from their books (RowsBook): each
+        its own book, this layer at one slot of all of them, the books of this layer's shapes."""
+        slot = lcs[0].slot
+        return len({id(lc.book) for lc in lcs}) == len(lcs) and all(
+            lc.book is not None and lc.slot == slot and lc.book.rec.shape[1:] == (self.hv, self.dk, self.dv)
+            and lc.book.conv.shape[2] == self.conv_dim for lc in lcs)
+
+    def fused_core(self, qkv, z, b, a, lcs: list[LayerCache], spans: list[tuple[int, int]],
+                   tables: dict) -> torch.Tensor:
+        """Every sequence's rows (spans of qkv) through one fused launch (kernels/gdn/fused.py
+        gdn_rows_triton) over their books at this layer's slot; their table is made on the first
+        call and kept in `tables` (a Segments' or a book's: as long as a graph replaying it)."""
+        from ..kernels.gdn import fused as gf
+        key = (tuple(spans), tuple(id(lc.book) for lc in lcs))
+        table = tables.get(key)
+        if table is None:
+            bufs = [(lc.book.rec, lc.book.conv, *lc.book.log(j - i)) for lc, (i, j) in zip(lcs, spans)]
+            table = tables[key] = gf.seq_table(spans, bufs, qkv.device)
+        o = gf.gdn_rows_triton(qkv, a, b, self.conv1d.weight[:, 0, :], self.A_log, self.dt_bias, self.hk, self.dk,
+                               self.dv, table, lcs[0].slot, z, self.norm.weight, self.norm.eps)
+        for lc, (i, j) in zip(lcs, spans):
+            lc.set_log(*lc.log_buffers(j - i))       # the launch wrote the book's buffers: no copy
+        return o
 
     def heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The conv's output [..., C] -> q, k [..., Hk, dk], v [..., Hv, dv]."""

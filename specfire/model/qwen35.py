@@ -123,8 +123,9 @@ class Qwen35Trunk(nn.Module):
     def packed(self, ids: torch.Tensor, segs: Segments) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows forward of several sequences at once (ids [sum T] packed by segs.spans): each
         row computes what it computes in its own sequence's forward, bit for bit (row-invariant
-        products and elementwise math; attention and Gated DeltaNet per sequence), while every
-        weight is read once for all of them. -> (post-norm hidden, float32 logits) over all rows."""
+        products and elementwise math; attention and Gated DeltaNet over each sequence's own
+        state), while every weight is read once for all of them. -> (post-norm hidden, float32
+        logits) over all rows."""
         with self.target.scope():
             x = self.embed_tokens(ids)
             segs.cos_sins = [rotary(self.target, self.cfg, p, b - a, ids.device, True)

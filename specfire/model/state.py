@@ -21,6 +21,7 @@ class RowsBook:
     def __init__(self, rec: torch.Tensor, conv: torch.Tensor):
         self.rec, self.conv = rec, conv
         self.logs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.gdn_tables: dict = {}      # the fused GDN kernel's tables of this book (layers/gdn.py fused_core)
 
     def log(self, t: int) -> tuple[torch.Tensor, ...]:
         got = self.logs.get(t)
@@ -163,6 +164,7 @@ class Segments:
     pos0s: list                # each an int, or a one-element device tensor (CUDA-graph replay)
     spans: list[tuple[int, int]]
     cos_sins: list = field(default_factory=list)     # each sequence's rotary (set by the forward)
+    gdn_tables: dict = field(default_factory=dict)   # the fused GDN kernel's sequence table (layers/gdn.py)
 
     @classmethod
     def of(cls, states: list[SequenceState], pos0s: list, counts: list[int]) -> "Segments":

@@ -1,19 +1,119 @@
 """The packed rows forward through the GPU's layers (fused attention and Gated DeltaNet kernels,
-interpreted on the CPU): each sequence's rows get the bits of its own verify."""
+interpreted on the CPU): each sequence's rows get the bits of its own verify; the Gated DeltaNet
+kernel covers every sequence of a layer in one launch (kernels/gdn/fused.py gdn_rows_triton)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from packedrows import model, run
+from packedrows import ROWS, model, run
 from specfire.kernels.attention import fused as af
 from specfire.kernels.gdn import fused as gf
+from specfire.kernels.gdn.kernel import commit_rows_triton
 from specfire.layers import CUDA
 
 
 def test_packed_forward_fused_kernels_give_each_sequence_its_own_bits(monkeypatch):
-    ran = []
-    for mod, name in ((gf, "gdn_decode_triton"), (af, "qk_norm_rope_write_triton"), (af, "out_gate_triton")):
+    """Alone, each verify launches the GDN kernel once per layer with one sequence; packed, once
+    per layer with all of them."""
+    ran, gdn_seqs = [], []
+    for mod, name in ((gf, "gdn_rows_triton"), (af, "qk_norm_rope_write_triton"), (af, "out_gate_triton")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, real=real, name=name, **k: ran.append(name) or real(*a, **k))
-    run(model(CUDA, torch.float32, fused=True), torch.float32)
-    assert {"gdn_decode_triton", "qk_norm_rope_write_triton", "out_gate_triton"} <= set(ran)
+    real_rows = gf.gdn_rows_triton
+    monkeypatch.setattr(gf, "gdn_rows_triton", lambda *a, **k: gdn_seqs.append(len(a[9].spans)) or real_rows(*a, **k))
+    m = model(CUDA, torch.float32, fused=True)
+    run(m, torch.float32)
+    n_gdn = sum(hasattr(layer, "linear_attn") for layer in m.layers)
+    assert sorted(gdn_seqs) == [1] * (n_gdn * len(ROWS)) + [len(ROWS)] * n_gdn
+    assert {"qk_norm_rope_write_triton", "out_gate_triton"} <= set(ran)
+
+
+def _books(n_seq, n_l, hv, dk, dv, kk, c, rows, seed):
+    """Each sequence's stacked state (rec [L, Hv, dk, dv], conv [L, K-1, C]) and log buffers of its
+    row count (k, delta, dec, full), as model/state.py RowsBook lays them out, all random: a write
+    to a wrong place shows."""
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randn(sh, generator=g) * 0.3 for sh in (
+        (n_l, hv, dk, dv), (n_l, kk - 1, c), (n_l, t, hv, dk), (n_l, t, hv, dv), (n_l, t, hv), (n_l, kk - 1 + t, c)))
+        for t in rows[:n_seq]]
+
+
+def _inputs(total, hk, hv, dk, dv, kk, seed):
+    g = torch.Generator().manual_seed(seed)
+    c = 2 * hk * dk + hv * dv
+    qkv = torch.randn(total, c, generator=g).to(torch.bfloat16)
+    a = (torch.randn(total, hv, generator=g) * 3).to(torch.bfloat16)
+    b = torch.randn(total, hv, generator=g).to(torch.bfloat16)
+    w = (torch.randn(c, kk, generator=g) * 0.5).to(torch.bfloat16)
+    a_log = (torch.randn(hv, generator=g) * 0.5).to(torch.bfloat16)
+    dtb = torch.randn(hv, generator=g).to(torch.bfloat16)
+    z = (torch.randn(total, hv * dv + 3, generator=g) * 2).to(torch.bfloat16)[:, 1:1 + hv * dv]  # a wider row stride
+    nw = (1 + 0.2 * torch.randn(dv, generator=g)).to(torch.bfloat16)
+    return qkv, a, b, w, a_log, dtb, z, nw
+
+
+def _spans(rows):
+    ends = [sum(rows[:i + 1]) for i in range(len(rows))]
+    return [(e - r, e) for r, e in zip(rows, ends)]
+
+
+@pytest.mark.parametrize("rows,hk,hv,dk,dv,kk,bv,norm", [
+    ([1, 4, 2], 1, 2, 6, 10, 4, 4, True),      # split heads (the norm its own launch), tails dk 6, dv 10
+    ([1, 4, 2], 2, 4, 5, 7, 3, None, True),    # whole heads with the norm inside, conv of 3 taps
+    ([2, 0, 1, 3], 1, 3, 4, 6, 2, 2, False),   # a sequence of no rows among others, no norm
+])
+def test_gdn_one_launch_equals_each_sequence_alone(rows, hk, hv, dk, dv, kk, bv, norm):
+    """Sequences of mixed row counts (AR 1, MTP 4, ...) in one launch over their own stacked
+    states at layer 1 of 3 == each launched alone, bit for bit: outputs, logs (and nothing else
+    of the stacks written), the committed states; a table naming another sequence's state does not."""
+    n_l, layer = 3, 1
+    spans = _spans(rows)
+    qkv, a, b, w, a_log, dtb, z, nw = _inputs(sum(rows), hk, hv, dk, dv, kk, seed=sum(rows) + dv)
+    z, nw = (z, nw) if norm else (None, None)
+    c = qkv.shape[1]
+    packed = _books(len(rows), n_l, hv, dk, dv, kk, c, rows, seed=9)
+    alone = [tuple(x.clone() for x in bk) for bk in packed]
+    before = [tuple(x.clone() for x in bk) for bk in packed]
+    table = gf.seq_table(spans, packed, qkv.device)
+    o = gf.gdn_rows_triton(qkv, a, b, w, a_log, dtb, hk, dk, dv, table, layer, z, nw, 1e-6, bv=bv)
+    assert table.aligned and o.shape == (sum(rows), hv, dv)
+    for (i, j), bp, ba in zip(spans, packed, alone):
+        one = gf.seq_table([(0, j - i)], [ba], qkv.device)
+        zi = None if z is None else z[i:j]
+        o1 = gf.gdn_rows_triton(qkv[i:j], a[i:j], b[i:j], w, a_log, dtb, hk, dk, dv, one, layer, zi, nw, 1e-6, bv=bv)
+        assert torch.equal(o[i:j], o1)
+        assert all(torch.equal(x, y) for x, y in zip(bp, ba))          # logs and windows, every layer
+        # the layer's slices are what the one-sequence API writes from that layer's own tensors, and
+        # no other layer's are touched
+        bb = before[spans.index((i, j))]
+        o2, log2, full2 = gf.gdn_decode_triton(qkv[i:j], a[i:j], b[i:j], bb[1][layer], w, a_log, dtb, bb[0][layer],
+                                               hk, dk, dv, zi, nw, 1e-6, bv=bv)
+        assert torch.equal(o2, o1) and all(torch.equal(x[layer], y) for x, y in zip(bp[2:], (*log2, full2)))
+        assert all(torch.equal(x[m], y[m]) for x, y in zip(bp, bb) for m in range(n_l) if m != layer)
+        assert all(torch.equal(x[layer], y[layer]) for x, y in zip(bp[:2], bb[:2]))   # the live state as it was
+        for n in range(j - i):                                          # commit(n): the same state
+            sp, sa = bp[0][layer].clone(), ba[0][layer].clone()
+            commit_rows_triton(sp[None], *(x[layer:layer + 1] for x in bp[2:5]), n + 1)
+            commit_rows_triton(sa[None], *(x[layer:layer + 1] for x in ba[2:5]), n + 1)
+            assert torch.equal(sp, sa)
+    # negative control: sequence 0's row names sequence 2's recurrent state (the same head shapes)
+    wrong = gf.SeqTable(table.data.clone(), table.spans, table.layers, table.dims, table.aligned)
+    wrong.data[0, 2] = table.data[2, 2]
+    o_bad = gf.gdn_rows_triton(qkv, a, b, w, a_log, dtb, hk, dk, dv, wrong, layer, z, nw, 1e-6, bv=bv)
+    i, j = spans[0]
+    assert not torch.equal(o_bad[i:j], o[i:j]) and torch.equal(o_bad[j:], o[j:])
+
+
+def test_gdn_rows_rejects_tables_that_do_not_fit():
+    qkv, a, b, w, a_log, dtb, z, nw = _inputs(3, 1, 2, 4, 4, 4, seed=0)
+    bufs = _books(2, 1, 2, 4, 4, 4, qkv.shape[1], [1, 2], seed=0)
+    with pytest.raises(ValueError, match="tile the 3 rows"):
+        gaps = _books(2, 1, 2, 4, 4, 4, qkv.shape[1], [1, 1], seed=0)
+        gf.gdn_rows_triton(qkv, a, b, w, a_log, dtb, 1, 4, 4, gf.seq_table([(0, 1), (2, 3)], gaps, qkv.device))
+    with pytest.raises(ValueError, match="contiguous float32"):
+        gf.seq_table([(0, 1)], [tuple(x.double() for x in bufs[0])], qkv.device)
+    with pytest.raises(ValueError, match="contiguous float32"):      # sequence 1's log is of 2 rows
+        gf.seq_table([(0, 1), (1, 2)], bufs, qkv.device)
+    with pytest.raises(ValueError, match="do not hold layer 1"):
+        gf.gdn_rows_triton(qkv, a, b, w, a_log, dtb, 1, 4, 4, gf.seq_table([(0, 1), (1, 3)], bufs, qkv.device), 1)

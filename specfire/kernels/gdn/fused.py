@@ -3,6 +3,8 @@ reads (conv + SiLU, q/k norms, gates, the delta rule, the gated norm on whole he
 state but logs what commit replays, and T rows equal T chained one-row calls bit for bit."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from .._triton import triton, tl
 
@@ -14,6 +16,8 @@ from ..norm.ref import gated_rms_norm_ref
 from ..pdl import wait as pdl_wait
 
 BV = 32         # value columns per program (the gated norm then runs as its own launch)
+SEQ_COLS = 8    # a sequence's table row: first row, row count, addresses of rec, conv, k, delta, dec, full
+_SEQ_COLS = tl.constexpr(SEQ_COLS)   # (the kernel's copy: a jit function reads constexpr globals only)
 NUM_WARPS = 2   # the H200's best for the 27B heads (128 x 128) with BV = 32
 
 
@@ -82,13 +86,26 @@ def _w_tap(w_ptr, ch, ok, j: tl.constexpr, K: tl.constexpr):
     return tl.load(w_ptr + ch * K + j, mask=ok & (j < K), other=0.0).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["n_rows"])   # one binary for every row count: row t runs the same code
-def _gdn_merged_kernel(x_ptr, a_ptr, b_ptr, win_ptr, w_ptr, alog_ptr, dtb_ptr, s_ptr, z_ptr, nw_ptr,
-                       o_ptr, klog_ptr, dlog_ptr, declog_ptr, full_ptr, n_rows, sx, sa, sb, sz, C, KEY_DIM, q_scale,
+@triton.jit
+def _seq_ptr(row_ptr, col: tl.constexpr, ALIGNED: tl.constexpr):
+    """The float32 buffer whose address is column `col` of a sequence's table row (16-byte aligned
+    as the host checked, told to the compiler: the loads and stores vectorise as on a pointer argument)."""
+    p = tl.load(row_ptr + col).to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        p = tl.multiple_of(p, 16)
+    return p
+
+
+@triton.jit(do_not_specialize=["layer"])   # one binary for every layer (a layer index of 1 is no constant)
+def _gdn_merged_kernel(x_ptr, a_ptr, b_ptr, w_ptr, alog_ptr, dtb_ptr, z_ptr, nw_ptr, o_ptr, seq_ptr, layer,
+                       sx, sa, sb, sz, C, KEY_DIM, q_scale,
                        eps, REP: tl.constexpr, K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, KM1P: tl.constexpr, NORM: tl.constexpr,
-                       PDL: tl.constexpr = False):
-    """Row t's terms that do not depend on the state
+                       ALIGNED: tl.constexpr, PDL: tl.constexpr = False):
+    """Sequence program_id(2)'s rows: its first row and row count, and the addresses of its state
+    and log (each the base of a [L, ...] stack whose slice `layer` is this layer's) come from its
+    row of the table `seq_ptr` (SEQ_COLS int64s); the row count is data, not a constant, so one
+    binary serves every row count and every mix of them. Row t's terms that do not depend on the state
     (conv window + SiLU from registers, the gates) are made one row ahead, and the one cross-lane
     reduction a row needs runs as a single four-operand reduce over the key axis: row t+1's
     sum(q^2), sum(k^2), sum(k * S_t exp(g_t+1)) with row t's sum(q * S_t). So
@@ -101,6 +118,21 @@ def _gdn_merged_kernel(x_ptr, a_ptr, b_ptr, win_ptr, w_ptr, alog_ptr, dtb_ptr, s
     h = tl.program_id(0)
     vb = tl.program_id(1)
     hv = tl.num_programs(0)
+    # this sequence: its rows of the packed inputs and output, its layer's slice of each stack
+    row_ptr = seq_ptr + tl.program_id(2) * _SEQ_COLS
+    row0 = tl.load(row_ptr)
+    n_rows = tl.load(row_ptr + 1).to(tl.int32)
+    x_ptr += row0 * sx
+    a_ptr += row0 * sa
+    b_ptr += row0 * sb
+    z_ptr += row0 * sz
+    o_ptr += row0 * (hv * DV)
+    s_ptr = _seq_ptr(row_ptr, 2, ALIGNED) + layer * hv * (DK * DV)
+    win_ptr = _seq_ptr(row_ptr, 3, ALIGNED) + layer * (K - 1) * C
+    klog_ptr = _seq_ptr(row_ptr, 4, ALIGNED) + layer * n_rows * hv * DK
+    dlog_ptr = _seq_ptr(row_ptr, 5, ALIGNED) + layer * n_rows * hv * DV
+    declog_ptr = _seq_ptr(row_ptr, 6, ALIGNED) + layer * n_rows * hv
+    full_ptr = _seq_ptr(row_ptr, 7, ALIGNED) + layer * (K - 1 + n_rows) * C
     offs_k = tl.arange(0, BK)
     k_ok = offs_k < DK
     ar = tl.arange(0, BV)
@@ -248,16 +280,8 @@ def _gdn_merged_kernel(x_ptr, a_ptr, b_ptr, win_ptr, w_ptr, alog_ptr, dtb_ptr, s
     tl.store(full_ptr + offs_r[:, None] * C + ck[None, :], win_k, mask=wm_k)
 
 
-def gdn_decode_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, window: torch.Tensor, w: torch.Tensor,
-                      a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, hk: int, dk: int, dv: int,
-                      z: torch.Tensor | None = None, norm_w: torch.Tensor | None = None, eps: float = 1e-6,
-                      bv: int | None = None, num_warps: int | None = None,
-                      out: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, tuple, torch.Tensor]:
-    """Contract of gdn_decode_ref. `out`: where to write the log and the full window, (k [T, Hv,
-    dk], delta [T, Hv, dv], dec [T, Hv], full [K-1+T, C]), contiguous float32 (default: new). bv (default BV; None: the whole head) splits a head's value
-    columns over programs and num_warps (default NUM_WARPS) the reductions' lanes: neither changes
-    a row's dependence on other rows or heads. The gated norm (z given) runs inside the launch on
-    whole heads, else as kernels/norm/kernel.py's kernel after it."""
+def _check(qkv, a, b, w, hk, dk, dv, z, norm_w) -> tuple[int, int, int, int]:
+    """The launch's rows T, channels C, value heads Hv and conv taps K, after checking the shapes."""
     t, c = qkv.shape
     hv, kk = a.shape[1], w.shape[-1]
     if c != 2 * hk * dk + hv * dv or hv % hk or not 2 <= kk <= MAX_CONV:
@@ -269,11 +293,101 @@ def gdn_decode_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, windo
     for name, x in (("qkv", qkv), ("a", a), ("b", b), ("z", z)):
         if x is not None and x.stride(-1) != 1:
             raise ValueError(f"gdn_decode: {name} must have a unit last stride")
+    return t, c, hv, kk
+
+
+@dataclass(frozen=True)
+class SeqTable:
+    """Where each sequence of a multi-sequence launch lives: `data` int64 [S, SEQ_COLS] on the
+    kernel's device, row s = (first row, row count T, addresses of its float32 rec [L, Hv, dk, dv],
+    conv [L, K-1, C], k [L, T, Hv, dk], delta [L, T, Hv, dv], dec [L, T, Hv], full [L, K-1+T, C]);
+    `spans` the same rows on the host, `layers` L, `dims` (Hv, dk, dv, K-1, C), `aligned` every
+    address a multiple of 16 bytes. A CUDA graph reads `data` at replay: build it outside the
+    capture and keep it while the graph lives."""
+    data: torch.Tensor
+    spans: tuple[tuple[int, int], ...]
+    layers: int
+    dims: tuple[int, ...]
+    aligned: bool
+
+
+def seq_table(spans: list[tuple[int, int]], bufs: list[tuple[torch.Tensor, ...]], device: torch.device) -> SeqTable:
+    """The table of sequences at rows spans[s] over the buffers bufs[s] = (rec, conv, k, delta, dec,
+    full), each contiguous float32 of SeqTable's shapes (the same L and dims for every sequence)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("gdn_decode: a sequence table is made outside a CUDA graph capture "
+                           "(the capture's warm-up runs make it; keep it for the replays)")
+    if not bufs or len(bufs) != len(spans) or any(len(b) != SEQ_COLS - 2 for b in bufs):
+        raise ValueError("gdn_decode: each sequence's buffers are (rec, conv, k, delta, dec, full)")
+    n_l, hv, dk, dv = bufs[0][0].shape
+    km1, c = bufs[0][1].shape[1:]
+    for (i, j), b in zip(spans, bufs):
+        t = j - i
+        shapes = ((n_l, hv, dk, dv), (n_l, km1, c), (n_l, t, hv, dk), (n_l, t, hv, dv), (n_l, t, hv), (n_l, km1 + t, c))
+        if any(tuple(x.shape) != sh or x.dtype != torch.float32 or not x.is_contiguous() for x, sh in zip(b, shapes)):
+            raise ValueError(f"gdn_decode: a sequence's buffers (rec, conv, k, delta, dec, full) must be contiguous "
+                             f"float32 of shapes {shapes}, got {[tuple(x.shape) for x in b]}")
+    rows = [[i, j - i, *(x.data_ptr() for x in b)] for (i, j), b in zip(spans, bufs)]
+    data = torch.tensor(rows, dtype=torch.int64)
+    # pinned and asynchronous on a GPU: no host wait on the stream (the pinned block outlives the copy)
+    data = data.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else data.to(device)
+    return SeqTable(data, tuple((i, j) for i, j in spans), n_l, (hv, dk, dv, km1, c),
+                    all(p % 16 == 0 for r in rows for p in r[2:]))
+
+
+def gdn_rows_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, a_log: torch.Tensor,
+                    dt_bias: torch.Tensor, hk: int, dk: int, dv: int, table: SeqTable, layer: int = 0,
+                    z: torch.Tensor | None = None, norm_w: torch.Tensor | None = None, eps: float = 1e-6,
+                    bv: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """Every sequence of `table` in one launch: rows spans[s] of qkv [T, C], a, b [T, Hv] (and z)
+    over sequence s's state and log, slice `layer` of each (SeqTable) -> o [T, Hv, dv] (qkv's
+    dtype, gated-normed when z is given); each sequence's rows, log and window get the bits of its
+    own launch (one binary: the row count and addresses are data; programs of one sequence read
+    nothing of another's). bv, num_warps: as gdn_decode_triton."""
+    t, c, hv, kk = _check(qkv, a, b, w, hk, dk, dv, z, norm_w)
+    ends = [0] + [j for _, j in table.spans]
+    if any(i != e for (i, _), e in zip(table.spans, ends)) or ends[-1] != t or any(j < i for i, j in table.spans):
+        raise ValueError(f"gdn_decode: the table's row spans {list(table.spans)} must tile the {t} rows in order")
+    if table.data.device != qkv.device or tuple(table.data.shape) != (len(table.spans), SEQ_COLS):
+        raise ValueError(f"gdn_decode: the table must be int64 [{len(table.spans)}, {SEQ_COLS}] on {qkv.device}")
+    if table.dims != (hv, dk, dv, kk - 1, c) or not 0 <= layer < table.layers:
+        raise ValueError(f"gdn_decode: the table's states (Hv, dk, dv, K-1, C) {table.dims} over {table.layers} "
+                         f"layer(s) do not hold layer {layer} of {(hv, dk, dv, kk - 1, c)}")
     bv = bv or BV
-    bv = triton.next_power_of_2(dv) if bv is None else min(bv, triton.next_power_of_2(dv))
+    bv = min(bv, triton.next_power_of_2(dv))
     norm = z is not None and bv >= dv
-    window, w, state = window.contiguous(), w.contiguous(), state.contiguous()
+    w = w.contiguous()
     o = torch.empty(t, hv, dv, device=qkv.device, dtype=qkv.dtype)
+    zz = z if norm else o
+    if table.spans:
+        _gdn_merged_kernel[(hv, triton.cdiv(dv, bv), len(table.spans))](
+            qkv, a, b, w, a_log, dt_bias, zz, norm_w if norm else a_log, o, table.data, layer,
+            qkv.stride(0), a.stride(0), b.stride(0), zz.stride(0), c, hk * dk, dk ** -0.5, eps,
+            REP=hv // hk, K=kk, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv,
+            KM1P=triton.next_power_of_2(kk - 1), NORM=norm, ALIGNED=table.aligned,
+            num_warps=num_warps or NUM_WARPS, **pdl.kw(qkv))
+    if z is not None and not norm:      # split heads: the norm as its own launch
+        from ..norm.kernel import gated_rms_norm_triton
+        o = gated_rms_norm_triton(o, z.view(t, hv, dv), norm_w, eps)
+    return o
+
+
+def gdn_decode_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, window: torch.Tensor, w: torch.Tensor,
+                      a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, hk: int, dk: int, dv: int,
+                      z: torch.Tensor | None = None, norm_w: torch.Tensor | None = None, eps: float = 1e-6,
+                      bv: int | None = None, num_warps: int | None = None,
+                      out: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, tuple, torch.Tensor]:
+    """Contract of gdn_decode_ref: one sequence through gdn_rows_triton (the same kernel as a
+    multi-sequence launch, so alone == packed). `out`: where to write the log and the full window, (k [T, Hv,
+    dk], delta [T, Hv, dv], dec [T, Hv], full [K-1+T, C]), contiguous float32 (default: new). bv (default BV; None: the whole head) splits a head's value
+    columns over programs and num_warps (default NUM_WARPS) the reductions' lanes: neither changes
+    a row's dependence on other rows or heads. The gated norm (z given) runs inside the launch on
+    whole heads, else as kernels/norm/kernel.py's kernel after it. Its sequence table is made per
+    call (eager only: a CUDA graph's launches take a kept table through gdn_rows_triton)."""
+    t, c, hv, kk = _check(qkv, a, b, w, hk, dk, dv, z, norm_w)
+    if window.dtype != torch.float32 or state.dtype != torch.float32:
+        raise ValueError(f"gdn_decode: window and state must be float32 (got {window.dtype}, {state.dtype})")
+    window, state = window.contiguous(), state.contiguous()
     if out is None:
         out = (torch.empty(t, hv, dk, device=qkv.device, dtype=torch.float32),
                torch.empty(t, hv, dv, device=qkv.device, dtype=torch.float32),
@@ -283,14 +397,10 @@ def gdn_decode_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, windo
     if any(tuple(x.shape) != sh or x.dtype != torch.float32 or not x.is_contiguous() for x, sh in zip(out, shapes)):
         raise ValueError(f"gdn_decode: out must be contiguous float32 of shapes {shapes}, "
                          f"got {[tuple(x.shape) for x in out]}")
+    if tuple(state.shape) != (hv, dk, dv) or tuple(window.shape) != (kk - 1, c):
+        raise ValueError(f"gdn_decode: state must be [{hv}, {dk}, {dv}] and window [{kk - 1}, {c}] "
+                         f"(got {list(state.shape)}, {list(window.shape)})")
+    table = seq_table([(0, t)], [tuple(x[None] for x in (state, window, *out))], qkv.device)
+    o = gdn_rows_triton(qkv, a, b, w, a_log, dt_bias, hk, dk, dv, table, 0, z, norm_w, eps, bv, num_warps)
     klog, dlog, declog, full = out
-    zz = z if norm else o
-    _gdn_merged_kernel[(hv, triton.cdiv(dv, bv))](
-        qkv, a, b, window, w, a_log, dt_bias, state, zz, norm_w if norm else a_log, o, klog, dlog, declog, full,
-        t, qkv.stride(0), a.stride(0), b.stride(0), zz.stride(0), c, hk * dk, dk ** -0.5, eps,
-        REP=hv // hk, K=kk, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv,
-        KM1P=triton.next_power_of_2(kk - 1), NORM=norm, num_warps=num_warps or NUM_WARPS, **pdl.kw(qkv))
-    if z is not None and not norm:      # split heads: the norm as its own launch
-        from ..norm.kernel import gated_rms_norm_triton
-        o = gated_rms_norm_triton(o, z.view(t, hv, dv), norm_w, eps)
     return o, (klog, dlog, declog), full
