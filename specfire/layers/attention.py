@@ -54,9 +54,28 @@ class GatedAttention(nn.Module):
         over all rows, each sequence's norms, rotary, KV write and attention over its own cache."""
         f = self.fused_rows(x, segs.cos_sins[0], lcs[0], True)      # (one model: every cache alike)
         qg, k, v = self.project(x, True)
-        o = segs.cat([self.core(qg[a:b], k[a:b], v[a:b], p, cs, lc, True, f)
-                      for (a, b), p, cs, lc in zip(segs.spans, segs.pos0s, segs.cos_sins, lcs)])
+        if f:
+            o = self.core_multi(qg, k, v, segs, lcs)
+        else:
+            o = segs.cat([self.core(qg[a:b], k[a:b], v[a:b], p, cs, lc, True, f)
+                          for (a, b), p, cs, lc in zip(segs.spans, segs.pos0s, segs.cos_sins, lcs)])
         return self.out(o, qg, True, f)
+
+    def core_multi(self, qg, k, v, segs: Segments, lcs: list[LayerCache]) -> torch.Tensor:
+        """`core` (fused) of every sequence at once: one launch per kernel over all rows, each
+        sequence's rows at its own positions into its own cache (kernels/attention/multi.py)."""
+        from ..kernels.attention import fused as af
+        pack = segs.attn_pack
+        if pack is None:        # the packing's tables: made once (a graph's warm-up), then kept
+            pack = segs.attn_pack = ka.RowsPack(segs.spans, qg.device)
+        pack.at(segs.pos0s, segs.cos_sins)
+        t, d = qg.shape[0], self.head_dim
+        cos, sin, table = pack.rotary
+        first = lcs[0]
+        q = af.qk_norm_rope_write_triton(qg, k.view(t, self.n_kv, d), v.view(t, self.n_kv, d), self.q_norm.weight,
+                                         self.k_norm.weight, self.q_norm.eps, cos, sin, first.k, first.v, None,
+                                         table=table, multi=pack.launch(lcs))
+        return ka.attention_rows_multi(q, lcs, pack, self.scale)
 
     def fused_rows(self, x: torch.Tensor, cos_sin, lc: LayerCache, rows: bool) -> bool:
         """Whether the fused q/k/write and output-gate kernels run (FusedGatedAttention)."""

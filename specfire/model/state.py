@@ -163,6 +163,7 @@ class Segments:
     pos0s: list                # each an int, or a one-element device tensor (CUDA-graph replay)
     spans: list[tuple[int, int]]
     cos_sins: list = field(default_factory=list)     # each sequence's rotary (set by the forward)
+    attn_pack: object = None    # the fused attention's tables of these sequences (kernels/attention RowsPack)
 
     @classmethod
     def of(cls, states: list[SequenceState], pos0s: list, counts: list[int]) -> "Segments":

@@ -17,3 +17,31 @@ def test_packed_forward_fused_kernels_give_each_sequence_its_own_bits(monkeypatc
         monkeypatch.setattr(mod, name, lambda *a, real=real, name=name, **k: ran.append(name) or real(*a, **k))
     run(model(CUDA, torch.float32, fused=True), torch.float32)
     assert {"gdn_decode_triton", "qk_norm_rope_write_triton", "out_gate_triton"} <= set(ran)
+
+
+def test_packed_forward_attention_kernels_launch_once_per_layer(monkeypatch):
+    """With the attention kernels on (as on CUDA; interpreted here), the packed forward launches
+    the q/k write, the split attention and its combine once per attention layer for all three
+    sequences, and each sequence still gets its own verify's bits (which run the same kernels)."""
+    from specfire.kernels import attention as A
+    from specfire.kernels.attention import kernel as ak
+
+    monkeypatch.setattr(A, "_use_kernel", lambda q: q.shape[-1] in A.KERNEL_HEAD_DIMS)
+    launches = []
+    for mod, name in ((af, "_qk_kernel"), (ak, "_attn_split_kernel"), (ak, "_attn_combine_kernel")):
+        real = getattr(mod, name)
+
+        class Counted:
+            def __getitem__(self, grid, real=real, name=name):
+                def go(*a, **k):
+                    launches.append((name, k.get("MULTI", False)))
+                    return real[grid](*a, **k)
+                return go
+        monkeypatch.setattr(mod, name, Counted())
+    m = model(CUDA, torch.float32, fused=True)
+    run(m, torch.float32)
+    packed = [x for x in launches if x[1]]
+    n_attn = sum(hasattr(layer, "self_attn") for layer in m.layers)
+    assert sorted(packed) == sorted((n, True) for n in ("_qk_kernel", "_attn_split_kernel", "_attn_combine_kernel")
+                                    for _ in range(n_attn))
+    assert len(launches) - len(packed) == 3 * n_attn * 3      # each sequence alone: the same kernels, one each
