@@ -119,6 +119,7 @@ class _PackedGraph:
     logits: torch.Tensor
     logs: list[list[tuple[torch.Tensor, ...] | None]]   # per slot, per layer
     spans: list[tuple[int, int]]
+    segs: object = None                     # what the replay reads besides: attention's tables (Segments.attn_pack)
 
 
 class PackedGraphs:
@@ -173,7 +174,7 @@ class PackedGraphs:
             hidden, logits = self.model.packed(ids_buf, segs)
         logs = [[lc.log for lc in t.state.layers] for t in trunks]
         log.info("captured a CUDA graph for %d slots' %d rows", len(trunks), ids_buf.shape[0])
-        return _PackedGraph(graph, ids_buf, hidden, logits, logs, segs.spans)
+        return _PackedGraph(graph, ids_buf, hidden, logits, logs, segs.spans, segs)
 
 
 @dataclass

@@ -57,20 +57,34 @@ def _online_softmax_step(q, k, v, offs_n, pos, m_i, l_i, acc, qk_scale, PREC: tl
 
 @triton.jit
 def _seq(seq_ptr, spos_ptr, s):
-    """Sequence s of a launch over several (kernels/attention/multi.py): its first row among the
-    launch's rows, its row count and its first row's position."""
+    """Sequence s of a launch over several (multi.py): its first row, row count, first position."""
     return (tl.load(seq_ptr + 2 * s).to(tl.int32), tl.load(seq_ptr + 2 * s + 1).to(tl.int32),
             tl.load(spos_ptr + s).to(tl.int32))
 
 
 @triton.jit
 def _table_ptr(tab_ptr, s, j, like, ALIGN: tl.constexpr):
-    """Pointer j (k, v, k_scale, v_scale) of sequence s's layer cache from the int64 table [n, 4],
-    typed as `like`; ALIGN: every table entry is 16-byte aligned, as a tensor argument would be."""
+    """Address j (k, v, k_scale, v_scale) of sequence s's cache in the int64 table [n, 4], typed as
+    `like`; ALIGN: all 16-byte aligned (what a tensor argument's specialization would tell)."""
     p = tl.load(tab_ptr + 4 * s + j).to(like.dtype)
     if ALIGN:
         p = tl.multiple_of(p, 16)
     return p
+
+
+@triton.jit
+def _seq_split(seq_ptr, spos_ptr, tab_ptr, pid, n_kvh, k_ptr, v_ptr, ks_ptr, vs_ptr, SCALES: tl.constexpr,
+               ALIGN: tl.constexpr):
+    """A split program of a launch over several sequences, whose axis 2 `pid` is (sequence, KV
+    head): (KV head, first row, row count, position, its cache's k, v, k_scale, v_scale)."""
+    s = pid // n_kvh
+    row0, n_rows, pos0 = _seq(seq_ptr, spos_ptr, s)
+    k_ptr = _table_ptr(tab_ptr, s, 0, k_ptr, ALIGN)
+    v_ptr = _table_ptr(tab_ptr, s, 1, v_ptr, ALIGN)
+    if SCALES:
+        ks_ptr = _table_ptr(tab_ptr, s, 2, ks_ptr, ALIGN)
+        vs_ptr = _table_ptr(tab_ptr, s, 3, vs_ptr, ALIGN)
+    return pid % n_kvh, row0, n_rows, pos0, k_ptr, v_ptr, ks_ptr, vs_ptr
 
 
 @triton.jit
@@ -133,16 +147,10 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
     kvh = tl.program_id(2)
     hq = tl.num_programs(2) * REP
     row0 = 0
-    if MULTI:    # axis 2 is (sequence, KV head): the sequence's rows, position and cache
-        s = kvh // n_kvh
-        kvh = kvh % n_kvh
+    if MULTI:    # one of several sequences (multi.py): its rows, position and cache
         hq = n_kvh * REP
-        row0, n_rows, pos0 = _seq(seq_ptr, spos_ptr, s)
-        k_ptr = _table_ptr(tab_ptr, s, 0, k_ptr, ALIGN)
-        v_ptr = _table_ptr(tab_ptr, s, 1, v_ptr, ALIGN)
-        if Q8:
-            ks_ptr = _table_ptr(tab_ptr, s, 2, ks_ptr, ALIGN)
-            vs_ptr = _table_ptr(tab_ptr, s, 3, vs_ptr, ALIGN)
+        kvh, row0, n_rows, pos0, k_ptr, v_ptr, ks_ptr, vs_ptr = _seq_split(
+            seq_ptr, spos_ptr, tab_ptr, kvh, n_kvh, k_ptr, v_ptr, ks_ptr, vs_ptr, Q8, ALIGN)
     offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)        # pair = row * REP + head-in-group
     row = offs_m // REP
     head = kvh * REP + offs_m % REP
@@ -233,15 +241,10 @@ def _attn_q8t_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
     kvh = tl.program_id(2)
     hq = tl.num_programs(2) * REP
     row0 = 0
-    if MULTI:    # as _attn_split_kernel
-        s = kvh // n_kvh
-        kvh = kvh % n_kvh
+    if MULTI:    # one of several sequences (multi.py): its rows, position and cache
         hq = n_kvh * REP
-        row0, n_rows, pos0 = _seq(seq_ptr, spos_ptr, s)
-        k_ptr = _table_ptr(tab_ptr, s, 0, k_ptr, ALIGN)
-        v_ptr = _table_ptr(tab_ptr, s, 1, v_ptr, ALIGN)
-        ks_ptr = _table_ptr(tab_ptr, s, 2, ks_ptr, ALIGN)
-        vs_ptr = _table_ptr(tab_ptr, s, 3, vs_ptr, ALIGN)
+        kvh, row0, n_rows, pos0, k_ptr, v_ptr, ks_ptr, vs_ptr = _seq_split(
+            seq_ptr, spos_ptr, tab_ptr, kvh, n_kvh, k_ptr, v_ptr, ks_ptr, vs_ptr, True, ALIGN)
     offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     row = offs_m // REP
     head = kvh * REP + offs_m % REP
