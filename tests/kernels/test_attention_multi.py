@@ -146,3 +146,24 @@ def test_rows_pack_refuses_what_it_cannot_launch():
     lcs = [_caches("bf", 1, 16, gen), _caches("bf", 1, 16, gen), _caches("bf", 1, 16, gen, n=N + 1)]
     with pytest.raises(ValueError, match="sequence 2's layer cache"):
         cache_table(lcs)
+
+
+@pytest.mark.parametrize("device_pos", [False, True], ids=["int-pos", "tensor-pos"])
+def test_q8_rows_write_of_several_sequences_in_one_launch_is_each_kv_write(device_pos):
+    """A Q8 cache's packed rows write (quantized over all rows, one copy launch) leaves each
+    sequence's whole cache (codes, key-minor values, scales) as its own kv_write does."""
+    gen = torch.Generator().manual_seed(23)
+    hkv, d = 2, 16
+    kx, vx = torch.randn(sum(ROWS), hkv, d, generator=gen), torch.randn(sum(ROWS), hkv, d, generator=gen)
+    alone = [_caches("q8t", hkv, d, gen) for _ in ROWS]
+    multi = [SimpleNamespace(**{f: getattr(lc, f).clone() for f in ("k", "k_scale", "v_scale")}) for lc in alone]
+    for m, lc in zip(multi, alone):         # the value cache's own layout (key-minor, padded storage)
+        m.v = A.q8_value_cache(N, hkv, d, "cpu")
+        m.v.copy_(lc.v)
+    for (a, b), lc, p in zip(_spans(ROWS), alone, POS0):
+        A.kv_write(lc, p, kx[a:b], vx[a:b])
+    pack = _pack(ROWS, [torch.tensor([p]) for p in POS0] if device_pos else POS0)
+    af.q8_write_multi_triton(kx, vx, multi, pack.launch(multi))
+    for m, lc in zip(multi, alone):
+        for f in ("k", "v", "k_scale", "v_scale"):
+            assert torch.equal(getattr(m, f), getattr(lc, f)), f

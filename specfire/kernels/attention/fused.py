@@ -151,6 +151,51 @@ def qk_norm_rope_write_triton(qg: torch.Tensor, kx: torch.Tensor, vx: torch.Tens
 
 
 @triton.jit
+def _q8_rows_kernel(kq_ptr, vq_ptr, ks_ptr, vs_ptr, kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, seq_ptr, spos_ptr, rseq_ptr,
+                    tab_ptr, D, NS, s_kt, s_kh, s_vt, s_vh, s_st, s_sh, c_kn, c_kh, c_vn, c_vh, c_vd, c_sn, c_sh,
+                    BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, ALIGN: tl.constexpr, PDL: tl.constexpr = False):
+    """One (row, KV head) of several sequences' quantized rows: codes and scales copied into the
+    row's sequence's Q8 cache at its position (values at any strides: the key-minor layout)."""
+    pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (kernels/pdl.py)
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    sq = tl.load(rseq_ptr + t)
+    row0, n_rows, pos0 = _seq(seq_ptr, spos_ptr, sq)
+    p = pos0.to(tl.int64) + (t - row0)
+    offs = tl.arange(0, BLOCK)
+    m = offs < D
+    kc = _table_ptr(tab_ptr, sq, 0, kc_ptr, ALIGN)
+    vc = _table_ptr(tab_ptr, sq, 1, vc_ptr, ALIGN)
+    tl.store(kc + p * c_kn + h * c_kh + offs, tl.load(kq_ptr + t * s_kt + h * s_kh + offs, mask=m), mask=m)
+    tl.store(vc + p * c_vn + h * c_vh + offs * c_vd, tl.load(vq_ptr + t * s_vt + h * s_vh + offs, mask=m), mask=m)
+    j = tl.arange(0, BLOCK_S)
+    ms = j < NS
+    ksc = _table_ptr(tab_ptr, sq, 2, ksc_ptr, ALIGN)
+    vsc = _table_ptr(tab_ptr, sq, 3, vsc_ptr, ALIGN)
+    tl.store(ksc + p * c_sn + h * c_sh + j, tl.load(ks_ptr + t * s_st + h * s_sh + j, mask=ms), mask=ms)
+    tl.store(vsc + p * c_sn + h * c_sh + j, tl.load(vs_ptr + t * s_st + h * s_sh + j, mask=ms), mask=ms)
+
+
+def q8_write_multi_triton(kx: torch.Tensor, vx: torch.Tensor, lcs: list, multi: Launch) -> None:
+    """kv_write of several sequences' rows kx, vx [R, Hkv, D] into their Q8 caches (lcs, laid out
+    alike) at their positions: quantized over all rows at once (row by row, as for one sequence's
+    rows), then one launch copies each row's codes and scales into its own sequence's cache."""
+    first = lcs[0]
+    if first.k.stride(-1) != 1 or first.k_scale.stride(-1) != 1 or first.k_scale.stride() != first.v_scale.stride():
+        raise ValueError("q8 rows write: keys and scales need their last dim contiguous, scales alike")
+    (kq, ks), (vq, vs) = attn_ops.quantize_q8(kx), attn_ops.quantize_q8(vx)
+    t, hkv, d = kq.shape
+    if t:
+        kc, vc, sc = first.k, first.v, first.k_scale
+        _q8_rows_kernel[(t, hkv)](
+            kq, vq, ks, vs, kc, vc, sc, first.v_scale, multi.seqs, multi.pos, multi.row_seq, multi.table, d,
+            ks.shape[-1], kq.stride(0), kq.stride(1), vq.stride(0), vq.stride(1), ks.stride(0), ks.stride(1),
+            kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), vc.stride(2), sc.stride(0), sc.stride(1),
+            BLOCK=triton.next_power_of_2(d), BLOCK_S=triton.next_power_of_2(ks.shape[-1]), ALIGN=multi.align,
+            **pdl.kw(kq))
+
+
+@triton.jit
 def _gate_kernel(o_ptr, qg_ptr, y_ptr, HQ, D, s_qt, s_qh, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
                  xs_ptr=None, XS: tl.constexpr = 0):
     pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (kernels/pdl.py)
