@@ -48,7 +48,7 @@ def snapshot(st, pos, rows):
         if lc.rec is not None:
             got += [x.clone() for x in lc.log] + [lc.rec.clone(), lc.conv.clone()]
         else:
-            got += [lc.k[pos:pos + rows].clone(), lc.v[pos:pos + rows].clone()]
+            got += [x[pos:pos + rows].clone() for x in (lc.k, lc.v, lc.k_scale, lc.v_scale) if x is not None]
     return got
 
 

@@ -54,12 +54,49 @@ class GatedAttention(nn.Module):
         over all rows, each sequence's norms, rotary, KV write and attention over its own cache."""
         f = self.fused_rows(x, segs.cos_sins[0], lcs[0], True)      # (one model: every cache alike)
         qg, k, v = self.project(x, True)
-        o = segs.cat([self.core(qg[a:b], k[a:b], v[a:b], p, cs, lc, True, f)
-                      for (a, b), p, cs, lc in zip(segs.spans, segs.pos0s, segs.cos_sins, lcs)])
+        if f:
+            o = self.core_multi(qg, k, v, segs, lcs)
+        elif self.q8_rows(x, lcs[0]):
+            o = self.core_multi_q8(qg, k, v, segs, lcs)
+        else:
+            o = segs.cat([self.core(qg[a:b], k[a:b], v[a:b], p, cs, lc, True, f)
+                          for (a, b), p, cs, lc in zip(segs.spans, segs.pos0s, segs.cos_sins, lcs)])
         return self.out(o, qg, True, f)
+
+    def core_multi(self, qg, k, v, segs: Segments, lcs: list[LayerCache]) -> torch.Tensor:
+        """`core` (fused) of every sequence at once: one launch per kernel over all rows, each
+        sequence's rows at its own positions into its own cache (kernels/attention/multi.py)."""
+        from ..kernels.attention import fused as af
+        pack = rows_pack(segs, qg.device)
+        t, d = qg.shape[0], self.head_dim
+        cos, sin, table = pack.rotary
+        first = lcs[0]
+        q = af.qk_norm_rope_write_triton(qg, k.view(t, self.n_kv, d), v.view(t, self.n_kv, d), self.q_norm.weight,
+                                         self.k_norm.weight, self.q_norm.eps, cos, sin, first.k, first.v, None,
+                                         table=table, multi=pack.launch(lcs))
+        return ka.attention_rows_multi(q, lcs, pack, self.scale)
+
+    def core_multi_q8(self, qg, k, v, segs: Segments, lcs: list[LayerCache]) -> torch.Tensor:
+        """`core` (unfused: a Q8 cache) of every sequence at once: the norms and rotary over all
+        rows (row by row alike), then one launch writes each sequence's quantized rows into its
+        cache and one attention launch (with its combine) serves them all."""
+        from ..kernels.attention import fused as af
+        pack = rows_pack(segs, qg.device)
+        t, d = qg.shape[0], self.head_dim
+        cos, sin, table = pack.rotary
+        if table:
+            raise ValueError("GatedAttention: a rotary table is read by the fused q/k kernel only")
+        q = apply_rope(self.q_norm(qg[..., :d], True), cos, sin)
+        k = apply_rope(self.k_norm(k.view(t, self.n_kv, d), True), cos, sin)
+        af.q8_write_multi_triton(k, v.view(t, self.n_kv, d), lcs, pack.launch(lcs))
+        return ka.attention_rows_multi(q, lcs, pack, self.scale).to(qg.dtype)
 
     def fused_rows(self, x: torch.Tensor, cos_sin, lc: LayerCache, rows: bool) -> bool:
         """Whether the fused q/k/write and output-gate kernels run (FusedGatedAttention)."""
+        return False
+
+    def q8_rows(self, x: torch.Tensor, lc: LayerCache) -> bool:
+        """Whether a packed forward over Q8 caches writes and attends in one launch each."""
         return False
 
     def project(self, x: torch.Tensor, rows: bool):
@@ -96,6 +133,16 @@ class GatedAttention(nn.Module):
         return ka.attention_prefill(q, lc.k, lc.v, pos0, self.scale, lc.k_scale, lc.v_scale, q_block=self.q_block)
 
 
+def rows_pack(segs: Segments, device: torch.device) -> ka.RowsPack:
+    """The attention tables of a packed forward's sequences, made by its first attention layer
+    (once: a packed graph's warm-up makes them before its capture), with this forward's positions."""
+    pack = segs.attn_pack
+    if pack is None:
+        pack = segs.attn_pack = ka.RowsPack(segs.spans, device)
+    pack.at(segs.pos0s, segs.cos_sins)
+    return pack
+
+
 def fuses(mod: nn.Module, x: torch.Tensor) -> bool:
     """Whether a fused layer (or the MTP head) runs its Triton kernels: on CUDA, unless its `fused`
     says otherwise (a CPU test sets True: the interpreter)."""
@@ -112,3 +159,6 @@ class FusedGatedAttention(GatedAttention):
         if table:
             raise ValueError("GatedAttention: a rotary table is read by the fused q/k kernel only")
         return False
+
+    def q8_rows(self, x, lc):
+        return lc.k_scale is not None and fuses(self, x)

@@ -165,6 +165,7 @@ class Segments:
     spans: list[tuple[int, int]]
     cos_sins: list = field(default_factory=list)     # each sequence's rotary (set by the forward)
     gdn_tables: dict = field(default_factory=dict)   # the fused GDN kernel's sequence table (layers/gdn.py)
+    attn_pack: object = None    # the fused attention's tables of these sequences (kernels/attention RowsPack)
 
     @classmethod
     def of(cls, states: list[SequenceState], pos0s: list, counts: list[int]) -> "Segments":

@@ -119,7 +119,7 @@ class _PackedGraph:
     logits: torch.Tensor
     logs: list[list[tuple[torch.Tensor, ...] | None]]   # per slot, per layer
     spans: list[tuple[int, int]]
-    segs: object                            # the captured Segments: the device tables its launches read
+    segs: object                            # the captured Segments: the device tables its launches read (GDN's, attention's)
 
 
 class PackedGraphs:

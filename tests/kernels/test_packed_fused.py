@@ -117,3 +117,36 @@ def test_gdn_rows_rejects_tables_that_do_not_fit():
         gf.seq_table([(0, 1), (1, 2)], bufs, qkv.device)
     with pytest.raises(ValueError, match="do not hold layer 1"):
         gf.gdn_rows_triton(qkv, a, b, w, a_log, dtb, 1, 4, 4, gf.seq_table([(0, 1), (1, 3)], bufs, qkv.device), 1)
+
+
+@pytest.mark.parametrize("q8", [False, True], ids=["bf-cache", "q8-cache"])
+def test_packed_forward_attention_kernels_launch_once_per_layer(monkeypatch, q8):
+    """With the attention kernels on (as on CUDA; interpreted here), the packed forward launches
+    the q/k write (a Q8 cache: the quantized rows' write), the split attention and its combine
+    once per attention layer for all three sequences, and each sequence still gets its own
+    verify's bits (which run the same attention kernels; a Q8 cache's rows written by kv_write)."""
+    from specfire.kernels import attention as A
+    from specfire.kernels.attention import kernel as ak
+
+    monkeypatch.setattr(A, "_use_kernel", lambda q: q.shape[-1] in A.KERNEL_HEAD_DIMS)
+    launches = []
+    write = (af, "_q8_rows_kernel") if q8 else (af, "_qk_kernel")
+    split = (ak, "_attn_q8t_kernel") if q8 else (ak, "_attn_split_kernel")
+    for mod, name in (write, split, (ak, "_attn_combine_kernel")):
+        real = getattr(mod, name)
+
+        class Counted:
+            def __getitem__(self, grid, real=real, name=name):
+                def go(*a, **k):
+                    launches.append((name, k.get("MULTI", name == "_q8_rows_kernel")))
+                    return real[grid](*a, **k)
+                return go
+        monkeypatch.setattr(mod, name, Counted())
+    m = model(CUDA, torch.float32, fused=True)
+    run(m, A.Q8_KV if q8 else torch.float32)
+    packed = [x for x in launches if x[1]]
+    n_attn = sum(hasattr(layer, "self_attn") for layer in m.layers)
+    assert sorted(packed) == sorted((mod[1], True) for mod in (write, split, (ak, "_attn_combine_kernel"))
+                                    for _ in range(n_attn))
+    alone = 2 if q8 else 3                                  # a Q8 cache's rows alone: kv_write (torch)
+    assert len(launches) - len(packed) == alone * n_attn * 3      # each sequence alone: the same kernels

@@ -1,18 +1,20 @@
 """Causal grouped-query attention over a position-addressed KV cache (k, v [max_seq, n_kv, D], row p
 holds position p; a row reads keys 0..its own position, so rejected drafts' rows are never read).
-Decode / verify rows: kernel.py on CUDA; the Q8 cache: q8.py; references: ref.py."""
+Decode / verify rows: kernel.py on CUDA (several sequences' rows in one launch: multi.py); the Q8
+cache: q8.py; references: ref.py."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from .multi import RowsPack
 from .q8 import (Q8_GROUP, Q8_KV, Q8_PAD, dequantize_q8, kv_write, q8_group, q8_value_cache,
                  quantize_q8)
 from .ref import _dequant_prefix, attention_prefill_ref, attention_rows_q8_ref, attention_rows_ref
 
 __all__ = ["KERNEL_HEAD_DIMS", "Q8_GROUP", "Q8_KV", "Q8_PAD", "attention_prefill", "attention_prefill_blocks",
            "attention_prefill_fused", "attention_prefill_ref", "attention_rows", "attention_rows_q8_ref",
-           "attention_rows_ref", "dequantize_q8", "kv_write", "q8_group", "q8_value_cache", "quantize_q8"]
+           "attention_rows_multi", "attention_rows_ref", "dequantize_q8", "kv_write", "q8_group", "q8_value_cache", "quantize_q8", "RowsPack"]
 
 
 KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -31,6 +33,20 @@ def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if k_scale is not None:
         return attention_rows_q8_ref(q, k_cache, v_cache, pos0, scale, k_scale, v_scale)
     return attention_rows_ref(q, k_cache, v_cache, pos0, scale)
+
+
+def attention_rows_multi(q: torch.Tensor, lcs: list, pack: RowsPack, scale: float) -> torch.Tensor:
+    """attention_rows for several sequences' rows (pack.spans of q, each over its layer cache in
+    `lcs` at its position in `pack`): one launch per kernel on CUDA, each sequence's rows the bits
+    of its own call; elsewhere each sequence's attention_rows, concatenated."""
+    first = lcs[0]
+    if _use_kernel(q):
+        from .kernel import attention_rows_triton
+        return attention_rows_triton(q, first.k, first.v, None, scale, first.k_scale, first.v_scale,
+                                     multi=pack.launch(lcs))
+    outs = [attention_rows(q[a:b], lc.k, lc.v, p, scale, lc.k_scale, lc.v_scale)
+            for (a, b), p, lc in zip(pack.spans, pack.pos0s, lcs)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def attention_prefill_fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

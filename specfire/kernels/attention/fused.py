@@ -3,6 +3,8 @@ norms, rotary, the KV write) and `out_gate` (the output times sigmoid(gate)), wi
 path's rounding points; one program a (row, head), so row- and shard-invariant. 16-bit / fp32 cache."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from .._triton import triton, tl
 
@@ -13,6 +15,10 @@ from ..norm.ref import rms_norm_ref
 from ..pdl import wait as pdl_wait
 from ..norm.kernel import XG, store_group_sums
 from ..small.ref import apply_rope_ref
+from .kernel import _seq, _table_ptr
+
+if TYPE_CHECKING:
+    from .multi import Launch
 
 
 def qk_norm_rope_write_ref(qg: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, qw: torch.Tensor, kw: torch.Tensor,
@@ -64,17 +70,24 @@ def _norm_rope(src, w_ptr, c_row, s_row, dst, D, R, eps, BLOCK: tl.constexpr, HA
 def _qk_kernel(qg_ptr, kx_ptr, vx_ptr, qw_ptr, kw_ptr, c_ptr, s_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr, pos_int,
                HQ, D, R, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ct, s_kc, s_kch, s_vc, s_vch, eps,
                POS_PTR: tl.constexpr, BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr, PDL: tl.constexpr = False,
-               TABLE: tl.constexpr = False):
+               TABLE: tl.constexpr = False, seq_ptr=None, spos_ptr=None, rseq_ptr=None, tab_ptr=None,
+               MULTI: tl.constexpr = False, ALIGN: tl.constexpr = False):
     pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (kernels/pdl.py)
     t = tl.program_id(0)
     h = tl.program_id(1)
+    if MULTI:   # rows of several sequences (kernels/attention/multi.py): the row's sequence, position, cache
+        sq = tl.load(rseq_ptr + t)
+        row0, n_rows, pos0 = _seq(seq_ptr, spos_ptr, sq)
+        p = pos0.to(tl.int64) + (t - row0)
+        kc_ptr = _table_ptr(tab_ptr, sq, 0, kc_ptr, ALIGN)
+        vc_ptr = _table_ptr(tab_ptr, sq, 1, vc_ptr, ALIGN)
+    elif POS_PTR:
+        p = tl.load(pos_ptr).to(tl.int64) + t
+    else:
+        p = pos_int + t
     if TABLE:   # cos / sin rows by position (kernels/head rope_table), not by row
-        if POS_PTR:
-            pc = tl.load(pos_ptr).to(tl.int64) + t
-        else:
-            pc = pos_int + t
-        c_row = c_ptr + pc * s_ct
-        s_row = s_ptr + pc * s_ct
+        c_row = c_ptr + p * s_ct
+        s_row = s_ptr + p * s_ct
     else:
         c_row = c_ptr + t * s_ct
         s_row = s_ptr + t * s_ct
@@ -83,10 +96,6 @@ def _qk_kernel(qg_ptr, kx_ptr, vx_ptr, qw_ptr, kw_ptr, c_ptr, s_ptr, qo_ptr, kc_
                    BLOCK, HALF_BLOCK)
     else:
         kh = h - HQ
-        if POS_PTR:
-            p = tl.load(pos_ptr).to(tl.int64) + t
-        else:
-            p = pos_int + t
         _norm_rope(kx_ptr + t * s_kt + kh * s_kh, kw_ptr, c_row, s_row, kc_ptr + p * s_kc + kh * s_kch, D, R, eps,
                    BLOCK, HALF_BLOCK)
         offs = tl.arange(0, BLOCK)
@@ -97,10 +106,14 @@ def _qk_kernel(qg_ptr, kx_ptr, vx_ptr, qw_ptr, kw_ptr, c_ptr, s_ptr, qo_ptr, kc_
 
 def qk_norm_rope_write_triton(qg: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, qw: torch.Tensor,
                               kw: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                              k_cache: torch.Tensor, v_cache: torch.Tensor, pos0, table: bool = False) -> torch.Tensor:
+                              k_cache: torch.Tensor, v_cache: torch.Tensor, pos0, table: bool = False,
+                              multi: Launch | None = None) -> torch.Tensor:
     """Contract of qk_norm_rope_write_ref, one launch. `pos0`: an int or a one-element device tensor.
     `table`: cos / sin are [n, R] tables over positions 0..n-1 (kernels/head rope_table) and
-    row t reads their row pos0 + t: the bits of the reference given those rows."""
+    row t reads their row pos0 + t: the bits of the reference given those rows.
+    `multi` (kernels/attention/multi.py): the rows are several sequences', each written into its own
+    cache at its own positions (k_cache, v_cache: the first's; pos0 unused); a row's program does
+    what it does when its sequence runs alone."""
     t, hq, d2 = qg.shape
     hkv, d = kx.shape[1], kx.shape[2]
     r = cos.shape[-1]
@@ -112,18 +125,74 @@ def qk_norm_rope_write_triton(qg: torch.Tensor, kx: torch.Tensor, vx: torch.Tens
             raise ValueError(f"qk_norm_rope_write: {name} must have a unit last stride")
     cos, sin = cos.contiguous(), sin.contiguous()
     q = torch.empty(t, hq, d, device=qg.device, dtype=qg.dtype)
-    pos_t = isinstance(pos0, torch.Tensor)
-    if table and not pos_t and int(pos0) + t > cos.shape[0]:
-        raise ValueError(f"qk_norm_rope_write: rows at {int(pos0)}..{int(pos0) + t - 1} past the rotary table "
-                         f"({cos.shape[0]} positions)")
+    pos_t = isinstance(pos0, torch.Tensor) and multi is None
+    if multi is not None:
+        if not table and cos.shape[0] != t:
+            raise ValueError(f"qk_norm_rope_write: {t} rows, {cos.shape[0]} rotary rows")
+        if table and multi.n_keys is not None and multi.n_keys > cos.shape[0]:
+            raise ValueError(f"qk_norm_rope_write: rows up to position {multi.n_keys - 1} past the rotary table "
+                             f"({cos.shape[0]} positions)")
+        mkw = dict(seq_ptr=multi.seqs, spos_ptr=multi.pos, rseq_ptr=multi.row_seq, tab_ptr=multi.table, MULTI=True,
+                   ALIGN=multi.align)
+    else:
+        mkw = {}
+        if table and not pos_t and int(pos0) + t > cos.shape[0]:
+            raise ValueError(f"qk_norm_rope_write: rows at {int(pos0)}..{int(pos0) + t - 1} past the rotary table "
+                             f"({cos.shape[0]} positions)")
     if t:
         _qk_kernel[(t, hq + hkv)](
-            qg, kx, vx, qw, kw, cos, sin, q, k_cache, v_cache, pos0 if pos_t else q, 0 if pos_t else int(pos0),
+            qg, kx, vx, qw, kw, cos, sin, q, k_cache, v_cache, pos0 if pos_t else q,
+            0 if pos_t or multi is not None else int(pos0),
             hq, d, r, qg.stride(0), qg.stride(1), kx.stride(0), kx.stride(1), vx.stride(0), vx.stride(1),
             cos.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), eps,
             POS_PTR=pos_t, BLOCK=triton.next_power_of_2(d), HALF_BLOCK=triton.next_power_of_2(max(r // 2, 1)),
-            **({"TABLE": True} if table else {}), **pdl.kw(qg))
+            **({"TABLE": True} if table else {}), **pdl.kw(qg), **mkw)
     return q
+
+
+@triton.jit
+def _q8_rows_kernel(kq_ptr, vq_ptr, ks_ptr, vs_ptr, kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, seq_ptr, spos_ptr, rseq_ptr,
+                    tab_ptr, D, NS, s_kt, s_kh, s_vt, s_vh, s_st, s_sh, c_kn, c_kh, c_vn, c_vh, c_vd, c_sn, c_sh,
+                    BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, ALIGN: tl.constexpr, PDL: tl.constexpr = False):
+    """One (row, KV head) of several sequences' quantized rows: codes and scales copied into the
+    row's sequence's Q8 cache at its position (values at any strides: the key-minor layout)."""
+    pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (kernels/pdl.py)
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    sq = tl.load(rseq_ptr + t)
+    row0, n_rows, pos0 = _seq(seq_ptr, spos_ptr, sq)
+    p = pos0.to(tl.int64) + (t - row0)
+    offs = tl.arange(0, BLOCK)
+    m = offs < D
+    kc = _table_ptr(tab_ptr, sq, 0, kc_ptr, ALIGN)
+    vc = _table_ptr(tab_ptr, sq, 1, vc_ptr, ALIGN)
+    tl.store(kc + p * c_kn + h * c_kh + offs, tl.load(kq_ptr + t * s_kt + h * s_kh + offs, mask=m), mask=m)
+    tl.store(vc + p * c_vn + h * c_vh + offs * c_vd, tl.load(vq_ptr + t * s_vt + h * s_vh + offs, mask=m), mask=m)
+    j = tl.arange(0, BLOCK_S)
+    ms = j < NS
+    ksc = _table_ptr(tab_ptr, sq, 2, ksc_ptr, ALIGN)
+    vsc = _table_ptr(tab_ptr, sq, 3, vsc_ptr, ALIGN)
+    tl.store(ksc + p * c_sn + h * c_sh + j, tl.load(ks_ptr + t * s_st + h * s_sh + j, mask=ms), mask=ms)
+    tl.store(vsc + p * c_sn + h * c_sh + j, tl.load(vs_ptr + t * s_st + h * s_sh + j, mask=ms), mask=ms)
+
+
+def q8_write_multi_triton(kx: torch.Tensor, vx: torch.Tensor, lcs: list, multi: Launch) -> None:
+    """kv_write of several sequences' rows kx, vx [R, Hkv, D] into their Q8 caches (lcs, laid out
+    alike) at their positions: quantized over all rows at once (row by row, as for one sequence's
+    rows), then one launch copies each row's codes and scales into its own sequence's cache."""
+    first = lcs[0]
+    if first.k.stride(-1) != 1 or first.k_scale.stride(-1) != 1 or first.k_scale.stride() != first.v_scale.stride():
+        raise ValueError("q8 rows write: keys and scales need their last dim contiguous, scales alike")
+    (kq, ks), (vq, vs) = attn_ops.quantize_q8(kx), attn_ops.quantize_q8(vx)
+    t, hkv, d = kq.shape
+    if t:
+        kc, vc, sc = first.k, first.v, first.k_scale
+        _q8_rows_kernel[(t, hkv)](
+            kq, vq, ks, vs, kc, vc, sc, first.v_scale, multi.seqs, multi.pos, multi.row_seq, multi.table, d,
+            ks.shape[-1], kq.stride(0), kq.stride(1), vq.stride(0), vq.stride(1), ks.stride(0), ks.stride(1),
+            kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), vc.stride(2), sc.stride(0), sc.stride(1),
+            BLOCK=triton.next_power_of_2(d), BLOCK_S=triton.next_power_of_2(ks.shape[-1]), ALIGN=multi.align,
+            **pdl.kw(kq))
 
 
 @triton.jit

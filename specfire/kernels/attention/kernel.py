@@ -5,12 +5,16 @@ of the row count and of pos0."""
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 from .._triton import triton, tl
 
 from .. import pdl
 from ..pdl import wait as pdl_wait
+
+if TYPE_CHECKING:
+    from .multi import Launch
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX in the interpreter
 
@@ -49,6 +53,38 @@ def _online_softmax_step(q, k, v, offs_n, pos, m_i, l_i, acc, qk_scale, PREC: tl
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PREC)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _seq(seq_ptr, spos_ptr, s):
+    """Sequence s of a launch over several (multi.py): its first row, row count, first position."""
+    return (tl.load(seq_ptr + 2 * s).to(tl.int32), tl.load(seq_ptr + 2 * s + 1).to(tl.int32),
+            tl.load(spos_ptr + s).to(tl.int32))
+
+
+@triton.jit
+def _table_ptr(tab_ptr, s, j, like, ALIGN: tl.constexpr):
+    """Address j (k, v, k_scale, v_scale) of sequence s's cache in the int64 table [n, 4], typed as
+    `like`; ALIGN: all 16-byte aligned (what a tensor argument's specialization would tell)."""
+    p = tl.load(tab_ptr + 4 * s + j).to(like.dtype)
+    if ALIGN:
+        p = tl.multiple_of(p, 16)
+    return p
+
+
+@triton.jit
+def _seq_split(seq_ptr, spos_ptr, tab_ptr, pid, n_kvh, k_ptr, v_ptr, ks_ptr, vs_ptr, SCALES: tl.constexpr,
+               ALIGN: tl.constexpr):
+    """A split program of a launch over several sequences, whose axis 2 `pid` is (sequence, KV
+    head): (KV head, first row, row count, position, its cache's k, v, k_scale, v_scale)."""
+    s = pid // n_kvh
+    row0, n_rows, pos0 = _seq(seq_ptr, spos_ptr, s)
+    k_ptr = _table_ptr(tab_ptr, s, 0, k_ptr, ALIGN)
+    v_ptr = _table_ptr(tab_ptr, s, 1, v_ptr, ALIGN)
+    if SCALES:
+        ks_ptr = _table_ptr(tab_ptr, s, 2, ks_ptr, ALIGN)
+        vs_ptr = _table_ptr(tab_ptr, s, 3, vs_ptr, ALIGN)
+    return pid % n_kvh, row0, n_rows, pos0, k_ptr, v_ptr, ks_ptr, vs_ptr
 
 
 @triton.jit
@@ -100,7 +136,9 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
                        REP: tl.constexpr, D: tl.constexpr, G: tl.constexpr, Q8: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                        PREC: tl.constexpr, POS_PTR: tl.constexpr,
-                       QMODE: tl.constexpr, PDL: tl.constexpr = False):
+                       QMODE: tl.constexpr, PDL: tl.constexpr = False,
+                       seq_ptr=None, spos_ptr=None, tab_ptr=None, n_kvh=1,
+                       MULTI: tl.constexpr = False, ALIGN: tl.constexpr = False):
     pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (kernels/pdl.py)
     if POS_PTR:  # position read on the device (CUDA-graph replay with a new position)
         pos0 = tl.load(pos_ptr).to(tl.int32)
@@ -108,6 +146,11 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
     sid = tl.program_id(1)
     kvh = tl.program_id(2)
     hq = tl.num_programs(2) * REP
+    row0 = 0
+    if MULTI:    # one of several sequences (multi.py): its rows, position and cache
+        hq = n_kvh * REP
+        kvh, row0, n_rows, pos0, k_ptr, v_ptr, ks_ptr, vs_ptr = _seq_split(
+            seq_ptr, spos_ptr, tab_ptr, kvh, n_kvh, k_ptr, v_ptr, ks_ptr, vs_ptr, Q8, ALIGN)
     offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)        # pair = row * REP + head-in-group
     row = offs_m // REP
     head = kvh * REP + offs_m % REP
@@ -116,7 +159,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
     offs_d = tl.arange(0, D)
     offs_g = tl.arange(0, D // G)
     offs_b = tl.arange(0, BLOCK_N)
-    q = tl.load(q_ptr + row[:, None] * sq_r + head[:, None] * sq_h + offs_d[None, :],
+    q = tl.load(q_ptr + (row0 + row)[:, None] * sq_r + head[:, None] * sq_h + offs_d[None, :],
                 mask=m_ok[:, None], other=0.0)
     if PREC == "ieee":
         q = q.to(tl.float32)
@@ -124,6 +167,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
         q = q.to(tl.float16)
     start = sid * SPLIT
     hi = tl.minimum(start + SPLIT, pos0 + n_rows)
+    if MULTI:    # a tile past this sequence's rows (the grid covers the longest) reads nothing
+        hi = tl.where(mt * BLOCK_M < n_rows * REP, hi, start)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -161,8 +206,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
             k = tl.load(k_base + offs_n[:, None] * sk_n, mask=ok, other=0.0).to(q.dtype)
             v = tl.load(v_base + offs_n[:, None] * sv_n, mask=ok, other=0.0).to(q.dtype)
             m_i, l_i, acc = _online_softmax_step(q, k, v, offs_n, pos, m_i, l_i, acc, qk_scale, PREC)
-    # partials: acc [R, Hq, n_split, D], ml [R, Hq, n_split, 2]
-    base = (row * hq + head) * n_split + sid
+    # partials: acc [R, Hq, n_split, D], ml [R, Hq, n_split, 2] (R: every sequence's rows)
+    base = ((row0 + row) * hq + head) * n_split + sid
     tl.store(acc_ptr + base[:, None] * D + offs_d[None, :], acc, mask=m_ok[:, None])
     tl.store(ml_ptr + base * 2, m_i, mask=m_ok)
     tl.store(ml_ptr + base * 2 + 1, l_i, mask=m_ok)
@@ -182,7 +227,9 @@ def _attn_q8t_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
                      sq_r, sq_h, sk_n, sk_h, sv_n, sv_h, sv_d, sks_n, sks_h, svs_n, svs_h,
                      REP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      SPLIT: tl.constexpr, POS_PTR: tl.constexpr, ASM: tl.constexpr,
-                     VT: tl.constexpr, VPAD: tl.constexpr, PDL: tl.constexpr = False):
+                     VT: tl.constexpr, VPAD: tl.constexpr, PDL: tl.constexpr = False,
+                     seq_ptr=None, spos_ptr=None, tab_ptr=None, n_kvh=1,
+                     MULTI: tl.constexpr = False, ALIGN: tl.constexpr = False):
     """The split kernel's contract for a Q8 cache with one scale per (position, KV head). VT: values
     key-minor (sv_n == 1); VPAD: the value storage covers every whole BLOCK_N block, so value loads
     need no mask (keys past a row's position get p = 0 exactly, and a finite code times 0 is 0)."""
@@ -193,6 +240,11 @@ def _attn_q8t_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
     sid = tl.program_id(1)
     kvh = tl.program_id(2)
     hq = tl.num_programs(2) * REP
+    row0 = 0
+    if MULTI:    # one of several sequences (multi.py): its rows, position and cache
+        hq = n_kvh * REP
+        kvh, row0, n_rows, pos0, k_ptr, v_ptr, ks_ptr, vs_ptr = _seq_split(
+            seq_ptr, spos_ptr, tab_ptr, kvh, n_kvh, k_ptr, v_ptr, ks_ptr, vs_ptr, True, ALIGN)
     offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     row = offs_m // REP
     head = kvh * REP + offs_m % REP
@@ -200,10 +252,12 @@ def _attn_q8t_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
     pos = pos0 + row
     offs_d = tl.arange(0, D)
     offs_b = tl.arange(0, BLOCK_N)
-    q = tl.load(q_ptr + row[:, None] * sq_r + head[:, None] * sq_h + offs_d[None, :], mask=m_ok[:, None],
-                other=0.0).to(tl.float16)
+    q = tl.load(q_ptr + (row0 + row)[:, None] * sq_r + head[:, None] * sq_h + offs_d[None, :],
+                mask=m_ok[:, None], other=0.0).to(tl.float16)
     start = sid * SPLIT
     hi = tl.minimum(start + SPLIT, pos0 + n_rows)
+    if MULTI:    # a tile past this sequence's rows (the grid covers the longest) reads nothing
+        hi = tl.where(mt * BLOCK_M < n_rows * REP, hi, start)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -233,7 +287,7 @@ def _attn_q8t_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
             v = _codes16(vq, ASM)
         acc = acc * alpha[:, None] + tl.dot(pv, v)
         m_i = m_new
-    base = (row * hq + head) * n_split + sid
+    base = ((row0 + row) * hq + head) * n_split + sid
     tl.store(acc_ptr + base[:, None] * D + offs_d[None, :], acc, mask=m_ok[:, None])
     tl.store(ml_ptr + base * 2, m_i, mask=m_ok)
     tl.store(ml_ptr + base * 2 + 1, l_i, mask=m_ok)
@@ -242,15 +296,20 @@ def _attn_q8t_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
 @triton.jit
 def _attn_combine_kernel(acc_ptr, ml_ptr, out_ptr, pos0, pos_ptr, n_split, hq,
                          D: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr, POS_PTR: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         PDL: tl.constexpr = False, seq_ptr=None, spos_ptr=None, rseq_ptr=None,
+                         MULTI: tl.constexpr = False):
     """One (row, query head): merge the row's own spans 0..pos//SPLIT. Spans are taken CHUNK at a
     time from fixed boundaries (a fixed-shape tree within a chunk, chunks in order); spans past the
-    row's own are masked to exact zeros, so the sum depends on the row's position only."""
+    row's own are masked to exact zeros, so the sum depends on the row's position only.
+    MULTI: rows of several sequences, each row's sequence from rseq_ptr [R]."""
     pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (kernels/pdl.py)
     if POS_PTR:
         pos0 = tl.load(pos_ptr).to(tl.int32)
     pid = tl.program_id(0)
     row = pid // hq
+    if MULTI:
+        row0, n_rows, pos0 = _seq(seq_ptr, spos_ptr, tl.load(rseq_ptr + row))
+        row -= row0
     n_own = (pos0 + row) // SPLIT + 1
     base = pid * n_split
     offs_j = tl.arange(0, CHUNK)
@@ -275,35 +334,47 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                           block_m: int = BLOCK_M, split: int = SPLIT, block_n: int | None = None,
                           num_warps: int | None = None, num_stages: int | None = None,
-                          chunk: int = CHUNK) -> torch.Tensor:
+                          chunk: int = CHUNK, multi: Launch | None = None) -> torch.Tensor:
     """Contract of attention_rows_ref (q [R, Hq, D] -> float32 [R, Hq, D]); Q8 when scales are given.
     `pos0` may be a one-element int tensor on the device: the kernels then read it there and the
     launch covers every span of the cache (spans past the rows' positions contribute nothing), so
     the call can be captured in a CUDA graph and replayed at any position. The tile arguments
-    (default: the module's measured settings) change no row's dependence on the others."""
+    (default: the module's measured settings) change no row's dependence on the others.
+    `multi` (kernels/attention/multi.py): q holds several sequences' rows, each over its own cache
+    (k_cache, ... are the first's: every cache is laid out alike) at its own position (pos0 unused);
+    each program does what it does when its sequence runs alone, so each one's rows get those bits."""
     r_rows, hq, d = q.shape
     hkv = k_cache.shape[1]
     rep = hq // hkv
     q8 = k_scale is not None
     if q.stride(-1) != 1:
         q = q.contiguous()
-    pos_ptr = pos0 if isinstance(pos0, torch.Tensor) else None
-    n_keys = k_cache.shape[0] if pos_ptr is not None else pos0 + r_rows
+    pos_ptr = pos0 if isinstance(pos0, torch.Tensor) and multi is None else None
+    if multi is None:
+        n_keys = k_cache.shape[0] if pos_ptr is not None else pos0 + r_rows
+        tile_rows, n_seq, skw, ckw = r_rows, 1, {}, {}
+    else:
+        n_keys = k_cache.shape[0] if multi.n_keys is None else multi.n_keys
+        tile_rows, n_seq = multi.rows_max, multi.n
+        skw = dict(seq_ptr=multi.seqs, spos_ptr=multi.pos, tab_ptr=multi.table, n_kvh=hkv, MULTI=True,
+                   ALIGN=multi.align)
+        ckw = dict(seq_ptr=multi.seqs, spos_ptr=multi.pos, rseq_ptr=multi.row_seq, MULTI=True)
     n_split = triton.cdiv(n_keys, split)
-    pos_int = 0 if pos_ptr is not None else pos0
-    n_mt = triton.cdiv(r_rows * rep, block_m)
+    pos_int = pos0 if multi is None and pos_ptr is None else 0
+    grid = (triton.cdiv(tile_rows * rep, block_m), n_split, hkv * n_seq)
     acc = torch.empty(r_rows, hq, n_split, d, device=q.device, dtype=torch.float32)
     pos_arg = pos_ptr if pos_ptr is not None else acc   # unused by the kernels when the position is an int
     ml = torch.empty(r_rows, hq, n_split, 2, device=q.device, dtype=torch.float32)
     out = torch.empty(r_rows, hq, d, device=q.device, dtype=torch.float32)
+    combine = lambda: _attn_combine_kernel[(r_rows * hq,)](   # noqa: E731
+        acc, ml, out, pos_int, pos_arg, n_split, hq, D=d, SPLIT=split, CHUNK=chunk, POS_PTR=pos_ptr is not None,
+        num_warps=4, **pdl.kw(q), **ckw)
     # per-token scales take the q8t kernel, except float32 queries on head_dim-contiguous values
     # (the float32 dequantizing path below, exact to the reference)
     if q8 and k_scale.shape[-1] == 1 and (q.dtype != torch.float32 or v_cache.stride(-1) != 1):
         _q8t_launch(q, k_cache, v_cache, k_scale, v_scale, acc, ml, pos_int, pos_arg, pos_ptr is not None,
-                    r_rows, n_keys, n_split, scale, (n_mt, n_split, hkv), block_m, split, block_n, num_warps,
-                    num_stages)
-        _attn_combine_kernel[(r_rows * hq,)](acc, ml, out, pos_int, pos_arg, n_split, hq, D=d, SPLIT=split,
-                                             CHUNK=chunk, POS_PTR=pos_ptr is not None, num_warps=4, **pdl.kw(q))
+                    r_rows, n_keys, n_split, scale, grid, block_m, split, block_n, num_warps, num_stages, skw)
+        combine()
         return out
     if v_cache.stride(-1) != 1 or k_cache.stride(-1) != 1:
         raise ValueError("attention rows: a bf16 / fp32 cache or grouped Q8 scales need head_dim contiguous "
@@ -317,20 +388,19 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     fp16_q8 = qmode > 0
     block_n = block_n or (Q8_BLOCK_N if fp16_q8 else BLOCK_N)
     num_stages = num_stages or (Q8_STAGES if fp16_q8 else 2)
-    _attn_split_kernel[(n_mt, n_split, hkv)](
+    _attn_split_kernel[grid](
         q, k_cache, v_cache, ks, vs, acc, ml, pos_int, pos_arg, r_rows, n_split, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
         REP=rep, D=d, G=(d // k_scale.shape[-1]) if q8 else 1, Q8=q8, BLOCK_M=block_m, BLOCK_N=block_n,
         SPLIT=split, PREC=prec, POS_PTR=pos_ptr is not None, QMODE=qmode,
-        num_warps=num_warps or 4, num_stages=num_stages, **pdl.kw(q))
-    _attn_combine_kernel[(r_rows * hq,)](acc, ml, out, pos_int, pos_arg, n_split, hq, D=d, SPLIT=split,
-                                         CHUNK=chunk, POS_PTR=pos_ptr is not None, num_warps=4, **pdl.kw(q))
+        num_warps=num_warps or 4, num_stages=num_stages, **pdl.kw(q), **skw)
+    combine()
     return out
 
 
 def _q8t_launch(q, k_cache, v_cache, k_scale, v_scale, acc, ml, pos_int, pos_arg, pos_on_device, r_rows, n_keys,
-                n_split, scale, grid, block_m, split, block_n, num_warps, num_stages):
+                n_split, scale, grid, block_m, split, block_n, num_warps, num_stages, skw):
     """Launch _attn_q8t_kernel: values key-minor when v_cache's position stride is 1 (the cache's
     layout), mask-free value loads when the storage covers every whole key block."""
     d = q.shape[-1]
@@ -350,4 +420,4 @@ def _q8t_launch(q, k_cache, v_cache, k_scale, v_scale, acc, ml, pos_int, pos_arg
         v_cache.stride(2), k_scale.stride(0), k_scale.stride(1), v_scale.stride(0), v_scale.stride(1),
         REP=q.shape[1] // k_cache.shape[1], D=d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split,
         POS_PTR=pos_on_device, ASM=asm, VT=vt, VPAD=vpad,
-        num_warps=num_warps or Q8T_WARPS, num_stages=num_stages or Q8T_STAGES, **pdl.kw(q))
+        num_warps=num_warps or Q8T_WARPS, num_stages=num_stages or Q8T_STAGES, **pdl.kw(q), **skw)
