@@ -132,6 +132,14 @@ class Comm:
         raw = buf.numpy()
         return raw[2:2 + (int(raw[0]) | int(raw[1]) << 8)].tobytes()
 
+    def agree(self, flag: int) -> list[int]:
+        """Every rank's small integer flag on every rank, over the command group (rank 0's side
+        bounded by the mesh timeout), between two calls."""
+        t = torch.tensor([flag], dtype=torch.int64)
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(parts, t, group=self.cmd_group)
+        return [int(p) for p in parts]
+
     def exchange_flags(self, flag: int) -> list[int]:
         """Every rank's small integer flag (e.g. load succeeded), on every rank."""
         t = torch.tensor([flag], dtype=torch.int64)
