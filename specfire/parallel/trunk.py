@@ -69,6 +69,7 @@ class MeshTrunk:
         self.draft_sharded = trunk.graphs_enabled   # sharded picks where the ranks replay graphs (docs/PERFORMANCE.md)
 
     embed_weight = None       # the drafter's embedding goes through `embed` (the fused chain steps are one device's)
+    state = None              # each rank holds its shard of the slot's state: no copy here for a prefix.Fork
 
     @property
     def draft_sharded(self) -> bool:

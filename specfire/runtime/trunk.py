@@ -89,6 +89,7 @@ class Trunk(Protocol):
     embed_weight: torch.Tensor | None   # the table `embed` looks up, for the MTP head's fused steps (None: none)
     draft_sharded: bool           # greedy draft picks are the trunk's own (`draft_pick`, every rank of a mesh)
     packing: object | None        # trunks with one key verify together (`verify_packed`); None: alone
+    state: SequenceState | None   # the sequence's state in this process (a prefix.Fork copies it); None: on a mesh's ranks
 
     def begin(self) -> None: ...                                   # new sequence: reset state
     def prefill(self, ids: torch.Tensor, logits: str = "last") -> Rows: ...  # logits "last" | "all"; hidden of all

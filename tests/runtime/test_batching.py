@@ -364,4 +364,18 @@ def test_the_mesh_batches_concurrent_requests_exactly(path, prompts):
         for t in threads:
             t.join(300)
         assert streamed == alone
+        # through the server: n seeded choices run at once, choice i is the request with seed + i
+        # alone (the mesh keeps no state copy to share: each choice prefills the prompt itself)
+        from fastapi.testclient import TestClient
+
+        from specfire.serve.app import build_app
+
+        sp = dict(max_tokens=12, temperature=0.8, seed=7)
+        want = [mesh.generate(prompts[1], SamplingParams(**{**sp, "seed": 7 + i}), spec="mtp").text for i in range(3)]
+        sched.widest = 0
+        with TestClient(build_app(mesh, "m")) as tc:
+            r = tc.post("/v1/completions", json={"prompt": prompts[1], "n": 3, "speculation": {"mode": "mtp"}, **sp})
+        assert r.status_code == 200, r.text
+        assert [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])] == want
+        assert sched.widest > 1
     assert alone == canon              # tp_invariant: seeded sampling too
