@@ -327,11 +327,13 @@ def test_closed_llm_refuses_and_ends_waiting_requests(path, prompts):
         m.generate(prompts[0])
 
 
-def test_the_mesh_batches_concurrent_requests_exactly(path, prompts):
+def test_the_mesh_batches_concurrent_requests_exactly(path, prompts, monkeypatch):
     """A 2-rank gloo mesh holds a sequence state per slot on every rank: four concurrent requests
     (AR, MTP k=3, n-gram k=2, seeded sampled MTP) run at once, their verifies packed into one call
     per round (one forward on every rank), each output its request alone on the mesh and the
     tp-invariant one-device output; from threads too; every rank ran every packed call."""
+    from specfire.runtime.trunk import LocalTrunk
+
     reqs = [(SamplingParams(max_tokens=24), SpecPolicy("off")), (SamplingParams(max_tokens=24), SpecPolicy("mtp", 3)),
             (SamplingParams(max_tokens=20), SpecPolicy("ngram", 2)),
             (SamplingParams(max_tokens=20, temperature=0.8, seed=5), SpecPolicy("mtp", 3))]
@@ -378,4 +380,21 @@ def test_the_mesh_batches_concurrent_requests_exactly(path, prompts):
         assert r.status_code == 200, r.text
         assert [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])] == want
         assert sched.widest > 1
+        # packed calls cut at the rows the captured collectives hold (5 here): the same outputs
+        from specfire.parallel.control import Call
+
+        monkeypatch.setattr("specfire.parallel.trunk.ROWS_MAX", 5)
+        comm, packs = trunk._mesh.comm, []
+        real = comm.send_command
+        monkeypatch.setattr(comm, "send_command", lambda h: packs.append(Call.parse(h)) or real(h))
+        got = mesh.generate(prompts[:4], [sp for sp, _ in reqs], spec=[pol for _, pol in reqs])
+        assert [r.token_ids for r in got] == alone
+        rows = [sum(c.args[2]) for c in packs if c.name == "verify_packed"]
+        assert rows and max(rows) == 5, rows
+        # a rank with no memory for another slot: no rank keeps it (the pool stops there) and the mesh goes on
+        monkeypatch.setattr(LocalTrunk, "view", lambda self: (_ for _ in ()).throw(torch.OutOfMemoryError("full")))
+        with pytest.raises(torch.OutOfMemoryError, match="tensor-parallel rank 0 has no memory for another sequence"):
+            mesh.slots.first.fork()
+        assert len(trunk._ex.slots) == 4 and not trunk.closed
+        assert mesh.generate(prompts[0], *reqs[0]).token_ids == alone[0]
     assert alone == canon              # tp_invariant: seeded sampling too
