@@ -339,6 +339,8 @@ def test_the_mesh_batches_concurrent_requests_exactly(path, prompts, monkeypatch
             (SamplingParams(max_tokens=20, temperature=0.8, seed=5), SpecPolicy("mtp", 3))]
     with LLM(path, tp=1, device="cpu", progress=False, max_seq_len=256, tp_invariant=True) as one:
         canon = [one.generate(p, sp, spec=pol).token_ids for p, (sp, pol) in zip(prompts, reqs)]
+        one.engine.trunk.piece = 4
+        canon_pieces = one.generate(prompts[1], *reqs[1]).token_ids
     with LLM(path, tp=2, device="cpu", progress=False, max_seq_len=256, max_num_seqs=4, tp_invariant=True) as mesh:
         assert mesh.max_num_seqs == 4 and mesh.slots.why == ""
         alone = [mesh.generate(p, sp, spec=pol).token_ids for p, (sp, pol) in zip(prompts, reqs)]
@@ -397,4 +399,11 @@ def test_the_mesh_batches_concurrent_requests_exactly(path, prompts, monkeypatch
             mesh.slots.first.fork()
         assert len(trunk._ex.slots) == 4 and not trunk.closed
         assert mesh.generate(prompts[0], *reqs[0]).token_ids == alone[0]
+        # a prompt of several prefill pieces: one call each (other slots' steps run between them)
+        for eng in mesh.slots.engines:
+            eng.trunk.piece = 4
+        s0 = trunk.rank_stats()
+        assert mesh.generate(prompts[1], *reqs[1]).token_ids == canon_pieces
+        s1 = trunk.rank_stats()
+        assert [b["prefill"] - a["prefill"] for a, b in zip(s0, s1)] == [3, 3]
     assert alone == canon              # tp_invariant: seeded sampling too
