@@ -343,6 +343,8 @@ def test_the_mesh_batches_concurrent_requests_exactly(path, prompts, monkeypatch
         canon_pieces = one.generate(prompts[1], *reqs[1]).token_ids
     with LLM(path, tp=2, device="cpu", progress=False, max_seq_len=256, max_num_seqs=4, tp_invariant=True) as mesh:
         assert mesh.max_num_seqs == 4 and mesh.slots.why == ""
+        with pytest.raises(SpecfireError, match="the prefix cache serves one device; this model runs with tp=2"):
+            mesh.enable_prefix_cache(1 << 20)
         alone = [mesh.generate(p, sp, spec=pol).token_ids for p, (sp, pol) in zip(prompts, reqs)]
         assert len(mesh.slots.engines) == 1
         trunk, sched = mesh.engine.trunk, mesh.scheduler
