@@ -5,11 +5,12 @@ round over every running request, runtime/scheduler.py), against c = 1.
     python -m bench.batch --exact-only           # the bundled model: mixed requests at once == each alone
     python -m bench.batch --smoke                # CPU: the bundled model, tiny levels and the check
     python -m bench.batch --shape 27B --tied --concurrency 4 --spec off --join 32768   # a long prompt joins
+    python -m bench.batch --shape 27B --tied --tp 2 --tp-invariant    # on a 2-rank mesh (one packed call a round)
 
 Per (route, c): one warm-up batch (kernels, CUDA graphs of each row layout), then c requests of a
 --prompt-len random prompt generating --output-len tokens each (greedy, ignore_eos). Reports the
 aggregate tok/s (all tokens / wall time, prefills included), its ratio to c = 1, per-request decode
-tok/s, the forwards the scheduler ran (verifies per forward) and, for AR, the fraction of the
+tok/s, the forwards the scheduler ran (verifies per forward) and, for AR on one device, the fraction of the
 bandwidth ceiling a round's bytes reach (the weights once plus every request's state). The in-process
 rate is what bench/serving.py's HTTP figures are held against. `--exact` (default on) first runs
 eight requests of mixed policies (AR, MTP k=1 / 3, n-gram, seeded sampled, penalised, min_tokens)
@@ -52,7 +53,7 @@ def level(m, mode: str, k: int, c: int, args, step_bytes: int, per_seq: int) -> 
            "decode_tok_s_min": round(dec[0], 1), "decode_tok_s_median": round(dec[len(dec) // 2], 1),
            "forwards": fw, "verifies_per_forward": round((s.verifies - v0) / fw, 2) if fw else 0.0,
            "mean_accept_len": round(rs[0].stats["mean_accept_len"], 2)}
-    if mode == "off" and fw and torch.cuda.is_available():
+    if mode == "off" and fw and torch.cuda.is_available() and m.tp == 1:
         round_bytes = step_bytes + (c - 1) * per_seq
         row["of_ceiling"] = round(round_bytes * fw / dt / CEILING, 3)
     return row
@@ -156,6 +157,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=None, help="slots (default: the largest concurrency)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the exact check runs on it too)")
+    ap.add_argument("--tp-invariant", action="store_true", help="LLM(tp_invariant=True): the bits of every degree")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for batch.json")
     ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=True,
                     help="first check mixed requests at once == each alone on the bundled model")
@@ -173,6 +176,7 @@ def main() -> int:
     from specfire.api import BUNDLED_MODEL
 
     kw = {"device": "cpu", "threads": 1} if args.smoke else {}
+    kw.update(tp=args.tp, tp_invariant=args.tp_invariant)
     checks = exact(BUNDLED_MODEL, 12 if args.smoke else 40, kw) if args.exact or args.exact_only else []
     ok = all(all(c["equal"]) and all(c["equal_reversed"]) for c in checks)
     if args.exact_only:
@@ -208,7 +212,7 @@ def main() -> int:
         print(f"{r['route']:6} {r['c']:>3} {r['agg_tok_s']:>10} {r['x_c1']:>6} {r['decode_tok_s_median']:>10} "
               f"{r['verifies_per_forward']:>9} {r.get('of_ceiling', ''):>8}")
     model = f"random {args.shape}{' tied' if args.tied else ''}" if args.shape else path
-    summary = {"bench": "batch", **machine(), "model": model, "prompt_len": args.prompt_len,
+    summary = {"bench": "batch", **machine(), "model": model, "tp": args.tp, "prompt_len": args.prompt_len,
                "output_len": args.output_len, "levels": rows, "join": joined, "exact": checks, "ok": ok}
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -90,9 +90,10 @@ class LLM:
     the process's intra-op threads to `threads`, else to default_threads()'s choice.
 
     Requests run concurrently, each in its own slot (runtime/slots.py, runtime/scheduler.py):
-    `max_num_seqs` at most (default 8 on a GPU, 4 on a CPU; one on a tensor-parallel mesh), and as
-    many as `kv_cache_memory_bytes` holds (each slot reserves max_seq_len positions of state;
-    default on a GPU: what leaves 10% of the device free); more wait in arrival order.
+    `max_num_seqs` at most (default 8 on a GPU, 4 on a CPU), and as many as `kv_cache_memory_bytes`
+    holds (each slot reserves max_seq_len positions of state; on a tensor-parallel mesh the budget
+    is per rank, each holding its shard of every slot's state; default on a GPU: what leaves 10% of
+    the device free); more wait in arrival order.
 
     `tp_invariant=True`: the same bits at every tp degree, one device included (the canonical math,
     docs/TENSOR_PARALLEL.md; on one device it costs some decode speed). A mesh's trunk computes
@@ -165,8 +166,13 @@ class LLM:
         self.engine = build_engine(opts, self.tokenizer, eos, trunk_factory(tp))
         self.cfg = self.engine.trunk.cfg      # the checkpoint decides whether lm_head is tied
         try:
+            share = None
+            if tp > 1:                        # a slot costs each rank its shard (rank 0: and the MTP head's KV)
+                from .parallel import ShardPlan
+                share = ShardPlan(self.cfg, tp, 0)
             self.slots = SlotPool(self.engine, max_num_seqs or default_max_num_seqs(self.device),
-                                  state_bytes(self.cfg, self.max_seq_len, kvd, self.engine.mtp_loaded), kv_budget)
+                                  state_bytes(self.cfg, self.max_seq_len, kvd, self.engine.mtp_loaded, share),
+                                  kv_budget)
         except BaseException:
             self.engine.trunk.close()
             raise

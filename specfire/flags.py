@@ -47,10 +47,11 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
     """How many requests run at once (serve): vLLM's --max-num-seqs and a KV memory budget."""
     p.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
                    help="requests that run at once, each in its own sequence slot; more wait in arrival order "
-                        "(default: 8 on a GPU, 4 on a CPU; 1 on a tensor-parallel mesh)")
+                        "(default: 8 on a GPU, 4 on a CPU)")
     p.add_argument("--kv-cache-memory-bytes", default=None, metavar="BYTES",
                    help="memory for the slots' sequence state (each reserves --max-seq-len positions of KV "
-                        "and the recurrent state), e.g. 17179869184 or 16G; slots are built as requests come, "
+                        "and the recurrent state; per rank on a tensor-parallel mesh), e.g. 17179869184 or 16G; "
+                        "slots are built as requests come, "
                         "within this and --max-num-seqs (default: on a GPU, leave 10%% of its memory free)")
 
 

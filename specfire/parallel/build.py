@@ -1,5 +1,5 @@
 """The mesh's trunk factory for `runtime/build.py`: start (or join) the ranks and return rank 0's
-MeshTrunk with the MTP head.
+MeshTrunk with the MTP head, and its `view` as the fork that makes another slot.
 
 The degree is checked and the MTP head loaded (rank 0 only, by the load-time policy) before any
 process starts, so a refused degree or a missing head never leaves processes behind.
@@ -111,4 +111,4 @@ def mesh_trunk(opts: EngineOptions) -> BuiltTrunk:
                    _drafter_vocab(src, cfg, head, opts.dtype, my_device, trunk.graphs_enabled), opts.draft_vocab)
     _open_meshes.add(mt)
     log.info("tensor-parallel mesh of %d ranks ready (%s)", tp, "joined" if place.joined else "local workers")
-    return BuiltTrunk(mt, head, topology=f"tp{tp}")
+    return BuiltTrunk(mt, head, topology=f"tp{tp}", fork=mt.view)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 CMD_BYTES = 512                   # one command header (length-prefixed), parallel/control.py
+CMD_MAX = (1 << 16) - 1           # the longest header (a second broadcast carries what passes CMD_BYTES)
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -120,17 +121,36 @@ class Comm:
 
     # ---- commands (CPU, gloo) ------------------------------------------------------------------
     def send_command(self, header: bytes) -> None:
-        if len(header) > CMD_BYTES - 2:
-            raise ValueError(f"mesh command header of {len(header)} bytes exceeds {CMD_BYTES - 2}")
+        """One CMD_BYTES broadcast; a longer header (a packed verify of many slots with their riders)
+        sends its tail in a second one, sized by the length the first carries."""
+        n = len(header)
+        if n > CMD_MAX:
+            raise ValueError(f"mesh command header of {n} bytes exceeds {CMD_MAX}")
+        head = CMD_BYTES - 2
         buf = torch.empty(CMD_BYTES, dtype=torch.uint8)          # only the first 2 + n bytes are read
-        buf.numpy()[:2 + len(header)] = memoryview(len(header).to_bytes(2, "little") + header)
+        buf.numpy()[:2 + min(n, head)] = memoryview(n.to_bytes(2, "little") + header[:head])
         dist.broadcast(buf, src=0, group=self.cmd_group)
+        if n > head:
+            dist.broadcast(torch.frombuffer(bytearray(header[head:]), dtype=torch.uint8), src=0, group=self.cmd_group)
 
     def recv_command(self) -> bytes:
         buf = torch.empty(CMD_BYTES, dtype=torch.uint8)
         dist.broadcast(buf, src=0, group=self.cmd_group)
         raw = buf.numpy()
-        return raw[2:2 + (int(raw[0]) | int(raw[1]) << 8)].tobytes()
+        n, head = int(raw[0]) | int(raw[1]) << 8, CMD_BYTES - 2
+        if n <= head:
+            return raw[2:2 + n].tobytes()
+        tail = torch.empty(n - head, dtype=torch.uint8)
+        dist.broadcast(tail, src=0, group=self.cmd_group)
+        return raw[2:].tobytes() + tail.numpy().tobytes()
+
+    def agree(self, flag: int) -> list[int]:
+        """Every rank's small integer flag on every rank, over the command group (rank 0's side
+        bounded by the mesh timeout), between two calls."""
+        t = torch.tensor([flag], dtype=torch.int64)
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(parts, t, group=self.cmd_group)
+        return [int(p) for p in parts]
 
     def exchange_flags(self, flag: int) -> list[int]:
         """Every rank's small integer flag (e.g. load succeeded), on every rank."""

@@ -13,6 +13,12 @@ ids ride in the header (IdsArg). The methods a call may name are the Trunk proto
 (`runtime/trunk.py`); `rank_stats`, `rank_time`, `draft_argmax` (this rank's side of rank 0's
 vocabulary-sharded greedy draft chain, parallel/draft.py) and `close` are control-plane words. A
 replayed draft chain, like a commit, rides in the next call's header (`commits` holds both).
+
+A mesh holds several sequences (slots, runtime/slots.py): every rank keeps its shard of each
+slot's state (`RankExecutor.slots`, one LocalTrunk view each, made by `new_slot` on every rank at
+once), and a call's header names the slot it acts on. `verify_packed` runs several slots' verify
+rows as one packed forward on every rank (Qwen35Trunk.packed), so each collective runs once a
+layer for all of them.
 """
 from __future__ import annotations
 
@@ -28,8 +34,9 @@ from .comm import Comm
 
 # the Trunk methods every rank runs on its shard when rank 0 calls them (the rest run on rank 0 alone)
 CALLS = ("begin", "prefill", "verify", "commit", "score", "embed", "lm_logits")
-RANK_STATS, RANK_TIME, DRAFT, CLOSE = "rank_stats", "rank_time", "draft_argmax", "close"
-STAT_NAMES = CALLS + ("verify_rows", "max_verify_rows")
+PACKED = "verify_packed"    # several slots' verifies in one forward: (slots, positions, row counts, ids)
+RANK_STATS, RANK_TIME, DRAFT, NEW_SLOT, CLOSE = "rank_stats", "rank_time", "draft_argmax", "new_slot", "close"
+STAT_NAMES = CALLS + (PACKED, "verify_rows", "max_verify_rows")
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,7 @@ class SharedIds:
 
 
 INLINE_IDS = 32
+ROWS_MAX = 16     # rows of a verify the captured collectives are sized for (k + 1 <= 11; a packed call's groups)
 
 
 def _plain(a: Any) -> Any:
@@ -80,23 +88,25 @@ def _plain(a: Any) -> Any:
 class Call:
     name: str
     args: tuple[Any, ...]
-    commits: tuple = ()     # what rank 0 ran since the last call, run first: n = commit(n), (DRAFT, *args)
+    # what rank 0 ran since the last call, run first: n = slot 0's commit(n), (slot, n) another
+    # slot's, (DRAFT, *args) a draft chain's other side
+    commits: tuple = ()
+    slot: int = 0           # the sequence (slot) the call acts on
 
     def header(self) -> bytes:
-        return pickle.dumps((self.name, self.args, self.commits), protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps((self.name, self.args, self.commits, self.slot), protocol=pickle.HIGHEST_PROTOCOL)
 
     @staticmethod
-    def of(name: str, *args: Any, commits: tuple[int, ...] = ()) -> tuple["Call", list[torch.Tensor]]:
+    def of(name: str, *args: Any, commits: tuple = (), slot: int = 0) -> tuple["Call", list[torch.Tensor]]:
         """The call and its tensor arguments (rank 0)."""
         plain = tuple(_plain(a) for a in args)
         tensors = [a.ids if isinstance(a, SharedIds) else a for a, p in zip(args, plain)
                    if isinstance(p, (TensorArg, SharedIdsArg))]
-        return Call(name, plain, commits), tensors
+        return Call(name, plain, commits, slot), tensors
 
     @staticmethod
     def parse(header: bytes) -> "Call":
-        name, args, commits = pickle.loads(header)
-        return Call(name, args, commits)
+        return Call(*pickle.loads(header))
 
 
 class RankExecutor:
@@ -105,6 +115,7 @@ class RankExecutor:
 
     def __init__(self, comm: Comm, trunk: LocalTrunk):
         self.comm, self.trunk = comm, trunk
+        self.slots: list[LocalTrunk] = [trunk]      # this rank's shard of every slot's sequence state
         self.counts = dict.fromkeys(STAT_NAMES, 0)
         self._no_ids: dict[int, torch.Tensor] = {}
         self._draft = None                  # parallel/draft.py WorkerDraft, made on the first chain
@@ -126,10 +137,37 @@ class RankExecutor:
         return self.comm.broadcast(t)
 
     @torch.inference_mode()
-    def commit(self, n: int) -> None:
-        """commit(n), rank 0's own or riding in a header: straight to the trunk (no call to build)."""
+    def commit(self, n: int, slot: int = 0) -> None:
+        """commit(n), rank 0's own or riding in a header: straight to the slot's trunk (no call to build)."""
         self.counts["commit"] += 1
-        self.trunk.commit(n)
+        self.slots[slot].commit(n)
+
+    def new_slot(self) -> list[int]:
+        """Every rank allocates its shard of one more slot's state; if any rank runs out of memory
+        every rank drops it (so the slots stay alike). Every rank's flag (1: allocated)."""
+        try:
+            view = self.trunk.view()
+        except torch.OutOfMemoryError:
+            view = None
+        flags = self.comm.agree(int(view is not None))
+        if all(flags):
+            self.slots.append(view)
+        elif torch.cuda.is_available():
+            del view
+            torch.cuda.empty_cache()
+        return flags
+
+    def packed(self, slots: tuple[int, ...], pos: tuple[int, ...], counts: tuple[int, ...],
+               ids: torch.Tensor) -> list:
+        """The verifies of `slots` (rows `counts` of `ids` each, at `pos`) in one forward of this
+        rank's shard over their states (LocalTrunk.verify_packed)."""
+        n = self.counts
+        n[PACKED] += 1
+        n["verify_rows"] += ids.shape[0]
+        n["max_verify_rows"] = max(n["max_verify_rows"], ids.shape[0])
+        trunks = [self.slots[s] for s in slots]
+        with self.comm.captured():
+            return trunks[0].verify_packed(trunks, list(ids.split(list(counts))), list(pos))
 
     @torch.inference_mode()
     def run(self, call: Call, tensors: list[torch.Tensor] | None = None) -> Any:
@@ -148,6 +186,10 @@ class RankExecutor:
                 from .draft import WorkerDraft
                 self._draft = WorkerDraft(self.trunk.model, self.comm.draft_coll)
             return self._draft.run(*args)
+        if call.name == NEW_SLOT:
+            return self.new_slot()
+        if call.name == PACKED:
+            return self.packed(*args)
         if call.name not in CALLS:
             raise MeshError(f"unknown mesh call {call.name!r}")
         n = self.counts
@@ -157,7 +199,7 @@ class RankExecutor:
             n["verify_rows"] += rows
             n["max_verify_rows"] = max(n["max_verify_rows"], rows)
         with self.comm.captured(call.name == "verify"):   # the rows forward: capturable collectives
-            return getattr(self.trunk, call.name)(*args)
+            return getattr(self.slots[call.slot], call.name)(*args)
 
 
 def serve(comm: Comm, trunk: LocalTrunk) -> None:
@@ -172,9 +214,12 @@ def serve(comm: Comm, trunk: LocalTrunk) -> None:
 
 
 def _riders(ex: RankExecutor, commits: tuple) -> None:
-    """What rank 0 ran since the last call, in order: n = commit(n), (DRAFT, *args)."""
+    """What rank 0 ran since the last call, in order: n = slot 0's commit(n), (slot, n) another
+    slot's, (DRAFT, *args)."""
     for c in commits:
         if isinstance(c, int):
             ex.commit(c)
+        elif isinstance(c[0], int):
+            ex.commit(c[1], c[0])
         else:
             ex.run(Call(c[0], tuple(c[1:])))

@@ -5,6 +5,10 @@ selector and the drafters (the MTP head lives whole on rank 0), and it runs the 
 speculative step as one device, over a MeshTrunk. Every Trunk call on rank 0 is sent to every rank
 (parallel/control.py), so every rank executes the same forward, the same per-row capture and the
 same `commit(n)`.
+
+The mesh holds several sequences: `view()` is another MeshTrunk over the same mesh addressing
+one more slot (every rank allocates its shard of that slot's state), and `verify_packed` sends
+several slots' verifies as one call, one packed forward on every rank (runtime/trunk.py verify_many).
 """
 from __future__ import annotations
 
@@ -18,10 +22,23 @@ from ..config import ModelConfig
 from ..errors import MeshError
 from ..kernels.gemv import linear_prefix
 from ..params import check_draft_vocab
-from ..runtime.trunk import LocalTrunk, Rows
-from .control import DRAFT, RANK_STATS, RANK_TIME, STAT_NAMES, Call, RankExecutor, SharedIds
+from ..runtime.trunk import PREFILL_PIECE, LocalTrunk, Rows
+from .control import DRAFT, NEW_SLOT, PACKED, RANK_STATS, RANK_TIME, ROWS_MAX, STAT_NAMES, Call, RankExecutor, SharedIds
 from .draft import shard_argmax
 from .lifecycle import Mesh
+
+
+def row_groups(counts: list[int], most: int | None) -> list[list[int]]:
+    """Indices of `counts` in order, cut into groups of at most `most` rows (None: one group)."""
+    groups: list[list[int]] = []
+    rows = 0
+    for i, c in enumerate(counts):
+        if not groups or (most is not None and rows + c > most):
+            groups.append([])
+            rows = 0
+        groups[-1].append(i)
+        rows += c
+    return groups
 
 
 class MeshTrunk:
@@ -44,11 +61,15 @@ class MeshTrunk:
         self._drafter_vocab = drafter_vocab     # whole (embedding, lm_head) on rank 0, or None
         self.draft_vocab = check_draft_vocab(draft_vocab, self.cfg.vocab_size)   # every rank's model has it too
         self._commits: list = []                # run on rank 0, sent with the next call (commits, draft chains)
+        self.slot = 0                           # the sequence this trunk addresses on every rank
+        self.piece = PREFILL_PIECE              # prompt rows per prefill call
+        self._root = True                       # closing it closes the mesh (a view's close does not)
         self._finalizer = weakref.finalize(self, mesh.shutdown)
         self._draft_sharded = False
         self.draft_sharded = trunk.graphs_enabled   # sharded picks where the ranks replay graphs (docs/PERFORMANCE.md)
 
     embed_weight = None       # the drafter's embedding goes through `embed` (the fused chain steps are one device's)
+    state = None              # each rank holds its shard of the slot's state: no copy here for a prefix.Fork
 
     @property
     def draft_sharded(self) -> bool:
@@ -74,10 +95,28 @@ class MeshTrunk:
         is a graph too."""
         return self._local is not None and self._local.graphs_enabled
 
+    def view(self) -> "MeshTrunk":
+        """Another trunk over this mesh (weights shared on every rank) addressing a new slot: every
+        rank allocates its shard of the slot's sequence state, or none does (torch.OutOfMemoryError
+        here when a rank's device is full; the mesh goes on with the slots it has)."""
+        flags = self._call(NEW_SLOT)
+        if not all(flags):
+            bad = [r for r, f in enumerate(flags) if not f]
+            raise torch.OutOfMemoryError(f"tensor-parallel rank {bad[0]} has no memory for another sequence state")
+        other = object.__new__(MeshTrunk)
+        other.__dict__.update(self.__dict__)    # the same mesh, executor, pending riders and vocabulary
+        other.slot, other._root = len(self._ex.slots) - 1, False
+        return other
+
+    @property
+    def packing(self) -> Mesh:
+        """Verifies of trunks over one mesh run as one packed call (runtime/trunk.py verify_many)."""
+        return self._mesh
+
     def _header(self, name: str, *args: Any) -> tuple[Call, Any]:
         """The call, with the pending commits riding in its header (nothing sent yet)."""
         self._mesh.check()
-        call, tensors = Call.of(name, *args, commits=tuple(self._commits))
+        call, tensors = Call.of(name, *args, commits=tuple(self._commits), slot=self.slot)
         self._commits.clear()
         return call, tensors
 
@@ -102,14 +141,41 @@ class MeshTrunk:
         return self._call("prefill", ids, logits)
 
     def prefill_steps(self, ids: torch.Tensor, logits: str = "last") -> Generator[None, None, Rows]:
-        """The prefill in one call: the mesh holds one sequence, so no other request runs between its pieces."""
-        return self.prefill(ids, logits)
-        yield  # noqa: unreachable (this makes it a generator)
+        """`prefill`, one call of `piece` rows at a time, yielding between them (other slots' steps
+        run there): the forwards of one prefill call (LocalTrunk.prefill_steps), the same bits."""
+        if ids.shape[0] <= self.piece:
+            return self.prefill(ids, logits)
+        hs, lg = [], []
+        for s in range(0, ids.shape[0], self.piece):
+            if s:
+                yield
+            rows = self._call("prefill", ids[s:s + self.piece], logits, s)
+            hs.append(rows.hidden)
+            if logits == "all" or s + self.piece >= ids.shape[0]:
+                lg.append(rows.logits)
+        return Rows(torch.cat(lg), torch.cat(hs))
 
     def verify(self, ids: torch.Tensor, pos: int) -> Rows:
         if self._mesh.comm.symm is not None:    # the ids stay on the device: no host read to send the step
             return self._call("verify", SharedIds(ids), pos)
         return self._call("verify", ids, pos)
+
+    def verify_packed(self, trunks: list["MeshTrunk"], ids: list[torch.Tensor], pos: list[int]) -> list[Rows]:
+        """`verify` of several slots of this mesh, each slot's rows as its own verify gives them:
+        one call per group of at most ROWS_MAX rows (what the captured collectives' buffers hold;
+        a group of one is that slot's own verify), each rank's packed forward over those slots."""
+        out: list[Rows] = []
+        for group in row_groups([x.shape[0] for x in ids], ROWS_MAX if self._mesh.comm.symm is not None else None):
+            if len(group) == 1:
+                i = group[0]
+                out.append(trunks[i].verify(ids[i], pos[i]))
+                continue
+            cat = torch.cat([ids[i] for i in group])
+            got = self._call(PACKED, tuple(trunks[i].slot for i in group), tuple(int(pos[i]) for i in group),
+                             tuple(ids[i].shape[0] for i in group),
+                             SharedIds(cat) if self._mesh.comm.symm is not None else cat)
+            out.extend(got)
+        return out
 
     def _send(self, name: str, *args: Any) -> None:
         """A call only the other ranks run (rank 0 runs its side itself), pending work first."""
@@ -141,10 +207,10 @@ class MeshTrunk:
         step is one header)."""
         self._mesh.check()
         try:
-            self._ex.commit(n)
+            self._ex.commit(n, self.slot)
         except Exception as e:
             raise self._mesh.fail(e) from None
-        self._commits.append(n)
+        self._commits.append(n if self.slot == 0 else (self.slot, n))
 
     def score(self, ids: torch.Tensor) -> torch.Tensor:
         return self._call("score", ids)
@@ -176,10 +242,13 @@ class MeshTrunk:
         return self._call("lm_logits", h.to(self._dtype))
 
     def close(self) -> None:
-        if self._local is not None:
+        """The first trunk's close closes the mesh (every rank frees every slot); a view's only
+        lets go of it."""
+        if self._root and self._local is not None:
             self._local.close()
         self._local = self._ex = self._drafter_vocab = None  # type: ignore[assignment]
-        self._finalizer()
+        if self._root:
+            self._finalizer()
 
     # ---- inspection ----------------------------------------------------------------------------
     def rank_stats(self) -> list[dict[str, int]]:

@@ -17,13 +17,11 @@ from ..model import loader
 from ..runtime.trunk import LocalTrunk
 from . import comm as comm_mod
 from .comm import Comm
-from .control import serve
+from .control import ROWS_MAX, serve
 from .draft import coll_bytes
 from .launch import START_TIMEOUT_S, MeshSpec
 from .model import ShardedQwen35
 from .shard import ShardPlan
-
-ROWS_MAX = 16     # rows of a verify the captured collectives are sized for (k + 1 <= 11)
 
 
 def load_shard(spec: MeshSpec, comm: Comm) -> LocalTrunk:

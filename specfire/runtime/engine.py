@@ -300,6 +300,8 @@ class Engine:
         con = self.constraint(sp)               # the request's grammar (runtime/constraint.py), or None
         prompt_lps = self.prompt_logprobs(ids, prompt, sp.prompt_logprobs) if sp.prompt_logprobs is not None else None
         cached = 0
+        if trunk.state is None:                 # a mesh's state lives on its ranks: no copy to share,
+            fork = None                         # so each request of the prompt prefills it itself
         while fork is not None and fork.leading and fork.snap is None and not fork.abandoned:
             yield None                          # another choice of this request prefills the prompt
         if fork is not None and fork.snap is not None:

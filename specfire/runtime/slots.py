@@ -9,7 +9,8 @@ the state for the next one, so a slot is reused, never rebuilt.
 
 Slots are built on demand up to `limit` (max_num_seqs) and a memory budget: each one reserves its
 whole max_seq of KV rows (KV blocks allocated as a sequence grows are the next step), so admission
-counts `state_bytes` per slot. A topology that holds one sequence (the mesh) has one slot.
+counts `state_bytes` per slot (on a mesh, per rank: rank 0's shard of the trunk's state and the
+MTP head's whole KV cache, the most any rank holds). A topology without a fork has one slot.
 """
 from __future__ import annotations
 
@@ -40,12 +41,14 @@ def _bytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.untyped_storage().nbytes()
 
 
-def state_bytes(cfg: ModelConfig, max_seq: int, kv_dtype: torch.dtype, mtp: bool) -> int:
+def state_bytes(cfg: ModelConfig, max_seq: int, kv_dtype: torch.dtype, mtp: bool, share=None) -> int:
     """Bytes of one slot's sequence state (the trunk's and, with `mtp`, the MTP head's KV cache),
     from the config, max_seq and the KV dtype: the same allocation a slot makes, laid out on the
-    meta device (no memory). Step buffers, rows logs and graph pools are not counted."""
+    meta device (no memory). Step buffers, rows logs and graph pools are not counted. `share`: a
+    mesh rank's heads (its `n_kv`, `n_v_heads`, `conv_dim`): that rank's shard of the trunk's state."""
     meta = torch.device("meta")
-    states = [SequenceState.allocate(cfg, cfg.layer_types, max_seq, meta, kv_dtype)]
+    heads = {} if share is None else dict(n_kv=share.n_kv, n_v_heads=share.n_v_heads, conv_dim=share.conv_dim)
+    states = [SequenceState.allocate(cfg, cfg.layer_types, max_seq, meta, kv_dtype, **heads)]
     if mtp:
         states.append(SequenceState.allocate(cfg, (FULL,), max_seq, meta, kv_dtype))
     total = 0

@@ -55,14 +55,16 @@ class Verify:
 
 
 def verify_many(calls: list[Verify]) -> list[Rows]:
-    """Every call's rows. Calls on trunks over one model (LocalTrunk.view slots) share one packed
-    forward, which reads each weight once for all their rows and gives each row the bits of its
-    own verify (model/qwen35.py Qwen35Trunk.packed); any other call runs alone."""
+    """Every call's rows. Calls on trunks that pack together (one `packing` key: LocalTrunk.view
+    slots over one model, MeshTrunk views over one mesh) share one `verify_packed`, which reads each
+    weight once for all their rows and gives each row the bits of its own verify (model/qwen35.py
+    Qwen35Trunk.packed); any other call runs alone."""
     out: list[Rows | None] = [None] * len(calls)
     groups: dict[int, list[int]] = {}
     for i, c in enumerate(calls):
-        if isinstance(c.trunk, LocalTrunk):
-            groups.setdefault(id(c.trunk.model), []).append(i)
+        key = c.trunk.packing
+        if key is not None:
+            groups.setdefault(id(key), []).append(i)
         else:
             out[i] = c.run()
     for idx in groups.values():
@@ -87,11 +89,14 @@ class Trunk(Protocol):
     draft_vocab: int | None       # lm_logits scores token ids 0..draft_vocab-1 only (None: all)
     embed_weight: torch.Tensor | None   # the table `embed` looks up, for the MTP head's fused steps (None: none)
     draft_sharded: bool           # greedy draft picks are the trunk's own (`draft_pick`, every rank of a mesh)
+    packing: object | None        # trunks with one key verify together (`verify_packed`); None: alone
+    state: SequenceState | None   # the sequence's state in this process (a prefix.Fork copies it); None: on a mesh's ranks
 
     def begin(self) -> None: ...                                   # new sequence: reset state
     def prefill(self, ids: torch.Tensor, logits: str = "last") -> Rows: ...  # logits "last" | "all"; hidden of all
     def prefill_steps(self, ids: torch.Tensor, logits: str = "last") -> Generator[None, None, Rows]: ...  # prefill, yielding between forwards
     def verify(self, ids: torch.Tensor, pos: int) -> Rows: ...     # R rows at pos.., per-row capture
+    def verify_packed(self, trunks: list, ids: list[torch.Tensor], pos: list[int]) -> list[Rows]: ...  # trunks' verifies, one forward
     def commit(self, n: int) -> None: ...                          # state := after row n of verify
     def score(self, ids: torch.Tensor) -> torch.Tensor: ...        # float32 logits [T, V]
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...        # for the MTP drafter
@@ -137,6 +142,11 @@ class LocalTrunk:
 
     def begin(self) -> None:
         self.state.reset()
+
+    @property
+    def packing(self) -> Qwen35Trunk:
+        """Views of one model verify together (verify_many)."""
+        return self.model
 
     @property
     def graphs_enabled(self) -> bool:

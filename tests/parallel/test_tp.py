@@ -278,6 +278,19 @@ class TestMeshOfTwo:
         d = [{k: b[k] - a[k] for k in a} for a, b in zip(s0, s1)]
         assert d[0]["commit"] == d[1]["commit"] == steps
 
+    def test_a_header_past_one_command_buffer_goes_in_two(self, base):
+        """A header longer than the command buffer (a packed verify of many slots with their
+        riders) sends its tail in a second broadcast: the ranks read it whole and stay in step."""
+        from specfire.parallel.comm import CMD_BYTES
+
+        one, mesh = base
+        trunk = mesh.engine.trunk
+        got = trunk.rank_time(1, 1, "p" * (3 * CMD_BYTES))      # no graph on the CPU: NaN on every rank
+        assert len(got) == 2 and all(t != t for t in got)
+        ids = prompt(one.cfg.vocab_size, 12, seed=8)
+        sp = SamplingParams(max_tokens=6)
+        assert mesh.generate(ids, sp, spec="off").token_ids == one.generate(ids, sp, spec="off").token_ids
+
     def test_drafter_vocab_calls_through_the_mesh_match(self, base):
         """The mesh's vocab-parallel embedding and lm_head equal one device (the GPU's drafter path)."""
         one, mesh = base

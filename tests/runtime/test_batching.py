@@ -330,18 +330,38 @@ def test_closed_llm_refuses_and_ends_waiting_requests(path, prompts):
         m.generate(prompts[0])
 
 
-def test_the_mesh_serves_one_sequence_at_a_time_exactly(path, prompts):
-    """The 2-rank gloo mesh holds one sequence state per rank, so its scheduler has one slot:
-    concurrent requests wait in arrival order, each giving its output alone (and, greedy, the
-    tp-invariant one-device output)."""
-    reqs = MIXED[:4]
+def test_the_mesh_batches_concurrent_requests_exactly(path, prompts, monkeypatch):
+    """A 2-rank gloo mesh holds a sequence state per slot on every rank: four concurrent requests
+    (AR, MTP k=3, n-gram k=2, seeded sampled MTP) run at once, their verifies packed into one call
+    per round (one forward on every rank), each output its request alone on the mesh and the
+    tp-invariant one-device output; from threads too; every rank ran every packed call."""
+    from specfire.runtime.trunk import LocalTrunk
+
+    reqs = [(SamplingParams(max_tokens=24), SpecPolicy("off")), (SamplingParams(max_tokens=24), SpecPolicy("mtp", 3)),
+            (SamplingParams(max_tokens=20), SpecPolicy("ngram", 2)),
+            (SamplingParams(max_tokens=20, temperature=0.8, seed=5), SpecPolicy("mtp", 3))]
     with LLM(path, tp=1, device="cpu", progress=False, max_seq_len=256, tp_invariant=True) as one:
         canon = [one.generate(p, sp, spec=pol).token_ids for p, (sp, pol) in zip(prompts, reqs)]
+        one.engine.trunk.piece = 4
+        canon_pieces = one.generate(prompts[1], *reqs[1]).token_ids
     with LLM(path, tp=2, device="cpu", progress=False, max_seq_len=256, max_num_seqs=4, tp_invariant=True) as mesh:
-        assert mesh.max_num_seqs == 1 and mesh.slots.why == "the tp2 topology holds one sequence"
+        assert mesh.max_num_seqs == 4 and mesh.slots.why == ""
+        with pytest.raises(SpecfireError, match="the prefix cache serves one device; this model runs with tp=2"):
+            mesh.enable_prefix_cache(1 << 20)
         alone = [mesh.generate(p, sp, spec=pol).token_ids for p, (sp, pol) in zip(prompts, reqs)]
+        assert len(mesh.slots.engines) == 1
+        trunk, sched = mesh.engine.trunk, mesh.scheduler
+        s0 = trunk.rank_stats()
+        before, sched.widest = (sched.forwards, sched.verifies), 0
         got = mesh.generate(prompts[:4], [sp for sp, _ in reqs], spec=[pol for _, pol in reqs])
+        s1 = trunk.rank_stats()
         assert [r.token_ids for r in got] == alone
+        assert len(mesh.slots.engines) == 4 and mesh.slots.busy == 0
+        forwards, verifies = sched.forwards - before[0], sched.verifies - before[1]
+        assert sched.widest == 4 and verifies > 1.5 * forwards
+        d = [{k: b[k] - a[k] for k in a if k != "max_verify_rows"} for a, b in zip(s0, s1)]
+        assert d[0] == d[1] and d[0]["verify_packed"] > 0 and d[0]["verify_packed"] + d[0]["verify"] == forwards
+        assert got[1].stats["accepted"] > 0 and got[2].stats["drafted"] > 0
         streamed: list = [None] * 4
 
         def go(i: int) -> None:
@@ -353,9 +373,45 @@ def test_the_mesh_serves_one_sequence_at_a_time_exactly(path, prompts):
         for t in threads:
             t.join(300)
         assert streamed == alone
-    for i, (sp, _) in enumerate(reqs):
-        if sp.greedy:
-            assert alone[i] == canon[i], i
+        # through the server: n seeded choices run at once, choice i is the request with seed + i
+        # alone (the mesh keeps no state copy to share: each choice prefills the prompt itself)
+        from fastapi.testclient import TestClient
+
+        from specfire.serve.app import build_app
+
+        sp = dict(max_tokens=12, temperature=0.8, seed=7)
+        want = [mesh.generate(prompts[1], SamplingParams(**{**sp, "seed": 7 + i}), spec="mtp").text for i in range(3)]
+        sched.widest = 0
+        with TestClient(build_app(mesh, "m")) as tc:
+            r = tc.post("/v1/completions", json={"prompt": prompts[1], "n": 3, "speculation": {"mode": "mtp"}, **sp})
+        assert r.status_code == 200, r.text
+        assert [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])] == want
+        assert sched.widest > 1
+        # packed calls cut at the rows the captured collectives hold (5 here): the same outputs
+        from specfire.parallel.control import Call
+
+        monkeypatch.setattr("specfire.parallel.trunk.ROWS_MAX", 5)
+        comm, packs = trunk._mesh.comm, []
+        real = comm.send_command
+        monkeypatch.setattr(comm, "send_command", lambda h: packs.append(Call.parse(h)) or real(h))
+        got = mesh.generate(prompts[:4], [sp for sp, _ in reqs], spec=[pol for _, pol in reqs])
+        assert [r.token_ids for r in got] == alone
+        rows = [sum(c.args[2]) for c in packs if c.name == "verify_packed"]
+        assert rows and max(rows) == 5, rows
+        # a rank with no memory for another slot: no rank keeps it (the pool stops there) and the mesh goes on
+        monkeypatch.setattr(LocalTrunk, "view", lambda self: (_ for _ in ()).throw(torch.OutOfMemoryError("full")))
+        with pytest.raises(torch.OutOfMemoryError, match="tensor-parallel rank 0 has no memory for another sequence"):
+            mesh.slots.first.fork()
+        assert len(trunk._ex.slots) == 4 and not trunk.closed
+        assert mesh.generate(prompts[0], *reqs[0]).token_ids == alone[0]
+        # a prompt of several prefill pieces: one call each (other slots' steps run between them)
+        for eng in mesh.slots.engines:
+            eng.trunk.piece = 4
+        s0 = trunk.rank_stats()
+        assert mesh.generate(prompts[1], *reqs[1]).token_ids == canon_pieces
+        s1 = trunk.rank_stats()
+        assert [b["prefill"] - a["prefill"] for a, b in zip(s0, s1)] == [3, 3]
+    assert alone == canon              # tp_invariant: seeded sampling too
 
 
 def test_greedy_draft_chains_of_a_round_run_packed(path, prompts, monkeypatch):
