@@ -98,12 +98,13 @@ class MeshTrunk:
     def begin(self) -> None:
         self._call("begin")
 
-    def prefill(self, ids: torch.Tensor, logits: str = "last") -> Rows:
-        return self._call("prefill", ids, logits)
+    def prefill(self, ids: torch.Tensor, logits: str = "last", ends: tuple[int, ...] = ()) -> Rows:
+        return self._call("prefill", ids, logits, 0, tuple(ends))   # every rank: LocalTrunk.prefill's forwards
 
-    def prefill_steps(self, ids: torch.Tensor, logits: str = "last") -> Generator[None, None, Rows]:
+    def prefill_steps(self, ids: torch.Tensor, logits: str = "last",
+                      ends: tuple[int, ...] = ()) -> Generator[None, None, Rows]:
         """The prefill in one call: the mesh holds one sequence, so no other request runs between its pieces."""
-        return self.prefill(ids, logits)
+        return self.prefill(ids, logits, ends)
         yield  # noqa: unreachable (this makes it a generator)
 
     def verify(self, ids: torch.Tensor, pos: int) -> Rows:
