@@ -115,7 +115,8 @@ class PrefixCache:
         `ends` holds it (a chat prompt: the next turn resumes there), less what is already kept."""
         cuts = self.turn_ends(len(ids), ends)
         at = {self.boundary(len(ids))} | ({len(ids)} if len(ids) in ends else set())
-        return [p for p in sorted(at) if p > 0 and (tuple(ids[:p]), tuple(e for e in cuts if e < p)) not in self.entries]
+        return [p for p in sorted(at)
+                if p > 0 and (tuple(ids[:p]), tuple(e for e in cuts if e < p)) not in self.entries]
 
     def add(self, snap: Snapshot) -> None:
         if snap.nbytes > self.max_bytes:

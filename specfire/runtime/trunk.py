@@ -97,10 +97,10 @@ class Trunk(Protocol):
     draft_sharded: bool           # greedy draft picks are the trunk's own (`draft_pick`, every rank of a mesh)
 
     def begin(self) -> None: ...                                   # new sequence: reset state
-    # logits "last" | "all"; hidden of all; forwards end at `ends` too (prefill_cuts)
+    # logits "last" | "all"; hidden of all; forwards end at `ends` too (prefill_cuts); _steps yields between them
     def prefill(self, ids: torch.Tensor, logits: str = "last", ends: tuple[int, ...] = ()) -> Rows: ...
     def prefill_steps(self, ids: torch.Tensor, logits: str = "last",
-                      ends: tuple[int, ...] = ()) -> Generator[None, None, Rows]: ...  # prefill, yielding between forwards
+                      ends: tuple[int, ...] = ()) -> Generator[None, None, Rows]: ...
     def verify(self, ids: torch.Tensor, pos: int) -> Rows: ...     # R rows at pos.., per-row capture
     def commit(self, n: int) -> None: ...                          # state := after row n of verify
     def score(self, ids: torch.Tensor) -> torch.Tensor: ...        # float32 logits [T, V]
