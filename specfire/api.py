@@ -22,7 +22,7 @@ from .runtime.slots import SlotPool, default_max_num_seqs, state_bytes
 from .runtime.spec import OnCycle
 from .runtime.trunk import LocalTrunk
 from .threads import default_threads
-from .tokenizer import Tokenizer
+from .tokenizer import ChatIds, Tokenizer
 
 BUNDLED_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bundled")
 KV_DTYPES = ("auto", "bf16", "fp32", "q8")
@@ -220,6 +220,8 @@ class LLM:
             if self.tokenizer is None:
                 raise SpecfireError(f"{self.path} has no tokenizer.json; pass token ids instead of text")
             return self.tokenizer.encode(prompt)
+        if isinstance(prompt, ChatIds):           # a chat's ids keep their turn ends (Request takes them)
+            return ChatIds(prompt, prompt.ends)
         if isinstance(prompt, torch.Tensor):
             prompt = prompt.tolist()
         if not isinstance(prompt, (list, tuple)):
@@ -286,8 +288,10 @@ class LLM:
         return self.tokenizer.render_chat(messages)
 
     def chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                 template_kwargs: dict[str, Any] | None = None, allow_special: bool = False) -> list[int]:
-        """The chat's prompt ids; special tokens spelled inside messages stay text unless `allow_special`."""
+                 template_kwargs: dict[str, Any] | None = None, allow_special: bool = False) -> ChatIds:
+        """The chat's prompt ids, a list that also holds its turn ends: generate() and stream() end
+        prefill forwards there, so the next turn resumes from this one's prompt on a cold run's bits
+        (enable_prefix_cache). Special tokens spelled inside messages stay text unless `allow_special`."""
         if self.tokenizer is None:
             raise SpecfireError(f"{self.path} has no tokenizer; chat needs one")
         return self.tokenizer.chat_ids(messages, tools, True, template_kwargs, allow_special)

@@ -11,6 +11,17 @@ from .config import regular_file
 from .errors import CheckpointError
 
 
+class ChatIds(list):
+    """A chat prompt's token ids (a list of ints to any reader) and its turn ends: the length of the
+    prompt each earlier assistant message answered, where those ids start these, then this prompt's
+    own. Its prefill ends a forward at each, so the next turn resumes from this one's end on the
+    bits of a cold prefill (runtime/prefix.py)."""
+
+    def __init__(self, ids: Any = (), ends: Any = ()):
+        super().__init__(ids)
+        self.ends: tuple[int, ...] = tuple(ends)
+
+
 class Tokenizer:
     def __init__(self, path: str):
         from tokenizers import Tokenizer as _Tok
@@ -77,13 +88,43 @@ class Tokenizer:
 
     def chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                  add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None,
-                 allow_special: bool = False) -> list[int]:
-        """Token ids of the rendered chat. Control tokens spelled inside the request's strings are
-        encoded as text unless `allow_special` (then the rendered text is encoded as one string)."""
+                 allow_special: bool = False) -> "ChatIds":
+        """Token ids of the rendered chat, with its turn ends (ChatIds). Control tokens spelled
+        inside the request's strings are encoded as text unless `allow_special` (then the rendered
+        text is encoded as one string)."""
         t = self.template
+        text = t.render(messages, tools, add_generation_prompt, template_kwargs, mark=not allow_special)
+        ids = self._rendered_ids(text, allow_special)
+        if not add_generation_prompt:
+            return ChatIds(ids)
+        ends = []
+        for i in range(1, len(messages)):
+            if messages[i].get("role") != "assistant":
+                continue
+            n = self._head_len(messages[:i], tools, template_kwargs, allow_special, text, ids)
+            if n is not None and n > (ends[-1] if ends else 0):
+                ends.append(n)
+        return ChatIds(ids, ends + [len(ids)])
+
+    def _head_len(self, head: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                  template_kwargs: dict[str, Any] | None, allow_special: bool, text: str, ids: list[int]) -> int | None:
+        """The length of the prompt that answered the assistant message after `head` (rendered with
+        the generation prompt), or None where its ids do not start `ids`."""
+        from jinja2 import TemplateError
+
+        try:     # a template may refuse a head the whole chat passes (one that wants a user message last)
+            h = self.template.render(head, tools, True, template_kwargs, mark=not allow_special)
+        except (ValueError, TypeError, TemplateError):
+            return None
+        if not text.startswith(h):
+            return None
+        hids = self._rendered_ids(h, allow_special)
+        return len(hids) if len(hids) < len(ids) and ids[:len(hids)] == hids else None
+
+    def _rendered_ids(self, text: str, allow_special: bool) -> list[int]:
         if allow_special:
-            return self.encode(t.render(messages, tools, add_generation_prompt, template_kwargs))
-        pieces = t.split_marked(t.render(messages, tools, add_generation_prompt, template_kwargs, mark=True))
+            return self.encode(text)
+        pieces = self.template.split_marked(text)
         ids = self.encode(pieces[0][0])
         for piece, as_text in pieces[1:]:
             ids += self._encode_piece(piece, as_text)

@@ -22,7 +22,7 @@ from ..config import ModelConfig
 from ..errors import MeshError
 from ..kernels.gemv import linear_prefix
 from ..params import check_draft_vocab
-from ..runtime.trunk import PREFILL_PIECE, LocalTrunk, Rows
+from ..runtime.trunk import PREFILL_PIECE, LocalTrunk, Rows, prefill_cuts
 from .control import DRAFT, NEW_SLOT, PACKED, RANK_STATS, RANK_TIME, ROWS_MAX, STAT_NAMES, Call, RankExecutor, SharedIds
 from .draft import shard_argmax
 from .lifecycle import Mesh
@@ -137,22 +137,26 @@ class MeshTrunk:
     def begin(self) -> None:
         self._call("begin")
 
-    def prefill(self, ids: torch.Tensor, logits: str = "last") -> Rows:
-        return self._call("prefill", ids, logits)
+    def prefill(self, ids: torch.Tensor, logits: str = "last", ends: tuple[int, ...] = ()) -> Rows:
+        return self._call("prefill", ids, logits, 0, tuple(ends))   # every rank: LocalTrunk.prefill's forwards
 
-    def prefill_steps(self, ids: torch.Tensor, logits: str = "last") -> Generator[None, None, Rows]:
-        """`prefill`, one call of `piece` rows at a time, yielding between them (other slots' steps
-        run there): the forwards of one prefill call (LocalTrunk.prefill_steps), the same bits."""
-        if ids.shape[0] <= self.piece:
-            return self.prefill(ids, logits)
-        hs, lg = [], []
-        for s in range(0, ids.shape[0], self.piece):
-            if s:
+    def prefill_steps(self, ids: torch.Tensor, logits: str = "last",
+                      ends: tuple[int, ...] = ()) -> Generator[None, None, Rows]:
+        """`prefill`, one call per span between prefill_cuts (at most `piece` rows), yielding
+        between them (other slots' steps run there): the forwards of one prefill call
+        (LocalTrunk.prefill_steps), the same bits."""
+        cuts = prefill_cuts(ids.shape[0], self.piece, tuple(ends))
+        if len(cuts) == 1:
+            return self.prefill(ids, logits, ends)
+        hs, lg, a = [], [], 0
+        for b in cuts:
+            if a:
                 yield
-            rows = self._call("prefill", ids[s:s + self.piece], logits, s)
+            rows = self._call("prefill", ids[a:b], logits, a, tuple(ends))
             hs.append(rows.hidden)
-            if logits == "all" or s + self.piece >= ids.shape[0]:
+            if logits == "all" or b == ids.shape[0]:
                 lg.append(rows.logits)
+            a = b
         return Rows(torch.cat(lg), torch.cat(hs))
 
     def verify(self, ids: torch.Tensor, pos: int) -> Rows:

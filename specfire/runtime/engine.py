@@ -206,10 +206,10 @@ class Engine:
 
     def stream(self, ids: list[int], sp: SamplingParams, policy: SpecPolicy, on_cycle: OnCycle | None = None,
                drafter: Drafter | None = None, controller: Controller | None = None,
-               plan: RoutePlan | None = None) -> Iterator[StreamChunk]:
+               plan: RoutePlan | None = None, ends: tuple[int, ...] = ()) -> Iterator[StreamChunk]:
         """Generate from `ids` (`steps` without its pauses). LLM runs requests through its scheduler;
         a direct call uses this engine's slot and must not overlap a scheduled request on it."""
-        steps = self.steps(ids, sp, policy, on_cycle, drafter, controller, plan)
+        steps = self.steps(ids, sp, policy, on_cycle, drafter, controller, plan, ends=ends)
         try:
             got = None
             while True:
@@ -230,7 +230,7 @@ class Engine:
 
     def steps(self, ids: list[int], sp: SamplingParams, policy: SpecPolicy, on_cycle: OnCycle | None = None,
               drafter: Drafter | None = None, controller: Controller | None = None,
-              plan: RoutePlan | None = None, fork: Fork | None = None
+              plan: RoutePlan | None = None, fork: Fork | None = None, ends: tuple[int, ...] = ()
               ) -> Generator[StreamChunk | Verify | Chains | None, Rows | None, None]:
         """Generate from `ids`, yielding a chunk after every step, None between the prefill's
         forwards (a scheduler runs other requests' steps at every yield) and, where a step needs
@@ -242,6 +242,8 @@ class Engine:
         `controller` (the `Controller` protocol), when given, replaces the route's;
         `plan`: the route already decided for this policy and these params (`route`), else decided here.
         `fork`: the prompt's prefill shared with other requests of the same prompt (prefix.Fork).
+        `ends`: a chat prompt's turn ends (tokenizer.ChatIds), where its prefill ends forwards too,
+        with the prefix cache on or off (the same forwards, the same bits; runtime/prefix.py).
 
         The device stays busy: the next step is queued before the host turns this step's tokens
         into text, and an AR step is queued before the one before it is read (its input token
@@ -314,10 +316,10 @@ class Engine:
                 fork.leading = True
             try:
                 if self.prefix is not None:
-                    rows, cached = yield from self.prefix.prefill_steps(ids, prompt, trunk)
+                    rows, cached = yield from self.prefix.prefill_steps(ids, prompt, trunk, ends)
                 else:
                     trunk.begin()
-                    rows = yield from trunk.prefill_steps(prompt)
+                    rows = yield from trunk.prefill_steps(prompt, ends=ends)
             except BaseException:               # (a cancel closes the generator here too)
                 if lead:
                     fork.abandoned = True

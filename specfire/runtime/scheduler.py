@@ -28,6 +28,7 @@ import torch
 
 from ..errors import SpecfireError
 from ..params import SamplingParams, SpecPolicy
+from ..tokenizer import ChatIds
 from .slots import SlotPool
 from .spec import Chains, queue_chains
 from .trunk import Verify, verify_many
@@ -66,7 +67,12 @@ class Request:
     verify: "Verify | None" = None          # the verify forward its step waits for
     chain: "Chains | None" = None           # the draft chain its step left pending (queued with the round's)
     fork: "Fork | None" = None              # the prompt's prefill, shared with requests of the same prompt
+    ends: tuple[int, ...] | None = None     # a chat prompt's turn ends (Engine.steps; None: those of ChatIds ids)
     over: bool = False                      # DONE, ERROR or CANCELLED was sent
+
+    def __post_init__(self) -> None:
+        if self.ends is None:
+            self.ends = self.ids.ends if isinstance(self.ids, ChatIds) else ()
 
 
 class Scheduler:
@@ -228,7 +234,7 @@ class Scheduler:
             head.engine = eng
             if head.task is None:
                 head.steps = eng.steps(head.ids, head.params, head.spec, on_cycle=head.on_cycle, plan=head.plan,
-                                       fork=head.fork)
+                                       fork=head.fork, ends=head.ends or ())
             self._send(head, STARTED, None)
 
     def _advance(self, r: Request, rows: "Rows | None") -> None:

@@ -23,6 +23,15 @@ from ..params import check_draft_vocab
 PREFILL_PIECE = 1024  # prompt rows per prefill forward (bounds attention-score memory)
 
 
+def prefill_cuts(n: int, piece: int, ends: tuple[int, ...] = (), start: int = 0) -> list[int]:
+    """Where the prefill of positions [start, n) ends its forwards: at every multiple of `piece`
+    (from 0) and every turn end in `ends` (an earlier turn's prompt length), and at n. A function of
+    the prompt alone, so a prefill resumed at any cut runs the forwards a cold one runs there."""
+    cuts = set(range((start // piece + 1) * piece, n, piece))
+    cuts.update(e for e in ends if start < e < n)
+    return sorted(cuts) + [n]
+
+
 def drain(steps: Generator[None, None, Any]) -> Any:
     """Run a step generator (a prefill that yields between forwards) to its end: its return value."""
     while True:
@@ -93,8 +102,10 @@ class Trunk(Protocol):
     state: SequenceState | None   # the sequence's state in this process (a prefix.Fork copies it); None: on a mesh's ranks
 
     def begin(self) -> None: ...                                   # new sequence: reset state
-    def prefill(self, ids: torch.Tensor, logits: str = "last") -> Rows: ...  # logits "last" | "all"; hidden of all
-    def prefill_steps(self, ids: torch.Tensor, logits: str = "last") -> Generator[None, None, Rows]: ...  # prefill, yielding between forwards
+    # logits "last" | "all"; hidden of all; forwards end at `ends` too (prefill_cuts); _steps yields between them
+    def prefill(self, ids: torch.Tensor, logits: str = "last", ends: tuple[int, ...] = ()) -> Rows: ...
+    def prefill_steps(self, ids: torch.Tensor, logits: str = "last",
+                      ends: tuple[int, ...] = ()) -> Generator[None, None, Rows]: ...
     def verify(self, ids: torch.Tensor, pos: int) -> Rows: ...     # R rows at pos.., per-row capture
     def verify_packed(self, trunks: list, ids: list[torch.Tensor], pos: list[int]) -> list[Rows]: ...  # trunks' verifies, one forward
     def commit(self, n: int) -> None: ...                          # state := after row n of verify
@@ -152,26 +163,29 @@ class LocalTrunk:
     def graphs_enabled(self) -> bool:
         return self.graphs is not None
 
-    def prefill(self, ids: torch.Tensor, logits: str = "last", start: int = 0) -> Rows:
-        """Rows at positions start.. (0 after begin(); a prefix cache resumes later, on a piece
-        boundary, so the forwards are those of a prefill from 0)."""
-        return drain(self.prefill_steps(ids, logits, start))
+    def prefill(self, ids: torch.Tensor, logits: str = "last", start: int = 0, ends: tuple[int, ...] = ()) -> Rows:
+        """Rows at positions start.. (0 after begin(); a prefix cache resumes later, on a cut of
+        prefill_cuts, so the forwards are those of a prefill from 0)."""
+        return drain(self.prefill_steps(ids, logits, start, ends))
 
     @torch.inference_mode()
-    def prefill_steps(self, ids: torch.Tensor, logits: str = "last", start: int = 0) -> Generator[None, None, Rows]:
-        """`prefill`, one forward of `piece` rows per step, yielding between them, so a scheduler
-        runs other requests' steps while a long prompt is read (the same forwards, the same bits)."""
+    def prefill_steps(self, ids: torch.Tensor, logits: str = "last", start: int = 0,
+                      ends: tuple[int, ...] = ()) -> Generator[None, None, Rows]:
+        """`prefill`, one forward per span between prefill_cuts (at most `piece` rows), yielding
+        between them, so a scheduler runs other requests' steps while a long prompt is read (the
+        same forwards, the same bits)."""
         hs, lg = [], []
-        for s in range(0, ids.shape[0], self.piece):
-            if s:
+        a = start
+        for b in prefill_cuts(start + ids.shape[0], self.piece, ends, start):
+            if a > start:
                 yield
-            piece = ids[s:s + self.piece]
-            last = s + self.piece >= ids.shape[0]
-            h, l = self.model(piece, start + s, self.state, rows=False,
+            last = b == start + ids.shape[0]
+            h, l = self.model(ids[a - start:b - start], a, self.state, rows=False,
                               logits="all" if logits == "all" else ("last" if last else "none"))
             hs.append(h)
             if l is not None:
                 lg.append(l)
+            a = b
         return Rows(torch.cat(lg), torch.cat(hs))
 
     @torch.inference_mode()

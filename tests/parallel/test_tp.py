@@ -202,6 +202,19 @@ class TestMeshOfTwo:
         assert r.token_ids == ar
 
 
+    def test_turn_ends_cut_the_mesh_prefill_too(self, base):
+        """A chat prompt's turn ends reach every rank: the mesh's prefill ends its forwards where one
+        device's does, on the same bits (a prefill cut elsewhere computes other bits)."""
+        one, mesh = base
+        ids = torch.tensor(prompt(one.cfg.vocab_size, 50, seed=4))
+        rows = {}
+        for name, m, ends in (("one", one, (21,)), ("mesh", mesh, (21,)), ("uncut", one, ())):
+            m.engine.trunk.begin()
+            rows[name] = m.engine.trunk.prefill(ids, ends=ends)
+        assert torch.equal(rows["mesh"].logits, rows["one"].logits)
+        assert torch.equal(rows["mesh"].hidden, rows["one"].hidden)
+        assert not torch.equal(rows["uncut"].hidden, rows["one"].hidden)
+
     def test_penalties_on_mesh_equal_ar(self, base):
         """Penalties are applied on rank 0 to the gathered verify rows: greedy AR, MTP and n-gram on
         the mesh equal one device's AR with each penalty (and the penalty changes the output). One

@@ -513,6 +513,10 @@ def test_prefix_reuse_reports_cached_tokens(daemon, ckpt):
         cached.append(evs[-1]["cached_tokens"])
         n = evs[0]["prompt_tokens"]
     assert texts[0] == texts[1] and cached == [0, ((n - 1) // 16) * 16] and cached[1] > 0
+    # the next turn resumes from the end of this one's prompt
+    turn2 = msgs + [{"role": "assistant", "content": texts[0]}, {"role": "user", "content": "Now subtract."}]
+    daemon.send({"type": "generate", "id": 2, "attempt_id": 2, "messages": turn2, "max_tokens": 2})
+    assert daemon.until("done")[-1]["cached_tokens"] == n
     daemon.send({"type": "load", "id": "p0", "model": ckpt, "params": {"prefix_cache_mb": 0, "prefill_piece": 16}})
     assert daemon.recv()["type"] == "loaded"
     for i in range(2):

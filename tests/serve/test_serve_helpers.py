@@ -282,7 +282,7 @@ def pair(tmp_path_factory):
 def test_multi_turn_reuses_the_prefix_with_identical_output(pair):
     path, warm, cold = pair
     msgs = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
-    prev = 0                                       # the boundary of the previous turn's prompt
+    prev = 0                                       # the previous turn's prompt length
     for turn in range(3):
         for i, (mode, sp) in enumerate( (("off", SamplingParams(max_tokens=10)), ("mtp", SamplingParams(max_tokens=10)),
                          ("ngram", SamplingParams(max_tokens=10)),
@@ -291,10 +291,10 @@ def test_multi_turn_reuses_the_prefix_with_identical_output(pair):
             assert a.token_ids == b.token_ids, (turn, mode)
             own = ((len(b.prompt_token_ids) - 1) // 16) * 16
             assert a.stats["cached_tokens"] == 0
-            # a turn's first request resumes from the previous turn's prompt, the others from its own
-            assert b.stats["cached_tokens"] == (prev if i == 0 else own), (turn, mode, b.stats["cached_tokens"])
-        assert own > prev
-        prev = own
+            # a turn's first request resumes from the end of the previous turn's prompt, the others
+            # from that or the last piece multiple of their own
+            assert b.stats["cached_tokens"] == (prev if i == 0 else max(prev, own)), (turn, mode, b.stats["cached_tokens"])
+        prev = len(b.prompt_token_ids)
         msgs = msgs + [{"role": "assistant", "content": a.text}, {"role": "user", "content": f"Turn {turn}: again."}]
     # the logits of a resumed prefill are the bits of a cold one
     ids = warm.prompt_ids(warm.render_chat(msgs))
@@ -335,7 +335,7 @@ def test_http_reports_cached_tokens(pair):
                         {"role": "user", "content": "And then?"}]
         second = tc.post("/v1/chat/completions", json={"messages": msgs2, "max_tokens": 6, "temperature": 0}).json()
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached >= 16 and cached % 16 == 0 and cached < second["usage"]["prompt_tokens"]
+    assert cached == first["usage"]["prompt_tokens"]         # the end of the first turn's prompt
     assert second["timings"]["cached_tokens"] == cached
     assert second["choices"][0]["message"]["content"] == cold.chat(msgs2, SamplingParams(max_tokens=6)).text
 
