@@ -238,6 +238,14 @@ def test_auto_measures_cycle_costs_only_when_alone(path, prompts, monkeypatch):
     real = CostTable.add
     monkeypatch.setattr(CostTable, "add", lambda self, *a: added.append(a) or real(self, *a))
     reqs = [(SamplingParams(max_tokens=24, ignore_eos=True), SpecPolicy("auto", 3)) for _ in range(4)]
+    views = []
+    real_round = sch.Scheduler.round
+
+    def round_(self):
+        real_round(self)
+        v = self.pool.first.shared.round
+        views.append((len(v.members), v.seconds or 0.0))
+    monkeypatch.setattr(sch.Scheduler, "round", round_)
     with LLM(path, device="cpu", progress=False, max_seq_len=512, max_num_seqs=4) as m:
         for p, (sp, pol) in zip(prompts, reqs):
             m.generate(p, sp, spec=pol)
@@ -245,9 +253,8 @@ def test_auto_measures_cycle_costs_only_when_alone(path, prompts, monkeypatch):
         got = m.generate(prompts[:4], [sp for sp, _ in reqs], spec=[pol for _, pol in reqs])
         cycles = sum(r.stats["per_route"][route]["steps"] for r in got for route in r.stats["per_route"])
     assert alone >= cycles / 2 and len(added) < cycles / 4, (alone, len(added), cycles)
-    # a round in which all the running requests verified together was recorded for auto's price of drafting
-    view = m.slots.first.shared.round
-    assert len(view.members) >= 2 and view.seconds > 0 and {r for r, _ in view.members} <= {"ar", "mtp", "ngram"}
+    # the rounds in which all the running requests verified together were recorded for auto
+    assert max(n for n, _ in views) == 4 and all(t > 0 for n, t in views if n)
 
 
 def test_score_runs_on_a_free_slot_beside_a_stream(llm, prompts, alone):
