@@ -2,6 +2,7 @@
 handlers.py, and the exception handlers that turn every failure into an OpenAI-shaped error."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, AsyncIterator
@@ -14,6 +15,7 @@ from starlette.requests import ClientDisconnect
 from . import handlers
 from .chat_options import ChatOptions
 from .guard import Access, AccessMiddleware, check_api_key
+from .inbox import Inbox
 from .state import ServeState, state_of
 from .transport import BODY_TIMEOUT_S, MAX_REQUEST_BYTES
 from .wire import RequestError
@@ -47,6 +49,7 @@ def build_app(llm: "LLM", model_name: str, api_key: str | None = None, close_llm
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        st.inbox = Inbox(asyncio.get_running_loop())
         st.worker = EngineWorker(llm, st.metrics)
         try:
             yield
