@@ -12,7 +12,9 @@ warm-up request, then --requests streaming completions of random token-id prompt
 flight (each client thread sends its next request when its last one ends), greedy, ignore_eos, so
 every request generates --output-len tokens. Per level: aggregate output tok/s (output tokens /
 wall time), requests/s, TTFT and inter-token latency (between streamed chunks) p50 / p99, time per
-output token, per-request decode tok/s (first to last chunk) p50 / min, the server's mean accept length, and its peak
+output token, per-request decode tok/s (first to last chunk) p50 / min, the server's mean accept length, its own
+decode tok/s, chunks per request, the CPU time per output token of its event-loop (main) thread and
+of its engine (busiest other) thread from /proc (a server it started), and its peak
 memory (GPU memory of its process from nvidia-smi, else its resident set). The server runs the
 requests it holds in shared steps (one packed forward a round); against bench/batch.py's in-process
 rate the figures show what HTTP costs. A table, then one JSON line last.
