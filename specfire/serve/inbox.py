@@ -1,5 +1,5 @@
 """Engine events into the event loop with one wake-up for everything posted since the loop last
-looked, not one per event, and at most one drain per `interval`: the engine thread and the loop
+looked, not one per event, and about one per `interval` at most: the engine thread and the loop
 share the GIL, so every wake-up and every write the loop makes is time taken from the engine; paced,
 the loop's work follows the clock, not the tokens, whatever the engine's rate and concurrency."""
 from __future__ import annotations
@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
+import time
 from typing import Any, Protocol
+
+from .worker import CANCELLED, DONE, ERROR
 
 Event = tuple[str, Any]
 
@@ -17,12 +20,18 @@ class Sink(Protocol):
         """Take one event, on the loop's thread (it must not block)."""
 
 
+TERMINAL = (DONE, ERROR, CANCELLED)     # a request's last event: never held
+
+
 class Inbox:
-    """What the engine thread posts, handed to each sink on the loop's thread in posting order, at
-    most one drain per `interval` seconds. The first event after a pause is drained at once (no
-    delay to a first token); while events keep coming a timer drains them every `interval`, so
-    the engine thread wakes the loop only after a pause. `interval` defaults to the interpreter's
-    switch interval: while the engine runs Python, the loop gets the GIL about that often anyway."""
+    """What the engine thread posts, handed to each sink on the loop's thread in posting order.
+    A post wakes the loop only when no drain is pending and the last wake-up is `interval`
+    seconds old, or when it ends a request; otherwise it waits for the next post that does (a
+    request's last event always does), so a chunk is held at most about `interval` plus one
+    engine round. The wake-up is the engine thread's (a write at a point where it lets the GIL
+    go), never a timer of the loop's that would have to take the GIL from a running engine.
+    `interval` defaults to the interpreter's switch interval: while the engine runs Python, the
+    loop gets the GIL about that often anyway."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, interval: float | None = None):
         if interval is not None and not interval >= 0:
@@ -31,8 +40,8 @@ class Inbox:
         self.interval = sys.getswitchinterval() if interval is None else interval
         self.lock = threading.Lock()
         self.items: list[tuple[Sink, Event]] = []
-        self.armed = False                    # a drain is scheduled (exactly one while set)
-        self.last = -float("inf")             # when the last drain with events ran (the loop's clock)
+        self.armed = False                    # a drain is scheduled and has not started
+        self.last = -float("inf")             # when the last drain was scheduled (time.monotonic)
 
     def post(self, sink: Sink, ev: Event) -> None:
         """Any thread: queue `ev` for `sink` (dropped once the loop is closed: nobody listens)."""
@@ -40,28 +49,19 @@ class Inbox:
             self.items.append((sink, ev))
             if self.armed:
                 return
-            self.armed = True
+            now = time.monotonic()
+            if now - self.last < self.interval and ev[0] not in TERMINAL:
+                return
+            self.armed, self.last = True, now
         try:
-            self.loop.call_soon_threadsafe(self._arm)
+            self.loop.call_soon_threadsafe(self.drain)
         except RuntimeError:
             pass
 
-    def _arm(self) -> None:
-        wait = self.last + self.interval - self.loop.time()
-        if wait > 0:
-            self.loop.call_later(wait, self.drain)
-        else:
-            self.drain()
-
     def drain(self) -> None:
-        """The loop's thread: hand over every queued event, and look again in `interval` (nothing
-        queued by then: disarm, the next post wakes the loop)."""
+        """The loop's thread: hand over every queued event."""
         with self.lock:
             items, self.items = self.items, []
-            if not items:
-                self.armed = False
-                return
-        self.last = self.loop.time()
-        self.loop.call_later(self.interval, self.drain)
+            self.armed = False
         for sink, ev in items:
             sink.push(ev)
