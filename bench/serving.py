@@ -12,7 +12,9 @@ warm-up request, then --requests streaming completions of random token-id prompt
 flight (each client thread sends its next request when its last one ends), greedy, ignore_eos, so
 every request generates --output-len tokens. Per level: aggregate output tok/s (output tokens /
 wall time), requests/s, TTFT and inter-token latency (between streamed chunks) p50 / p99, time per
-output token, per-request decode tok/s (first to last chunk) p50 / min, the server's mean accept length, and its peak
+output token, per-request decode tok/s (first to last chunk) p50 / min, the server's mean accept length, its own
+decode tok/s, chunks per request, the CPU time per output token of its event-loop (main) thread and
+of its engine (busiest other) thread from /proc (a server it started), and its peak
 memory (GPU memory of its process from nvidia-smi, else its resident set). The server runs the
 requests it holds in shared steps (one packed forward a round); against bench/batch.py's in-process
 rate the figures show what HTTP costs. A table, then one JSON line last.
@@ -149,14 +151,42 @@ class Memory:
         self._take()
 
 
+def thread_cpu(pid: int | None) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of process `pid`, from /proc ({} where unreadable)."""
+    out: dict[int, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task") if pid and os.path.isdir(f"/proc/{pid}/task") else []:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out[int(tid)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+def cpu_split(pid: int | None, before: dict[int, float], after: dict[int, float]) -> tuple[float, float, float] | None:
+    """The server's CPU seconds over a level: its main thread (uvicorn's event loop), its busiest
+    other thread (the engine's), and the rest."""
+    if not after:
+        return None
+    d = {t: v - before.get(t, 0.0) for t, v in after.items()}
+    loop = d.pop(pid, 0.0)
+    engine = max(d.values(), default=0.0)
+    return loop, engine, sum(d.values()) - engine
+
+
 def level(client: Client, conc: int, plen: int, args, spec: dict | None, pid: int | None) -> dict:
     """--requests requests at concurrency `conc`, prompts of `plen` tokens: the level's figures."""
     prompts = [random_prompt(args.vocab, plen, seed=1000 * plen + i) for i in range(args.requests)]
     with Memory(pid) as mem, ThreadPoolExecutor(conc) as pool:
+        cpu0 = thread_cpu(pid)
         t0 = time.perf_counter()
         done = list(pool.map(lambda ids: client.complete(ids, args.output_len, spec), prompts))
         wall = time.perf_counter() - t0
+        cpu = cpu_split(pid, cpu0, thread_cpu(pid))
     ok = [r for r in done if "error" not in r]
+    toks = sum(r["tokens"] for r in ok)
+    per_tok = (lambda v: None if cpu is None or not toks else round(v * 1e3 / toks, 4))
     ms = (lambda v: None if v is None else round(v * 1e3, 2))
     itl = [x for r in ok for x in r["itl"]]
     dec = [r["decode_tok_s"] for r in ok if r["decode_tok_s"]]
@@ -171,6 +201,10 @@ def level(client: Client, conc: int, plen: int, args, spec: dict | None, pid: in
             "server_decode_tok_s_p50": percentile([r["server_decode_tok_s"] for r in ok
                                                    if r["server_decode_tok_s"]], 50),
             "mean_accept_len_p50": percentile([r["accept_len"] for r in ok if r["accept_len"]], 50),
+            "chunks_per_request": round(sum(len(r["itl"]) + 1 for r in ok) / len(ok), 1) if ok else None,
+            "loop_cpu_ms_per_tok": per_tok(cpu[0]) if cpu else None,
+            "engine_cpu_ms_per_tok": per_tok(cpu[1]) if cpu else None,
+            "loop_cpu_ms_per_req": round(cpu[0] * 1e3 / len(ok), 2) if cpu and ok else None,
             "peak_mem_gb": None if mem.peak is None else round(mem.peak, 3)}
 
 
@@ -201,14 +235,16 @@ def start_server(model: str | None, extra: list[str], log_path: str, timeout: fl
 
 def table(rows: list[dict]) -> None:
     print("\n| conc. | prompt | out | output tok/s | req/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
-          "decode tok/s p50 / min | peak GB | failed |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "decode tok/s p50 / min | server decode p50 | chunks / req | loop / engine CPU ms per tok | peak GB | failed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     f = (lambda v, d=1: "-" if v is None else f"{v:.{d}f}")
     for r in rows:
         print(f"| {r['concurrency']} | {r['prompt_len']} | {r['output_len']} | {f(r['output_tok_s'])} | "
               f"{f(r['requests_s'], 2)} | {f(r['ttft_p50_ms'])} / {f(r['ttft_p99_ms'])} | "
               f"{f(r['itl_p50_ms'], 2)} / {f(r['itl_p99_ms'], 2)} | {f(r['decode_tok_s_p50'])} / "
-              f"{f(r['decode_tok_s_min'])} | {f(r['peak_mem_gb'], 2)} | {r['failed']} |")
+              f"{f(r['decode_tok_s_min'])} | {f(r['server_decode_tok_s_p50'])} | {f(r['chunks_per_request'])} | "
+              f"{f(r['loop_cpu_ms_per_tok'], 3)} / {f(r['engine_cpu_ms_per_tok'], 3)} | {f(r['peak_mem_gb'], 2)} | "
+              f"{r['failed']} |")
 
 
 def ints(s: str, flag: str) -> list[int]:

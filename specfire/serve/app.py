@@ -2,6 +2,7 @@
 handlers.py, and the exception handlers that turn every failure into an OpenAI-shaped error."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, AsyncIterator
@@ -14,6 +15,7 @@ from starlette.requests import ClientDisconnect
 from . import handlers
 from .chat_options import ChatOptions
 from .guard import Access, AccessMiddleware, check_api_key
+from .inbox import Inbox
 from .state import ServeState, state_of
 from .transport import BODY_TIMEOUT_S, MAX_REQUEST_BYTES
 from .wire import RequestError
@@ -28,16 +30,21 @@ log = logging.getLogger("specfire")
 def build_app(llm: "LLM", model_name: str, api_key: str | None = None, close_llm: bool = False,
               max_request_bytes: int = MAX_REQUEST_BYTES,
               sampling_defaults: dict[str, Any] | None = None, access: Access | None = None,
-              body_timeout: float = BODY_TIMEOUT_S, chat: ChatOptions | None = None) -> FastAPI:
+              body_timeout: float = BODY_TIMEOUT_S, chat: ChatOptions | None = None,
+              stream_interval: float | None = None) -> FastAPI:
     """The app serving `llm` as `model_name`. Its lifespan starts the engine worker and, on
     shutdown, cancels running work and (with close_llm) frees the model. `sampling_defaults`:
     sampling fields (the penalties from `specfire serve`'s flags) for requests that leave them
     out; they override the model's own defaults (`llm.generation_defaults`, from its
     generation_config.json), which override the built-in ones. `access`: the allowed origins and
-    hosts (default: no foreign Origin, any Host). An empty `api_key` means none."""
+    hosts (default: no foreign Origin, any Host). An empty `api_key` means none. `stream_interval`:
+    the least seconds between two hand-overs of engine events to the loop (inbox.py; default the
+    interpreter's switch interval); a stream's chunk carries every token since its last."""
     if max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
     api_key = check_api_key(api_key)
+    if stream_interval is not None and not stream_interval >= 0:
+        raise ValueError(f"stream_interval must be >= 0 seconds, got {stream_interval!r}")
     from ..params import SamplingParams
 
     SamplingParams(**dict(sampling_defaults or {}))   # a bad default is refused here, not per request
@@ -47,6 +54,7 @@ def build_app(llm: "LLM", model_name: str, api_key: str | None = None, close_llm
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        st.inbox = Inbox(asyncio.get_running_loop(), stream_interval)
         st.worker = EngineWorker(llm, st.metrics)
         try:
             yield

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from .chat_options import ChatOptions
+from .inbox import Inbox
 from .metrics import Metrics
 from .transport import BODY_TIMEOUT_S, MAX_REQUEST_BYTES
 from .worker import EngineWorker
@@ -27,6 +28,7 @@ class ServeState:
     metrics: Metrics = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
     worker: EngineWorker | None = None
+    inbox: Inbox | None = None           # engine events into the event loop (both set by the app's lifespan)
     # what a request leaves out: the serve flags over the model's generation_config.json values
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     chat: ChatOptions = field(default_factory=ChatOptions)

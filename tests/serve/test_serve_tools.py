@@ -59,18 +59,21 @@ def scripted(llm, monkeypatch):
     return seen
 
 
-def client_for(llm, **chat):
+def client_for(llm, stream_interval=None, **chat):
     import openai
     from fastapi.testclient import TestClient
 
     from specfire.serve.http import build_app
 
-    tc = TestClient(build_app(llm, "m", chat=ChatOptions(**chat)))
+    tc = TestClient(build_app(llm, "m", chat=ChatOptions(**chat), stream_interval=stream_interval))
     return tc, openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=tc)
 
 
-def test_tool_calls_and_reasoning(llm, scripted):
-    tc, client = client_for(llm)
+@pytest.mark.parametrize("interval", [None, 1.5])
+def test_tool_calls_and_reasoning(llm, scripted, interval):
+    """With a long stream interval the answer's tokens queue while the loop waits and go out merged
+    (a few chunks, not one per token): the same deltas once concatenated."""
+    tc, client = client_for(llm, interval)
     with tc:
         r = client.chat.completions.create(model="m", messages=USER, tools=TOOLS, max_tokens=50)
         assert scripted["ids"] == llm.tokenizer.chat_ids(USER, TOOLS)
@@ -80,11 +83,12 @@ def test_tool_calls_and_reasoning(llm, scripted):
         calls = [(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls]
         assert calls == [("get_weather", {"city": "Paris", "days": 2}), ("get_weather", {"city": "Rome"})]
         stream = client.chat.completions.create(model="m", messages=USER, tools=TOOLS, max_tokens=50, stream=True)
-        content, reasoning, acc, reasons = "", "", {}, []
+        content, reasoning, acc, reasons, n = "", "", {}, [], 0
         for chunk in stream:
             if not chunk.choices:
                 continue
             c = chunk.choices[0]
+            n += 1
             content += c.delta.content or ""
             reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
             for t in c.delta.tool_calls or []:
@@ -95,6 +99,8 @@ def test_tool_calls_and_reasoning(llm, scripted):
                 reasons.append(c.finish_reason)
         assert (content, reasoning, reasons) == ("On it.", "Two cities.", ["tool_calls"])
         assert [(v["name"], json.loads(v["arguments"])) for _, v in sorted(acc.items())] == calls
+        if interval is not None:            # role, the first token, each kind's merged deltas, the finish
+            assert n <= 12 < len(llm.tokenizer.encode(ANSWER)) // 2, n
 
 
 def test_tool_choice_none_leaves_text(llm, scripted):
@@ -273,8 +279,10 @@ def test_parse_with_a_pydantic_model(real):
             assert msg.parsed == Forecast.model_validate_json(msg.content)
 
 
-def test_chat_logprobs_streamed_and_not(real):
-    tc, client = client_for(real)
+@pytest.mark.parametrize("interval", [None, 1.5])
+def test_chat_logprobs_streamed_and_not(real, interval):
+    """Merged chunks (a long stream interval) carry their tokens' logprobs in order."""
+    tc, client = client_for(real, interval)
     with tc:
         kw = dict(model="m", messages=USER, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3,
                   extra_body={**NOTHINK, "ignore_eos": True})
@@ -285,11 +293,17 @@ def test_chat_logprobs_streamed_and_not(real):
                    for x in content)
         assert all(x.logprob == x.top_logprobs[0].logprob for x in content)   # greedy: the most likely
         assert b"".join(bytes(x.bytes) for x in content).decode("utf-8", "replace") == r.choices[0].message.content
-        streamed = []
+        streamed, text, widest = [], "", 0
         for chunk in client.chat.completions.create(**kw, stream=True):
             if chunk.choices and chunk.choices[0].logprobs is not None:
                 streamed += chunk.choices[0].logprobs.content
+                widest = max(widest, len(chunk.choices[0].logprobs.content))
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
         assert [(x.token, x.logprob) for x in streamed] == [(x.token, x.logprob) for x in content]
+        assert text == r.choices[0].message.content
+        if interval is not None:
+            assert widest > 1                # some chunk carried several tokens
 
 
 def test_completions_echo_and_logprobs(real):
@@ -311,3 +325,28 @@ def test_completions_echo_and_logprobs(real):
                                                logprobs=2, echo=True, stream=True, extra_body={"ignore_eos": True}):
             text += chunk.choices[0].text
         assert text == c.text
+
+
+def test_merged_completion_chunks_keep_logprobs_and_offsets(real):
+    """A long stream interval: each of n=2 choices' tokens go out merged, with every token's
+    logprobs in order and text offsets that count the text before them, as in the whole response."""
+    tc, client = client_for(real, 1.5)
+    with tc:
+        kw = dict(model="m", prompt="hello there", max_tokens=16, temperature=0, logprobs=2, n=2,
+                  extra_body={"ignore_eos": True})
+        whole = client.completions.create(**kw)
+        got = {i: {"text": "", "tokens": [], "offsets": [], "lps": [], "chunks": 0} for i in range(2)}
+        for chunk in client.completions.create(**kw, stream=True):
+            for c in chunk.choices:
+                g = got[c.index]
+                g["text"] += c.text
+                if c.logprobs is not None:
+                    g["chunks"] += 1
+                    g["tokens"] += c.logprobs.tokens
+                    g["offsets"] += c.logprobs.text_offset
+                    g["lps"] += c.logprobs.token_logprobs
+        for c in whole.choices:
+            g, lp = got[c.index], c.logprobs
+            assert g["text"] == c.text
+            assert (g["tokens"], g["offsets"], g["lps"]) == (lp.tokens, lp.text_offset, lp.token_logprobs)
+            assert len(lp.tokens) == 16 and g["chunks"] < 16
