@@ -189,6 +189,17 @@ class Scheduler:
             self.pool.first.shared.width = len(calls)   # (one model: every slot's engine shares it)
             for r, got in zip(waiting, rows):
                 self._advance(r, got)
+        self._send_reads()
+
+    def _send_reads(self) -> None:
+        """Queue the host copy of every step this round launched: one per model's slots, read next
+        round (a step read before that sends its batch itself)."""
+        sent = set()
+        for r in self.running:
+            reads = r.engine.bufs.reads
+            if id(reads) not in sent:
+                sent.add(id(reads))
+                reads.send()
 
     def _join(self) -> None:
         """Waiting requests take free slots, in arrival order (the head waits for the next free one)."""

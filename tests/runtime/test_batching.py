@@ -353,3 +353,36 @@ def test_the_mesh_serves_one_sequence_at_a_time_exactly(path, prompts):
     for i, (sp, _) in enumerate(reqs):
         if sp.greedy:
             assert alone[i] == canon[i], i
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_rounds_steps_are_read_with_one_wait(path, prompts, ahead, monkeypatch):
+    """Four AR requests at once: every step's (n, tokens) joins one batched host read a round
+    (runtime/reads.py), so the host waits once a round, not once per request, with the GPU's
+    one-step-ahead AR forced on too; each output is the request's alone."""
+    from specfire.runtime.engine import Engine
+
+    sp = [SamplingParams(max_tokens=40, ignore_eos=True), SamplingParams(max_tokens=33, ignore_eos=True),
+          SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, seed=3),
+          SamplingParams(max_tokens=36, ignore_eos=True, presence_penalty=0.5)]
+    with LLM(path, device="cpu", progress=False, max_seq_len=512, max_num_seqs=4) as m:
+        want = [m.generate(p, s, spec="off").token_ids for p, s in zip(prompts, sp)]
+        if ahead:
+            real = Engine.steps
+
+            def steps(self, *a, **k):
+                self.queue_ahead = True
+                try:
+                    yield from real(self, *a, **k)
+                finally:
+                    self.queue_ahead = False
+            monkeypatch.setattr(Engine, "steps", steps)
+        reads, s = m.slots.first.shared.reads, m.scheduler
+        f0, w0 = s.forwards, reads.waits
+        got = m.generate(prompts[:4], sp, spec="off")
+        assert [r.token_ids for r in got] == want
+        assert len(m.slots.engines) == 4 and all(e.bufs.reads is reads for e in m.slots.engines)
+        forwards, waits = s.forwards - f0, reads.waits - w0
+        steps = sum(len(r.token_ids) - 1 for r in got)         # a step per token after the first
+        # one wait a round (and one per request for its first step, read as soon as it is launched)
+        assert steps > 3 * forwards and forwards <= waits <= forwards + len(got), (steps, forwards, waits)
