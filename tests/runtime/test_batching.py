@@ -386,3 +386,41 @@ def test_a_rounds_steps_are_read_with_one_wait(path, prompts, ahead, monkeypatch
         steps = sum(len(r.token_ids) - 1 for r in got)         # a step per token after the first
         # one wait a round (and one per request for its first step, read as soon as it is launched)
         assert steps > 3 * forwards and forwards <= waits <= forwards + len(got), (steps, forwards, waits)
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_ahead_ar_rounds_launch_the_forward_before_any_wait(path, prompts, ahead, monkeypatch):
+    """The batched form of the one-step-ahead AR: every request stages its next verify from the
+    device-side token before reading its last step, so a round's packed forward is queued before
+    the host waits on anything (it reads the round before while the forward runs). A CPU, which
+    reads each step first, waits before the forward instead; the outputs are the same either way."""
+    from specfire.runtime import reads as rd
+    from specfire.runtime.engine import Engine
+
+    sp = SamplingParams(max_tokens=30, ignore_eos=True)
+    with LLM(path, device="cpu", progress=False, max_seq_len=512, max_num_seqs=4) as m:
+        want = [m.generate(p, sp, spec="off").token_ids for p in prompts[:4]]
+        real_steps, real_row, real_vm, real_round = Engine.steps, rd.Batch.row, sch.verify_many, sch.Scheduler.round
+        log: list[str] = []
+
+        def steps(self, *a, **k):
+            self.queue_ahead = ahead
+            try:
+                yield from real_steps(self, *a, **k)
+            finally:
+                self.queue_ahead = False
+
+        def row(self, i):
+            if self.values is None:
+                log.append("wait")
+            return real_row(self, i)
+        monkeypatch.setattr(Engine, "steps", steps)
+        monkeypatch.setattr(rd.Batch, "row", row)
+        monkeypatch.setattr(sch, "verify_many", lambda calls: log.append("forward") or real_vm(calls))
+        monkeypatch.setattr(sch.Scheduler, "round", lambda self: log.append("round") or real_round(self))
+        got = m.generate(prompts[:4], sp, spec="off")
+        assert [r.token_ids for r in got] == want
+    rounds = [r.split() for r in " ".join(log).split("round") if "forward" in r]
+    early = [r for r in rounds if "wait" in r[:r.index("forward")]]
+    assert len(rounds) >= 29 and all(r.count("wait") <= 1 for r in rounds[2:])
+    assert (early == []) if ahead else (len(early) >= len(rounds) - 3), early
