@@ -4,7 +4,9 @@ Each step queues its (n, tokens) into a row of one device buffer shared by the s
 (`put`); the scheduler ends a round with one copy of the rows to the host and one event (`send`),
 so reading a round's steps waits on the device once, not once per request. A row read before its
 batch was sent (a step read right after its own launch: the CPU, a direct `Engine.stream`) sends
-the batch then, so any caller is served; only the timing differs.
+the batch then, so any caller is served; only the timing differs. A greedy drafting step keeps
+a copy of its own (runtime/spec.py `StepBuffers.send`): its draft chain is queued behind it, and
+the round's copy, queued after every step's chain, would make its read wait for all of them.
 """
 from __future__ import annotations
 

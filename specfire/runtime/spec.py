@@ -9,8 +9,8 @@
 Plain AR decoding is this step with no drafter (k = 0): one row, n = 0, out = [the target's pick].
 The step is split in two so the engine can keep the device busy: `launch` queues the device work
 and puts (n, tokens) in a row of the round's batched host read (runtime/reads.py: one copy and
-one wait a scheduler round for every request's step); `Launched.finish` reads its row (waiting
-once for the batch), then commits. Every accept runs on the device: greedy prefix
+one wait a scheduler round for every request's step; a greedy drafting step, its next draft chain
+queued behind it, keeps its own copy); `Launched.finish` reads its result, then commits. Every accept runs on the device: greedy prefix
 match, or rejection sampling over all positions at once drawing from a device-side random stream
 (runtime/rng.py), replayed from a CUDA graph per (k, sampling params) where the trunk uses graphs.
 The ids fed to verify live in static buffers (`StepBuffers`): no tensor is built from host data
@@ -136,12 +136,14 @@ class StepBuffers:
         st.copy_(torch.as_tensor(src, dtype=torch.long))
         dst.copy_(st, non_blocking=True)
 
-    def send(self, n: torch.Tensor, targets: torch.Tensor, floats: torch.Tensor | None = None
+    def send(self, n: torch.Tensor, targets: torch.Tensor, floats: torch.Tensor | None = None, alone: bool = False
              ) -> tuple[Ticket | torch.Tensor, torch.Tensor | None, torch.cuda.Event | None]:
         """Queue the copy of (n, targets...) (and of `floats` [rows, cols] float32, the logprobs) to
         the host; returns (where each lands, the one event to wait on). Without floats the row joins
-        the round's batched read (`reads`: a Ticket, no event of its own)."""
-        if floats is None:
+        the round's batched read (`reads`: a Ticket, no event of its own) unless `alone`: a step
+        that queues more work behind its copy (the next draft chain), whose read must not wait for
+        the work the round's other steps queue after theirs."""
+        if floats is None and not alone:
             return self.reads.put(n, targets), None, None
         packed = torch.cat([n.view(1), targets])
         if not self.pinned:
@@ -275,7 +277,7 @@ def complete(p: Prepared, rows: Rows) -> Launched:
             pen.add(targets, n)
         with torch.inference_mode():
             lp = token_logprobs(logits, targets, sp) if sp.logprobs is not None else None
-        res, lp, ev = bufs.send(n, targets, lp)
+        res, lp, ev = bufs.send(n, targets, lp, alone=kk > 0)
         if kk:                                    # e.g. the next MTP chain drafts while the host reads this step
             drafter.prepare(rows.hidden, targets, n, pos, kk, pen=pen, sp=sp)
         return Launched(route, kk, pos, rows.hidden, targets, res, ev, lp=lp)
