@@ -424,3 +424,23 @@ def test_ahead_ar_rounds_launch_the_forward_before_any_wait(path, prompts, ahead
     early = [r for r in rounds if "wait" in r[:r.index("forward")]]
     assert len(rounds) >= 29 and all(r.count("wait") <= 1 for r in rounds[2:])
     assert (early == []) if ahead else (len(early) >= len(rounds) - 3), early
+
+
+def test_greedy_drafting_steps_keep_their_own_copy(path, prompts, monkeypatch):
+    """A greedy MTP step queues its next draft chain behind its result's copy, so it keeps a copy of
+    its own (the round's, queued after every request's chain, would make its read wait for them all);
+    the AR and sampled steps of the same rounds share the round's. Outputs are each one's alone."""
+    from specfire.runtime.reads import RoundReads
+
+    reqs = [(SamplingParams(max_tokens=24, ignore_eos=True), SpecPolicy("mtp", 3)),
+            (SamplingParams(max_tokens=24, ignore_eos=True), SpecPolicy("off")),
+            (SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.9, seed=1), SpecPolicy("mtp", 3))]
+    with LLM(path, device="cpu", progress=False, max_seq_len=512, max_num_seqs=3) as m:
+        want = [m.generate(p, sp, spec=pol).token_ids for p, (sp, pol) in zip(prompts, reqs)]
+        real, put = RoundReads.put, []
+        monkeypatch.setattr(RoundReads, "put", lambda self, n, t: put.append(t.shape[0]) or real(self, n, t))
+        got = m.generate(prompts[:3], [sp for sp, _ in reqs], spec=[pol for _, pol in reqs])
+        assert [r.token_ids for r in got] == want
+        greedy, sampled = got[0].stats["per_route"]["mtp"], got[2].stats["per_route"]["mtp"]
+        undrafted = greedy["steps"] - greedy["cycles"]            # (a last step with room for no draft)
+        assert greedy["cycles"] > 3 and len(put) == len(got[1].token_ids) - 1 + sampled["steps"] + undrafted
