@@ -11,7 +11,9 @@ Per (route, c): one warm-up batch (kernels, CUDA graphs of each row layout), the
 --prompt-len random prompt generating --output-len tokens each (greedy, ignore_eos). Reports the
 aggregate tok/s (all tokens / wall time, prefills included), its ratio to c = 1, per-request decode
 tok/s, the forwards the scheduler ran (verifies per forward) and, for AR on one device, the fraction of the
-bandwidth ceiling a round's bytes reach (the weights once plus every request's state). The in-process
+bandwidth ceiling a round's bytes reach (the weights once plus every request's state), the median
+wall time of a round whose forward held all c verifies (decode alone) and the prefills' seconds
+(run one request at a time, inside the wall time). The in-process
 rate is what bench/serving.py's HTTP figures are held against. `--exact` (default on) first runs
 eight requests of mixed policies (AR, MTP k=1 / 3, n-gram, seeded sampled, penalised, min_tokens)
 on the bundled model, alone and then all at once in both arrival orders, and records whether each
@@ -43,8 +45,19 @@ def level(m, mode: str, k: int, c: int, args, step_bytes: int, per_seq: int) -> 
     m.generate(prompts, [SamplingParams(max_tokens=8, ignore_eos=True)] * c, spec=[pol] * c)
     s = m.scheduler
     f0, v0 = s.forwards, s.verifies
+    rounds: list[float] = []                # wall time of the rounds whose forward held all c verifies
+
+    def timed_round(real=s.round) -> None:
+        v, t0 = s.verifies, time.perf_counter()
+        real()
+        if s.verifies - v == c:
+            rounds.append(time.perf_counter() - t0)
+    s.round = timed_round                   # (the driving thread calls self.round())
     t = time.perf_counter()
-    rs = m.generate(prompts, [SamplingParams(max_tokens=args.output_len, ignore_eos=True)] * c, spec=[pol] * c)
+    try:
+        rs = m.generate(prompts, [SamplingParams(max_tokens=args.output_len, ignore_eos=True)] * c, spec=[pol] * c)
+    finally:
+        del s.round
     dt = time.perf_counter() - t
     toks = sum(len(r.token_ids) for r in rs)
     fw = s.forwards - f0
@@ -52,7 +65,9 @@ def level(m, mode: str, k: int, c: int, args, step_bytes: int, per_seq: int) -> 
     row = {"route": mode, "k": k, "c": c, "tokens": toks, "wall_s": round(dt, 3), "agg_tok_s": round(toks / dt, 1),
            "decode_tok_s_min": round(dec[0], 1), "decode_tok_s_median": round(dec[len(dec) // 2], 1),
            "forwards": fw, "verifies_per_forward": round((s.verifies - v0) / fw, 2) if fw else 0.0,
-           "mean_accept_len": round(rs[0].stats["mean_accept_len"], 2)}
+           "mean_accept_len": round(rs[0].stats["mean_accept_len"], 2),
+           "round_ms_median": round(sorted(rounds)[len(rounds) // 2] * 1e3, 2) if rounds else 0.0,
+           "prefill_s": round(sum(r.stats["prefill_s"] for r in rs), 3)}
     if mode == "off" and fw and torch.cuda.is_available() and m.tp == 1:
         round_bytes = step_bytes + (c - 1) * per_seq
         row["of_ceiling"] = round(round_bytes * fw / dt / CEILING, 3)
@@ -207,10 +222,11 @@ def main() -> int:
         if args.join:
             joined = join(m, max(concs), args.join, args)
             print(json.dumps({"stage": "join", **joined}), flush=True)
-    print(f"{'route':6} {'c':>3} {'agg tok/s':>10} {'x c=1':>6} {'decode p50':>10} {'verif/fwd':>9} {'of ceil':>8}")
+    print(f"{'route':6} {'c':>3} {'agg tok/s':>10} {'x c=1':>6} {'decode p50':>10} {'verif/fwd':>9} {'of ceil':>8} "
+          f"{'round ms':>8} {'prefill s':>9}")
     for r in rows:
         print(f"{r['route']:6} {r['c']:>3} {r['agg_tok_s']:>10} {r['x_c1']:>6} {r['decode_tok_s_median']:>10} "
-              f"{r['verifies_per_forward']:>9} {r.get('of_ceiling', ''):>8}")
+              f"{r['verifies_per_forward']:>9} {r.get('of_ceiling', ''):>8} {r['round_ms_median']:>8} {r['prefill_s']:>9}")
     model = f"random {args.shape}{' tied' if args.tied else ''}" if args.shape else path
     summary = {"bench": "batch", **machine(), "model": model, "tp": args.tp, "prompt_len": args.prompt_len,
                "output_len": args.output_len, "levels": rows, "join": joined, "exact": checks, "ok": ok}

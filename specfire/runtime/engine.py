@@ -15,6 +15,7 @@ from .constraint import Constraint
 from .drafters import BY_NAME, KINDS, Drafter, MtpDrafter, drafting_routes
 from .output import OutputBuilder, TokenLogprobs
 from .prefix import Fork, PrefixCache, restore
+from .reads import RoundReads
 from .route import Acceptance, Controller, CostTable, Decision, RoundView, RouteController, RoutePlan, select_route
 from .sampling import penalize, pick, token_logprobs
 from .spec import Chains, Launched, OnCycle, SpecStats, StepBuffers, complete, finish, prepare
@@ -57,6 +58,7 @@ class Shared:
     accept_prior: dict[str, Acceptance] = field(default_factory=dict)
     prefix: PrefixCache | None = None       # multi-turn prefix reuse (single device; off by default)
     round: RoundView = field(default_factory=RoundView)   # the scheduler's last shared round (auto prices drafts by it)
+    reads: RoundReads | None = None         # the steps' host reads, one batch a round (made by the first engine)
 
 
 class Engine:
@@ -71,7 +73,9 @@ class Engine:
         self.topology = topology                # a label in route reasons; every topology serves every drafter
         self.drafters = drafters                # route name -> drafter (drafters/registry.py)
         self.shared = shared if shared is not None else Shared()
-        self.bufs = StepBuffers(trunk.device, graphs=trunk.graphs_enabled)   # reused by every request
+        if self.shared.reads is None:
+            self.shared.reads = RoundReads(trunk.device)
+        self.bufs = StepBuffers(trunk.device, graphs=trunk.graphs_enabled, reads=self.shared.reads)   # reused by every request
         self.fork: Callable[[], Engine] | None = None   # another slot's engine (set by runtime/build.py)
         # queue an AR step before reading the one before it (a GPU: the device runs it while the host
         # reads; a CPU runs each launch at once, so it gains nothing there)

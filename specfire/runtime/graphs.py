@@ -157,7 +157,8 @@ class PackedGraphs:
                 if lc.rec is not None:
                     lc.log = lg
             t.graphs.logged(x.shape[0])
-        return [(g.hidden[a:b].clone(), g.logits[a:b].clone()) for a, b in g.spans]
+        hidden, logits = g.hidden.clone(), g.logits.clone()     # one copy of every slot's rows (the next replay overwrites)
+        return [(hidden[a:b], logits[a:b]) for a, b in g.spans]
 
     def _capture(self, trunks: list, ids: list[torch.Tensor]) -> _PackedGraph:
         from ..model.state import Segments

@@ -217,6 +217,17 @@ class Scheduler:
             if clean:                       # what the round cost, for auto's price of drafting under sharing
                 view.seconds = time.perf_counter() - t0
                 view.members = tuple((c.route, c.ids.shape[0] - 1) for c in calls)
+        self._send_reads()
+
+    def _send_reads(self) -> None:
+        """Queue the host copy of every step this round launched: one per model's slots, read next
+        round (a step read before that sends its batch itself)."""
+        sent = set()
+        for r in self.running:
+            reads = r.engine.bufs.reads
+            if id(reads) not in sent:
+                sent.add(id(reads))
+                reads.send()
 
     def _join(self) -> None:
         """Waiting requests take free slots, in arrival order (the head waits for the next free one)."""

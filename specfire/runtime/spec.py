@@ -8,8 +8,9 @@
 
 Plain AR decoding is this step with no drafter (k = 0): one row, n = 0, out = [the target's pick].
 The step is split in two so the engine can keep the device busy: `launch` queues the device work
-and one asynchronous copy of (n, tokens) into pinned memory; `Launched.finish` waits for that
-copy (the step's one host read), then commits. Every accept runs on the device: greedy prefix
+and puts (n, tokens) in a row of the round's batched host read (runtime/reads.py: one copy and
+one wait a scheduler round for every request's step; a greedy drafting step, its next draft chain
+queued behind it, keeps its own copy); `Launched.finish` reads its result, then commits. Every accept runs on the device: greedy prefix
 match, or rejection sampling over all positions at once drawing from a device-side random stream
 (runtime/rng.py), replayed from a CUDA graph per (k, sampling params) where the trunk uses graphs.
 The ids fed to verify live in static buffers (`StepBuffers`): no tensor is built from host data
@@ -25,6 +26,7 @@ import torch
 from ..kernels.small import greedy_accept
 from ..params import MAX_SPEC_K, SamplingParams
 from .drafters import NO_DRAFT, Drafter
+from .reads import RoundReads, Ticket
 from .rng import DeviceRng
 from .sampling import Penalties, penalize, probs, sample, sampling_key, token_logprobs
 from .trunk import Rows, Trunk, Verify
@@ -85,13 +87,16 @@ def accept_greedy(logits: torch.Tensor, draft: torch.Tensor) -> tuple[int, list[
 
 class StepBuffers:
     """Static buffers reused by every step of every request: the verify ids on the device, pinned
-    staging for host-made drafts, pinned slots for the per-step read, the random stream of a sampled
-    request and its accept graphs."""
+    staging for host-made drafts, the steps' batched host reads (`reads`, shared by a model's
+    slots) and pinned slots for a step's logprobs, the random stream of a sampled request and its
+    accept graphs."""
 
     SLOTS = 3      # the engine has at most two steps in flight
 
-    def __init__(self, device: torch.device, kmax: int = MAX_SPEC_K, graphs: bool = False, emulate: bool = False):
+    def __init__(self, device: torch.device, kmax: int = MAX_SPEC_K, graphs: bool = False, emulate: bool = False,
+                 reads: RoundReads | None = None):
         self.device = device
+        self.reads = reads if reads is not None else RoundReads(device, kmax + 2)   # the steps' host reads
         self.rng = DeviceRng(device)            # the sampled request's random stream (seeded per request)
         self.graphs = None                      # sampled accept, one CUDA graph per (k, sampling params)
         if graphs or emulate:
@@ -131,10 +136,16 @@ class StepBuffers:
         st.copy_(torch.as_tensor(src, dtype=torch.long))
         dst.copy_(st, non_blocking=True)
 
-    def send(self, packed: torch.Tensor, floats: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Event | None]:
-        """Queue the copy of `packed` (and of `floats` [rows, cols] float32, the logprobs) to the
-        host; returns (where each lands, the one event to wait on)."""
+    def send(self, n: torch.Tensor, targets: torch.Tensor, floats: torch.Tensor | None = None, alone: bool = False
+             ) -> tuple[Ticket | torch.Tensor, torch.Tensor | None, torch.cuda.Event | None]:
+        """Queue the copy of (n, targets...) (and of `floats` [rows, cols] float32, the logprobs) to
+        the host; returns (where each lands, the one event to wait on). Without floats the row joins
+        the round's batched read (`reads`: a Ticket, no event of its own) unless `alone`: a step
+        that queues more work behind its copy (the next draft chain), whose read must not wait for
+        the work the round's other steps queue after theirs."""
+        if floats is None and not alone:
+            return self.reads.put(n, targets), None, None
+        packed = torch.cat([n.view(1), targets])
         if not self.pinned:
             return packed, floats, None
         slot = self.slots[self._slot][:packed.shape[0]]
@@ -160,7 +171,7 @@ class Launched:
     pos: int
     hidden: torch.Tensor                 # trunk hidden rows [k+1, H]
     targets: torch.Tensor                # [k+1] on the device: the tokens the step may emit
-    result: torch.Tensor | None = None   # host copy of (n, targets...) once the copy is done
+    result: "Ticket | torch.Tensor | None" = None   # (n, targets...): its row of the round's read, or its host copy
     event: torch.cuda.Event | None = None
     got: tuple[int, list[int]] | None = None   # set at launch when the accept already read
     decision: Any = None                 # what the route controller asked for (the engine's note)
@@ -169,9 +180,12 @@ class Launched:
 
     def read(self) -> tuple[int, list[int]]:
         if self.got is None:
-            if self.event is not None:
-                self.event.synchronize()
-            v = self.result.tolist()
+            if isinstance(self.result, Ticket):
+                v = self.result.read()
+            else:
+                if self.event is not None:
+                    self.event.synchronize()
+                v = self.result.tolist()
             self.got = (v[0], v[1:v[0] + 2])
         return self.got
 
@@ -266,7 +280,7 @@ def complete(p: Prepared, rows: Rows, defer: bool = False) -> Launched:
             pen.add(targets, n)
         with torch.inference_mode():
             lp = token_logprobs(logits, targets, sp) if sp.logprobs is not None else None
-        res, lp, ev = bufs.send(torch.cat([n.view(1), targets]), lp)
+        res, lp, ev = bufs.send(n, targets, lp, alone=kk > 0)
         left = None
         if kk:                                    # e.g. the next MTP chain drafts while the host reads this step
             if drafter.prepare(rows.hidden, targets, n, pos, kk, pen=pen, sp=sp, defer=defer):
@@ -277,7 +291,7 @@ def complete(p: Prepared, rows: Rows, defer: bool = False) -> Launched:
         if pen is not None:
             pen.add(targets, n)
         lp = token_logprobs(logits, targets, sp) if sp.logprobs is not None else None
-    res, lp, ev = bufs.send(torch.cat([n.view(1), targets]), lp)
+    res, lp, ev = bufs.send(n, targets, lp)
     return Launched(route, kk, pos, rows.hidden, targets, res, ev, lp=lp)
 
 

@@ -16,6 +16,7 @@ def test_batch_smoke_packs_each_level(monkeypatch, capsys, tmp_path):
     assert got == [("off", 1), ("off", 2), ("mtp", 1), ("mtp", 2)]
     for r in last["levels"]:
         assert r["tokens"] == 8 * r["c"] and r["agg_tok_s"] > 0
+        assert r["round_ms_median"] > 0 and r["prefill_s"] > 0          # decode rounds timed, prefills apart
         # rounds held several requests' verifies (one ends earlier where its drafts were accepted more)
         assert r["verifies_per_forward"] == 1.0 if r["c"] == 1 else r["verifies_per_forward"] > 1.5
     # a 48-token prompt joined the two streams: its prefill ran between their steps (gaps recorded)

@@ -454,3 +454,93 @@ def test_greedy_draft_chains_of_a_round_run_packed(path, prompts, monkeypatch):
         bad = m.generate(prompts[:3], reqs, spec=[SpecPolicy("mtp", 3)] * 3)
         assert [r.token_ids for r in bad] == [r.token_ids for r in alone]       # greedy output holds regardless
         assert [r.stats["per_route"]["mtp"] for r in bad] != [r.stats["per_route"]["mtp"] for r in alone]
+
+
+def test_a_rounds_steps_are_read_with_one_wait(path, prompts, ahead, monkeypatch):
+    """Four AR requests at once: every step's (n, tokens) joins one batched host read a round
+    (runtime/reads.py), so the host waits once a round, not once per request, with the GPU's
+    one-step-ahead AR forced on too; each output is the request's alone."""
+    from specfire.runtime.engine import Engine
+
+    sp = [SamplingParams(max_tokens=40, ignore_eos=True), SamplingParams(max_tokens=33, ignore_eos=True),
+          SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, seed=3),
+          SamplingParams(max_tokens=36, ignore_eos=True, presence_penalty=0.5)]
+    with LLM(path, device="cpu", progress=False, max_seq_len=512, max_num_seqs=4) as m:
+        want = [m.generate(p, s, spec="off").token_ids for p, s in zip(prompts, sp)]
+        if ahead:
+            real = Engine.steps
+
+            def steps(self, *a, **k):
+                self.queue_ahead = True
+                try:
+                    yield from real(self, *a, **k)
+                finally:
+                    self.queue_ahead = False
+            monkeypatch.setattr(Engine, "steps", steps)
+        reads, s = m.slots.first.shared.reads, m.scheduler
+        f0, w0 = s.forwards, reads.waits
+        got = m.generate(prompts[:4], sp, spec="off")
+        assert [r.token_ids for r in got] == want
+        assert len(m.slots.engines) == 4 and all(e.bufs.reads is reads for e in m.slots.engines)
+        forwards, waits = s.forwards - f0, reads.waits - w0
+        steps = sum(len(r.token_ids) - 1 for r in got)         # a step per token after the first
+        # one wait a round (and one per request for its first step, read as soon as it is launched)
+        assert steps > 3 * forwards and forwards <= waits <= forwards + len(got), (steps, forwards, waits)
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_ahead_ar_rounds_launch_the_forward_before_any_wait(path, prompts, ahead, monkeypatch):
+    """The batched form of the one-step-ahead AR: every request stages its next verify from the
+    device-side token before reading its last step, so a round's packed forward is queued before
+    the host waits on anything (it reads the round before while the forward runs). A CPU, which
+    reads each step first, waits before the forward instead; the outputs are the same either way."""
+    from specfire.runtime import reads as rd
+    from specfire.runtime.engine import Engine
+
+    sp = SamplingParams(max_tokens=30, ignore_eos=True)
+    with LLM(path, device="cpu", progress=False, max_seq_len=512, max_num_seqs=4) as m:
+        want = [m.generate(p, sp, spec="off").token_ids for p in prompts[:4]]
+        real_steps, real_row, real_vm, real_round = Engine.steps, rd.Batch.row, sch.verify_many, sch.Scheduler.round
+        log: list[str] = []
+
+        def steps(self, *a, **k):
+            self.queue_ahead = ahead
+            try:
+                yield from real_steps(self, *a, **k)
+            finally:
+                self.queue_ahead = False
+
+        def row(self, i):
+            if self.values is None:
+                log.append("wait")
+            return real_row(self, i)
+        monkeypatch.setattr(Engine, "steps", steps)
+        monkeypatch.setattr(rd.Batch, "row", row)
+        monkeypatch.setattr(sch, "verify_many", lambda calls: log.append("forward") or real_vm(calls))
+        monkeypatch.setattr(sch.Scheduler, "round", lambda self: log.append("round") or real_round(self))
+        got = m.generate(prompts[:4], sp, spec="off")
+        assert [r.token_ids for r in got] == want
+    rounds = [r.split() for r in " ".join(log).split("round") if "forward" in r]
+    early = [r for r in rounds if "wait" in r[:r.index("forward")]]
+    assert len(rounds) >= 29 and all(r.count("wait") <= 1 for r in rounds[2:])
+    assert (early == []) if ahead else (len(early) >= len(rounds) - 3), early
+
+
+def test_greedy_drafting_steps_keep_their_own_copy(path, prompts, monkeypatch):
+    """A greedy MTP step queues its next draft chain behind its result's copy, so it keeps a copy of
+    its own (the round's, queued after every request's chain, would make its read wait for them all);
+    the AR and sampled steps of the same rounds share the round's. Outputs are each one's alone."""
+    from specfire.runtime.reads import RoundReads
+
+    reqs = [(SamplingParams(max_tokens=24, ignore_eos=True), SpecPolicy("mtp", 3)),
+            (SamplingParams(max_tokens=24, ignore_eos=True), SpecPolicy("off")),
+            (SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.9, seed=1), SpecPolicy("mtp", 3))]
+    with LLM(path, device="cpu", progress=False, max_seq_len=512, max_num_seqs=3) as m:
+        want = [m.generate(p, sp, spec=pol).token_ids for p, (sp, pol) in zip(prompts, reqs)]
+        real, put = RoundReads.put, []
+        monkeypatch.setattr(RoundReads, "put", lambda self, n, t: put.append(t.shape[0]) or real(self, n, t))
+        got = m.generate(prompts[:3], [sp for sp, _ in reqs], spec=[pol for _, pol in reqs])
+        assert [r.token_ids for r in got] == want
+        greedy, sampled = got[0].stats["per_route"]["mtp"], got[2].stats["per_route"]["mtp"]
+        undrafted = greedy["steps"] - greedy["cycles"]            # (a last step with room for no draft)
+        assert greedy["cycles"] > 3 and len(put) == len(got[1].token_ids) - 1 + sampled["steps"] + undrafted
