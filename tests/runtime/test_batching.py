@@ -456,6 +456,7 @@ def test_greedy_draft_chains_of_a_round_run_packed(path, prompts, monkeypatch):
         assert [r.stats["per_route"]["mtp"] for r in bad] != [r.stats["per_route"]["mtp"] for r in alone]
 
 
+@pytest.mark.parametrize("ahead", [False, True])
 def test_a_rounds_steps_are_read_with_one_wait(path, prompts, ahead, monkeypatch):
     """Four AR requests at once: every step's (n, tokens) joins one batched host read a round
     (runtime/reads.py), so the host waits once a round, not once per request, with the GPU's
