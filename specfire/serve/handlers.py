@@ -1,6 +1,6 @@
 """The HTTP endpoints as plain functions. A generation request is read (size-limited), then parsed,
 validated, rendered and tokenized in a worker thread (the event loop stays free for /health and
-every other client), then handed to relay.respond, which queues it on the engine worker."""
+every other client), then handed to streaming.respond, whose relay.Relays queue it on the engine worker."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +9,7 @@ import hmac
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from . import relay
+from . import relay, streaming
 from .chat import prepare_chat
 from .metrics import CONTENT_TYPE
 from .schema import ChatBody, CompletionBody, HttpBody, check_route, encode, sampling_params, spec_policy, validate
@@ -54,7 +54,7 @@ async def _generate(request: Request, chat: bool) -> Response:
     require_json(request)
     raw = await read_body(request, st.max_request_bytes, st.body_timeout)
     prep = await asyncio.to_thread(prepare, st, raw, chat)
-    return await relay.respond(request, st, prep)
+    return await streaming.respond(request, st, prep)
 
 
 # ---- steps ----------------------------------------------------------------------------------------

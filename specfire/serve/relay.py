@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from ..errors import SpecfireError
 from ..params import MAX_SEED, SamplingParams, SpecPolicy
@@ -165,39 +164,6 @@ def check_event(g: Relays, ev: Event) -> Response | None:
             return Response(status_code=499)
         raise RequestError(SHUTTING_DOWN, None, 503, "server_error")
     return None
-
-
-async def respond(request: Request, st: "ServeState", prep: "Prepared") -> Response:
-    g = Relays(request, st, prep)
-    try:                                     # the first choice's first event decides the status
-        first = await g.all[0].next()
-        if (early := check_event(g, first)) is not None:
-            g.end()
-            return early
-    except BaseException:
-        g.end()
-        raise
-    if prep.stream:                          # (a choice still waiting for a slot does not hold the others back)
-        from .streaming import stream        # (it builds on this module)
-
-        g.all[0].events.appendleft(first)
-        return StreamingResponse(stream(g), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    try:                                     # (a request that does not stream gets no chunks: its last events)
-        ends = []
-        for i, r in enumerate(g.all):
-            ev = first if i == 0 else await r.next()
-            if (early := check_event(g, ev)) is not None:
-                return early
-            ends.append(ev[1])
-    finally:
-        g.end()
-    fmt = LogprobFormat(st.llm.tokenizer)
-    fins: list[Finished] = ends
-    return JSONResponse({"id": g.rid, "object": "chat.completion" if prep.chat else "text_completion",
-                         "created": int(time.time()), "model": st.model_name,
-                         "choices": [choice(prep, fin, i, fmt) for i, fin in enumerate(fins)],
-                         "usage": usage(*fins), "timings": timings(fins[0])})
 
 
 def choice(prep: "Prepared", fin: Finished, index: int, fmt: LogprobFormat) -> dict[str, Any]:

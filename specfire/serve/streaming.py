@@ -1,4 +1,5 @@
-"""A streamed response: the choices' events as server-sent events.
+"""A request's response: whole (every choice's last event) or streamed (the choices' events as
+server-sent events).
 
 Whatever a choice's events brought since the client last got a chunk goes out as one content chunk
 (its text the pieces' concatenation, its logprobs theirs in order), and whatever every choice has
@@ -11,14 +12,19 @@ import json
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
 from .inbox import Event
 from .logprobs import LogprobFormat
-from .relay import SHUTTING_DOWN, Relay, Relays, engine_error, sse, timings, usage
+from .relay import SHUTTING_DOWN, Relay, Relays, check_event, choice, engine_error, sse, timings, usage
 from .wire import RequestError
 from .worker import CHUNK, DONE, ERROR, Finished
 
 if TYPE_CHECKING:
     from ..runtime.output import TokenLogprobs
+    from .relay import Prepared
+    from .state import ServeState
 
 END = "data: [DONE]\n\n"
 
@@ -155,3 +161,34 @@ async def stream(g: Relays) -> AsyncIterator[str]:
                 yield "".join(out)
     finally:
         g.end()  # the client left or the stream ended: stop generating
+
+
+async def respond(request: Request, st: "ServeState", prep: "Prepared") -> Response:
+    g = Relays(request, st, prep)
+    try:                                     # the first choice's first event decides the status
+        first = await g.all[0].next()
+        if (early := check_event(g, first)) is not None:
+            g.end()
+            return early
+    except BaseException:
+        g.end()
+        raise
+    if prep.stream:                          # (a choice still waiting for a slot does not hold the others back)
+        g.all[0].events.appendleft(first)
+        return StreamingResponse(stream(g), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:                                     # (a request that does not stream gets no chunks: its last events)
+        ends = []
+        for i, r in enumerate(g.all):
+            ev = first if i == 0 else await r.next()
+            if (early := check_event(g, ev)) is not None:
+                return early
+            ends.append(ev[1])
+    finally:
+        g.end()
+    fmt = LogprobFormat(st.llm.tokenizer)
+    fins: list[Finished] = ends
+    return JSONResponse({"id": g.rid, "object": "chat.completion" if prep.chat else "text_completion",
+                         "created": int(time.time()), "model": st.model_name,
+                         "choices": [choice(prep, fin, i, fmt) for i, fin in enumerate(fins)],
+                         "usage": usage(*fins), "timings": timings(fins[0])})
