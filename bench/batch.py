@@ -180,6 +180,8 @@ def main() -> int:
     ap.add_argument("--exact-only", action="store_true", help="only that check")
     ap.add_argument("--join", type=int, default=None, metavar="N",
                     help="also: an N-token prompt joins the largest concurrency's AR streams")
+    ap.add_argument("--prefill-piece", type=int, default=None, metavar="ROWS",
+                    help="prompt rows per prefill forward (what a joining prompt costs the running streams' round)")
     ap.add_argument("--smoke", action="store_true", help="CPU: the bundled model, tiny levels")
     args = ap.parse_args()
     if args.smoke:
@@ -211,6 +213,9 @@ def main() -> int:
         seq_len = max(seq_len, args.join + 16, args.prompt_len + 4 * args.output_len)
     with LLM(path, progress=False, max_seq_len=seq_len, max_num_seqs=args.max_num_seqs or max(concs) + bool(args.join),
              **kw) as m:
+        if args.prefill_piece:              # (before any other slot is built: a slot takes the first one's)
+            m.engine.trunk.piece = args.prefill_piece
+        piece = m.engine.trunk.piece
         ctx = args.prompt_len + args.output_len // 2
         step, per_seq = checkpoint_step_bytes(path, ctx), state_bytes(m.cfg, ctx)
         for mode in routes:
@@ -228,7 +233,8 @@ def main() -> int:
         print(f"{r['route']:6} {r['c']:>3} {r['agg_tok_s']:>10} {r['x_c1']:>6} {r['decode_tok_s_median']:>10} "
               f"{r['verifies_per_forward']:>9} {r.get('of_ceiling', ''):>8} {r['round_ms_median']:>8} {r['prefill_s']:>9}")
     model = f"random {args.shape}{' tied' if args.tied else ''}" if args.shape else path
-    summary = {"bench": "batch", **machine(), "model": model, "tp": args.tp, "prompt_len": args.prompt_len,
+    summary = {"bench": "batch", **machine(), "model": model, "tp": args.tp, "prefill_piece": piece,
+               "prompt_len": args.prompt_len,
                "output_len": args.output_len, "levels": rows, "join": joined, "exact": checks, "ok": ok}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
