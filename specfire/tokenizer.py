@@ -12,9 +12,9 @@ from .errors import CheckpointError
 
 
 class ChatIds(list):
-    """A chat prompt's token ids (a list of ints to any reader) and its turn ends: the length of the
-    prompt each earlier assistant message answered, where those ids start these, then this prompt's
-    own. Its prefill ends a forward at each, so the next turn resumes from this one's end on the
+    """A chat prompt's token ids (a list of ints to any reader) and its turn ends: for each earlier
+    assistant message the length of the prompt that answered it and of the messages before it,
+    where those ids start these, then where this prompt's messages end, then its length. Its prefill ends a forward at each, so the next turn resumes from this one's end on the
     bits of a cold prefill (runtime/prefix.py)."""
 
     def __init__(self, ids: Any = (), ends: Any = ()):
@@ -97,23 +97,32 @@ class Tokenizer:
         ids = self._rendered_ids(text, allow_special)
         if not add_generation_prompt:
             return ChatIds(ids)
-        ends = []
+        ends = set()
         for i in range(1, len(messages)):
             if messages[i].get("role") != "assistant":
                 continue
-            n = self._head_len(messages[:i], tools, template_kwargs, allow_special, text, ids)
-            if n is not None and n > (ends[-1] if ends else 0):
-                ends.append(n)
-        return ChatIds(ids, ends + [len(ids)])
+            for gen in (True, False):      # the prompt that answered it, and where its messages end
+                n = self._head_len(messages[:i], tools, template_kwargs, allow_special, text, ids, gen)
+                if n is not None:
+                    ends.add(n)
+        # this prompt's messages end before its generation prompt: the next turn's prompt starts with
+        # them where its template renders this answer unlike the prompt that asked for it (Qwen3.5's
+        # drops the think block the generation prompt opened)
+        own = self._head_len(messages, tools, template_kwargs, allow_special, text, ids, False)
+        if own is not None:
+            ends.add(own)
+        return ChatIds(ids, sorted(ends) + [len(ids)])
 
     def _head_len(self, head: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                  template_kwargs: dict[str, Any] | None, allow_special: bool, text: str, ids: list[int]) -> int | None:
+                  template_kwargs: dict[str, Any] | None, allow_special: bool, text: str, ids: list[int],
+                  gen: bool = True) -> int | None:
         """The length of the prompt that answered the assistant message after `head` (rendered with
-        the generation prompt), or None where its ids do not start `ids`."""
+        the generation prompt; `gen` False: without it, where head's messages end), or None where
+        its ids do not start `ids` (or are all of them)."""
         from jinja2 import TemplateError
 
         try:     # a template may refuse a head the whole chat passes (one that wants a user message last)
-            h = self.template.render(head, tools, True, template_kwargs, mark=not allow_special)
+            h = self.template.render(head, tools, gen, template_kwargs, mark=not allow_special)
         except (ValueError, TypeError, TemplateError):
             return None
         if not text.startswith(h):

@@ -3,14 +3,16 @@
 A chat's next turn re-sends the whole conversation. The Gated DeltaNet state cannot be sliced per
 position, so the state is snapshotted whole (recurrent state and conv window of every GDN layer,
 KV rows [0, p) of every attention layer, the post-norm hidden rows [0, p) the MTP drafter starts
-from) at the last multiple of the prefill piece inside a prompt and, for a chat prompt, at its end. A later
+from) at the last multiple of the prefill piece inside a prompt and, for a chat prompt, at its end
+and its last cut before it. A later
 prompt that starts with those p tokens restores it and prefills only the rest.
 
 A snapshot is restored only where the cold prefill of the new prompt also ends a forward, after
 the same forwards (trunk.prefill_cuts: the piece multiples, plus the turn ends a chat prompt
 carries), so the resumed prefill runs exactly the forwards a cold one would, on the same bits:
 output is identical to a cold run, not merely close. A chat's turn N+1 carries turn N's prompt
-length as a turn end, so it resumes from there. The end of an output is never a snapshot: its
+length and where its messages end as turn ends, so it resumes from one of them (the second where
+the template renders turn N's answer unlike the prompt that asked for it). The end of an output is never a snapshot: its
 state was built by decode steps of one row, which a cold prefill does not run. Memory is bounded
 by `max_bytes` (least recently used snapshots go first)."""
 from __future__ import annotations
@@ -111,10 +113,11 @@ class PrefixCache:
         return best
 
     def wants(self, ids: list[int], ends: tuple[int, ...] = ()) -> list[int]:
-        """Where to snapshot this prompt: the last piece multiple inside it, and its end where
-        `ends` holds it (a chat prompt: the next turn resumes there), less what is already kept."""
+        """Where to snapshot this prompt: the last piece multiple inside it, and, where `ends` holds
+        its end (a chat prompt), that end and its last cut before it (where its messages end: the
+        next turn resumes at one of them), less what is already kept."""
         cuts = self.turn_ends(len(ids), ends)
-        at = {self.boundary(len(ids))} | ({len(ids)} if len(ids) in ends else set())
+        at = {self.boundary(len(ids))} | ({len(ids)} | set(cuts[-1:]) if len(ids) in ends else set())
         return [p for p in sorted(at)
                 if p > 0 and (tuple(ids[:p]), tuple(e for e in cuts if e < p)) not in self.entries]
 

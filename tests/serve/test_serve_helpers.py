@@ -296,13 +296,12 @@ def test_multi_turn_reuses_the_prefix_with_identical_output(pair):
             assert b.stats["cached_tokens"] == (prev if i == 0 else max(prev, own)), (turn, mode, b.stats["cached_tokens"])
         prev = len(b.prompt_token_ids)
         msgs = msgs + [{"role": "assistant", "content": a.text}, {"role": "user", "content": f"Turn {turn}: again."}]
-    # the logits of a resumed prefill are the bits of a cold one
-    ids = warm.prompt_ids(warm.render_chat(msgs))
-    ids = ids[:((len(ids) - 1) // 16) * 16 + 5]
-    rows, cached = warm.engine.prefix.prefill(ids, torch.tensor(ids))
+    # the logits of a resumed prefill are the bits of a cold one (cut where the chat's turns end)
+    ids = warm.chat_ids(msgs)
+    rows, cached = warm.engine.prefix.prefill(ids, torch.tensor(ids), ends=ids.ends)
     cold.engine.trunk.begin()
-    ref = cold.engine.trunk.prefill(torch.tensor(ids))
-    assert cached > 0 and torch.equal(rows.logits, ref.logits) and torch.equal(rows.hidden, ref.hidden)
+    ref = cold.engine.trunk.prefill(torch.tensor(ids), ends=ids.ends)
+    assert cached == prev and torch.equal(rows.logits, ref.logits) and torch.equal(rows.hidden, ref.hidden)
 
 
 def test_prefix_cache_memory_is_bounded_and_can_be_off(pair):

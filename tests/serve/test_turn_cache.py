@@ -31,27 +31,34 @@ def chat(msgs, *turns):
 
 
 def test_chat_ids_carry_the_turn_ends(pair, ckpt_cache):
+    """The ends: each earlier answer's prompt and where the messages before it end, and where this
+    prompt's messages end (before its generation prompt), each where its ids start the prompt's."""
     warm, _ = pair
     msgs = chat([{"role": "user", "content": "Name a colour."}], ("Blue.", "Another one?"), ("Red.", "And a third?"))
     ids = warm.chat_ids(msgs)
     heads = [warm.chat_ids(msgs[:i]) for i in (1, 3)]      # the prompts the two assistant messages answered
     assert all(ids[:len(h)] == h for h in heads)
-    assert ids.ends == (len(heads[0]), len(heads[1]), len(ids)) and list(ids) == warm.prompt_ids(ids)
-    assert warm.chat_ids(msgs[:1]).ends == (len(heads[0]),)
-    # a template that renders an earlier answer unlike the prompt that asked for it (Qwen3.5's drops
-    # the think block the generation prompt opened) has no turn end there; a tool call after the
-    # last user message keeps its think block, so the step that made it is a turn end
+    assert {len(h) for h in heads} | {h.ends[-2] for h in heads} < set(ids.ends) and ids.ends[-1] == len(ids)
+    assert len(ids.ends) == 6 and list(ids) == warm.prompt_ids(ids)
+    first = warm.chat_ids(msgs[:1])
+    assert first.ends == (first.ends[0], len(first)) and 0 < first.ends[0] < len(first)
+    # a ChatML template renders an earlier answer after the very prompt that asked for it: the next
+    # turn starts with this whole prompt. Qwen3.5's drops the think block the generation prompt
+    # opened, so the next turn starts with this prompt's messages only: their end is the cut both share
     from qwenstyle import qwen_ckpt
 
     tok = Tokenizer(qwen_ckpt(ckpt_cache, "xml"))
-    plain = tok.chat_ids(msgs)
-    assert plain.ends == (len(plain),)
+    for t, whole in ((warm.tokenizer, True), (tok, False)):
+        now, nxt = t.chat_ids(msgs), t.chat_ids(chat(msgs, ("Green.", "One more?")))
+        shared = max(e for e in now.ends if e in nxt.ends and nxt[:e] == now[:e])
+        assert shared == (len(now) if whole else now.ends[-2]), t
+        assert list(now[:now.ends[-2]]) == list(t.chat_ids(msgs, add_generation_prompt=False))   # then its generation prompt
     call = {"role": "assistant", "reasoning_content": "Look it up.", "content": "",
             "tool_calls": [{"type": "function", "function": {"name": "find", "arguments": {"q": "colour"}}}]}
     loop = msgs + [call, {"role": "tool", "content": "green"}]
     ids = tok.chat_ids(loop)
     head = tok.chat_ids(msgs)
-    assert ids.ends == (len(head), len(ids)) and ids[:len(head)] == head
+    assert len(head) in ids.ends and ids[:len(head)] == head   # a tool call after the last user message
 
 
 def test_turns_through_the_server_resume_from_the_last_prompt(pair):
@@ -83,11 +90,11 @@ def test_a_resumed_prefill_has_the_bits_of_a_cold_one(pair):
     msgs = chat([{"role": "user", "content": "Write a Python function that adds two numbers."}],
                 ("def add(a, b): return a + b", "Now subtract."))
     warm.chat(msgs[:1], SamplingParams(max_tokens=2))           # keeps the first turn's prompt end
-    ids = warm.chat_ids(msgs)
-    assert ids.ends[0] % PIECE                                   # a turn end that no piece multiple makes
+    ids, first = warm.chat_ids(msgs), len(warm.chat_ids(msgs[:1]))
+    assert first % PIECE and first in ids.ends                   # a turn end that no piece multiple makes
     prompt = torch.tensor(ids)
     rows, cached = warm.engine.prefix.prefill(ids, prompt, ends=ids.ends)
-    assert cached == ids.ends[0]
+    assert cached == first
     trunk = cold.engine.trunk
     trunk.begin()
     ref = trunk.prefill(prompt, ends=ids.ends)
@@ -114,6 +121,32 @@ def test_a_snapshot_cut_elsewhere_is_not_restored(pair):
     trunk.begin()
     ref = trunk.prefill(torch.tensor(ids), ends=ends)
     assert cached == 0 and torch.equal(rows.logits, ref.logits)
-    assert sorted(len(k) for k, _ in cache.entries) == [32, 48, 60]   # ... and its own, cut at 20
+    assert sorted(len(k) for k, _ in cache.entries) == [20, 32, 48, 60]   # ... and its own: its end and its last cut
     more = ids + [71, 72]
     assert cache.prefill(more, torch.tensor(more), ends=(20, len(ids), len(more)))[1] == len(ids)
+
+
+def test_a_qwen_template_chat_resumes_where_the_last_prompt_s_messages_end(ckpt_cache):
+    """Under a Qwen3.5-style template (earlier answers rendered without the think block their
+    prompt opened) turn 2 resumes where turn 1's messages ended, before its generation prompt, and
+    answers as a cold run does (without the cut there it resumes at a piece multiple at best)."""
+    from qwenstyle import qwen_ckpt
+
+    path = qwen_ckpt(ckpt_cache, "xml")
+    msgs = [{"role": "user", "content": "Tell me about the lighthouse keeper."}]
+    sp = SamplingParams(max_tokens=6, temperature=0)
+    with LLM(path, device="cpu", max_seq_len=512, progress=False) as warm, \
+            LLM(path, device="cpu", max_seq_len=512, progress=False) as cold:
+        warm.enable_prefix_cache(64 << 20, piece=PIECE)
+        cold.enable_prefix_cache(0, piece=PIECE)
+        cold.engine.trunk.piece = PIECE
+        first = warm.chat(msgs, sp)
+        turn1 = warm.chat_ids(msgs)
+        msgs2 = msgs + [{"role": "assistant", "content": first.text or "Hm."}, {"role": "user", "content": "And then?"}]
+        second, want = warm.chat(msgs2, sp), cold.chat(msgs2, sp)
+        assert second.token_ids == want.token_ids
+        # from where turn 1's messages end (or a piece multiple past it inside the shared prefix)
+        assert 0 < turn1.ends[-2] <= second.stats["cached_tokens"] < len(turn1) and want.stats["cached_tokens"] == 0
+        ids = warm.chat_ids(msgs2)
+        assert ids[:len(turn1)] != list(turn1)                  # the whole first prompt is not a prefix ...
+        assert turn1.ends[-2] in ids.ends                       # ... its messages are, and cut both prefills
