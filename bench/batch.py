@@ -25,8 +25,10 @@ their median gap before it came. A table, then one JSON line last.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import tempfile
 import time
 
@@ -200,6 +202,7 @@ def main() -> int:
         print(json.dumps({"bench": "batch", **machine(), "exact": checks, "ok": ok}))
         return 0 if ok else 1
     work = tempfile.mkdtemp(prefix="batch-", dir=scratch_dir() if args.shape else None)
+    atexit.register(shutil.rmtree, work, True)      # a --shape checkpoint in /dev/shm is tens of GB of RAM
     path = args.model or BUNDLED_MODEL
     if args.shape:
         cfg = model_config(args.shape)
