@@ -10,6 +10,9 @@ from typing import Any, Sequence
 
 from .errors import GrammarError
 
+# the prefix cache's memory by default in the servers (one device; a mesh keeps no snapshots)
+PREFIX_CACHE_MB = 1024
+
 
 def _check_number(name: str, v: Any, lo: float | None = None, hi: float | None = None,
                   lo_open: bool = False, integer: bool = False) -> None:

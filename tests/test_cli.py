@@ -101,6 +101,13 @@ def test_run_penalty_flags(tok_path, tok_llm, cli_run):
 def test_serve_penalty_flags_checked_before_the_port_and_the_model(tok_path, cli_run):
     p = cli_run("serve", tok_path, "--presence-penalty", "5", "--port", "1")
     assert p.returncode == 2 and p.stderr.strip() == "specfire: error: --presence-penalty must be <= 2.0, got 5.0"
+    # a mesh keeps no prefix snapshots: setting their flags there is refused, not ignored
+    p = cli_run("serve", tok_path, "--tp", "2", "--prefix-cache-mb", "64", "--port", "1")
+    assert p.returncode == 2 and p.stderr.strip() == ("specfire: error: --prefix-cache-mb: the prefix cache and its "
+                                                      "prefill pieces serve one device; this model runs with --tp 2 "
+                                                      "(leave --prefix-cache-mb out)")
+    p = cli_run("serve", tok_path, "--tp", "2", "--prefill-piece", "64", "--port", "1")
+    assert p.returncode == 2 and "--prefill-piece: the prefix cache" in p.stderr
     p = cli_run("serve", "--help")
     assert p.returncode == 0 and all(f in p.stdout for f in ("--repetition-penalty", "--presence-penalty",
                                                                "--frequency-penalty"))

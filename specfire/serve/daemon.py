@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any, Iterable
 
 from ..errors import CheckpointError, SpecfireError
+from ..params import PREFIX_CACHE_MB
 from .schema import GenerateMessage, check_route, encode, sampling_params, spec_policy, validate
 from .wire import RequestError, check_tree
 
@@ -36,7 +37,6 @@ LOAD_PARAMS = ("tp", "device", "dtype", "kv_dtype", "max_seq_len", "spec", "mtp_
                "prefill_piece", "draft_vocab", "generation_config", "max_num_seqs", "kv_cache_memory_bytes",
                "tp_invariant")
 BARRIERS = ("load", "unload")      # wait for every generation before them to end
-PREFIX_CACHE_MB = 1024
 DEFAULT_MAX_TOKENS = 256
 EOF = None
 
@@ -262,8 +262,14 @@ class Daemon:
             params.setdefault("generation_config", self.generation_config)
         if self.tp_invariant:
             params.setdefault("tp_invariant", True)
+        given = params.get("prefix_cache_mb")
         cache_mb = params.pop("prefix_cache_mb", PREFIX_CACHE_MB)
         piece = params.pop("prefill_piece", None)
+        tp = params.get("tp", 1)
+        if is_int(tp) and tp > 1 and (given or piece is not None):     # a mesh honours neither
+            name = "prefix_cache_mb" if given else "prefill_piece"
+            raise DaemonError(f"'params.{name}': the prefix cache and its prefill pieces serve one device; "
+                              f"this load has tp={tp} (leave it out)", "invalid_request")
         if not is_int(cache_mb) or cache_mb < 0:
             raise DaemonError(f"'params.prefix_cache_mb' must be an integer >= 0, got {cache_mb!r}", "invalid_request")
         if piece is not None and (not is_int(piece) or piece < 1):

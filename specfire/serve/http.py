@@ -17,6 +17,7 @@ import sys
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ..errors import SpecfireError
+from ..params import PREFIX_CACHE_MB
 from .guard import Access, check_api_key
 from .transport import (BODY_TIMEOUT_S, HEADER_TIMEOUT_S, LISTEN_BACKLOG, MAX_CONNECTIONS_CAP, MAX_REQUEST_BYTES,
                         FileBudget, check_timeout, guarded_protocol, open_file_limit, quiet_accept_errors)
@@ -76,20 +77,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_prefix_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefix-cache-mb", type=int, default=1024,
+    p.add_argument("--prefix-cache-mb", type=int, default=None,
                    help="memory for snapshots of recent prompts, so a chat's next turn prefills only what is new "
-                        "(0 turns prefix reuse off)")
-    p.add_argument("--prefill-piece", type=int, default=1024,
-                   help="prompt rows per prefill forward, the granularity of prefix reuse")
+                        f"(default {PREFIX_CACHE_MB} on one device, off on a tensor-parallel mesh; 0 turns it off)")
+    p.add_argument("--prefill-piece", type=int, default=None,
+                   help="prompt rows per prefill forward, the granularity of prefix reuse (default 1024; one device)")
+
+
+def check_prefix_flags(args: argparse.Namespace) -> None:
+    """--prefix-cache-mb and --prefill-piece, before the model loads: a mesh honours neither (its
+    ranks prefill in fixed pieces and keep no snapshots), so setting one there is refused."""
+    mb, piece = args.prefix_cache_mb, args.prefill_piece
+    if mb is not None and mb < 0:
+        raise ValueError(f"--prefix-cache-mb must be >= 0, got {mb}")
+    if piece is not None and piece < 1:
+        raise ValueError(f"--prefill-piece must be >= 1, got {piece}")
+    tp = getattr(args, "tp", 1) or 1
+    if tp > 1 and (mb or piece is not None):
+        flag = "--prefix-cache-mb" if mb else "--prefill-piece"
+        raise ValueError(f"{flag}: the prefix cache and its prefill pieces serve one device; this model runs "
+                         f"with --tp {tp} (leave {flag} out)")
 
 
 def enable_prefix(llm: "LLM", args: argparse.Namespace) -> None:
-    if args.prefix_cache_mb < 0:
-        raise ValueError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
-    if args.prefill_piece < 1:
-        raise ValueError(f"--prefill-piece must be >= 1, got {args.prefill_piece}")
-    if args.prefix_cache_mb and llm.tp == 1:
-        llm.enable_prefix_cache(args.prefix_cache_mb << 20, args.prefill_piece)
+    check_prefix_flags(args)
+    mb = PREFIX_CACHE_MB if args.prefix_cache_mb is None else args.prefix_cache_mb
+    if mb and llm.tp == 1:
+        llm.enable_prefix_cache(mb << 20, args.prefill_piece)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -136,6 +150,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     check_batch_flags(args)
     try:
+        check_prefix_flags(args)
         defaults = penalty_kw(args)
         SamplingParams(**defaults)                # range errors before the port and the model
     except ValueError as e:

@@ -92,6 +92,10 @@ def test_load(daemon, ckpt):
     _bad(daemon, {"type": "load", "id": "l1", "model": ckpt, "params": {"bogus": 1}}, "invalid_request", "bogus", "l1")
     _bad(daemon, {"type": "load", "id": "l2", "model": ckpt, "params": {"draft_vocab": 0}}, "invalid_request",
          "draft_vocab must be an integer", "l2")
+    # a mesh keeps no prefix snapshots: asking it for them is refused before anything starts
+    for field in ("prefix_cache_mb", "prefill_piece"):
+        _bad(daemon, {"type": "load", "id": "l3", "model": ckpt, "params": {"tp": 2, field: 64}}, "invalid_request",
+             f"'params.{field}': the prefix cache and its prefill pieces serve one device; this load has tp=2", "l3")
     daemon.send({"type": "load", "id": "l2", "model": ckpt, "params": {"spec": {"mode": "auto", "k": 2}}})
     ev = daemon.recv()
     assert ev["type"] == "loaded" and ev["id"] == "l2"
