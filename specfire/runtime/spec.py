@@ -281,10 +281,8 @@ def complete(p: Prepared, rows: Rows, defer: bool = False) -> Launched:
         with torch.inference_mode():
             lp = token_logprobs(logits, targets, sp) if sp.logprobs is not None else None
         res, lp, ev = bufs.send(n, targets, lp, alone=kk > 0)
-        left = None
-        if kk:                                    # e.g. the next MTP chain drafts while the host reads this step
-            if drafter.prepare(rows.hidden, targets, n, pos, kk, pen=pen, sp=sp, defer=defer):
-                left = drafter
+        # e.g. the next MTP chain drafts while the host reads this step (or waits to join the round's)
+        left = drafter if kk and drafter.prepare(rows.hidden, targets, n, pos, kk, pen=pen, sp=sp, defer=defer) else None
         return Launched(route, kk, pos, rows.hidden, targets, res, ev, lp=lp, pending=left)
     with torch.inference_mode():
         n, targets = bufs.accept(logits, ids[1:], q, sp, gen, graph=pen is None)

@@ -178,16 +178,15 @@ class MtpDrafter:
         if not self.ahead or self.graphs is None or k <= 0 or pos + 2 * k > self.trunk.max_seq:
             return False                           # (its steps reach pos + n + k - 1)
         self._check_mode()
-        if defer and not self._trunk_picks and penalty_key(pen if sp is not None and self.penalises(sp) else None,
-                                                           sp) is None:
+        if sp is None or not self.penalises(sp):
+            pen = None
+        pkey = penalty_key(pen, sp)
+        if defer and pkey is None and not self._trunk_picks:
             self._want = (hidden, targets, n, pos, k)
             return True
         if self._trunk_picks:
             fresh = not self.graphs.captured(k + 1, k, "after")
             self.trunk.draft_rounds(k, self.graphs.warmup if fresh else 0, 1, now=True)
-        if sp is None or not self.penalises(sp):
-            pen = None
-        pkey = penalty_key(pen, sp)
         drafts = self.graphs.draft_after(self._chain_after, targets, hidden, pos, n.view(1), k,
                                          pen=pen if pkey is not None else None, pen_sp=sp)
         self._pre = ((k, pos, pkey), drafts)
