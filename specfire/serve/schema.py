@@ -230,6 +230,7 @@ class GenerateMessage(SamplingBody):
     attempt_id: Any = None              # checked by the daemon
     prompt: Any = None
     messages: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None     # with messages, as the chat endpoint's
     logprobs: int | None = None
     echo: bool | None = None             # only false: the prompt is not sent back
     _logprobs = field_validator("logprobs")(check_logprobs)
