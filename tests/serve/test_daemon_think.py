@@ -147,3 +147,21 @@ def test_reasoning_parser_none_starts_the_grammar_at_the_first_token(ckpt_cache)
         assert bad.proc.wait(timeout=60) == 2 and "--reasoning-parser" in bad.proc.stderr.read()
     finally:
         bad.close()
+
+
+def test_tools_are_refused_saying_why(daemon, ckpt_cache):
+    """The daemon parses no tool calls: `tools` and `tool_choice` that ask for any are refused
+    naming the field and the endpoint that serves them; [] and "none", which ask for none, run."""
+    path = qwen_ckpt(ckpt_cache, "xml")
+    toks, evs = generate(daemon, path, max_tokens=40, tools=[], tool_choice="none")
+    text, msg, _ = http_answer(path, max_tokens=40)
+    check_split(toks, evs[-1], text, msg)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for fields, name in (({"tools": tools}, "tools"), ({"tools": tools, "tool_choice": "required"}, "tools"),
+                         ({"tool_choice": "auto"}, "tool_choice"),
+                         ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice")):
+        daemon.send({"type": "generate", "id": "x", "attempt_id": 3, "messages": USER, "max_tokens": 2, **fields})
+        ev = daemon.recv()
+        assert ev["type"] == "error" and ev["class"] == "invalid_request" and ev["attempt_id"] == 3, ev
+        assert ev["message"].startswith(f"'{name}' is not supported: the daemon parses no tool calls, "
+                                        f"/v1/chat/completions does"), ev
