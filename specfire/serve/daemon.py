@@ -25,11 +25,13 @@ from typing import IO, TYPE_CHECKING, Any, Iterable
 
 from ..errors import CheckpointError, SpecfireError
 from ..params import PREFIX_CACHE_MB
+from .chat_options import REASONING_PARSERS, ChatOptions
 from .schema import GenerateMessage, check_route, encode, sampling_params, spec_policy, validate
 from .wire import RequestError, check_tree
 
 if TYPE_CHECKING:
     from ..api import LLM
+    from .assistant import AssistantOutput
 
 log = logging.getLogger("specfire")
 
@@ -64,6 +66,7 @@ class Attempt:
     started: bool = False
     cancelled_by: dict[str, Any] | None = None   # the cancel message that stopped it
     req: Any = None                     # its runtime.scheduler.Request
+    out: "AssistantOutput | None" = None   # a `messages` generate: its answer split into reasoning / content
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -83,6 +86,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-invariant", action="store_true",
                    help="default tp_invariant of every load: the bits every tp degree computes, one device "
                         "included (a load message's params.tp_invariant overrides it)")
+    p.add_argument("--reasoning-parser", default="auto", choices=REASONING_PARSERS,
+                   help="as serve's: a messages generate's <think> block goes to the events' reasoning, the rest "
+                        "to content, and a structured output starts after it (default: when the template "
+                        "writes them)")
 
 
 def is_int(v: Any) -> bool:
@@ -91,8 +98,9 @@ def is_int(v: Any) -> bool:
 
 class Daemon:
     def __init__(self, out: IO[bytes], draft_vocab: int | None = None, generation_config: str | None = None,
-                 max_num_seqs: int | None = None, tp_invariant: bool = False):
+                 max_num_seqs: int | None = None, tp_invariant: bool = False, chat: ChatOptions | None = None):
         self.out = out
+        self.chat = chat or ChatOptions()      # --reasoning-parser: how messages are prepared and split
         self.draft_vocab = draft_vocab         # --draft-vocab: the default of every load
         self.generation_config = generation_config   # --generation-config: the default of every load
         self.max_num_seqs = max_num_seqs       # --max-num-seqs: the default of every load
@@ -327,14 +335,25 @@ class Daemon:
         if ("prompt" in msg) == ("messages" in msg):
             raise DaemonError("give exactly one of 'prompt' or 'messages'", "invalid_request")
         b: GenerateMessage = validate(GenerateMessage, msg)
+        if b.chat_template_kwargs is not None and b.messages is None:
+            raise DaemonError("'chat_template_kwargs' goes with 'messages' (a prompt is not rendered)",
+                              "invalid_request")
+        prep = None
         if b.messages is not None:
             if llm.tokenizer is None:
                 raise DaemonError("this model has no tokenizer, so it cannot take messages", "invalid_request")
-            ids = encode(llm, llm.chat_ids(b.messages), "messages")      # control tokens typed in text stay text
+            from .chat import prepare_chat
+
+            # the HTTP chat endpoint's preparation: control tokens typed in text stay text, and the
+            # reasoning parser decides where a grammar starts and how the answer is split
+            prep = prepare_chat(llm, b.messages, {}, b.chat_template_kwargs or {}, self.chat)
+            ids = prep.ids
         else:
             ids = encode(llm, b.prompt, "prompt")
         sp = sampling_params(b, default_max_tokens=DEFAULT_MAX_TOKENS, default_temperature=0.0,
                              defaults=llm.generation_defaults.as_dict(), room=llm.max_model_len - len(ids))
+        if prep is not None:
+            sp = prep.params(sp)
         policy = spec_policy(b.speculation, llm.spec)
         plan = check_route(llm, sp, policy)
 
@@ -343,7 +362,7 @@ class Daemon:
                               "invalid_request")
         from ..runtime.scheduler import Request
 
-        a = Attempt(mid, attempt, sp, len(ids))
+        a = Attempt(mid, attempt, sp, len(ids), out=prep.assistant() if prep is not None else None)
         a.req = Request(ids, sp, policy, lambda kind, payload: self._event(a, kind, payload), plan=plan)
         self.attempts[attempt] = a
         llm.scheduler.submit(a.req)
@@ -362,8 +381,10 @@ class Daemon:
                 a.ttft = time.perf_counter() - a.t0
             a.tokens += len(payload.token_ids)
             lps = getattr(payload, "logprobs", None)
-            if payload.text or payload.token_ids:   # a token without text yet (a partial character) too
-                tok = {"type": "token", **ev, "text": payload.text, "ids": payload.token_ids}
+            split = self._split(a, payload.text, kind == sch.DONE)
+            # a token without text yet (a partial character) too; and the answer's held-back tail at the end
+            if payload.text or payload.token_ids or any(split.values()):
+                tok = {"type": "token", **ev, "text": payload.text, "ids": payload.token_ids, **split}
                 if lps is not None:
                     tok["logprobs"] = logprob_entries(lps)
                 self.emit(tok)
@@ -373,9 +394,16 @@ class Daemon:
         if kind == sch.DONE:
             res = payload.result
             fig = self.llm.figures(res, a.params)
-            self.emit({"type": "done", **ev, "tokens": fig.generated_tokens, "prefill_tokens": fig.prompt_tokens,
-                       **fig.timings(1000.0 * (a.ttft or 0.0)), "finish_reason": res.finish_reason,
-                       "context_limited": fig.context_limited, "tau": fig.mean_accept_len})
+            done = {"type": "done", **ev, "tokens": fig.generated_tokens, "prefill_tokens": fig.prompt_tokens,
+                    **fig.timings(1000.0 * (a.ttft or 0.0)), "finish_reason": res.finish_reason,
+                    "context_limited": fig.context_limited, "tau": fig.mean_accept_len}
+            if a.out is not None:
+                msg = a.out.message()
+                done["content"] = msg["content"]
+                if a.out.reasoning:
+                    done["reasoning"] = msg["reasoning"]
+                done["finish_reason"] = a.out.finish_reason(res.finish_reason)
+            self.emit(done)
         elif kind == sch.CANCELLED:
             by = a.cancelled_by
             self.emit({"type": "aborted", **ev, "tokens": a.tokens, "reason": "closed" if by is None else "cancel"})
@@ -389,6 +417,18 @@ class Daemon:
                 oom = "out of memory" in str(e).lower()
                 err = DaemonError(f"{type(e).__name__}: {e}", "oom" if oom else "internal_error", True)
             self.error(a.mid, err, a.attempt)
+
+    @staticmethod
+    def _split(a: Attempt, text: str, final: bool) -> dict[str, str]:
+        """A `messages` attempt's piece of text as the HTTP chat stream's deltas split it: `content`,
+        and `reasoning` where the reasoning parser applies (text held back comes in a later event)."""
+        if a.out is None:
+            return {}
+        deltas = a.out.feed(text) + (a.out.finish() if final else [])
+        split = {"content": "".join(d.get("content", "") for d in deltas)}
+        if a.out.reasoning:
+            split["reasoning"] = "".join(d.get("reasoning", "") for d in deltas)
+        return split
 
     def poll(self) -> None:
         """Take the lines read so far: while generations run, answer pings and act on cancels at
@@ -421,7 +461,8 @@ def main(args: argparse.Namespace) -> int:
     os.dup2(2, 1)                      # fd 1 (C libraries) and sys.stdout now write to stderr
     real_stdout, sys.stdout = sys.stdout, sys.stderr
     d = Daemon(out, getattr(args, "draft_vocab", None), getattr(args, "generation_config", None),
-               getattr(args, "max_num_seqs", None), getattr(args, "tp_invariant", False))
+               getattr(args, "max_num_seqs", None), getattr(args, "tp_invariant", False),
+               ChatOptions(reasoning_parser=getattr(args, "reasoning_parser", "auto")))
     try:
         if args.model is not None:
             d.handle_line(json.dumps({"type": "load", "model": None if args.model == "bundled" else args.model})

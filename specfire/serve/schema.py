@@ -33,7 +33,10 @@ NOT_BUILT = {"functions": TOOLS, "function_call": TOOLS,
              "use_beam_search": "beam search is not supported",
              "echo": "echo is a /v1/completions field"}
 # fields accepted only with a value that asks for nothing: (the values, what else would need)
-ONLY_TRIVIAL = {"logit_bias": ((None, {}), "biasing logits is not built (only {})")}
+NO_TOOLS = "the daemon parses no tool calls, /v1/chat/completions does"
+ONLY_TRIVIAL = {"logit_bias": ((None, {}), "biasing logits is not built (only {})"),
+                "tools": ((None, []), NO_TOOLS + " (only [])"),
+                "tool_choice": ((None, "none"), NO_TOOLS + ' (only "none")')}
 
 
 def check_trivial(v: Any, info: Any) -> Any:
@@ -230,6 +233,10 @@ class GenerateMessage(SamplingBody):
     attempt_id: Any = None              # checked by the daemon
     prompt: Any = None
     messages: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None     # with messages, as the chat endpoint's
+    tools: Any = None
+    tool_choice: Any = None
+    _no_tools = field_validator("tools", "tool_choice")(check_trivial)
     logprobs: int | None = None
     echo: bool | None = None             # only false: the prompt is not sent back
     _logprobs = field_validator("logprobs")(check_logprobs)

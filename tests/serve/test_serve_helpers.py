@@ -152,7 +152,9 @@ REFUSED = [
     (schema.CompletionBody, {"suffix": "}"}, "suffix", "fill-in-the-middle"),
     (schema.CompletionBody, {"tools": []}, "tools", "not a field"),
     (schema.CompletionBody, {"use_beam_search": True}, "use_beam_search", "beam search"),
-    (schema.GenerateMessage, {"chat_template_kwargs": {}}, "chat_template_kwargs", "not a field"),
+    (schema.GenerateMessage, {"chat_template_kwargs": [1]}, "chat_template_kwargs", "an object"),
+    (schema.GenerateMessage, {"tools": [{"type": "function"}]}, "tools", "parses no tool calls"),
+    (schema.GenerateMessage, {"tool_choice": "auto"}, "tool_choice", "parses no tool calls"),
 ]
 
 
