@@ -216,13 +216,16 @@ class Matcher:
     def masks(self, into: "torch.Tensor", drafts: list[int]) -> None:
         """Rows 0..len(drafts) of `into` ([rows, words] int32, contiguous, host memory): row i the
         mask after drafts[:i], as a verify's row i needs it; the rows after the first draft the
-        grammar forbids allow every token (they are never emitted). The matcher ends where it began."""
+        grammar forbids allow every token (they are never emitted). The matcher ends where it began.
+        llguidance leaves those rows as they were (zeros, or an earlier step's masks), so they are set
+        to all ones first: a row of zeros masks every id, and its target is no token at all."""
         r = len(drafts) + 1
         if into.dim() != 2 or into.shape[0] < r or into.shape[1] != self.words or not into.is_contiguous():
             raise ValueError(f"masks: need a contiguous [>= {r}, {self.words}] buffer, got {tuple(into.shape)}")
         if not drafts:
             self.mask(into[0])
             return
+        into[1:r].fill_(-1)
         self.executor.unsafe_compute_mask_ptr_with_draft_token([(self.m, 0, list(drafts))], into.data_ptr(),
                                                                4 * self.words, r)
 

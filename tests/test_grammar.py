@@ -74,6 +74,27 @@ def test_advance_stops_at_the_first_forbidden_draft_and_rolls_back(compiler, tok
     assert (m.allowed() == after).all()
 
 
+@pytest.mark.parametrize("held", [0, 0x5A5A5A5A])
+def test_verify_masks_allow_every_token_after_a_forbidden_draft(compiler, tok, held):
+    """A verify's rows past its first forbidden draft allow everything, whatever the buffer held
+    before (zeros at first, an earlier step's masks later): a row masking every id would have no
+    target in the vocabulary."""
+    m = compiler.matcher(GrammarSpec("json_schema", SCHEMA))
+    good, bad = tok.encode('{"name')[:2], tok.encode("zzz")[0]
+    one = m.new_bitmask()
+    for drafts, fresh in ((good + [bad, bad], len(good) + 1), ([bad, bad, bad], 1), (good, len(good) + 1)):
+        into = torch.full((6, m.words), held, dtype=torch.int32)
+        m.masks(into, drafts)
+        for i in range(fresh):                       # row i: the mask after drafts[:i]
+            m.advance(drafts[:i])
+            m.mask(one)
+            m.rollback(i)
+            assert (into[i].numpy() == one).all(), (drafts, i)
+        assert (into[fresh:len(drafts) + 1] == -1).all(), drafts
+        assert (into[len(drafts) + 1:] == held).all()     # rows past the verify's are left alone
+    assert (m.allowed() == compiler.matcher(GrammarSpec("json_schema", SCHEMA)).allowed()).all()
+
+
 def test_mask_into_numpy_and_torch_agree(compiler):
     m = compiler.matcher(GrammarSpec("choice", ["alpha", "beta"]))
     a = m.new_bitmask()

@@ -94,6 +94,35 @@ def test_greedy_accept(k):
         assert torch.equal(t, t_r) and int(n) == int(n_r) == n_ok
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("v", [7, 3001, 70001])
+def test_argmax_of_masked_and_nan_rows_is_torchs(v, dtype):
+    """Rows a grammar masked (mostly -inf, whole chunks of it, or all of it) and rows with NaNs:
+    the index torch.argmax gives (all -inf: 0; the first NaN wins), never one past the vocabulary
+    (an id the next draft chain would gather its embedding row with)."""
+    g = _g(v)
+    x = torch.randn(8, v, generator=g)
+    x[0] = float("-inf")                                    # a grammar that allowed nothing
+    x[1] = float("-inf")
+    x[1, v - 1] = 2.0                                       # one id, in the last chunk's masked tail block
+    x[2, : v // 2] = float("-inf")                          # the first chunks all -inf
+    x[3, v // 3] = float("nan")
+    x[3, v - 1] = float("nan")
+    x[4] = float("-inf")
+    x[4, v - 2] = float("nan")                              # a NaN among -inf
+    x[5, :] = float("nan")
+    x[6, v - 1] = float("inf")
+    x[6, 0] = float("nan")                                  # NaN beats +inf, wherever it lies
+    x = x.to(dtype)
+    want = x.argmax(-1)
+    assert want[0] == 0 and want[3] == v // 3 and want[6] == 0
+    assert torch.equal(ts.argmax_triton(x), want)
+    draft = want[:7].clone()
+    draft[5] += 1
+    t, n = ts.greedy_accept_triton(x, draft)
+    assert torch.equal(t, want) and int(n) == 5
+
+
 def test_public_functions_use_reference_on_cpu():
     g = _g(9)
     x, w = torch.randn(2, 8, generator=g), torch.randn(8, generator=g) * 0.3

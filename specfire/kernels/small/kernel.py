@@ -96,6 +96,8 @@ def silu_mul_triton(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _argmax_partial_kernel(x_ptr, pv_ptr, pi_ptr, V, stride_x, CHUNK, n_chunks, BLOCK: tl.constexpr):
+    """Program (row, chunk): the chunk's maximum and its first index, as torch.argmax: a NaN counts
+    as the maximum (the chunk's first NaN, stored as NaN); a chunk of -inf gives its first index."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -104,12 +106,18 @@ def _argmax_partial_kernel(x_ptr, pv_ptr, pi_ptr, V, stride_x, CHUNK, n_chunks, 
     start = c * CHUNK
     for k0 in range(start, tl.minimum(start + CHUNK, V), BLOCK):
         idx = k0 + offs
-        v = tl.load(x_ptr + row * stride_x + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-        take = v > best_v  # strict: the earlier index wins ties within a lane
+        v = tl.load(x_ptr + row.to(tl.int64) * stride_x + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        # strict: the earlier index wins ties within a lane; a lane's first NaN wins and stays
+        take = (v > best_v) | ((v != v) & (best_v == best_v))
         best_v = tl.where(take, v, best_v)
         best_i = tl.where(take, idx, best_i)
-    m = tl.max(best_v, axis=0)
-    i = tl.min(tl.where(best_v == m, best_i, 2147483647), axis=0)
+    nan_i = tl.min(tl.where(best_v != best_v, best_i, 2147483647), axis=0)
+    finite = tl.where(best_v != best_v, float("-inf"), best_v)
+    m = tl.max(finite, axis=0)
+    i = tl.min(tl.where(finite == m, best_i, 2147483647), axis=0)
+    i = tl.where(m == float("-inf"), start, i)             # nothing above -inf: the chunk's first index
+    i = tl.where(nan_i < 2147483647, nan_i, i)
+    m = tl.where(nan_i < 2147483647, float("nan"), m)
     tl.store(pv_ptr + row * n_chunks + c, m)
     tl.store(pi_ptr + row * n_chunks + c, i)
 
@@ -122,8 +130,11 @@ def _accept_kernel(pv_ptr, pi_ptr, d_ptr, t_ptr, n_ptr, R, n_chunks,
     mask = (r[:, None] < R) & (c[None, :] < n_chunks)
     pv = tl.load(pv_ptr + r[:, None] * n_chunks + c[None, :], mask=mask, other=float("-inf"))
     pi = tl.load(pi_ptr + r[:, None] * n_chunks + c[None, :], mask=mask, other=2147483647)
+    nan_i = tl.min(tl.where(pv != pv, pi, 2147483647), axis=1)                # a NaN chunk: its first NaN
+    pv = tl.where(pv != pv, float("-inf"), pv)
     m = tl.max(pv, axis=1)
     tgt = tl.min(tl.where(pv == m[:, None], pi, 2147483647), axis=1)            # [R_BLOCK]
+    tgt = tl.where(nan_i < 2147483647, nan_i, tgt)
     tl.store(t_ptr + r, tgt.to(tl.int64), mask=r < R)
     if ACCEPT:  # drafts d[0..R-2] are checked against the targets of rows 0..R-2
         d = tl.load(d_ptr + r, mask=r < R - 1, other=-1)
