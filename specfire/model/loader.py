@@ -303,13 +303,23 @@ def load_module(module: torch.nn.Module, src: TensorSource, prefix: str, *, dtyp
             delattr(sub, attr)
             setattr(sub, attr, t.to(device=device, dtype=dtype))
         else:
-            t = t.to(device=device, dtype=dtype).contiguous()
+            t = aligned(t.to(device=device, dtype=dtype).contiguous())
             check_finite(n, t)
             setattr(sub, attr, torch.nn.Parameter(t, requires_grad=False))
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
+
+
+def aligned(t):
+    """t, copied where it is a CPU tensor whose data does not start on a 64-byte boundary (a
+    safetensors file maps tensors at any 8-byte offset): on CPUs where MKL peels a misaligned start,
+    a product's bits depend on the weight's alignment, so a mesh shard would round unlike the
+    same rows of the whole matrix. A 4-bit QuantWeight passes as it is."""
+    if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.data_ptr() % 64:
+        return t.clone()
+    return t
 
 
 # ---- building the model from a checkpoint (one path for every topology) ------------------------

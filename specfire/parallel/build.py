@@ -39,8 +39,8 @@ def _drafter_vocab(src: loader.TensorSource, cfg, head, dtype: torch.dtype,
     matrix, for one small collective, and rank 0 holds no extra copy). None without an MTP head."""
     if head is None or (device.type != "cpu" and not graphs):
         return None
-    emb = src.get("embed_tokens.weight").to(device=device, dtype=dtype)
-    lm = emb if cfg.tie_word_embeddings else src.get("lm_head.weight").to(device=device, dtype=dtype)
+    emb = loader.aligned(src.get("embed_tokens.weight").to(device=device, dtype=dtype))
+    lm = emb if cfg.tie_word_embeddings else loader.aligned(src.get("lm_head.weight").to(device=device, dtype=dtype))
     return emb, lm
 
 

@@ -47,12 +47,14 @@ def test_dequantize_kernel_default_blocks_and_empty_slice():
 
 @pytest.mark.parametrize("limit", [None, 20 * 384, 7 * 384 + 5])
 def test_scratch_path_equals_dense_product(limit):
-    """Whole, and in chunks of 20 / 7 output rows (the last one short) through one reused buffer."""
+    """Whole, and in chunks of 20 / 7 output rows (the last one short) through one reused buffer.
+    A float32 product over K = 384 in another blocking: the tolerance of its rounding (a CPU
+    without AVX-512 differed by 1.3e-5 at one element)."""
     qw = _qw(45, 384, 128, 5)
     x = torch.randn(33, 384, generator=_g(6))
     ref = F.linear(x, qw.dequantize())
     y = q4_linear_dequant(x, qw, limit)
-    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_dequant_config_spreads_small_weights():
