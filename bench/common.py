@@ -62,19 +62,23 @@ def model_config(shape: str, **override) -> ModelConfig:
 def random_trunk(cfg: ModelConfig, dev: str, dtype: torch.dtype, seed: int = 0):
     """A trunk module of cfg with seeded random weights, built on `dev` without a host copy (the
     benches that time the trunk without a checkpoint)."""
-    from specfire.model.qwen35 import Qwen35Trunk
-    return _randomised(Qwen35Trunk, cfg, dev, dtype, seed)
+    from specfire.model.loader import build_trunk
+    return _randomised(build_trunk, cfg, dev, dtype, seed)
 
 
 def random_head(cfg: ModelConfig, dev: str, dtype: torch.dtype, seed: int = 1):
     """An MTP head of cfg with seeded random weights: the benches' stand-in for a trained head."""
-    from specfire.model.qwen35 import MtpHead
-    return _randomised(MtpHead, cfg, dev, dtype, seed)
+    from specfire.model.loader import build_head
+    return _randomised(build_head, cfg, dev, dtype, seed)
 
 
-def _randomised(cls, cfg, dev, dtype, seed):
+def _randomised(build, cfg, dev, dtype, seed):
+    """build(cfg, the layers of `dev`) on the meta device, then filled on `dev` (the layers follow
+    `dev`, not the meta device the module is built on: a CPU table on a GPU failed its first norm)."""
+    from specfire.model.loader import one_device
+    target = one_device(torch.device(dev))
     with torch.device("meta"):
-        m = cls(cfg)
+        m = build(cfg, target)
     m = m.to(dtype).to_empty(device=dev)
     g = torch.Generator(device=dev).manual_seed(seed)
     with torch.no_grad():
