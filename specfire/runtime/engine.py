@@ -189,17 +189,7 @@ class Engine:
         return RouteController(policy.k, () if route == "ar" else (route,), self.costs, fixed=fixed)
 
     def check_prompt(self, ids: list[int]) -> None:
-        vocab = self.trunk.cfg.vocab_size
-        if len(ids) == 0:
-            raise ValueError("prompt is empty: give at least one token")
-        for i in ids:
-            if not isinstance(i, int) or isinstance(i, bool):
-                raise ValueError(f"prompt token id {i!r} is not an integer")
-            if not 0 <= i < vocab:
-                raise ValueError(f"prompt token id {i!r} is out of range [0, {vocab})")
-        if len(ids) >= self.trunk.max_seq:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_seq_len is {self.trunk.max_seq} "
-                             f"(room for at least one generated token is needed)")
+        check_prompt_ids(ids, self.trunk.cfg.vocab_size, self.trunk.max_seq)
 
     def check_sampling(self, sp: SamplingParams) -> None:
         """Refuse what SamplingParams cannot check alone: stop token ids outside the vocabulary."""
@@ -440,3 +430,17 @@ class Engine:
         logits = self.trunk.score(prompt)[:-1]                                  # [T-1, V]
         rows = token_logprobs(logits, prompt[1:], SamplingParams(logprobs=top)).tolist()
         return [None] + [TokenLogprobs.from_row(t, r) for t, r in zip(ids[1:], rows)]
+
+
+def check_prompt_ids(ids: list[int], vocab: int, max_seq: int) -> None:
+    """Refuse a prompt the engine cannot take: empty, a non-integer or out-of-vocabulary id, no room left."""
+    if len(ids) == 0:
+        raise ValueError("prompt is empty: give at least one token")
+    for i in ids:
+        if not isinstance(i, int) or isinstance(i, bool):
+            raise ValueError(f"prompt token id {i!r} is not an integer")
+        if not 0 <= i < vocab:
+            raise ValueError(f"prompt token id {i!r} is out of range [0, {vocab})")
+    if len(ids) >= max_seq:
+        raise ValueError(f"prompt has {len(ids)} tokens; max_seq_len is {max_seq} "
+                         f"(room for at least one generated token is needed)")
