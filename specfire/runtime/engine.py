@@ -15,6 +15,7 @@ from .constraint import Constraint
 from .drafters import BY_NAME, KINDS, Drafter, MtpDrafter, drafting_routes
 from .output import OutputBuilder, TokenLogprobs
 from .prefix import Fork, PrefixCache, restore
+from .prompts import check_prompt_ids
 from .reads import RoundReads
 from .route import Acceptance, Controller, CostTable, Decision, RoundView, RouteController, RoutePlan, select_route
 from .sampling import penalize, pick, token_logprobs
@@ -430,17 +431,3 @@ class Engine:
         logits = self.trunk.score(prompt)[:-1]                                  # [T-1, V]
         rows = token_logprobs(logits, prompt[1:], SamplingParams(logprobs=top)).tolist()
         return [None] + [TokenLogprobs.from_row(t, r) for t, r in zip(ids[1:], rows)]
-
-
-def check_prompt_ids(ids: list[int], vocab: int, max_seq: int) -> None:
-    """Refuse a prompt the engine cannot take: empty, a non-integer or out-of-vocabulary id, no room left."""
-    if len(ids) == 0:
-        raise ValueError("prompt is empty: give at least one token")
-    for i in ids:
-        if not isinstance(i, int) or isinstance(i, bool):
-            raise ValueError(f"prompt token id {i!r} is not an integer")
-        if not 0 <= i < vocab:
-            raise ValueError(f"prompt token id {i!r} is out of range [0, {vocab})")
-    if len(ids) >= max_seq:
-        raise ValueError(f"prompt has {len(ids)} tokens; max_seq_len is {max_seq} "
-                         f"(room for at least one generated token is needed)")

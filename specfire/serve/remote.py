@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import errors
-from ..api import LLM, Prompts
-from ..runtime.engine import check_prompt_ids
+from ..api import LLM
+from ..runtime.prompts import Prompts, check_prompt_ids
 from ..tokenizer import Tokenizer
 
 if TYPE_CHECKING:
