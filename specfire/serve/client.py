@@ -37,7 +37,8 @@ class EngineDied(RuntimeError):
 
 
 class RemoteCancel(threading.Event):
-    """A job's cancel flag that, set, tells the engine process (once)."""
+    """A job's cancel flag that, set, tells the engine process (once, and only while the request
+    has not ended: a relay sets every flag when its response is over)."""
 
     def __init__(self, client: "EngineClient", rid: int):
         super().__init__()
@@ -46,7 +47,8 @@ class RemoteCancel(threading.Event):
     def set(self) -> None:
         if not self.is_set():
             super().set()
-            self.client._send(("cancel", self.rid))
+            if self.rid in self.client.jobs:
+                self.client._send(("cancel", self.rid))
 
 
 class EngineClient:
