@@ -183,3 +183,34 @@ def test_engine_death_fails_in_flight_requests(tinytok_ckpt, tmp_path):
         assert wait_gone([pid], 5)
     finally:
         stop(proc)
+
+
+def test_errors_cross_as_the_same_error():
+    from specfire.errors import CheckpointError, GrammarError, PromptError
+    from specfire.serve.remote import rebuilt, wire_error
+
+    g = rebuilt(*wire_error(GrammarError("bad schema", "response_format")))
+    assert type(g) is GrammarError and g.param == "response_format" and str(g) == "bad schema"
+    p = rebuilt(*wire_error(PromptError("too long", too_long=True)))
+    assert type(p) is PromptError and p.too_long
+    assert type(rebuilt(*wire_error(CheckpointError("no config")))) is CheckpointError
+    assert type(rebuilt(*wire_error(ValueError("v")))) is ValueError
+    other = rebuilt(*wire_error(ZeroDivisionError("z")))     # no specfire error of that name: a 500 naming it
+    assert type(other).__name__ == "ZeroDivisionError" and isinstance(other, RuntimeError)
+
+
+def test_load_error_is_the_servers_one_line(tmp_path):
+    """A checkpoint the engine process cannot load: the server exits with its one-line error."""
+    import subprocess
+    import sys
+
+    from repo import REPO
+    from serving import free_port
+
+    (tmp_path / "empty").mkdir()
+    env = {**os.environ, "PYTHONPATH": REPO}
+    got = subprocess.run([sys.executable, "-m", "specfire.cli", "serve", str(tmp_path / "empty"), "--port",
+                          str(free_port())], capture_output=True, text=True, env=env, timeout=120)
+    lines = [x for x in got.stderr.splitlines() if x.strip()]
+    assert got.returncode == 2 and lines[-1].startswith("specfire: error: ") and "Traceback" not in got.stderr
+    assert "config.json" in lines[-1]
