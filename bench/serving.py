@@ -3,6 +3,7 @@
     python -m bench.serving --model DIR --concurrency 1,4,16 --prompt-len 512,4096 --output-len 256
     python -m bench.serving --shape 27B --tied --serve-args "--spec mtp"    # random weights, all drafts accepted
     python -m bench.serving --url http://127.0.0.1:8000 --vocab 248320 ...   # a server already running
+    python -m bench.serving --concurrency 1,4,8 --prompt-len 512 --spec mtp --in-process  # HTTP vs in process
     python -m bench.serving --smoke          # CPU: the bundled model, 2 levels, a few tokens
 
 Without --url it starts `specfire serve MODEL` (the bundled model when no --model; --shape writes
@@ -16,8 +17,13 @@ output token, per-request decode tok/s (first to last chunk) p50 / min, the serv
 decode tok/s, chunks per request, the CPU time per output token of its event-loop (main) thread and
 of its engine (busiest other) thread from /proc (a server it started), and its peak
 memory (GPU memory of its process from nvidia-smi, else its resident set). The server runs the
-requests it holds in shared steps (one packed forward a round); against bench/batch.py's in-process
-rate the figures show what HTTP costs. A table, then one JSON line last.
+requests it holds in shared steps (one packed forward a round), its engine in a process of its own
+(serve/engine.py: its busiest thread is the engine's); against bench/batch.py's in-process rate the
+figures show what HTTP costs. Every request sends neutral penalties (repetition 1, frequency and
+presence 0), so a model's generation_config.json penalties do not make it other work than
+bench/batch.py's; `--in-process` runs bench/batch.py after the server has stopped, on the same
+model, route, lengths and concurrencies, and prints its tok/s beside each level's. A table, then
+one JSON line last.
 """
 from __future__ import annotations
 
@@ -38,6 +44,11 @@ import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
 from bench.common import machine, model_config, random_prompt, scratch_dir, write_checkpoint, write_tokenizer
+
+
+# sent with every request: a model's generation_config.json penalties (the bundled model's
+# repetition 1.05, frequency 0.7) would otherwise apply, which bench/batch.py's requests do not have
+NEUTRAL = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
 
 
 def percentile(xs: list[float], p: float) -> float | None:
@@ -62,7 +73,7 @@ class Client:
     def complete(self, ids: list[int], tokens: int, spec: dict | None) -> dict:
         """One streaming completion; the client-side clock of each chunk, and the server's usage."""
         body = {"prompt": ids, "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
+                "stream_options": {"include_usage": True}, **NEUTRAL}
         if self.model:
             body["model"] = self.model
         if spec:
@@ -103,8 +114,9 @@ class Client:
 
 
 class Memory:
-    """Peak memory of the server while a level runs, sampled every 0.25 s: its process's GPU memory
-    (nvidia-smi), else its resident set (/proc); with no process (--url), the GPUs' used memory."""
+    """Peak memory of the server while a level runs, sampled every 0.25 s: the GPU memory of its
+    processes (the server's and its engine process's, nvidia-smi), else their resident sets (/proc);
+    with no process (--url), the GPUs' used memory."""
 
     def __init__(self, pid: int | None):
         self.pid, self.peak, self._stop = pid, None, threading.Event()
@@ -112,17 +124,23 @@ class Memory:
 
     def sample(self) -> float | None:
         try:
+            procs = set(processes(self.pid))        # the server and its engine process
             if self.smi and self.pid:
                 out = subprocess.run([self.smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
                                      capture_output=True, text=True, timeout=5).stdout
                 mib = [float(m) for p, m in (ln.split(",") for ln in out.strip().splitlines() if "," in ln)
-                       if int(p) == self.pid]
+                       if int(p) in procs]
                 if mib:
                     return sum(mib) / 1024
             if self.pid and os.path.exists(f"/proc/{self.pid}/status"):
-                with open(f"/proc/{self.pid}/status") as f:
-                    kb = [int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")]
-                return kb[0] / 2 ** 20 if kb else None
+                kb = 0
+                for p in procs:
+                    try:
+                        with open(f"/proc/{p}/status") as f:
+                            kb += sum(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:"))
+                    except OSError:
+                        pass
+                return kb / 2 ** 20 if kb else None
             if self.smi:
                 out = subprocess.run([self.smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
                                      capture_output=True, text=True, timeout=5).stdout
@@ -151,26 +169,43 @@ class Memory:
         self._take()
 
 
-def thread_cpu(pid: int | None) -> dict[int, float]:
-    """CPU seconds (user + system) of each thread of process `pid`, from /proc ({} where unreadable)."""
-    out: dict[int, float] = {}
-    for tid in os.listdir(f"/proc/{pid}/task") if pid and os.path.isdir(f"/proc/{pid}/task") else []:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            out[int(tid)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, IndexError, ValueError):
-            pass
+def processes(pid: int | None) -> list[int]:
+    """The server's process and its children (the engine process, mesh workers), from /proc."""
+    if not pid:
+        return []
+    out = [pid]
+    for p in out:
+        for tid in os.listdir(f"/proc/{p}/task") if os.path.isdir(f"/proc/{p}/task") else []:
+            try:
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    out += [int(x) for x in f.read().split() if int(x) not in out]
+            except OSError:
+                pass
     return out
 
 
-def cpu_split(pid: int | None, before: dict[int, float], after: dict[int, float]) -> tuple[float, float, float] | None:
-    """The server's CPU seconds over a level: its main thread (uvicorn's event loop), its busiest
-    other thread (the engine's), and the rest."""
+def thread_cpu(pid: int | None) -> dict[tuple[int, int], float]:
+    """CPU seconds (user + system) of each thread of process `pid` and its children, keyed by
+    (process, thread), from /proc ({} where unreadable)."""
+    out: dict[tuple[int, int], float] = {}
+    for p in processes(pid):
+        for tid in os.listdir(f"/proc/{p}/task") if os.path.isdir(f"/proc/{p}/task") else []:
+            try:
+                with open(f"/proc/{p}/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                out[(p, int(tid))] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def cpu_split(pid: int | None, before: dict, after: dict) -> tuple[float, float, float] | None:
+    """The server's CPU seconds over a level: its main thread (uvicorn's event loop), the busiest
+    other thread (the engine's: in the engine process, a child of the server), and the rest."""
     if not after:
         return None
     d = {t: v - before.get(t, 0.0) for t, v in after.items()}
-    loop = d.pop(pid, 0.0)
+    loop = d.pop((pid, pid), 0.0)
     engine = max(d.values(), default=0.0)
     return loop, engine, sum(d.values()) - engine
 
@@ -233,10 +268,31 @@ def start_server(model: str | None, extra: list[str], log_path: str, timeout: fl
         time.sleep(0.5)
 
 
+def in_process(args, concs: list[int], plens: list[int]) -> dict[tuple[int, int], float]:
+    """bench/batch.py's aggregate tok/s on the same model, route, lengths and concurrencies (greedy,
+    ignore_eos, no penalties, as these requests): (concurrency, prompt length) -> tok/s. Run after the
+    server has stopped, so the device is free."""
+    if args.spec not in ("off", "mtp", "ngram"):
+        raise SystemExit("--in-process needs --spec off, mtp or ngram: bench.batch runs one route")
+    out: dict[tuple[int, int], float] = {}
+    for plen in plens:
+        cmd = [sys.executable, "-m", "bench.batch", "--concurrency", ",".join(map(str, concs)), "--prompt-len",
+               str(plen), "--output-len", str(args.output_len), "--spec", args.spec, "--spec-k", str(args.spec_k),
+               "--no-exact", *(["--model", args.model] if args.model else [])]
+        print("in process: " + shlex.join(cmd[1:]), file=sys.stderr, flush=True)
+        got = subprocess.run(cmd, capture_output=True, text=True)
+        if got.returncode != 0:
+            raise SystemExit(f"bench.batch failed:\n{got.stderr[-3000:]}")
+        for r in json.loads(got.stdout.strip().splitlines()[-1])["levels"]:
+            out[(r["c"], plen)] = r["agg_tok_s"]
+    return out
+
+
 def table(rows: list[dict]) -> None:
     print("\n| conc. | prompt | out | output tok/s | req/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
-          "decode tok/s p50 / min | server decode p50 | chunks / req | loop / engine CPU ms per tok | peak GB | failed |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "decode tok/s p50 / min | server decode p50 | chunks / req | loop / engine CPU ms per tok | peak GB | failed | "
+          "in-process tok/s (HTTP x) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     f = (lambda v, d=1: "-" if v is None else f"{v:.{d}f}")
     for r in rows:
         print(f"| {r['concurrency']} | {r['prompt_len']} | {r['output_len']} | {f(r['output_tok_s'])} | "
@@ -244,7 +300,17 @@ def table(rows: list[dict]) -> None:
               f"{f(r['itl_p50_ms'], 2)} / {f(r['itl_p99_ms'], 2)} | {f(r['decode_tok_s_p50'])} / "
               f"{f(r['decode_tok_s_min'])} | {f(r['server_decode_tok_s_p50'])} | {f(r['chunks_per_request'])} | "
               f"{f(r['loop_cpu_ms_per_tok'], 3)} / {f(r['engine_cpu_ms_per_tok'], 3)} | {f(r['peak_mem_gb'], 2)} | "
-              f"{r['failed']} |")
+              f"{r['failed']} | {f(r.get('in_process_tok_s'))} ({f(r.get('http_x_in_process'), 2)}) |")
+
+
+def stop_server(proc: subprocess.Popen | None) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def ints(s: str, flag: str) -> list[int]:
@@ -277,6 +343,10 @@ def main() -> int:
     ap.add_argument("--spec-k", type=int, default=3)
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds the started server may take to load")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for serving.json")
+    ap.add_argument("--in-process", action="store_true",
+                    help="then run bench.batch on the same model, route (--spec off, mtp or ngram), lengths and "
+                         "concurrencies, and print its in-process tok/s beside each level's (model flags in "
+                         "--serve-args are not passed on)")
     ap.add_argument("--smoke", action="store_true", help="CPU: the bundled model, tiny levels")
     args = ap.parse_args()
     serve_args = shlex.split(args.serve_args)
@@ -317,14 +387,15 @@ def main() -> int:
             for plen in plens:
                 rows.append(level(client, conc, plen, args, spec, proc.pid if proc else None))
                 print(json.dumps({"stage": "level", **rows[-1]}), flush=True)
+        stop_server(proc)
+        if args.in_process:
+            rates = in_process(args, concs, plens)
+            for r in rows:
+                r["in_process_tok_s"] = rates.get((r["concurrency"], r["prompt_len"]))
+                r["http_x_in_process"] = (round(r["output_tok_s"] / r["in_process_tok_s"], 3)
+                                          if r["in_process_tok_s"] else None)
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_server(proc)
         shutil.rmtree(work, ignore_errors=True)
     table(rows)
     model = f"random {args.shape}{' tied' if args.tied else ''}" if args.shape else args.model or "bundled"

@@ -1,7 +1,6 @@
 """The public Python API: LLM, SamplingParams, SpecPolicy, GenerationResult."""
 from __future__ import annotations
 
-import functools
 import os
 import sys
 from typing import Any, Iterator, Sequence
@@ -9,13 +8,14 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .config import GenerationDefaults, ModelConfig, check_generation_config
-from .errors import CheckpointError, PromptError, SpecfireError
+from .errors import CheckpointError, SpecfireError
 from .kernels.attention import Q8_KV
 from .params import DTYPE_NAMES, SamplingParams, SpecPolicy, check_draft_vocab, check_max_num_seqs, parse_bytes
 from .report import RequestFigures
 from .runtime.build import EngineOptions, TrunkFactory, build_engine, local_trunk
 from .runtime.engine import GenerationResult, StreamChunk
 from .runtime.prefix import PrefixCache
+from .runtime.prompts import Prompts
 from .runtime.route import RoutePlan
 from .runtime.scheduler import Request, Scheduler, follow, run_all
 from .runtime.slots import SlotPool, default_max_num_seqs, state_bytes
@@ -85,7 +85,7 @@ def _per_prompt(value: Any, n: int, name: str, many: bool) -> list[Any]:
     return [value] * n
 
 
-class LLM:
+class LLM(Prompts):
     """A loaded model ready to generate. Use as a context manager or call close(). On a CPU it sets
     the process's intra-op threads to `threads`, else to default_threads()'s choice.
 
@@ -215,19 +215,6 @@ class LLM:
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return SamplingParams(**kw)
 
-    def _ids(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise SpecfireError(f"{self.path} has no tokenizer.json; pass token ids instead of text")
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, ChatIds):           # a chat's ids keep their turn ends (Request takes them)
-            return ChatIds(prompt, prompt.ends)
-        if isinstance(prompt, torch.Tensor):
-            prompt = prompt.tolist()
-        if not isinstance(prompt, (list, tuple)):
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        return list(prompt)
-
     def _request(self, prompt: str | Sequence[int], params: SamplingParams | None,
                  spec: SpecPolicy | dict | str | None, on_cycle: OnCycle | None,
                  plan: RoutePlan | None) -> Request:
@@ -336,32 +323,6 @@ class LLM:
         plan = self.plan_route(params, spec)
         return plan.route, plan.reason
 
-    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of `prompt`, checked as generate() checks them (Engine.check_prompt); a bad
-        prompt raises PromptError (`too_long` when it leaves no room to generate)."""
-        self._check_open()
-        if isinstance(prompt, str):
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise PromptError(f"prompt has a lone surrogate {prompt[e.start]!r} at character {e.start}; "
-                                  f"text must be valid Unicode") from None
-            limit = 4 * self._max_token_chars * self.max_model_len
-            if self.tokenizer is not None and len(prompt) > limit:
-                # a token stands for at most _max_token_chars characters (x4 for what Unicode
-                # normalization may compose), so this is too long without tokenizing it
-                raise PromptError(f"prompt has {len(prompt)} characters, more than {limit} could fit in "
-                                  f"max_seq_len {self.max_model_len} tokens", too_long=True)
-        try:
-            ids = self._ids(prompt)
-        except (ValueError, TypeError) as e:
-            raise PromptError(str(e)) from None
-        try:
-            self.engine.check_prompt(ids)
-        except ValueError as e:
-            raise PromptError(str(e), too_long=len(ids) >= self.max_model_len) from None
-        return ids
-
     def enable_prefix_cache(self, max_bytes: int, piece: int | None = None) -> None:
         """Keep snapshots of recent prompts (at most `max_bytes`; 0 turns reuse off) so that a prompt
         starting with one (a chat's next turn) prefills only the rest; greedy output stays that of
@@ -383,11 +344,8 @@ class LLM:
                 eng.trunk.piece = piece
         self.engine.prefix = PrefixCache(trunk, max_bytes)
 
-    @functools.cached_property
-    def _max_token_chars(self) -> int:
-        """The most characters of text one token can stand for (its longest vocabulary entry)."""
-        assert self.tokenizer is not None
-        return max(1, max(map(len, self.tokenizer.tok.get_vocab(with_added_tokens=True))))
+    def _check_ids(self, ids: list[int]) -> None:
+        self.engine.check_prompt(ids)
 
     @staticmethod
     def figures(result: GenerationResult, params: SamplingParams) -> RequestFigures:

@@ -15,6 +15,7 @@ from .constraint import Constraint
 from .drafters import BY_NAME, KINDS, Drafter, MtpDrafter, drafting_routes
 from .output import OutputBuilder, TokenLogprobs
 from .prefix import Fork, PrefixCache, restore
+from .prompts import check_prompt_ids
 from .reads import RoundReads
 from .route import Acceptance, Controller, CostTable, Decision, RoundView, RouteController, RoutePlan, select_route
 from .sampling import penalize, pick, token_logprobs
@@ -189,17 +190,7 @@ class Engine:
         return RouteController(policy.k, () if route == "ar" else (route,), self.costs, fixed=fixed)
 
     def check_prompt(self, ids: list[int]) -> None:
-        vocab = self.trunk.cfg.vocab_size
-        if len(ids) == 0:
-            raise ValueError("prompt is empty: give at least one token")
-        for i in ids:
-            if not isinstance(i, int) or isinstance(i, bool):
-                raise ValueError(f"prompt token id {i!r} is not an integer")
-            if not 0 <= i < vocab:
-                raise ValueError(f"prompt token id {i!r} is out of range [0, {vocab})")
-        if len(ids) >= self.trunk.max_seq:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_seq_len is {self.trunk.max_seq} "
-                             f"(room for at least one generated token is needed)")
+        check_prompt_ids(ids, self.trunk.cfg.vocab_size, self.trunk.max_seq)
 
     def check_sampling(self, sp: SamplingParams) -> None:
         """Refuse what SamplingParams cannot check alone: stop token ids outside the vocabulary."""

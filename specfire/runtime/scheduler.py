@@ -87,6 +87,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.driving = False                # a thread is running a round
         self.closed = False
+        # called on the driving thread after every round (its events all sent): the engine process
+        # batches a round's events into one message to the server (serve/engine.py)
+        self.after_round: Callable[[], None] | None = None
         self.forwards = 0                   # verify forwards run, the verifies they held, the most in one
         self.verifies = 0
         self.widest = 0
@@ -152,7 +155,11 @@ class Scheduler:
             else:
                 self.round()
         finally:
-            self.cond.acquire()
+            try:
+                if self.after_round is not None:
+                    self.after_round()
+            finally:
+                self.cond.acquire()
             self.driving = False
             self.cond.notify_all()
 

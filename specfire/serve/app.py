@@ -23,15 +23,17 @@ from .worker import EngineWorker
 
 if TYPE_CHECKING:
     from ..api import LLM
+    from .client import EngineClient
+    from .remote import RemoteModel
 
 log = logging.getLogger("specfire")
 
 
-def build_app(llm: "LLM", model_name: str, api_key: str | None = None, close_llm: bool = False,
+def build_app(llm: "LLM | RemoteModel", model_name: str, api_key: str | None = None, close_llm: bool = False,
               max_request_bytes: int = MAX_REQUEST_BYTES,
               sampling_defaults: dict[str, Any] | None = None, access: Access | None = None,
               body_timeout: float = BODY_TIMEOUT_S, chat: ChatOptions | None = None,
-              stream_interval: float | None = None) -> FastAPI:
+              stream_interval: float | None = None, engine: "EngineClient | None" = None) -> FastAPI:
     """The app serving `llm` as `model_name`. Its lifespan starts the engine worker and, on
     shutdown, cancels running work and (with close_llm) frees the model. `sampling_defaults`:
     sampling fields (the penalties from `specfire serve`'s flags) for requests that leave them
@@ -39,7 +41,9 @@ def build_app(llm: "LLM", model_name: str, api_key: str | None = None, close_llm
     generation_config.json), which override the built-in ones. `access`: the allowed origins and
     hosts (default: no foreign Origin, any Host). An empty `api_key` means none. `stream_interval`:
     the least seconds between two hand-overs of engine events to the loop (inbox.py; default the
-    interpreter's switch interval); a stream's chunk carries every token since its last."""
+    interpreter's switch interval); a stream's chunk carries every token since its last. `engine`:
+    the engine process that loaded the model (then `llm` is its client.model); none: the engine
+    runs in a thread of this process over `llm`."""
     if max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
     api_key = check_api_key(api_key)
@@ -55,7 +59,7 @@ def build_app(llm: "LLM", model_name: str, api_key: str | None = None, close_llm
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         st.inbox = Inbox(asyncio.get_running_loop(), stream_interval)
-        st.worker = EngineWorker(llm, st.metrics)
+        st.worker = engine.attach(st.metrics) if engine is not None else EngineWorker(llm, st.metrics)
         try:
             yield
         finally:

@@ -26,6 +26,7 @@ from .chat_options import options_from as chat_options
 
 if TYPE_CHECKING:
     from ..api import LLM
+    from .remote import RemoteModel
 
 __all__ = ["add_arguments", "main", "bind", "default_model_name"]
 
@@ -172,15 +173,16 @@ def main(args: argparse.Namespace) -> int:
         import uvicorn
 
         from .app import build_app
+        from .client import EngineClient
 
-        llm = load(args)
+        engine = EngineClient.start(args)    # the model loads in the engine process (serve/engine.py)
     except BaseException:
         sock.close()
         raise
+    llm = engine.model
     name = args.served_model_name or default_model_name(llm)
-    app = build_app(llm, name, key, close_llm=True, max_request_bytes=args.max_request_bytes,
-                    sampling_defaults=defaults, access=access, body_timeout=body_timeout,
-                    chat=chat_options(args))
+    app = build_app(llm, name, key, max_request_bytes=args.max_request_bytes, sampling_defaults=defaults,
+                    access=access, body_timeout=body_timeout, chat=chat_options(args), engine=engine)
     st = app.state.serve
     protocol = guarded_protocol(max_connections, header_timeout, budget.refusing, st.metrics)
     config = uvicorn.Config(app, http=protocol, ws="none", backlog=budget.accept_burst,
@@ -260,5 +262,5 @@ def exit_now(rc: int) -> NoReturn:
     os._exit(rc)
 
 
-def default_model_name(llm: "LLM") -> str:
+def default_model_name(llm: "LLM | RemoteModel") -> str:
     return os.path.basename(os.path.normpath(llm.path)) or "specfire"

@@ -1,7 +1,8 @@
 """Engine events into the event loop with one wake-up for everything posted since the loop last
-looked, not one per event, and about one per `interval` at most: the engine thread and the loop
-share the GIL, so every wake-up and every write the loop makes is time taken from the engine; paced,
-the loop's work follows the clock, not the tokens, whatever the engine's rate and concurrency."""
+looked, not one per event, and about one per `interval` at most: the posting thread (the engine
+thread in-thread, the engine process's reader in `specfire serve`) and the loop share the GIL, so
+every wake-up and every write the loop makes is time taken from that thread; paced, the loop's
+work follows the clock, not the tokens, whatever the engine's rate and concurrency."""
 from __future__ import annotations
 
 import asyncio

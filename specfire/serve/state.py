@@ -15,19 +15,21 @@ from .worker import EngineWorker
 
 if TYPE_CHECKING:
     from ..api import LLM
+    from .client import EngineClient
+    from .remote import RemoteModel
 
 @dataclass
 class ServeState:
     """Everything a handler needs; one per app, on `app.state.serve`."""
 
-    llm: "LLM"
+    llm: "LLM | RemoteModel"          # the model, or its stand-in when the engine runs in a process of its own
     model_name: str
     api_key: str | None = None
     max_request_bytes: int = MAX_REQUEST_BYTES
     body_timeout: float = BODY_TIMEOUT_S
     metrics: Metrics = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
-    worker: EngineWorker | None = None
+    worker: "EngineWorker | EngineClient | None" = None
     inbox: Inbox | None = None           # engine events into the event loop (both set by the app's lifespan)
     # what a request leaves out: the serve flags over the model's generation_config.json values
     sampling_defaults: dict[str, Any] = field(default_factory=dict)

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("specfire")
 
 # event kinds passed to Job.on_event(kind, payload)
-CHUNK, DONE, ERROR, CANCELLED = sch.CHUNK, sch.DONE, sch.ERROR, sch.CANCELLED
+STARTED, CHUNK, DONE, ERROR, CANCELLED = sch.STARTED, sch.CHUNK, sch.DONE, sch.ERROR, sch.CANCELLED
 
 
 @dataclass
@@ -54,6 +54,9 @@ class Job:
 
 
 class EngineWorker:
+    """The engine in a thread of this process, over an LLM object (the Python API, tests); the
+    CLI server runs it in a process of its own instead (client.EngineClient, the same interface)."""
+
     def __init__(self, llm: "LLM", metrics: Metrics | None = None):
         self.llm = llm
         self.metrics = metrics
@@ -65,13 +68,18 @@ class EngineWorker:
     def submit(self, job: Job) -> Job:
         if self.metrics:
             self.metrics.queued()
-        self.sched.submit(sch.Request(job.ids, job.params, job.spec, self._listener(job), plan=job.plan,
-                                      cancel=job.cancel, arrived=job.arrived, fork=job.fork))
+        on_event = listener(job, self.metrics, self._kv_share, self.llm.figures)
+        self.sched.submit(sch.Request(job.ids, job.params, job.spec, on_event, plan=job.plan, cancel=job.cancel,
+                                      arrived=job.arrived, fork=job.fork))
         return job
 
     @property
     def alive(self) -> bool:
         return self.thread.is_alive()
+
+    def _kv_share(self) -> float:
+        pool = self.sched.pool
+        return pool.busy / pool.limit
 
     def cancel_all(self) -> None:
         """Cancel the running requests and every queued one (they end with a CANCELLED event)."""
@@ -93,45 +101,46 @@ class EngineWorker:
             except Exception:  # the server must outlive any one round
                 log.exception("scheduler round failed")
 
-    def _listener(self, job: Job) -> Callable[[str, Any], None]:
-        """The scheduler's events of `job` -> metrics and the job's own events."""
-        m = self.metrics
-        last_t: list[float | None] = [None]
 
-        def on_event(kind: str, payload: Any) -> None:
-            now = time.perf_counter()
-            if m and kind != CHUNK:
-                pool = self.sched.pool
-                m.slots_used(pool.busy / pool.limit)
-            if kind == sch.STARTED:
-                job.started = True
-                if m:
-                    m.started()
-                return
-            if kind == CHUNK or kind == DONE:
-                n = n_gap = len(payload.token_ids)
-                if job.ttft_s is None and n:
-                    job.ttft_s = now - job.arrived
-                    if m:
-                        m.first_token(job.ttft_s)
-                    n_gap = 0
-                if m and last_t[0] is not None and n_gap > 0:
-                    m.tokens_arrived(now - last_t[0], n_gap)
-                last_t[0] = now
-            if kind == CHUNK:
-                job.on_event(CHUNK, payload)
-            elif kind == DONE:
-                fig = self.llm.figures(payload.result, job.params)
-                if m:
-                    m.finished(payload.result.finish_reason, now - job.arrived, fig)
-                job.on_event(DONE, Finished(payload.text, payload.result, fig, job.ttft_s or 0.0))
-            elif kind == ERROR:
-                if m:
-                    m.finished("error", now - job.arrived, None, started=job.started)
-                job.on_event(ERROR, payload)
-            elif kind == CANCELLED:
-                if m:
-                    m.finished("abort", now - job.arrived, None, started=job.started)
-                job.on_event(CANCELLED, None)
+def listener(job: Job, m: Metrics | None, kv_share: Callable[[], float],
+             figures: Callable[["GenerationResult", SamplingParams], RequestFigures]) -> Callable[[str, Any], None]:
+    """The scheduler's events of `job` -> metrics and the job's own events (on the thread that
+    delivers them: the engine thread, or the engine process's reader)."""
+    last_t: list[float | None] = [None]
 
-        return on_event
+    def on_event(kind: str, payload: Any) -> None:
+        now = time.perf_counter()
+        if m and kind != CHUNK:
+            m.slots_used(kv_share())
+        if kind == sch.STARTED:
+            job.started = True
+            if m:
+                m.started()
+            return
+        if kind == CHUNK or kind == DONE:
+            n = n_gap = len(payload.token_ids)
+            if job.ttft_s is None and n:
+                job.ttft_s = now - job.arrived
+                if m:
+                    m.first_token(job.ttft_s)
+                n_gap = 0
+            if m and last_t[0] is not None and n_gap > 0:
+                m.tokens_arrived(now - last_t[0], n_gap)
+            last_t[0] = now
+        if kind == CHUNK:
+            job.on_event(CHUNK, payload)
+        elif kind == DONE:
+            fig = figures(payload.result, job.params)
+            if m:
+                m.finished(payload.result.finish_reason, now - job.arrived, fig)
+            job.on_event(DONE, Finished(payload.text, payload.result, fig, job.ttft_s or 0.0))
+        elif kind == ERROR:
+            if m:
+                m.finished("error", now - job.arrived, None, started=job.started)
+            job.on_event(ERROR, payload)
+        elif kind == CANCELLED:
+            if m:
+                m.finished("abort", now - job.arrived, None, started=job.started)
+            job.on_event(CANCELLED, None)
+
+    return on_event

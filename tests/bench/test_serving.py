@@ -7,7 +7,8 @@ from bench import serving
 
 
 def test_serving_smoke_reports_each_level(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(sys, "argv", ["serving", "--smoke", "--out", str(tmp_path)])
+    """--in-process: bench.batch's rate on the same levels beside the HTTP one."""
+    monkeypatch.setattr(sys, "argv", ["serving", "--smoke", "--spec", "off", "--in-process", "--out", str(tmp_path)])
     assert serving.main() == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["bench"] == "serving" and [r["concurrency"] for r in last["levels"]] == [1, 2]
@@ -18,6 +19,8 @@ def test_serving_smoke_reports_each_level(monkeypatch, capsys, tmp_path):
         # ignore_eos: each request generated exactly --output-len tokens
         assert r["output_tokens"] == 2 * r["output_len"]
         assert r["peak_mem_gb"] and r["peak_mem_gb"] > 0.01        # the server's resident set
+        assert r["in_process_tok_s"] > 0 and r["http_x_in_process"] > 0
+        assert r["engine_cpu_ms_per_tok"] > 0                     # the engine process's busiest thread
     assert json.loads((tmp_path / "serving.json").read_text())["levels"] == last["levels"]
 
 
