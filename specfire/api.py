@@ -162,7 +162,9 @@ class LLM(Prompts):
         opts = EngineOptions(path=self.path, cfg=self.cfg, tp=tp, device=self.device, dtype=self.dtype,
                              kv_dtype=kvd, max_seq_len=self.max_seq_len, spec=self.spec, mtp_path=mtp_path,
                              cuda_graphs=cuda_graphs, ngram=self.ngram, progress=progress,
-                             draft_vocab=self.draft_vocab, tp_invariant=tp_invariant)
+                             draft_vocab=self.draft_vocab, tp_invariant=tp_invariant,
+                             max_num_seqs=max_num_seqs or default_max_num_seqs(self.device),
+                             kv_cache_memory_bytes=kv_budget)
         self.engine = build_engine(opts, self.tokenizer, eos, trunk_factory(tp))
         self.cfg = self.engine.trunk.cfg      # the checkpoint decides whether lm_head is tied
         try:
@@ -170,9 +172,10 @@ class LLM(Prompts):
             if tp > 1:                        # a slot costs each rank its shard (rank 0: and the MTP head's KV)
                 from .parallel import ShardPlan
                 share = ShardPlan(self.cfg, tp, 0)
-            self.slots = SlotPool(self.engine, max_num_seqs or default_max_num_seqs(self.device),
-                                  state_bytes(self.cfg, self.max_seq_len, kvd, self.engine.mtp_loaded, share),
-                                  kv_budget)
+            pooled = self.engine.trunk.kv_pool is not None     # then the budget sized the pool
+            self.slots = SlotPool(self.engine, opts.max_num_seqs,
+                                  state_bytes(self.cfg, self.max_seq_len, kvd, self.engine.mtp_loaded, share,
+                                              kv=not pooled), kv_budget)
         except BaseException:
             self.engine.trunk.close()
             raise

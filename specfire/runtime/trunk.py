@@ -101,8 +101,10 @@ class Trunk(Protocol):
     draft_sharded: bool           # greedy draft picks are the trunk's own (`draft_pick`, every rank of a mesh)
     packing: object | None        # trunks with one key verify together (`verify_packed`); None: alone
     state: SequenceState | None   # the sequence's state in this process (a prefix.Fork copies it); None: on a mesh's ranks
+    kv_pool: KvPool | None        # the KV pool the views share (model/kvpool.py); None: each state holds max_seq
 
     def begin(self) -> None: ...                                   # new sequence: reset state
+    def end(self) -> None: ...                                     # the sequence ended: its KV blocks back to the pool
     # logits "last" | "all"; hidden of all; forwards end at `ends` too (prefill_cuts); _steps yields between them
     def prefill(self, ids: torch.Tensor, logits: str = "last", ends: tuple[int, ...] = ()) -> Rows: ...
     def prefill_steps(self, ids: torch.Tensor, logits: str = "last",

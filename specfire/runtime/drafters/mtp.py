@@ -60,7 +60,7 @@ class MtpDrafter:
         """The head's KV: in the trunk's KV pool, over the trunk sequence's own block table, where
         the pool holds the head's layers after the trunk's (model/kvpool.py); the trunk then grows
         MAX_SPEC_K + 1 positions past its rows, what the head's catch-up and chain reach past them."""
-        pool = getattr(trunk, "kv_pool", None)
+        pool = trunk.kv_pool
         st = trunk.state
         n_trunk = sum(lc.rec is None for lc in st.layers) if st is not None else 0
         if pool is None or st is None or len(pool.k) != n_trunk + len(head.kv_heads()):
