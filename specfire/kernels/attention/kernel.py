@@ -14,6 +14,8 @@ from .. import pdl
 from ..pdl import wait as pdl_wait
 from .paged import BLOCK as PAGE
 
+PAGE_TL = tl.constexpr(PAGE)     # (a compiled kernel reads only constexpr globals)
+
 if TYPE_CHECKING:
     from .multi import Launch
 
@@ -79,9 +81,9 @@ def _page_rows(blk_ptr, n0, offs_n, hi, PAGED: tl.constexpr):
     """Cache rows of the keys offs_n of the tile starting at n0 (inside one block: tiles divide the
     block): the pool rows of the block the sequence's table names, or the positions themselves."""
     if PAGED:
-        j = n0 // PAGE
+        j = n0 // PAGE_TL
         b = tl.load(blk_ptr + j, mask=n0 < hi, other=0).to(tl.int64)
-        return b * PAGE + (offs_n - j * PAGE)
+        return b * PAGE_TL + (offs_n - j * PAGE_TL)
     return offs_n
 
 
@@ -89,7 +91,7 @@ def _page_rows(blk_ptr, n0, offs_n, hi, PAGED: tl.constexpr):
 def _page_row(blk_ptr, p, PAGED: tl.constexpr):
     """Cache row of position p (int64)."""
     if PAGED:
-        return tl.load(blk_ptr + p // PAGE).to(tl.int64) * PAGE + p % PAGE
+        return tl.load(blk_ptr + p // PAGE_TL).to(tl.int64) * PAGE_TL + p % PAGE_TL
     return p
 
 
