@@ -80,19 +80,21 @@ def _table_ptr(tab_ptr, s, j, like, ALIGN: tl.constexpr):
 def _page_rows(blk_ptr, n0, offs_n, hi, PAGED: tl.constexpr):
     """Cache rows of the keys offs_n of the tile starting at n0 (inside one block: tiles divide the
     block): the pool rows of the block the sequence's table names, or the positions themselves."""
+    rows = offs_n
     if PAGED:
         j = n0 // PAGE_TL
         b = tl.load(blk_ptr + j, mask=n0 < hi, other=0).to(tl.int64)
-        return b * PAGE_TL + (offs_n - j * PAGE_TL)
-    return offs_n
+        rows = b * PAGE_TL + (offs_n - j * PAGE_TL)
+    return rows
 
 
 @triton.jit
 def _page_row(blk_ptr, p, PAGED: tl.constexpr):
     """Cache row of position p (int64)."""
+    row = p
     if PAGED:
-        return tl.load(blk_ptr + p // PAGE_TL).to(tl.int64) * PAGE_TL + p % PAGE_TL
-    return p
+        row = tl.load(blk_ptr + p // PAGE_TL).to(tl.int64) * PAGE_TL + p % PAGE_TL
+    return row
 
 
 @triton.jit
