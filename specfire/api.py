@@ -90,10 +90,12 @@ class LLM(Prompts):
     the process's intra-op threads to `threads`, else to default_threads()'s choice.
 
     Requests run concurrently, each in its own slot (runtime/slots.py, runtime/scheduler.py):
-    `max_num_seqs` at most (default 8 on a GPU, 4 on a CPU), and as many as `kv_cache_memory_bytes`
-    holds (each slot reserves max_seq_len positions of state; on a tensor-parallel mesh the budget
-    is per rank, each holding its shard of every slot's state; default on a GPU: what leaves 10% of
-    the device free); more wait in arrival order.
+    `max_num_seqs` at most (default 8 on a GPU, 4 on a CPU), and as many as the KV pool can promise
+    blocks to: `kv_cache_memory_bytes` sizes the pool of 64-position blocks (model/kvpool.py; default
+    max_num_seqs whole sequences, on a GPU no more than leaves 10% of the device free), a request is
+    promised what its prompt, max_tokens and drafts may reach and takes the blocks as it grows; on a
+    tensor-parallel mesh the budget is per rank and each slot holds max_seq_len positions of its
+    shard. More wait in arrival order.
 
     `tp_invariant=True`: the same bits at every tp degree, one device included (the canonical math,
     docs/TENSOR_PARALLEL.md; on one device it costs some decode speed). A mesh's trunk computes
