@@ -90,10 +90,12 @@ class LLM(Prompts):
     the process's intra-op threads to `threads`, else to default_threads()'s choice.
 
     Requests run concurrently, each in its own slot (runtime/slots.py, runtime/scheduler.py):
-    `max_num_seqs` at most (default 8 on a GPU, 4 on a CPU), and as many as `kv_cache_memory_bytes`
-    holds (each slot reserves max_seq_len positions of state; on a tensor-parallel mesh the budget
-    is per rank, each holding its shard of every slot's state; default on a GPU: what leaves 10% of
-    the device free); more wait in arrival order.
+    `max_num_seqs` at most (default 8 on a GPU, 4 on a CPU), and as many as the KV pool can promise
+    blocks to: `kv_cache_memory_bytes` sizes the pool of 64-position blocks (model/kvpool.py; default
+    max_num_seqs whole sequences, on a GPU no more than leaves 10% of the device free), a request is
+    promised what its prompt, max_tokens and drafts may reach and takes the blocks as it grows; on a
+    tensor-parallel mesh the budget is per rank and each slot holds max_seq_len positions of its
+    shard. More wait in arrival order.
 
     `tp_invariant=True`: the same bits at every tp degree, one device included (the canonical math,
     docs/TENSOR_PARALLEL.md; on one device it costs some decode speed). A mesh's trunk computes
@@ -162,7 +164,9 @@ class LLM(Prompts):
         opts = EngineOptions(path=self.path, cfg=self.cfg, tp=tp, device=self.device, dtype=self.dtype,
                              kv_dtype=kvd, max_seq_len=self.max_seq_len, spec=self.spec, mtp_path=mtp_path,
                              cuda_graphs=cuda_graphs, ngram=self.ngram, progress=progress,
-                             draft_vocab=self.draft_vocab, tp_invariant=tp_invariant)
+                             draft_vocab=self.draft_vocab, tp_invariant=tp_invariant,
+                             max_num_seqs=max_num_seqs or default_max_num_seqs(self.device),
+                             kv_cache_memory_bytes=kv_budget)
         self.engine = build_engine(opts, self.tokenizer, eos, trunk_factory(tp))
         self.cfg = self.engine.trunk.cfg      # the checkpoint decides whether lm_head is tied
         try:
@@ -170,9 +174,10 @@ class LLM(Prompts):
             if tp > 1:                        # a slot costs each rank its shard (rank 0: and the MTP head's KV)
                 from .parallel import ShardPlan
                 share = ShardPlan(self.cfg, tp, 0)
-            self.slots = SlotPool(self.engine, max_num_seqs or default_max_num_seqs(self.device),
-                                  state_bytes(self.cfg, self.max_seq_len, kvd, self.engine.mtp_loaded, share),
-                                  kv_budget)
+            pooled = self.engine.trunk.kv_pool is not None     # then the budget sized the pool
+            self.slots = SlotPool(self.engine, opts.max_num_seqs,
+                                  state_bytes(self.cfg, self.max_seq_len, kvd, self.engine.mtp_loaded, share,
+                                              kv=not pooled), kv_budget)
         except BaseException:
             self.engine.trunk.close()
             raise

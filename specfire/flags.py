@@ -49,10 +49,11 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
                    help="requests that run at once, each in its own sequence slot; more wait in arrival order "
                         "(default: 8 on a GPU, 4 on a CPU)")
     p.add_argument("--kv-cache-memory-bytes", default=None, metavar="BYTES",
-                   help="memory for the slots' sequence state (each reserves --max-seq-len positions of KV "
-                        "and the recurrent state; per rank on a tensor-parallel mesh), e.g. 17179869184 or 16G; "
-                        "slots are built as requests come, "
-                        "within this and --max-num-seqs (default: on a GPU, leave 10%% of its memory free)")
+                   help="memory of the KV cache, e.g. 17179869184 or 16G: on one device a pool of 64-position "
+                        "blocks the requests take as they grow (a request waits until the pool can promise the "
+                        "blocks its prompt and max_tokens may reach); on a tensor-parallel mesh per rank, each "
+                        "slot holding --max-seq-len positions (default: --max-num-seqs whole sequences, on a GPU "
+                        "no more than leave 10%% of its memory free)")
 
 
 def check_batch_flags(args: argparse.Namespace) -> None:

@@ -147,7 +147,8 @@ def test_info(ckpt_cache, capsys):
         # per-sequence sizes agree with the state the engine really allocates
         with LLM(path, device="cpu", dtype="float32", spec="off", max_seq_len=64, progress=False) as llm:
             st = llm.engine.trunk.state.layers
-            kv = sum(lc.k.nbytes + lc.v.nbytes for lc in st if lc.k is not None)
+            pool = llm.engine.trunk.kv_pool             # (a block of 64 positions of every layer)
+            kv = sum(k.nbytes + v.nbytes for k, v in zip(pool.k, pool.v)) // pool.num_blocks
             rec = sum(lc.rec.nbytes + lc.conv.nbytes for lc in st if lc.rec is not None)
         assert d["kv_bytes_per_token"]["float32"] * 64 == kv and d["recurrent_state_bytes"] == rec
         text = specfire("info", path) if name == "mix" else None     # once through a real process

@@ -73,7 +73,7 @@ class GatedAttention(nn.Module):
         first = lcs[0]
         q = af.qk_norm_rope_write_triton(qg, k.view(t, self.n_kv, d), v.view(t, self.n_kv, d), self.q_norm.weight,
                                          self.k_norm.weight, self.q_norm.eps, cos, sin, first.k, first.v, None,
-                                         table=table, multi=pack.launch(lcs))
+                                         table=table, multi=pack.launch(lcs), blocks=first.blocks)
         return ka.attention_rows_multi(q, lcs, pack, self.scale)
 
     def core_multi_q8(self, qg, k, v, segs: Segments, lcs: list[LayerCache]) -> torch.Tensor:
@@ -111,7 +111,8 @@ class GatedAttention(nn.Module):
             from ..kernels.attention import fused as af
             q = af.qk_norm_rope_write_triton(qg, k.view(t, self.n_kv, d), v.view(t, self.n_kv, d),
                                              self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                             *cos_sin, lc.k, lc.v, pos0, table=isinstance(cos_sin, RopeTable))
+                                             *cos_sin, lc.k, lc.v, pos0, table=isinstance(cos_sin, RopeTable),
+                                             blocks=lc.blocks)
             return self.attend(q, lc, pos0, rows)
         q = apply_rope(self.q_norm(qg[..., :d], rows), *cos_sin)
         k = apply_rope(self.k_norm(k.view(t, self.n_kv, d), rows), *cos_sin)
@@ -129,8 +130,9 @@ class GatedAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, lc: LayerCache, pos0, rows: bool) -> torch.Tensor:
         if rows:
-            return ka.attention_rows(q, lc.k, lc.v, pos0, self.scale, lc.k_scale, lc.v_scale)
-        return ka.attention_prefill(q, lc.k, lc.v, pos0, self.scale, lc.k_scale, lc.v_scale, q_block=self.q_block)
+            return ka.attention_rows(q, lc.k, lc.v, pos0, self.scale, lc.k_scale, lc.v_scale, lc.blocks)
+        return ka.attention_prefill(q, lc.k, lc.v, pos0, self.scale, lc.k_scale, lc.v_scale, q_block=self.q_block,
+                                    blocks=lc.blocks)
 
 
 def rows_pack(segs: Segments, device: torch.device) -> ka.RowsPack:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import FULL
+from ..kernels.attention import gather, kv_write
 from ..kernels.gemv import fused_t, linear_one_cpu, transposed
 from ..kernels.small import rope_cos_sin
 from ..layers.rows import GRAIN, STEP
@@ -271,14 +272,14 @@ def _attn_core(p: AttnPack, qg, k, v, pos0: int, lc) -> torch.Tensor:
     c, s = rope_table(p.rot, p.theta, d, pos0 + t)
     qk = _rows(lambda a, cc, ss: (a * cc).addcmul_(a.index_select(-1, p.perm), ss), p.whole,
                qk, c[pos0:pos0 + t], s[pos0:pos0 + t])
-    lc.k[pos0:pos0 + t] = qk[:, hq:]
-    lc.v[pos0:pos0 + t] = v.reshape(t, hkv, d)
+    kv_write(lc, pos0, qk[:, hq:], v.reshape(t, hkv, d))
+    keys, vals = gather(lc.k, lc.blocks, pos0 + t), gather(lc.v, lc.blocks, pos0 + t)   # (the values the rows hold)
     o = torch.empty(t, hq, d)
     rep = hq // hkv
     for r in range(t):
         n = pos0 + r + 1
-        sc = torch.bmm(qk[r, :hq].view(hkv, rep, d), lc.k[:n].float().permute(1, 2, 0))
-        torch.bmm(torch.softmax(sc, -1), lc.v[:n].float().transpose(0, 1), out=o[r].view(hkv, rep, d))
+        sc = torch.bmm(qk[r, :hq].view(hkv, rep, d), keys[:n].float().permute(1, 2, 0))
+        torch.bmm(torch.softmax(sc, -1), vals[:n].float().transpose(0, 1), out=o[r].view(hkv, rep, d))
     return _rows(_out_gate, p.whole, o, qg[..., d:])
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import head as kh
+from ..kernels.attention import paged
 from ..layers.attention import fuses
 from .qwen35 import MtpHead, rotary
 
@@ -21,7 +22,7 @@ class FusedMtpHead(MtpHead):
         lc = state.layers[0]
         cos_sin = None
         if lc.k_scale is None and fuses(self.layers[0].self_attn, x):    # the fused q/k kernel reads the table
-            cos_sin = kh.rope_table(x.device, self.cfg.rotary_dim, self.cfg.rope_theta, lc.k.shape[0])
+            cos_sin = kh.rope_table(x.device, self.cfg.rotary_dim, self.cfg.rope_theta, paged.capacity(lc))
         if cos_sin is None:
             cos_sin = rotary(self.target, self.cfg, pos0, x.shape[0], x.device, rows)
         return self.block(x, cos_sin, pos0, state, rows)

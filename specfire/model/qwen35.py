@@ -23,6 +23,7 @@ from ..config import FULL, ModelConfig
 from ..kernels.gemv import linear_prefix
 from ..kernels.small import silu_mul
 from ..layers import Target, target_for
+from .kvpool import KvPool
 from .state import LayerCache, Segments, SequenceState  # noqa: F401  (imported from here by runtime/, parallel/, tests)
 
 
@@ -108,10 +109,15 @@ class Qwen35Trunk(nn.Module):
     def lm_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def new_state(self, max_seq: int, kv_dtype: torch.dtype) -> SequenceState:
+    def new_state(self, max_seq: int, kv_dtype: torch.dtype, pool: KvPool | None = None) -> SequenceState:
+        """A sequence's state; its KV in `pool`'s first layers when given (model/kvpool.py)."""
         s = self.target.share(self.cfg)
         return SequenceState.allocate(self.cfg, self.cfg.layer_types, max_seq, self.embed_tokens.weight.device,
-                                      kv_dtype, n_kv=s.n_kv, n_v_heads=s.n_v_heads, conv_dim=s.conv_dim)
+                                      kv_dtype, n_kv=s.n_kv, n_v_heads=s.n_v_heads, conv_dim=s.conv_dim, pool=pool)
+
+    def kv_heads(self) -> list[int]:
+        """Each attention layer's KV heads (a KV pool's layout)."""
+        return [self.target.share(self.cfg).n_kv] * sum(t == FULL for t in self.cfg.layer_types)
 
     def logits(self, h: torch.Tensor, rows: bool, vocab: int | None = None, widen: bool = True) -> torch.Tensor:
         """h [T, H] post-norm -> float32 logits [T, V]; `vocab` n: over token ids 0..n-1 only, [T, n]
@@ -168,9 +174,14 @@ class MtpHead(nn.Module):
         self.norm = target.norm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DecoderLayer(cfg, FULL, target)])
 
-    def new_state(self, max_seq: int, kv_dtype: torch.dtype) -> SequenceState:
+    def new_state(self, max_seq: int, kv_dtype: torch.dtype, pool: KvPool | None = None, layer0: int = 0,
+                  table=None) -> SequenceState:
+        """The head's KV; in `pool`'s layer layer0 over the trunk sequence's `table` when given."""
         return SequenceState.allocate(self.cfg, (FULL,), max_seq, self.fc.weight.device, kv_dtype,
-                                      n_kv=self.target.share(self.cfg).n_kv)
+                                      n_kv=self.target.share(self.cfg).n_kv, pool=pool, layer0=layer0, table=table)
+
+    def kv_heads(self) -> list[int]:
+        return [self.target.share(self.cfg).n_kv]
 
     def forward(self, emb: torch.Tensor | None, hidden: torch.Tensor, pos0: int, state: SequenceState,
                 rows: bool, ids: torch.Tensor | None = None,

@@ -10,6 +10,7 @@ import torch
 from ..config import FULL, ModelConfig
 from ..kernels import attention as attn_ops
 from ..kernels import gdn as gdn_ops
+from .kvpool import SINK, BlockTable, KvPool, blocks_for
 
 
 class RowsBook:
@@ -36,9 +37,10 @@ class RowsBook:
 
 @dataclass
 class LayerCache:
-    """State of one layer for one sequence. Attention: k, v [max_seq, n_kv, D] (with a Q8 cache,
-    int8 plus k_scale, v_scale [max_seq, n_kv, 1] float16, v stored key-minor under that view; see
-    kernels/attention). GDN: conv window [K-1, conv_dim] and recurrent state [Hv, dk, dv], both
+    """State of one layer for one sequence. Attention: k, v [rows, n_kv, D] (with a Q8 cache,
+    int8 plus k_scale, v_scale [rows, n_kv, 1] float16, v stored key-minor under that view; see
+    kernels/attention), a KV pool's rows with `blocks` the sequence's block table (model/kvpool.py;
+    None: row p holds position p). GDN: conv window [K-1, conv_dim] and recurrent state [Hv, dk, dv], both
     float32, and `log`, what the last rows-mode forward left for commit: (k [R, Hv, dk], delta [R,
     Hv, dv], dec [R, Hv], conv `full` [K-1+R, C]), in `book` (slot `slot`) when the state has one."""
 
@@ -46,6 +48,7 @@ class LayerCache:
     v: torch.Tensor | None = None
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    blocks: torch.Tensor | None = None
     conv: torch.Tensor | None = None
     rec: torch.Tensor | None = None
     log: tuple[torch.Tensor, ...] | None = None
@@ -70,18 +73,38 @@ class LayerCache:
 
 @dataclass
 class SequenceState:
-    """Everything one sequence carries between forwards. Attention rows are addressed by position,
-    so rollback of attention is free; a rows forward leaves GDN states as they were and commit
-    applies the rows accepted."""
+    """Everything one sequence carries between forwards. Attention rows are addressed by position
+    through the block table, so rollback of attention is free (it keeps the blocks); a rows forward
+    leaves GDN states as they were and commit applies the rows accepted.
+
+    `table`: the blocks of the KV pool this sequence holds. A state given a shared pool takes
+    blocks as it grows (`grow`, before every forward that writes past them) and gives them back at
+    `release`; one allocated without a pool owns a pool of its own holding all of max_seq."""
 
     layers: list[LayerCache] = field(default_factory=list)
     max_seq: int = 0
     book: RowsBook | None = None
+    table: BlockTable | None = None
+    shared: bool = False        # the pool is shared: blocks are taken on growth and given back
+    ahead: int = 0              # positions grown past a forward's rows (an MTP head sharing the table)
+
+    def grow(self, n: int) -> None:
+        """Take the blocks positions 0..n-1 (and `ahead` more) need, before a forward writes them."""
+        if self.shared and self.table is not None:
+            self.table.grow(min(self.max_seq, n + self.ahead))
+
+    def release(self) -> None:
+        """The sequence ended: its blocks go back to a shared pool."""
+        if self.shared and self.table is not None:
+            self.table.release()
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, n_layers_types: tuple[str, ...], max_seq: int,
                  device: torch.device, kv_dtype: torch.dtype,
-                 n_kv: int | None = None, n_v_heads: int | None = None, conv_dim: int | None = None) -> "SequenceState":
+                 n_kv: int | None = None, n_v_heads: int | None = None, conv_dim: int | None = None,
+                 pool: KvPool | None = None, layer0: int = 0, table: BlockTable | None = None) -> "SequenceState":
+        """`pool` (shared by sequences of one model): its attention layers layer0.. are this
+        state's, and `table` (another state's: an MTP head beside its trunk) or a new one its blocks."""
         n_kv = n_kv if n_kv is not None else cfg.num_key_value_heads
         hv = n_v_heads if n_v_heads is not None else cfg.linear_num_value_heads
         cd = conv_dim if conv_dim is not None else cfg.conv_dim
@@ -91,21 +114,24 @@ class SequenceState:
         book = None if not n_gdn else RowsBook(
             torch.zeros(n_gdn, hv, cfg.linear_key_head_dim, cfg.linear_value_head_dim, device=device, dtype=torch.float32),
             torch.zeros(n_gdn, kk - 1, cd, device=device, dtype=torch.float32))
+        shared = pool is not None
+        if not shared:
+            n_attn = sum(t == FULL for t in n_layers_types)
+            pool = KvPool([n_kv] * n_attn, cfg.head_dim, blocks_for(max_seq) + SINK, device, kv_dtype)
+        if table is None:
+            table = pool.table(max_seq)
+            if not shared:
+                table.grow(max_seq)
+        j = layer0
         for t in n_layers_types:
             if t == FULL:
-                lc = LayerCache(k=torch.zeros(max_seq, n_kv, cfg.head_dim, device=device, dtype=kv_dtype))
-                if kv_dtype == attn_ops.Q8_KV:
-                    lc.v = attn_ops.q8_value_cache(max_seq, n_kv, cfg.head_dim, device)
-                    ns = cfg.head_dim // attn_ops.q8_group(cfg.head_dim)
-                    lc.k_scale = torch.zeros(max_seq, n_kv, ns, device=device, dtype=torch.float16)
-                    lc.v_scale = torch.zeros(max_seq, n_kv, ns, device=device, dtype=torch.float16)
-                else:
-                    lc.v = torch.zeros(max_seq, n_kv, cfg.head_dim, device=device, dtype=kv_dtype)
-                layers.append(lc)
+                layers.append(LayerCache(k=pool.k[j], v=pool.v[j], k_scale=pool.k_scale[j], v_scale=pool.v_scale[j],
+                                         blocks=table.ids))
+                j += 1
             else:
                 i = sum(lc.rec is not None for lc in layers)
                 layers.append(LayerCache(conv=book.conv[i], rec=book.rec[i], book=book, slot=i))
-        return cls(layers=layers, max_seq=max_seq, book=book)
+        return cls(layers=layers, max_seq=max_seq, book=book, table=table, shared=shared)
 
     @torch.inference_mode()
     def reset(self) -> None:

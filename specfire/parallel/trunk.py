@@ -137,6 +137,11 @@ class MeshTrunk:
     def begin(self) -> None:
         self._call("begin")
 
+    kv_pool = None      # every rank's slot holds its KV for max_seq (a pool of its own)
+
+    def end(self) -> None:
+        """Nothing to give back: a rank's slot keeps its KV for its next request."""
+
     def prefill(self, ids: torch.Tensor, logits: str = "last", ends: tuple[int, ...] = ()) -> Rows:
         return self._call("prefill", ids, logits, 0, tuple(ends))   # every rank: LocalTrunk.prefill's forwards
 

@@ -19,7 +19,9 @@ from ..kernels.gdn import fla as gdn_fla
 from ..params import SpecPolicy
 from ..tokenizer import Tokenizer
 from .drafters import DraftSource, MtpDrafter, make_drafters
+from ..model.kvpool import KvPool
 from .engine import Engine, Shared
+from .slots import block_bytes, pool_blocks
 from .trunk import LocalTrunk, Trunk
 
 
@@ -43,6 +45,8 @@ class EngineOptions:
     # the canonical math (layers/__init__.py) on one device, and for the MTP head on a mesh's
     # rank 0: the bits of every tp degree (a mesh's trunk computes them always)
     tp_invariant: bool = False
+    max_num_seqs: int = 1            # requests at once (without a KV budget the pool holds this many max_seq)
+    kv_cache_memory_bytes: int | None = None    # the KV pool's bytes (None: max_num_seqs sequences)
 
     @property
     def want_mtp(self) -> str:
@@ -74,8 +78,18 @@ def local_trunk(opts: EngineOptions) -> BuiltTrunk:
     if cfg.n_linear:     # the optional prefill library compiles now, not in the first request (kernels/gdn/fla.py)
         gdn_fla.warm(cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                      cfg.linear_value_head_dim, opts.device)
-    trunk = LocalTrunk(model, opts.max_seq_len, opts.kv_dtype, opts.cuda_graphs, opts.draft_vocab)
+    trunk = LocalTrunk(model, opts.max_seq_len, opts.kv_dtype, opts.cuda_graphs, opts.draft_vocab,
+                       kv_pool(opts, model, head))
     return BuiltTrunk(trunk, head, "single", fork=trunk.view)
+
+
+def kv_pool(opts: EngineOptions, model, head: MtpHead | None) -> KvPool:
+    """The KV pool of the trunk's views: the trunk's attention layers, then the MTP head's (its
+    chain writes over the trunk sequence's own blocks), sized by the budget (runtime/slots.py)."""
+    heads = model.kv_heads() + (head.kv_heads() if head is not None else [])
+    per = block_bytes(heads, model.cfg.head_dim, opts.kv_dtype)
+    n = pool_blocks(per, opts.max_seq_len, opts.max_num_seqs, opts.kv_cache_memory_bytes, opts.device)
+    return KvPool(heads, model.cfg.head_dim, n, opts.device, opts.kv_dtype)
 
 
 def build_engine(opts: EngineOptions, tokenizer: Tokenizer | None, eos_ids: set[int],

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Generator
 
 import torch
 
+from ..kernels.attention import gather
+from ..kernels.attention.paged import rows_of
 from ..model.qwen35 import SequenceState
 
 if TYPE_CHECKING:
@@ -52,7 +54,8 @@ def take(state: SequenceState, ids: list[int], hidden: torch.Tensor, ends: tuple
         if lc.rec is not None:
             rec.append((lc.rec.clone(), lc.conv.clone()))
         else:
-            kv.append(tuple(t[:p].clone() for t in (lc.k, lc.v, lc.k_scale, lc.v_scale) if t is not None))
+            kv.append(tuple(gather(t, lc.blocks, p).clone() for t in (lc.k, lc.v, lc.k_scale, lc.v_scale)
+                            if t is not None))
     return Snapshot(tuple(ids), tuple(ends), kv, rec, hidden[:p].clone())
 
 
@@ -60,6 +63,7 @@ def restore(state: SequenceState, snap: Snapshot) -> None:
     """Make `state` the state after snap.ids (rows past them are left as they are: reads are
     bounded by position)."""
     p = len(snap.ids)
+    state.grow(p)
     ikv, irec = iter(snap.kv), iter(snap.rec)
     for lc in state.layers:
         if lc.rec is not None:
@@ -69,8 +73,12 @@ def restore(state: SequenceState, snap: Snapshot) -> None:
             lc.log = None
         else:
             live = [t for t in (lc.k, lc.v, lc.k_scale, lc.v_scale) if t is not None]
+            rows = rows_of(lc.blocks, 0, p) if lc.blocks is not None else None
             for dst, src in zip(live, next(ikv)):
-                dst[:p].copy_(src)
+                if rows is None:
+                    dst[:p].copy_(src)
+                else:
+                    dst.index_copy_(0, rows, src)
 
 
 class PrefixCache:

@@ -29,7 +29,7 @@ import torch
 from ..errors import SpecfireError
 from ..params import SamplingParams, SpecPolicy
 from ..tokenizer import ChatIds
-from .slots import SlotPool
+from .slots import SlotPool, request_blocks
 from .spec import Chains, queue_chains
 from .trunk import Verify, verify_many
 
@@ -243,7 +243,7 @@ class Scheduler:
                 if not self.waiting:
                     return
                 head = self.waiting[0]
-            eng = self.pool.acquire()       # may build a slot: outside the lock
+            eng = self.pool.acquire(self._blocks(head))     # may build a slot: outside the lock
             if eng is None:
                 return
             with self.cond:                 # only the driving thread takes from `waiting`
@@ -254,6 +254,13 @@ class Scheduler:
                 head.steps = eng.steps(head.ids, head.params, head.spec, on_cycle=head.on_cycle, plan=head.plan,
                                        fork=head.fork, ends=head.ends or ())
             self._send(head, STARTED, None)
+
+    def _blocks(self, r: Request) -> int:
+        """The KV blocks a request may reach (a task: the whole max_seq)."""
+        first = self.pool.first
+        if r.task is not None or r.params is None:
+            return request_blocks(first.max_seq, 0, None)
+        return request_blocks(first.max_seq, len(r.ids), r.params.max_tokens)
 
     def _advance(self, r: Request, rows: "Rows | None") -> None:
         """Run the request to its next pause: `rows` answers the verify it waits for (None: it

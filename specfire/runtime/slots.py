@@ -7,10 +7,13 @@ penalties, random stream). The slots' engines share `Engine.shared` (auto's cycl
 acceptance, the prefix cache). A request owns a slot from its prefill to its end; `begin()` resets
 the state for the next one, so a slot is reused, never rebuilt.
 
-Slots are built on demand up to `limit` (max_num_seqs) and a memory budget: each one reserves its
-whole max_seq of KV rows (KV blocks allocated as a sequence grows are the next step), so admission
-counts `state_bytes` per slot (on a mesh, per rank: rank 0's shard of the trunk's state and the
-MTP head's whole KV cache, the most any rank holds). A topology without a fork has one slot.
+Slots are built on demand up to `limit` (max_num_seqs). On one device the slots' KV rows live in
+one pool of blocks (model/kvpool.py) that the KV budget sizes (`pool_blocks`): a request is let in
+when the pool can promise it the blocks it may reach (`request_blocks`: its prompt, max_tokens and
+the drafts' reach), else it waits in arrival order; the blocks are taken as it grows and given back
+when it ends. On a mesh every slot still holds max_seq of KV on every rank, so admission counts
+`state_bytes` per slot there (per rank: rank 0's shard of the trunk's state and the MTP head's whole
+KV cache, the most any rank holds). A topology without a fork has one slot.
 """
 from __future__ import annotations
 
@@ -20,8 +23,9 @@ import threading
 import torch
 
 from ..config import FULL, ModelConfig
+from ..model.kvpool import SINK, KvPool, blocks_for
 from ..model.state import SequenceState
-from ..params import check_max_num_seqs
+from ..params import MAX_SPEC_K, check_max_num_seqs
 from .engine import Engine
 
 log = logging.getLogger("specfire")
@@ -29,7 +33,7 @@ log = logging.getLogger("specfire")
 # the device share the model and the slots may fill when no budget is given (vLLM's
 # gpu_memory_utilization default): the rest is left to activations, graphs and other processes
 GPU_MEMORY_SHARE = 0.9
-MAX_NUM_SEQS_GPU = 8     # the issue's first concurrency target; 8 x max_seq of KV is what each slot reserves
+MAX_NUM_SEQS_GPU = 8     # the issue's first concurrency target (without a budget the pool holds 8 x max_seq)
 MAX_NUM_SEQS_CPU = 4     # requests share the CPU's cores one step at a time: more slots only divide them
 
 
@@ -41,11 +45,13 @@ def _bytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.untyped_storage().nbytes()
 
 
-def state_bytes(cfg: ModelConfig, max_seq: int, kv_dtype: torch.dtype, mtp: bool, share=None) -> int:
+def state_bytes(cfg: ModelConfig, max_seq: int, kv_dtype: torch.dtype, mtp: bool, share=None,
+                kv: bool = True) -> int:
     """Bytes of one slot's sequence state (the trunk's and, with `mtp`, the MTP head's KV cache),
     from the config, max_seq and the KV dtype: the same allocation a slot makes, laid out on the
     meta device (no memory). Step buffers, rows logs and graph pools are not counted. `share`: a
-    mesh rank's heads (its `n_kv`, `n_v_heads`, `conv_dim`): that rank's shard of the trunk's state."""
+    mesh rank's heads (its `n_kv`, `n_v_heads`, `conv_dim`): that rank's shard of the trunk's state.
+    `kv` False: without the KV rows (a slot whose KV is in the pool: its recurrent state only)."""
     meta = torch.device("meta")
     heads = {} if share is None else dict(n_kv=share.n_kv, n_v_heads=share.n_v_heads, conv_dim=share.conv_dim)
     states = [SequenceState.allocate(cfg, cfg.layer_types, max_seq, meta, kv_dtype, **heads)]
@@ -55,10 +61,41 @@ def state_bytes(cfg: ModelConfig, max_seq: int, kv_dtype: torch.dtype, mtp: bool
     for st in states:
         if st.book is not None:
             total += _bytes(st.book.rec) + _bytes(st.book.conv)
-        for lc in st.layers:
-            if lc.rec is None:
-                total += sum(_bytes(t) for t in (lc.k, lc.v, lc.k_scale, lc.v_scale))
+        if kv:
+            total += st.table.pool.nbytes()
     return total
+
+
+def block_bytes(heads: list[int], head_dim: int, kv_dtype: torch.dtype) -> int:
+    """Bytes of one block of a KV pool of these layers (every layer's K, V and scales)."""
+    return KvPool(heads, head_dim, SINK + 1, torch.device("meta"), kv_dtype).nbytes() // (SINK + 1)
+
+
+def pool_blocks(per_block: int, max_seq: int, max_num_seqs: int, budget: int | None, device: torch.device) -> int:
+    """Blocks of a KV pool: `budget` bytes' worth (at least one whole max_seq sequence); without a
+    budget max_num_seqs whole sequences, on a GPU no more than leave (1 - GPU_MEMORY_SHARE) of it free."""
+    one = blocks_for(max_seq) + SINK
+    if per_block == 0:              # no attention layer: the pool holds nothing
+        return max_num_seqs * blocks_for(max_seq) + SINK
+    if budget is not None:
+        if budget < one * per_block:
+            raise ValueError(f"kv_cache_memory_bytes {budget} is less than one sequence's state, {one * per_block} "
+                             f"bytes of KV at max_seq_len {max_seq} (lower max_seq_len or raise the budget)")
+        return budget // per_block
+    n = max_num_seqs * blocks_for(max_seq) + SINK
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        room = int(GPU_MEMORY_SHARE * total) - (total - free)
+        n = max(one, min(n, room // per_block))
+    return n
+
+
+def request_blocks(max_seq: int, prompt: int, max_tokens: int | None) -> int:
+    """Blocks a request may reach: its prompt, its output and what drafts and the MTP head's chain
+    write past them (None: a call over the whole max_seq)."""
+    if max_tokens is None:
+        return blocks_for(max_seq)
+    return blocks_for(min(max_seq, prompt + max_tokens + 2 * MAX_SPEC_K + 2))
 
 
 class SlotPool:
@@ -68,6 +105,9 @@ class SlotPool:
 
     def __init__(self, first: Engine, max_num_seqs: int, slot_bytes: int, budget: int | None = None):
         check_max_num_seqs(max_num_seqs)
+        self.kv: KvPool | None = getattr(first.trunk, "kv_pool", None)
+        if self.kv is not None:         # the budget sized the pool: slots are bounded by max_num_seqs
+            budget = None
         if budget is not None and budget < slot_bytes:
             raise ValueError(f"kv_cache_memory_bytes {budget} is less than one sequence's state, {slot_bytes} "
                              f"bytes at max_seq_len {first.max_seq} (lower max_seq_len or raise the budget)")
@@ -85,13 +125,33 @@ class SlotPool:
         elif self.limit < max_num_seqs:
             self.why = f"kv_cache_memory_bytes {budget} holds {self.limit} sequence states of {slot_bytes} bytes"
         self.lock = threading.Lock()
+        self.reserved: dict[int, int] = {}      # id(engine) -> blocks its request was promised
 
     @property
     def busy(self) -> int:
         return len(self.engines) - len(self.free)
 
-    def acquire(self) -> Engine | None:
-        """A free slot, or None when every slot is busy and no other fits (the request waits)."""
+    @property
+    def usage(self) -> float:
+        """The share of KV in use: the pool's blocks taken (one device), else the busy slots' share."""
+        if self.kv is not None:
+            return self.kv.used / self.kv.capacity
+        return self.busy / self.limit
+
+    def acquire(self, blocks: int = 0) -> Engine | None:
+        """A free slot whose request the pool promises `blocks` KV blocks, or None when every slot
+        is busy and no other fits, or the pool cannot promise them yet (the request waits)."""
+        if self.kv is not None and not self.kv.reserve(blocks):
+            return None
+        eng = self._slot()
+        if eng is None:
+            if self.kv is not None:
+                self.kv.unreserve(blocks)
+        else:
+            self.reserved[id(eng)] = blocks
+        return eng
+
+    def _slot(self) -> Engine | None:
         with self.lock:
             if self.free:
                 return self.free.pop()
@@ -125,6 +185,10 @@ class SlotPool:
         return False
 
     def release(self, eng: Engine) -> None:
+        """The slot's request ended: its KV blocks go back to the pool, its promise is dropped."""
+        eng.trunk.end()
+        if self.kv is not None:
+            self.kv.unreserve(self.reserved.pop(id(eng), 0))
         with self.lock:
             if eng not in self.free:
                 self.free.append(eng)

@@ -17,6 +17,7 @@ from typing import Any, Generator, Protocol
 import torch
 
 from ..config import ModelConfig
+from ..model.kvpool import KvPool
 from ..model.qwen35 import Qwen35Trunk, Segments, SequenceState
 from ..params import check_draft_vocab
 
@@ -100,8 +101,10 @@ class Trunk(Protocol):
     draft_sharded: bool           # greedy draft picks are the trunk's own (`draft_pick`, every rank of a mesh)
     packing: object | None        # trunks with one key verify together (`verify_packed`); None: alone
     state: SequenceState | None   # the sequence's state in this process (a prefix.Fork copies it); None: on a mesh's ranks
+    kv_pool: KvPool | None        # the KV pool the views share (model/kvpool.py); None: each state holds max_seq
 
     def begin(self) -> None: ...                                   # new sequence: reset state
+    def end(self) -> None: ...                                     # the sequence ended: its KV blocks back to the pool
     # logits "last" | "all"; hidden of all; forwards end at `ends` too (prefill_cuts); _steps yields between them
     def prefill(self, ids: torch.Tensor, logits: str = "last", ends: tuple[int, ...] = ()) -> Rows: ...
     def prefill_steps(self, ids: torch.Tensor, logits: str = "last",
@@ -121,10 +124,12 @@ class Trunk(Protocol):
 class LocalTrunk:
     """The trunk on one device. `draft_vocab` n: the MTP drafter's lm_logits scores token ids
     0..n-1 only, through a row-prefix view of the lm_head (params.check_draft_vocab; the verify
-    always scores the whole vocabulary)."""
+    always scores the whole vocabulary). `kv_pool` (model/kvpool.py): the KV pool the views of the
+    model share, its first layers the trunk's attention layers (the MTP head's after them); None:
+    the state holds its own KV of max_seq positions."""
 
     def __init__(self, model: Qwen35Trunk, max_seq: int, kv_dtype: torch.dtype, cuda_graphs: bool | None = None,
-                 draft_vocab: int | None = None):
+                 draft_vocab: int | None = None, kv_pool: KvPool | None = None):
         self.model = model
         self.cfg = model.cfg
         self.max_seq = max_seq
@@ -132,7 +137,8 @@ class LocalTrunk:
         self.device = model.embed_tokens.weight.device
         self.piece = PREFILL_PIECE                # prompt rows per prefill forward
         self.kv_dtype = kv_dtype
-        self.state: SequenceState = model.new_state(max_seq, kv_dtype)
+        self.kv_pool = kv_pool
+        self.state: SequenceState = model.new_state(max_seq, kv_dtype, kv_pool)
         if cuda_graphs is None:  # graphs need the attention kernel (it reads the position on the device)
             from ..kernels.attention import KERNEL_HEAD_DIMS
             cuda_graphs = self.device.type == "cuda" and self.cfg.head_dim in KERNEL_HEAD_DIMS
@@ -146,13 +152,18 @@ class LocalTrunk:
     def view(self) -> "LocalTrunk":
         """Another trunk over the same model (weights shared) with its own sequence state and CUDA
         graphs: a slot for one more concurrent request (runtime/slots.py)."""
-        other = LocalTrunk(self.model, self.max_seq, self.kv_dtype, self.graphs is not None, self.draft_vocab)
+        other = LocalTrunk(self.model, self.max_seq, self.kv_dtype, self.graphs is not None, self.draft_vocab,
+                           self.kv_pool)
         other.piece = self.piece
         other.packs = self.packs                  # one model: one set of packed graphs
         return other
 
     def begin(self) -> None:
         self.state.reset()
+
+    def end(self) -> None:
+        """The sequence ended: its KV blocks go back to the pool."""
+        self.state.release()
 
     @property
     def packing(self) -> Qwen35Trunk:
@@ -180,6 +191,7 @@ class LocalTrunk:
             if a > start:
                 yield
             last = b == start + ids.shape[0]
+            self.state.grow(b)
             h, l = self.model(ids[a - start:b - start], a, self.state, rows=False,
                               logits="all" if logits == "all" else ("last" if last else "none"))
             hs.append(h)
@@ -190,6 +202,7 @@ class LocalTrunk:
 
     @torch.inference_mode()
     def verify(self, ids: torch.Tensor, pos: int) -> Rows:
+        self.state.grow(pos + ids.shape[0])
         if self.graphs is not None:
             h, l = self.graphs.run(ids, pos)
         else:
@@ -201,6 +214,8 @@ class LocalTrunk:
         """`verify` of several slots over this model (self among or beside them) in one forward:
         each slot's rows as its own verify gives them, bit for bit (replayed from a CUDA graph per
         slots and row counts where the slots capture graphs: runtime/graphs.py PackedGraphs)."""
+        for t, x, p in zip(trunks, ids, pos):
+            t.state.grow(p + x.shape[0])
         if self.packs is not None:              # (the views of one model all capture graphs, or none)
             return [Rows(l, h) for h, l in self.packs.run(trunks, ids, pos)]
         segs = Segments.of([t.state for t in trunks], pos, [x.shape[0] for x in ids])

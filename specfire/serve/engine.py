@@ -63,7 +63,7 @@ class Host:
             return
         pool = self.sched.pool
         try:
-            self.send(("round", evs, pool.busy / pool.limit))
+            self.send(("round", evs, pool.usage))
         except OSError:    # the server is gone: the reader's EOF stops the engine
             pass
 

@@ -39,8 +39,8 @@ class Metrics:
         self.model = m
         self.running = gauge("num_requests_running", "Requests holding a sequence slot now, each streaming.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting for a free slot, in arrival order.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Share of the sequence slots' reserved state in use "
-                              "(busy slots / max_num_seqs; 1 = full).")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Share of the KV cache in use (used blocks / the "
+                              "pool's blocks; on a mesh busy slots / max_num_seqs; 1 = full).")
         self.success = counter("request_success", "Finished requests by finish reason (abort = client left).",
                                ["finished_reason"])
         for reason in FINISH_REASONS:
@@ -69,7 +69,7 @@ class Metrics:
         self.waiting.dec()
         self.running.inc()
 
-    def slots_used(self, share: float) -> None:
+    def kv_used(self, share: float) -> None:
         self.kv_usage.set(share)
 
     def first_token(self, seconds: float) -> None:

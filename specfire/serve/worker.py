@@ -79,7 +79,7 @@ class EngineWorker:
 
     def _kv_share(self) -> float:
         pool = self.sched.pool
-        return pool.busy / pool.limit
+        return pool.usage
 
     def cancel_all(self) -> None:
         """Cancel the running requests and every queued one (they end with a CANCELLED event)."""
@@ -111,7 +111,7 @@ def listener(job: Job, m: Metrics | None, kv_share: Callable[[], float],
     def on_event(kind: str, payload: Any) -> None:
         now = time.perf_counter()
         if m and kind != CHUNK:
-            m.slots_used(kv_share())
+            m.kv_used(kv_share())
         if kind == sch.STARTED:
             job.started = True
             if m:

@@ -54,23 +54,42 @@ def alone(llm, prompts) -> list[list[int]]:
     return out
 
 
+def _storage_bytes(tensors) -> int:
+    seen, got = set(), 0
+    for t in tensors:
+        if t is not None and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            got += t.untyped_storage().nbytes()
+    return got
+
+
 def test_state_bytes_is_what_a_slot_allocates(path):
-    """The admission figure is the bytes a slot's sequence state takes (trunk and MTP head), for
-    every KV dtype."""
+    """The admission figures are the bytes allocated, for every KV dtype: a slot's own state (its
+    recurrent state: its KV rows, the MTP head's too, are the pool's), the pool's blocks (without a
+    budget max_num_seqs whole sequences, the sink block beside them), and a state holding its own
+    KV (a mesh rank's slot) the whole figure."""
+    from specfire.model.kvpool import SINK, blocks_for
+    from specfire.model.state import SequenceState
+    from specfire.runtime.slots import block_bytes
+
     for kv in ("auto", "q8"):
         with LLM(path, device="cpu", progress=False, max_seq_len=300, kv_dtype=kv) as m:
             slot = m.slots.first.fork()
             states = [slot.trunk.state, slot.drafters["mtp"].state]
-            got = 0
-            for st in states:
-                seen = set()
-                for lc in st.layers:
-                    for t in (lc.k, lc.v, lc.k_scale, lc.v_scale, lc.rec, lc.conv):
-                        if t is not None and t.untyped_storage().data_ptr() not in seen:
-                            seen.add(t.untyped_storage().data_ptr())
-                            got += t.untyped_storage().nbytes()
-            assert got == state_bytes(m.cfg, 300, m.kv_dtype, True) == m.slots.slot_bytes, kv
-            assert state_bytes(m.cfg, 300, m.kv_dtype, False) < got
+            pool = m.slots.kv
+            assert all(lc.k is pool.k[i] for i, lc in enumerate(lc for lc in states[0].layers if lc.rec is None))
+            assert states[1].layers[0].k is pool.k[-1] and states[1].table is states[0].table
+            own = _storage_bytes(t for st in states for lc in st.layers for t in (lc.rec, lc.conv))
+            assert own == state_bytes(m.cfg, 300, m.kv_dtype, True, kv=False) == m.slots.slot_bytes, kv
+            pooled = _storage_bytes(t for ts in (pool.k, pool.v, pool.k_scale, pool.v_scale) for t in ts)
+            heads = m.engine.trunk.model.kv_heads() + [m.cfg.num_key_value_heads]
+            assert pool.num_blocks == 4 * blocks_for(300) + SINK
+            assert pooled == pool.nbytes() == block_bytes(heads, m.cfg.head_dim, m.kv_dtype) * pool.num_blocks, kv
+            alone = SequenceState.allocate(m.cfg, m.cfg.layer_types, 300, torch.device("cpu"), m.kv_dtype)
+            whole = _storage_bytes(t for lc in alone.layers for t in (lc.k, lc.v, lc.k_scale, lc.v_scale, lc.rec,
+                                                                     lc.conv))
+            assert whole == state_bytes(m.cfg, 300, m.kv_dtype, False) > state_bytes(m.cfg, 300, m.kv_dtype, False,
+                                                                                       kv=False)
 
 
 def test_generate_list_equals_each_alone_in_any_order(llm, prompts, alone):
@@ -88,6 +107,30 @@ def test_generate_list_equals_each_alone_in_any_order(llm, prompts, alone):
     rev = llm.generate(prompts[::-1], [sp for sp, _ in MIXED][::-1], spec=[pol for _, pol in MIXED][::-1])
     assert [r.token_ids for r in rev] == alone[::-1]
     assert any(r.stats["cycles"] for r in got) and got[4].finish_reason in ("stop", "length")
+
+
+def test_the_kv_pool_runs_requests_whose_whole_sequences_exceed_it(path, prompts, alone):
+    """Paged KV: a pool of 1.5 sequences of max_seq runs two requests at once (each promised only
+    the blocks its prompt, max_tokens and drafts may reach), each output its own alone; two that
+    may each reach max_seq take turns (the second waits for the first's blocks, no out-of-memory),
+    each still its own; every block and promise comes back."""
+    from specfire.model.kvpool import SINK, blocks_for
+    with LLM(path, device="cpu", progress=False, max_seq_len=512) as m:
+        per = m.slots.kv.nbytes() // m.slots.kv.num_blocks
+        longs = specfit.prompts(2, length=470, seed=7)
+        long_alone = [m.generate(p, SamplingParams(max_tokens=8)).token_ids for p in longs]
+    budget = int(per * (1.5 * blocks_for(512) + SINK))
+    with LLM(path, device="cpu", progress=False, max_seq_len=512, kv_cache_memory_bytes=budget) as m:
+        pool, sched = m.slots.kv, m.scheduler
+        assert 2 * blocks_for(512) > pool.capacity and m.max_num_seqs == 4
+        sched.widest = 0
+        got = m.generate(prompts[:2], [sp for sp, _ in MIXED[:2]], spec=[pol for _, pol in MIXED[:2]])
+        assert [r.token_ids for r in got] == alone[:2]
+        assert sched.widest == 2 and pool.used == 0 and pool.reserved == 0
+        sched.widest = 0
+        got = m.generate(longs, SamplingParams(max_tokens=8))
+        assert [r.token_ids for r in got] == long_alone
+        assert sched.widest == 1 and pool.used == 0 and pool.reserved == 0
 
 
 def test_requests_interleave_and_wait_in_arrival_order(path, prompts, alone):
@@ -285,12 +328,13 @@ def test_prefix_reuse_under_concurrency(path, prompts):
 
 
 def test_admission_limits_and_their_errors(path):
-    one = None
+    from specfire.model.kvpool import SINK, blocks_for
     with LLM(path, device="cpu", progress=False, max_seq_len=256) as m:
-        one = m.slots.slot_bytes
+        per = m.slots.kv.nbytes() // m.slots.kv.num_blocks
         assert m.max_num_seqs == 4 and m.slots.why == ""
+    one = per * (blocks_for(256) + SINK)
     with LLM(path, device="cpu", progress=False, max_seq_len=256, kv_cache_memory_bytes=int(2.5 * one)) as m:
-        assert m.max_num_seqs == 2 and "holds 2 sequence states" in m.slots.why
+        assert m.slots.kv.num_blocks == int(2.5 * one) // per and m.max_num_seqs == 4 and m.slots.why == ""
     with pytest.raises(ValueError, match="kv_cache_memory_bytes .* less than one sequence's state"):
         LLM(path, device="cpu", progress=False, max_seq_len=256, kv_cache_memory_bytes=one - 1)
     with pytest.raises(ValueError, match="max_num_seqs must be a positive integer, got 0"):

@@ -35,7 +35,7 @@ def test_protocol_members_are_declared():
         assert not missing, (cls, missing)
     from specfire.parallel.trunk import MeshTrunk
 
-    per_instance = {"cfg", "max_seq", "device", "draft_vocab", "state"}      # set by __init__
+    per_instance = {"cfg", "max_seq", "device", "draft_vocab", "state", "kv_pool"}      # set by __init__
     for cls in (LocalTrunk, MeshTrunk):
         assert {m for m in members(Trunk) if not hasattr(cls, m)} - per_instance == set(), cls
 

@@ -1,5 +1,6 @@
 """Causal grouped-query attention over a position-addressed KV cache (k, v [max_seq, n_kv, D], row p
-holds position p; a row reads keys 0..its own position, so rejected drafts' rows are never read).
+holds position p; a row reads keys 0..its own position, so rejected drafts' rows are never read),
+contiguous or paged (a pool's rows through the sequence's block table: paged.py).
 Decode / verify rows: kernel.py on CUDA (several sequences' rows in one launch: multi.py); the Q8
 cache: q8.py; references: ref.py."""
 from __future__ import annotations
@@ -8,11 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from .multi import RowsPack
+from .paged import BLOCK, gather
 from .q8 import (Q8_GROUP, Q8_KV, Q8_PAD, dequantize_q8, kv_write, q8_group, q8_value_cache,
                  quantize_q8)
 from .ref import _dequant_prefix, attention_prefill_ref, attention_rows_q8_ref, attention_rows_ref
 
-__all__ = ["KERNEL_HEAD_DIMS", "Q8_GROUP", "Q8_KV", "Q8_PAD", "attention_prefill", "attention_prefill_blocks",
+__all__ = ["BLOCK", "KERNEL_HEAD_DIMS", "gather", "Q8_GROUP", "Q8_KV", "Q8_PAD", "attention_prefill", "attention_prefill_blocks",
            "attention_prefill_fused", "attention_prefill_ref", "attention_rows", "attention_rows_q8_ref",
            "attention_rows_multi", "attention_rows_ref", "dequantize_q8", "kv_write", "q8_group", "q8_value_cache", "quantize_q8", "RowsPack"]
 
@@ -25,11 +27,16 @@ def _use_kernel(q: torch.Tensor) -> bool:
 
 
 def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int, scale: float,
-                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode / verify rows (contract of attention_rows_ref); the Triton kernel on CUDA."""
+                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                   blocks: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode / verify rows (contract of attention_rows_ref); the Triton kernel on CUDA. `blocks`:
+    a paged cache (the references read its rows gathered: the same values in the same order)."""
     if _use_kernel(q):
         from .kernel import attention_rows_triton
-        return attention_rows_triton(q, k_cache, v_cache, pos0, scale, k_scale, v_scale)
+        return attention_rows_triton(q, k_cache, v_cache, pos0, scale, k_scale, v_scale, blocks=blocks)
+    if blocks is not None:
+        n = int(pos0) + q.shape[0]
+        k_cache, v_cache, k_scale, v_scale = (gather(x, blocks, n) for x in (k_cache, v_cache, k_scale, v_scale))
     if k_scale is not None:
         return attention_rows_q8_ref(q, k_cache, v_cache, pos0, scale, k_scale, v_scale)
     return attention_rows_ref(q, k_cache, v_cache, pos0, scale)
@@ -43,8 +50,8 @@ def attention_rows_multi(q: torch.Tensor, lcs: list, pack: RowsPack, scale: floa
     if _use_kernel(q):
         from .kernel import attention_rows_triton
         return attention_rows_triton(q, first.k, first.v, None, scale, first.k_scale, first.v_scale,
-                                     multi=pack.launch(lcs))
-    outs = [attention_rows(q[a:b], lc.k, lc.v, p, scale, lc.k_scale, lc.v_scale)
+                                     multi=pack.launch(lcs), blocks=getattr(first, "blocks", None))
+    outs = [attention_rows(q[a:b], lc.k, lc.v, p, scale, lc.k_scale, lc.v_scale, getattr(lc, "blocks", None))
             for (a, b), p, lc in zip(pack.spans, pack.pos0s, lcs)]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -95,13 +102,16 @@ def _flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int, scale: float,
                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                      q_block: int | None = None) -> torch.Tensor:
+                      q_block: int | None = None, blocks: torch.Tensor | None = None) -> torch.Tensor:
     """Prefill rows (contract of attention_prefill_ref); a Q8 cache is dequantized for the rows read.
     A 16-bit cache on CUDA takes the fused path (the float32 reference at 33k positions would run
     without tensor cores). `q_block` (canonical mode, kernels/splitk head_block): the fused call
     runs on blocks of that many query heads, so a tensor-parallel rank's heads see the same kernel
-    choice as the whole model's."""
+    choice as the whole model's. `blocks`: a paged cache, whose rows 0..pos0+T-1 are gathered into one
+    contiguous tensor first (the tensor a contiguous cache's slice is: the same bits)."""
     n = pos0 + q.shape[0]
+    if blocks is not None:
+        k_cache, v_cache, k_scale, v_scale = (gather(x, blocks, n) for x in (k_cache, v_cache, k_scale, v_scale))
     if q.is_cuda and k_scale is None and k_cache.dtype in (torch.bfloat16, torch.float16):
         if q_block is not None and q_block < q.shape[1]:
             return attention_prefill_blocks(q, k_cache, v_cache, pos0, scale, q_block)

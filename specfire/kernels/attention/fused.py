@@ -15,7 +15,7 @@ from ..norm.ref import rms_norm_ref
 from ..pdl import wait as pdl_wait
 from ..norm.kernel import XG, store_group_sums
 from ..small.ref import apply_rope_ref
-from .kernel import _seq, _table_ptr
+from .kernel import _page_row, _seq, _table_ptr
 
 if TYPE_CHECKING:
     from .multi import Launch
@@ -23,14 +23,14 @@ if TYPE_CHECKING:
 
 def qk_norm_rope_write_ref(qg: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, qw: torch.Tensor, kw: torch.Tensor,
                            eps: float, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                           v_cache: torch.Tensor, pos0) -> torch.Tensor:
+                           v_cache: torch.Tensor, pos0, blocks: torch.Tensor | None = None) -> torch.Tensor:
     """qg [T, Hq, 2D] (queries then gates per head), kx, vx [T, Hkv, D], cos/sin [T, R] -> q [T, Hq, D];
-    k, v rows written at positions pos0.. of the caches [max_seq, Hkv, D]."""
+    k, v rows written at positions pos0.. of the caches [max_seq, Hkv, D] (paged: through `blocks`)."""
     d = kx.shape[-1]
     q = apply_rope_ref(rms_norm_ref(qg[..., :d], qw, eps), cos, sin)
     k = apply_rope_ref(rms_norm_ref(kx, kw, eps), cos, sin)
     from types import SimpleNamespace
-    attn_ops.kv_write(SimpleNamespace(k=k_cache, v=v_cache), pos0, k, vx)
+    attn_ops.kv_write(SimpleNamespace(k=k_cache, v=v_cache, blocks=blocks), pos0, k, vx)
     return q
 
 
@@ -71,7 +71,7 @@ def _qk_kernel(qg_ptr, kx_ptr, vx_ptr, qw_ptr, kw_ptr, c_ptr, s_ptr, qo_ptr, kc_
                HQ, D, R, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ct, s_kc, s_kch, s_vc, s_vch, eps,
                POS_PTR: tl.constexpr, BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr, PDL: tl.constexpr = False,
                TABLE: tl.constexpr = False, seq_ptr=None, spos_ptr=None, rseq_ptr=None, tab_ptr=None,
-               MULTI: tl.constexpr = False, ALIGN: tl.constexpr = False):
+               MULTI: tl.constexpr = False, ALIGN: tl.constexpr = False, blk_ptr=None, PAGED: tl.constexpr = False):
     pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (kernels/pdl.py)
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -81,6 +81,8 @@ def _qk_kernel(qg_ptr, kx_ptr, vx_ptr, qw_ptr, kw_ptr, c_ptr, s_ptr, qo_ptr, kc_
         p = pos0.to(tl.int64) + (t - row0)
         kc_ptr = _table_ptr(tab_ptr, sq, 0, kc_ptr, ALIGN)
         vc_ptr = _table_ptr(tab_ptr, sq, 1, vc_ptr, ALIGN)
+        if PAGED:
+            blk_ptr = _table_ptr(tab_ptr, sq, 4, blk_ptr, False)
     elif POS_PTR:
         p = tl.load(pos_ptr).to(tl.int64) + t
     else:
@@ -96,24 +98,26 @@ def _qk_kernel(qg_ptr, kx_ptr, vx_ptr, qw_ptr, kw_ptr, c_ptr, s_ptr, qo_ptr, kc_
                    BLOCK, HALF_BLOCK)
     else:
         kh = h - HQ
-        _norm_rope(kx_ptr + t * s_kt + kh * s_kh, kw_ptr, c_row, s_row, kc_ptr + p * s_kc + kh * s_kch, D, R, eps,
+        c = _page_row(blk_ptr, p, PAGED)        # the cache row of position p
+        _norm_rope(kx_ptr + t * s_kt + kh * s_kh, kw_ptr, c_row, s_row, kc_ptr + c * s_kc + kh * s_kch, D, R, eps,
                    BLOCK, HALF_BLOCK)
         offs = tl.arange(0, BLOCK)
         m = offs < D
         v = tl.load(vx_ptr + t * s_vt + kh * s_vh + offs, mask=m, other=0.0)
-        tl.store(vc_ptr + p * s_vc + kh * s_vch + offs, v.to(vc_ptr.dtype.element_ty), mask=m)
+        tl.store(vc_ptr + c * s_vc + kh * s_vch + offs, v.to(vc_ptr.dtype.element_ty), mask=m)
 
 
 def qk_norm_rope_write_triton(qg: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, qw: torch.Tensor,
                               kw: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                               k_cache: torch.Tensor, v_cache: torch.Tensor, pos0, table: bool = False,
-                              multi: Launch | None = None) -> torch.Tensor:
+                              multi: Launch | None = None, blocks: torch.Tensor | None = None) -> torch.Tensor:
     """Contract of qk_norm_rope_write_ref, one launch. `pos0`: an int or a one-element device tensor.
     `table`: cos / sin are [n, R] tables over positions 0..n-1 (kernels/head rope_table) and
     row t reads their row pos0 + t: the bits of the reference given those rows.
     `multi` (kernels/attention/multi.py): the rows are several sequences', each written into its own
     cache at its own positions (k_cache, v_cache: the first's; pos0 unused); a row's program does
-    what it does when its sequence runs alone."""
+    what it does when its sequence runs alone. `blocks`: a paged cache (kernels/attention/paged.py;
+    with `multi` the first's, each sequence's in its table row)."""
     t, hq, d2 = qg.shape
     hkv, d = kx.shape[1], kx.shape[2]
     r = cos.shape[-1]
@@ -146,14 +150,16 @@ def qk_norm_rope_write_triton(qg: torch.Tensor, kx: torch.Tensor, vx: torch.Tens
             hq, d, r, qg.stride(0), qg.stride(1), kx.stride(0), kx.stride(1), vx.stride(0), vx.stride(1),
             cos.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), eps,
             POS_PTR=pos_t, BLOCK=triton.next_power_of_2(d), HALF_BLOCK=triton.next_power_of_2(max(r // 2, 1)),
-            **({"TABLE": True} if table else {}), **pdl.kw(qg), **mkw)
+            **({"TABLE": True} if table else {}), **pdl.kw(qg), **mkw,
+            blk_ptr=k_cache if blocks is None else blocks, PAGED=blocks is not None)
     return q
 
 
 @triton.jit
 def _q8_rows_kernel(kq_ptr, vq_ptr, ks_ptr, vs_ptr, kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, seq_ptr, spos_ptr, rseq_ptr,
                     tab_ptr, D, NS, s_kt, s_kh, s_vt, s_vh, s_st, s_sh, c_kn, c_kh, c_vn, c_vh, c_vd, c_sn, c_sh,
-                    BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, ALIGN: tl.constexpr, PDL: tl.constexpr = False):
+                    BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, ALIGN: tl.constexpr, PDL: tl.constexpr = False,
+                    blk_ptr=None, PAGED: tl.constexpr = False):
     """One (row, KV head) of several sequences' quantized rows: codes and scales copied into the
     row's sequence's Q8 cache at its position (values at any strides: the key-minor layout)."""
     pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (kernels/pdl.py)
@@ -162,6 +168,8 @@ def _q8_rows_kernel(kq_ptr, vq_ptr, ks_ptr, vs_ptr, kc_ptr, vc_ptr, ksc_ptr, vsc
     sq = tl.load(rseq_ptr + t)
     row0, n_rows, pos0 = _seq(seq_ptr, spos_ptr, sq)
     p = pos0.to(tl.int64) + (t - row0)
+    if PAGED:
+        p = _page_row(_table_ptr(tab_ptr, sq, 4, blk_ptr, False), p, True)
     offs = tl.arange(0, BLOCK)
     m = offs < D
     kc = _table_ptr(tab_ptr, sq, 0, kc_ptr, ALIGN)
@@ -192,7 +200,8 @@ def q8_write_multi_triton(kx: torch.Tensor, vx: torch.Tensor, lcs: list, multi: 
             ks.shape[-1], kq.stride(0), kq.stride(1), vq.stride(0), vq.stride(1), ks.stride(0), ks.stride(1),
             kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), vc.stride(2), sc.stride(0), sc.stride(1),
             BLOCK=triton.next_power_of_2(d), BLOCK_S=triton.next_power_of_2(ks.shape[-1]), ALIGN=multi.align,
-            **pdl.kw(kq))
+            **pdl.kw(kq), blk_ptr=kc if getattr(first, "blocks", None) is None else first.blocks,
+            PAGED=getattr(first, "blocks", None) is not None)
 
 
 @triton.jit

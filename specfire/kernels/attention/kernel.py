@@ -12,6 +12,9 @@ from .._triton import triton, tl
 
 from .. import pdl
 from ..pdl import wait as pdl_wait
+from .paged import BLOCK as PAGE
+
+PAGE_TL = tl.constexpr(PAGE)     # (a compiled kernel reads only constexpr globals)
 
 if TYPE_CHECKING:
     from .multi import Launch
@@ -64,19 +67,41 @@ def _seq(seq_ptr, spos_ptr, s):
 
 @triton.jit
 def _table_ptr(tab_ptr, s, j, like, ALIGN: tl.constexpr):
-    """Address j (k, v, k_scale, v_scale) of sequence s's cache in the int64 table [n, 4], typed as
-    `like`; ALIGN: all 16-byte aligned (what a tensor argument's specialization would tell)."""
-    p = tl.load(tab_ptr + 4 * s + j).to(like.dtype)
+    """Address j (k, v, k_scale, v_scale, block table) of sequence s's cache in the int64 table
+    [n, 5], typed as `like`; ALIGN: all 16-byte aligned (what a tensor argument's specialization
+    would tell)."""
+    p = tl.load(tab_ptr + 5 * s + j).to(like.dtype)
     if ALIGN:
         p = tl.multiple_of(p, 16)
     return p
 
 
 @triton.jit
-def _seq_split(seq_ptr, spos_ptr, tab_ptr, pid, n_kvh, k_ptr, v_ptr, ks_ptr, vs_ptr, SCALES: tl.constexpr,
-               ALIGN: tl.constexpr):
+def _page_rows(blk_ptr, n0, offs_n, hi, PAGED: tl.constexpr):
+    """Cache rows of the keys offs_n of the tile starting at n0 (inside one block: tiles divide the
+    block): the pool rows of the block the sequence's table names, or the positions themselves."""
+    rows = offs_n
+    if PAGED:
+        j = n0 // PAGE_TL
+        b = tl.load(blk_ptr + j, mask=n0 < hi, other=0).to(tl.int64)
+        rows = b * PAGE_TL + (offs_n - j * PAGE_TL)
+    return rows
+
+
+@triton.jit
+def _page_row(blk_ptr, p, PAGED: tl.constexpr):
+    """Cache row of position p (int64)."""
+    row = p
+    if PAGED:
+        row = tl.load(blk_ptr + p // PAGE_TL).to(tl.int64) * PAGE_TL + p % PAGE_TL
+    return row
+
+
+@triton.jit
+def _seq_split(seq_ptr, spos_ptr, tab_ptr, pid, n_kvh, k_ptr, v_ptr, ks_ptr, vs_ptr, blk_ptr, SCALES: tl.constexpr,
+               ALIGN: tl.constexpr, PAGED: tl.constexpr):
     """A split program of a launch over several sequences, whose axis 2 `pid` is (sequence, KV
-    head): (KV head, first row, row count, position, its cache's k, v, k_scale, v_scale)."""
+    head): (KV head, first row, row count, position, its cache's k, v, k_scale, v_scale, blocks)."""
     s = pid // n_kvh
     row0, n_rows, pos0 = _seq(seq_ptr, spos_ptr, s)
     k_ptr = _table_ptr(tab_ptr, s, 0, k_ptr, ALIGN)
@@ -84,7 +109,9 @@ def _seq_split(seq_ptr, spos_ptr, tab_ptr, pid, n_kvh, k_ptr, v_ptr, ks_ptr, vs_
     if SCALES:
         ks_ptr = _table_ptr(tab_ptr, s, 2, ks_ptr, ALIGN)
         vs_ptr = _table_ptr(tab_ptr, s, 3, vs_ptr, ALIGN)
-    return pid % n_kvh, row0, n_rows, pos0, k_ptr, v_ptr, ks_ptr, vs_ptr
+    if PAGED:
+        blk_ptr = _table_ptr(tab_ptr, s, 4, blk_ptr, False)
+    return pid % n_kvh, row0, n_rows, pos0, k_ptr, v_ptr, ks_ptr, vs_ptr, blk_ptr
 
 
 @triton.jit
@@ -138,7 +165,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
                        PREC: tl.constexpr, POS_PTR: tl.constexpr,
                        QMODE: tl.constexpr, PDL: tl.constexpr = False,
                        seq_ptr=None, spos_ptr=None, tab_ptr=None, n_kvh=1,
-                       MULTI: tl.constexpr = False, ALIGN: tl.constexpr = False):
+                       MULTI: tl.constexpr = False, ALIGN: tl.constexpr = False,
+                       blk_ptr=None, PAGED: tl.constexpr = False):
     pdl_wait(PDL)  # launched with PDL: every earlier kernel done first (kernels/pdl.py)
     if POS_PTR:  # position read on the device (CUDA-graph replay with a new position)
         pos0 = tl.load(pos_ptr).to(tl.int32)
@@ -149,8 +177,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
     row0 = 0
     if MULTI:    # one of several sequences (multi.py): its rows, position and cache
         hq = n_kvh * REP
-        kvh, row0, n_rows, pos0, k_ptr, v_ptr, ks_ptr, vs_ptr = _seq_split(
-            seq_ptr, spos_ptr, tab_ptr, kvh, n_kvh, k_ptr, v_ptr, ks_ptr, vs_ptr, Q8, ALIGN)
+        kvh, row0, n_rows, pos0, k_ptr, v_ptr, ks_ptr, vs_ptr, blk_ptr = _seq_split(
+            seq_ptr, spos_ptr, tab_ptr, kvh, n_kvh, k_ptr, v_ptr, ks_ptr, vs_ptr, blk_ptr, Q8, ALIGN, PAGED)
     offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)        # pair = row * REP + head-in-group
     row = offs_m // REP
     head = kvh * REP + offs_m % REP
@@ -180,10 +208,11 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
         # registers hold the next block's int8 tiles while this one is dequantized and multiplied
         nxt = start + offs_b
         ok = (nxt < hi)[:, None]
-        kq = tl.load(k_base + nxt[:, None] * sk_n, mask=ok, other=0)
-        vq = tl.load(v_base + nxt[:, None] * sv_n, mask=ok, other=0)
-        ksc = tl.load(ks_base + nxt[:, None] * sks_n, mask=ok, other=0.0)
-        vsc = tl.load(vs_base + nxt[:, None] * svs_n, mask=ok, other=0.0)
+        rn = _page_rows(blk_ptr, start, nxt, hi, PAGED)[:, None]
+        kq = tl.load(k_base + rn * sk_n, mask=ok, other=0)
+        vq = tl.load(v_base + rn * sv_n, mask=ok, other=0)
+        ksc = tl.load(ks_base + rn * sks_n, mask=ok, other=0.0)
+        vsc = tl.load(vs_base + rn * svs_n, mask=ok, other=0.0)
         for n0 in range(start, hi, BLOCK_N):
             offs_n = n0 + offs_b
             if QMODE > 0:
@@ -194,17 +223,19 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
                 v = _dequant(vq, vsc, BLOCK_N, D, G, q.dtype)
             nxt = offs_n + BLOCK_N
             ok = (nxt < hi)[:, None]
-            kq = tl.load(k_base + nxt[:, None] * sk_n, mask=ok, other=0)
-            vq = tl.load(v_base + nxt[:, None] * sv_n, mask=ok, other=0)
-            ksc = tl.load(ks_base + nxt[:, None] * sks_n, mask=ok, other=0.0)
-            vsc = tl.load(vs_base + nxt[:, None] * svs_n, mask=ok, other=0.0)
+            rn = _page_rows(blk_ptr, n0 + BLOCK_N, nxt, hi, PAGED)[:, None]
+            kq = tl.load(k_base + rn * sk_n, mask=ok, other=0)
+            vq = tl.load(v_base + rn * sv_n, mask=ok, other=0)
+            ksc = tl.load(ks_base + rn * sks_n, mask=ok, other=0.0)
+            vsc = tl.load(vs_base + rn * svs_n, mask=ok, other=0.0)
             m_i, l_i, acc = _online_softmax_step(q, k, v, offs_n, pos, m_i, l_i, acc, qk_scale, PREC)
     else:
         for n0 in range(start, hi, BLOCK_N):
             offs_n = n0 + offs_b
             ok = (offs_n < hi)[:, None]
-            k = tl.load(k_base + offs_n[:, None] * sk_n, mask=ok, other=0.0).to(q.dtype)
-            v = tl.load(v_base + offs_n[:, None] * sv_n, mask=ok, other=0.0).to(q.dtype)
+            rn = _page_rows(blk_ptr, n0, offs_n, hi, PAGED)[:, None]
+            k = tl.load(k_base + rn * sk_n, mask=ok, other=0.0).to(q.dtype)
+            v = tl.load(v_base + rn * sv_n, mask=ok, other=0.0).to(q.dtype)
             m_i, l_i, acc = _online_softmax_step(q, k, v, offs_n, pos, m_i, l_i, acc, qk_scale, PREC)
     # partials: acc [R, Hq, n_split, D], ml [R, Hq, n_split, 2] (R: every sequence's rows)
     base = ((row0 + row) * hq + head) * n_split + sid
@@ -229,7 +260,8 @@ def _attn_q8t_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
                      SPLIT: tl.constexpr, POS_PTR: tl.constexpr, ASM: tl.constexpr,
                      VT: tl.constexpr, VPAD: tl.constexpr, PDL: tl.constexpr = False,
                      seq_ptr=None, spos_ptr=None, tab_ptr=None, n_kvh=1,
-                     MULTI: tl.constexpr = False, ALIGN: tl.constexpr = False):
+                     MULTI: tl.constexpr = False, ALIGN: tl.constexpr = False,
+                     blk_ptr=None, PAGED: tl.constexpr = False):
     """The split kernel's contract for a Q8 cache with one scale per (position, KV head). VT: values
     key-minor (sv_n == 1); VPAD: the value storage covers every whole BLOCK_N block, so value loads
     need no mask (keys past a row's position get p = 0 exactly, and a finite code times 0 is 0)."""
@@ -243,8 +275,8 @@ def _attn_q8t_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
     row0 = 0
     if MULTI:    # one of several sequences (multi.py): its rows, position and cache
         hq = n_kvh * REP
-        kvh, row0, n_rows, pos0, k_ptr, v_ptr, ks_ptr, vs_ptr = _seq_split(
-            seq_ptr, spos_ptr, tab_ptr, kvh, n_kvh, k_ptr, v_ptr, ks_ptr, vs_ptr, True, ALIGN)
+        kvh, row0, n_rows, pos0, k_ptr, v_ptr, ks_ptr, vs_ptr, blk_ptr = _seq_split(
+            seq_ptr, spos_ptr, tab_ptr, kvh, n_kvh, k_ptr, v_ptr, ks_ptr, vs_ptr, blk_ptr, True, ALIGN, PAGED)
     offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     row = offs_m // REP
     head = kvh * REP + offs_m % REP
@@ -264,25 +296,26 @@ def _attn_q8t_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, ml_ptr,
     for n0 in range(start, hi, BLOCK_N):
         offs_n = n0 + offs_b
         ok = offs_n < hi
-        kq = tl.load(k_ptr + kvh * sk_h + offs_n[:, None] * sk_n + offs_d[None, :], mask=ok[:, None], other=0)
-        ksc = tl.load(ks_ptr + kvh * sks_h + offs_n * sks_n, mask=ok, other=0.0).to(tl.float32)
+        rn = _page_rows(blk_ptr, n0, offs_n, hi, PAGED)
+        kq = tl.load(k_ptr + kvh * sk_h + rn[:, None] * sk_n + offs_d[None, :], mask=ok[:, None], other=0)
+        ksc = tl.load(ks_ptr + kvh * sks_h + rn * sks_n, mask=ok, other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(_codes16(kq, ASM))) * (ksc * qk_scale)[None, :]   # log2 units
         s = tl.where(offs_n[None, :] <= pos[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        vsc = tl.load(vs_ptr + kvh * svs_h + offs_n * svs_n, mask=ok, other=0.0).to(tl.float32)
+        vsc = tl.load(vs_ptr + kvh * svs_h + rn * svs_n, mask=ok, other=0.0).to(tl.float32)
         pv = (p * vsc[None, :]).to(tl.float16)       # <= the fp16 scale: no overflow
         if VT:
-            v_ptrs = v_ptr + kvh * sv_h + offs_d[:, None] * sv_d + offs_n[None, :]
+            v_ptrs = v_ptr + kvh * sv_h + offs_d[:, None] * sv_d + rn[None, :]
             if VPAD:
                 vq = tl.load(v_ptrs)
             else:
                 vq = tl.load(v_ptrs, mask=ok[None, :], other=0)
             v = tl.trans(_codes16(vq, ASM))
         else:
-            vq = tl.load(v_ptr + kvh * sv_h + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d, mask=ok[:, None],
+            vq = tl.load(v_ptr + kvh * sv_h + rn[:, None] * sv_n + offs_d[None, :] * sv_d, mask=ok[:, None],
                          other=0)
             v = _codes16(vq, ASM)
         acc = acc * alpha[:, None] + tl.dot(pv, v)
@@ -334,7 +367,8 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                           block_m: int = BLOCK_M, split: int = SPLIT, block_n: int | None = None,
                           num_warps: int | None = None, num_stages: int | None = None,
-                          chunk: int = CHUNK, multi: Launch | None = None) -> torch.Tensor:
+                          chunk: int = CHUNK, multi: Launch | None = None,
+                          blocks: torch.Tensor | None = None) -> torch.Tensor:
     """Contract of attention_rows_ref (q [R, Hq, D] -> float32 [R, Hq, D]); Q8 when scales are given.
     `pos0` may be a one-element int tensor on the device: the kernels then read it there and the
     launch covers every span of the cache (spans past the rows' positions contribute nothing), so
@@ -342,7 +376,10 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     (default: the module's measured settings) change no row's dependence on the others.
     `multi` (kernels/attention/multi.py): q holds several sequences' rows, each over its own cache
     (k_cache, ... are the first's: every cache is laid out alike) at its own position (pos0 unused);
-    each program does what it does when its sequence runs alone, so each one's rows get those bits."""
+    each program does what it does when its sequence runs alone, so each one's rows get those bits.
+    `blocks` (kernels/attention/paged.py): the caches are a pool's rows and position p of the
+    sequence is at blocks[p // BLOCK] (with `multi`: the first's table, each sequence's in its
+    table row); the spans and tiles are those of the contiguous cache, so are the bits."""
     r_rows, hq, d = q.shape
     hkv = k_cache.shape[1]
     rep = hq // hkv
@@ -350,15 +387,22 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if q.stride(-1) != 1:
         q = q.contiguous()
     pos_ptr = pos0 if isinstance(pos0, torch.Tensor) and multi is None else None
+    whole = k_cache.shape[0] if blocks is None else blocks.shape[0] * PAGE     # positions the cache addresses
+    if blocks is not None:
+        _check_paged(split, block_n, q8 and k_scale.shape[-1] == 1 and (q.dtype != torch.float32 or v_cache.stride(-1) != 1))
+        skw0 = dict(blk_ptr=blocks, PAGED=True)
+    else:
+        skw0 = dict(blk_ptr=k_cache)       # (unread)
     if multi is None:
-        n_keys = k_cache.shape[0] if pos_ptr is not None else pos0 + r_rows
+        n_keys = whole if pos_ptr is not None else pos0 + r_rows
         tile_rows, n_seq, skw, ckw = r_rows, 1, {}, {}
     else:
-        n_keys = k_cache.shape[0] if multi.n_keys is None else multi.n_keys
+        n_keys = whole if multi.n_keys is None else multi.n_keys
         tile_rows, n_seq = multi.rows_max, multi.n
         skw = dict(seq_ptr=multi.seqs, spos_ptr=multi.pos, tab_ptr=multi.table, n_kvh=hkv, MULTI=True,
                    ALIGN=multi.align)
         ckw = dict(seq_ptr=multi.seqs, spos_ptr=multi.pos, rseq_ptr=multi.row_seq, MULTI=True)
+    skw.update(skw0)
     n_split = triton.cdiv(n_keys, split)
     pos_int = pos0 if multi is None and pos_ptr is None else 0
     grid = (triton.cdiv(tile_rows * rep, block_m), n_split, hkv * n_seq)
@@ -412,7 +456,8 @@ def _q8t_launch(q, k_cache, v_cache, k_scale, v_scale, acc, ml, pos_int, pos_arg
         raise ValueError(f"Q8 keys need head_dim contiguous, got strides {tuple(k_cache.stride())}")
     last = (v_cache.storage_offset() + (v_cache.shape[1] - 1) * v_cache.stride(1) + (d - 1) * v_cache.stride(2)
             + triton.cdiv(n_keys, block_n) * block_n - 1)
-    vpad = vt and last < v_cache.untyped_storage().nbytes() // v_cache.element_size()
+    # a pool's storage holds every row of every block a tile can name
+    vpad = vt and (skw.get("PAGED", False) or last < v_cache.untyped_storage().nbytes() // v_cache.element_size())
     asm = Q8_MODE == 2 and not INTERPRET
     _attn_q8t_kernel[grid](
         q, k_cache, v_cache, k_scale, v_scale, acc, ml, pos_int, pos_arg, r_rows, n_split, scale * 1.4426950408889634,
@@ -421,3 +466,11 @@ def _q8t_launch(q, k_cache, v_cache, k_scale, v_scale, acc, ml, pos_int, pos_arg
         REP=q.shape[1] // k_cache.shape[1], D=d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split,
         POS_PTR=pos_on_device, ASM=asm, VT=vt, VPAD=vpad,
         num_warps=num_warps or Q8T_WARPS, num_stages=num_stages or Q8T_STAGES, **pdl.kw(q), **skw)
+
+
+def _check_paged(split: int, block_n: int | None, q8t: bool) -> None:
+    """A paged cache's key tiles must lie inside one block and its spans start on one."""
+    tiles = (block_n or Q8T_BLOCK_N,) if q8t else ((block_n,) if block_n else (BLOCK_N, Q8_BLOCK_N))
+    if split % PAGE or any(PAGE % b for b in tiles):
+        raise ValueError(f"attention rows over a paged cache: split {split} must be a multiple of the block "
+                         f"({PAGE} positions) and key tiles {tiles} divide it")

@@ -41,16 +41,23 @@ def _layout(x: torch.Tensor | None) -> tuple:
     return (tuple(x.shape), x.stride(), x.dtype, x.storage_offset(), x.untyped_storage().nbytes(), str(x.device))
 
 
+def _parts(lc) -> tuple:
+    """A layer cache's tensors a launch addresses: k, v, k_scale, v_scale and its block table
+    (kernels/attention/paged.py; None: contiguous)."""
+    return lc.k, lc.v, lc.k_scale, lc.v_scale, getattr(lc, "blocks", None)
+
+
 def cache_table(lcs: list) -> tuple[torch.Tensor, bool]:
-    """(int64 [n, 4] table of each layer cache's k, v, k_scale, v_scale addresses (0 where absent),
-    whether all of them are 16-byte aligned). Every cache must be laid out as the first."""
-    first = [_layout(getattr(lcs[0], f)) for f in ("k", "v", "k_scale", "v_scale")]
+    """(int64 [n, 5] table of each layer cache's k, v, k_scale, v_scale and block table addresses
+    (0 where absent), whether the first four are all 16-byte aligned). Every cache must be laid out
+    as the first (paged or not alike)."""
+    first = [_layout(x) for x in _parts(lcs[0])]
     for i, lc in enumerate(lcs[1:], 1):
-        if [_layout(getattr(lc, f)) for f in ("k", "v", "k_scale", "v_scale")] != first:
+        if [_layout(x) for x in _parts(lc)] != first:
             raise ValueError(f"attention over several sequences: sequence {i}'s layer cache is laid out "
                              "unlike sequence 0's (shape, strides, dtype and storage must match)")
-    rows = tuple(tuple(0 if x is None else x.data_ptr() for x in (lc.k, lc.v, lc.k_scale, lc.v_scale)) for lc in lcs)
-    return _table(lcs[0].k.device, rows), all(p % 16 == 0 for r in rows for p in r)
+    rows = tuple(tuple(0 if x is None else x.data_ptr() for x in _parts(lc)) for lc in lcs)
+    return _table(lcs[0].k.device, rows), all(p % 16 == 0 for r in rows for p in r[:4])
 
 
 @dataclass
@@ -60,7 +67,7 @@ class Launch:
     seqs: torch.Tensor          # int64 [n, 2]: each sequence's first row and row count
     row_seq: torch.Tensor       # int64 [R]: each row's sequence
     pos: torch.Tensor           # int64 [n]: each sequence's first position (this forward's)
-    table: torch.Tensor         # int64 [n, 4]: each sequence's cache addresses (cache_table)
+    table: torch.Tensor         # int64 [n, 5]: each sequence's cache and block table addresses (cache_table)
     align: bool                 # every address in `table` 16-byte aligned
     n: int                      # sequences
     rows_max: int               # the most rows of one sequence (the grid's tiles cover it)
@@ -114,7 +121,7 @@ class RowsPack:
             raise RuntimeError("RowsPack.launch before at(): no positions for this forward")
         if len(lcs) != len(self.spans):
             raise ValueError(f"attention over several sequences: {len(lcs)} caches for {len(self.spans)} sequences")
-        key = tuple(0 if x is None else x.data_ptr() for lc in lcs for x in (lc.k, lc.v, lc.k_scale, lc.v_scale))
+        key = tuple(0 if x is None else x.data_ptr() for lc in lcs for x in _parts(lc))
         got = self._caches.get(key)
         if got is None:
             got = self._caches[key] = cache_table(lcs)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .paged import rows_of
+
 Q8_KV = torch.int8          # the kv dtype that selects the Q8 cache layout
 Q8_GROUP = 32               # the grouped format's group (still read by the kernels)
 Q8_PAD = 64                 # key-minor value storage is a whole number of kernel key blocks
@@ -47,15 +49,21 @@ def dequantize_q8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def kv_write(lc, pos0, k: torch.Tensor, v: torch.Tensor) -> None:
     """Store rows k, v [T, n_kv, D] at positions pos0.. of a layer cache (quantizing for Q8).
-    `pos0` is an int, or a one-element int64 device tensor (CUDA-graph capturable)."""
+    `pos0` is an int, or a one-element int64 device tensor (CUDA-graph capturable). A paged cache
+    (`lc.blocks`, kernels/attention/paged.py) takes the rows at its table's pool rows."""
     t = k.shape[0]
+    blocks = getattr(lc, "blocks", None)
     if lc.k.dtype == Q8_KV:
         kq, ks = quantize_q8(k)
         vq, vs = quantize_q8(v)
         pairs = ((lc.k, kq), (lc.v, vq), (lc.k_scale, ks), (lc.v_scale, vs))
     else:
         pairs = ((lc.k, k.to(lc.k.dtype)), (lc.v, v.to(lc.v.dtype)))
-    if isinstance(pos0, torch.Tensor):
+    if blocks is not None:
+        idx = rows_of(blocks, pos0, t)
+        for dst, src in pairs:
+            dst.index_copy_(0, idx, src)
+    elif isinstance(pos0, torch.Tensor):
         idx = pos0 + torch.arange(t, device=k.device)
         for dst, src in pairs:
             dst.index_copy_(0, idx, src)

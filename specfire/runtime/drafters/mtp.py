@@ -5,7 +5,7 @@ import torch
 
 from ...layers.attention import fuses
 from ...model.qwen35 import MtpHead
-from ...params import SamplingParams
+from ...params import MAX_SPEC_K, SamplingParams
 from ..graphs import DraftGraphs, penalty_key
 from ..rng import DeviceRng
 from ..sampling import Penalties, probs, sample
@@ -41,7 +41,7 @@ class MtpDrafter:
     def __init__(self, head: MtpHead, trunk: Trunk, kv_dtype: torch.dtype, feed: str = "pre"):
         self.graphs: DraftGraphs | None = None     # set before `feed`, whose setter resets captured graphs
         self.head, self.trunk, self.feed = head, trunk, feed
-        self.state = head.new_state(trunk.max_seq, kv_dtype)
+        self.state = self._new_state(head, trunk, kv_dtype)
         self._hidden: list[torch.Tensor] = []      # trunk hidden rows not yet fed to the head
         self._tokens: list[torch.Tensor] = []      # the tokens following them, on the device
         self._pos0 = 0                             # position of the first pending row
@@ -54,6 +54,19 @@ class MtpDrafter:
         self._graphs_trunk_picks = False           # the pick mode the captured greedy chains hold
         if trunk.graphs_enabled:
             self.graphs = DraftGraphs(self._chain_for, head.fc.weight.device)
+
+    @staticmethod
+    def _new_state(head: MtpHead, trunk: Trunk, kv_dtype: torch.dtype):
+        """The head's KV: in the trunk's KV pool, over the trunk sequence's own block table, where
+        the pool holds the head's layers after the trunk's (model/kvpool.py); the trunk then grows
+        MAX_SPEC_K + 1 positions past its rows, what the head's catch-up and chain reach past them."""
+        pool = trunk.kv_pool
+        st = trunk.state
+        n_trunk = sum(lc.rec is None for lc in st.layers) if st is not None else 0
+        if pool is None or st is None or len(pool.k) != n_trunk + len(head.kv_heads()):
+            return head.new_state(trunk.max_seq, kv_dtype)
+        st.ahead = MAX_SPEC_K + 1
+        return head.new_state(trunk.max_seq, kv_dtype, pool, n_trunk, st.table)
 
     @property
     def feed(self) -> str:
