@@ -279,23 +279,33 @@ def test_cli_run_and_serve_start_the_mesh(tmp_path, capsys):
                                                         "temperature": 0}, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == outs[1]["text"]
-        assert len(_worker_children(proc.pid)) == 1           # the server started rank 1 itself
+        assert len(_worker_children(proc.pid)) == 1           # the server (its engine process) started rank 1
     finally:
         stop(proc)
 
 
-def _worker_children(pid: int) -> list[int]:
-    """Child processes of `pid` that run a mesh worker module."""
+def _children(pid: int) -> list[int]:
     kids = []
     for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/children") as f:
-            kids += [int(x) for x in f.read().split()]
-    out = []
-    for k in kids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids += [int(x) for x in f.read().split()]
+        except FileNotFoundError:
+            pass
+    return kids
+
+
+def _worker_children(pid: int) -> list[int]:
+    """Descendants of `pid` that run the mesh worker module (the server's engine process starts
+    them: grandchildren of the server)."""
+    out, todo = [], _children(pid)
+    while todo:
+        k = todo.pop()
         try:
             with open(f"/proc/{k}/cmdline", "rb") as f:
-                if b".worker" in f.read():
+                if b"specfire.parallel.worker" in f.read():
                     out.append(k)
+            todo += _children(k)
         except FileNotFoundError:
             pass
     return out
