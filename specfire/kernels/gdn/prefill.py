@@ -170,9 +170,9 @@ def gdn_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         _terms_kernel[(n, hv)](kp, vp, gp, bp, w, u, gc, hi - lo, n, kp.stride(0), kp.stride(1), vp.stride(0),
                                vp.stride(1), gp.stride(0), bp.stride(0), **common, num_warps=8, num_stages=1)
         _state_kernel[(hv, dv // state_bv)](kp, u, w, gc, s, sc, dbuf, s_next, hi - lo, n, kp.stride(0), kp.stride(1),
-                                            BV=state_bv, **common, num_warps=4, num_stages=1)
+                                            BV=state_bv, **common, num_warps=8, num_stages=1)
         _output_kernel[(n, hv, dv // out_bv)](qp, kp, gc, dbuf, sc, op, hi - lo, n, qp.stride(0), qp.stride(1),
                                               kp.stride(0), kp.stride(1), op.stride(0), op.stride(1), BV=out_bv,
-                                              **common, num_warps=4, num_stages=1)
+                                              **common, num_warps=8, num_stages=1)
         s, s_next = s_next, s
     return o, s
