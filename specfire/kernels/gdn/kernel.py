@@ -1,4 +1,4 @@
-"""Triton kernels of the Gated DeltaNet rows path and prefill scan: the recurrence (state in registers,
+"""Triton kernels of the Gated DeltaNet rows path and the previous prefill scan: the recurrence (state in registers,
 rows in order, each row's update terms logged, no state written), the commit that replays rows 0..n
 with the same FMAs (bit for bit), the conv window, and the chunk-to-chunk prefill scan."""
 from __future__ import annotations
@@ -174,7 +174,8 @@ def _gdn_chunk_scan_kernel(wv_ptr, uk_ptr, q_ptr, qk_ptr, gexp_ptr, kdec_ptr, ge
 
 def gdn_chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        state: torch.Tensor, chunk: int = 64, bv: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """Contract of gdn_chunked_ref. The per-chunk terms (both triangular solves, Q K^T with decay)
+    """Contract of gdn_chunked_ref: the previous prefill path, now the baseline of bench.gdn_prefill
+    (the engine runs prefill.py). The per-chunk terms (both triangular solves, Q K^T with decay)
     are batched over all chunks in PyTorch; the chunk-to-chunk state scan runs in one kernel.
     Needs dk, dv powers of two >= 16 (tensor-core tile sizes)."""
     from .ref import chunk_terms
