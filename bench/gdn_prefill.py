@@ -103,7 +103,8 @@ def check(cfg, t: int) -> dict:
     o_old, s_old = old_chunked(q, k, v, g, beta, s0)
     hk2, hv2 = k.shape[1] // 2, v.shape[1] // 2         # the second tensor-parallel half alone
     o_half, s_half = gdn_prefill_triton(q[:, hk2:], k[:, hk2:], v[:, hv2:], g[:, hv2:], beta[:, hv2:], s0[hv2:])
-    return {"t": t, "conv_max_abs_new": (c_new - rc).abs().max().item(), "conv_max_abs_old": (c_old - rc).abs().max().item(),
+    return {"t": t, "conv_max_abs_new": (c_new - rc).abs().max().item(),
+            "conv_max_abs_old": (c_old - rc).abs().max().item(),
             "window_equal": bool(torch.equal(f_new[-win.shape[0]:], rf[-win.shape[0]:])),
             "new": errors(o_new, s_new, ro, rs), "old": errors(o_old, s_old, ro, rs),
             "half_heads_bitwise": bool(torch.equal(o_half, o_new[:, hv2:]) and torch.equal(s_half, s_new[hv2:]))}
@@ -111,7 +112,8 @@ def check(cfg, t: int) -> dict:
 
 def timing(cfg, t: int) -> dict:
     (x, win, w), (q, k, v, g, beta, s0) = inputs(cfg, t)
-    res = {"t": t, "conv_old_ms": ms(lambda: old_conv(x, win, w)), "conv_new_ms": ms(lambda: conv_window_triton(x, win, w)),
+    res = {"t": t, "conv_old_ms": ms(lambda: old_conv(x, win, w)),
+           "conv_new_ms": ms(lambda: conv_window_triton(x, win, w)),
            "chunked_old_ms": ms(lambda: old_chunked(q, k, v, g, beta, s0)),
            "chunked_new_ms": ms(lambda: gdn_prefill_triton(q, k, v, g, beta, s0))}
     res["old_ms"] = res["conv_old_ms"] + res["chunked_old_ms"]
