@@ -1,7 +1,7 @@
 """Gated DeltaNet: the causal conv window and the gated delta rule, per row t
 S = exp(g_t) S; u = S^T k_t; S += k_t (beta_t (v_t - u))^T; o_t = S^T q_t (q, k [T, Hv, dk], v [T, Hv,
 dv], g, beta [T, Hv], S [Hv, dk, dv], float32). Rows (decode, verify) log what commit_rows replays;
-prefill runs the chunked (WY) form. References: ref.py; CUDA: kernel.py, fused.py, fla.py."""
+prefill runs the chunked (WY) form. References: ref.py; CUDA: kernel.py, fused.py, prefill.py, fla.py."""
 from __future__ import annotations
 
 import torch
@@ -52,18 +52,19 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                 state: torch.Tensor, chunk: int = 64, canonical: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill (contract of gdn_chunked_ref, except that q, k may hold H key heads for Hv = r H
     value heads: value head j reads key head j // r). On CUDA flash-linear-attention's kernel when
-    installed (kernels/gdn/fla.py), else the chunk-to-chunk scan runs in our Triton kernel.
-    `canonical` (a tensor-parallel invariant forward): never flash-linear-attention, whose configs
-    are autotuned per process and keyed by the head count; our path computes a head the same way
-    among any number of heads (checked bitwise on an H200 at the 27B geometry)."""
+    installed (kernels/gdn/fla.py), else our Triton passes (prefill.py: terms, state, output) for
+    power-of-two dims >= 16, else the reference. `canonical` (a tensor-parallel invariant
+    forward): never flash-linear-attention, whose configs are autotuned per process and keyed by
+    the head count; our passes compute a head from its own rows alone, the same among any number
+    of heads."""
     from . import fla as gdn_fla
     if not canonical and gdn_fla.use_for(q):
         return gdn_fla.gdn_chunked_fla(q, k, v, g, beta, state)
+    if (q.is_cuda and _pow2_at_least_16(k.shape[-1]) and _pow2_at_least_16(v.shape[-1]) and _pow2_at_least_16(chunk)
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
+        from .prefill import gdn_prefill_triton
+        return gdn_prefill_triton(q, k, v, g, beta, state, chunk)
     rep = v.shape[1] // k.shape[1]
     if rep > 1:
         q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
-    if q.is_cuda and _pow2_at_least_16(k.shape[-1]) and _pow2_at_least_16(v.shape[-1]):
-        from .kernel import gdn_chunked_triton
-        return gdn_chunked_triton(q, k, v, g, beta, state, chunk)
     return gdn_chunked_ref(q, k, v, g, beta, state, chunk)
-

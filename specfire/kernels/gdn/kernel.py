@@ -1,4 +1,4 @@
-"""Triton kernels of the Gated DeltaNet rows path and prefill scan: the recurrence (state in registers,
+"""Triton kernels of the Gated DeltaNet rows path and the previous prefill scan: the recurrence (state in registers,
 rows in order, each row's update terms logged, no state written), the commit that replays rows 0..n
 with the same FMAs (bit for bit), the conv window, and the chunk-to-chunk prefill scan."""
 from __future__ import annotations
@@ -115,28 +115,34 @@ def commit_rows_triton(states: torch.Tensor, k: torch.Tensor, delta: torch.Tenso
 
 @triton.jit
 def _conv_window_kernel(full_ptr, w_ptr, out_ptr, n_rows, n_ch,
-                        K: tl.constexpr, BLOCK_C: tl.constexpr):
-    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+                        K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (row block, channel block): a [BLOCK_T, BLOCK_C] tile of the conv + SiLU."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < n_ch
-    for t in range(n_rows):
-        acc = tl.load(full_ptr + t * n_ch + offs_c, mask=c_ok, other=0.0).to(tl.float32) * \
-            tl.load(w_ptr + offs_c * K, mask=c_ok, other=0.0).to(tl.float32)
-        for j in tl.static_range(1, K):
-            acc += tl.load(full_ptr + (t + j) * n_ch + offs_c, mask=c_ok, other=0.0).to(tl.float32) * \
-                tl.load(w_ptr + offs_c * K + j, mask=c_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + t * n_ch + offs_c, acc / (1.0 + tl.exp(-acc)), mask=c_ok)
+    m = (offs_t < n_rows)[:, None] & c_ok[None, :]
+    ptrs = full_ptr + offs_t[:, None] * n_ch + offs_c[None, :]
+    acc = tl.load(ptrs, mask=m, other=0.0).to(tl.float32) * \
+        tl.load(w_ptr + offs_c * K, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    for j in tl.static_range(1, K):
+        acc += tl.load(ptrs + j * n_ch, mask=m, other=0.0).to(tl.float32) * \
+            tl.load(w_ptr + offs_c * K + j, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_t[:, None] * n_ch + offs_c[None, :], acc / (1.0 + tl.exp(-acc)), mask=m)
 
 
 def conv_window_triton(x: torch.Tensor, window: torch.Tensor, w: torch.Tensor,
-                       block_c: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    """Contract of conv_window_ref: (out [T, C] float32, full [K-1+T, C]). Each output is a fixed
-    chain over the K taps, so a row's value never depends on T."""
+                       block_c: int = 128, block_t: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contract of conv_window_ref: (out [T, C] float32, full [K-1+T, C]), over a grid of row
+    blocks x channel blocks. Each output is a fixed chain over the K taps, so a row's value never
+    depends on T or on the tile it falls in."""
     t, c = x.shape
     kk = w.shape[1]
     full = torch.cat([window.to(x.dtype), x], dim=0).contiguous()
     wc = w.contiguous()
     out = torch.empty(t, c, device=x.device, dtype=torch.float32)
-    _conv_window_kernel[(triton.cdiv(c, block_c),)](full, wc, out, t, c, K=kk, BLOCK_C=block_c, num_warps=4)
+    block_t = min(block_t, triton.next_power_of_2(max(t, 1)))
+    _conv_window_kernel[(triton.cdiv(t, block_t), triton.cdiv(c, block_c))](
+        full, wc, out, t, c, K=kk, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4)
     return out, full
 
 
@@ -168,7 +174,8 @@ def _gdn_chunk_scan_kernel(wv_ptr, uk_ptr, q_ptr, qk_ptr, gexp_ptr, kdec_ptr, ge
 
 def gdn_chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        state: torch.Tensor, chunk: int = 64, bv: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """Contract of gdn_chunked_ref. The per-chunk terms (both triangular solves, Q K^T with decay)
+    """Contract of gdn_chunked_ref: the previous prefill path, now the baseline of bench.gdn_prefill
+    (the engine runs prefill.py). The per-chunk terms (both triangular solves, Q K^T with decay)
     are batched over all chunks in PyTorch; the chunk-to-chunk state scan runs in one kernel.
     Needs dk, dv powers of two >= 16 (tensor-core tile sizes)."""
     from .ref import chunk_terms
