@@ -18,7 +18,7 @@ import torch
 from bench.common import model_config
 from specfire.kernels import gdn as G
 from specfire.kernels._triton import tl, triton
-from specfire.kernels.gdn.kernel import conv_window_triton, gdn_chunked_triton
+from specfire.kernels.gdn.kernel import conv_window_triton
 from specfire.kernels.gdn.prefill import gdn_prefill_triton
 
 
@@ -45,9 +45,57 @@ def old_conv(x, window, w):
     return out, full
 
 
+@triton.jit
+def _gdn_chunk_scan_kernel(wv_ptr, uk_ptr, q_ptr, qk_ptr, gexp_ptr, kdec_ptr, gend_ptr, s_ptr, o_ptr, sout_ptr,
+                           n_chunks,
+                           C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    """The sequential part of the chunked form: one program per (head, BV value columns) carries
+    S [DK, BV] through the chunks in order (see kernels/gdn for the algebra)."""
+    h = tl.program_id(0)
+    offs_v = tl.program_id(1) * BV + tl.arange(0, BV)
+    offs_k = tl.arange(0, DK)
+    offs_c = tl.arange(0, C)
+    s = tl.load(s_ptr + h * DK * DV + offs_k[:, None] * DV + offs_v[None, :])
+    for c in range(n_chunks):
+        hc = h * n_chunks + c
+        uk = tl.load(uk_ptr + hc * C * DK + offs_c[:, None] * DK + offs_k[None, :])          # [C, DK]
+        wv = tl.load(wv_ptr + hc * C * DV + offs_c[:, None] * DV + offs_v[None, :])          # [C, BV]
+        delta = wv - tl.dot(uk, s, input_precision="ieee")
+        qc = tl.load(q_ptr + hc * C * DK + offs_c[:, None] * DK + offs_k[None, :])
+        qk = tl.load(qk_ptr + hc * C * C + offs_c[:, None] * C + offs_c[None, :])             # [C, C]
+        ge = tl.load(gexp_ptr + hc * C + offs_c)
+        o = ge[:, None] * tl.dot(qc, s, input_precision="ieee") + tl.dot(qk, delta, input_precision="ieee")
+        tl.store(o_ptr + hc * C * DV + offs_c[:, None] * DV + offs_v[None, :], o)
+        kd = tl.load(kdec_ptr + hc * C * DK + offs_c[:, None] * DK + offs_k[None, :])         # [C, DK]
+        s = tl.load(gend_ptr + hc) * s + tl.dot(tl.trans(kd), delta, input_precision="ieee")
+    tl.store(sout_ptr + h * DK * DV + offs_k[:, None] * DV + offs_v[None, :], s)
+
+
+def scan_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       state: torch.Tensor, chunk: int = 64, bv: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contract of gdn_chunked_ref: the previous prefill path (the baseline here; the engine runs
+    kernels/gdn/prefill.py). The per-chunk terms (both triangular solves, Q K^T with decay)
+    are batched over all chunks in PyTorch; the chunk-to-chunk state scan runs in one kernel.
+    Needs dk, dv powers of two >= 16 (tensor-core tile sizes)."""
+    from specfire.kernels.gdn.ref import chunk_terms
+
+    h, dk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    c = chunk_terms(q, k, v, g, beta, chunk)
+    n, t_len = c.n, c.t_len
+    gexp = c.G.exp().contiguous()
+    gend = c.G[..., -1].exp().contiguous()
+    o = torch.empty(h, n, chunk, dv, device=q.device, dtype=torch.float32)
+    s_out = torch.empty(h, dk, dv, device=q.device, dtype=torch.float32)
+    bv = min(bv, dv)
+    _gdn_chunk_scan_kernel[(h, dv // bv)](
+        c.Wv.contiguous(), c.Uk.contiguous(), c.qb.contiguous(), c.QK.contiguous(), gexp, c.kdec.contiguous(), gend,
+        state.float().contiguous(), o, s_out, n, C=chunk, DK=dk, DV=dv, BV=bv, num_warps=4, num_stages=1)
+    return o.reshape(h, n * chunk, dv)[:, :t_len].transpose(0, 1).contiguous(), s_out
+
+
 def old_chunked(q, k, v, g, beta, s):
     rep = v.shape[1] // k.shape[1]
-    return gdn_chunked_triton(q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1), v, g, beta, s)
+    return scan_chunked(q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1), v, g, beta, s)
 
 
 def ms(fn, reps: int = 10) -> float:
