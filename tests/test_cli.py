@@ -363,7 +363,7 @@ def test_license_is_the_apache_text_pyproject_names():
     except ModuleNotFoundError:                 # Python 3.10
         tomllib = pytest.importorskip("tomli")
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
-        assert tomllib.load(f)["project"]["license"] == {"text": "Apache-2.0"}
+        assert tomllib.load(f)["project"]["license"] == "Apache-2.0"     # an SPDX expression (PEP 639)
     with open(os.path.join(REPO, "LICENSE"), encoding="utf-8") as f:
         text = f.read()
     assert text.startswith("Copyright 2026 specfire authors\n")
