@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
+from bench.common import capture, replay_time
 from specfire.kernels import attention as A
 from specfire.kernels.attention import fused as af
 from specfire.kernels.attention.kernel import attention_rows_triton
@@ -28,31 +29,6 @@ def _cache(q8: bool, n: int, hkv: int, d: int, gen) -> SimpleNamespace:
     vc = A.q8_value_cache(n, hkv, d, "cuda")
     vc.copy_(vq)
     return SimpleNamespace(k=kq, v=vc, k_scale=ks, v_scale=vs)
-
-
-def _graph(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g, out
-
-
-def _ms(fn, n=50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / n
 
 
 def check(q8: bool, rows: list[int], ctx: int, hq: int, hkv: int, d: int, r: int) -> dict:
@@ -107,15 +83,15 @@ def check(q8: bool, rows: list[int], ctx: int, hq: int, hkv: int, d: int, r: int
     restore(init)
     got = packed(pos0s)
     got_kv = kv()
-    ga, out_a = _graph(lambda: alone(pos_t))
-    gp, out_p = _graph(lambda: packed(pos_t))
+    ga, out_a = capture(lambda: alone(pos_t))
+    gp, out_p = capture(lambda: packed(pos_t))
     ga.replay()
     gp.replay()
     torch.cuda.synchronize()
     same = (torch.equal(got, want) and all(torch.equal(x, y) for x, y in zip(got_kv, want_kv))
             and torch.equal(out_a, want) and torch.equal(out_p, want))
     return {"cache": "q8" if q8 else "bf16", "rows": rows, "ctx": ctx, "bit_exact": same,
-            "graph_ms_alone": round(_ms(ga.replay), 4), "graph_ms_packed": round(_ms(gp.replay), 4)}
+            "graph_ms_alone": round(1e3 * replay_time(ga, 50), 4), "graph_ms_packed": round(1e3 * replay_time(gp, 50), 4)}
 
 
 def main() -> None:

@@ -16,36 +16,12 @@ from types import SimpleNamespace
 
 import torch
 
+from bench.common import capture, replay_time
 from specfire.kernels import attention as A
 from specfire.kernels.attention import fused as af
 from specfire.kernels.attention.kernel import attention_rows_triton
 from specfire.kernels.attention.paged import BLOCK, gather, rows_of
 from specfire.kernels.small import rope_cos_sin
-
-
-def _graph(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g, out
-
-
-def _ms(fn, n=100) -> float:
-    fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / n
 
 
 def _caches(q8: bool, n: int, hkv: int, d: int, gen):
@@ -104,8 +80,8 @@ def check(q8: bool, ctx: int, rows: int, hq: int, hkv: int, d: int, r: int) -> d
     want, got = step(cont, pos0), step(pool, pos0)
     same = torch.equal(got, want) and all(torch.equal(gather(x, pool.blocks, n), y)
                                           for x, y in zip(_parts(pool), _parts(cont)))
-    gc, out_c = _graph(lambda: step(cont, pos_t))
-    gp, out_p = _graph(lambda: step(pool, pos_t))
+    gc, out_c = capture(lambda: step(cont, pos_t))
+    gp, out_p = capture(lambda: step(pool, pos_t))
     gc.replay()
     gp.replay()
     torch.cuda.synchronize()
@@ -117,7 +93,7 @@ def check(q8: bool, ctx: int, rows: int, hq: int, hkv: int, d: int, r: int) -> d
     pre_c = A.attention_prefill(qp, cont.k, cont.v, p0, d ** -0.5, cont.k_scale, cont.v_scale)
     pre_p = A.attention_prefill(qp, pool.k, pool.v, p0, d ** -0.5, pool.k_scale, pool.v_scale, blocks=pool.blocks)
     same = same and torch.equal(pre_c, pre_p)
-    mc, mp = _ms(gc.replay), _ms(gp.replay)
+    mc, mp = 1e3 * replay_time(gc, 100), 1e3 * replay_time(gp, 100)
     return {"cache": "q8" if q8 else "bf16", "ctx": ctx, "rows": rows, "bit_exact": same,
             "graph_ms_contiguous": round(mc, 4), "graph_ms_paged": round(mp, 4),
             "paged_over_contiguous": round(mp / mc, 3)}

@@ -116,6 +116,20 @@ def graph_time(fns, iters: int = 20) -> float:
     return replay_time(g, 1, reps=5) / iters
 
 
+def capture(fn):
+    """(graph, fn's output) of fn captured in a CUDA graph after two warm-up calls on a side stream."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out
+
+
 def replay_time(graph, n: int, reps: int = 1) -> float:
     """Seconds per replay of a captured CUDA graph, n replays back to back (median of reps)."""
     graph.replay()

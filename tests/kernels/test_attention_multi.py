@@ -4,11 +4,13 @@ mixed row counts, positions (masked key tails, a span boundary inside the rows, 
 16-bit and Q8 caches, int and device positions; a table pointing at the wrong cache is seen."""
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from kvcaches import layer_cache
 from specfire.kernels import attention as A
 from specfire.kernels.attention import fused as af
 from specfire.kernels.attention.kernel import attention_rows_triton
@@ -27,20 +29,7 @@ def _spans(rows):
     return [(e - r, e) for r, e in zip(rows, ends)]
 
 
-def _caches(kind, hkv, d, gen, n=N):
-    """One sequence's layer cache: 'bf' a 16-bit-style (float32) cache, 'q8g' grouped Q8 scales,
-    'q8t' the Q8 cache's own layout (one scale per position and head, values key-minor)."""
-    k = torch.randn(n, hkv, d, generator=gen)
-    v = torch.randn(n, hkv, d, generator=gen)
-    if kind == "bf":
-        return SimpleNamespace(k=k, v=v, k_scale=None, v_scale=None)
-    if kind == "q8g":
-        (kq, ks), (vq, vs) = A.quantize_q8(k, 16), A.quantize_q8(v, 16)
-        return SimpleNamespace(k=kq, v=vq, k_scale=ks, v_scale=vs)
-    (kq, ks), (vq, vs) = A.quantize_q8(k * 3), A.quantize_q8(v)
-    vc = A.q8_value_cache(n, hkv, d, "cpu")
-    vc.copy_(vq)
-    return SimpleNamespace(k=kq, v=vc, k_scale=ks, v_scale=vs)
+_caches = partial(layer_cache, n=N)                 # tests/kvcaches.py
 
 
 def _pack(rows, pos0s, cos_sins=None):

@@ -6,11 +6,13 @@ sequence or several in one launch; the fused q/k write and the Q8 rows write put
 the table says and nowhere else; a wrong table is seen."""
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from kvcaches import layer_cache
 from specfire.kernels import attention as A
 from specfire.kernels.attention import fused as af
 from specfire.kernels.attention.kernel import attention_rows_triton
@@ -38,17 +40,7 @@ def _pool_like(x, n_blocks=NB):
     return torch.zeros(n_blocks * BLOCK, *x.shape[1:], dtype=x.dtype)
 
 
-def _caches(kind, hkv, d, gen, n=N):
-    k, v = torch.randn(n, hkv, d, generator=gen), torch.randn(n, hkv, d, generator=gen)
-    if kind == "bf":
-        return SimpleNamespace(k=k, v=v, k_scale=None, v_scale=None)
-    if kind == "q8g":
-        (kq, ks), (vq, vs) = A.quantize_q8(k, 16), A.quantize_q8(v, 16)
-        return SimpleNamespace(k=kq, v=vq, k_scale=ks, v_scale=vs)
-    (kq, ks), (vq, vs) = A.quantize_q8(k * 3), A.quantize_q8(v)
-    vc = A.q8_value_cache(n, hkv, d, "cpu")
-    vc.copy_(vq)
-    return SimpleNamespace(k=kq, v=vc, k_scale=ks, v_scale=vs)
+_caches = partial(layer_cache, n=N)                 # tests/kvcaches.py
 
 
 def _paged(lcs, tables):
