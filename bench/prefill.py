@@ -53,6 +53,8 @@ class Report:
     def __init__(self, out: str | None):
         self.data: dict = {}
         self.path = os.path.join(out, "prefill.json") if out else None
+        if out:
+            os.makedirs(out, exist_ok=True)
         self.t0 = time.perf_counter()
 
     def put(self, key: str, value) -> None:
