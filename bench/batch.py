@@ -182,8 +182,9 @@ def main() -> int:
     ap.add_argument("--exact-only", action="store_true", help="only that check")
     ap.add_argument("--join", type=int, default=None, metavar="N",
                     help="also: an N-token prompt joins the largest concurrency's AR streams")
-    ap.add_argument("--prefill-piece", type=int, default=None, metavar="ROWS",
-                    help="prompt rows per prefill forward (what a joining prompt costs the running streams' round)")
+    ap.add_argument("--prefill-piece", default=None, metavar="ROWS[,ROWS...]",
+                    help="prompt rows per prefill forward (what a joining prompt costs the running streams' round); "
+                         "with --join, several values join once each")
     ap.add_argument("--smoke", action="store_true", help="CPU: the bundled model, tiny levels")
     args = ap.parse_args()
     if args.smoke:
@@ -216,8 +217,9 @@ def main() -> int:
         seq_len = max(seq_len, args.join + 16, args.prompt_len + 4 * args.output_len)
     with LLM(path, progress=False, max_seq_len=seq_len, max_num_seqs=args.max_num_seqs or max(concs) + bool(args.join),
              **kw) as m:
-        if args.prefill_piece:              # (before any other slot is built: a slot takes the first one's)
-            m.engine.trunk.piece = args.prefill_piece
+        pieces = [int(x) for x in args.prefill_piece.split(",")] if args.prefill_piece else []
+        if pieces:                          # (before any other slot is built: a slot takes the first one's)
+            m.engine.trunk.piece = pieces[0]
         piece = m.engine.trunk.piece
         ctx = args.prompt_len + args.output_len // 2
         step, per_seq = checkpoint_step_bytes(path, ctx), state_bytes(m.cfg, ctx)
@@ -228,8 +230,12 @@ def main() -> int:
                 rows[-1]["x_c1"] = round(rows[-1]["agg_tok_s"] / base["agg_tok_s"], 2)
                 print(json.dumps({"stage": "level", **rows[-1]}), flush=True)
         if args.join:
-            joined = join(m, max(concs), args.join, args)
-            print(json.dumps({"stage": "join", **joined}), flush=True)
+            joined = []
+            for p in pieces or [piece]:
+                for eng in m.slots.engines:   # every slot prefills in pieces of p rows
+                    eng.trunk.piece = p
+                joined.append({"prefill_piece": p, **join(m, max(concs), args.join, args)})
+                print(json.dumps({"stage": "join", **joined[-1]}), flush=True)
     print(f"{'route':6} {'c':>3} {'agg tok/s':>10} {'x c=1':>6} {'decode p50':>10} {'verif/fwd':>9} {'of ceil':>8} "
           f"{'round ms':>8} {'prefill s':>9}")
     for r in rows:
