@@ -18,7 +18,7 @@ import pytest
 
 KERNEL_MODULES = ("specfire.kernels.pdl", "specfire.kernels.gemv.kernel", "specfire.kernels.splitk.fused",
                   "specfire.kernels.splitk.loop", "specfire.kernels.norm.kernel", "specfire.kernels.small.kernel", "specfire.kernels.q4.kernel", "specfire.kernels.q4.gemv",
-                  "specfire.kernels.attention.kernel", "specfire.kernels.gdn.kernel", "specfire.kernels.gdn.fused", "specfire.kernels.gdn.prefill",
+                  "specfire.kernels.attention.device", "specfire.kernels.attention.kernel", "specfire.kernels.gdn.kernel", "specfire.kernels.gdn.fused", "specfire.kernels.gdn.prefill",
                   "specfire.kernels.attention.fused", "specfire.kernels.q4.matmul",
                   "specfire.kernels.head.kernel")
 

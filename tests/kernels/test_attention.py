@@ -149,7 +149,7 @@ def test_llm_q8_greedy_mtp_equals_ar(tmp_path, ckpt_cache):
 def test_q8_asm_conversion_model():
     """The inline-PTX int8 -> fp16 conversion (modelled bit for bit): element i of the word becomes
     fp16 1024 + 128 + v_i exactly, for every int8 v the cache holds (-127..127)."""
-    from specfire.kernels.attention.kernel import asm_q8_emulate
+    from specfire.kernels.attention.device import asm_q8_emulate
 
     vals = list(range(-127, 128))
     for i in range(0, len(vals), 4):

@@ -212,7 +212,7 @@ def test_constrained_ar_queued_ahead_equals_step_by_step(llm, kind, monkeypatch)
     monkeypatch.setattr(Engine, "steps", ahead)
     from specfire.runtime import spec as spec_mod
     launched, real_prepare = [], spec_mod.prepare
-    monkeypatch.setattr("specfire.runtime.engine.prepare", lambda *a, **k: launched.append(a[5]) or real_prepare(*a, **k))
+    monkeypatch.setattr("specfire.runtime.steps.prepare", lambda *a, **k: launched.append(a[5]) or real_prepare(*a, **k))
     for p, ref in zip(PROMPTS, refs):
         launched.clear()
         r = llm.generate(p, sp, spec="off")

@@ -1,8 +1,8 @@
 """Causal grouped-query attention over a position-addressed KV cache (k, v [max_seq, n_kv, D], row p
 holds position p; a row reads keys 0..its own position, so rejected drafts' rows are never read),
 contiguous or paged (a pool's rows through the sequence's block table: paged.py).
-Decode / verify rows: kernel.py on CUDA (several sequences' rows in one launch: multi.py); the Q8
-cache: q8.py; references: ref.py."""
+Decode / verify rows: kernel.py on CUDA (several sequences' rows in one launch: multi.py; device
+functions it shares with fused.py: device.py); the Q8 cache: q8.py; references: ref.py."""
 from __future__ import annotations
 
 import torch

@@ -15,7 +15,7 @@ from ..norm.ref import rms_norm_ref
 from ..pdl import wait as pdl_wait
 from ..norm.kernel import XG, store_group_sums
 from ..small.ref import apply_rope_ref
-from .kernel import _page_row, _seq, _table_ptr
+from .device import _page_row, _seq, _table_ptr
 
 if TYPE_CHECKING:
     from .multi import Launch
