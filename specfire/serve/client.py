@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import SpecfireError
 from .metrics import Metrics
-from .remote import Hello, RemoteModel, engine_env, rebuilt
+from .remote import Hello, RemoteModel, chunk_of, engine_env, rebuilt
 from .worker import CHUNK, ERROR, STARTED, Job, listener
 
 if TYPE_CHECKING:
@@ -177,7 +177,9 @@ class EngineClient:
                 on_event = self.jobs.get(rid)
                 if on_event is None:
                     continue
-                if kind == ERROR:
+                if kind == CHUNK:
+                    payload = chunk_of(payload)
+                elif kind == ERROR:
                     payload = rebuilt(*payload)
                 if kind not in (CHUNK, STARTED):
                     self.jobs.pop(rid, None)

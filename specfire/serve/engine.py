@@ -5,8 +5,10 @@ with the HTTP event loop.
 Messages in (pickled, on FD): the serve flags first, then ("submit", rid, ids, params, spec, plan,
 fork), ("cancel", rid), ("cancel_all",), ("plan", qid, params, spec) and ("stop",). Out: ("hello",
 Hello) or ("error", name, message, extra) once loaded; then ("round", events, kv_share) after every
-scheduler round, ONE message carrying each request's events of that round, and ("planned", qid,
-plan, error) answers. EOF on FD (the server died) stops the engine as ("stop",) does."""
+scheduler round, ONE message carrying each request's events of that round as (rid, kind, payload),
+a CHUNK's payload plain data (`chunk_wire`: text, token ids, logprobs as (token, logprob, top)
+tuples, prompt logprobs) so pickling it costs no object reductions, and ("planned", qid, plan,
+error) answers. EOF on FD (the server died) stops the engine as ("stop",) does."""
 from __future__ import annotations
 
 import logging
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..runtime import scheduler as sch
 from ..runtime.prefix import Fork
-from .remote import Hello, wire_error
+from .remote import Hello, chunk_wire, wire_error
 
 if TYPE_CHECKING:
     from ..api import LLM
@@ -69,7 +71,9 @@ class Host:
 
     def listener(self, rid: int):
         def on_event(kind: str, payload: Any) -> None:
-            if kind == sch.ERROR:
+            if kind == sch.CHUNK:
+                payload = chunk_wire(payload)
+            elif kind == sch.ERROR:
                 payload = wire_error(payload)
             if kind in (sch.DONE, sch.ERROR, sch.CANCELLED):
                 self.reqs.pop(rid, None)

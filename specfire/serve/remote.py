@@ -10,12 +10,14 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .. import errors
 from ..api import LLM
+from ..runtime.output import TokenLogprobs
 from ..runtime.prompts import Prompts, check_prompt_ids
 from ..tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from ..config import GenerationDefaults, ModelConfig
     from ..params import SamplingParams, SpecPolicy
+    from ..runtime.engine import StreamChunk
     from ..runtime.route import RoutePlan
 
 
@@ -71,6 +73,29 @@ class RemoteModel(Prompts):
 
     def close(self) -> None:
         """The engine process frees the model (EngineClient.close)."""
+
+
+# ---- chunks ---------------------------------------------------------------------------------------
+
+def _lps(lps: "list[TokenLogprobs | None] | None") -> list[tuple | None] | None:
+    return None if lps is None else [None if t is None else (t.token, t.logprob, t.top) for t in lps]
+
+
+def _unlps(rows: list[tuple | None] | None) -> "list[TokenLogprobs | None] | None":
+    return None if rows is None else [None if r is None else TokenLogprobs(*r) for r in rows]
+
+
+def chunk_wire(c: "StreamChunk") -> tuple:
+    """A streamed (not last) chunk as plain data: the round's message pickles lists and tuples only."""
+    return c.text, c.token_ids, _lps(c.logprobs), _lps(c.prompt_logprobs)
+
+
+def chunk_of(w: tuple) -> "StreamChunk":
+    """The StreamChunk `chunk_wire` described, equal to the engine's."""
+    from ..runtime.engine import StreamChunk
+
+    text, ids, lps, plps = w
+    return StreamChunk(text, ids, None, _unlps(lps), _unlps(plps))
 
 
 # ---- errors ----------------------------------------------------------------------------------------

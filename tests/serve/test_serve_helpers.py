@@ -348,3 +348,19 @@ def test_the_daemon_takes_one_choice():
     assert e.value.param == "n" and "must be 1" in e.value.message
     assert schema.validate(schema.GenerateMessage, {"type": "generate", "prompt": "hi", "n": 1}).n == 1
     assert schema.validate(schema.ChatBody, {"messages": [{"role": "user", "content": "x"}], "n": 64}).n == 64
+
+
+def test_chunk_crosses_the_pipe_unchanged():
+    """A streamed chunk sent as plain data (serve/remote.py chunk_wire) comes back equal, logprobs
+    (-inf included) and prompt logprobs (None for the first position) alike."""
+    import pickle
+
+    from specfire.runtime.engine import StreamChunk
+    from specfire.runtime.output import TokenLogprobs
+    from specfire.serve.remote import chunk_of, chunk_wire
+
+    lps = [TokenLogprobs(7, -0.25, ((7, -0.25), (9, -1.5))), TokenLogprobs(3, float("-inf"))]
+    for c in (StreamChunk("é", [7, 3], None, lps, [None, TokenLogprobs(4, -2.0, ((4, -2.0),))]),
+              StreamChunk("", [5]), StreamChunk("ab", [], None, [], None)):
+        got = chunk_of(pickle.loads(pickle.dumps(chunk_wire(c))))
+        assert got == c and type(got.logprobs) is type(c.logprobs)
