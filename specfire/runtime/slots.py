@@ -133,7 +133,7 @@ class SlotPool:
 
     @property
     def usage(self) -> float:
-        """The share of KV in use: the pool's blocks taken (one device), else the busy slots' share."""
+        """The share of KV in use: the pool's blocks taken (a mesh: rank 0's pool), else the busy slots' share."""
         if self.kv is not None:
             return self.kv.used / self.kv.capacity
         return self.busy / self.limit
