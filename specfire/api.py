@@ -94,8 +94,9 @@ class LLM(Prompts):
     blocks to: `kv_cache_memory_bytes` sizes the pool of 64-position blocks (model/kvpool.py; default
     max_num_seqs whole sequences, on a GPU no more than leaves 10% of the device free), a request is
     promised what its prompt, max_tokens and drafts may reach and takes the blocks as it grows; on a
-    tensor-parallel mesh the budget is per rank and each slot holds max_seq_len positions of its
-    shard. More wait in arrival order.
+    tensor-parallel mesh the budget is per rank (each rank's pool holds its shard of the KV heads,
+    the ranks' block tables alike; the MTP head on rank 0 keeps max_seq_len of its own per slot).
+    More wait in arrival order.
 
     `tp_invariant=True`: the same bits at every tp degree, one device included (the canonical math,
     docs/TENSOR_PARALLEL.md; on one device it costs some decode speed). A mesh's trunk computes
@@ -170,14 +171,17 @@ class LLM(Prompts):
         self.engine = build_engine(opts, self.tokenizer, eos, trunk_factory(tp))
         self.cfg = self.engine.trunk.cfg      # the checkpoint decides whether lm_head is tied
         try:
-            share = None
-            if tp > 1:                        # a slot costs each rank its shard (rank 0: and the MTP head's KV)
+            share, mtp = None, self.engine.mtp_loaded
+            pooled = self.engine.trunk.kv_pool is not None     # then the budget sized the pool
+            slot = state_bytes(self.cfg, self.max_seq_len, kvd, mtp, None, kv=not pooled)
+            if tp > 1:                        # a slot costs each rank its shard (rank 0: and the MTP head's own KV)
                 from .parallel import ShardPlan
                 share = ShardPlan(self.cfg, tp, 0)
-            pooled = self.engine.trunk.kv_pool is not None     # then the budget sized the pool
-            self.slots = SlotPool(self.engine, opts.max_num_seqs,
-                                  state_bytes(self.cfg, self.max_seq_len, kvd, self.engine.mtp_loaded, share,
-                                              kv=not pooled), kv_budget)
+                slot = state_bytes(self.cfg, self.max_seq_len, kvd, mtp, share, kv=not pooled)
+                if mtp and pooled:
+                    slot += (state_bytes(self.cfg, self.max_seq_len, kvd, True, share)
+                             - state_bytes(self.cfg, self.max_seq_len, kvd, False, share))
+            self.slots = SlotPool(self.engine, opts.max_num_seqs, slot, kv_budget)
         except BaseException:
             self.engine.trunk.close()
             raise

@@ -52,7 +52,7 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
                    help="memory of the KV cache, e.g. 17179869184 or 16G: on one device a pool of 64-position "
                         "blocks the requests take as they grow (a request waits until the pool can promise the "
                         "blocks its prompt and max_tokens may reach); on a tensor-parallel mesh per rank, each "
-                        "slot holding --max-seq-len positions (default: --max-num-seqs whole sequences, on a GPU "
+                        "rank's pool of its KV heads' shard (default: --max-num-seqs whole sequences, on a GPU "
                         "no more than leave 10%% of its memory free)")
 
 

@@ -7,7 +7,9 @@ layer. A sequence's `BlockTable` maps its logical block j (positions j*BLOCK..) 
 an int32 device tensor of ceil(max_seq / BLOCK) entries whose address never changes (CUDA graphs
 read it), filled as blocks are taken. Entries not yet taken hold block 0, a sink no sequence owns,
 so no stray write can reach another sequence's rows. Admission reserves blocks (`reserve`) before
-it lets a request in; `grow` then takes them as the forwards need them.
+it lets a request in; `grow` then takes them as the forwards need them. Blocks are handed out in a
+fixed order (lowest free id first, given ones back on top), so the ranks of a mesh, each running
+the same grows and releases in the same order, hold the same block tables.
 """
 from __future__ import annotations
 
@@ -57,6 +59,15 @@ class KvPool:
     @property
     def used(self) -> int:
         return self.capacity - len(self.free)
+
+    def shrink(self, n: int) -> None:
+        """Hand out blocks below n only (the ranks of a mesh agree on their smallest pool, so every
+        rank's free list, and every block it gives, is the same); before any block is taken."""
+        with self.lock:
+            if not SINK < n <= self.num_blocks or self.used:
+                raise ValueError(f"a KV pool of {self.num_blocks} blocks ({self.used} in use) cannot shrink to {n}")
+            self.free = [b for b in self.free if b < n]
+            self.num_blocks = n
 
     def reserve(self, n: int) -> bool:
         """Promise n blocks to a request (none taken yet); False when the promises would pass the pool."""

@@ -23,7 +23,7 @@ from .launch import (START_TIMEOUT_S, LocalWorker, MeshSpec, kill_workers, mesh_
 from .lifecycle import Mesh
 from .shard import check_degree, quant_problem, valid_tp_degrees
 from .trunk import MeshTrunk
-from .worker import load_shard, run_worker
+from .worker import agree_pool, load_shard, run_worker
 
 log = logging.getLogger("specfire")
 
@@ -64,7 +64,8 @@ def mesh_trunk(opts: EngineOptions) -> BuiltTrunk:
     threads = None if place.joined or dev.type != "cpu" else max(1, (os.cpu_count() or 1) // tp)
     spec = MeshSpec(path=opts.path, cfg=cfg, tp=tp, dtype=opts.dtype, device_type=dev.type,
                     device_base=max(0, base), max_seq=opts.max_seq_len, kv_dtype=opts.kv_dtype,
-                    timeout_s=timeout_s, threads=threads, cuda_graphs=opts.cuda_graphs, draft_vocab=opts.draft_vocab)
+                    timeout_s=timeout_s, threads=threads, cuda_graphs=opts.cuda_graphs, draft_vocab=opts.draft_vocab,
+                    max_num_seqs=opts.max_num_seqs, kv_budget=opts.kv_cache_memory_bytes)
     my_device = spec.device(place.local_rank)
     if place.joined and place.rank != 0:
         comm, created = comm_mod.init(place.rank, tp, my_device, timeout_s, None, START_TIMEOUT_S)
@@ -96,7 +97,7 @@ def mesh_trunk(opts: EngineOptions) -> BuiltTrunk:
     except Exception as e:
         err = e
     try:
-        flags = comm.exchange_flags(int(trunk is not None))
+        flags = agree_pool(comm, trunk)
     except Exception as e:
         raise mesh.fail(e) from None
     if not all(flags):

@@ -19,10 +19,17 @@ slot's state (`RankExecutor.slots`, one LocalTrunk view each, made by `new_slot`
 once), and a call's header names the slot it acts on. `verify_packed` runs several slots' verify
 rows as one packed forward on every rank (Qwen35Trunk.packed), so each collective runs once a
 layer for all of them.
+
+A rank's slots share one KV pool (model/kvpool.py): a forward takes the blocks it writes past
+(LocalTrunk.grow), and a slot's request ending gives them back (`end`, a rider like a commit). Every
+rank runs the same calls and riders in rank 0's order over a pool alike, so it takes and frees the
+same blocks: the block tables are the same on every rank (`rank_stats` digests them). Admission
+(runtime/slots.py) reserves blocks on rank 0's pool, the same as every rank's.
 """
 from __future__ import annotations
 
 import pickle
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +43,9 @@ from .comm import Comm
 CALLS = ("begin", "prefill", "verify", "commit", "score", "embed", "lm_logits")
 PACKED = "verify_packed"    # several slots' verifies in one forward: (slots, positions, row counts, ids)
 RANK_STATS, RANK_TIME, DRAFT, NEW_SLOT, CLOSE = "rank_stats", "rank_time", "draft_argmax", "new_slot", "close"
-STAT_NAMES = CALLS + (PACKED, "verify_rows", "max_verify_rows")
+END = "end"                 # a rider: (END, slot), the slot's request ended (its KV blocks back to the pool)
+# call counters, then the KV pool's blocks in use and a digest of its free list and block tables
+STAT_NAMES = CALLS + (PACKED, "verify_rows", "max_verify_rows", END, "kv_used", "kv_digest")
 
 
 @dataclass(frozen=True)
@@ -89,7 +98,7 @@ class Call:
     name: str
     args: tuple[Any, ...]
     # what rank 0 ran since the last call, run first: n = slot 0's commit(n), (slot, n) another
-    # slot's, (DRAFT, *args) a draft chain's other side
+    # slot's, (DRAFT, *args) a draft chain's other side, (END, slot) a slot's request's end
     commits: tuple = ()
     slot: int = 0           # the sequence (slot) the call acts on
 
@@ -142,6 +151,20 @@ class RankExecutor:
         self.counts["commit"] += 1
         self.slots[slot].commit(n)
 
+    def end(self, slot: int) -> None:
+        """The slot's request ended: its KV blocks go back to this rank's pool."""
+        self.counts[END] += 1
+        self.slots[slot].end()
+
+    def pool_stats(self) -> list[int]:
+        """Blocks in use in this rank's KV pool and a digest of its free list and every slot's
+        block table (equal on every rank while the ranks take and free alike)."""
+        pool = self.trunk.kv_pool
+        if pool is None:
+            return [0, 0]
+        tables = [s.state.table.blocks for s in self.slots]
+        return [pool.used, zlib.crc32(repr((pool.free, tables)).encode())]
+
     def new_slot(self) -> list[int]:
         """Every rank allocates its shard of one more slot's state; if any rank runs out of memory
         every rank drops it (so the slots stay alike). Every rank's flag (1: allocated)."""
@@ -174,7 +197,8 @@ class RankExecutor:
         given = list(tensors) if tensors is not None else None
         args = [self._arg(a, given) for a in call.args]
         if call.name == RANK_STATS:
-            mine = torch.tensor([[self.counts[k] for k in STAT_NAMES]], dtype=torch.int64, device=self.comm.device)
+            counts = [self.counts[k] for k in STAT_NAMES[:-2]] + self.pool_stats()
+            mine = torch.tensor([counts], dtype=torch.int64, device=self.comm.device)
             return self.comm.gather(mine, dim=0)
         if call.name == RANK_TIME:
             from .probe import time_rows
@@ -215,11 +239,13 @@ def serve(comm: Comm, trunk: LocalTrunk) -> None:
 
 def _riders(ex: RankExecutor, commits: tuple) -> None:
     """What rank 0 ran since the last call, in order: n = slot 0's commit(n), (slot, n) another
-    slot's, (DRAFT, *args)."""
+    slot's, (DRAFT, *args), (END, slot)."""
     for c in commits:
         if isinstance(c, int):
             ex.commit(c)
         elif isinstance(c[0], int):
             ex.commit(c[1], c[0])
+        elif c[0] == END:
+            ex.end(c[1])
         else:
             ex.run(Call(c[0], tuple(c[1:])))

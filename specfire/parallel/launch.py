@@ -46,6 +46,8 @@ class MeshSpec:
     threads: int | None           # CPU threads per rank; None = leave as is
     cuda_graphs: bool | None = None   # the rows forward in CUDA graphs (None: where the kernels serve)
     draft_vocab: int | None = None    # the MTP drafter scores token ids 0..N-1 only (parallel/draft.py)
+    max_num_seqs: int = 1             # slots; without a budget the KV pool holds this many max_seq
+    kv_budget: int | None = None      # bytes of each rank's KV pool (runtime/slots.py pool_blocks)
 
     def device(self, local_rank: int) -> torch.device:
         if self.device_type == "cuda":

@@ -7,8 +7,9 @@ speculative step as one device, over a MeshTrunk. Every Trunk call on rank 0 is 
 same `commit(n)`.
 
 The mesh holds several sequences: `view()` is another MeshTrunk over the same mesh addressing
-one more slot (every rank allocates its shard of that slot's state), and `verify_packed` sends
-several slots' verifies as one call, one packed forward on every rank (runtime/trunk.py verify_many).
+one more slot (every rank allocates its shard of that slot's recurrent state; its KV is in the
+rank's pool, taken as it grows and given back at `end`), and `verify_packed` sends several slots'
+verifies as one call, one packed forward on every rank (runtime/trunk.py verify_many).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from ..errors import MeshError
 from ..kernels.gemv import linear_prefix
 from ..params import check_draft_vocab
 from ..runtime.trunk import PREFILL_PIECE, LocalTrunk, Rows, prefill_cuts
-from .control import DRAFT, NEW_SLOT, PACKED, RANK_STATS, RANK_TIME, ROWS_MAX, STAT_NAMES, Call, RankExecutor, SharedIds
+from .control import DRAFT, END, NEW_SLOT, PACKED, RANK_STATS, RANK_TIME, ROWS_MAX, STAT_NAMES, Call, RankExecutor, SharedIds
 from .draft import shard_argmax
 from .lifecycle import Mesh
 
@@ -137,10 +138,18 @@ class MeshTrunk:
     def begin(self) -> None:
         self._call("begin")
 
-    kv_pool = None      # every rank's slot holds its KV for max_seq (a pool of its own)
+    @property
+    def kv_pool(self):
+        """Rank 0's KV pool, alike on every rank (parallel/control.py): admission reserves on it."""
+        return self._local.kv_pool if self._local is not None else None
 
     def end(self) -> None:
-        """Nothing to give back: a rank's slot keeps its KV for its next request."""
+        """The request ended: its KV blocks go back to the pool, here now and on the other ranks
+        before the next call (a rider). Nothing to do on a closed or failed mesh."""
+        if self._ex is None or self._mesh.closed:
+            return
+        self._ex.end(self.slot)
+        self._commits.append((END, self.slot))
 
     def prefill(self, ids: torch.Tensor, logits: str = "last", ends: tuple[int, ...] = ()) -> Rows:
         return self._call("prefill", ids, logits, 0, tuple(ends))   # every rank: LocalTrunk.prefill's forwards

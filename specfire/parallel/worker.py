@@ -14,6 +14,8 @@ from multiprocessing.connection import Connection
 import torch
 
 from ..model import loader
+from ..model.kvpool import KvPool
+from ..runtime.slots import block_bytes, pool_blocks
 from ..runtime.trunk import LocalTrunk
 from . import comm as comm_mod
 from .comm import Comm
@@ -26,7 +28,8 @@ from .shard import ShardPlan
 
 def load_shard(spec: MeshSpec, comm: Comm) -> LocalTrunk:
     """This rank's trunk: the one loading path (model/loader.py) with the sharded model and a fetch
-    that reads only this rank's slices."""
+    that reads only this rank's slices; its slots' KV in one pool of this rank's heads, sized by
+    the budget (per rank) as on one device (`agree_pool` then makes every rank's pool alike)."""
     src = loader.open_checkpoint(spec.path)
     plan = ShardPlan(spec.cfg, spec.tp, comm.rank)
     model = loader.load_trunk(src, spec.cfg, dtype=spec.dtype, device=comm.device,
@@ -34,13 +37,27 @@ def load_shard(spec: MeshSpec, comm: Comm) -> LocalTrunk:
                               what=f"trunk shard {comm.rank}/{spec.tp}")
     graphs = spec.cuda_graphs if spec.device_type == "cuda" else False
     model.draft_vocab = spec.draft_vocab       # what this rank's side of a draft pick scores (parallel/draft.py)
-    trunk = LocalTrunk(model, spec.max_seq, spec.kv_dtype, cuda_graphs=graphs)
+    heads = model.kv_heads()
+    blocks = pool_blocks(block_bytes(heads, spec.cfg.head_dim, spec.kv_dtype), spec.max_seq, spec.max_num_seqs,
+                         spec.kv_budget, comm.device)
+    pool = KvPool(heads, spec.cfg.head_dim, blocks, comm.device, spec.kv_dtype)
+    trunk = LocalTrunk(model, spec.max_seq, spec.kv_dtype, cuda_graphs=graphs, kv_pool=pool)
     if trunk.graphs_enabled or spec.device_type == "cpu":
         # the rows forward's collectives: symmetric memory (capturable) on CUDA, the same code over
         # gloo on the CPU; sized for ROWS_MAX rows of logits or hidden per rank
         h, vs = spec.cfg.hidden_size, plan.vocab_shard
         comm.enable_graphs(4 * ROWS_MAX * spec.tp * max(vs, h), draft_bytes=coll_bytes(h, spec.tp))
     return trunk
+
+
+def agree_pool(comm: Comm, trunk: LocalTrunk | None) -> list[int]:
+    """Every rank's flag after loading (its pool's blocks; 0: the load failed), exchanged; when
+    all loaded, every pool hands out the smallest one's blocks only (a GPU's free memory may size
+    them apart), so the ranks' block tables stay alike."""
+    flags = comm.exchange_flags(trunk.kv_pool.num_blocks if trunk is not None else 0)
+    if all(flags):
+        trunk.kv_pool.shrink(min(flags))
+    return flags
 
 
 def run_worker(comm: Comm, spec: MeshSpec, created: bool, report=None) -> int:
@@ -54,7 +71,7 @@ def run_worker(comm: Comm, spec: MeshSpec, created: bool, report=None) -> int:
         print(f"specfire: tp rank {comm.rank}: {e}", file=sys.stderr)
     code = 0
     try:
-        if all(comm.exchange_flags(int(trunk is not None))):
+        if all(agree_pool(comm, trunk)):
             serve(comm, trunk)
         else:
             code = 1

@@ -11,9 +11,9 @@ Slots are built on demand up to `limit` (max_num_seqs). On one device the slots'
 one pool of blocks (model/kvpool.py) that the KV budget sizes (`pool_blocks`): a request is let in
 when the pool can promise it the blocks it may reach (`request_blocks`: its prompt, max_tokens and
 the drafts' reach), else it waits in arrival order; the blocks are taken as it grows and given back
-when it ends. On a mesh every slot still holds max_seq of KV on every rank, so admission counts
-`state_bytes` per slot there (per rank: rank 0's shard of the trunk's state and the MTP head's whole
-KV cache, the most any rank holds). A topology without a fork has one slot.
+when it ends. A mesh pages the same way: every rank's slots share one pool of its shard of the KV
+heads, sized by the budget per rank, and rank 0's pool, alike on every rank (parallel/control.py),
+is the one admission reserves on. A topology without a fork has one slot.
 """
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ class SlotPool:
 
     @property
     def usage(self) -> float:
-        """The share of KV in use: the pool's blocks taken (one device), else the busy slots' share."""
+        """The share of KV in use: the pool's blocks taken (a mesh: rank 0's pool), else the busy slots' share."""
         if self.kv is not None:
             return self.kv.used / self.kv.capacity
         return self.busy / self.limit

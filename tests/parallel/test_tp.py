@@ -262,9 +262,10 @@ class TestMeshOfTwo:
 
 
     def test_a_step_is_one_header_and_no_host_read(self, base):
-        """An AR step sends one command (its commit rides in the next header) and no token ids:
-        they stay on rank 0's device and reach the ranks inside the rows forward, so rank 0 never
-        waits on the device to send a step. Workers still commit every step (equal counters)."""
+        """An AR step sends one command (its commit rides in the next header, as the request's end
+        does) and no token ids: they stay on rank 0's device and reach the ranks inside the rows
+        forward, so rank 0 never waits on the device to send a step. Workers still commit every
+        step (equal counters)."""
         from specfire.parallel.control import Call, IdsArg, SharedIdsArg
 
         one, mesh = base
@@ -287,9 +288,10 @@ class TestMeshOfTwo:
         verifies = [c for c in sent if c.name == "verify"]
         assert all(isinstance(c.args[0], SharedIdsArg) and not any(isinstance(a, IdsArg) for a in c.args)
                    for c in verifies)
-        assert [c.commits for c in verifies] == [()] + [(0,)] * (steps - 1) and sent[-1].commits == (0,)
+        # the last commit and the request's end (its KV blocks back to every rank's pool) ride together
+        assert [c.commits for c in verifies] == [()] + [(0,)] * (steps - 1) and sent[-1].commits == (0, ("end", 0))
         d = [{k: b[k] - a[k] for k in a} for a, b in zip(s0, s1)]
-        assert d[0]["commit"] == d[1]["commit"] == steps
+        assert d[0]["commit"] == d[1]["commit"] == steps and d[0]["end"] == d[1]["end"] == 1
 
     def test_a_header_past_one_command_buffer_goes_in_two(self, base):
         """A header longer than the command buffer (a packed verify of many slots with their
