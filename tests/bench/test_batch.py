@@ -20,7 +20,8 @@ def test_batch_smoke_packs_each_level(monkeypatch, capsys, tmp_path):
         # rounds held several requests' verifies (one ends earlier where its drafts were accepted more)
         assert r["verifies_per_forward"] == 1.0 if r["c"] == 1 else r["verifies_per_forward"] > 1.5
     # a 48-token prompt joined the two streams: its prefill ran between their steps (gaps recorded)
-    j = last["join"]
+    assert [j["prefill_piece"] for j in last["join"]] == [1024]     # one join at the default piece
+    j = last["join"][0]
     assert j["c"] == 2 and j["join_tokens"] == 48 and j["gaps_during"] >= 1 and j["gap_ms_median_before"] > 0
     assert j["join_cached_tokens"] == 0
     assert json.loads((tmp_path / "batch.json").read_text())["levels"] == last["levels"]
