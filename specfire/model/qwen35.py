@@ -15,6 +15,8 @@ prefix), so loading is a rename. Shapes: [T, ...] for T rows of one sequence.
 """
 from __future__ import annotations
 
+from typing import Any, Generator
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -25,6 +27,15 @@ from ..kernels.small import silu_mul
 from ..layers import Target, target_for
 from .kvpool import KvPool
 from .state import LayerCache, Segments, SequenceState  # noqa: F401  (imported from here by runtime/, parallel/, tests)
+
+
+def drain(steps: Generator[None, None, Any]) -> Any:
+    """Run a step generator (a forward or prefill that yields at its pauses) to its end: its value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def positions(pos0, t: int, device: torch.device) -> torch.Tensor:
@@ -145,12 +156,26 @@ class Qwen35Trunk(nn.Module):
     def forward(self, ids: torch.Tensor, pos0: int, state: SequenceState, rows: bool,
                 logits: str = "all") -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids [T] at positions pos0.. -> (post-norm hidden [T, H], float32 logits [T or 1, V] or None)."""
+        return drain(self.forward_steps(ids, pos0, state, rows, logits))
+
+    def forward_steps(self, ids: torch.Tensor, pos0: int, state: SequenceState, rows: bool, logits: str = "all",
+                      pause: int = 0) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor | None]]:
+        """`forward`, yielding after every `pause` layers (0: never): a scheduler runs other
+        requests' steps inside a long prefill forward, which computes what it computes unpaused.
+        The target's scope is entered per run of layers, never held across a pause."""
+        pairs = list(zip(self.layers, state.layers))
+        every = pause if pause > 0 else len(pairs)
         with self.target.scope():
             x = self.embed_tokens(ids)
             cos_sin = rotary(self.target, self.cfg, pos0, ids.shape[0], ids.device, rows)
-            pending = None
-            for layer, lc in zip(self.layers, state.layers):
-                x, pending = layer(x, pos0, cos_sin, lc, rows, pending)
+        pending = None
+        for a in range(0, len(pairs), every):
+            if a:
+                yield
+            with self.target.scope():
+                for layer, lc in pairs[a:a + every]:
+                    x, pending = layer(x, pos0, cos_sin, lc, rows, pending)
+        with self.target.scope():
             _, h = self.norm.add(x, pending, rows)
             if logits == "none":
                 return h, None

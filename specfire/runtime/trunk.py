@@ -18,10 +18,14 @@ import torch
 
 from ..config import ModelConfig
 from ..model.kvpool import KvPool
-from ..model.qwen35 import Qwen35Trunk, Segments, SequenceState
+from ..model.qwen35 import Qwen35Trunk, Segments, SequenceState, drain  # noqa: F401  (drain: runtime/prefix.py)
 from ..params import check_draft_vocab
 
 PREFILL_PIECE = 1024  # prompt rows per prefill forward (bounds attention-score memory)
+# layers a prefill forward runs between pauses (other requests' steps run there): on the 27B shape
+# a 1024-row piece at 16k positions costs ~2.6 ms a layer, so 8 layers pause about as long as one
+# decode round of 16 streams, where a whole piece stalled them ~10x that
+PREFILL_PAUSE = 8
 
 
 def prefill_cuts(n: int, piece: int, ends: tuple[int, ...] = (), start: int = 0) -> list[int]:
@@ -31,15 +35,6 @@ def prefill_cuts(n: int, piece: int, ends: tuple[int, ...] = (), start: int = 0)
     cuts = set(range((start // piece + 1) * piece, n, piece))
     cuts.update(e for e in ends if start < e < n)
     return sorted(cuts) + [n]
-
-
-def drain(steps: Generator[None, None, Any]) -> Any:
-    """Run a step generator (a prefill that yields between forwards) to its end: its return value."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
 
 
 @dataclass
@@ -136,6 +131,7 @@ class LocalTrunk:
         self.draft_vocab = check_draft_vocab(draft_vocab, model.cfg.vocab_size)
         self.device = model.embed_tokens.weight.device
         self.piece = PREFILL_PIECE                # prompt rows per prefill forward
+        self.pause = PREFILL_PAUSE                # layers per run of a prefill forward
         self.kv_dtype = kv_dtype
         self.kv_pool = kv_pool
         self.state: SequenceState = model.new_state(max_seq, kv_dtype, kv_pool)
@@ -154,7 +150,7 @@ class LocalTrunk:
         graphs: a slot for one more concurrent request (runtime/slots.py)."""
         other = LocalTrunk(self.model, self.max_seq, self.kv_dtype, self.graphs is not None, self.draft_vocab,
                            self.kv_pool)
-        other.piece = self.piece
+        other.piece, other.pause = self.piece, self.pause
         other.packs = self.packs                  # one model: one set of packed graphs
         return other
 
@@ -192,8 +188,9 @@ class LocalTrunk:
                 yield
             last = b == start + ids.shape[0]
             self.state.grow(b)
-            h, l = self.model(ids[a - start:b - start], a, self.state, rows=False,
-                              logits="all" if logits == "all" else ("last" if last else "none"))
+            h, l = yield from self.model.forward_steps(ids[a - start:b - start], a, self.state, rows=False,
+                                                       logits="all" if logits == "all" else ("last" if last else "none"),
+                                                       pause=self.pause)
             hs.append(h)
             if l is not None:
                 lg.append(l)

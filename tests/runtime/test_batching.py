@@ -196,16 +196,20 @@ def test_streams_from_threads_share_the_rounds(llm, prompts):
     assert {i for i, _ in order[:first_end]} == {0, 1, 2, 3}, order
 
 
-def test_a_long_prompt_prefills_between_the_others_steps(path, prompts, alone):
+@pytest.mark.parametrize("pause", [0, 1])
+def test_a_long_prompt_prefills_between_the_others_steps(path, prompts, alone, pause):
     """A prompt of many prefill pieces joins while another request streams: the running one keeps
-    getting tokens between the newcomer's pieces, and both outputs are their own alone."""
+    getting tokens between the newcomer's pieces (and, pausing every layer, between the layers of
+    each piece's forward), and both outputs are their own alone, unpaused."""
     long = specfit.prompts(1, length=200, seed=7)[0]
     sp = SamplingParams(max_tokens=8)
     with LLM(path, device="cpu", progress=False, max_seq_len=512) as m:
         m.enable_prefix_cache(0, piece=16)       # no cache; prefill pieces of 16 rows
         for eng in m.slots.engines:
-            eng.trunk.piece = 16
+            eng.trunk.piece, eng.trunk.pause = 16, 0
         want_long = m.generate(long, sp, spec="off").token_ids
+        for eng in m.slots.engines:
+            eng.trunk.pause = pause
         log: list[tuple[str, str]] = []
         a = sch.Request(prompts[0], SamplingParams(max_tokens=60, ignore_eos=True), SpecPolicy("off"),
                         lambda kind, payload: log.append(("a", kind)))
@@ -220,7 +224,9 @@ def test_a_long_prompt_prefills_between_the_others_steps(path, prompts, alone):
         assert m.slots.first.trunk.piece == 16
         i0, i1 = log.index(("b", sch.STARTED)), log.index(next(e for e in log if e[0] == "b" and e[1] != sch.STARTED))
         between = [e for e in log[i0:i1] if e == ("a", sch.CHUNK)]
-        assert len(between) >= 10, log            # 13 pieces: one step of `a` after each but the last
+        layers = len(m.slots.first.trunk.model.layers)
+        # 13 pieces: one step of `a` after each but the last (and after each of a piece's layers)
+        assert len(between) >= (10 if pause == 0 else 12 * layers), log
         assert res["b"].result.token_ids == want_long
         assert res["a"].result.token_ids == m.generate(prompts[0], SamplingParams(max_tokens=60, ignore_eos=True),
                                                        spec="off").token_ids
