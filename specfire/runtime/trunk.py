@@ -23,9 +23,10 @@ from ..params import check_draft_vocab
 
 PREFILL_PIECE = 1024  # prompt rows per prefill forward (bounds attention-score memory)
 # layers a prefill forward runs between pauses (other requests' steps run there): on the 27B shape
-# a 1024-row piece at 16k positions costs ~2.6 ms a layer, so 8 layers pause about as long as one
-# decode round of 16 streams, where a whole piece stalled them ~10x that
-PREFILL_PAUSE = 8
+# a 1024-row piece at 16k-32k positions costs ~2.5-3 ms a layer, so 4 layers stall the streams of
+# a 16 ms round about as long again (8 layers measured 4.0x their median gap, p99; a whole piece
+# 16.7x); each pause costs the joining prompt one round of the others' time to first token
+PREFILL_PAUSE = 4
 
 
 def prefill_cuts(n: int, piece: int, ends: tuple[int, ...] = (), start: int = 0) -> list[int]:
