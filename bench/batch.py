@@ -158,6 +158,9 @@ def exact(path: str, max_tokens: int, kw: dict) -> list[dict]:
             rec = {"kv_dtype": kv, "equal": [a == b for a, b in zip(alone, got)],
                    "equal_reversed": [a == b for a, b in zip(alone, rev)],
                    "verifies_per_forward": round((m.scheduler.verifies - ver0) / max(1, m.scheduler.forwards - fwd0), 2)}
+            packs = getattr(m.slots.first.trunk, "packs", None)
+            if packs is not None:           # CUDA graphs: how often a packed graph was re-pointed at other slots
+                rec.update(packed_graphs=len(packs.graphs), captures=packs.captures, rebinds=packs.rebinds)
             print(json.dumps({"stage": "exact", **rec}), flush=True)
             out.append(rec)
     return out

@@ -117,38 +117,70 @@ class _PackedGraph:
     ids: torch.Tensor                       # [sum R] static input
     hidden: torch.Tensor
     logits: torch.Tensor
-    logs: list[list[tuple[torch.Tensor, ...] | None]]   # per slot, per layer
+    pos: torch.Tensor                       # [n] each member's first position (the graph's own)
     spans: list[tuple[int, int]]
     segs: object                            # the captured Segments: the device tables its launches read (GDN's, attention's)
+    states: list                            # the states whose addresses the tables hold (kept: no address is reused meanwhile)
+    logs: list[list[tuple[torch.Tensor, ...] | None]]   # per member, per layer: where a replay leaves its log
+    tables: "_Tables | None" = None         # how to point the graph at other slots (None: it serves these only)
+
+
+@dataclass
+class _Tables:
+    """Every address table a packed graph's launches read, in one device buffer, and what each
+    holds: the GDN kernel's sequence table and each attention layer's cache table."""
+
+    buf: torch.Tensor                       # int64, the tables' contents back to back
+    gdn: tuple[int, int] | None             # (offset, numel) of the GDN sequence table
+    attn: list[tuple[int, int, int]]        # (layer index, offset, numel) of each attention layer's cache table
+    aligned: tuple[bool, ...]               # the alignment each table was launched with (a kernel variant)
 
 
 class PackedGraphs:
     """CUDA graphs of the packed verify forward (Qwen35Trunk.packed over several slots' states),
-    one per (slots, rows of each): a step's hundreds of launches replayed as one, as a lone slot's
-    RowsGraphs does. Each slot's position is its own RowsGraphs' device tensor; the rows' logs land
-    in each state's fixed buffers, so commit replays as after that slot's own graph. Shared by the
+    one per row counts of its members: a step's hundreds of launches replayed as one, as a lone
+    slot's RowsGraphs does. Which slots a graph serves is data, not code: every address a launch
+    reads (each member's GDN state and log, its KV cache and block table) sits in device tables
+    the graph owns, and each member's position in its own position buffer, so a round of other
+    slots with the same row counts rewrites those tables (one copy) instead of capturing again; as
+    requests join and leave, the graphs stay those of a few row patterns. The rows' logs land in
+    each state's fixed buffers, so commit replays as after that slot's own graph. Shared by the
     views of one model (LocalTrunk.view); the least recently used graph goes past MAX_GRAPHS."""
 
-    MAX_GRAPHS = 32     # keys follow which slots run together: requests join and leave
+    MAX_GRAPHS = 32
 
     def __init__(self, model: Qwen35Trunk):
         self.model = model
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: OrderedDict[tuple, _PackedGraph] = OrderedDict()
+        self.rebindable = True              # until a forward reads its states other than through tables
+        self.captures = 0                   # graphs captured, and replays that re-pointed one at other slots
+        self.rebinds = 0
 
     def run(self, trunks: list, ids: list[torch.Tensor], pos: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(hidden, logits) of each slot's rows; `trunks` are LocalTrunk views with graphs."""
-        key = tuple((id(t), x.shape[0]) for t, x in zip(trunks, ids))
-        for t, p in zip(trunks, pos):
-            t.graphs.pos.fill_(p)
+        states = [t.state for t in trunks]
+        key = tuple(x.shape[0] for x in ids)
+        if not self.rebindable:             # graphs of these slots only
+            key = (key, tuple(id(st) for st in states))
         g = self.graphs.get(key)
+        if g is not None and not self._bound(g, states):
+            if g.tables is None or not self._rebind(g, states):
+                del self.graphs[key]
+                g = None
         if g is None:
             while len(self.graphs) >= self.MAX_GRAPHS:
                 self.graphs.popitem(last=False)
             with torch.cuda.device(ids[0].device):
-                g = self.graphs[key] = self._capture(trunks, ids)
+                g = self._capture(states, ids, pos)
+            if g.tables is None and self.rebindable:
+                self.rebindable = False
+                key = (key, tuple(id(st) for st in states))
+            self.graphs[key] = g
         else:
             self.graphs.move_to_end(key)
+        for i, p in enumerate(pos):
+            g.pos[i:i + 1].fill_(p)
         for (a, b), x in zip(g.spans, ids):
             g.ids[a:b].copy_(x)
         g.graph.replay()
@@ -160,22 +192,107 @@ class PackedGraphs:
         hidden, logits = g.hidden.clone(), g.logits.clone()     # one copy of every slot's rows (the next replay overwrites)
         return [(hidden[a:b], logits[a:b]) for a, b in g.spans]
 
-    def _capture(self, trunks: list, ids: list[torch.Tensor]) -> _PackedGraph:
+    @staticmethod
+    def _bound(g: _PackedGraph, states: list) -> bool:
+        return len(g.states) == len(states) and all(a is b for a, b in zip(g.states, states))
+
+    def _capture(self, states: list, ids: list[torch.Tensor], pos: list[int]) -> _PackedGraph:
         from ..model.state import Segments
         ids_buf = torch.cat(ids)
-        segs = Segments.of([t.state for t in trunks], [t.graphs.pos for t in trunks], [x.shape[0] for x in ids])
+        pos_buf = torch.tensor(pos, dtype=torch.long, device=ids_buf.device)
+        segs = Segments.of(states, [pos_buf[i:i + 1] for i in range(len(states))], [x.shape[0] for x in ids])
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: compile and autotune outside the capture (same KV rows as the call)
             for _ in range(2):
                 self.model.packed(ids_buf, segs)
         torch.cuda.current_stream().wait_stream(side)
+        tables = self._own_tables(segs)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             hidden, logits = self.model.packed(ids_buf, segs)
-        logs = [[lc.log for lc in t.state.layers] for t in trunks]
-        log.info("captured a CUDA graph for %d slots' %d rows", len(trunks), ids_buf.shape[0])
-        return _PackedGraph(graph, ids_buf, hidden, logits, logs, segs.spans, segs)
+        logs = [[lc.log for lc in st.layers] for st in states]
+        self.captures += 1
+        log.info("captured a CUDA graph for %d slots' %d rows", len(states), ids_buf.shape[0])
+        return _PackedGraph(graph, ids_buf, hidden, logits, pos_buf, segs.spans, segs, list(states), logs, tables)
+
+    def _own_tables(self, segs) -> _Tables | None:
+        """Move the tables the warm-up made into one buffer of this graph's own (the attention
+        tables are shared by content with other launches: a rewrite must not reach them). None
+        where the forward reads its states otherwise (not the fused multi-sequence launches)."""
+        from ..kernels.attention.multi import _parts
+        from ..kernels.gdn.fused import SeqTable
+        n_gdn = sum(lc.rec is not None for lc in segs.states[0].layers)
+        gdn = list(segs.gdn_tables.items())
+        pack = segs.attn_pack
+        attn_layers = [i for i, lc in enumerate(segs.states[0].layers) if lc.k is not None]
+        if (n_gdn and len(gdn) != 1) or (attn_layers and (pack is None or len(pack._caches) != len(attn_layers))):
+            return None
+        parts, aligned, place = [], [], []
+        if gdn:
+            k, t = gdn[0]
+            parts.append(t.data.reshape(-1))
+            aligned.append(t.aligned)
+        for i in attn_layers:
+            key = tuple(0 if x is None else x.data_ptr() for st in segs.states for x in _parts(st.layers[i]))
+            got = pack._caches.get(key)
+            if got is None:
+                return None
+            place.append((i, key))
+            parts.append(got[0].reshape(-1))
+            aligned.append(got[1])
+        buf = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        off = 0
+        gdn_at = None
+        if gdn:
+            k, t = gdn[0]
+            n = t.data.numel()
+            segs.gdn_tables[k] = SeqTable(buf[:n].view(t.data.shape), t.spans, t.layers, t.dims, t.aligned)
+            gdn_at, off = (0, n), n
+        attn = []
+        for i, key in place:
+            table, al = pack._caches[key]
+            n = table.numel()
+            pack._caches[key] = (buf[off:off + n].view(table.shape), al)
+            attn.append((i, off, n))
+            off += n
+        return _Tables(buf, gdn_at, attn, tuple(aligned))
+
+    def _rebind(self, g: _PackedGraph, states: list) -> bool:
+        """Point `g` at `states` (the same row counts): rewrite its tables, take their log buffers.
+        False where they are laid out otherwise than the graph's (then it is captured anew)."""
+        from ..kernels.attention.multi import _layout, _parts
+        from ..kernels.gdn.fused import SEQ_COLS
+        tb = g.tables
+        first = g.states[0]
+        rows: list[int] = []
+        aligned: list[bool] = []
+        if tb.gdn is not None:
+            ref = first.book
+            if any(st.book is None or st.book.rec.shape != ref.rec.shape or st.book.conv.shape != ref.conv.shape
+                   for st in states):
+                return False
+            for (i, j), st in zip(g.spans, states):
+                bufs = (st.book.rec, st.book.conv, *st.book.log(j - i))
+                ptrs = [x.data_ptr() for x in bufs]
+                rows += [i, j - i, *ptrs]
+            aligned.append(all(p % 16 == 0 for r in range(len(states)) for p in rows[r * SEQ_COLS + 2:(r + 1) * SEQ_COLS]))
+        for li, _, _ in tb.attn:
+            want = [_layout(x) for x in _parts(first.layers[li])]
+            if any([_layout(x) for x in _parts(st.layers[li])] != want for st in states):
+                return False
+            ptrs = [0 if x is None else x.data_ptr() for st in states for x in _parts(st.layers[li])]
+            rows += ptrs
+            aligned.append(all(p % 16 == 0 for k, p in enumerate(ptrs) if k % 5 < 4))
+        if tuple(aligned) != tb.aligned:
+            return False
+        host = torch.tensor(rows, dtype=torch.int64).pin_memory()
+        tb.buf.copy_(host, non_blocking=True)       # (the pinned block outlives the copy: the host allocator records it)
+        g.states = list(states)
+        g.logs = [[lc.log_buffers(j - i) if lc.rec is not None else None for lc in st.layers]
+                  for (i, j), st in zip(g.spans, states)]
+        self.rebinds += 1
+        return True
 
 
 @dataclass
