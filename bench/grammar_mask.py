@@ -288,7 +288,7 @@ def main() -> None:
 
     if a.compare == "xgrammar":
         try:
-            import xgrammar  # noqa: F401
+            import xgrammar  # noqa: F401  (only whether it is installed)
         except ImportError:
             raise SystemExit("grammar_mask: --compare xgrammar (the default) needs xgrammar, which is not installed: "
                              "pip install 'specfire[grammar-bench]', or pass --compare none for llguidance alone")

@@ -56,7 +56,6 @@ def main() -> int:
         write_tokenizer(path, cfg.vocab_size)
     with LLM(path, device="cpu", threads=args.threads, progress=False,
              max_seq_len=args.prompt_len + args.tokens + 16, max_num_seqs=max(concs)) as m:
-        s = m.scheduler
         real_vm, real_round = sch.verify_many, sch.Scheduler.round
         cur = {"verify": 0.0, "calls": 0}
 

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from bench.common import CEILING, FINAL_NORMS, NORMS_FILE, SHAPES, config_step_bytes, model_config  # noqa: F401
+from bench.common import CEILING, FINAL_NORMS, NORMS_FILE, SHAPES, config_step_bytes, model_config  # noqa: F401  (re-exported: run.py, table.py, tests)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY_VOCAB = SHAPES["tiny"]["vocab_size"]

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import FULL, ModelConfig
-from ..kernels import attention as attn_ops
 from ..kernels import gdn as gdn_ops
 from .kvpool import SINK, BlockTable, KvPool, blocks_for
 

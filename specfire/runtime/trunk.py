@@ -12,7 +12,7 @@ state after every row, 151 MB a row on the 27B, and made commit a copy). Re-runn
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generator, Protocol
+from typing import Generator, Protocol
 
 import torch
 

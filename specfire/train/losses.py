@@ -30,7 +30,7 @@ def mtp_losses(trunk, head, ids: torch.Tensor, h: torch.Tensor, logits: torch.Te
     tgt = ids[:, 2:]                                                    # row p predicts p+2
     teacher_logits = logits[:, 1:-1].detach()                           # trunk row p+1 predicts p+2
     teacher = teacher_logits.softmax(-1) if distill > 0 else None
-    losses, met = [], {}
+    losses, met, chain = [], {}, None     # chain: steps 1..s all agreed (set at s == 1)
     if want_metrics:
         trunk_next = teacher_logits.argmax(-1)                          # [B, T-2]
     for s, post in enumerate(outs, 1):
