@@ -165,9 +165,13 @@ class PackedGraphs:
             key = (key, tuple(id(st) for st in states))
         g = self.graphs.get(key)
         if g is not None and not self._bound(g, states):
-            if g.tables is None or not self._rebind(g, states):
+            logs = None if g.tables is None else rebind(g.tables, g.spans, g.states, states)
+            if logs is None:
                 del self.graphs[key]
                 g = None
+            else:
+                g.states, g.logs = list(states), logs
+                self.rebinds += 1
         if g is None:
             while len(self.graphs) >= self.MAX_GRAPHS:
                 self.graphs.popitem(last=False)
@@ -207,7 +211,7 @@ class PackedGraphs:
             for _ in range(2):
                 self.model.packed(ids_buf, segs)
         torch.cuda.current_stream().wait_stream(side)
-        tables = self._own_tables(segs)
+        tables = own_tables(segs)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             hidden, logits = self.model.packed(ids_buf, segs)
@@ -215,84 +219,6 @@ class PackedGraphs:
         self.captures += 1
         log.info("captured a CUDA graph for %d slots' %d rows", len(states), ids_buf.shape[0])
         return _PackedGraph(graph, ids_buf, hidden, logits, pos_buf, segs.spans, segs, list(states), logs, tables)
-
-    def _own_tables(self, segs) -> _Tables | None:
-        """Move the tables the warm-up made into one buffer of this graph's own (the attention
-        tables are shared by content with other launches: a rewrite must not reach them). None
-        where the forward reads its states otherwise (not the fused multi-sequence launches)."""
-        from ..kernels.attention.multi import _parts
-        from ..kernels.gdn.fused import SeqTable
-        n_gdn = sum(lc.rec is not None for lc in segs.states[0].layers)
-        gdn = list(segs.gdn_tables.items())
-        pack = segs.attn_pack
-        attn_layers = [i for i, lc in enumerate(segs.states[0].layers) if lc.k is not None]
-        if (n_gdn and len(gdn) != 1) or (attn_layers and (pack is None or len(pack._caches) != len(attn_layers))):
-            return None
-        parts, aligned, place = [], [], []
-        if gdn:
-            k, t = gdn[0]
-            parts.append(t.data.reshape(-1))
-            aligned.append(t.aligned)
-        for i in attn_layers:
-            key = tuple(0 if x is None else x.data_ptr() for st in segs.states for x in _parts(st.layers[i]))
-            got = pack._caches.get(key)
-            if got is None:
-                return None
-            place.append((i, key))
-            parts.append(got[0].reshape(-1))
-            aligned.append(got[1])
-        buf = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-        off = 0
-        gdn_at = None
-        if gdn:
-            k, t = gdn[0]
-            n = t.data.numel()
-            segs.gdn_tables[k] = SeqTable(buf[:n].view(t.data.shape), t.spans, t.layers, t.dims, t.aligned)
-            gdn_at, off = (0, n), n
-        attn = []
-        for i, key in place:
-            table, al = pack._caches[key]
-            n = table.numel()
-            pack._caches[key] = (buf[off:off + n].view(table.shape), al)
-            attn.append((i, off, n))
-            off += n
-        return _Tables(buf, gdn_at, attn, tuple(aligned))
-
-    def _rebind(self, g: _PackedGraph, states: list) -> bool:
-        """Point `g` at `states` (the same row counts): rewrite its tables, take their log buffers.
-        False where they are laid out otherwise than the graph's (then it is captured anew)."""
-        from ..kernels.attention.multi import _layout, _parts
-        from ..kernels.gdn.fused import SEQ_COLS
-        tb = g.tables
-        first = g.states[0]
-        rows: list[int] = []
-        aligned: list[bool] = []
-        if tb.gdn is not None:
-            ref = first.book
-            if any(st.book is None or st.book.rec.shape != ref.rec.shape or st.book.conv.shape != ref.conv.shape
-                   for st in states):
-                return False
-            for (i, j), st in zip(g.spans, states):
-                bufs = (st.book.rec, st.book.conv, *st.book.log(j - i))
-                ptrs = [x.data_ptr() for x in bufs]
-                rows += [i, j - i, *ptrs]
-            aligned.append(all(p % 16 == 0 for r in range(len(states)) for p in rows[r * SEQ_COLS + 2:(r + 1) * SEQ_COLS]))
-        for li, _, _ in tb.attn:
-            want = [_layout(x) for x in _parts(first.layers[li])]
-            if any([_layout(x) for x in _parts(st.layers[li])] != want for st in states):
-                return False
-            ptrs = [0 if x is None else x.data_ptr() for st in states for x in _parts(st.layers[li])]
-            rows += ptrs
-            aligned.append(all(p % 16 == 0 for k, p in enumerate(ptrs) if k % 5 < 4))
-        if tuple(aligned) != tb.aligned:
-            return False
-        host = torch.tensor(rows, dtype=torch.int64).pin_memory()
-        tb.buf.copy_(host, non_blocking=True)       # (the pinned block outlives the copy: the host allocator records it)
-        g.states = list(states)
-        g.logs = [[lc.log_buffers(j - i) if lc.rec is not None else None for lc in st.layers]
-                  for (i, j), st in zip(g.spans, states)]
-        self.rebinds += 1
-        return True
 
 
 @dataclass
@@ -437,3 +363,82 @@ class DraftGraphs:
         out = self.fns.run(key, lambda t, h, p: self.chain(t, h, p, k, sp, rng), (toks, hidden, self.pos),
                            keep=(rng.state,))
         return out[0], out[1]
+
+
+def own_tables(segs) -> _Tables | None:
+    """Move the tables the warm-up made into one buffer of this graph's own (the attention
+    tables are shared by content with other launches: a rewrite must not reach them). None
+    where the forward reads its states otherwise (not the fused multi-sequence launches)."""
+    from ..kernels.attention.multi import _parts
+    from ..kernels.gdn.fused import SeqTable
+    n_gdn = sum(lc.rec is not None for lc in segs.states[0].layers)
+    gdn = list(segs.gdn_tables.items())
+    pack = segs.attn_pack
+    attn_layers = [i for i, lc in enumerate(segs.states[0].layers) if lc.k is not None]
+    if (n_gdn and len(gdn) != 1) or (attn_layers and (pack is None or len(pack._caches) != len(attn_layers))):
+        return None
+    parts, aligned, place = [], [], []
+    if gdn:
+        k, t = gdn[0]
+        parts.append(t.data.reshape(-1))
+        aligned.append(t.aligned)
+    for i in attn_layers:
+        key = tuple(0 if x is None else x.data_ptr() for st in segs.states for x in _parts(st.layers[i]))
+        got = pack._caches.get(key)
+        if got is None:
+            return None
+        place.append((i, key))
+        parts.append(got[0].reshape(-1))
+        aligned.append(got[1])
+    buf = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+    off = 0
+    gdn_at = None
+    if gdn:
+        k, t = gdn[0]
+        n = t.data.numel()
+        segs.gdn_tables[k] = SeqTable(buf[:n].view(t.data.shape), t.spans, t.layers, t.dims, t.aligned)
+        gdn_at, off = (0, n), n
+    attn = []
+    for i, key in place:
+        table, al = pack._caches[key]
+        n = table.numel()
+        pack._caches[key] = (buf[off:off + n].view(table.shape), al)
+        attn.append((i, off, n))
+        off += n
+    return _Tables(buf, gdn_at, attn, tuple(aligned))
+
+
+def rebind(tb: _Tables, spans: list[tuple[int, int]], bound: list, states: list) -> list | None:
+    """Rewrite the tables `tb` of a forward over the states `bound` (rows `spans`) to address
+    `states` instead: each state's log buffers per layer (where a replay leaves its log), or None
+    where they are laid out otherwise than `bound` (then the graph is captured anew)."""
+    from ..kernels.attention.multi import _layout, _parts
+    from ..kernels.gdn.fused import SEQ_COLS
+    first = bound[0]
+    rows: list[int] = []
+    aligned: list[bool] = []
+    if tb.gdn is not None:
+        ref = first.book
+        if any(st.book is None or st.book.rec.shape != ref.rec.shape or st.book.conv.shape != ref.conv.shape
+               for st in states):
+            return None
+        for (i, j), st in zip(spans, states):
+            bufs = (st.book.rec, st.book.conv, *st.book.log(j - i))
+            ptrs = [x.data_ptr() for x in bufs]
+            rows += [i, j - i, *ptrs]
+        aligned.append(all(p % 16 == 0 for r in range(len(states)) for p in rows[r * SEQ_COLS + 2:(r + 1) * SEQ_COLS]))
+    for li, _, _ in tb.attn:
+        want = [_layout(x) for x in _parts(first.layers[li])]
+        if any([_layout(x) for x in _parts(st.layers[li])] != want for st in states):
+            return None
+        ptrs = [0 if x is None else x.data_ptr() for st in states for x in _parts(st.layers[li])]
+        rows += ptrs
+        aligned.append(all(p % 16 == 0 for k, p in enumerate(ptrs) if k % 5 < 4))
+    if tuple(aligned) != tb.aligned:
+        return None
+    host = torch.tensor(rows, dtype=torch.int64)
+    if tb.buf.is_cuda:                          # pinned: no host wait on the stream (the block outlives the copy)
+        host = host.pin_memory()
+    tb.buf.copy_(host, non_blocking=tb.buf.is_cuda)
+    return [[lc.log_buffers(j - i) if lc.rec is not None else None for lc in st.layers]
+            for (i, j), st in zip(spans, states)]

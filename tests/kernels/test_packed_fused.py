@@ -150,3 +150,57 @@ def test_packed_forward_attention_kernels_launch_once_per_layer(monkeypatch, q8)
                                     for _ in range(n_attn))
     alone = 2 if q8 else 3                                  # a Q8 cache's rows alone: kv_write (torch)
     assert len(launches) - len(packed) == alone * n_attn * 3      # each sequence alone: the same kernels
+
+
+@pytest.mark.parametrize("q8", [False, True], ids=["bf-cache", "q8-cache"])
+def test_a_packed_forward_re_pointed_at_other_states_computes_theirs(monkeypatch, q8):
+    """runtime/graphs.py's re-pointing of a packed graph, its replay emulated by the eager forward
+    over the captured Segments (the attention kernels on, as on CUDA): the tables made for states
+    A, rewritten (`rebind`) to address states B at other positions, make that forward compute B's
+    rows, KV writes, logs and commits bit for bit as B's own packed forward does. A table entry
+    left pointing at A shows."""
+    from packedrows import PROMPTS, after_commit, snapshot, states
+    from specfire.kernels import attention as A
+    from specfire.model.state import Segments
+    from specfire.runtime.graphs import own_tables, rebind
+
+    monkeypatch.setattr(A, "_use_kernel", lambda q: q.shape[-1] in A.KERNEL_HEAD_DIMS)
+    kv = A.Q8_KV if q8 else torch.float32
+    m = model(CUDA, torch.float32, fused=True)
+    g = torch.Generator().manual_seed(5)
+    ids_a = [torch.randint(0, 64, (r,), generator=g) for r in ROWS]
+    ids_b = [torch.randint(0, 64, (r,), generator=g) for r in ROWS]
+    pos_b = [p + 3 for p in PROMPTS]            # B's sequences further on: the positions are the graph's too
+
+    def grown(sts):
+        """Three more prompt rows for each state (the same ones for every call)."""
+        gen = torch.Generator().manual_seed(7)
+        for st, p in zip(sts, PROMPTS):
+            m(torch.randint(0, 64, (3,), generator=gen), p, st, rows=False)
+        return sts
+
+    a = states(m, kv)
+    b, b_ref = grown(states(m, kv)), grown(states(m, kv))
+    with torch.inference_mode():
+        pos = torch.tensor(PROMPTS, dtype=torch.long)
+        segs = Segments.of(a, [pos[i:i + 1] for i in range(len(a))], ROWS)
+        m.packed(torch.cat(ids_a), segs)        # the warm-up: makes the tables
+        tables = own_tables(segs)
+        assert tables is not None and tables.gdn is not None and len(tables.attn) == 1
+        logs = rebind(tables, segs.spans, a, b)
+        assert logs is not None
+        pos.copy_(torch.tensor(pos_b))
+        h, lg = m.packed(torch.cat(ids_b), segs)    # the "replay": A's Segments, B's tables
+        ref_pos = torch.tensor(pos_b, dtype=torch.long)
+        ref_segs = Segments.of(b_ref, [ref_pos[i:i + 1] for i in range(len(b_ref))], ROWS)
+        wh, wl = m.packed(torch.cat(ids_b), ref_segs)
+    assert torch.equal(h, wh) and torch.equal(lg, wl)
+    for st, st_logs in zip(b, logs):
+        for lc, lgs in zip(st.layers, st_logs):
+            if lc.rec is not None:
+                lc.log = lgs
+    for sb, sr, p, r, n in zip(b, b_ref, pos_b, ROWS, [0, 2, 1]):
+        for x, y in zip(snapshot(sb, p, r), snapshot(sr, p, r)):
+            assert torch.equal(x, y)
+        for x, y in zip(after_commit(sb, n), after_commit(sr, n)):
+            assert torch.equal(x, y)
