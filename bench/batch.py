@@ -14,7 +14,9 @@ tok/s, the forwards the scheduler ran (verifies per forward) and, for AR on one 
 bandwidth ceiling a round's bytes reach (the weights once plus every request's state), the median
 wall time of a round whose forward held all c verifies (decode alone) and the prefills' seconds
 (run one request at a time, inside the wall time). The in-process
-rate is what bench/serving.py's HTTP figures are held against. `--exact` (default on) first runs
+rate is what bench/serving.py's HTTP figures are held against; `--requests N` offers its load:
+N requests of fresh prompts per level, at most c in flight, each next one submitted when one ends
+(driven on one thread, as the server's engine thread drives them). `--exact` (default on) first runs
 eight requests of mixed policies (AR, MTP k=1 / 3, n-gram, seeded sampled, penalised, min_tokens)
 on the bundled model, alone and then all at once in both arrival orders, and records whether each
 output equals its own alone (bf16 and Q8 KV on a GPU). `--join N`: while the largest
@@ -55,9 +57,13 @@ def level(m, mode: str, k: int, c: int, args, step_bytes: int, per_seq: int) -> 
         if s.verifies - v == c:
             rounds.append(time.perf_counter() - t0)
     s.round = timed_round                   # (the driving thread calls self.round())
+    sp = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     t = time.perf_counter()
     try:
-        rs = m.generate(prompts, [SamplingParams(max_tokens=args.output_len, ignore_eos=True)] * c, spec=[pol] * c)
+        if args.requests:
+            rs = closed_loop(m, sp, pol, c, args.requests, args.prompt_len, vocab)
+        else:
+            rs = m.generate(prompts, [sp] * c, spec=[pol] * c)
     finally:
         del s.round
     dt = time.perf_counter() - t
@@ -74,6 +80,38 @@ def level(m, mode: str, k: int, c: int, args, step_bytes: int, per_seq: int) -> 
         round_bytes = step_bytes + (c - 1) * per_seq
         row["of_ceiling"] = round(round_bytes * fw / dt / CEILING, 3)
     return row
+
+
+def closed_loop(m, sp, pol, c: int, n: int, prompt_len: int, vocab: int) -> list:
+    """n requests of fresh prompts, at most c in flight, the next submitted when one ends (what
+    bench/serving.py's clients offer the server), driven on this one thread as the server's engine
+    thread drives them: the results."""
+    from specfire.runtime import scheduler as sch
+
+    out: list = []
+    failed: list = []
+    sent = 0
+
+    def submit() -> None:
+        nonlocal sent
+        ids = random_prompt(vocab, prompt_len, seed=10_000 + 97 * c + sent)
+        sent += 1
+        m.scheduler.submit(sch.Request(ids, sp, pol, on_event))
+
+    def on_event(kind: str, payload) -> None:
+        if kind == sch.DONE:
+            out.append(payload.result)
+            if sent < n:
+                submit()
+        elif kind in (sch.ERROR, sch.CANCELLED):
+            failed.append((kind, payload))  # (a handler's exception would only be logged)
+
+    for _ in range(min(c, n)):
+        submit()
+    m.scheduler.drive_until(lambda: len(out) + len(failed) == n or bool(failed))
+    if failed:
+        raise RuntimeError(f"a closed-loop request ended with {failed[0][0]}: {failed[0][1]}")
+    return out
 
 
 def join(m, c: int, n: int, args) -> dict:
@@ -188,6 +226,9 @@ def main() -> int:
     ap.add_argument("--prefill-piece", default=None, metavar="ROWS[,ROWS...]",
                     help="prompt rows per prefill forward (what a joining prompt costs the running streams' round); "
                          "with --join, several values join once each")
+    ap.add_argument("--requests", type=int, default=None, metavar="N",
+                    help="per level, N requests of fresh prompts with at most c in flight (closed loop, as "
+                         "bench/serving.py offers them) instead of one batch of c")
     ap.add_argument("--smoke", action="store_true", help="CPU: the bundled model, tiny levels")
     args = ap.parse_args()
     if args.smoke:

@@ -22,7 +22,8 @@ requests it holds in shared steps (one packed forward a round), its engine in a 
 figures show what HTTP costs. Every request sends neutral penalties (repetition 1, frequency and
 presence 0), so a model's generation_config.json penalties do not make it other work than
 bench/batch.py's; `--in-process` runs bench/batch.py after the server has stopped, on the same
-model, route, lengths and concurrencies, and prints its tok/s beside each level's. A table, then
+model, route, lengths and concurrencies, offered as these clients offer them (`--requests`: a
+closed loop of fresh prompts, driven on one thread as the server's engine thread drives them), and prints its tok/s beside each level's. A table, then
 one JSON line last.
 """
 from __future__ import annotations
@@ -278,7 +279,7 @@ def in_process(args, concs: list[int], plens: list[int]) -> dict[tuple[int, int]
     for plen in plens:
         cmd = [sys.executable, "-m", "bench.batch", "--concurrency", ",".join(map(str, concs)), "--prompt-len",
                str(plen), "--output-len", str(args.output_len), "--spec", args.spec, "--spec-k", str(args.spec_k),
-               "--no-exact", *(["--model", args.model] if args.model else [])]
+               "--requests", str(args.requests), "--no-exact", *(["--model", args.model] if args.model else [])]
         print("in process: " + shlex.join(cmd[1:]), file=sys.stderr, flush=True)
         got = subprocess.run(cmd, capture_output=True, text=True)
         if got.returncode != 0:
@@ -344,8 +345,8 @@ def main() -> int:
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds the started server may take to load")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for serving.json")
     ap.add_argument("--in-process", action="store_true",
-                    help="then run bench.batch on the same model, route (--spec off, mtp or ngram), lengths and "
-                         "concurrencies, and print its in-process tok/s beside each level's (model flags in "
+                    help="then run bench.batch on the same model, route (--spec off, mtp or ngram), lengths, "
+                         "concurrencies and closed loop of --requests, and print its in-process tok/s beside each level's (model flags in "
                          "--serve-args are not passed on)")
     ap.add_argument("--smoke", action="store_true", help="CPU: the bundled model, tiny levels")
     args = ap.parse_args()

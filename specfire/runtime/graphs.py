@@ -158,7 +158,16 @@ class PackedGraphs:
         self.rebinds = 0
 
     def run(self, trunks: list, ids: list[torch.Tensor], pos: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(hidden, logits) of each slot's rows; `trunks` are LocalTrunk views with graphs."""
+        """(hidden, logits) of each slot's rows; `trunks` are LocalTrunk views with graphs. The
+        members run ordered by row count (a row's bits do not depend on its place in the pack), so
+        the same counts in any order replay one graph."""
+        order = sorted(range(len(ids)), key=lambda i: ids[i].shape[0])
+        if order != list(range(len(ids))):
+            got = self.run([trunks[i] for i in order], [ids[i] for i in order], [pos[i] for i in order])
+            out: list = [None] * len(ids)
+            for i, r in zip(order, got):
+                out[i] = r
+            return out
         states = [t.state for t in trunks]
         key = tuple(x.shape[0] for x in ids)
         if not self.rebindable:             # graphs of these slots only

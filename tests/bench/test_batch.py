@@ -25,3 +25,19 @@ def test_batch_smoke_packs_each_level(monkeypatch, capsys, tmp_path):
     assert j["c"] == 2 and j["join_tokens"] == 48 and j["gaps_during"] >= 1 and j["gap_ms_median_before"] > 0
     assert j["join_cached_tokens"] == 0
     assert json.loads((tmp_path / "batch.json").read_text())["levels"] == last["levels"]
+
+
+def test_closed_loop_offers_requests_as_the_serving_clients_do(monkeypatch, capsys):
+    """--requests 5: per level five requests of fresh prompts, at most c in flight; every one ran
+    to its length, and with c = 2 two shared rounds."""
+    from specfire.runtime import scheduler as sch
+
+    submitted = []
+    real = sch.Scheduler.submit
+    monkeypatch.setattr(sch.Scheduler, "submit", lambda self, r: submitted.append(tuple(r.ids)) or real(self, r))
+    monkeypatch.setattr(sys, "argv", ["batch", "--smoke", "--no-exact", "--requests", "5", "--spec", "off"])
+    assert batch.main() == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [(r["c"], r["tokens"]) for r in last["levels"]] == [(1, 40), (2, 40)]
+    assert last["levels"][1]["verifies_per_forward"] > 1.3
+    assert len(set(submitted[-5:])) == 5            # fresh prompts, none the warm-up's
