@@ -174,13 +174,10 @@ class LLM(Prompts):
             share, mtp = None, self.engine.mtp_loaded
             pooled = self.engine.trunk.kv_pool is not None     # then the budget sized the pool
             slot = state_bytes(self.cfg, self.max_seq_len, kvd, mtp, None, kv=not pooled)
-            if tp > 1:                        # a slot costs each rank its shard (rank 0: and the MTP head's own KV)
+            if tp > 1:                        # a slot costs each rank its shard (the MTP head's KV: in rank 0's pool)
                 from .parallel import ShardPlan
                 share = ShardPlan(self.cfg, tp, 0)
                 slot = state_bytes(self.cfg, self.max_seq_len, kvd, mtp, share, kv=not pooled)
-                if mtp and pooled:
-                    slot += (state_bytes(self.cfg, self.max_seq_len, kvd, True, share)
-                             - state_bytes(self.cfg, self.max_seq_len, kvd, False, share))
             self.slots = SlotPool(self.engine, opts.max_num_seqs, slot, kv_budget)
         except BaseException:
             self.engine.trunk.close()

@@ -17,6 +17,7 @@ import torch
 from ..errors import CheckpointError, MeshError, SpecfireError
 from ..model import loader
 from ..runtime.build import BuiltTrunk, EngineOptions
+from ..runtime.drafters.mtp import AHEAD
 from . import comm as comm_mod
 from .launch import (START_TIMEOUT_S, LocalWorker, MeshSpec, kill_workers, mesh_timeout, placement,
                      start_local_workers, worker_errors)
@@ -93,11 +94,11 @@ def mesh_trunk(opts: EngineOptions) -> BuiltTrunk:
     mesh = Mesh(comm, created, workers, store, threads_before, timeout_s)
     trunk, err = None, None
     try:
-        trunk = load_shard(spec, comm)
+        trunk = load_shard(spec, comm, head.kv_heads() if head is not None else [])
     except Exception as e:
         err = e
     try:
-        flags = agree_pool(comm, trunk)
+        flags = agree_pool(comm, trunk, AHEAD if head is not None else 0)
     except Exception as e:
         raise mesh.fail(e) from None
     if not all(flags):

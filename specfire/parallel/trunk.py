@@ -143,6 +143,12 @@ class MeshTrunk:
         """Rank 0's KV pool, alike on every rank (parallel/control.py): admission reserves on it."""
         return self._local.kv_pool if self._local is not None else None
 
+    @property
+    def kv_state(self):
+        """Rank 0's shard of this slot's state: the MTP head's KV shares its block table in rank
+        0's pool (every rank grows its slots alike: parallel/worker.py agree_pool)."""
+        return self._ex.slots[self.slot].state if self._ex is not None else None
+
     def end(self) -> None:
         """The request ended: its KV blocks go back to the pool, here now and on the other ranks
         before the next call (a rider). Nothing to do on a closed or failed mesh."""

@@ -26,10 +26,11 @@ from .model import ShardedQwen35
 from .shard import ShardPlan
 
 
-def load_shard(spec: MeshSpec, comm: Comm) -> LocalTrunk:
+def load_shard(spec: MeshSpec, comm: Comm, head_heads: list[int] = ()) -> LocalTrunk:
     """This rank's trunk: the one loading path (model/loader.py) with the sharded model and a fetch
     that reads only this rank's slices; its slots' KV in one pool of this rank's heads, sized by
-    the budget (per rank) as on one device (`agree_pool` then makes every rank's pool alike)."""
+    the budget (per rank) as on one device (`agree_pool` then makes every rank's pool alike).
+    `head_heads`: rank 0's MTP head's KV heads (whole, unsharded), its layers after the trunk's."""
     src = loader.open_checkpoint(spec.path)
     plan = ShardPlan(spec.cfg, spec.tp, comm.rank)
     model = loader.load_trunk(src, spec.cfg, dtype=spec.dtype, device=comm.device,
@@ -37,7 +38,7 @@ def load_shard(spec: MeshSpec, comm: Comm) -> LocalTrunk:
                               what=f"trunk shard {comm.rank}/{spec.tp}")
     graphs = spec.cuda_graphs if spec.device_type == "cuda" else False
     model.draft_vocab = spec.draft_vocab       # what this rank's side of a draft pick scores (parallel/draft.py)
-    heads = model.kv_heads()
+    heads = model.kv_heads() + list(head_heads)
     blocks = pool_blocks(block_bytes(heads, spec.cfg.head_dim, spec.kv_dtype), spec.max_seq, spec.max_num_seqs,
                          spec.kv_budget, comm.device)
     pool = KvPool(heads, spec.cfg.head_dim, blocks, comm.device, spec.kv_dtype)
@@ -50,13 +51,16 @@ def load_shard(spec: MeshSpec, comm: Comm) -> LocalTrunk:
     return trunk
 
 
-def agree_pool(comm: Comm, trunk: LocalTrunk | None) -> list[int]:
+def agree_pool(comm: Comm, trunk: LocalTrunk | None, ahead: int = 0) -> list[int]:
     """Every rank's flag after loading (its pool's blocks; 0: the load failed), exchanged; when
-    all loaded, every pool hands out the smallest one's blocks only (a GPU's free memory may size
-    them apart), so the ranks' block tables stay alike."""
+    all loaded, every pool hands out the smallest one's blocks only (a GPU's free memory, or rank
+    0's bigger blocks holding the MTP head's KV too, may size them apart), and every rank's slots
+    grow rank 0's `ahead` positions past their rows (the head's reach over the slot's table), so
+    the ranks' block tables stay alike."""
     flags = comm.exchange_flags(trunk.kv_pool.num_blocks if trunk is not None else 0)
     if all(flags):
         trunk.kv_pool.shrink(min(flags))
+        trunk.state.ahead = max(comm.exchange_flags(ahead))     # the views (slots) copy it
     return flags
 
 

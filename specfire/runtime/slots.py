@@ -12,8 +12,9 @@ one pool of blocks (model/kvpool.py) that the KV budget sizes (`pool_blocks`): a
 when the pool can promise it the blocks it may reach (`request_blocks`: its prompt, max_tokens and
 the drafts' reach), else it waits in arrival order; the blocks are taken as it grows and given back
 when it ends. A mesh pages the same way: every rank's slots share one pool of its shard of the KV
-heads, sized by the budget per rank, and rank 0's pool, alike on every rank (parallel/control.py),
-is the one admission reserves on. A topology without a fork has one slot.
+heads, sized by the budget per rank (rank 0's blocks hold the MTP head's KV too, so its budget buys
+the fewest and every rank hands out that many), and rank 0's pool, alike on every rank
+(parallel/control.py), is the one admission reserves on. A topology without a fork has one slot.
 """
 from __future__ import annotations
 

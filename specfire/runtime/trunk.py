@@ -98,6 +98,7 @@ class Trunk(Protocol):
     packing: object | None        # trunks with one key verify together (`verify_packed`); None: alone
     state: SequenceState | None   # the sequence's state in this process (a prefix.Fork copies it); None: on a mesh's ranks
     kv_pool: KvPool | None        # the KV pool the views share (model/kvpool.py); None: each state holds max_seq
+    kv_state: SequenceState | None  # the state whose block table the MTP head's KV shares (a mesh: rank 0's shard)
 
     def begin(self) -> None: ...                                   # new sequence: reset state
     def end(self) -> None: ...                                     # the sequence ended: its KV blocks back to the pool
@@ -153,7 +154,13 @@ class LocalTrunk:
                            self.kv_pool)
         other.piece, other.pause = self.piece, self.pause
         other.packs = self.packs                  # one model: one set of packed graphs
+        other.state.ahead = self.state.ahead      # every slot grows as far past its rows (the head's reach)
         return other
+
+    @property
+    def kv_state(self) -> SequenceState:
+        """The state whose block table an MTP head's KV shares (runtime/drafters/mtp.py)."""
+        return self.state
 
     def begin(self) -> None:
         self.state.reset()

@@ -13,6 +13,8 @@ from ..trunk import Trunk
 from .base import NO_DRAFT
 from .chain import already_picked, argmax, draft_chain, packed_chain_after, penalized_argmax
 
+AHEAD = MAX_SPEC_K + 1      # positions the head's catch-up and chain write past the trunk's rows
+
 
 class MtpDrafter:
     """The model's own MTP head, chained k times (`draft_chain`).
@@ -58,14 +60,16 @@ class MtpDrafter:
     @staticmethod
     def _new_state(head: MtpHead, trunk: Trunk, kv_dtype: torch.dtype):
         """The head's KV: in the trunk's KV pool, over the trunk sequence's own block table, where
-        the pool holds the head's layers after the trunk's (model/kvpool.py); the trunk then grows
-        MAX_SPEC_K + 1 positions past its rows, what the head's catch-up and chain reach past them."""
+        the pool holds the head's layers after the trunk's (model/kvpool.py; a mesh: rank 0's pool
+        and its shard of the slot); the trunk then grows MAX_SPEC_K + 1 positions past its rows,
+        what the head's catch-up and chain reach past them (a mesh's ranks all do: parallel/worker.py
+        agree_pool)."""
         pool = trunk.kv_pool
-        st = trunk.state
+        st = trunk.kv_state
         n_trunk = sum(lc.rec is None for lc in st.layers) if st is not None else 0
         if pool is None or st is None or len(pool.k) != n_trunk + len(head.kv_heads()):
             return head.new_state(trunk.max_seq, kv_dtype)
-        st.ahead = MAX_SPEC_K + 1
+        st.ahead = AHEAD
         return head.new_state(trunk.max_seq, kv_dtype, pool, n_trunk, st.table)
 
     @property
