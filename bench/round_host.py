@@ -39,6 +39,7 @@ def main() -> int:
     ap.add_argument("--ahead", action="store_true", help="force the engines' one-step-ahead AR (queue_ahead)")
     ap.add_argument("--profile", type=int, default=0, help="print the N costliest calls of the rounds (cProfile)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (CUDA graphs: the forward only queues)")
     args = ap.parse_args()
 
     from bench.common import model_config, random_prompt, write_checkpoint, write_tokenizer
@@ -52,9 +53,9 @@ def main() -> int:
     if args.shape:
         cfg = model_config(args.shape)
         path = write_checkpoint(os.path.join(tempfile.mkdtemp(prefix="round-host-"), args.shape), cfg,
-                                torch.float32, "cpu")
+                                torch.float32 if args.device == "cpu" else torch.bfloat16, args.device)
         write_tokenizer(path, cfg.vocab_size)
-    with LLM(path, device="cpu", threads=args.threads, progress=False,
+    with LLM(path, device=args.device, threads=args.threads, progress=False,
              max_seq_len=args.prompt_len + args.tokens + 16, max_num_seqs=max(concs)) as m:
         real_vm, real_round = sch.verify_many, sch.Scheduler.round
         cur = {"verify": 0.0, "calls": 0}
