@@ -181,6 +181,7 @@ def exact(path: str, max_tokens: int, kw: dict) -> list[dict]:
     """Each mixed request alone, then all at once in arrival and reversed order: equal or not."""
     from specfire import LLM
     from specfire.config import ModelConfig
+    from specfire.runtime.graphs import PackedChains
 
     reqs = mixed(max_tokens)
     vocab = ModelConfig.from_dir(path).vocab_size
@@ -189,16 +190,26 @@ def exact(path: str, max_tokens: int, kw: dict) -> list[dict]:
     out = []
     for kv in ("auto", "q8") if torch.cuda.is_available() else ("auto",):
         with LLM(path, progress=False, max_seq_len=1024, max_num_seqs=len(reqs), kv_dtype=kv, **kw) as m:
-            alone = [m.generate(p, sp, spec=pol).token_ids for p, sp, pol in zip(prompts, sps, pols)]
+            alone_r = [m.generate(p, sp, spec=pol) for p, sp, pol in zip(prompts, sps, pols)]
+            alone = [r.token_ids for r in alone_r]
             fwd0, ver0 = m.scheduler.forwards, m.scheduler.verifies
-            got = [r.token_ids for r in m.generate(prompts, sps, spec=pols)]
+            got_r = m.generate(prompts, sps, spec=pols)
+            got = [r.token_ids for r in got_r]
             rev = [r.token_ids for r in m.generate(prompts[::-1], sps[::-1], spec=pols[::-1])][::-1]
             rec = {"kv_dtype": kv, "equal": [a == b for a, b in zip(alone, got)],
                    "equal_reversed": [a == b for a, b in zip(alone, rev)],
+                   # drafts change what is accepted, never what is emitted: the same acceptance alone and
+                   # together says the packed chains drafted what each chain drafts alone
+                   "accepted_as_alone": [a.stats.get("per_route") == b.stats.get("per_route")
+                                         for a, b in zip(alone_r, got_r)],
                    "verifies_per_forward": round((m.scheduler.verifies - ver0) / max(1, m.scheduler.forwards - fwd0), 2)}
             packs = getattr(m.slots.first.trunk, "packs", None)
             if packs is not None:           # CUDA graphs: how often a packed graph was re-pointed at other slots
                 rec.update(packed_graphs=len(packs.graphs), captures=packs.captures, rebinds=packs.rebinds)
+            mtp = m.slots.first.drafters.get("mtp")
+            chains = PackedChains.of(mtp.head) if mtp is not None else None
+            if chains is not None:          # the same for the packed draft chains
+                rec.update(chain_graphs=len(chains.graphs), chain_captures=chains.captures, chain_rebinds=chains.rebinds)
             print(json.dumps({"stage": "exact", **rec}), flush=True)
             out.append(rec)
     return out

@@ -14,6 +14,7 @@ by `commit()`, outside the graph, so capture and warm-up never disturb a sequenc
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
@@ -296,6 +297,126 @@ class FnGraphs:
             with torch.cuda.graph(graph, pool=self.pool):
                 outs = tuple(fn(*ins))
         return _FnGraph(graph.replay, ins, outs)
+
+
+@dataclass
+class _ChainGraph:
+    replay: Callable[[], None]
+    toks: torch.Tensor                      # [sum R] static inputs
+    hidden: torch.Tensor                    # [sum R, H]
+    pos: torch.Tensor                       # [S] each member's first position
+    n: torch.Tensor                         # [S] each member's accepted count (the row its chain starts after)
+    drafts: torch.Tensor                    # [S, k] the replay's output
+    segs: list                              # the catch-up's and the steps' Segments (their tables are the graph's)
+    tables: list | None                     # those Segments' tables, re-pointable (None: these states only)
+    states: list                            # the head states the tables address now
+
+
+class PackedChains:
+    """CUDA graphs of the packed greedy draft chain (drafters/chain.py packed_chain_after) that a
+    round's MTP requests draft with together: a catch-up and k - 1 steps of the head, dozens of
+    launches each, replayed as one, one graph per (members, rows, k, feed). As PackedGraphs does
+    for the trunk, the graph owns every table its attention launches read (each member's head KV
+    and block table), so a round of other slots rewrites them (`rebind`) instead of capturing
+    again. The slots' drafters of one head share one (`for_head`). `emulate` (CPU tests): the
+    same protocol, each replay the eager chain over the captured Segments, whose fused launches
+    read the graph's tables as a replay does."""
+
+    MAX_GRAPHS = 16
+
+    def __init__(self, device: torch.device, emulate: bool = False):
+        self.device, self.emulate = torch.device(device), emulate
+        self.pool = None if emulate else torch.cuda.graph_pool_handle()
+        self.graphs: OrderedDict[tuple, _ChainGraph] = OrderedDict()
+        self.captures = 0
+        self.rebinds = 0
+
+    def run(self, chain: Callable[..., torch.Tensor], states: list, toks: list[torch.Tensor],
+            hidden: list[torch.Tensor], pos: list[int], n: list[torch.Tensor], k: int, feed: str) -> torch.Tensor:
+        """Drafts [S, k] of each member's chain: `chain(catch, step, step_pos, starts, toks, hidden,
+        n, k, feed)` is packed_chain_after over the head."""
+        key = (tuple(t.shape[0] for t in toks), k, feed)
+        own = (key, tuple(id(st) for st in states))     # a graph whose tables are not re-pointable
+        g = self.graphs.get(key) or self.graphs.get(own)
+        if g is not None and not _same(g.states, states):
+            if all(rebind(tb, sg.spans, g.states, states) is not None for tb, sg in zip(g.tables, g.segs)):
+                g.states = list(states)
+                self.rebinds += 1
+            else:
+                del self.graphs[key]
+                g = None
+        if g is None:
+            while len(self.graphs) >= self.MAX_GRAPHS:
+                self.graphs.popitem(last=False)
+            g = self._capture(chain, states, toks, hidden, pos, n, k, feed)
+            self.graphs[key if g.tables is not None else own] = g
+        else:
+            self.graphs.move_to_end(key if g.tables is not None else own)
+        host = torch.tensor(pos, dtype=torch.long)
+        if g.pos.is_cuda:                   # pinned: no host wait on the stream
+            host = host.pin_memory()
+        g.pos.copy_(host, non_blocking=g.pos.is_cuda)
+        g.toks.copy_(torch.cat(toks))
+        g.hidden.copy_(torch.cat(hidden))
+        g.n.copy_(torch.cat([x.reshape(1) for x in n]))
+        g.replay()
+        return g.drafts.clone()
+
+    def _capture(self, chain, states, toks, hidden, pos, n, k, feed) -> _ChainGraph:
+        from ..model.state import Segments
+        ids, hid = torch.cat(toks), torch.cat(hidden)
+        nb = torch.cat([x.reshape(1) for x in n])
+        pos_buf = torch.tensor(pos, dtype=torch.long, device=ids.device)
+        step_pos = pos_buf.clone()
+        counts = [t.shape[0] for t in toks]
+        starts = torch.tensor([sum(counts[:i]) for i in range(len(counts))], dtype=torch.long, device=ids.device)
+        catch = Segments.of(states, [pos_buf[i:i + 1] for i in range(len(states))], counts)
+        step = Segments.of(states, [step_pos[i:i + 1] for i in range(len(states))], [1] * len(states))
+        segs = [catch, step] if k > 1 else [catch]
+        fn = lambda: chain(catch, step, step_pos, starts, ids, hid, nb, k, feed)    # noqa: E731
+        self.captures += 1
+        if self.emulate:
+            drafts = fn().clone()
+            tables = [own_tables(sg) for sg in segs]
+
+            def replay() -> None:
+                drafts.copy_(fn())
+            return _ChainGraph(replay, ids, hid, pos_buf, nb, drafts, segs,
+                               None if any(t is None for t in tables) else tables, list(states))
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):   # warm-up: compile, autotune and make the tables (the call's own KV rows)
+                for _ in range(FnGraphs.WARMUP):
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            tables = [own_tables(sg) for sg in segs]
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                drafts = fn()
+        log.info("captured a CUDA graph for %d slots' draft chains (k=%d)", len(states), k)
+        return _ChainGraph(graph.replay, ids, hid, pos_buf, nb, drafts, segs,
+                           None if any(t is None for t in tables) else tables, list(states))
+
+    @staticmethod
+    def of(head: torch.nn.Module) -> "PackedChains | None":
+        """The chain graphs of `head`'s drafters, if any ran."""
+        return _CHAINS.get(head)
+
+    @staticmethod
+    def for_head(head: torch.nn.Module, device: torch.device, emulate: bool) -> "PackedChains":
+        """The chain graphs the slots' drafters of `head` share."""
+        got = _CHAINS.get(head)
+        if got is None or got.emulate != emulate:
+            got = _CHAINS[head] = PackedChains(device, emulate)
+        return got
+
+
+_CHAINS: "weakref.WeakKeyDictionary[torch.nn.Module, PackedChains]" = weakref.WeakKeyDictionary()
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 Chain = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]

@@ -22,11 +22,12 @@ from ..model.qwen35 import Qwen35Trunk, Segments, SequenceState, drain  # noqa: 
 from ..params import check_draft_vocab
 
 PREFILL_PIECE = 1024  # prompt rows per prefill forward (bounds attention-score memory)
-# layers a prefill forward runs between pauses (other requests' steps run there): on the 27B shape
-# a 1024-row piece at 16k-32k positions costs ~2.5-3 ms a layer, so 4 layers stall the streams of
-# a 16 ms round about as long again (8 layers measured 4.0x their median gap, p99; a whole piece
-# 16.7x); each pause costs the joining prompt one round of the others' time to first token
-PREFILL_PAUSE = 4
+# rows x layers a prefill forward runs between pauses (other requests' steps run there): a 1024-row
+# piece pauses every 4 layers, a 256-row one every 16, so a run costs about as much whatever the
+# piece. On the 27B shape a 1024-row piece at 16k-32k positions costs ~2.5-3 ms a layer: 4 layers
+# stall the streams of a 16 ms round about as long again (p99 2.39x their median gap; 8 layers
+# 4.0x, a whole piece 16.7x); each pause costs the joining prompt one round of the others' time
+PREFILL_PAUSE = 4096
 
 
 def prefill_cuts(n: int, piece: int, ends: tuple[int, ...] = (), start: int = 0) -> list[int]:
@@ -133,7 +134,7 @@ class LocalTrunk:
         self.draft_vocab = check_draft_vocab(draft_vocab, model.cfg.vocab_size)
         self.device = model.embed_tokens.weight.device
         self.piece = PREFILL_PIECE                # prompt rows per prefill forward
-        self.pause = PREFILL_PAUSE                # layers per run of a prefill forward
+        self.pause = PREFILL_PAUSE                # rows x layers per run of a prefill forward (0: no pauses)
         self.kv_dtype = kv_dtype
         self.kv_pool = kv_pool
         self.state: SequenceState = model.new_state(max_seq, kv_dtype, kv_pool)
@@ -198,7 +199,7 @@ class LocalTrunk:
             self.state.grow(b)
             h, l = yield from self.model.forward_steps(ids[a - start:b - start], a, self.state, rows=False,
                                                        logits="all" if logits == "all" else ("last" if last else "none"),
-                                                       pause=self.pause)
+                                                       pause=max(1, self.pause // (b - a)) if self.pause else 0)
             hs.append(h)
             if l is not None:
                 lg.append(l)

@@ -3,6 +3,8 @@ and its output, greedy or seeded sampled, is the one it gives alone, whatever sh
 in whatever order the requests arrive."""
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 
 import pytest
@@ -483,7 +485,7 @@ def test_greedy_draft_chains_of_a_round_run_packed(path, prompts, monkeypatch):
 
     sizes = []
     real = chain_mod.packed_chain_after
-    monkeypatch.setattr(mtp_mod, "packed_chain_after", lambda *a: sizes.append(len(a[4])) or real(*a))
+    monkeypatch.setattr(mtp_mod, "packed_chain_after", lambda *a: sizes.append(len(a[4].states)) or real(*a))
     reqs = [SamplingParams(max_tokens=n) for n in (24, 20, 28)]
     with LLM(path, device="cpu", progress=False, max_seq_len=512, max_num_seqs=3) as m:
         slots = [m.slots.acquire() for _ in range(3)]
@@ -499,8 +501,10 @@ def test_greedy_draft_chains_of_a_round_run_packed(path, prompts, monkeypatch):
         assert sizes and max(sizes) == 3, sizes
         assert [r.stats["per_route"]["mtp"] for r in got] == [r.stats["per_route"]["mtp"] for r in alone]
         # negative control: every sequence's packed chain over the first one's head state
-        monkeypatch.setattr(mtp_mod, "packed_chain_after",
-                            lambda head, lm, emb, ew, states, *a: real(head, lm, emb, ew, [states[0]] * len(states), *a))
+        def first_only(head, lm, emb, ew, catch, step, *a):
+            return real(head, lm, emb, ew, *(dataclasses.replace(sg, states=[sg.states[0]] * len(sg.states))
+                                             for sg in (catch, step)), *a)
+        monkeypatch.setattr(mtp_mod, "packed_chain_after", first_only)
         bad = m.generate(prompts[:3], reqs, spec=[SpecPolicy("mtp", 3)] * 3)
         assert [r.token_ids for r in bad] == [r.token_ids for r in alone]       # greedy output holds regardless
         assert [r.stats["per_route"]["mtp"] for r in bad] != [r.stats["per_route"]["mtp"] for r in alone]

@@ -67,33 +67,33 @@ def draft_chain(head: MtpHead, embed: Callable[[torch.Tensor], torch.Tensor],
 
 def packed_chain_after(head: MtpHead, lm_logits: Callable[[torch.Tensor], torch.Tensor],
                        embed: Callable[[torch.Tensor], torch.Tensor], embed_weight: torch.Tensor | None,
-                       states: list[SequenceState], toks: list[torch.Tensor], hidden: list[torch.Tensor],
-                       pos: list[int], n: list[torch.Tensor], k: int, feed: str) -> torch.Tensor:
+                       catch: Segments, step: Segments, step_pos: torch.Tensor, starts: torch.Tensor,
+                       toks: torch.Tensor, hidden: torch.Tensor, n: torch.Tensor, k: int, feed: str) -> torch.Tensor:
     """The greedy chains after several sequences' verifies at once (`draft_chain` with `n`, each
-    over its own head state): sequence i's catch-up over its verify's rows (toks[i], hidden[i] at
-    positions pos[i]..), row n[i] ([1], on the device) picked, then k argmax steps, every step one
-    packed head forward over one row per sequence (`MtpHead.packed`: each weight, the lm_head's
-    included, read once for all of them). -> drafts [len(states), k] on the device."""
+    over its own head state), as runtime/graphs.py PackedChains captures it: `catch` is sequence
+    i's catch-up over its verify's rows (rows catch.spans[i] of toks / hidden, first row at
+    `starts[i]`, at its positions catch.pos0s), row n[i] (device) picked, then k argmax steps,
+    every step one packed head forward over one row per sequence (`step`, at the positions
+    `step_pos` holds, rewritten here before each step: a replay reads them on the device), each
+    weight, the lm_head's included, read once for all of them. -> drafts [S, k] on the device."""
     def run(segs: Segments, tk: torch.Tensor, hid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if embed_weight is not None:
             return head.packed(None, hid, segs, ids=tk, embed_weight=embed_weight)
         return head.packed(embed(tk), hid, segs)
 
-    segs = Segments.of(states, list(pos), [t.shape[0] for t in toks])
-    pre, post = run(segs, torch.cat(toks), torch.cat(hidden))
-    nn = torch.cat(n)
-    at = torch.tensor([a for a, _ in segs.spans], device=nn.device) + nn       # each sequence's row n
+    pre, post = run(catch, toks, hidden)
+    at = starts + n                                                              # each sequence's row n
     h_pre, h_post = pre.index_select(0, at), post.index_select(0, at)
-    p = [q + m for q, m in zip(pos, n)]                                          # [1] each, on the device
+    first = torch.cat([p.reshape(1) for p in catch.pos0s]) + n                   # position of row n
     drafts = []
-    for step in range(k):
+    for j in range(k):
         tok = lm_logits(h_post).argmax(-1)                                       # [S]
         drafts.append(tok)
-        if step + 1 == k:
+        if j + 1 == k:
             break
-        p = [q + 1 for q in p]
+        step_pos.copy_(first + (j + 1))
         fed = h_post if feed == "post" else h_pre
-        h_pre, h_post = run(Segments.of(states, p, [1] * len(states)), tok, fed)
+        h_pre, h_post = run(step, tok, fed)
     return torch.stack(drafts, dim=1)
 
 

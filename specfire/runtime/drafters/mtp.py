@@ -6,7 +6,7 @@ import torch
 from ...layers.attention import fuses
 from ...model.qwen35 import MtpHead
 from ...params import MAX_SPEC_K, SamplingParams
-from ..graphs import DraftGraphs, penalty_key
+from ..graphs import DraftGraphs, PackedChains, penalty_key
 from ..rng import DeviceRng
 from ..sampling import Penalties, probs, sample
 from ..trunk import Trunk
@@ -220,7 +220,8 @@ class MtpDrafter:
     def queue_many(self, drafters: list["MtpDrafter"]) -> None:
         """The chains a round's steps left pending: those of one head, k and feed as one packed chain
         (`packed_chain_after`: each weight read once for every request's step), a lone one alone.
-        Greedy drafts change only what is accepted, never what is emitted."""
+        Greedy drafts change only what is accepted, never what is emitted. Replayed from the
+        head's packed chain graphs (runtime/graphs.py PackedChains)."""
         groups: dict[tuple, list[MtpDrafter]] = {}
         for d in drafters:
             groups.setdefault((id(d.head), d._want[4], d.feed), []).append(d)
@@ -228,10 +229,12 @@ class MtpDrafter:
             if len(group) == 1:
                 group[0].queue_pending()
                 continue
-            t, wants = group[0].trunk, [d._want for d in group]
-            drafts = packed_chain_after(group[0].head, t.lm_scores, t.embed, t.embed_weight, [d.state for d in group],
-                                        [w[1] for w in wants], [w[0] for w in wants], [w[3] for w in wants],
-                                        [w[2].view(1) for w in wants], k, feed)
+            t, wants, g = group[0].trunk, [d._want for d in group], group[0].graphs
+            head = group[0].head
+            chains = PackedChains.for_head(head, g.pos.device, g.fns.emulate)
+            drafts = chains.run(lambda *a: packed_chain_after(head, t.lm_scores, t.embed, t.embed_weight, *a),
+                                [d.state for d in group], [w[1] for w in wants], [w[0] for w in wants],
+                                [w[3] for w in wants], [w[2] for w in wants], k, feed)
             for i, (d, w) in enumerate(zip(group, wants)):
                 d._want, d._pre = None, ((k, w[3], None), drafts[i])
 
