@@ -310,6 +310,7 @@ class _ChainGraph:
     segs: list                              # the catch-up's and the steps' Segments (their tables are the graph's)
     tables: list | None                     # those Segments' tables, re-pointable (None: these states only)
     states: list                            # the head states the tables address now
+    keep: tuple = ()                        # other tensors the replay reads (freed, their memory would be reused)
 
 
 class PackedChains:
@@ -382,7 +383,7 @@ class PackedChains:
             def replay() -> None:
                 drafts.copy_(fn())
             return _ChainGraph(replay, ids, hid, pos_buf, nb, drafts, segs,
-                               None if any(t is None for t in tables) else tables, list(states))
+                               None if any(t is None for t in tables) else tables, list(states), (step_pos, starts))
         with torch.cuda.device(self.device):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -396,7 +397,7 @@ class PackedChains:
                 drafts = fn()
         log.info("captured a CUDA graph for %d slots' draft chains (k=%d)", len(states), k)
         return _ChainGraph(graph.replay, ids, hid, pos_buf, nb, drafts, segs,
-                           None if any(t is None for t in tables) else tables, list(states))
+                           None if any(t is None for t in tables) else tables, list(states), (step_pos, starts, graph))
 
     @staticmethod
     def of(head: torch.nn.Module) -> "PackedChains | None":
