@@ -200,8 +200,9 @@ def exact(path: str, max_tokens: int, kw: dict) -> list[dict]:
                    "equal_reversed": [a == b for a, b in zip(alone, rev)],
                    # drafts change what is accepted, never what is emitted: the same acceptance alone and
                    # together says the packed chains drafted what each chain drafts alone
-                   "accepted_as_alone": [a.stats.get("per_route") == b.stats.get("per_route")
-                                         for a, b in zip(alone_r, got_r)],
+                   # (None: an `auto` request, whose route choice accounts for the batch)
+                   "accepted_as_alone": [None if pol.mode == "auto" else a.stats.get("per_route") == b.stats.get("per_route")
+                                         for a, b, pol in zip(alone_r, got_r, pols)],
                    "verifies_per_forward": round((m.scheduler.verifies - ver0) / max(1, m.scheduler.forwards - fwd0), 2)}
             packs = getattr(m.slots.first.trunk, "packs", None)
             if packs is not None:           # CUDA graphs: how often a packed graph was re-pointed at other slots

@@ -22,12 +22,14 @@ from ..model.qwen35 import Qwen35Trunk, Segments, SequenceState, drain  # noqa: 
 from ..params import check_draft_vocab
 
 PREFILL_PIECE = 1024  # prompt rows per prefill forward (bounds attention-score memory)
-# rows x layers a prefill forward runs between pauses (other requests' steps run there): a 1024-row
-# piece pauses every 4 layers, a 256-row one every 16, so a run costs about as much whatever the
-# piece. On the 27B shape a 1024-row piece at 16k-32k positions costs ~2.5-3 ms a layer: 4 layers
-# stall the streams of a 16 ms round about as long again (p99 2.39x their median gap; 8 layers
-# 4.0x, a whole piece 16.7x); each pause costs the joining prompt one round of the others' time
-PREFILL_PAUSE = 4096
+# layers a prefill forward runs between pauses (other requests' steps run there), for a piece of
+# PREFILL_PAUSE_ROWS rows or more; a smaller piece runs proportionally more (256 rows: 8 layers).
+# On the 27B shape a 1024-row piece at 16k-32k positions costs ~2.5-3 ms a layer, so 4 layers stall
+# the streams of a 16 ms round about as long again (p99 2.22x their median gap; 8 layers 4.0x, a
+# whole piece 16.7x); a 256-row piece is bound by the host, so less than a quarter as fast a row
+# (16 layers 3.53x, 8 layers 2.82x). Each pause costs the joining prompt one round of the others.
+PREFILL_PAUSE = 4
+PREFILL_PAUSE_ROWS = 512
 
 
 def prefill_cuts(n: int, piece: int, ends: tuple[int, ...] = (), start: int = 0) -> list[int]:
@@ -134,7 +136,8 @@ class LocalTrunk:
         self.draft_vocab = check_draft_vocab(draft_vocab, model.cfg.vocab_size)
         self.device = model.embed_tokens.weight.device
         self.piece = PREFILL_PIECE                # prompt rows per prefill forward
-        self.pause = PREFILL_PAUSE                # rows x layers per run of a prefill forward (0: no pauses)
+        self.pause = PREFILL_PAUSE                # layers per run of a prefill forward (0: no pauses)
+        self.pause_rows = PREFILL_PAUSE_ROWS      # ... of a piece this many rows or more (fewer: more layers)
         self.kv_dtype = kv_dtype
         self.kv_pool = kv_pool
         self.state: SequenceState = model.new_state(max_seq, kv_dtype, kv_pool)
@@ -153,7 +156,7 @@ class LocalTrunk:
         graphs: a slot for one more concurrent request (runtime/slots.py)."""
         other = LocalTrunk(self.model, self.max_seq, self.kv_dtype, self.graphs is not None, self.draft_vocab,
                            self.kv_pool)
-        other.piece, other.pause = self.piece, self.pause
+        other.piece, other.pause, other.pause_rows = self.piece, self.pause, self.pause_rows
         other.packs = self.packs                  # one model: one set of packed graphs
         other.state.ahead = self.state.ahead      # every slot grows as far past its rows (the head's reach)
         return other
@@ -184,6 +187,13 @@ class LocalTrunk:
         prefill_cuts, so the forwards are those of a prefill from 0)."""
         return drain(self.prefill_steps(ids, logits, start, ends))
 
+    def pause_for(self, rows: int) -> int:
+        """Layers a prefill forward of `rows` rows runs between pauses (0: none): about the same
+        time whatever the piece."""
+        if not self.pause:
+            return 0
+        return max(self.pause, self.pause * self.pause_rows // max(1, rows))
+
     @torch.inference_mode()
     def prefill_steps(self, ids: torch.Tensor, logits: str = "last", start: int = 0,
                       ends: tuple[int, ...] = ()) -> Generator[None, None, Rows]:
@@ -199,7 +209,7 @@ class LocalTrunk:
             self.state.grow(b)
             h, l = yield from self.model.forward_steps(ids[a - start:b - start], a, self.state, rows=False,
                                                        logits="all" if logits == "all" else ("last" if last else "none"),
-                                                       pause=max(1, self.pause // (b - a)) if self.pause else 0)
+                                                       pause=self.pause_for(b - a))
             hs.append(h)
             if l is not None:
                 lg.append(l)
