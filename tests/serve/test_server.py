@@ -245,8 +245,8 @@ def test_concurrent_requests_match_sequential(client):
 
 
 CHATS = [  # mixed policies and sampling, one chat each
-    dict(messages=[{"role": "user", "content": "Write a Python function that adds two numbers."}], max_tokens=40,
-         temperature=0, extra_body={"speculation": {"mode": "off"}, "ignore_eos": True}),
+    dict(messages=[{"role": "user", "content": "Write a Python function that adds two numbers."}], max_tokens=80,
+         temperature=0, extra_body={"speculation": {"mode": "off"}, "ignore_eos": True}),   # AR, the fastest: longest
     dict(messages=[{"role": "user", "content": "Tell me a story about a fox."}], max_tokens=40, temperature=0,
          extra_body={"speculation": {"mode": "mtp", "k": 3}, "ignore_eos": True}),
     dict(messages=[{"role": "user", "content": "for i in range(10):"}], max_tokens=40, temperature=0.8, seed=3,
@@ -265,8 +265,11 @@ def test_concurrent_chats_stream_at_once_and_match_alone(client):
     first: list = [None] * 4
     ended: list = [None] * 4
 
+    start = threading.Barrier(4)            # sent together: a thread started late is not a late stream
+
     def go(i):
         text = ""
+        start.wait(30)
         for c in client.chat.completions.create(model=NAME, stream=True, **CHATS[i]):
             if c.choices and c.choices[0].delta.content:
                 if first[i] is None:
