@@ -198,6 +198,21 @@ def test_streams_from_threads_share_the_rounds(llm, prompts):
     assert {i for i, _ in order[:first_end]} == {0, 1, 2, 3}, order
 
 
+def test_prefill_pauses_scale_with_the_piece():
+    """A piece of PREFILL_PAUSE_ROWS rows or more pauses every PREFILL_PAUSE layers; a smaller one
+    runs proportionally more layers between pauses (a small piece's run costs its launches, not
+    its rows); pause 0 never pauses."""
+    from types import SimpleNamespace
+
+    from specfire.runtime.trunk import PREFILL_PAUSE, PREFILL_PAUSE_ROWS, LocalTrunk
+
+    t = SimpleNamespace(pause=PREFILL_PAUSE, pause_rows=PREFILL_PAUSE_ROWS)
+    assert (PREFILL_PAUSE, PREFILL_PAUSE_ROWS) == (4, 512)
+    assert [LocalTrunk.pause_for(t, r) for r in (1024, 512, 256, 128, 16)] == [4, 4, 8, 16, 128]
+    assert LocalTrunk.pause_for(SimpleNamespace(pause=0, pause_rows=512), 256) == 0
+    assert LocalTrunk.pause_for(SimpleNamespace(pause=1, pause_rows=0), 16) == 1
+
+
 @pytest.mark.parametrize("pause", [0, 1])
 def test_a_long_prompt_prefills_between_the_others_steps(path, prompts, alone, pause):
     """A prompt of many prefill pieces joins while another request streams: the running one keeps
