@@ -58,7 +58,7 @@ def level(m, mode: str, k: int, c: int, args, step_bytes: int, per_seq: int) -> 
             rounds.append(time.perf_counter() - t0)
     s.round = timed_round                   # (the driving thread calls self.round())
     sp = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.thread_time()
     try:
         if args.requests:
             rs = closed_loop(m, sp, pol, c, args.requests, args.prompt_len, vocab)
@@ -66,7 +66,7 @@ def level(m, mode: str, k: int, c: int, args, step_bytes: int, per_seq: int) -> 
             rs = m.generate(prompts, [sp] * c, spec=[pol] * c)
     finally:
         del s.round
-    dt = time.perf_counter() - t
+    dt, cpu = time.perf_counter() - t, time.thread_time() - cpu
     toks = sum(len(r.token_ids) for r in rs)
     fw = s.forwards - f0
     dec = sorted(r.stats["decode_tok_s"] for r in rs)
@@ -75,7 +75,9 @@ def level(m, mode: str, k: int, c: int, args, step_bytes: int, per_seq: int) -> 
            "forwards": fw, "verifies_per_forward": round((s.verifies - v0) / fw, 2) if fw else 0.0,
            "mean_accept_len": round(rs[0].stats["mean_accept_len"], 2),
            "round_ms_median": round(sorted(rounds)[len(rounds) // 2] * 1e3, 2) if rounds else 0.0,
-           "prefill_s": round(sum(r.stats["prefill_s"] for r in rs), 3)}
+           "prefill_s": round(sum(r.stats["prefill_s"] for r in rs), 3),
+           # the driving thread's CPU per token (what a server's engine process spends beside it)
+           "host_cpu_ms_per_tok": round(cpu / toks * 1e3, 4) if toks else 0.0}
     if mode == "off" and fw and torch.cuda.is_available() and m.tp == 1:
         round_bytes = step_bytes + (c - 1) * per_seq
         row["of_ceiling"] = round(round_bytes * fw / dt / CEILING, 3)

@@ -188,7 +188,7 @@ def processes(pid: int | None) -> list[int]:
 def thread_cpu(pid: int | None) -> dict[tuple[int, int], float]:
     """CPU seconds (user + system) of each thread of process `pid` and its children, keyed by
     (process, thread), from /proc ({} where unreadable)."""
-    out: dict[tuple[int, int], float] = {}
+    out: dict[tuple[int, int], tuple[float, float]] = {}
     for p in processes(pid):
         for tid in os.listdir(f"/proc/{p}/task") if os.path.isdir(f"/proc/{p}/task") else []:
             try:
@@ -269,13 +269,13 @@ def start_server(model: str | None, extra: list[str], log_path: str, timeout: fl
         time.sleep(0.5)
 
 
-def in_process(args, concs: list[int], plens: list[int]) -> dict[tuple[int, int], float]:
+def in_process(args, concs: list[int], plens: list[int]) -> dict[tuple[int, int], tuple[float, float]]:
     """bench/batch.py's aggregate tok/s on the same model, route, lengths and concurrencies (greedy,
-    ignore_eos, no penalties, as these requests): (concurrency, prompt length) -> tok/s. Run after the
-    server has stopped, so the device is free."""
+    ignore_eos, no penalties, as these requests): (concurrency, prompt length) -> (tok/s, the
+    driving thread's CPU ms per token). Run after the server has stopped, so the device is free."""
     if args.spec not in ("off", "mtp", "ngram"):
         raise SystemExit("--in-process needs --spec off, mtp or ngram: bench.batch runs one route")
-    out: dict[tuple[int, int], float] = {}
+    out: dict[tuple[int, int], tuple[float, float]] = {}
     for plen in plens:
         cmd = [sys.executable, "-m", "bench.batch", "--concurrency", ",".join(map(str, concs)), "--prompt-len",
                str(plen), "--output-len", str(args.output_len), "--spec", args.spec, "--spec-k", str(args.spec_k),
@@ -285,14 +285,14 @@ def in_process(args, concs: list[int], plens: list[int]) -> dict[tuple[int, int]
         if got.returncode != 0:
             raise SystemExit(f"bench.batch failed:\n{got.stderr[-3000:]}")
         for r in json.loads(got.stdout.strip().splitlines()[-1])["levels"]:
-            out[(r["c"], plen)] = r["agg_tok_s"]
+            out[(r["c"], plen)] = (r["agg_tok_s"], r["host_cpu_ms_per_tok"])
     return out
 
 
 def table(rows: list[dict]) -> None:
     print("\n| conc. | prompt | out | output tok/s | req/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
           "decode tok/s p50 / min | server decode p50 | chunks / req | loop / engine CPU ms per tok | peak GB | failed | "
-          "in-process tok/s (HTTP x) |")
+          "in-process tok/s (HTTP x), CPU ms per tok |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     f = (lambda v, d=1: "-" if v is None else f"{v:.{d}f}")
     for r in rows:
@@ -301,7 +301,8 @@ def table(rows: list[dict]) -> None:
               f"{f(r['itl_p50_ms'], 2)} / {f(r['itl_p99_ms'], 2)} | {f(r['decode_tok_s_p50'])} / "
               f"{f(r['decode_tok_s_min'])} | {f(r['server_decode_tok_s_p50'])} | {f(r['chunks_per_request'])} | "
               f"{f(r['loop_cpu_ms_per_tok'], 3)} / {f(r['engine_cpu_ms_per_tok'], 3)} | {f(r['peak_mem_gb'], 2)} | "
-              f"{r['failed']} | {f(r.get('in_process_tok_s'))} ({f(r.get('http_x_in_process'), 2)}) |")
+              f"{r['failed']} | {f(r.get('in_process_tok_s'))} ({f(r.get('http_x_in_process'), 2)}), "
+              f"{f(r.get('in_process_cpu_ms_per_tok'), 3)} |")
 
 
 def stop_server(proc: subprocess.Popen | None) -> None:
@@ -392,7 +393,8 @@ def main() -> int:
         if args.in_process:
             rates = in_process(args, concs, plens)
             for r in rows:
-                r["in_process_tok_s"] = rates.get((r["concurrency"], r["prompt_len"]))
+                r["in_process_tok_s"], r["in_process_cpu_ms_per_tok"] = rates.get((r["concurrency"], r["prompt_len"]),
+                                                                                  (None, None))
                 r["http_x_in_process"] = (round(r["output_tok_s"] / r["in_process_tok_s"], 3)
                                           if r["in_process_tok_s"] else None)
     finally:
