@@ -131,9 +131,9 @@ class _Tables:
     """Every address table a packed graph's launches read, in one device buffer, and what each
     holds: the GDN kernel's sequence table and each attention layer's cache table."""
 
-    buf: torch.Tensor                       # int64, the tables' contents back to back
-    gdn: tuple[int, int] | None             # (offset, numel) of the GDN sequence table
-    attn: list[tuple[int, int, int]]        # (layer index, offset, numel) of each attention layer's cache table
+    buf: torch.Tensor                       # int64, the tables' contents back to back (a rewrite writes it whole)
+    gdn: bool                               # the GDN sequence table comes first
+    attn: list[int]                         # the attention layers whose cache tables follow, in order
     aligned: tuple[bool, ...]               # the alignment each table was launched with (a kernel variant)
 
 
@@ -523,20 +523,16 @@ def own_tables(segs) -> _Tables | None:
         aligned.append(got[1])
     buf = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
     off = 0
-    gdn_at = None
     if gdn:
         k, t = gdn[0]
-        n = t.data.numel()
-        segs.gdn_tables[k] = SeqTable(buf[:n].view(t.data.shape), t.spans, t.layers, t.dims, t.aligned)
-        gdn_at, off = (0, n), n
-    attn = []
+        off = t.data.numel()
+        segs.gdn_tables[k] = SeqTable(buf[:off].view(t.data.shape), t.spans, t.layers, t.dims, t.aligned)
     for i, key in place:
         table, al = pack._caches[key]
         n = table.numel()
         pack._caches[key] = (buf[off:off + n].view(table.shape), al)
-        attn.append((i, off, n))
         off += n
-    return _Tables(buf, gdn_at, attn, tuple(aligned))
+    return _Tables(buf, bool(gdn), [i for i, _ in place], tuple(aligned))
 
 
 def rebind(tb: _Tables, spans: list[tuple[int, int]], bound: list, states: list) -> list | None:
@@ -548,7 +544,7 @@ def rebind(tb: _Tables, spans: list[tuple[int, int]], bound: list, states: list)
     first = bound[0]
     rows: list[int] = []
     aligned: list[bool] = []
-    if tb.gdn is not None:
+    if tb.gdn:
         ref = first.book
         if any(st.book is None or st.book.rec.shape != ref.rec.shape or st.book.conv.shape != ref.conv.shape
                for st in states):
@@ -558,7 +554,7 @@ def rebind(tb: _Tables, spans: list[tuple[int, int]], bound: list, states: list)
             ptrs = [x.data_ptr() for x in bufs]
             rows += [i, j - i, *ptrs]
         aligned.append(all(p % 16 == 0 for r in range(len(states)) for p in rows[r * SEQ_COLS + 2:(r + 1) * SEQ_COLS]))
-    for li, _, _ in tb.attn:
+    for li in tb.attn:
         want = [_layout(x) for x in _parts(first.layers[li])]
         if any([_layout(x) for x in _parts(st.layers[li])] != want for st in states):
             return None

@@ -186,7 +186,7 @@ def test_a_packed_forward_re_pointed_at_other_states_computes_theirs(monkeypatch
         segs = Segments.of(a, [pos[i:i + 1] for i in range(len(a))], ROWS)
         m.packed(torch.cat(ids_a), segs)        # the warm-up: makes the tables
         tables = own_tables(segs)
-        assert tables is not None and tables.gdn is not None and len(tables.attn) == 1
+        assert tables is not None and tables.gdn and len(tables.attn) == 1
         logs = rebind(tables, segs.spans, a, b)
         assert logs is not None
         pos.copy_(torch.tensor(pos_b))
