@@ -357,6 +357,10 @@ def main() -> int:
         args.concurrency, args.prompt_len = "1,2", "12"
         serve_args += ["--device", "cpu", "--max-seq-len", "256"]
     concs, plens = ints(args.concurrency, "--concurrency"), ints(args.prompt_len, "--prompt-len")
+    if not args.url and not any(a.split("=")[0] == "--max-num-seqs" for a in serve_args):
+        # a slot for every offered stream, as the in-process comparator has (the server's default
+        # is 8 on a GPU, 4 on a CPU: more would queue, and TTFT would measure the queue)
+        serve_args += ["--max-num-seqs", str(max(concs))]
     if args.requests < 1 or args.output_len < 1:
         raise SystemExit("--requests and --output-len must be positive")
     if args.shape and (args.url or args.model):
