@@ -1,4 +1,5 @@
-"""Start `specfire serve` in a subprocess on a free port and wait until /health answers."""
+"""Start `specfire serve` in a subprocess on a free port and wait until /health answers; the mixed
+chats the concurrency tests send."""
 from __future__ import annotations
 
 import os
@@ -53,3 +54,18 @@ def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait()
+
+
+def mixed_chats(tokens: int, ar_tokens: int | None = None) -> list[dict]:
+    """Four chat requests of mixed policies and sampling (off, MTP k=3, seeded sampled n-gram k=2,
+    penalised auto with a stop string), `tokens` each; `ar_tokens` for the AR one (the fastest)."""
+    return [
+        dict(messages=[{"role": "user", "content": "Write a Python function that adds two numbers."}],
+             max_tokens=ar_tokens or tokens, temperature=0, extra_body={"speculation": {"mode": "off"}, "ignore_eos": True}),
+        dict(messages=[{"role": "user", "content": "Tell me a story about a fox."}], max_tokens=tokens, temperature=0,
+             extra_body={"speculation": {"mode": "mtp", "k": 3}, "ignore_eos": True}),
+        dict(messages=[{"role": "user", "content": "for i in range(10):"}], max_tokens=tokens, temperature=0.8, seed=3,
+             extra_body={"speculation": {"mode": "ngram", "k": 2}, "ignore_eos": True}),
+        dict(messages=[{"role": "user", "content": "Hello, world!"}], max_tokens=tokens, temperature=0,
+             frequency_penalty=0.5, stop=["\n\n"], extra_body={"speculation": {"mode": "auto", "k": 3}}),
+    ]

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from serving import start_server, stop
+from serving import mixed_chats, start_server, stop
 from tinytok import make_tok_checkpoint
 
 KEY = "sk-test-key"
@@ -244,16 +244,7 @@ def test_concurrent_requests_match_sequential(client):
     assert got == seq
 
 
-CHATS = [  # mixed policies and sampling, one chat each
-    dict(messages=[{"role": "user", "content": "Write a Python function that adds two numbers."}], max_tokens=80,
-         temperature=0, extra_body={"speculation": {"mode": "off"}, "ignore_eos": True}),   # AR, the fastest: longest
-    dict(messages=[{"role": "user", "content": "Tell me a story about a fox."}], max_tokens=40, temperature=0,
-         extra_body={"speculation": {"mode": "mtp", "k": 3}, "ignore_eos": True}),
-    dict(messages=[{"role": "user", "content": "for i in range(10):"}], max_tokens=40, temperature=0.8, seed=3,
-         extra_body={"speculation": {"mode": "ngram", "k": 2}, "ignore_eos": True}),
-    dict(messages=[{"role": "user", "content": "Hello, world!"}], max_tokens=40, temperature=0,
-         frequency_penalty=0.5, stop=["\n\n"], extra_body={"speculation": {"mode": "auto", "k": 3}}),
-]
+CHATS = mixed_chats(40, ar_tokens=80)   # the AR chat, the fastest, streams longest
 
 
 def test_concurrent_chats_stream_at_once_and_match_alone(client):

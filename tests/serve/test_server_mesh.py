@@ -5,19 +5,10 @@ import threading
 import openai
 import pytest
 
-from serving import start_server, stop
+from serving import mixed_chats, start_server, stop
 
 NAME = "tiny-mesh"
-CHATS = [  # off, MTP, seeded sampled n-gram, penalised auto with a stop string
-    dict(messages=[{"role": "user", "content": "Write a Python function that adds two numbers."}], max_tokens=24,
-         temperature=0, extra_body={"speculation": {"mode": "off"}, "ignore_eos": True}),
-    dict(messages=[{"role": "user", "content": "Tell me a story about a fox."}], max_tokens=24, temperature=0,
-         extra_body={"speculation": {"mode": "mtp", "k": 3}, "ignore_eos": True}),
-    dict(messages=[{"role": "user", "content": "for i in range(10):"}], max_tokens=24, temperature=0.8, seed=3,
-         extra_body={"speculation": {"mode": "ngram", "k": 2}, "ignore_eos": True}),
-    dict(messages=[{"role": "user", "content": "Hello, world!"}], max_tokens=24, temperature=0,
-         frequency_penalty=0.5, stop=["\n\n"], extra_body={"speculation": {"mode": "auto", "k": 3}}),
-]
+CHATS = mixed_chats(24)
 
 
 @pytest.fixture(scope="module")
