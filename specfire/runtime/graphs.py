@@ -174,7 +174,7 @@ class PackedGraphs:
         if not self.rebindable:             # graphs of these slots only
             key = (key, tuple(id(st) for st in states))
         g = self.graphs.get(key)
-        if g is not None and not self._bound(g, states):
+        if g is not None and not _same(g.states, states):
             logs = None if g.tables is None else rebind(g.tables, g.spans, g.states, states)
             if logs is None:
                 del self.graphs[key]
@@ -205,10 +205,6 @@ class PackedGraphs:
             t.graphs.logged(x.shape[0])
         hidden, logits = g.hidden.clone(), g.logits.clone()     # one copy of every slot's rows (the next replay overwrites)
         return [(hidden[a:b], logits[a:b]) for a, b in g.spans]
-
-    @staticmethod
-    def _bound(g: _PackedGraph, states: list) -> bool:
-        return len(g.states) == len(states) and all(a is b for a, b in zip(g.states, states))
 
     def _capture(self, states: list, ids: list[torch.Tensor], pos: list[int]) -> _PackedGraph:
         from ..model.state import Segments
@@ -417,6 +413,7 @@ _CHAINS: "weakref.WeakKeyDictionary[torch.nn.Module, PackedChains]" = weakref.We
 
 
 def _same(a: list, b: list) -> bool:
+    """The same state objects in the same order (a graph's tables address these already)."""
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
