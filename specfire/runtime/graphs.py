@@ -297,7 +297,7 @@ class FnGraphs:
 
 @dataclass
 class _ChainGraph:
-    replay: Callable[[], None]
+    replay: Callable[[Callable[..., torch.Tensor]], None]   # given the chain (an emulated replay runs it)
     toks: torch.Tensor                      # [sum R] static inputs
     hidden: torch.Tensor                    # [sum R, H]
     pos: torch.Tensor                       # [S] each member's first position
@@ -349,14 +349,11 @@ class PackedChains:
             self.graphs[key if g.tables is not None else own] = g
         else:
             self.graphs.move_to_end(key if g.tables is not None else own)
-        host = torch.tensor(pos, dtype=torch.long)
-        if g.pos.is_cuda:                   # pinned: no host wait on the stream
-            host = host.pin_memory()
-        g.pos.copy_(host, non_blocking=g.pos.is_cuda)
+        _copy_in(g.pos, pos)
         g.toks.copy_(torch.cat(toks))
         g.hidden.copy_(torch.cat(hidden))
         g.n.copy_(torch.cat([x.reshape(1) for x in n]))
-        g.replay()
+        g.replay(chain)
         return g.drafts.clone()
 
     def _capture(self, chain, states, toks, hidden, pos, n, k, feed) -> _ChainGraph:
@@ -370,30 +367,27 @@ class PackedChains:
         catch = Segments.of(states, [pos_buf[i:i + 1] for i in range(len(states))], counts)
         step = Segments.of(states, [step_pos[i:i + 1] for i in range(len(states))], [1] * len(states))
         segs = [catch, step] if k > 1 else [catch]
-        fn = lambda: chain(catch, step, step_pos, starts, ids, hid, nb, k, feed)    # noqa: E731
+        fn = lambda ch: ch(catch, step, step_pos, starts, ids, hid, nb, k, feed)    # noqa: E731
         self.captures += 1
-        if self.emulate:
-            drafts = fn().clone()
+        if self.emulate:                    # (the chain comes with each call: nothing here keeps the head alive)
+            drafts = fn(chain).clone()
             tables = [own_tables(sg) for sg in segs]
-
-            def replay() -> None:
-                drafts.copy_(fn())
-            return _ChainGraph(replay, ids, hid, pos_buf, nb, drafts, segs,
+            return _ChainGraph(lambda ch: drafts.copy_(fn(ch)), ids, hid, pos_buf, nb, drafts, segs,
                                None if any(t is None for t in tables) else tables, list(states), (step_pos, starts))
         with torch.cuda.device(self.device):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):   # warm-up: compile, autotune and make the tables (the call's own KV rows)
                 for _ in range(FnGraphs.WARMUP):
-                    fn()
+                    fn(chain)
             torch.cuda.current_stream().wait_stream(side)
             tables = [own_tables(sg) for sg in segs]
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                drafts = fn()
+                drafts = fn(chain)
         log.info("captured a CUDA graph for %d slots' draft chains (k=%d)", len(states), k)
-        return _ChainGraph(graph.replay, ids, hid, pos_buf, nb, drafts, segs,
-                           None if any(t is None for t in tables) else tables, list(states), (step_pos, starts, graph))
+        return _ChainGraph(lambda ch: graph.replay(), ids, hid, pos_buf, nb, drafts, segs,
+                           None if any(t is None for t in tables) else tables, list(states), (step_pos, starts))
 
     @staticmethod
     def of(head: torch.nn.Module) -> "PackedChains | None":
@@ -560,9 +554,15 @@ def rebind(tb: _Tables, spans: list[tuple[int, int]], bound: list, states: list)
         aligned.append(all(p % 16 == 0 for k, p in enumerate(ptrs) if k % 5 < 4))
     if tuple(aligned) != tb.aligned:
         return None
-    host = torch.tensor(rows, dtype=torch.int64)
-    if tb.buf.is_cuda:                          # pinned: no host wait on the stream (the block outlives the copy)
-        host = host.pin_memory()
-    tb.buf.copy_(host, non_blocking=tb.buf.is_cuda)
+    _copy_in(tb.buf, rows)
     return [[lc.log_buffers(j - i) if lc.rec is not None else None for lc in st.layers]
             for (i, j), st in zip(spans, states)]
+
+
+def _copy_in(dst: torch.Tensor, values: list[int]) -> None:
+    """Host ints into a device buffer, from pinned memory on CUDA: no host wait on the stream (the
+    pinned block outlives the copy)."""
+    host = torch.tensor(values, dtype=dst.dtype)
+    if dst.is_cuda:
+        host = host.pin_memory()
+    dst.copy_(host, non_blocking=dst.is_cuda)
