@@ -47,6 +47,9 @@ def level(m, mode: str, k: int, c: int, args, step_bytes: int, per_seq: int) -> 
     vocab = m.cfg.vocab_size
     prompts = [random_prompt(vocab, args.prompt_len, seed=100 * c + i) for i in range(c)]
     m.generate(prompts, [SamplingParams(max_tokens=8, ignore_eos=True)] * c, spec=[pol] * c)
+    sp = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    if args.requests:   # untimed, other prompts: the row patterns of the loop's joins and ends captured
+        closed_loop(m, sp, pol, c, 2 * c, args.prompt_len, vocab, seed=1)      # (as bench/serving.py warms)
     s = m.scheduler
     f0, v0 = s.forwards, s.verifies
     rounds: list[float] = []                # wall time of the rounds whose forward held all c verifies
@@ -57,7 +60,6 @@ def level(m, mode: str, k: int, c: int, args, step_bytes: int, per_seq: int) -> 
         if s.verifies - v == c:
             rounds.append(time.perf_counter() - t0)
     s.round = timed_round                   # (the driving thread calls self.round())
-    sp = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     t, cpu = time.perf_counter(), time.thread_time()
     try:
         if args.requests:
@@ -84,10 +86,10 @@ def level(m, mode: str, k: int, c: int, args, step_bytes: int, per_seq: int) -> 
     return row
 
 
-def closed_loop(m, sp, pol, c: int, n: int, prompt_len: int, vocab: int) -> list:
+def closed_loop(m, sp, pol, c: int, n: int, prompt_len: int, vocab: int, seed: int = 0) -> list:
     """n requests of fresh prompts, at most c in flight, the next submitted when one ends (what
     bench/serving.py's clients offer the server), driven on this one thread as the server's engine
-    thread drives them: the results."""
+    thread drives them: the results (`seed`: another set of prompts)."""
     from specfire.runtime import scheduler as sch
 
     out: list = []
@@ -96,7 +98,7 @@ def closed_loop(m, sp, pol, c: int, n: int, prompt_len: int, vocab: int) -> list
 
     def submit() -> None:
         nonlocal sent
-        ids = random_prompt(vocab, prompt_len, seed=10_000 + 97 * c + sent)
+        ids = random_prompt(vocab, prompt_len, seed=10_000 + 97 * c + sent + 10 ** 9 * seed)
         sent += 1
         m.scheduler.submit(sch.Request(ids, sp, pol, on_event))
 

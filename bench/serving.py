@@ -8,8 +8,8 @@
 
 Without --url it starts `specfire serve MODEL` (the bundled model when no --model; --shape writes
 random weights of a shape first, bench/common.py; --serve-args adds flags) on a free port and
-stops it at the end. Per (concurrency C, prompt length L): one
-warm-up request, then --requests streaming completions of random token-id prompts, at most C in
+stops it at the end. Per (concurrency C, prompt length L): a warm-up closed loop of 2 x C
+requests, then --requests streaming completions of random token-id prompts, at most C in
 flight (each client thread sends its next request when its last one ends), greedy, ignore_eos, so
 every request generates --output-len tokens. Per level: aggregate output tok/s (output tokens /
 wall time), requests/s, TTFT and inter-token latency (between streamed chunks) p50 / p99, time per
@@ -212,8 +212,14 @@ def cpu_split(pid: int | None, before: dict, after: dict) -> tuple[float, float,
 
 
 def level(client: Client, conc: int, plen: int, args, spec: dict | None, pid: int | None) -> dict:
-    """--requests requests at concurrency `conc`, prompts of `plen` tokens: the level's figures."""
+    """--requests requests at concurrency `conc`, prompts of `plen` tokens: the level's figures.
+    First a closed loop of 2 x conc requests of other prompts at the same concurrency (what
+    bench/batch.py's closed loop warms with): the row patterns of this concurrency's joins and ends
+    are captured before the level is timed."""
     prompts = [random_prompt(args.vocab, plen, seed=1000 * plen + i) for i in range(args.requests)]
+    warm = [random_prompt(args.vocab, plen, seed=10 ** 9 + 1000 * plen + i) for i in range(2 * conc)]
+    with ThreadPoolExecutor(conc) as pool:
+        list(pool.map(lambda ids: client.complete(ids, args.output_len, spec), warm))
     with Memory(pid) as mem, ThreadPoolExecutor(conc) as pool:
         cpu0 = thread_cpu(pid)
         t0 = time.perf_counter()

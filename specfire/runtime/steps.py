@@ -70,11 +70,13 @@ def request_steps(eng: Engine, ids: list[int], sp: SamplingParams, policy: SpecP
     by_route: dict[str, int] = {}
     log: list[dict[str, Any]] = []
 
-    def start(d: Decision, last: int, last_dev: torch.Tensor, pos: int, room: int,
-              before: Callable[[], bool] | None = None):
+    def start(d: Decision, last: int, last_dev: torch.Tensor, pos: int, before: Callable[[], bool] | None = None):
         """Stage, verify and complete a step; `before` runs between its verify and the rest
         (False: the step is not wanted, None comes back)."""
-        k = max(0, min(d.k, room - 1, trunk.max_seq - pos - 1))
+        # drafts are not cut to the tokens the output has left: a last cycle of k drafts
+        # costs a GPU what a shorter one does, its surplus is never emitted, and every cycle of a route
+        # keeps its row count (a batch's row patterns, whose CUDA graphs are captured once, stay few)
+        k = max(0, min(d.k, trunk.max_seq - pos - 1))
         # past min_tokens (the host's count is a lower bound) only penalties need the statistics
         p = pen if sp.penalized or len(out.token_ids) < sp.min_tokens else None
         staged = prepare(trunk, drafters.get(d.route), d.route, last, last_dev, pos, k, sp, gen, bufs, p, con)
@@ -173,19 +175,19 @@ def request_steps(eng: Engine, ids: list[int], sp: SamplingParams, policy: SpecP
             begun = True
             t_prev, suspended = time.perf_counter(), 0.0
         if cur is None:
-            cur = yield from start(ctl.decide(), last, last_dev, pos, out.remaining)
+            cur = yield from start(ctl.decide(), last, last_dev, pos)
         got = None
         if ahead is None and cur.k == 0 and out.remaining >= 2 and eng.queue_ahead:
             d = ctl.decide()
             if d.k == 0 or d.route == "ar":      # its input is cur's token, already on the device
                 if con is None:
-                    ahead = yield from start(d, -1, cur.targets[:1], cur.pos + 1, out.remaining - 1)
+                    ahead = yield from start(d, -1, cur.targets[:1], cur.pos + 1)
                 else:   # its mask needs cur's token in the matcher: cur is read while its verify runs
                     def read_cur(step: Launched = cur) -> bool:
                         nonlocal got
                         got = read(step)
                         return not con.done
-                    ahead = yield from start(d, -1, cur.targets[:1], cur.pos + 1, out.remaining - 1, read_cur)
+                    ahead = yield from start(d, -1, cur.targets[:1], cur.pos + 1, read_cur)
         n, toks, rows_lp = got if got is not None else read(cur)
         now = time.perf_counter()
         stats.record(cur.k, n, toks, cur.route)
@@ -195,13 +197,13 @@ def request_steps(eng: Engine, ids: list[int], sp: SamplingParams, policy: SpecP
         t_prev, suspended = now, 0.0
         if not log or (log[-1]["route"], log[-1]["k"]) != (cur.route, cur.k):
             log.append({"at": len(out.token_ids), "route": cur.route, "k": cur.k})
-        by_route[cur.route] = by_route.get(cur.route, 0) + len(toks)
+        by_route[cur.route] = by_route.get(cur.route, 0) + min(len(toks), out.remaining)   # (emitted ones)
         pos, last, last_dev = pos + n + 1, toks[-1], cur.targets[n:n + 1]
         cur, ahead = ahead, None
         # queue the next step before the text work when these tokens cannot end the output
         if (cur is None and out.remaining > len(toks) and not any(t in out.eos for t in toks)
                 and not (con is not None and con.done)):
-            cur = yield from start(ctl.decide(), last, last_dev, pos, out.remaining - len(toks))
+            cur = yield from start(ctl.decide(), last, last_dev, pos)
     t2 = time.perf_counter()
     n_gen = len(out.token_ids)
     prefill_s, decode_s = t1 - t0, t2 - t1

@@ -111,6 +111,33 @@ def test_generate_list_equals_each_alone_in_any_order(llm, prompts, alone):
     assert any(r.stats["cycles"] for r in got) and got[4].finish_reason in ("stop", "length")
 
 
+def test_a_requests_verifies_keep_one_row_count(path, prompts, monkeypatch):
+    """Packed CUDA graphs are one per row pattern, so a request's verifies keep one row count: an
+    MTP cycle drafts k whatever its output has left (the surplus is never emitted) and an n-gram
+    match drafts k (or none), never a pattern of its own per last cycle or partial match. Each
+    output is its own alone (which one of ten lengths ends in each phase of a cycle)."""
+    from specfire.runtime.trunk import LocalTrunk
+
+    reqs = ([(SamplingParams(max_tokens=n, ignore_eos=True), SpecPolicy("mtp", 3)) for n in (17, 18, 19)]
+            + [(SamplingParams(max_tokens=21, ignore_eos=True), SpecPolicy("ngram", 3)),
+               (SamplingParams(max_tokens=16, ignore_eos=True), SpecPolicy("off"))])
+    with LLM(path, device="cpu", progress=False, max_seq_len=512, max_num_seqs=len(reqs)) as m:
+        want = [m.generate(p, sp, spec=pol).token_ids for p, (sp, pol) in zip(prompts, reqs)]
+        rows: dict[int, set[int]] = {}
+        real = LocalTrunk.verify_packed
+
+        def verify_packed(self, trunks, ids, pos):
+            for t, x in zip(trunks, ids):
+                rows.setdefault(id(t), set()).add(x.shape[0])
+            return real(self, trunks, ids, pos)
+        monkeypatch.setattr(LocalTrunk, "verify_packed", verify_packed)
+        got = m.generate(prompts[:len(reqs)], [sp for sp, _ in reqs], spec=[pol for _, pol in reqs])
+        assert [r.token_ids for r in got] == want
+    per_slot = sorted(rows.values(), key=sorted)
+    assert len(per_slot) == len(reqs) and per_slot.count({4}) >= 3, per_slot     # the MTP requests: 4 rows always
+    assert all(r <= {1, 4} for r in per_slot), per_slot                         # n-gram: k drafts or none
+
+
 def test_the_kv_pool_runs_requests_whose_whole_sequences_exceed_it(path, prompts, alone):
     """Paged KV: a pool of 1.5 sequences of max_seq runs two requests at once (each promised only
     the blocks its prompt, max_tokens and drafts may reach), each output its own alone; two that

@@ -85,13 +85,14 @@ def test_fn_graphs_keep_at_most_max_graphs_least_recent_out(monkeypatch):
     assert len(g.graphs) == 3 and 2 not in g.graphs
 
 
-def _run(llm: LLM, graphs: bool, sp: SamplingParams, mode: str = "mtp") -> tuple[list[int], dict, int]:
+def _run(llm: LLM, graphs: bool, sp: SamplingParams, mode: str = "mtp",
+         prompt: str | list[int] = "def add(a, b):\n    return") -> tuple[list[int], dict, int]:
     eng = llm.engine
     d = eng.drafters["mtp"]
     eng.bufs = StepBuffers(eng.trunk.device, emulate=graphs)
     d.graphs = DraftGraphs(d._chain_for, d.head.fc.weight.device, emulate=True) if graphs else None
     try:
-        r = llm.generate("def add(a, b):\n    return", sp, spec={"mode": mode, "k": 3})
+        r = llm.generate(prompt, sp, spec={"mode": mode, "k": 3})
         n_graphs = (len(d.graphs.graphs) if graphs else 0) + (len(eng.bufs.graphs.graphs) if graphs else 0)
         return r.token_ids, r.stats, n_graphs
     finally:
@@ -115,41 +116,40 @@ def test_greedy_mtp_with_graphed_chain_equals_ar(bundled):
     assert _run(bundled, True, sp)[0] == ar
 
 
-def test_shorter_last_cycle_takes_the_queued_chains_first_drafts(bundled):
-    """A request's last cycle drafts fewer than k when few tokens are left: with `prefix` on it
+def test_shorter_last_cycle_takes_the_queued_chains_first_drafts():
+    """A cycle at the end of the KV room (max_seq_len) drafts fewer than k: with `prefix` on it
     takes the first drafts of the chain queued after the previous verify (the same drafts a
     shorter chain gives: each step sees only the steps before it) instead of dropping it and
-    catching its pending rows up in prefill mode; greedy MTP == AR either way, at every length
-    tried, and the drafts it proposes are those of the chain queued for them."""
-    d = bundled.engine.drafters["mtp"]
-    prompt = "def add(a, b):\n    return"
+    catching its pending rows up in prefill mode; greedy MTP == AR either way, whichever phase of
+    a cycle the room ends in, and the drafts it proposes are those of the chain queued for them.
+    (The tokens an output has left never shorten a cycle: its surplus drafts are not emitted.)"""
     catchups, reused = {}, {}
-    real_prefill, real_propose = d._prefill, d.propose
+    with LLM(device="cpu", progress=False, max_seq_len=40) as llm:
+        d = llm.engine.drafters["mtp"]
+        base = llm.tokenizer.encode("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n")
+        real_prefill, real_propose = d._prefill, d.propose
 
-    def prefill(toks, hidden, pos0):
-        if pos0 > 0:                                   # a propose's catch-up (the prompt's starts at 0)
-            catchups[mode] += 1
-        return real_prefill(toks, hidden, pos0)
+        def prefill(toks, hidden, pos0):
+            if pos0 > 0:                                   # a propose's catch-up (the prompt's starts at 0)
+                catchups[mode] += 1
+            return real_prefill(toks, hidden, pos0)
 
-    def propose(last, pos, k, sp, gen, *a):
-        pre = d._pre
-        out, q = real_propose(last, pos, k, sp, gen, *a)
-        if pre is not None and pre[0][0] > k and out.data_ptr() == pre[1].data_ptr():   # the queued chain's own drafts
-            reused[mode] += 1
-            assert torch.equal(out, pre[1][:k]) and out.shape[0] == k
-        return out, q
+        def propose(last, pos, k, sp, gen, *a):
+            pre = d._pre
+            out, q = real_propose(last, pos, k, sp, gen, *a)
+            if pre is not None and pre[0][0] > k and out.data_ptr() == pre[1].data_ptr():   # the queued chain's own drafts
+                reused[mode] += 1
+                assert torch.equal(out, pre[1][:k]) and out.shape[0] == k
+            return out, q
 
-    d._prefill, d.propose = prefill, propose
-    try:
+        d._prefill, d.propose = prefill, propose
+        sp = SamplingParams(max_tokens=64, ignore_eos=True)
         for mode in (False, True):
             catchups[mode] = reused[mode] = 0
             d.prefix = mode
-            for n in range(9, 17):
-                sp = SamplingParams(max_tokens=n, ignore_eos=True)
-                ar = bundled.generate(prompt, sp, spec="off").token_ids
-                assert _run(bundled, True, sp)[0] == ar, (mode, n)
-    finally:
-        d.prefix = True
-        del d._prefill, d.propose
+            for n in range(16, 24):
+                ar = llm.generate(base[:n], sp, spec="off").token_ids
+                assert len(ar) == 40 - n
+                assert _run(llm, True, sp, prompt=base[:n])[0] == ar, (mode, n)
     assert reused[False] == 0 and reused[True] > 0, reused
     assert catchups[True] < catchups[False], catchups

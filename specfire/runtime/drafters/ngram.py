@@ -9,9 +9,20 @@ from ..sampling import Penalties
 from .base import NO_DRAFT, HostDrafter
 
 
+def follow(ctx: list[int], j: int, k: int) -> list[int]:
+    """The k tokens from ctx[j] on, where a follower that runs to the end of the context goes on
+    into its own drafts (the repeat it matched, continued): every match drafts k, so a request's
+    verifies keep one row count (a batch's CUDA graphs, one per row pattern, stay few)."""
+    out = ctx[j:j + k]
+    while len(out) < k:
+        at = j + len(out)
+        out.append(ctx[at] if at < len(ctx) else out[at - len(ctx)])
+    return out
+
+
 class NgramDrafter(HostDrafter):
     """Prompt lookup: find the most recent earlier occurrence of the longest suffix n-gram
-    (n from n_max down to n_min) and propose the tokens that followed it. No model.
+    (n from n_max down to n_min) and propose the k tokens that followed it (`follow`). No model.
 
     An index per n maps each n-gram to the start of its latest occurrence that has a follower; it
     is updated as tokens arrive (O(n_max) per token), so a proposal costs O(n_max) dict lookups
@@ -52,7 +63,7 @@ class NgramDrafter(HostDrafter):
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
             i = self._index[n].get(tuple(ctx[L - n:]))
             if i is not None:
-                return torch.tensor(ctx[i + n:i + n + k], dtype=torch.long), None
+                return torch.tensor(follow(ctx, i + n, k), dtype=torch.long), None
         return NO_DRAFT, None
 
     def commit(self, out: list[int], hidden: torch.Tensor | None, out_dev: torch.Tensor | None = None) -> None:
