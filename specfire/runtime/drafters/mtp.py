@@ -145,7 +145,7 @@ class MtpDrafter:
         if (pre is not None and (pre[0][0] == k or (self.prefix and pre[0][0] > k))
                 and pre[0][1:] == (self._pos0, penalty_key(pen, sp)) and sp.greedy and len(self._hidden) == 1):
             # queued by `prepare` over exactly these pending rows (this position): the same chain; one
-            # queued for more drafts (a request's last, shorter cycle) gives its first k, those of a
+            # queued for more drafts (a shorter cycle at the KV room's end) gives its first k, those of a
             # k-draft chain (`prefix`: each step sees only the steps before it)
             self._hidden, self._tokens, self._pos0 = [], [], self._pos0 + self._hidden[0].shape[0]
             return (pre[1] if pre[0][0] == k else pre[1][:k]), None
