@@ -27,7 +27,7 @@ PREFILL_PIECE = 1024  # prompt rows per prefill forward (bounds attention-score 
 # On the 27B shape a 1024-row piece at 16k-32k positions costs ~2.5-3 ms a layer, so 4 layers stall
 # the streams of a 16 ms round about as long again (p99 2.22x their median gap; 8 layers 4.0x, a
 # whole piece 16.7x); a 256-row piece is bound by the host, so less than a quarter as fast a row
-# (16 layers 3.53x, 8 layers 2.82x). Each pause costs the joining prompt one round of the others.
+# (16 layers 3.53x, 8 layers 2.60x). Each pause costs the joining prompt one round of the others.
 PREFILL_PAUSE = 4
 PREFILL_PAUSE_ROWS = 512
 
