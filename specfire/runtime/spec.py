@@ -367,12 +367,14 @@ class SpecStats(DraftCounts):
     on_cycle: OnCycle | None = None
     by_route: dict[str, tuple[list[int], DraftCounts]] = field(default_factory=dict)   # [steps, tokens], drafts
 
-    def record(self, k: int, n: int, out: list[int], route: str = "ar") -> None:
+    def record(self, k: int, n: int, out: list[int], route: str = "ar", emitted: int | None = None) -> None:
+        """One step's counts; `emitted`: how many of `out` the output keeps (a last cycle's surplus
+        past max_tokens is accepted but never emitted, so it is no route's tokens)."""
         if self.on_cycle is not None:
             self.on_cycle(k, n, out)
         steps, drafts = self.by_route.setdefault(route, ([0, 0], DraftCounts()))
         steps[0] += 1
-        steps[1] += len(out)
+        steps[1] += len(out) if emitted is None else emitted
         if k == 0:
             return
         self.add(k, n)

@@ -190,14 +190,15 @@ def request_steps(eng: Engine, ids: list[int], sp: SamplingParams, policy: SpecP
                     ahead = yield from start(d, -1, cur.targets[:1], cur.pos + 1, read_cur)
         n, toks, rows_lp = got if got is not None else read(cur)
         now = time.perf_counter()
-        stats.record(cur.k, n, toks, cur.route)
+        emitted = min(len(toks), out.remaining)
+        stats.record(cur.k, n, toks, cur.route, emitted)
         # a cycle that shared its forward costs the round, whatever its own route: only cycles
         # run alone measure the costs auto compares (its acceptance counts either way)
         ctl.observe(cur.decision, cur.k, n, now - t_prev - suspended if eng.shared.round.width <= 1 else None)
         t_prev, suspended = now, 0.0
         if not log or (log[-1]["route"], log[-1]["k"]) != (cur.route, cur.k):
             log.append({"at": len(out.token_ids), "route": cur.route, "k": cur.k})
-        by_route[cur.route] = by_route.get(cur.route, 0) + min(len(toks), out.remaining)   # (emitted ones)
+        by_route[cur.route] = by_route.get(cur.route, 0) + emitted
         pos, last, last_dev = pos + n + 1, toks[-1], cur.targets[n:n + 1]
         cur, ahead = ahead, None
         # queue the next step before the text work when these tokens cannot end the output

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .ref import apply_rope_ref, argmax_ref, greedy_accept_ref, rope_cos_sin, silu_mul_ref
+from .ref import apply_rope_ref, argmax_ref, greedy_accept_many_ref, greedy_accept_ref, rope_cos_sin, silu_mul_ref
 
-__all__ = ["apply_rope", "apply_rope_ref", "argmax", "argmax_ref", "greedy_accept", "greedy_accept_ref",
+__all__ = ["apply_rope", "apply_rope_ref", "argmax", "argmax_ref", "greedy_accept", "greedy_accept_many",
+           "greedy_accept_many_ref", "greedy_accept_ref",
            "rope_cos_sin", "silu_mul", "silu_mul_ref"]
 
 
@@ -36,3 +37,13 @@ def greedy_accept(logits: torch.Tensor, draft: torch.Tensor) -> tuple[torch.Tens
         from .kernel import greedy_accept_triton
         return greedy_accept_triton(logits, draft)
     return greedy_accept_ref(logits, draft)
+
+
+def greedy_accept_many(logits: torch.Tensor, ids: torch.Tensor, spans: list[tuple[int, int]]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`greedy_accept` of every member of a packed verify at once (two launches for the round,
+    not two a request); each member's (targets, n) are the bits it gets alone."""
+    if logits.is_cuda:
+        from .kernel import greedy_accept_many_triton
+        return greedy_accept_many_triton(logits, ids, spans)
+    return greedy_accept_many_ref(logits, ids, spans)

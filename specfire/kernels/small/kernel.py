@@ -165,6 +165,54 @@ def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
     return t
 
 
+@triton.jit
+def _accept_many_kernel(pv_ptr, pi_ptr, ids_ptr, spans_ptr, t_ptr, n_ptr, n_chunks,
+                        R_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
+    """Program j: member j's rows [a, b) = spans[j] of a packed verify, as _accept_kernel gives
+    them alone: each row's target, and n = the leading drafts (ids[a + 1 ..]) equal to it."""
+    j = tl.program_id(0)
+    a = tl.load(spans_ptr + 2 * j)
+    R = tl.load(spans_ptr + 2 * j + 1) - a
+    r = tl.arange(0, R_BLOCK)
+    c = tl.arange(0, C_BLOCK)
+    mask = (r[:, None] < R) & (c[None, :] < n_chunks)
+    off = (a + r[:, None]) * n_chunks + c[None, :]
+    pv = tl.load(pv_ptr + off, mask=mask, other=float("-inf"))
+    pi = tl.load(pi_ptr + off, mask=mask, other=2147483647)
+    nan_i = tl.min(tl.where(pv != pv, pi, 2147483647), axis=1)
+    pv = tl.where(pv != pv, float("-inf"), pv)
+    m = tl.max(pv, axis=1)
+    tgt = tl.min(tl.where(pv == m[:, None], pi, 2147483647), axis=1)
+    tgt = tl.where(nan_i < 2147483647, nan_i, tgt)
+    tl.store(t_ptr + a + r, tgt.to(tl.int64), mask=r < R)
+    d = tl.load(ids_ptr + a + 1 + r, mask=r < R - 1, other=-1)
+    miss = (r < R - 1) & (d != tgt.to(tl.int64))
+    n = tl.min(tl.where(miss | (r >= R - 1), r, R_BLOCK), axis=0)
+    tl.store(n_ptr + j, n.to(tl.int64))
+
+
+_SPANS: dict[tuple, torch.Tensor] = {}
+
+
+def greedy_accept_many_triton(logits: torch.Tensor, ids: torch.Tensor, spans: list[tuple[int, int]]
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """greedy_accept_triton of every member of a packed verify in two launches (see the reference)."""
+    pv, pi, n_chunks = _argmax_partials(logits)
+    t = torch.empty(logits.shape[0], device=logits.device, dtype=torch.int64)
+    n = torch.empty(len(spans), device=logits.device, dtype=torch.int64)
+    key = (logits.device, tuple(spans))
+    table = _SPANS.get(key)
+    if table is None:                    # a round's row pattern recurs: its table is uploaded once
+        if len(_SPANS) >= 256:
+            _SPANS.clear()
+        table = _SPANS[key] = torch.tensor(spans, dtype=torch.int64, device=logits.device).reshape(-1)
+    widest = max(b - a for a, b in spans)
+    _accept_many_kernel[(len(spans),)](pv, pi, ids.to(torch.int64).contiguous(), table, t, n, n_chunks,
+                                       R_BLOCK=triton.next_power_of_2(max(widest, 2)),
+                                       C_BLOCK=triton.next_power_of_2(n_chunks))
+    return t, n
+
+
 def greedy_accept_triton(logits: torch.Tensor, draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     r = logits.shape[0]
     pv, pi, n_chunks = _argmax_partials(logits)
