@@ -158,17 +158,19 @@ class PackedGraphs:
         self.captures = 0                   # graphs captured, and replays that re-pointed one at other slots
         self.rebinds = 0
 
-    def run(self, trunks: list, ids: list[torch.Tensor], pos: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(hidden, logits) of each slot's rows; `trunks` are LocalTrunk views with graphs. The
-        members run ordered by row count (a row's bits do not depend on its place in the pack), so
-        the same counts in any order replay one graph."""
+    def run(self, trunks: list, ids: list[torch.Tensor], pos: list[int]
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+        """(hidden [T, H], logits [T, V], the verify ids [T] as the replay read them, each slot's
+        span of those rows); `trunks` are LocalTrunk views with graphs. The members run ordered by
+        row count (a row's bits do not depend on its place in the pack), so the same counts in any
+        order replay one graph. The ids buffer is the graph's: read it before the next replay."""
         order = sorted(range(len(ids)), key=lambda i: ids[i].shape[0])
         if order != list(range(len(ids))):
-            got = self.run([trunks[i] for i in order], [ids[i] for i in order], [pos[i] for i in order])
-            out: list = [None] * len(ids)
-            for i, r in zip(order, got):
-                out[i] = r
-            return out
+            h, l, x, got = self.run([trunks[i] for i in order], [ids[i] for i in order], [pos[i] for i in order])
+            spans: list = [None] * len(ids)
+            for i, sp in zip(order, got):
+                spans[i] = sp
+            return h, l, x, spans
         states = [t.state for t in trunks]
         key = tuple(x.shape[0] for x in ids)
         if not self.rebindable:             # graphs of these slots only
@@ -204,7 +206,7 @@ class PackedGraphs:
                     lc.log = lg
             t.graphs.logged(x.shape[0])
         hidden, logits = g.hidden.clone(), g.logits.clone()     # one copy of every slot's rows (the next replay overwrites)
-        return [(hidden[a:b], logits[a:b]) for a, b in g.spans]
+        return hidden, logits, g.ids, list(g.spans)
 
     def _capture(self, states: list, ids: list[torch.Tensor], pos: list[int]) -> _PackedGraph:
         from ..model.state import Segments

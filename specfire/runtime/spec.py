@@ -275,7 +275,10 @@ def complete(p: Prepared, rows: Rows, defer: bool = False) -> Launched:
         if con is not None:
             logits = con.mask(logits, draft)
     if sp.greedy:
-        targets, n = greedy_accept(logits, ids[1:])
+        if rows.greedy is not None and pen is None and con is None:
+            targets, n = rows.greedy              # the packed verify's accept of these raw rows
+        else:
+            targets, n = greedy_accept(logits, ids[1:])
         if pen is not None:
             pen.add(targets, n)
         with torch.inference_mode():

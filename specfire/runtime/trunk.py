@@ -17,6 +17,7 @@ from typing import Generator, Protocol
 import torch
 
 from ..config import ModelConfig
+from ..kernels.small import greedy_accept_many
 from ..model.kvpool import KvPool
 from ..model.qwen35 import Qwen35Trunk, Segments, SequenceState, drain  # noqa: F401  (drain: runtime/prefix.py)
 from ..params import check_draft_vocab
@@ -43,10 +44,27 @@ def prefill_cuts(n: int, piece: int, ends: tuple[int, ...] = (), start: int = 0)
 
 @dataclass
 class Rows:
-    """Result of a forward over rows: float32 logits [R, V] and post-norm hidden states [R, H]."""
+    """Result of a forward over rows: float32 logits [R, V] and post-norm hidden states [R, H];
+    `greedy`, from a packed verify, the greedy accept of these raw rows against their drafts
+    (targets [R], n), computed for every member of the pack at once (`packed_rows`)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor
+    greedy: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def packed_rows(hidden: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor, spans: list[tuple[int, int]]) -> list[Rows]:
+    """Each member's Rows of a packed verify (`spans` its rows, in the members' order), with the
+    greedy accept of every member in one batched call (two launches a round on CUDA, not two a
+    request): a request whose rows need no processing (greedy, no penalties or grammar) reads its
+    own, the bits greedy_accept gives its rows alone."""
+    ordered = sorted(spans)
+    starts = [a for a, _ in ordered] + [ordered[-1][1]]
+    if starts[0] != 0 or any(b != c for (_, b), (c, _) in zip(ordered, ordered[1:])):
+        raise ValueError(f"packed spans must tile the rows: {spans}")
+    targets, n = greedy_accept_many(logits, ids, starts)
+    at = {sp: j for j, sp in enumerate(ordered)}
+    return [Rows(logits[a:b], hidden[a:b], (targets[a:b], n[at[(a, b)]])) for a, b in spans]
 
 
 @dataclass
@@ -233,10 +251,11 @@ class LocalTrunk:
         for t, x, p in zip(trunks, ids, pos):
             t.state.grow(p + x.shape[0])
         if self.packs is not None:              # (the views of one model all capture graphs, or none)
-            return [Rows(l, h) for h, l in self.packs.run(trunks, ids, pos)]
+            return packed_rows(*self.packs.run(trunks, ids, pos))
         segs = Segments.of([t.state for t in trunks], pos, [x.shape[0] for x in ids])
-        h, l = self.model.packed(torch.cat(ids), segs)
-        return [Rows(l[a:b], h[a:b]) for a, b in segs.spans]
+        x = torch.cat(ids)
+        h, l = self.model.packed(x, segs)
+        return packed_rows(h, l, x, list(segs.spans))
 
     def commit(self, n: int) -> None:
         if self.graphs is not None and self.graphs.attached(self.state):

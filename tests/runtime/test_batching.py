@@ -155,9 +155,9 @@ def test_a_packed_rounds_greedy_accepts_run_once_for_all(path, prompts, monkeypa
         packs, own = [], []
         many, one = trunk_mod.greedy_accept_many, spec_mod.greedy_accept
 
-        def accept_many(logits, ids, spans):
-            packs.append(len(spans))
-            return many(logits, ids, spans)
+        def accept_many(logits, ids, starts):
+            packs.append(len(starts) - 1)
+            return many(logits, ids, starts)
 
         def accept_one(logits, draft):
             own.append(logits.shape[0])
@@ -170,46 +170,6 @@ def test_a_packed_rounds_greedy_accepts_run_once_for_all(path, prompts, monkeypa
     # the plain MTP member (4 rows a verify) never accepts on its own; the penalised one (3 rows)
     # does in every pack it shares (the 1-row calls: the AR member's rounds alone, after the rest)
     assert own.count(4) == 0 and own.count(3) >= len(packs), (own, packs)
-
-
-def test_padded_packed_rounds_keep_each_output_its_own(path, prompts, monkeypatch):
-    """Where graphs are captured, a packed round pads every member to its widest verify
-    (LocalTrunk.pad_rows), so its graph is keyed by the member count and that width alone. The pad
-    rows are computed and never read: greedy AR / MTP k=1 / k=3, seeded sampled n-gram and AR, a
-    penalised and a min_tokens request, together, each give their output alone; every round's
-    members ran with one row count, and rounds mixing widths were padded."""
-    from specfire.model.qwen35 import Qwen35Trunk
-    from specfire.runtime.trunk import LocalTrunk
-
-    reqs = [(SamplingParams(max_tokens=20, ignore_eos=True), SpecPolicy("off")),
-            (SamplingParams(max_tokens=22, ignore_eos=True), SpecPolicy("mtp", 3)),
-            (SamplingParams(max_tokens=17, ignore_eos=True), SpecPolicy("mtp", 1)),
-            (SamplingParams(max_tokens=18, temperature=0.8, seed=5), SpecPolicy("ngram", 2)),
-            (SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=11), SpecPolicy("off")),
-            (SamplingParams(max_tokens=19, frequency_penalty=0.5, repetition_penalty=1.1), SpecPolicy("mtp", 2)),
-            (SamplingParams(max_tokens=15, min_tokens=12), SpecPolicy("off"))]
-    ps = specfit.prompts(len(reqs), length=10, seed=43)
-    with LLM(path, device="cpu", progress=False, max_seq_len=512, max_num_seqs=len(reqs)) as m:
-        want = [m.generate(p, sp, spec=pol).token_ids for p, (sp, pol) in zip(ps, reqs)]
-        widths, real = [], []
-        model_cls = type(m.slots.first.trunk.model)       # (the CPU's subclass packs its own rows)
-        assert issubclass(model_cls, Qwen35Trunk)
-        packed, verify_packed = model_cls.packed, LocalTrunk.verify_packed
-
-        def spy_packed(self, x, segs):
-            widths.append(sorted({b - a for a, b in segs.spans}))
-            return packed(self, x, segs)
-
-        def spy_verify(self, trunks, ids, pos):
-            real.append(sorted({x.shape[0] for x in ids}))
-            return verify_packed(self, trunks, ids, pos)
-        monkeypatch.setattr(model_cls, "packed", spy_packed)
-        monkeypatch.setattr(LocalTrunk, "verify_packed", spy_verify)
-        monkeypatch.setattr(LocalTrunk, "PAD_PACKED", True)
-        got = m.generate(ps, [sp for sp, _ in reqs], spec=[pol for _, pol in reqs])
-        assert [r.token_ids for r in got] == want
-    assert widths and all(len(w) == 1 for w in widths), widths
-    assert sum(len(r) > 1 for r in real) >= 3, real        # rounds that mixed widths were padded
 
 
 def test_the_kv_pool_runs_requests_whose_whole_sequences_exceed_it(path, prompts, alone):

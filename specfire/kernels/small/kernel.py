@@ -166,13 +166,13 @@ def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _accept_many_kernel(pv_ptr, pi_ptr, ids_ptr, spans_ptr, t_ptr, n_ptr, n_chunks,
+def _accept_many_kernel(pv_ptr, pi_ptr, ids_ptr, starts_ptr, t_ptr, n_ptr, n_chunks,
                         R_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
-    """Program j: member j's rows [a, b) = spans[j] of a packed verify, as _accept_kernel gives
-    them alone: each row's target, and n = the leading drafts (ids[a + 1 ..]) equal to it."""
+    """Program j: member j's rows [starts[j], starts[j + 1]) of a packed verify, as _accept_kernel
+    gives them alone: each row's target, and n = the leading drafts (ids[a + 1 ..]) equal to it."""
     j = tl.program_id(0)
-    a = tl.load(spans_ptr + 2 * j)
-    R = tl.load(spans_ptr + 2 * j + 1) - a
+    a = tl.load(starts_ptr + j)
+    R = tl.load(starts_ptr + j + 1) - a
     r = tl.arange(0, R_BLOCK)
     c = tl.arange(0, C_BLOCK)
     mask = (r[:, None] < R) & (c[None, :] < n_chunks)
@@ -191,25 +191,25 @@ def _accept_many_kernel(pv_ptr, pi_ptr, ids_ptr, spans_ptr, t_ptr, n_ptr, n_chun
     tl.store(n_ptr + j, n.to(tl.int64))
 
 
-_SPANS: dict[tuple, torch.Tensor] = {}
+_STARTS: dict[tuple, torch.Tensor] = {}
 
 
-def greedy_accept_many_triton(logits: torch.Tensor, ids: torch.Tensor, spans: list[tuple[int, int]]
+def greedy_accept_many_triton(logits: torch.Tensor, ids: torch.Tensor, starts: list[int]
                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """greedy_accept_triton of every member of a packed verify in two launches (see the reference)."""
+    m = len(starts) - 1
     pv, pi, n_chunks = _argmax_partials(logits)
     t = torch.empty(logits.shape[0], device=logits.device, dtype=torch.int64)
-    n = torch.empty(len(spans), device=logits.device, dtype=torch.int64)
-    key = (logits.device, tuple(spans))
-    table = _SPANS.get(key)
-    if table is None:                    # a round's row pattern recurs: its table is uploaded once
-        if len(_SPANS) >= 256:
-            _SPANS.clear()
-        table = _SPANS[key] = torch.tensor(spans, dtype=torch.int64, device=logits.device).reshape(-1)
-    widest = max(b - a for a, b in spans)
-    _accept_many_kernel[(len(spans),)](pv, pi, ids.to(torch.int64).contiguous(), table, t, n, n_chunks,
-                                       R_BLOCK=triton.next_power_of_2(max(widest, 2)),
-                                       C_BLOCK=triton.next_power_of_2(n_chunks))
+    n = torch.empty(m, device=logits.device, dtype=torch.int64)
+    key = (logits.device, tuple(starts))
+    st = _STARTS.get(key)
+    if st is None:                       # a round's row pattern recurs: its table is uploaded once
+        if len(_STARTS) >= 256:
+            _STARTS.clear()
+        st = _STARTS[key] = torch.tensor(starts, dtype=torch.int64, device=logits.device)
+    widest = max(b - a for a, b in zip(starts, starts[1:]))
+    _accept_many_kernel[(m,)](pv, pi, ids.to(torch.int64).contiguous(), st, t, n, n_chunks,
+                              R_BLOCK=triton.next_power_of_2(max(widest, 2)), C_BLOCK=triton.next_power_of_2(n_chunks))
     return t, n
 
 

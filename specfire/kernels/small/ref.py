@@ -44,14 +44,14 @@ def greedy_accept_ref(logits: torch.Tensor, draft: torch.Tensor) -> tuple[torch.
     return t, match.to(torch.int64).cumprod(0).sum()
 
 
-def greedy_accept_many_ref(logits: torch.Tensor, ids: torch.Tensor, spans: list[tuple[int, int]]
+def greedy_accept_many_ref(logits: torch.Tensor, ids: torch.Tensor, starts: list[int]
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The greedy accept of every member of a packed verify: member j's rows are [a, b) = spans[j]
-    of logits [T, V] and of the verify ids [T] (its last token, then its drafts) -> (targets [T],
-    rows outside every span unset; n [M]), each member's as greedy_accept_ref of its rows alone."""
-    t = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
-    ns = []
-    for a, b in spans:
-        t[a:b], n = greedy_accept_ref(logits[a:b], ids[a + 1:b])
+    """The greedy accept of every member of a packed verify: member j's rows are [starts[j],
+    starts[j + 1]) of logits [T, V] and of its verify ids [T] (its last token, then its drafts) ->
+    (targets [T], n [M]), each member's as greedy_accept_ref of its rows and drafts alone."""
+    ts, ns = [], []
+    for a, b in zip(starts, starts[1:]):
+        t, n = greedy_accept_ref(logits[a:b], ids[a + 1:b])
+        ts.append(t)
         ns.append(n.reshape(1))
-    return t, torch.cat(ns)
+    return torch.cat(ts), torch.cat(ns)
