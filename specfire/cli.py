@@ -232,6 +232,13 @@ def apply_threads(n: int | None) -> None:
     set_threads(n)
 
 
+def log_to_stderr(verbose: bool) -> None:
+    """specfire's log lines on stderr: INFO and up with -v, else warnings; the same in the server's
+    engine process (serve/engine.py), which gets -v with the serve flags."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="[specfire] %(message)s",
+                        stream=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -239,8 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     except SpecfireError as e:
         print(f"specfire: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="[specfire] %(message)s", stream=sys.stderr)
+    log_to_stderr(args.verbose)
     if getattr(args, "_unavailable", None):
         print(f"specfire: error: {args._unavailable}", file=sys.stderr)
         return 2

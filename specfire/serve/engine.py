@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import weakref
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -136,13 +137,17 @@ def main() -> int:
     conn = Connection(int(sys.argv[1]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C reaches the server, which stops this process
     args = conn.recv()
+    from ..cli import log_to_stderr
     from .http import load
 
+    log_to_stderr(getattr(args, "verbose", False))
+    t0 = time.perf_counter()
     try:
         llm = load(args)
     except BaseException as e:
         conn.send(("error", *wire_error(e)))
         return 1
+    log.info("engine process %d: the model loaded in %.1f s", os.getpid(), time.perf_counter() - t0)
     try:
         conn.send(("hello", Hello.of(llm)))
         Host(llm, conn).serve()

@@ -40,11 +40,12 @@ def served(tinytok_ckpt, tmp_path_factory):
     from specfire import LLM
     from specfire.serve.http import build_app
 
-    proc, base = start_server([tinytok_ckpt, *ARGS], str(tmp_path_factory.mktemp("eproc") / "server.log"))
+    log = str(tmp_path_factory.mktemp("eproc") / "server.log")
+    proc, base = start_server([tinytok_ckpt, *ARGS], log)
     llm = LLM(tinytok_ckpt, max_seq_len=MAX_SEQ, generation_config="none", progress=False, threads=1)
     try:
         with TestClient(build_app(llm, NAME)) as tc:
-            yield {"proc": proc, "base": base, "local": tc}
+            yield {"proc": proc, "base": base, "local": tc, "log": log}
     finally:
         llm.close()
         stop(proc)
@@ -214,3 +215,18 @@ def test_load_error_is_the_servers_one_line(tmp_path):
     lines = [x for x in got.stderr.splitlines() if x.strip()]
     assert got.returncode == 2 and lines[-1].startswith("specfire: error: ") and "Traceback" not in got.stderr
     assert "config.json" in lines[-1]
+
+
+def test_verbose_reaches_the_engine_process(served, tinytok_ckpt, tmp_path):
+    """`serve -v` logs the engine process's INFO lines too (it gets -v with the serve flags); the
+    module's server, without -v, logs none of them."""
+    log = tmp_path / "verbose.log"
+    proc, _ = start_server(["-v", tinytok_ckpt, *ARGS], str(log))
+    try:
+        child = engine_pid(proc.pid)
+    finally:
+        stop(proc)
+    text = log.read_text()
+    assert f"engine process {child}: the model loaded in" in text, text[-2000:]
+    with open(served["log"]) as f:
+        assert "the model loaded in" not in f.read()
