@@ -15,8 +15,10 @@ every request generates --output-len tokens. Per level: aggregate output tok/s (
 wall time), requests/s, TTFT and inter-token latency (between streamed chunks) p50 / p99, time per
 output token, per-request decode tok/s (first to last chunk) p50 / min, the server's mean accept length, its own
 decode tok/s, chunks per request, the CPU time per output token of its event-loop (main) thread and
-of its engine (busiest other) thread from /proc (a server it started), and its peak
-memory (GPU memory of its process from nvidia-smi, else its resident set). The server runs the
+of its engine (busiest other) thread from /proc (a server it started), its peak
+memory (GPU memory of its process from nvidia-smi, else its resident set), and the CUDA graphs
+it captured during the level's warm-up and during its timed part (a started server runs with -v,
+which logs each capture; one in the timed part stalls every stream). The server runs the
 requests it holds in shared steps (one packed forward a round), its engine in a process of its own
 (serve/engine.py: its busiest thread is the engine's); against bench/batch.py's in-process rate the
 figures show what HTTP costs. Every request sends neutral penalties (repetition 1, frequency and
@@ -211,21 +213,37 @@ def cpu_split(pid: int | None, before: dict, after: dict) -> tuple[float, float,
     return loop, engine, sum(d.values()) - engine
 
 
-def level(client: Client, conc: int, plen: int, args, spec: dict | None, pid: int | None) -> dict:
+def captures(log_path: str | None, start: int) -> tuple[int | None, int]:
+    """CUDA graph captures the started server (run with -v) logged past byte `start` of its log,
+    and where the log ends now; (None, start) for a server this bench did not start."""
+    if log_path is None:
+        return None, start
+    with open(log_path, "rb") as f:
+        f.seek(start)
+        got = f.read()
+    return got.count(b"] captured a "), start + len(got)
+
+
+def level(client: Client, conc: int, plen: int, args, spec: dict | None, pid: int | None,
+          log_path: str | None = None) -> dict:
     """--requests requests at concurrency `conc`, prompts of `plen` tokens: the level's figures.
     First a closed loop of 2 x conc requests of other prompts at the same concurrency (what
     bench/batch.py's closed loop warms with): the row patterns of this concurrency's joins and ends
-    are captured before the level is timed."""
+    are captured before the level is timed. The graphs captured in each part are counted from the
+    started server's log (each capture stalls every stream)."""
     prompts = [random_prompt(args.vocab, plen, seed=1000 * plen + i) for i in range(args.requests)]
     warm = [random_prompt(args.vocab, plen, seed=10 ** 9 + 1000 * plen + i) for i in range(2 * conc)]
+    _, at = captures(log_path, os.path.getsize(log_path) if log_path else 0)
     with ThreadPoolExecutor(conc) as pool:
         list(pool.map(lambda ids: client.complete(ids, args.output_len, spec), warm))
+    warm_caps, at = captures(log_path, at)
     with Memory(pid) as mem, ThreadPoolExecutor(conc) as pool:
         cpu0 = thread_cpu(pid)
         t0 = time.perf_counter()
         done = list(pool.map(lambda ids: client.complete(ids, args.output_len, spec), prompts))
         wall = time.perf_counter() - t0
         cpu = cpu_split(pid, cpu0, thread_cpu(pid))
+    timed_caps, _ = captures(log_path, at)
     ok = [r for r in done if "error" not in r]
     toks = sum(r["tokens"] for r in ok)
     per_tok = (lambda v: None if cpu is None or not toks else round(v * 1e3 / toks, 4))
@@ -247,7 +265,8 @@ def level(client: Client, conc: int, plen: int, args, spec: dict | None, pid: in
             "loop_cpu_ms_per_tok": per_tok(cpu[0]) if cpu else None,
             "engine_cpu_ms_per_tok": per_tok(cpu[1]) if cpu else None,
             "loop_cpu_ms_per_req": round(cpu[0] * 1e3 / len(ok), 2) if cpu and ok else None,
-            "peak_mem_gb": None if mem.peak is None else round(mem.peak, 3)}
+            "peak_mem_gb": None if mem.peak is None else round(mem.peak, 3),
+            "captures_warmup": warm_caps, "captures_timed": timed_caps}
 
 
 def start_server(model: str | None, extra: list[str], log_path: str, timeout: float) -> tuple[subprocess.Popen, str]:
@@ -298,8 +317,8 @@ def in_process(args, concs: list[int], plens: list[int]) -> dict[tuple[int, int]
 def table(rows: list[dict]) -> None:
     print("\n| conc. | prompt | out | output tok/s | req/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
           "decode tok/s p50 / min | server decode p50 | chunks / req | loop / engine CPU ms per tok | peak GB | failed | "
-          "in-process tok/s (HTTP x), CPU ms per tok |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "graphs captured warm-up / timed | in-process tok/s (HTTP x), CPU ms per tok |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     f = (lambda v, d=1: "-" if v is None else f"{v:.{d}f}")
     for r in rows:
         print(f"| {r['concurrency']} | {r['prompt_len']} | {r['output_len']} | {f(r['output_tok_s'])} | "
@@ -307,7 +326,8 @@ def table(rows: list[dict]) -> None:
               f"{f(r['itl_p50_ms'], 2)} / {f(r['itl_p99_ms'], 2)} | {f(r['decode_tok_s_p50'])} / "
               f"{f(r['decode_tok_s_min'])} | {f(r['server_decode_tok_s_p50'])} | {f(r['chunks_per_request'])} | "
               f"{f(r['loop_cpu_ms_per_tok'], 3)} / {f(r['engine_cpu_ms_per_tok'], 3)} | {f(r['peak_mem_gb'], 2)} | "
-              f"{r['failed']} | {f(r.get('in_process_tok_s'))} ({f(r.get('http_x_in_process'), 2)}), "
+              f"{r['failed']} | {f(r.get('captures_warmup'), 0)} / {f(r.get('captures_timed'), 0)} | "
+              f"{f(r.get('in_process_tok_s'))} ({f(r.get('http_x_in_process'), 2)}), "
               f"{f(r.get('in_process_cpu_ms_per_tok'), 3)} |")
 
 
@@ -367,6 +387,8 @@ def main() -> int:
         # a slot for every offered stream, as the in-process comparator has (the server's default
         # is 8 on a GPU, 4 on a CPU: more would queue, and TTFT would measure the queue)
         serve_args += ["--max-num-seqs", str(max(concs))]
+    if not args.url and not any(a in ("-v", "--verbose") for a in serve_args):
+        serve_args += ["-v"]            # its log lines: the graph captures each level counts
     if args.requests < 1 or args.output_len < 1:
         raise SystemExit("--requests and --output-len must be positive")
     if args.shape and (args.url or args.model):
@@ -397,7 +419,8 @@ def main() -> int:
         rows = []
         for conc in concs:
             for plen in plens:
-                rows.append(level(client, conc, plen, args, spec, proc.pid if proc else None))
+                rows.append(level(client, conc, plen, args, spec, proc.pid if proc else None,
+                                  os.path.join(work, "server.log") if proc else None))
                 print(json.dumps({"stage": "level", **rows[-1]}), flush=True)
         stop_server(proc)
         if args.in_process:

@@ -21,7 +21,22 @@ def test_serving_smoke_reports_each_level(monkeypatch, capsys, tmp_path):
         assert r["peak_mem_gb"] and r["peak_mem_gb"] > 0.01        # the server's resident set
         assert r["in_process_tok_s"] > 0 and r["http_x_in_process"] > 0
         assert r["engine_cpu_ms_per_tok"] > 0                     # the engine process's busiest thread
+        assert r["captures_warmup"] == r["captures_timed"] == 0    # no CUDA graphs on a CPU
     assert json.loads((tmp_path / "serving.json").read_text())["levels"] == last["levels"]
+
+
+def test_captures_are_counted_past_an_offset(tmp_path):
+    """A level counts the capture lines its server logged after an offset, and returns where the
+    log ends, so the warm-up's and the timed part's are told apart; no log, no count."""
+    log = tmp_path / "server.log"
+    log.write_text("[specfire] captured a CUDA graph for 1 row(s)\n[specfire] serving x\n")
+    n, at = serving.captures(str(log), 0)
+    assert (n, at) == (1, log.stat().st_size)
+    with open(log, "a") as f:
+        f.write("[specfire] captured a CUDA graph for 4 slots' 16 rows\n"
+                "[specfire] captured a CUDA graph for 4 slots' draft chains (k=3)\n")
+    assert serving.captures(str(log), at) == (2, log.stat().st_size)
+    assert serving.captures(None, 7) == (None, 7)
 
 
 def test_percentile_is_nearest_rank():
