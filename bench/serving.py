@@ -233,7 +233,7 @@ def level(client: Client, conc: int, plen: int, args, spec: dict | None, pid: in
     started server's log (each capture stalls every stream)."""
     prompts = [random_prompt(args.vocab, plen, seed=1000 * plen + i) for i in range(args.requests)]
     warm = [random_prompt(args.vocab, plen, seed=10 ** 9 + 1000 * plen + i) for i in range(2 * conc)]
-    _, at = captures(log_path, os.path.getsize(log_path) if log_path else 0)
+    at = os.path.getsize(log_path) if log_path else 0
     with ThreadPoolExecutor(conc) as pool:
         list(pool.map(lambda ids: client.complete(ids, args.output_len, spec), warm))
     warm_caps, at = captures(log_path, at)
