@@ -275,7 +275,7 @@ def complete(p: Prepared, rows: Rows, defer: bool = False) -> Launched:
         if con is not None:
             logits = con.mask(logits, draft)
     if sp.greedy:
-        if rows.greedy is not None and pen is None and con is None:
+        if pen is None and con is None and rows.greedy is not None:
             targets, n = rows.greedy              # the packed verify's accept of these raw rows
         else:
             targets, n = greedy_accept(logits, ids[1:])

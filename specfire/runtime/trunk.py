@@ -42,29 +42,50 @@ def prefill_cuts(n: int, piece: int, ends: tuple[int, ...] = (), start: int = 0)
     return sorted(cuts) + [n]
 
 
+class PackedAccept:
+    """The greedy accept of every member of a packed verify (logits [T, V], its ids [T], each
+    member's rows `spans`), run once for all on the first member's request, so a round with no
+    plain greedy member launches none. `ids` may be a packed graph's buffer: every member of a
+    round completes before the next round's verify replays (runtime/scheduler.py round)."""
+
+    def __init__(self, logits: torch.Tensor, ids: torch.Tensor, spans: list[tuple[int, int]]):
+        self.logits, self.ids, self.spans = logits, ids, spans
+        self.got: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def of(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.got is None:
+            self.got = greedy_accept_many(self.logits, self.ids, self.spans)
+        a, b = self.spans[j]
+        return self.got[0][a:b], self.got[1][j]
+
+
 @dataclass
 class Rows:
     """Result of a forward over rows: float32 logits [R, V] and post-norm hidden states [R, H];
-    `greedy`, from a packed verify, the greedy accept of these raw rows against their drafts
-    (targets [R], n), computed for every member of the pack at once (`packed_rows`)."""
+    from a packed verify (`pack`, this member's index `member`), `greedy`: the greedy accept of
+    these raw rows against their drafts (targets [R], n), computed for every member at once."""
 
     logits: torch.Tensor
     hidden: torch.Tensor
-    greedy: tuple[torch.Tensor, torch.Tensor] | None = None
+    pack: PackedAccept | None = None
+    member: int = 0
+
+    @property
+    def greedy(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.pack is None else self.pack.of(self.member)
 
 
 def packed_rows(hidden: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor, spans: list[tuple[int, int]]) -> list[Rows]:
-    """Each member's Rows of a packed verify (`spans` its rows, in the members' order), with the
-    greedy accept of every member in one batched call (two launches a round on CUDA, not two a
-    request): a request whose rows need no processing (greedy, no penalties or grammar) reads its
-    own, the bits greedy_accept gives its rows alone."""
+    """Each member's Rows of a packed verify (`spans` its rows, in the members' order), sharing
+    one batched greedy accept (two launches a round on CUDA, not two a request): a request whose
+    rows need no processing (greedy, no penalties or grammar) reads its own, the bits
+    greedy_accept gives its rows alone."""
     ordered = sorted(spans)
-    starts = [a for a, _ in ordered] + [ordered[-1][1]]
-    if starts[0] != 0 or any(b != c for (_, b), (c, _) in zip(ordered, ordered[1:])):
-        raise ValueError(f"packed spans must tile the rows: {spans}")
-    targets, n = greedy_accept_many(logits, ids, starts)
-    at = {sp: j for j, sp in enumerate(ordered)}
-    return [Rows(logits[a:b], hidden[a:b], (targets[a:b], n[at[(a, b)]])) for a, b in spans]
+    if (any(a >= b for a, b in ordered) or ordered[0][0] < 0 or ordered[-1][1] > logits.shape[0]
+            or any(b > c for (_, b), (c, _) in zip(ordered, ordered[1:]))):
+        raise ValueError(f"packed spans must be disjoint rows of the {logits.shape[0]}: {spans}")
+    pack = PackedAccept(logits, ids, list(spans))
+    return [Rows(logits[a:b], hidden[a:b], pack, j) for j, (a, b) in enumerate(spans)]
 
 
 @dataclass

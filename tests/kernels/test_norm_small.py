@@ -97,32 +97,35 @@ def test_greedy_accept(k):
 @pytest.mark.parametrize("v", [7, 3001, 70001])
 def test_greedy_accept_many_is_each_member_alone(v):
     """A packed verify's members (1 to 7 rows, drafts right for a random number of positions, a
-    NaN row and a tie across chunks among them): one batched accept gives every member the targets
-    and n of greedy_accept on its rows alone, kernel and reference."""
+    NaN row and a tie across chunks among them, some followed by padding rows no member owns): one
+    batched accept gives every member the targets and n of greedy_accept on its rows alone, kernel
+    and reference."""
     g = _g(v + 1)
     rows = [1, 4, 2, 7, 1, 3, 4]
-    logits = torch.randn(sum(rows), v, generator=g)
+    pads = [0, 0, 3, 0, 2, 1, 0]
+    logits = torch.randn(sum(rows) + sum(pads), v, generator=g)
     logits[2, v // 3] = float("nan")
     if v > 10:
         logits[6, v - 2] = logits[6].max() + 1
         logits[6, 3] = logits[6, v - 2]
     want_t = logits.argmax(-1)
-    starts = [0]
-    for r in rows:
-        starts.append(starts[-1] + r)
-    ids = torch.randint(0, v, (starts[-1],), generator=g)
-    for a, b in zip(starts, starts[1:]):
+    spans, a = [], 0
+    for r, p in zip(rows, pads):
+        spans.append((a, a + r))
+        a += r + p
+    ids = torch.randint(0, v, (logits.shape[0],), generator=g)
+    for a, b in spans:
         ok = int(torch.randint(0, b - a, (1,), generator=g))   # drafts right for `ok` positions
         ids[a + 1:a + 1 + ok] = want_t[a:a + ok]
         if a + 1 + ok < b:
             ids[a + 1 + ok] = (want_t[a + ok] + 1) % v
-    t, n = ts.greedy_accept_many_triton(logits, ids, starts)
-    t_r, n_r = greedy.greedy_accept_many_ref(logits, ids, starts)
-    assert torch.equal(t, t_r) and torch.equal(n, n_r)
-    for j, (a, b) in enumerate(zip(starts, starts[1:])):
+    t, n = ts.greedy_accept_many_triton(logits, ids, spans)
+    t_r, n_r = greedy.greedy_accept_many_ref(logits, ids, spans)
+    assert torch.equal(n, n_r)
+    for j, (a, b) in enumerate(spans):
         t1, n1 = ts.greedy_accept_triton(logits[a:b], ids[a + 1:b])
-        assert torch.equal(t[a:b], t1) and int(n[j]) == int(n1), j
-    assert torch.equal(t, want_t)
+        assert torch.equal(t[a:b], t1) and torch.equal(t_r[a:b], t1) and int(n[j]) == int(n1), j
+        assert torch.equal(t1, want_t[a:b])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

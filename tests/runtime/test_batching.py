@@ -3,7 +3,6 @@ and its output, greedy or seeded sampled, is the one it gives alone, whatever sh
 in whatever order the requests arrive."""
 from __future__ import annotations
 
-import dataclasses
 
 import threading
 
@@ -141,8 +140,8 @@ def test_a_requests_verifies_keep_one_row_count(path, prompts, monkeypatch):
 def test_a_packed_rounds_greedy_accepts_run_once_for_all(path, prompts, monkeypatch):
     """A packed verify computes the greedy accept of every member at once (runtime/trunk.py
     packed_rows): plain greedy members read theirs and launch none of their own; a penalised one
-    (its rows processed first) and a sampled one still accept their own rows. Each output is its
-    own alone."""
+    (its rows processed first) and a sampled one still accept their own rows, and rounds of those
+    alone launch no batched accept. Each output is its own alone."""
     from specfire.runtime import spec as spec_mod
     from specfire.runtime import trunk as trunk_mod
 
@@ -155,9 +154,9 @@ def test_a_packed_rounds_greedy_accepts_run_once_for_all(path, prompts, monkeypa
         packs, own = [], []
         many, one = trunk_mod.greedy_accept_many, spec_mod.greedy_accept
 
-        def accept_many(logits, ids, starts):
-            packs.append(len(starts) - 1)
-            return many(logits, ids, starts)
+        def accept_many(logits, ids, spans):
+            packs.append([b - a for a, b in spans])
+            return many(logits, ids, spans)
 
         def accept_one(logits, draft):
             own.append(logits.shape[0])
@@ -166,10 +165,14 @@ def test_a_packed_rounds_greedy_accepts_run_once_for_all(path, prompts, monkeypa
         monkeypatch.setattr(spec_mod, "greedy_accept", accept_one)
         got = m.generate(prompts[:len(reqs)], [sp for sp, _ in reqs], spec=[pol for _, pol in reqs])
         assert [r.token_ids for r in got] == want
-    assert packs and max(packs) == len(reqs), packs
+        n_packs = len(packs)
+        m.generate(prompts[:2], [reqs[2][0], reqs[3][0]], spec=[reqs[2][1], reqs[3][1]])
+        assert len(packs) == n_packs        # no plain greedy member: the rounds launch no batched accept
+    assert packs and max(map(len, packs)) == len(reqs), packs
     # the plain MTP member (4 rows a verify) never accepts on its own; the penalised one (3 rows)
     # does in every pack it shares (the 1-row calls: the AR member's rounds alone, after the rest)
-    assert own.count(4) == 0 and own.count(3) >= len(packs), (own, packs)
+    shared = sum(3 in p for p in packs)
+    assert own.count(4) == 0 and shared and own.count(3) >= shared, (own, packs)
 
 
 def test_the_kv_pool_runs_requests_whose_whole_sequences_exceed_it(path, prompts, alone):
@@ -554,7 +557,7 @@ def test_greedy_draft_chains_of_a_round_run_packed(path, prompts, monkeypatch):
     chains run as one packed chain (every weight, the lm_head's included, read once for all the
     requests): each output is its own alone, and each request accepts what it accepts alone (the
     packed chain drafts what each chain drafts alone). A packed chain that reads another
-    sequence's head state changes the acceptance (the check can fail)."""
+    member's verify rows changes the acceptance (the check can fail)."""
     from specfire.runtime.drafters import chain as chain_mod
     from specfire.runtime.drafters import mtp as mtp_mod
     from specfire.runtime.graphs import DraftGraphs
@@ -576,11 +579,11 @@ def test_greedy_draft_chains_of_a_round_run_packed(path, prompts, monkeypatch):
         assert [r.token_ids for r in got] == [r.token_ids for r in alone]
         assert sizes and max(sizes) == 3, sizes
         assert [r.stats["per_route"]["mtp"] for r in got] == [r.stats["per_route"]["mtp"] for r in alone]
-        # negative control: every sequence's packed chain over the first one's head state
-        def first_only(head, lm, emb, ew, catch, step, *a):
-            return real(head, lm, emb, ew, *(dataclasses.replace(sg, states=[sg.states[0]] * len(sg.states))
-                                             for sg in (catch, step)), *a)
-        monkeypatch.setattr(mtp_mod, "packed_chain_after", first_only)
+        # negative control: each member's packed chain fed the previous member's verify rows
+        def mixed_rows(head, lm, emb, ew, catch, step, step_pos, starts, toks, hidden, *a):
+            shift = catch.spans[0][1] - catch.spans[0][0]
+            return real(head, lm, emb, ew, catch, step, step_pos, starts, toks, hidden.roll(shift, 0), *a)
+        monkeypatch.setattr(mtp_mod, "packed_chain_after", mixed_rows)
         bad = m.generate(prompts[:3], reqs, spec=[SpecPolicy("mtp", 3)] * 3)
         assert [r.token_ids for r in bad] == [r.token_ids for r in alone]       # greedy output holds regardless
         assert [r.stats["per_route"]["mtp"] for r in bad] != [r.stats["per_route"]["mtp"] for r in alone]

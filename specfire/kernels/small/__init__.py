@@ -39,10 +39,12 @@ def greedy_accept(logits: torch.Tensor, draft: torch.Tensor) -> tuple[torch.Tens
     return greedy_accept_ref(logits, draft)
 
 
-def greedy_accept_many(logits: torch.Tensor, ids: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`greedy_accept` of every member of a packed verify at once (two launches for the round,
-    not two a request); each member's (targets, n) are the bits it gets alone."""
+def greedy_accept_many(logits: torch.Tensor, ids: torch.Tensor, spans: list[tuple[int, int]]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`greedy_accept` of every member (its rows spans[j]) of a packed verify at once (two
+    launches for the round, not two a request); each member's (targets, n) are the bits it gets
+    alone."""
     if logits.is_cuda:
         from .kernel import greedy_accept_many_triton
-        return greedy_accept_many_triton(logits, ids, starts)
-    return greedy_accept_many_ref(logits, ids, starts)
+        return greedy_accept_many_triton(logits, ids, spans)
+    return greedy_accept_many_ref(logits, ids, spans)

@@ -123,24 +123,35 @@ def _argmax_partial_kernel(x_ptr, pv_ptr, pi_ptr, V, stride_x, CHUNK, n_chunks, 
 
 
 @triton.jit
-def _accept_kernel(pv_ptr, pi_ptr, d_ptr, t_ptr, n_ptr, R, n_chunks,
-                   R_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, ACCEPT: tl.constexpr):
+def _accept_kernel(pv_ptr, pi_ptr, d_ptr, spans_ptr, t_ptr, n_ptr, R, n_chunks, D_OFF,
+                   R_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, ACCEPT: tl.constexpr, SPANS: tl.constexpr):
+    """Program j: rows [a, b) of the argmax partials, spans[j] = (a, b) with SPANS (a member of a
+    packed verify), else rows 0..R-1: each row's target; with ACCEPT, n[j] = the leading drafts
+    d[a + D_OFF ..] equal to their row's target. One kernel whether a member runs alone or packed,
+    so a packed member's (targets, n) are the bits it gets alone."""
+    j = tl.program_id(0)
+    if SPANS:
+        a = tl.load(spans_ptr + 2 * j)
+        R = tl.load(spans_ptr + 2 * j + 1) - a
+    else:
+        a = 0
     r = tl.arange(0, R_BLOCK)
     c = tl.arange(0, C_BLOCK)
     mask = (r[:, None] < R) & (c[None, :] < n_chunks)
-    pv = tl.load(pv_ptr + r[:, None] * n_chunks + c[None, :], mask=mask, other=float("-inf"))
-    pi = tl.load(pi_ptr + r[:, None] * n_chunks + c[None, :], mask=mask, other=2147483647)
+    off = (a + r[:, None]) * n_chunks + c[None, :]
+    pv = tl.load(pv_ptr + off, mask=mask, other=float("-inf"))
+    pi = tl.load(pi_ptr + off, mask=mask, other=2147483647)
     nan_i = tl.min(tl.where(pv != pv, pi, 2147483647), axis=1)                # a NaN chunk: its first NaN
     pv = tl.where(pv != pv, float("-inf"), pv)
     m = tl.max(pv, axis=1)
     tgt = tl.min(tl.where(pv == m[:, None], pi, 2147483647), axis=1)            # [R_BLOCK]
     tgt = tl.where(nan_i < 2147483647, nan_i, tgt)
-    tl.store(t_ptr + r, tgt.to(tl.int64), mask=r < R)
-    if ACCEPT:  # drafts d[0..R-2] are checked against the targets of rows 0..R-2
-        d = tl.load(d_ptr + r, mask=r < R - 1, other=-1)
+    tl.store(t_ptr + a + r, tgt.to(tl.int64), mask=r < R)
+    if ACCEPT:  # drafts d[a + D_OFF ..] are checked against the targets of rows 0..R-2
+        d = tl.load(d_ptr + a + D_OFF + r, mask=r < R - 1, other=-1)
         miss = (r < R - 1) & (d != tgt.to(tl.int64))
         n = tl.min(tl.where(miss | (r >= R - 1), r, R_BLOCK), axis=0)
-        tl.store(n_ptr, n.to(tl.int64))
+        tl.store(n_ptr + j, n.to(tl.int64))
 
 
 def _argmax_partials(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -160,56 +171,31 @@ def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
     r = logits.shape[0]
     pv, pi, n_chunks = _argmax_partials(logits)
     t = torch.empty(r, device=logits.device, dtype=torch.int64)
-    _accept_kernel[(1,)](pv, pi, t, t, t, r, n_chunks, R_BLOCK=triton.next_power_of_2(r),
-                         C_BLOCK=triton.next_power_of_2(n_chunks), ACCEPT=False)
+    _accept_kernel[(1,)](pv, pi, t, t, t, t, r, n_chunks, 0, R_BLOCK=triton.next_power_of_2(r),
+                         C_BLOCK=triton.next_power_of_2(n_chunks), ACCEPT=False, SPANS=False)
     return t
 
 
-@triton.jit
-def _accept_many_kernel(pv_ptr, pi_ptr, ids_ptr, starts_ptr, t_ptr, n_ptr, n_chunks,
-                        R_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
-    """Program j: member j's rows [starts[j], starts[j + 1]) of a packed verify, as _accept_kernel
-    gives them alone: each row's target, and n = the leading drafts (ids[a + 1 ..]) equal to it."""
-    j = tl.program_id(0)
-    a = tl.load(starts_ptr + j)
-    R = tl.load(starts_ptr + j + 1) - a
-    r = tl.arange(0, R_BLOCK)
-    c = tl.arange(0, C_BLOCK)
-    mask = (r[:, None] < R) & (c[None, :] < n_chunks)
-    off = (a + r[:, None]) * n_chunks + c[None, :]
-    pv = tl.load(pv_ptr + off, mask=mask, other=float("-inf"))
-    pi = tl.load(pi_ptr + off, mask=mask, other=2147483647)
-    nan_i = tl.min(tl.where(pv != pv, pi, 2147483647), axis=1)
-    pv = tl.where(pv != pv, float("-inf"), pv)
-    m = tl.max(pv, axis=1)
-    tgt = tl.min(tl.where(pv == m[:, None], pi, 2147483647), axis=1)
-    tgt = tl.where(nan_i < 2147483647, nan_i, tgt)
-    tl.store(t_ptr + a + r, tgt.to(tl.int64), mask=r < R)
-    d = tl.load(ids_ptr + a + 1 + r, mask=r < R - 1, other=-1)
-    miss = (r < R - 1) & (d != tgt.to(tl.int64))
-    n = tl.min(tl.where(miss | (r >= R - 1), r, R_BLOCK), axis=0)
-    tl.store(n_ptr + j, n.to(tl.int64))
+_SPANS: dict[tuple, torch.Tensor] = {}
 
 
-_STARTS: dict[tuple, torch.Tensor] = {}
-
-
-def greedy_accept_many_triton(logits: torch.Tensor, ids: torch.Tensor, starts: list[int]
+def greedy_accept_many_triton(logits: torch.Tensor, ids: torch.Tensor, spans: list[tuple[int, int]]
                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """greedy_accept_triton of every member of a packed verify in two launches (see the reference)."""
-    m = len(starts) - 1
+    m = len(spans)
     pv, pi, n_chunks = _argmax_partials(logits)
     t = torch.empty(logits.shape[0], device=logits.device, dtype=torch.int64)
     n = torch.empty(m, device=logits.device, dtype=torch.int64)
-    key = (logits.device, tuple(starts))
-    st = _STARTS.get(key)
+    key = (logits.device, tuple(spans))
+    st = _SPANS.get(key)
     if st is None:                       # a round's row pattern recurs: its table is uploaded once
-        if len(_STARTS) >= 256:
-            _STARTS.clear()
-        st = _STARTS[key] = torch.tensor(starts, dtype=torch.int64, device=logits.device)
-    widest = max(b - a for a, b in zip(starts, starts[1:]))
-    _accept_many_kernel[(m,)](pv, pi, ids.to(torch.int64).contiguous(), st, t, n, n_chunks,
-                              R_BLOCK=triton.next_power_of_2(max(widest, 2)), C_BLOCK=triton.next_power_of_2(n_chunks))
+        if len(_SPANS) >= 256:
+            _SPANS.clear()
+        st = _SPANS[key] = torch.tensor([x for sp in spans for x in sp], dtype=torch.int64, device=logits.device)
+    widest = max(b - a for a, b in spans)
+    _accept_kernel[(m,)](pv, pi, ids.to(torch.int64).contiguous(), st, t, n, 0, n_chunks, 1,
+                         R_BLOCK=triton.next_power_of_2(max(widest, 2)), C_BLOCK=triton.next_power_of_2(n_chunks),
+                         ACCEPT=True, SPANS=True)
     return t, n
 
 
@@ -219,6 +205,6 @@ def greedy_accept_triton(logits: torch.Tensor, draft: torch.Tensor) -> tuple[tor
     t = torch.empty(r, device=logits.device, dtype=torch.int64)
     n = torch.empty((), device=logits.device, dtype=torch.int64)
     d = draft.to(device=logits.device, dtype=torch.int64).contiguous()
-    _accept_kernel[(1,)](pv, pi, d, t, n, r, n_chunks, R_BLOCK=triton.next_power_of_2(max(r, 2)),
-                         C_BLOCK=triton.next_power_of_2(n_chunks), ACCEPT=True)
+    _accept_kernel[(1,)](pv, pi, d, t, t, n, r, n_chunks, 0, R_BLOCK=triton.next_power_of_2(max(r, 2)),
+                         C_BLOCK=triton.next_power_of_2(n_chunks), ACCEPT=True, SPANS=False)
     return t, n

@@ -44,14 +44,16 @@ def greedy_accept_ref(logits: torch.Tensor, draft: torch.Tensor) -> tuple[torch.
     return t, match.to(torch.int64).cumprod(0).sum()
 
 
-def greedy_accept_many_ref(logits: torch.Tensor, ids: torch.Tensor, starts: list[int]
+def greedy_accept_many_ref(logits: torch.Tensor, ids: torch.Tensor, spans: list[tuple[int, int]]
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The greedy accept of every member of a packed verify: member j's rows are [starts[j],
-    starts[j + 1]) of logits [T, V] and of its verify ids [T] (its last token, then its drafts) ->
-    (targets [T], n [M]), each member's as greedy_accept_ref of its rows and drafts alone."""
-    ts, ns = [], []
-    for a, b in zip(starts, starts[1:]):
+    """The greedy accept of every member of a packed verify: member j's rows are spans[j] = [a, b)
+    of logits [T, V] and of its verify ids [T] (its last token, then its drafts; rows outside every
+    span, a member's padding, are not read) -> (targets [T], n [M]), each member's targets[a:b] and
+    n[j] as greedy_accept_ref of its rows and drafts alone (targets elsewhere: unspecified)."""
+    ts = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+    ns = []
+    for a, b in spans:
         t, n = greedy_accept_ref(logits[a:b], ids[a + 1:b])
-        ts.append(t)
+        ts[a:b] = t
         ns.append(n.reshape(1))
-    return torch.cat(ts), torch.cat(ns)
+    return ts, torch.cat(ns)
