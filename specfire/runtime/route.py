@@ -88,11 +88,17 @@ class CostTable:
 class RoundView:
     """What the scheduler's rounds tell auto: `width`, the verifies in the last forward (1: alone);
     and of the last round in which every running request verified in that one forward, its wall
-    seconds and each verify's (route, k)."""
+    seconds and each verify's (route, k, packed): `packed`, its draft chain ran in one packed
+    chain with others' (drafters/chain.py packed_chain_after: the head's and the lm_head's
+    weights read once for all of them)."""
 
     width: int = 1
     seconds: float | None = None
-    members: tuple[tuple[str, int], ...] = ()
+    members: tuple[tuple[str, int, bool], ...] = ()
+
+    def packed(self, route: str, k: int) -> int:
+        """How many members drafted `route` at k through one packed chain."""
+        return sum(1 for r, kk, p in self.members if p and r == route and kk == k)
 
     def alone(self) -> None:
         self.width, self.seconds, self.members = 1, None, ()
@@ -230,10 +236,19 @@ class RouteController:
 
     def share(self) -> float:
         """A request's seconds of the last shared round were every member at AR: the round's time
-        less what its members' drafting added, over its width (at least a quarter of the even split)."""
+        less what its members' drafting added, over its width (at least a quarter of the even
+        split). Members whose chains ran as one packed chain added one chain's cost between them
+        (its weights are read once; extra rows cost little at these sizes)."""
         rv = self.round
-        extra = sum(self.added(r, k) or 0.0 for r, k in rv.members if r != "ar" and k > 0)
+        extra = sum(self.added(r, k) or 0.0 for r, k, p in rv.members if r != "ar" and k > 0 and not p)
+        extra += sum(self.added(r, k) or 0.0 for r, k in {(r, k) for r, k, p in rv.members if p and k > 0})
         return max(rv.seconds - extra, 0.25 * rv.seconds) / len(rv.members)
+
+    def drafting_price(self, route: str, k: int) -> float | None:
+        """What drafting `route` at k adds to this request's share of a shared round: its alone
+        addition, split with the members that drafted the same through one packed chain."""
+        d = self.added(route, k)
+        return None if d is None else d / max(1, self.round.packed(route, k))
 
     def shared_rate(self, route: str, k: int, share: float) -> float | None:
         """Expected tokens per second of the request's share of a round with `route` at k: AR's one
@@ -241,7 +256,7 @@ class RouteController:
         if route == "ar" or k == 0:
             return 1.0 / share
         a = self.acc[route]
-        d, d0 = self.added(route, k), self.added(route, 0)
+        d, d0 = self.drafting_price(route, k), self.added(route, 0)
         if d is None or d0 is None:
             return None
         h = 1.0 if a.hit is None else a.hit
@@ -291,7 +306,9 @@ class RouteController:
             if share is None:
                 per = f"per {self.cost(r, k) / self.cost('ar', 0):.2f}x-AR cycle"
             else:
-                per = f"for +{1e3 * (self.added(r, k) or 0.0):.3f} ms"
+                m = self.round.packed(r, k)
+                per = f"for +{1e3 * (self.drafting_price(r, k) or 0.0):.3f} ms" + (
+                    f" (one packed chain with {m - 1} other(s))" if m > 1 else "")
             parts.append(f"{r} k={k} {rated[(r, k)] / ar:.2f}x AR (accept {acc}, {a.expected_tokens(k):.2f} tok {per})")
         what = "ar" if best[0] == "ar" else f"{best[0]} k={best[1]}"
         if share is None:

@@ -208,6 +208,9 @@ class Scheduler:
             for r, got in zip(waiting, rows):
                 self._advance(r, got)
             chained = [r for r in waiting if r.chain is not None]
+            drafted = [(c.route, c.ids.shape[0] - 1) for c in calls]
+            groups = [d for r, d in zip(waiting, drafted) if r.chain is not None]
+            packed = [r.chain is not None and groups.count(d) > 1 for r, d in zip(waiting, drafted)]
             if chained:                     # the draft chains those steps left pending: one packed chain
                 items = [r.chain for r in chained]
                 for r in chained:
@@ -223,7 +226,7 @@ class Scheduler:
                     self._advance(r, None)
             if clean:                       # what the round cost, for auto's price of drafting under sharing
                 view.seconds = time.perf_counter() - t0
-                view.members = tuple((c.route, c.ids.shape[0] - 1) for c in calls)
+                view.members = tuple((r, k, p) for (r, k), p in zip(drafted, packed))
         self._send_reads()
 
     def _send_reads(self) -> None:

@@ -556,8 +556,9 @@ def test_greedy_draft_chains_of_a_round_run_packed(path, prompts, monkeypatch):
     """Where chains are queued after the verify (graphs; emulated here), a round's greedy MTP
     chains run as one packed chain (every weight, the lm_head's included, read once for all the
     requests): each output is its own alone, and each request accepts what it accepts alone (the
-    packed chain drafts what each chain drafts alone). A packed chain that reads another
-    member's verify rows changes the acceptance (the check can fail)."""
+    packed chain drafts what each chain drafts alone), and the round view auto prices drafting by
+    marks them packed. A packed chain that reads another member's verify rows changes the
+    acceptance (the check can fail)."""
     from specfire.runtime.drafters import chain as chain_mod
     from specfire.runtime.drafters import mtp as mtp_mod
     from specfire.runtime.graphs import DraftGraphs
@@ -575,9 +576,17 @@ def test_greedy_draft_chains_of_a_round_run_packed(path, prompts, monkeypatch):
             m.slots.release(eng)
         alone = [m.generate(p, sp, spec=SpecPolicy("mtp", 3)) for p, sp in zip(prompts, reqs)]
         assert sizes == []                                      # one at a time: each chain alone
+        views, real_round = [], sch.Scheduler.round
+
+        def round_(self):
+            real_round(self)
+            views.append(self.pool.first.shared.round.members)
+        monkeypatch.setattr(sch.Scheduler, "round", round_)
         got = m.generate(prompts[:3], reqs, spec=[SpecPolicy("mtp", 3)] * 3)
         assert [r.token_ids for r in got] == [r.token_ids for r in alone]
         assert sizes and max(sizes) == 3, sizes
+        # auto's view of those rounds says the three chains ran as one (they split one chain's cost)
+        assert (("mtp", 3, True),) * 3 in views, views
         assert [r.stats["per_route"]["mtp"] for r in got] == [r.stats["per_route"]["mtp"] for r in alone]
         # negative control: each member's packed chain fed the previous member's verify rows
         def mixed_rows(head, lm, emb, ew, catch, step, step_pos, starts, toks, hidden, *a):

@@ -68,24 +68,37 @@ def test_gpu_like_costs_pick_mtp_full_k():
 def test_a_shared_round_prices_drafting_by_what_it_adds():
     """Alone, MTP k=3 at 2x an AR step with 90% acceptance pays (2.7 tokens per 2 steps). In a round
     eight requests share, a request's AR share is an eighth of the round, while its drafting still
-    adds a whole AR step: AR wins, and the reason says the round was shared."""
+    adds a whole AR step: AR wins, and the reason says the round was shared; unless the members'
+    chains run as one packed chain, whose cost they split."""
     view = RoundView()
     ctl = RouteController(3, ("mtp",), CostTable(), round=view)
     costs = linear(10 * MS, 10 * MS / 3)
     it = iter([1] * 9 + [0] + [1] * 9 + [0] + [1] * 100)
     ds = feed(ctl, costs, lambda r, k: k if next(it) else 0, 16)
     assert ds[-1] == Decision("mtp", 3)                        # alone: drafting pays
-    view.width, view.seconds, view.members = 8, 24 * MS, (("ar", 0),) * 8
+    ar, mtp, packed = ("ar", 0, False), ("mtp", 3, False), ("mtp", 3, True)
+    view.width, view.seconds, view.members = 8, 24 * MS, (ar,) * 8
     assert ctl.share() == pytest.approx(3 * MS)
     d = ctl.decide()
     assert d == Decision("ar", 0), ctl.reason
     assert ctl.reason.startswith("auto: ar; 8 requests share a 24.000 ms round (3.000 ms each at AR")
     assert "mtp k=" in ctl.reason and "+" in ctl.reason
     # the round's members that drafted paid for it: their additions come off every member's share
-    view.members = (("mtp", 3),) + (("ar", 0),) * 7
+    view.members = (mtp,) + (ar,) * 7
     assert ctl.share() == pytest.approx((24 - 10) * MS / 8)
-    view.members = (("mtp", 3),) * 3 + (("ar", 0),) * 5      # (never below a quarter of the even split)
+    view.members = (mtp,) * 3 + (ar,) * 5                    # (never below a quarter of the even split)
     assert ctl.share() == pytest.approx(0.25 * 24 * MS / 8)
+    assert ctl.decide() == Decision("ar", 0), ctl.reason
+    # members whose chains ran as one packed chain (each weight read once for all of them) added
+    # one chain's cost between them, and a member drafting with them pays its split of it: MTP
+    view.members = (packed,) * 8
+    assert ctl.share() == pytest.approx((24 - 10) * MS / 8)
+    assert ctl.drafting_price("mtp", 3) == pytest.approx(10 * MS / 8)
+    assert ctl.decide() == Decision("mtp", 3), ctl.reason
+    assert "one packed chain with 7 other(s)" in ctl.reason
+    view.seconds, view.members = 40 * MS, (packed,) * 3 + (mtp,) + (ar,) * 4   # three packed, one alone: two additions
+    assert ctl.share() == pytest.approx((40 - 20) * MS / 8)
+    assert ctl.drafting_price("mtp", 3) == pytest.approx(10 * MS / 3)
     view.alone()                                              # alone again: MTP
     assert ctl.decide() == Decision("mtp", 3)
 
