@@ -97,7 +97,7 @@ def test_greedy_accept(k):
 @pytest.mark.parametrize("v", [7, 3001, 70001])
 def test_greedy_accept_many_is_each_member_alone(v):
     """A packed verify's members (1 to 7 rows, drafts right for a random number of positions, a
-    NaN row and a tie across chunks among them, some followed by padding rows no member owns): one
+    NaN row and a tie across chunks among them, some followed by rows no member owns): one
     batched accept gives every member the targets and n of greedy_accept on its rows alone, kernel
     and reference."""
     g = _g(v + 1)

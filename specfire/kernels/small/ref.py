@@ -48,8 +48,8 @@ def greedy_accept_many_ref(logits: torch.Tensor, ids: torch.Tensor, spans: list[
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """The greedy accept of every member of a packed verify: member j's rows are spans[j] = [a, b)
     of logits [T, V] and of its verify ids [T] (its last token, then its drafts; rows outside every
-    span, a member's padding, are not read) -> (targets [T], n [M]), each member's targets[a:b] and
-    n[j] as greedy_accept_ref of its rows and drafts alone (targets elsewhere: unspecified)."""
+    span are not read) -> (targets [T], n [M]), each member's targets[a:b] and n[j] as
+    greedy_accept_ref of its rows and drafts alone (targets elsewhere: unspecified)."""
     ts = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
     ns = []
     for a, b in spans:
