@@ -208,9 +208,9 @@ class Scheduler:
             for r, got in zip(waiting, rows):
                 self._advance(r, got)
             chained = [r for r in waiting if r.chain is not None]
-            drafted = [(c.route, c.ids.shape[0] - 1) for c in calls]
-            groups = [d for r, d in zip(waiting, drafted) if r.chain is not None]
-            packed = [r.chain is not None and groups.count(d) > 1 for r, d in zip(waiting, drafted)]
+            drafted = [(c.route, c.ids.shape[0] - 1) for c in calls]      # each verify's (route, k)
+            pending = [d for r, d in zip(waiting, drafted) if r.chain is not None]
+            packed = [r.chain is not None and pending.count(d) > 1 for r, d in zip(waiting, drafted)]
             if chained:                     # the draft chains those steps left pending: one packed chain
                 items = [r.chain for r in chained]
                 for r in chained:

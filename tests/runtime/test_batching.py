@@ -3,7 +3,6 @@ and its output, greedy or seeded sampled, is the one it gives alone, whatever sh
 in whatever order the requests arrive."""
 from __future__ import annotations
 
-
 import threading
 
 import pytest
@@ -556,9 +555,9 @@ def test_greedy_draft_chains_of_a_round_run_packed(path, prompts, monkeypatch):
     """Where chains are queued after the verify (graphs; emulated here), a round's greedy MTP
     chains run as one packed chain (every weight, the lm_head's included, read once for all the
     requests): each output is its own alone, and each request accepts what it accepts alone (the
-    packed chain drafts what each chain drafts alone), and the round view auto prices drafting by
-    marks them packed. A packed chain that reads another member's verify rows changes the
-    acceptance (the check can fail)."""
+    packed chain drafts what each chain drafts alone), and the round view that auto prices
+    drafting by marks them packed. A packed chain that reads another member's verify rows changes
+    the acceptance (the check can fail)."""
     from specfire.runtime.drafters import chain as chain_mod
     from specfire.runtime.drafters import mtp as mtp_mod
     from specfire.runtime.graphs import DraftGraphs
