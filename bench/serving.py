@@ -44,6 +44,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 from bench.common import machine, model_config, random_prompt, scratch_dir, write_checkpoint, write_tokenizer
@@ -213,15 +214,22 @@ def cpu_split(pid: int | None, before: dict, after: dict) -> tuple[float, float,
     return loop, engine, sum(d.values()) - engine
 
 
-def captures(log_path: str | None, start: int) -> tuple[int | None, int]:
-    """CUDA graph captures the started server (run with -v) logged past byte `start` of its log,
-    and where the log ends now; (None, start) for a server this bench did not start."""
+def captures(log_path: str | None, start: int) -> tuple[list[str] | None, int]:
+    """What CUDA graphs the started server (run with -v) logged capturing past byte `start` of its
+    log (each line's text after "captured a "), and where the log ends now; (None, start) for a
+    server this bench did not start. Which graphs a level captures tells what to capture earlier."""
     if log_path is None:
         return None, start
     with open(log_path, "rb") as f:
         f.seek(start)
         got = f.read()
-    return got.count(b"] captured a "), start + len(got)
+    mark = b"] captured a "
+    return [ln.split(mark, 1)[1].decode(errors="replace").strip() for ln in got.splitlines() if mark in ln], start + len(got)
+
+
+def tally(lines: list[str] | None) -> dict[str, int] | None:
+    """Capture lines -> how many times each was logged (None stays None)."""
+    return None if lines is None else dict(Counter(lines))
 
 
 def level(client: Client, conc: int, plen: int, args, spec: dict | None, pid: int | None,
@@ -266,7 +274,9 @@ def level(client: Client, conc: int, plen: int, args, spec: dict | None, pid: in
             "engine_cpu_ms_per_tok": per_tok(cpu[1]) if cpu else None,
             "loop_cpu_ms_per_req": round(cpu[0] * 1e3 / len(ok), 2) if cpu and ok else None,
             "peak_mem_gb": None if mem.peak is None else round(mem.peak, 3),
-            "captures_warmup": warm_caps, "captures_timed": timed_caps}
+            "captures_warmup": None if warm_caps is None else len(warm_caps),
+            "captures_timed": None if timed_caps is None else len(timed_caps),
+            "captured_warmup": tally(warm_caps), "captured_timed": tally(timed_caps)}
 
 
 def start_server(model: str | None, extra: list[str], log_path: str, timeout: float) -> tuple[subprocess.Popen, str]:
@@ -329,6 +339,10 @@ def table(rows: list[dict]) -> None:
               f"{r['failed']} | {f(r.get('captures_warmup'), 0)} / {f(r.get('captures_timed'), 0)} | "
               f"{f(r.get('in_process_tok_s'))} ({f(r.get('http_x_in_process'), 2)}), "
               f"{f(r.get('in_process_cpu_ms_per_tok'), 3)} |")
+    for r in rows:
+        if r.get("captured_timed"):
+            print(f"c = {r['concurrency']}, prompt {r['prompt_len']}: captured while timed: "
+                  + "; ".join(f"{n} x {what}" for what, n in r["captured_timed"].items()))
 
 
 def stop_server(proc: subprocess.Popen | None) -> None:

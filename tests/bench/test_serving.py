@@ -31,12 +31,15 @@ def test_captures_are_counted_past_an_offset(tmp_path):
     log = tmp_path / "server.log"
     log.write_text("[specfire] captured a CUDA graph for 1 row(s)\n[specfire] serving x\n")
     n, at = serving.captures(str(log), 0)
-    assert (n, at) == (1, log.stat().st_size)
+    assert (n, at) == (["CUDA graph for 1 row(s)"], log.stat().st_size)
     with open(log, "a") as f:
         f.write("[specfire] captured a CUDA graph for 4 slots' 16 rows\n"
-                "[specfire] captured a CUDA graph for 4 slots' draft chains (k=3)\n")
-    assert serving.captures(str(log), at) == (2, log.stat().st_size)
-    assert serving.captures(None, 7) == (None, 7)
+                "[specfire] captured a CUDA graph for 4 slots' draft chains (k=3)\n"
+                "[specfire] captured a CUDA graph for 4 slots' 16 rows\n")
+    got, end = serving.captures(str(log), at)
+    assert end == log.stat().st_size
+    assert serving.tally(got) == {"CUDA graph for 4 slots' 16 rows": 2, "CUDA graph for 4 slots' draft chains (k=3)": 1}
+    assert serving.captures(None, 7) == (None, 7) and serving.tally(None) is None
 
 
 def test_percentile_is_nearest_rank():
