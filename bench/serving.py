@@ -18,7 +18,8 @@ decode tok/s, chunks per request, the CPU time per output token of its event-loo
 of its engine (busiest other) thread from /proc (a server it started), its peak
 memory (GPU memory of its process from nvidia-smi, else its resident set), and the CUDA graphs
 it captured during the level's warm-up and during its timed part (a started server runs with -v,
-which logs each capture; one in the timed part stalls every stream). The server runs the
+which logs each capture; one in the timed part stalls every stream), and, once, how long the
+started server took to answer /health and how many graphs it captured before any request. The server runs the
 requests it holds in shared steps (one packed forward a round), its engine in a process of its own
 (serve/engine.py: its busiest thread is the engine's); against bench/batch.py's in-process rate the
 figures show what HTTP costs. Every request sends neutral penalties (repetition 1, frequency and
@@ -423,8 +424,12 @@ def main() -> int:
             from specfire.api import BUNDLED_MODEL
             from specfire.config import ModelConfig
             args.vocab = ModelConfig.from_dir(args.model or BUNDLED_MODEL).vocab_size
+        started = None
         if url is None:
+            t0 = time.perf_counter()
             proc, url = start_server(args.model, serve_args, os.path.join(work, "server.log"), args.start_timeout)
+            at_start, _ = captures(os.path.join(work, "server.log"), 0)     # before any request (graphs captured up front)
+            started = {"start_s": round(time.perf_counter() - t0, 1), "captures_at_start": len(at_start)}
         client = Client(url, args.api_key, args.served_model_name)
         for plen in plens:                                   # compile kernels, capture graphs
             w = client.complete(random_prompt(args.vocab, plen, seed=plen), args.output_len, spec)
@@ -448,9 +453,11 @@ def main() -> int:
         stop_server(proc)
         shutil.rmtree(work, ignore_errors=True)
     table(rows)
+    if started:
+        print(f"the server answered /health after {started['start_s']} s, {started['captures_at_start']} graphs captured")
     model = f"random {args.shape}{' tied' if args.tied else ''}" if args.shape else args.model or "bundled"
     summary = {"bench": "serving", **machine(), "url": args.url, "model": model,
-               "serve_args": serve_args, "spec": spec, "levels": rows}
+               "serve_args": serve_args, "spec": spec, "server_start": started, "levels": rows}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "serving.json"), "w") as f:

@@ -22,6 +22,8 @@ def test_serving_smoke_reports_each_level(monkeypatch, capsys, tmp_path):
         assert r["in_process_tok_s"] > 0 and r["http_x_in_process"] > 0
         assert r["engine_cpu_ms_per_tok"] > 0                     # the engine process's busiest thread
         assert r["captures_warmup"] == r["captures_timed"] == 0    # no CUDA graphs on a CPU
+        assert r["captured_warmup"] == r["captured_timed"] == {}
+    assert last["server_start"]["captures_at_start"] == 0 and last["server_start"]["start_s"] > 0
     assert json.loads((tmp_path / "serving.json").read_text())["levels"] == last["levels"]
 
 
