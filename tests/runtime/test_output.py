@@ -294,7 +294,7 @@ def fitted_eos(ckpt_cache):
     so on the CPU the weights were fitted on)."""
     import specfit
 
-    path = specfit.fitted_checkpoint(ckpt_cache["root"])
+    path = specfit.fitted_checkpoint(ckpt_cache["shared"])
     with LLM(path, device="cpu", progress=False) as llm:
         plain = [llm.generate(p, SamplingParams(max_tokens=40, ignore_eos=True), spec="off").token_ids
                  for p in specfit.prompts(3, seed=7)]
