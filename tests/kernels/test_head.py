@@ -230,7 +230,7 @@ def test_greedy_mtp_with_the_fused_head_step_equals_ar(ckpt_cache, attn_fused, m
     monkeypatch.setattr(loader, "build_head",      # the GPU's head on the CPU trunk (interpreted kernels)
                         lambda cfg, target: FusedMtpHead(cfg, replace(target, attention=FusedGatedAttention)))
     sp = SamplingParams(max_tokens=10, ignore_eos=True)
-    ps = specfit.prompts(2, seed=3)
+    ps = specfit.prompts(1, seed=3)      # one prompt: each generate interprets every chain step's kernels
     with LLM(path, device="cpu", progress=False) as llm:
         ar = [llm.generate(p, sp, spec="off").token_ids for p in ps]
         d = llm.engine.drafters["mtp"]
