@@ -28,8 +28,11 @@ def seeded_rngs(request):
 
 @pytest.fixture(scope="session")
 def ckpt_cache(tmp_path_factory):
-    """Session-wide cache of tiny checkpoints, keyed by their recipe."""
-    return {"root": tmp_path_factory.mktemp("ckpts"), "made": {}}
+    """Session-wide cache of tiny checkpoints, keyed by their recipe. "shared": a folder every
+    xdist worker of this run sees (the run's base temp), for what is built once for all of them."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    return {"root": tmp_path_factory.mktemp("ckpts"), "shared": shared, "made": {}}
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +84,7 @@ def fitted(ckpt_cache) -> str:
     """The fitted tiny model (tests/specfit.py): its MTP head's drafts really get accepted."""
     import specfit
 
-    return specfit.fitted_checkpoint(ckpt_cache["root"])
+    return specfit.fitted_checkpoint(ckpt_cache["shared"])
 
 
 @pytest.fixture(scope="module")

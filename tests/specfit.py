@@ -13,6 +13,7 @@ Also: a one-character-per-token tokenizer, so stop strings can be tested on tiny
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -105,12 +106,25 @@ def fit_mtp_head(path: str, steps: int = MTP_STEPS) -> dict[str, torch.Tensor]:
 
 
 def fitted_checkpoint(root: str) -> str:
-    """The fitted tiny model (base config, MTP head in model.safetensors), built once per process."""
+    """The fitted tiny model (base config, MTP head in model.safetensors), built once under `root`:
+    processes sharing `root` (the xdist workers of a run) take turns on a lock, and the first
+    builds it in a folder of its own that it renames into place, so no one reads a half-made one."""
     if "fitted" in _cache and os.path.exists(_cache["fitted"]):
         return _cache["fitted"]
     path = os.path.join(str(root), "fitted")
-    if os.path.exists(path):
-        shutil.rmtree(path)
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(path):
+            tmp = f"{path}.{os.getpid()}"
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)
+            _build_fitted(tmp)
+            os.rename(tmp, path)
+    _cache["fitted"] = path
+    return path
+
+
+def _build_fitted(path: str) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)        # tiny tensors: one thread is as fast and does not fight the others
     try:
@@ -124,8 +138,6 @@ def fitted_checkpoint(root: str) -> str:
         save_file(tensors, st, metadata={"format": "pt"})
     finally:
         torch.set_num_threads(threads)
-    _cache["fitted"] = path
-    return path
 
 
 def char_vocab(n: int) -> list[str]:

@@ -15,7 +15,7 @@ from specfire.config import ModelConfig
 
 @pytest.fixture(scope="module")
 def model(ckpt_cache, tmp_path_factory) -> tuple[str, str]:
-    fitted = specfit.fitted_checkpoint(ckpt_cache["root"])
+    fitted = specfit.fitted_checkpoint(ckpt_cache["shared"])
     path = specfit.variant(fitted, str(tmp_path_factory.mktemp("cli") / "m"), tokenizer=True)
     chars = specfit.char_vocab(ModelConfig.from_dir(path).vocab_size)
     prompt = "".join(chars[t] for t in specfit.prompts(1, seed=41)[0])

@@ -163,6 +163,13 @@ CASES = [  # odd N, masked group tails (a split's last group range shorter), spl
 ]
 
 
+def _rows_to_check(m: int) -> list[int]:
+    """The single rows (or prefix lengths - 1) a row-invariance check runs: the first two, both
+    sides of the 8-row tile bound, the middle and the last (a masked row tile's rows); other rows
+    repeat one of these positions."""
+    return sorted({i for i in (0, 1, 7, 8, m // 2, m - 2, m - 1) if 0 <= i < m})
+
+
 @pytest.mark.parametrize("m,n,k,g,had,cfg,tile", CASES)
 def test_q4_kernel_matches_reference_and_is_row_invariant(m, n, k, g, had, cfg, tile):
     w = torch.randn(n, k, generator=_g(m + n))
@@ -175,17 +182,18 @@ def test_q4_kernel_matches_reference_and_is_row_invariant(m, n, k, g, had, cfg, 
     # the fp32 path also uses the 128 + q codes (as bf16 does on the GPU): sum (128 + q) x minus
     # 128 sum(x) cancels a few more float32 bits than sum q x, hence the relative bound
     assert float((y - ref).norm() / ref.norm()) < 3e-5
-    for i in range(m):
+    for i in _rows_to_check(m):
         assert torch.equal(q4_gemv(x[i:i + 1], qw, cfg)[0], y[i]), f"row {i}"
 
 
 def test_q4_kernel_prefixes_are_row_invariant():
-    """Every prefix M = 1..16 of a 16-row call gives the same rows bit for bit (with and without split-K)."""
+    """Prefixes of a 16-row call (M = 1, 2, 8, 9, 15, 16: both sides of the 8-row tile bound and of
+    the end) give the same rows bit for bit (with and without split-K)."""
     qw = QuantWeight.quantize(torch.randn(24, 384, generator=_g(21)), 128)
     x = torch.randn(16, 384, generator=_g(22))
     for cfg in (Q4Config(16, split_k=2), Q4Config(32), Q4Config(16, split_k=2, wa=True, rows=8, zc=16)):
         full = q4_gemv(x, qw, cfg)
-        for m in range(1, 17):
+        for m in (i + 1 for i in _rows_to_check(16)):
             assert torch.equal(q4_gemv(x[:m], qw, cfg), full[:m]), (cfg, m)
 
 
@@ -194,16 +202,16 @@ def test_q4_kernel_prefixes_are_row_invariant():
                                  Q4Config(16, wa=True, rows=8, zc=4, rows_hi=16)])
 def test_q4_wide_row_tile_is_row_invariant(cfg):
     """rows_hi: a call of more than 8 rows runs one 16-row tile instead of two 8-row tiles (the
-    codes read once); every prefix M = 1..16 and every single row give the bits of the 16-row call,
-    which equals the two-tile form; odd N, a masked group tail (5 groups in splits of 3 and 2 or
-    in zc chunks of 2 and 4)."""
+    codes read once); prefixes M = 1, 2, 8 (one 8-row tile), 9, 15, 16 (the wide tile) and single
+    rows give the bits of the 16-row call, which equals the two-tile form; odd N, a masked group
+    tail (5 groups in splits of 3 and 2 or in zc chunks of 2 and 4)."""
     qw = _qw(45, 640, 128, 26)
     x = torch.randn(16, 640, generator=_g(27))
     full = q4_gemv(x, qw, cfg)
     assert torch.equal(full, q4_gemv(x, qw, dataclasses.replace(cfg, rows_hi=0)))
     ref = linear_rows_ref(x, qw.dequantize())
     assert float((full - ref).norm() / ref.norm()) < 3e-5
-    for m in range(1, 17):
+    for m in (i + 1 for i in _rows_to_check(16)):
         assert torch.equal(q4_gemv(x[:m], qw, cfg), full[:m]), m
     for i in (0, 5, 8, 15):
         assert torch.equal(q4_gemv(x[i:i + 1], qw, cfg)[0], full[i]), i

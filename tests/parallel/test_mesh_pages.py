@@ -39,7 +39,7 @@ def _heads(llm: LLM) -> list[int]:
 @pytest.fixture(scope="module")
 def path(ckpt_cache) -> str:
     """The fitted tiny model (drafts really get accepted)."""
-    return specfit.variant(specfit.fitted_checkpoint(ckpt_cache["root"]), str(ckpt_cache["root"] / "mesh_pages"))
+    return specfit.variant(specfit.fitted_checkpoint(ckpt_cache["shared"]), str(ckpt_cache["root"] / "mesh_pages"))
 
 
 def _pool_bytes(llm: LLM, blocks: int) -> int:

@@ -30,7 +30,7 @@ MIXED = [
 @pytest.fixture(scope="module")
 def path(ckpt_cache) -> str:
     """The fitted tiny model (drafts really get accepted) with a one-character-per-token tokenizer."""
-    return specfit.variant(specfit.fitted_checkpoint(ckpt_cache["root"]), str(ckpt_cache["root"] / "batch_chars"),
+    return specfit.variant(specfit.fitted_checkpoint(ckpt_cache["shared"]), str(ckpt_cache["root"] / "batch_chars"),
                            tokenizer=True)
 
 

@@ -151,7 +151,7 @@ def head_tensors(llm: LLM) -> dict[str, torch.Tensor]:
 
 
 def test_mtp_sidecar_beside_the_checkpoint(ckpt_cache, tmp_path):
-    fitted = specfit.fitted_checkpoint(ckpt_cache["root"])
+    fitted = specfit.fitted_checkpoint(ckpt_cache["shared"])
     side = specfit.variant(fitted, str(tmp_path / "side"), mtp_sidecar=True)
     assert not any(k.startswith("mtp.") for k in load_file(os.path.join(side, "model.safetensors")))
     p = specfit.prompts(1, seed=31)[0]
@@ -167,7 +167,7 @@ def test_mtp_sidecar_beside_the_checkpoint(ckpt_cache, tmp_path):
 
 
 def test_mtp_path_given_explicitly(ckpt_cache, tmp_path):
-    fitted = specfit.fitted_checkpoint(ckpt_cache["root"])
+    fitted = specfit.fitted_checkpoint(ckpt_cache["shared"])
     heads = {k: v for k, v in load_file(os.path.join(fitted, "model.safetensors")).items() if k.startswith("mtp.")}
     sidecar = str(tmp_path / "my_head.safetensors")
     save_file(heads, sidecar)
