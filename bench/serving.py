@@ -428,7 +428,7 @@ def main() -> int:
         if url is None:
             t0 = time.perf_counter()
             proc, url = start_server(args.model, serve_args, os.path.join(work, "server.log"), args.start_timeout)
-            at_start, _ = captures(os.path.join(work, "server.log"), 0)     # before any request (graphs captured up front)
+            at_start, _ = captures(os.path.join(work, "server.log"), 0)     # logged before any request
             started = {"start_s": round(time.perf_counter() - t0, 1), "captures_at_start": len(at_start)}
         client = Client(url, args.api_key, args.served_model_name)
         for plen in plens:                                   # compile kernels, capture graphs
