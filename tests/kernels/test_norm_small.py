@@ -103,6 +103,8 @@ def test_greedy_accept_many_is_each_member_alone(v):
     g = _g(v + 1)
     rows = [1, 4, 2, 7, 1, 3, 4]
     pads = [0, 0, 1, 0, 1, 0, 0]
+    if v > 10000:   # the interpreter's cost is rows x chunks: the widest, gaps and a last pad row kept
+        rows, pads = rows[:5], pads[:5]
     logits = torch.randn(sum(rows) + sum(pads), v, generator=g)
     logits[2, v // 3] = float("nan")
     if v > 10:
