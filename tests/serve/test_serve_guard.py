@@ -247,7 +247,8 @@ def test_models_names_no_path(server):
 def test_connection_flood_under_a_file_limit(tinytok_ckpt, tmp_path):
     """260 sockets that send half a request, against `ulimit -n 256`: /health answers (503 while
     they stay, 200 once their header deadline closes them), the refused ones read a 503, and the
-    log does not grow per failed accept."""
+    log does not grow per failed accept. Past the refusing share a connection is closed unanswered
+    (a reset), by design: a flood socket or a probe that lands in a burst of those is one."""
     log = str(tmp_path / "server.log")
 
     def limit():
@@ -259,9 +260,19 @@ def test_connection_flood_under_a_file_limit(tinytok_ckpt, tmp_path):
     try:
         for _ in range(260):
             s = socket.create_connection(("127.0.0.1", port))
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n")
             socks.append(s)
-        r = httpx.get(base + "/health", timeout=3)
+            try:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n")
+            except (ConnectionResetError, BrokenPipeError):     # closed unanswered: it reads b"" below
+                pass
+        for _ in range(20):     # a probe reset in a burst past the refusing share: the next one is answered
+            try:
+                r = httpx.get(base + "/health", timeout=3)
+                break
+            except httpx.ReadError:
+                time.sleep(0.1)
+        else:
+            pytest.fail("/health was closed unanswered 20 times in a row")
         assert r.status_code in (200, 503), r.text
         if r.status_code == 503:
             assert r.json()["error"]["code"] == "too_many_connections" and "--max-connections" in r.text
